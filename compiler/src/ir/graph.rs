@@ -1,0 +1,263 @@
+//! The dataflow graph: a petgraph `StableDiGraph` whose nodes are ops with their output type and
+//! whose edges are operands (numbered) or control dependencies (ordering only).
+
+use super::{DType, Op, Shape};
+use petgraph::Direction;
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::panic::Location;
+
+pub type NodeId = NodeIndex<u32>;
+
+/// Index of a device in the list a graph is compiled for (0 is the default device).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceId(pub u32);
+
+/// Where in the user's source an op was traced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceLoc {
+    pub file: &'static str,
+    pub line: u32,
+    pub column: u32,
+}
+
+impl From<&'static Location<'static>> for SourceLoc {
+    fn from(l: &'static Location<'static>) -> Self {
+        SourceLoc { file: l.file(), line: l.line(), column: l.column() }
+    }
+}
+
+impl fmt::Display for SourceLoc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.file, self.line, self.column)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub op: Op,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: DeviceId,
+    pub name: Option<String>,
+    pub origin: Option<SourceLoc>,
+}
+
+impl Node {
+    /// Bytes of the node's output tensor (0 for effects, which produce none).
+    pub fn bytes(&self) -> usize {
+        if self.op.is_effect() { 0 } else { self.shape.numel() * self.dtype.size_bytes() }
+    }
+
+    /// The node as error messages and reports name it: its name, else its op.
+    pub fn describe(&self) -> String {
+        match (&self.name, &self.op) {
+            (Some(n), _) => format!("{} `{n}`", self.op.name()),
+            (None, Op::Variable { key, .. }) => format!("variable `{key}`"),
+            (None, Op::Input { name, .. }) => format!("input `{name}`"),
+            (None, op) => op.name().to_string(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Edge {
+    /// The source node is operand `i` of the target.
+    Operand(u32),
+    /// The target must run after the source; no data flows.
+    Control,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    name: String,
+    g: StableDiGraph<Node, Edge>,
+    outputs: Vec<(String, NodeId)>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Self {
+        Graph { name: name.into(), ..Default::default() }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn set_name(&mut self, name: impl Into<String>) {
+        self.name = name.into();
+    }
+
+    /// Adds `node` with `operands` in order. Shapes are not checked here: the tracer and
+    /// `passes::verify` do that.
+    pub fn add(&mut self, node: Node, operands: &[NodeId]) -> NodeId {
+        let id = self.g.add_node(node);
+        for (i, &o) in operands.iter().enumerate() {
+            self.g.add_edge(o, id, Edge::Operand(i as u32));
+        }
+        id
+    }
+
+    pub fn add_control(&mut self, before: NodeId, after: NodeId) {
+        if before != after && !self.g.edges_connecting(before, after).any(|e| *e.weight() == Edge::Control) {
+            self.g.add_edge(before, after, Edge::Control);
+        }
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.g[id]
+    }
+
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.g[id]
+    }
+
+    pub fn contains(&self, id: NodeId) -> bool {
+        self.g.contains_node(id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.g.node_count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.g.node_count() == 0
+    }
+
+    /// Node ids in insertion order (a topological order for traced graphs).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.node_indices()
+    }
+
+    /// Operands of `id` in operand order.
+    pub fn operands(&self, id: NodeId) -> Vec<NodeId> {
+        let mut ops: Vec<(u32, NodeId)> = self
+            .g
+            .edges_directed(id, Direction::Incoming)
+            .filter_map(|e| match e.weight() {
+                Edge::Operand(i) => Some((*i, e.source())),
+                Edge::Control => None,
+            })
+            .collect();
+        ops.sort_unstable_by_key(|(i, _)| *i);
+        ops.into_iter().map(|(_, n)| n).collect()
+    }
+
+    /// Nodes that read `id` as an operand, each once, in id order.
+    pub fn users(&self, id: NodeId) -> Vec<NodeId> {
+        let mut users: Vec<NodeId> = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .filter(|e| matches!(e.weight(), Edge::Operand(_)))
+            .map(|e| e.target())
+            .collect();
+        users.sort_unstable();
+        users.dedup();
+        users
+    }
+
+    /// Nodes that must run before `id` without feeding it data.
+    pub fn control_predecessors(&self, id: NodeId) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self
+            .g
+            .edges_directed(id, Direction::Incoming)
+            .filter(|e| *e.weight() == Edge::Control)
+            .map(|e| e.source())
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Every node that must run before `id`: operands and control predecessors.
+    pub fn predecessors(&self, id: NodeId) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.neighbors_directed(id, Direction::Incoming)
+    }
+
+    /// Every node that must run after `id`.
+    pub fn successors(&self, id: NodeId) -> impl Iterator<Item = NodeId> + '_ {
+        self.g.neighbors_directed(id, Direction::Outgoing)
+    }
+
+    /// Points every operand edge that reads `old` at `new` instead.
+    pub fn replace_uses(&mut self, old: NodeId, new: NodeId) {
+        let edges: Vec<_> = self
+            .g
+            .edges_directed(old, Direction::Outgoing)
+            .filter_map(|e| match e.weight() {
+                Edge::Operand(i) => Some((e.id(), e.target(), *i)),
+                Edge::Control => None,
+            })
+            .collect();
+        for (e, target, i) in edges {
+            if target == new {
+                continue;
+            }
+            self.g.remove_edge(e);
+            self.g.add_edge(new, target, Edge::Operand(i));
+        }
+        for (_, o) in &mut self.outputs {
+            if *o == old {
+                *o = new;
+            }
+        }
+    }
+
+    pub fn remove(&mut self, id: NodeId) -> Option<Node> {
+        self.outputs.retain(|(_, o)| *o != id);
+        self.g.remove_node(id)
+    }
+
+    pub fn outputs(&self) -> &[(String, NodeId)] {
+        &self.outputs
+    }
+
+    pub fn outputs_mut(&mut self) -> &mut Vec<(String, NodeId)> {
+        &mut self.outputs
+    }
+
+    /// Names `id` as a graph output (replacing an output of the same name).
+    pub fn set_output(&mut self, name: impl Into<String>, id: NodeId) {
+        let name = name.into();
+        match self.outputs.iter_mut().find(|(n, _)| *n == name) {
+            Some(slot) => slot.1 = id,
+            None => self.outputs.push((name, id)),
+        }
+    }
+
+    pub fn output(&self, name: &str) -> Option<NodeId> {
+        self.outputs.iter().find(|(n, _)| n == name).map(|(_, id)| *id)
+    }
+
+    fn filter(&self, f: impl Fn(&Op) -> bool) -> Vec<NodeId> {
+        self.node_ids().filter(|&n| f(&self.g[n].op)).collect()
+    }
+
+    /// `Input` nodes in insertion order.
+    pub fn inputs(&self) -> Vec<NodeId> {
+        self.filter(|op| matches!(op, Op::Input { .. }))
+    }
+
+    pub fn input(&self, name: &str) -> Option<NodeId> {
+        self.node_ids().find(|&n| matches!(&self.g[n].op, Op::Input { name: m, .. } if m == name))
+    }
+
+    /// `Variable` nodes in insertion order.
+    pub fn variables(&self) -> Vec<NodeId> {
+        self.filter(|op| matches!(op, Op::Variable { .. }))
+    }
+
+    pub fn variable(&self, key: &str) -> Option<NodeId> {
+        self.node_ids().find(|&n| matches!(&self.g[n].op, Op::Variable { key: k, .. } if k == key))
+    }
+
+    /// Effect nodes (optimizer updates) in insertion order.
+    pub fn effects(&self) -> Vec<NodeId> {
+        self.filter(Op::is_effect)
+    }
+
+    pub fn petgraph(&self) -> &StableDiGraph<Node, Edge> {
+        &self.g
+    }
+}

@@ -1,0 +1,442 @@
+//! Shape and dtype inference: the one place that says which operands an op accepts and what it
+//! produces. The tracer calls it for every op it records; `passes::verify` re-runs it over a graph.
+
+use super::{BinaryOp, DType, Op, Shape, Window2d};
+
+/// Why an op rejected its operands; the tracer adds the op, the operand shapes and the caller's line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpError {
+    pub message: String,
+    pub help: String,
+}
+
+fn err<T>(message: impl Into<String>, help: impl Into<String>) -> Result<T, OpError> {
+    Err(OpError { message: message.into(), help: help.into() })
+}
+
+/// The output shape and dtype of `op` applied to `operands`.
+pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), OpError> {
+    let arity = expected_arity(op);
+    if !arity.contains(&operands.len()) {
+        return err(
+            format!("expects {} operand(s), got {}", arity_text(arity.clone()), operands.len()),
+            "pass the operands the op documents",
+        );
+    }
+    let shape = |i: usize| operands[i].0;
+    let dtype = |i: usize| operands[i].1;
+    let same_dtype = |idx: &[usize]| -> Result<DType, OpError> {
+        let d = dtype(idx[0]);
+        match idx.iter().find(|&&i| dtype(i) != d) {
+            Some(&i) => err(
+                format!("operand dtypes differ: {} and {}", d, dtype(i)),
+                "cast the operands to one dtype before combining them",
+            ),
+            None => Ok(d),
+        }
+    };
+
+    match op {
+        Op::Input { shape, dtype, .. } | Op::Variable { shape, dtype, .. } => Ok((shape.clone(), *dtype)),
+        Op::Fill { shape, .. } => Ok((shape.clone(), DType::F32)),
+        Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
+        Op::Binary(b) => {
+            let d = same_dtype(&[0, 1])?;
+            let grad_op = matches!(
+                b,
+                BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad
+            );
+            if grad_op && shape(0) != shape(1) {
+                return err(
+                    format!("forward value {} and gradient {} differ in shape", shape(0), shape(1)),
+                    "gradient helpers take operands of one shape",
+                );
+            }
+            broadcast(shape(0), shape(1)).map(|s| (s, d))
+        }
+        Op::Select => {
+            let d = same_dtype(&[1, 2])?;
+            let ab = broadcast(shape(1), shape(2))?;
+            broadcast(shape(0), &ab).map(|s| (s, d))
+        }
+        Op::MatMul { transpose_a, transpose_b } => {
+            let d = same_dtype(&[0, 1])?;
+            matmul(shape(0), shape(1), *transpose_a, *transpose_b).map(|s| (s, d))
+        }
+        Op::Reshape { shape: target } => {
+            if target.numel() != shape(0).numel() {
+                return err(
+                    format!(
+                        "cannot reshape {} ({} elements) to {} ({} elements)",
+                        shape(0),
+                        shape(0).numel(),
+                        target,
+                        target.numel()
+                    ),
+                    "the new shape must hold the same number of elements",
+                );
+            }
+            Ok((target.clone(), dtype(0)))
+        }
+        Op::Permute { perm } => {
+            let rank = shape(0).rank();
+            let mut seen = vec![false; rank];
+            let valid = perm.len() == rank
+                && perm.iter().all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
+            if !valid {
+                return err(
+                    format!("{perm:?} is not a permutation of the {rank} axes of {}", shape(0)),
+                    format!("give each axis 0..{rank} exactly once"),
+                );
+            }
+            let dims: Vec<usize> = perm.iter().map(|&p| shape(0).dims()[p]).collect();
+            Ok((Shape::new(dims), dtype(0)))
+        }
+        Op::BroadcastTo { shape: target } => {
+            if !shape(0).broadcasts_to(target) {
+                return err(
+                    format!("{} does not broadcast to {}", shape(0), target),
+                    "each axis must equal the target's or be 1 (NumPy rules, aligned at the right)",
+                );
+            }
+            Ok((target.clone(), dtype(0)))
+        }
+        Op::Concat { axis } => {
+            let d = same_dtype(&(0..operands.len()).collect::<Vec<_>>())?;
+            let first = shape(0);
+            if *axis >= first.rank() {
+                return err(
+                    format!("axis {axis} is out of range for rank {}", first.rank()),
+                    "concatenate along an existing axis",
+                );
+            }
+            let mut dims = first.dims().to_vec();
+            for (s, _) in &operands[1..] {
+                let agree = s.rank() == first.rank()
+                    && (0..first.rank()).all(|i| i == *axis || s.dims()[i] == first.dims()[i]);
+                if !agree {
+                    return err(
+                        format!("{} and {} differ outside axis {axis}", first, s),
+                        "all operands must have the same shape except along the concatenation axis",
+                    );
+                }
+                dims[*axis] += s.dims()[*axis];
+            }
+            Ok((Shape::new(dims), d))
+        }
+        Op::Slice { axis, start, len } => {
+            let s = shape(0);
+            if *axis >= s.rank() || start + len > s.dims()[*axis] || *len == 0 {
+                return err(
+                    format!("slice {start}..{} of axis {axis} is outside {}", start + len, s),
+                    "take a non-empty range inside the axis",
+                );
+            }
+            let mut dims = s.dims().to_vec();
+            dims[*axis] = *len;
+            Ok((Shape::new(dims), dtype(0)))
+        }
+        Op::Pad { axis, before, after } => {
+            let s = shape(0);
+            if *axis >= s.rank() {
+                return err(format!("axis {axis} is out of range for {s}"), "pad an existing axis");
+            }
+            let mut dims = s.dims().to_vec();
+            dims[*axis] += before + after;
+            Ok((Shape::new(dims), dtype(0)))
+        }
+        Op::Reduce { axes, keepdims, .. } => {
+            let s = shape(0);
+            let sorted = axes.windows(2).all(|w| w[0] < w[1]);
+            if !sorted || axes.iter().any(|&a| a >= s.rank()) {
+                return err(
+                    format!("axes {axes:?} are not distinct axes of {s}"),
+                    "reduce over axes inside the rank, each once",
+                );
+            }
+            let dims: Vec<usize> = (0..s.rank())
+                .filter_map(|i| match (axes.contains(&i), keepdims) {
+                    (false, _) => Some(s.dims()[i]),
+                    (true, true) => Some(1),
+                    (true, false) => None,
+                })
+                .collect();
+            Ok((Shape::new(dims), dtype(0)))
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            if *axis >= shape(0).rank() {
+                return err(
+                    format!("axis {axis} is out of range for {}", shape(0)),
+                    "normalise along an existing axis",
+                );
+            }
+            Ok((shape(0).clone(), dtype(0)))
+        }
+        Op::Conv2d { window } => {
+            let d = same_dtype(&[0, 1])?;
+            conv2d(shape(0), shape(1), window).map(|s| (s, d))
+        }
+        Op::Conv2dBackpropInput { window, input } => {
+            let d = same_dtype(&[0, 1])?;
+            let expected = conv2d(input, shape(1), window)?;
+            if &expected != shape(0) {
+                return err(
+                    format!("gradient {} does not match the convolution's output {}", shape(0), expected),
+                    "pass the gradient of this convolution's output",
+                );
+            }
+            Ok((input.clone(), d))
+        }
+        Op::Conv2dBackpropFilter { window } => {
+            let d = same_dtype(&[0, 1])?;
+            let (x, dy) = (shape(0), shape(1));
+            rank_is(x, 4, "input (NHWC)")?;
+            rank_is(dy, 4, "gradient (NHWC)")?;
+            let w = Shape::new([window.size[0], window.size[1], x.dims()[3], dy.dims()[3]]);
+            let expected = conv2d(x, &w, window)?;
+            if &expected != dy {
+                return err(
+                    format!("gradient {} does not match the convolution's output {}", dy, expected),
+                    "pass the gradient of this convolution's output",
+                );
+            }
+            Ok((w, d))
+        }
+        Op::Pool2d { window, .. } => pool2d(shape(0), window).map(|s| (s, dtype(0))),
+        Op::Pool2dGrad { window, .. } => {
+            let d = same_dtype(&[0, 1])?;
+            let expected = pool2d(shape(0), window)?;
+            if &expected != shape(1) {
+                return err(
+                    format!("gradient {} does not match the pooling output {}", shape(1), expected),
+                    "pass the gradient of this pooling's output",
+                );
+            }
+            Ok((shape(0).clone(), d))
+        }
+        Op::Gather => {
+            let (table, ids) = (shape(0), shape(1));
+            if table.rank() == 0 {
+                return err("the table is a scalar", "gather rows from a table of rank >= 1");
+            }
+            let mut dims = ids.dims().to_vec();
+            dims.extend_from_slice(&table.dims()[1..]);
+            Ok((Shape::new(dims), dtype(0)))
+        }
+        Op::GatherGrad { vocab } => {
+            let (ids, dy) = (shape(0), shape(1));
+            if dy.rank() < ids.rank() || dy.dims()[..ids.rank()] != *ids.dims() {
+                return err(
+                    format!("gradient {dy} does not start with the ids' shape {ids}"),
+                    "pass the gradient of this gather's output",
+                );
+            }
+            let mut dims = vec![*vocab];
+            dims.extend_from_slice(&dy.dims()[ids.rank()..]);
+            Ok((Shape::new(dims), dtype(1)))
+        }
+        Op::ApplySgd { .. } | Op::ApplyAdam { .. } => {
+            let var = shape(0);
+            let state: Vec<usize> = match op {
+                Op::ApplyAdam { .. } => vec![1, 2, 3],
+                _ => (1..operands.len()).collect(),
+            };
+            if let Some(&i) = state.iter().find(|&&i| shape(i) != var) {
+                return err(
+                    format!("operand {i} has shape {} but the variable has {}", shape(i), var),
+                    "gradients and optimizer state must have the variable's shape",
+                );
+            }
+            if let Op::ApplyAdam { .. } = op
+                && shape(4).numel() != 1
+            {
+                return err("the iteration counter must hold one element", "pass the counter variable");
+            }
+            Ok((Shape::scalar(), dtype(0)))
+        }
+        Op::AssignAdd { .. } => Ok((Shape::scalar(), dtype(0))),
+    }
+}
+
+fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
+    match op {
+        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } => 0..=0,
+        Op::Unary(_)
+        | Op::Scalar { .. }
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::BroadcastTo { .. }
+        | Op::Copy
+        | Op::Slice { .. }
+        | Op::Pad { .. }
+        | Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::Pool2d { .. }
+        | Op::AssignAdd { .. } => 1..=1,
+        Op::Binary(_)
+        | Op::MatMul { .. }
+        | Op::Conv2d { .. }
+        | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::Pool2dGrad { .. }
+        | Op::Gather
+        | Op::GatherGrad { .. } => 2..=2,
+        Op::Select => 3..=3,
+        Op::Concat { .. } => 1..=usize::MAX,
+        Op::ApplySgd { momentum, .. } if *momentum != 0.0 => 3..=3,
+        Op::ApplySgd { .. } => 2..=2,
+        Op::ApplyAdam { .. } => 5..=5,
+    }
+}
+
+fn arity_text(r: std::ops::RangeInclusive<usize>) -> String {
+    match (r.start(), r.end()) {
+        (a, b) if a == b => a.to_string(),
+        (a, &usize::MAX) => format!("at least {a}"),
+        (a, b) => format!("{a} to {b}"),
+    }
+}
+
+fn rank_is(s: &Shape, rank: usize, what: &str) -> Result<(), OpError> {
+    if s.rank() != rank {
+        return err(
+            format!("the {what} must have rank {rank}, got {s}"),
+            "reshape it to the documented layout",
+        );
+    }
+    Ok(())
+}
+
+fn broadcast(a: &Shape, b: &Shape) -> Result<Shape, OpError> {
+    match Shape::broadcast(a, b) {
+        Some(s) => Ok(s),
+        None => err(
+            format!("shapes {a} and {b} do not broadcast"),
+            "aligned at the right, each axis pair must be equal or contain a 1 (NumPy rules); reshape or transpose an operand",
+        ),
+    }
+}
+
+fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool) -> Result<Shape, OpError> {
+    if a.rank() < 2 || b.rank() < 2 {
+        return err(
+            format!("matmul needs operands of rank >= 2, got {a} and {b}"),
+            "reshape a vector to [1, n] or [n, 1] first",
+        );
+    }
+    let (m, k) = if ta { (a.back(1), a.back(2)) } else { (a.back(2), a.back(1)) };
+    let (k2, n) = if tb { (b.back(1), b.back(2)) } else { (b.back(2), b.back(1)) };
+    if k != k2 {
+        return err(
+            format!("inner dimensions differ: {a} · {b} contracts {k} with {k2}"),
+            "the left operand's last axis must equal the right operand's second-to-last: check the layer's input size, or transpose an operand",
+        );
+    }
+    let batch_a = Shape::from(&a.dims()[..a.rank() - 2]);
+    let batch_b = Shape::from(&b.dims()[..b.rank() - 2]);
+    let Some(batch) = Shape::broadcast(&batch_a, &batch_b) else {
+        return err(
+            format!("batch axes {batch_a} and {batch_b} do not broadcast"),
+            "the axes before the last two must broadcast (NumPy rules)",
+        );
+    };
+    let mut dims = batch.dims().to_vec();
+    dims.extend([m, n]);
+    Ok(Shape::new(dims))
+}
+
+fn spatial(x: &Shape, window: &Window2d) -> Result<[usize; 2], OpError> {
+    let mut out = [0; 2];
+    for (axis, o) in out.iter_mut().enumerate() {
+        let input = x.dims()[1 + axis];
+        match window.out_and_pad(axis, input) {
+            Some((n, _)) if n > 0 => *o = n,
+            _ => {
+                return err(
+                    format!(
+                        "a {}x{} window with stride {}x{} does not fit the input {x}",
+                        window.size[0], window.size[1], window.stride[0], window.stride[1]
+                    ),
+                    "use 'same' padding, a smaller window, or a larger input",
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn conv2d(x: &Shape, w: &Shape, window: &Window2d) -> Result<Shape, OpError> {
+    rank_is(x, 4, "input (NHWC)")?;
+    rank_is(w, 4, "filter (HWIO)")?;
+    if w.dims()[2] != x.dims()[3] {
+        return err(
+            format!(
+                "the filter {w} expects {} input channels, the input {x} has {}",
+                w.dims()[2],
+                x.dims()[3]
+            ),
+            "the filter's third axis must equal the input's channel count",
+        );
+    }
+    if w.dims()[..2] != window.size {
+        return err(
+            format!("the filter {w} does not match the window {}x{}", window.size[0], window.size[1]),
+            "build the window from the filter's first two axes",
+        );
+    }
+    let [oh, ow] = spatial(x, window)?;
+    Ok(Shape::new([x.dims()[0], oh, ow, w.dims()[3]]))
+}
+
+fn pool2d(x: &Shape, window: &Window2d) -> Result<Shape, OpError> {
+    rank_is(x, 4, "input (NHWC)")?;
+    let [oh, ow] = spatial(x, window)?;
+    Ok(Shape::new([x.dims()[0], oh, ow, x.dims()[3]]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Padding, PoolKind};
+
+    fn f32s<'a>(shapes: &'a [Shape]) -> Vec<(&'a Shape, DType)> {
+        shapes.iter().map(|s| (s, DType::F32)).collect()
+    }
+
+    #[test]
+    fn matmul_shapes() {
+        let op = Op::MatMul { transpose_a: false, transpose_b: false };
+        let ok = [Shape::from([2, 32, 100]), Shape::from([100, 10])];
+        assert_eq!(infer(&op, &f32s(&ok)).unwrap().0, Shape::from([2, 32, 10]));
+        let bad = [Shape::from([32, 100]), Shape::from([10, 1])];
+        let e = infer(&op, &f32s(&bad)).unwrap_err();
+        assert!(e.message.contains("100 with 10"), "{}", e.message);
+        let t = Op::MatMul { transpose_a: true, transpose_b: true };
+        let s = [Shape::from([100, 32]), Shape::from([10, 100])];
+        assert_eq!(infer(&t, &f32s(&s)).unwrap().0, Shape::from([32, 10]));
+    }
+
+    #[test]
+    fn conv_and_pool_shapes() {
+        let w = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let s = [Shape::from([8, 32, 32, 3]), Shape::from([3, 3, 3, 16])];
+        assert_eq!(infer(&Op::Conv2d { window: w }, &f32s(&s)).unwrap().0, Shape::from([8, 32, 32, 16]));
+        let p = Window2d { size: [2, 2], stride: [2, 2], padding: Padding::Valid };
+        let x = [Shape::from([8, 31, 31, 16])];
+        let pool = Op::Pool2d { kind: PoolKind::Max, window: p };
+        assert_eq!(infer(&pool, &f32s(&x)).unwrap().0, Shape::from([8, 15, 15, 16]));
+        let s2 = Window2d { size: [3, 3], stride: [2, 2], padding: Padding::Same };
+        assert_eq!(s2.out_and_pad(0, 7), Some((4, 1)));
+    }
+
+    #[test]
+    fn reduce_and_dtype_errors() {
+        let r = Op::Reduce { op: crate::ir::ReduceOp::Sum, axes: vec![1], keepdims: true };
+        let s = [Shape::from([4, 5, 6])];
+        assert_eq!(infer(&r, &f32s(&s)).unwrap().0, Shape::from([4, 1, 6]));
+        let a = Shape::from([2]);
+        let e = infer(&Op::Binary(BinaryOp::Add), &[(&a, DType::F32), (&a, DType::F16)]).unwrap_err();
+        assert!(e.message.contains("f32 and f16"));
+    }
+}

@@ -1,0 +1,17 @@
+//! kiln's intermediate representation: typed dataflow graphs of ops.
+
+mod dtype;
+mod dump;
+mod graph;
+mod infer;
+mod op;
+mod shape;
+
+pub use dtype::DType;
+pub use dump::dump;
+pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
+pub use infer::{OpError, infer};
+pub use op::{
+    BinaryOp, Init, Op, OpClass, Padding, PoolKind, ReduceOp, ScalarOp, UnaryOp, VarRole, Window2d,
+};
+pub use shape::Shape;

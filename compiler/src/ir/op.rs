@@ -1,0 +1,505 @@
+//! The operations of kiln's IR. An `Op` carries every attribute that its output shape depends
+//! on, so that a node's shape can always be re-derived from its op and operands (`ir::infer`).
+
+use super::{DType, Shape};
+use serde::{Deserialize, Serialize};
+use std::fmt::{self, Write};
+
+/// What a variable holds; the memory report breaks persistent bytes down by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum VarRole {
+    Parameter,
+    OptimizerState,
+    Counter,
+}
+
+/// How a variable is initialised the first time a runtime sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Init {
+    Zeros,
+    Constant(f32),
+    /// Keras's default: U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
+    GlorotUniform,
+    Normal {
+        mean: f32,
+        std: f32,
+    },
+    Uniform {
+        low: f32,
+        high: f32,
+    },
+}
+
+impl Init {
+    /// Keras's fan computation: the last two axes are (in, out); earlier axes form the
+    /// receptive field (convolution kernels in HWIO layout).
+    pub fn fans(shape: &Shape) -> (usize, usize) {
+        match shape.dims() {
+            [] => (1, 1),
+            [n] => (*n, *n),
+            dims => {
+                let receptive: usize = dims[..dims.len() - 2].iter().product();
+                (receptive * dims[dims.len() - 2], receptive * dims[dims.len() - 1])
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Sign,
+    Relu,
+    Sigmoid,
+    Tanh,
+    /// Exact GELU, x·Φ(x) with the error function (Keras `approximate=False`, PyTorch default).
+    Gelu,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Square,
+    Reciprocal,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+    /// Comparisons produce 1.0 where true and 0.0 where false.
+    Greater,
+    GreaterEqual,
+    Less,
+    LessEqual,
+    Equal,
+    NotEqual,
+    /// Backward helpers, operands (forward value, upstream gradient), as TensorFlow's ReluGrad etc.
+    /// ReluGrad and GeluGrad take the forward input x; SigmoidGrad and TanhGrad the forward output y.
+    ReluGrad,
+    GeluGrad,
+    SigmoidGrad,
+    TanhGrad,
+}
+
+/// `x op c` for a compile-time constant `c`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ScalarOp {
+    Add,
+    Mul,
+    /// c - x
+    RSub,
+    /// c / x
+    RDiv,
+    /// x ^ c
+    Pow,
+    Max,
+    Min,
+    Greater,
+    GreaterEqual,
+    Less,
+    LessEqual,
+    Equal,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Padding {
+    /// Output size ceil(in / stride); TensorFlow's split of the padding (extra on the far side).
+    Same,
+    /// Output size floor((in - window) / stride) + 1.
+    Valid,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PoolKind {
+    Max,
+    /// Average over the window's in-bounds elements (TensorFlow excludes padding from the count).
+    Avg,
+}
+
+/// Attributes of a 2-D window (convolution or pooling) over NHWC tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Window2d {
+    pub size: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: Padding,
+}
+
+impl Window2d {
+    /// Output extent and the padding before the first element, for one spatial axis.
+    pub fn out_and_pad(&self, axis: usize, input: usize) -> Option<(usize, usize)> {
+        let (k, s) = (self.size[axis], self.stride[axis]);
+        if s == 0 || k == 0 {
+            return None;
+        }
+        match self.padding {
+            Padding::Valid => (input >= k).then(|| ((input - k) / s + 1, 0)),
+            Padding::Same => {
+                let out = input.div_ceil(s);
+                let total = ((out - 1) * s + k).saturating_sub(input);
+                Some((out, total / 2))
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    // ---- sources
+    Input {
+        name: String,
+        shape: Shape,
+        dtype: DType,
+    },
+    Variable {
+        key: String,
+        shape: Shape,
+        dtype: DType,
+        role: VarRole,
+        init: Init,
+    },
+    /// A tensor of `shape` filled with `value`.
+    Fill {
+        value: f32,
+        shape: Shape,
+    },
+
+    // ---- elementwise (NumPy broadcasting between operands)
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    Scalar {
+        op: ScalarOp,
+        value: f32,
+    },
+    /// where(cond != 0, a, b), operands (cond, a, b).
+    Select,
+
+    // ---- linear algebra
+    /// Batched matrix product over the last two axes, batch axes broadcast.
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
+
+    // ---- layout
+    /// A view of the operand's buffer with another shape: no kernel, no copy.
+    Reshape {
+        shape: Shape,
+    },
+    Permute {
+        perm: Vec<usize>,
+    },
+    BroadcastTo {
+        shape: Shape,
+    },
+    /// An identity copy into a buffer of its own.
+    Copy,
+    Concat {
+        axis: usize,
+    },
+    Slice {
+        axis: usize,
+        start: usize,
+        len: usize,
+    },
+    /// Zero padding along one axis: the inverse of `Slice`, used by its gradient.
+    Pad {
+        axis: usize,
+        before: usize,
+        after: usize,
+    },
+
+    // ---- reductions and normalisers
+    Reduce {
+        op: ReduceOp,
+        axes: Vec<usize>,
+        keepdims: bool,
+    },
+    Softmax {
+        axis: usize,
+    },
+    LogSoftmax {
+        axis: usize,
+    },
+
+    // ---- convolution and pooling, NHWC activations, HWIO filters
+    /// (x[N,H,W,C], w[KH,KW,C,F]) -> [N,OH,OW,F]; `window.size` equals (KH, KW).
+    Conv2d {
+        window: Window2d,
+    },
+    /// (dy, w) -> dx of shape `input`.
+    Conv2dBackpropInput {
+        window: Window2d,
+        input: Shape,
+    },
+    /// (x, dy) -> dw of shape [KH, KW, C, F].
+    Conv2dBackpropFilter {
+        window: Window2d,
+    },
+    Pool2d {
+        kind: PoolKind,
+        window: Window2d,
+    },
+    /// (x, dy) -> dx.
+    Pool2dGrad {
+        kind: PoolKind,
+        window: Window2d,
+    },
+
+    // ---- embedding
+    /// (table[V, ...], ids[...]) -> [ids..., table[1..]]: rows of the table, ids as f32 integers.
+    Gather,
+    /// (ids, dy) -> d table [vocab, ...]: rows scattered and summed.
+    GatherGrad {
+        vocab: usize,
+    },
+
+    // ---- training effects: write their variable operands in place, produce no tensor
+    /// (var, grad) or, with momentum, (var, grad, velocity).
+    ApplySgd {
+        lr: f32,
+        momentum: f32,
+        nesterov: bool,
+    },
+    /// (var, grad, m, v, iterations): Keras's Adam, t = iterations + 1.
+    ApplyAdam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        epsilon: f32,
+    },
+    /// (var) += value.
+    AssignAdd {
+        value: f32,
+    },
+}
+
+/// Broad classes the passes and the planner reason about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpClass {
+    Source,
+    Elementwise,
+    View,
+    Compute,
+    Effect,
+}
+
+impl Op {
+    pub fn class(&self) -> OpClass {
+        match self {
+            Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
+            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select => OpClass::Elementwise,
+            Op::Reshape { .. } => OpClass::View,
+            Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => OpClass::Effect,
+            _ => OpClass::Compute,
+        }
+    }
+
+    pub fn is_effect(&self) -> bool {
+        self.class() == OpClass::Effect
+    }
+
+    /// Operands this op writes in place (effects only).
+    pub fn mutated_operands(&self) -> &'static [usize] {
+        match self {
+            Op::ApplySgd { momentum, .. } if *momentum != 0.0 => &[0, 2],
+            Op::ApplySgd { .. } => &[0],
+            Op::ApplyAdam { .. } => &[0, 2, 3],
+            Op::AssignAdd { .. } => &[0],
+            _ => &[],
+        }
+    }
+
+    /// Short name: the kernel family and what error messages call the op.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Variable { .. } => "variable",
+            Op::Fill { .. } => "fill",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Abs => "abs",
+                UnaryOp::Sign => "sign",
+                UnaryOp::Relu => "relu",
+                UnaryOp::Sigmoid => "sigmoid",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Gelu => "gelu",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Square => "square",
+                UnaryOp::Reciprocal => "reciprocal",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Pow => "pow",
+                BinaryOp::Maximum => "maximum",
+                BinaryOp::Minimum => "minimum",
+                BinaryOp::Greater => "greater",
+                BinaryOp::GreaterEqual => "greater_equal",
+                BinaryOp::Less => "less",
+                BinaryOp::LessEqual => "less_equal",
+                BinaryOp::Equal => "equal",
+                BinaryOp::NotEqual => "not_equal",
+                BinaryOp::ReluGrad => "relu_grad",
+                BinaryOp::GeluGrad => "gelu_grad",
+                BinaryOp::SigmoidGrad => "sigmoid_grad",
+                BinaryOp::TanhGrad => "tanh_grad",
+            },
+            Op::Scalar { op, .. } => match op {
+                ScalarOp::Add => "add_scalar",
+                ScalarOp::Mul => "mul_scalar",
+                ScalarOp::RSub => "rsub_scalar",
+                ScalarOp::RDiv => "rdiv_scalar",
+                ScalarOp::Pow => "pow_scalar",
+                ScalarOp::Max => "max_scalar",
+                ScalarOp::Min => "min_scalar",
+                ScalarOp::Greater => "greater_scalar",
+                ScalarOp::GreaterEqual => "greater_equal_scalar",
+                ScalarOp::Less => "less_scalar",
+                ScalarOp::LessEqual => "less_equal_scalar",
+                ScalarOp::Equal => "equal_scalar",
+            },
+            Op::Select => "select",
+            Op::MatMul { .. } => "matmul",
+            Op::Reshape { .. } => "reshape",
+            Op::Permute { .. } => "permute",
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::Copy => "copy",
+            Op::Concat { .. } => "concat",
+            Op::Slice { .. } => "slice",
+            Op::Pad { .. } => "pad",
+            Op::Reduce { op, .. } => match op {
+                ReduceOp::Sum => "reduce_sum",
+                ReduceOp::Mean => "reduce_mean",
+                ReduceOp::Max => "reduce_max",
+            },
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::Conv2d { .. } => "conv2d",
+            Op::Conv2dBackpropInput { .. } => "conv2d_backprop_input",
+            Op::Conv2dBackpropFilter { .. } => "conv2d_backprop_filter",
+            Op::Pool2d { kind: PoolKind::Max, .. } => "max_pool2d",
+            Op::Pool2d { kind: PoolKind::Avg, .. } => "avg_pool2d",
+            Op::Pool2dGrad { kind: PoolKind::Max, .. } => "max_pool2d_grad",
+            Op::Pool2dGrad { kind: PoolKind::Avg, .. } => "avg_pool2d_grad",
+            Op::Gather => "gather",
+            Op::GatherGrad { .. } => "gather_grad",
+            Op::ApplySgd { .. } => "apply_sgd",
+            Op::ApplyAdam { .. } => "apply_adam",
+            Op::AssignAdd { .. } => "assign_add",
+        }
+    }
+
+    /// The op with its attributes, as the IR dump prints it.
+    pub fn label(&self) -> String {
+        let mut s = self.name().to_string();
+        let window = |s: &mut String, w: &Window2d| {
+            let pad = match w.padding {
+                Padding::Same => "same",
+                Padding::Valid => "valid",
+            };
+            let _ = write!(s, "[{}x{}, stride {}x{}, {pad}]", w.size[0], w.size[1], w.stride[0], w.stride[1]);
+        };
+        match self {
+            Op::Input { name, .. } => {
+                let _ = write!(s, " {name:?}");
+            }
+            Op::Variable { key, role, init, .. } => {
+                let role = match role {
+                    VarRole::Parameter => "parameter",
+                    VarRole::OptimizerState => "optimizer_state",
+                    VarRole::Counter => "counter",
+                };
+                let _ = write!(s, " {key:?} ({role}, {})", init_label(init));
+            }
+            Op::Fill { value, .. } => {
+                let _ = write!(s, "[{value}]");
+            }
+            Op::Scalar { value, .. } => {
+                let _ = write!(s, "[{value}]");
+            }
+            Op::MatMul { transpose_a, transpose_b } if *transpose_a || *transpose_b => {
+                let _ = write!(
+                    s,
+                    "[{}{}]",
+                    if *transpose_a { "ta" } else { "" },
+                    if *transpose_b { "tb" } else { "" }
+                );
+            }
+            Op::Permute { perm } => {
+                let _ = write!(s, "{perm:?}");
+            }
+            Op::Concat { axis } | Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let _ = write!(s, "[axis {axis}]");
+            }
+            Op::Slice { axis, start, len } => {
+                let _ = write!(s, "[axis {axis}, {start}..{}]", start + len);
+            }
+            Op::Pad { axis, before, after } => {
+                let _ = write!(s, "[axis {axis}, {before}+{after}]");
+            }
+            Op::Reduce { axes, keepdims, .. } => {
+                let _ = write!(s, "{axes:?}");
+                if *keepdims {
+                    s.push_str("[keepdims]");
+                }
+            }
+            Op::Conv2d { window: w }
+            | Op::Conv2dBackpropInput { window: w, .. }
+            | Op::Conv2dBackpropFilter { window: w }
+            | Op::Pool2d { window: w, .. }
+            | Op::Pool2dGrad { window: w, .. } => window(&mut s, w),
+            Op::GatherGrad { vocab } => {
+                let _ = write!(s, "[vocab {vocab}]");
+            }
+            Op::ApplySgd { lr, momentum, nesterov } => {
+                let _ = write!(s, "[lr {lr}, momentum {momentum}");
+                if *nesterov {
+                    s.push_str(", nesterov");
+                }
+                s.push(']');
+            }
+            Op::ApplyAdam { lr, beta1, beta2, epsilon } => {
+                let _ = write!(s, "[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]");
+            }
+            Op::AssignAdd { value } => {
+                let _ = write!(s, "[{value}]");
+            }
+            _ => {}
+        }
+        s
+    }
+}
+
+fn init_label(init: &Init) -> String {
+    match init {
+        Init::Zeros => "zeros".into(),
+        Init::Constant(c) => format!("constant {c}"),
+        Init::GlorotUniform => "glorot_uniform".into(),
+        Init::Normal { mean, std } => format!("normal {mean}±{std}"),
+        Init::Uniform { low, high } => format!("uniform {low}..{high}"),
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label())
+    }
+}

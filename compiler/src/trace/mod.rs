@@ -1,0 +1,300 @@
+//! The Rust DSL: a `Tracer` records ops on `Tensor` handles into a `Graph`.
+//!
+//! Ops never panic on user input. An op whose operands do not fit records a `CompileError` (the
+//! op, the operand shapes, the caller's line from `#[track_caller]`) and returns a *poisoned*
+//! tensor; ops on poisoned tensors record nothing more, and `Tracer::finish` returns the first
+//! error. Operators (`a + b`, `x * 2.0`) therefore compose without `?` at every step.
+
+mod axes;
+mod operators;
+mod ops;
+
+pub use axes::IntoAxes;
+pub use ops::Operand;
+
+use crate::error::{CompileError, Result};
+use crate::ir::{self, DType, DeviceId, Graph, Init, Node, NodeId, Op, Shape, SourceLoc, VarRole};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::panic::Location;
+use std::rc::Rc;
+
+#[derive(Default)]
+struct TraceState {
+    graph: Graph,
+    error: Option<CompileError>,
+    scopes: Vec<String>,
+    device: DeviceId,
+    variables: HashMap<String, NodeId>,
+}
+
+/// Records a graph. Cheap to clone: clones share one graph.
+#[derive(Clone)]
+pub struct Tracer {
+    state: Rc<RefCell<TraceState>>,
+}
+
+/// A handle to a value in a trace. Cheap to clone.
+#[derive(Clone)]
+pub struct Tensor {
+    state: Rc<RefCell<TraceState>>,
+    id: Option<NodeId>,
+    shape: Shape,
+    dtype: DType,
+}
+
+impl Tracer {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self::resume(Graph::new(name))
+    }
+
+    /// Continues recording into an existing graph (autodiff and optimizers append this way).
+    pub fn resume(graph: Graph) -> Self {
+        let variables = graph
+            .variables()
+            .into_iter()
+            .filter_map(|n| match &graph.node(n).op {
+                Op::Variable { key, .. } => Some((key.clone(), n)),
+                _ => None,
+            })
+            .collect();
+        Tracer { state: Rc::new(RefCell::new(TraceState { graph, variables, ..Default::default() })) }
+    }
+
+    /// A handle to an existing node.
+    pub fn tensor(&self, id: NodeId) -> Tensor {
+        let st = self.state.borrow();
+        let node = st.graph.node(id);
+        Tensor { state: self.state.clone(), id: Some(id), shape: node.shape.clone(), dtype: node.dtype }
+    }
+
+    /// A graph input of dtype f32.
+    #[track_caller]
+    pub fn input(&self, name: &str, shape: impl Into<Shape>) -> Tensor {
+        self.input_typed(name, shape, DType::F32)
+    }
+
+    #[track_caller]
+    pub fn input_typed(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Tensor {
+        let loc = Location::caller();
+        let exists = self.state.borrow().graph.input(name).is_some();
+        if exists {
+            return self.fail(
+                "input",
+                loc,
+                format!("an input named {name:?} already exists"),
+                &[],
+                "give every input its own name",
+            );
+        }
+        self.record_at(Op::Input { name: name.to_string(), shape: shape.into(), dtype }, &[], loc)
+    }
+
+    /// A trainable parameter named `name` inside the current scopes.
+    #[track_caller]
+    pub fn param(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Tensor {
+        self.variable(name, shape, DType::F32, VarRole::Parameter, init)
+    }
+
+    /// A persistent variable. Declaring the same key again in one trace returns the same node.
+    #[track_caller]
+    pub fn variable(
+        &self,
+        name: &str,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        role: VarRole,
+        init: Init,
+    ) -> Tensor {
+        let loc = Location::caller();
+        let shape = shape.into();
+        let key = self.scoped(name);
+        let existing = self.state.borrow().variables.get(&key).copied();
+        if let Some(id) = existing {
+            let t = self.tensor(id);
+            if t.shape != shape {
+                let e = CompileError::VariableShape {
+                    key,
+                    location: loc.into(),
+                    shape: shape.to_string(),
+                    existing: t.shape.to_string(),
+                    help: "a variable keeps its shape; give the new one another name or scope".into(),
+                };
+                return self.poison_with(e);
+            }
+            return t;
+        }
+        let t = self.record_at(Op::Variable { key: key.clone(), shape, dtype, role, init }, &[], loc);
+        if let Some(id) = t.id {
+            self.state.borrow_mut().variables.insert(key, id);
+        }
+        t
+    }
+
+    /// A constant tensor of `shape` filled with `value`.
+    #[track_caller]
+    pub fn fill(&self, value: f32, shape: impl Into<Shape>) -> Tensor {
+        self.record_at(Op::Fill { value, shape: shape.into() }, &[], Location::caller())
+    }
+
+    /// Runs `f` with `name` pushed on the scope stack: variables declared inside are keyed
+    /// `outer/name/var`.
+    pub fn scope<R>(&self, name: &str, f: impl FnOnce() -> R) -> R {
+        self.state.borrow_mut().scopes.push(name.to_string());
+        let r = f();
+        self.state.borrow_mut().scopes.pop();
+        r
+    }
+
+    /// Runs `f` with every op it records placed on `device`.
+    pub fn on_device<R>(&self, device: DeviceId, f: impl FnOnce() -> R) -> R {
+        let prev = std::mem::replace(&mut self.state.borrow_mut().device, device);
+        let r = f();
+        self.state.borrow_mut().device = prev;
+        r
+    }
+
+    fn scoped(&self, name: &str) -> String {
+        let st = self.state.borrow();
+        if st.scopes.is_empty() { name.to_string() } else { format!("{}/{name}", st.scopes.join("/")) }
+    }
+
+    /// Names `t` as a graph output.
+    #[track_caller]
+    pub fn output(&self, name: &str, t: &Tensor) {
+        if !self.owns(t) {
+            self.fail("output", Location::caller(), "the tensor belongs to another trace".into(), &[t], "");
+            return;
+        }
+        if let Some(id) = t.id {
+            self.state.borrow_mut().graph.set_output(name, id);
+        }
+    }
+
+    /// The first error recorded so far, if any.
+    pub fn error(&self) -> Option<CompileError> {
+        self.state.borrow().error.clone()
+    }
+
+    /// Ends the trace: the graph, or the first error recorded while tracing.
+    pub fn finish(self) -> Result<Graph> {
+        let mut st = self.state.borrow_mut();
+        if let Some(e) = st.error.take() {
+            return Err(e);
+        }
+        Ok(std::mem::take(&mut st.graph))
+    }
+
+    fn owns(&self, t: &Tensor) -> bool {
+        Rc::ptr_eq(&self.state, &t.state)
+    }
+
+    /// Records `op` on `operands` at `loc`, checking shapes and dtypes.
+    pub(crate) fn record_at(&self, op: Op, operands: &[&Tensor], loc: &'static Location<'static>) -> Tensor {
+        if operands.iter().any(|t| !self.owns(t)) {
+            return self.fail(
+                op.name(),
+                loc,
+                "the operands come from different traces".into(),
+                operands,
+                "build every tensor of a model with one tracer",
+            );
+        }
+        let Some(ids) = operands.iter().map(|t| t.id).collect::<Option<Vec<_>>>() else {
+            return self.poisoned();
+        };
+        let types: Vec<(&Shape, DType)> = operands.iter().map(|t| (&t.shape, t.dtype)).collect();
+        match ir::infer(&op, &types) {
+            Err(e) => self.fail(op.name(), loc, e.message, operands, &e.help),
+            Ok((shape, dtype)) => {
+                let mut st = self.state.borrow_mut();
+                let device = st.device;
+                let node =
+                    Node { op, shape: shape.clone(), dtype, device, name: None, origin: Some(loc.into()) };
+                let id = st.graph.add(node, &ids);
+                Tensor { state: self.state.clone(), id: Some(id), shape, dtype }
+            }
+        }
+    }
+
+    fn fail(
+        &self,
+        op: &str,
+        loc: &'static Location<'static>,
+        message: String,
+        operands: &[&Tensor],
+        help: &str,
+    ) -> Tensor {
+        let list: Vec<String> = operands.iter().map(|t| format!("{}{}", t.dtype, t.shape)).collect();
+        let e = CompileError::Op {
+            op: op.to_string(),
+            location: SourceLoc::from(loc),
+            message,
+            operands: if list.is_empty() { "none".into() } else { list.join(", ") },
+            help: help.to_string(),
+        };
+        self.poison_with(e)
+    }
+
+    fn poison_with(&self, e: CompileError) -> Tensor {
+        let mut st = self.state.borrow_mut();
+        if st.error.is_none() {
+            st.error = Some(e);
+        }
+        drop(st);
+        self.poisoned()
+    }
+
+    fn poisoned(&self) -> Tensor {
+        Tensor { state: self.state.clone(), id: None, shape: Shape::scalar(), dtype: DType::F32 }
+    }
+}
+
+impl Tensor {
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.rank()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The node this tensor refers to; `None` when an earlier mistake poisoned it.
+    pub fn id(&self) -> Option<NodeId> {
+        self.id
+    }
+
+    pub fn tracer(&self) -> Tracer {
+        Tracer { state: self.state.clone() }
+    }
+
+    /// Gives the node a name that dumps, plans and memory reports show.
+    pub fn named(self, name: &str) -> Tensor {
+        if let Some(id) = self.id {
+            self.state.borrow_mut().graph.node_mut(id).name = Some(name.to_string());
+        }
+        self
+    }
+
+    #[track_caller]
+    pub(crate) fn record(&self, op: Op, operands: &[&Tensor]) -> Tensor {
+        self.tracer().record_at(op, operands, Location::caller())
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.id {
+            Some(id) => write!(f, "Tensor(%{} {}{})", id.index(), self.dtype, self.shape),
+            None => write!(f, "Tensor(poisoned)"),
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! The ops of the DSL as methods on `Tensor`. Every method is `#[track_caller]`, so a shape
+//! mistake names the user's line.
+
+use super::{IntoAxes, Tensor};
+use crate::ir::{BinaryOp, Op, Padding, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
+use std::panic::Location;
+
+/// The right-hand side of a binary op: a tensor or an f32 constant.
+pub enum Operand {
+    Tensor(Tensor),
+    Scalar(f32),
+}
+
+impl From<&Tensor> for Operand {
+    fn from(t: &Tensor) -> Self {
+        Operand::Tensor(t.clone())
+    }
+}
+
+impl From<Tensor> for Operand {
+    fn from(t: Tensor) -> Self {
+        Operand::Tensor(t)
+    }
+}
+
+impl From<f32> for Operand {
+    fn from(v: f32) -> Self {
+        Operand::Scalar(v)
+    }
+}
+
+macro_rules! unary {
+    ($($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        #[track_caller]
+        pub fn $name(&self) -> Tensor {
+            self.record(Op::Unary(UnaryOp::$op), &[self])
+        }
+    )*};
+}
+
+impl Tensor {
+    unary! {
+        neg => Neg, abs => Abs, sign => Sign, relu => Relu, sigmoid => Sigmoid, tanh => Tanh,
+        /// Exact GELU: x·Φ(x).
+        gelu => Gelu,
+        exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, square => Square, reciprocal => Reciprocal,
+    }
+
+    #[track_caller]
+    fn binary_or_scalar(&self, rhs: Operand, b: BinaryOp, s: Option<ScalarOp>) -> Tensor {
+        match (rhs, s) {
+            (Operand::Tensor(t), _) => self.record(Op::Binary(b), &[self, &t]),
+            (Operand::Scalar(v), Some(op)) => self.record(Op::Scalar { op, value: v }, &[self]),
+            (Operand::Scalar(v), None) => {
+                let c = self.tracer().fill(v, Shape::scalar());
+                self.record(Op::Binary(b), &[self, &c])
+            }
+        }
+    }
+
+    #[track_caller]
+    pub fn add(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Add, Some(ScalarOp::Add))
+    }
+
+    #[track_caller]
+    pub fn sub(&self, rhs: impl Into<Operand>) -> Tensor {
+        match rhs.into() {
+            Operand::Scalar(v) => self.record(Op::Scalar { op: ScalarOp::Add, value: -v }, &[self]),
+            t => self.binary_or_scalar(t, BinaryOp::Sub, None),
+        }
+    }
+
+    #[track_caller]
+    pub fn mul(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Mul, Some(ScalarOp::Mul))
+    }
+
+    #[track_caller]
+    pub fn div(&self, rhs: impl Into<Operand>) -> Tensor {
+        match rhs.into() {
+            Operand::Scalar(v) => self.record(Op::Scalar { op: ScalarOp::Mul, value: 1.0 / v }, &[self]),
+            t => self.binary_or_scalar(t, BinaryOp::Div, None),
+        }
+    }
+
+    /// `self ^ rhs` elementwise.
+    #[track_caller]
+    pub fn pow(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Pow, Some(ScalarOp::Pow))
+    }
+
+    #[track_caller]
+    pub fn maximum(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Maximum, Some(ScalarOp::Max))
+    }
+
+    #[track_caller]
+    pub fn minimum(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Minimum, Some(ScalarOp::Min))
+    }
+
+    /// Limits every element to `[low, high]` (the gradient passes inside the range, as Keras's clip).
+    #[track_caller]
+    pub fn clamp(&self, low: f32, high: f32) -> Tensor {
+        self.maximum(low).minimum(high)
+    }
+
+    /// 1.0 where `self > rhs`, else 0.0.
+    #[track_caller]
+    pub fn gt(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Greater, Some(ScalarOp::Greater))
+    }
+
+    #[track_caller]
+    pub fn ge(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::GreaterEqual, Some(ScalarOp::GreaterEqual))
+    }
+
+    #[track_caller]
+    pub fn lt(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Less, Some(ScalarOp::Less))
+    }
+
+    #[track_caller]
+    pub fn le(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::LessEqual, Some(ScalarOp::LessEqual))
+    }
+
+    /// 1.0 where equal, else 0.0.
+    #[track_caller]
+    pub fn eq(&self, rhs: impl Into<Operand>) -> Tensor {
+        self.binary_or_scalar(rhs.into(), BinaryOp::Equal, Some(ScalarOp::Equal))
+    }
+
+    #[track_caller]
+    pub fn ne(&self, rhs: impl Into<Operand>) -> Tensor {
+        match rhs.into() {
+            Operand::Scalar(v) => self.eq(v).rsub(1.0),
+            t => self.binary_or_scalar(t, BinaryOp::NotEqual, None),
+        }
+    }
+
+    /// `c - self`.
+    #[track_caller]
+    pub fn rsub(&self, c: f32) -> Tensor {
+        self.record(Op::Scalar { op: ScalarOp::RSub, value: c }, &[self])
+    }
+
+    /// `c / self`.
+    #[track_caller]
+    pub fn rdiv(&self, c: f32) -> Tensor {
+        self.record(Op::Scalar { op: ScalarOp::RDiv, value: c }, &[self])
+    }
+
+    /// `where(cond != 0, a, b)` with broadcasting; `self` is the condition.
+    #[track_caller]
+    pub fn select(&self, a: &Tensor, b: &Tensor) -> Tensor {
+        self.record(Op::Select, &[self, a, b])
+    }
+
+    /// Matrix product over the last two axes; batch axes broadcast.
+    #[track_caller]
+    pub fn matmul(&self, rhs: &Tensor) -> Tensor {
+        self.record(Op::MatMul { transpose_a: false, transpose_b: false }, &[self, rhs])
+    }
+
+    /// Matrix product with either operand's last two axes transposed, without a copy.
+    #[track_caller]
+    pub fn matmul_t(&self, rhs: &Tensor, transpose_a: bool, transpose_b: bool) -> Tensor {
+        self.record(Op::MatMul { transpose_a, transpose_b }, &[self, rhs])
+    }
+
+    /// A view with another shape (no copy).
+    #[track_caller]
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Tensor {
+        self.record(Op::Reshape { shape: shape.into() }, &[self])
+    }
+
+    /// Collapses every axis after the first: [N, ...] -> [N, rest].
+    #[track_caller]
+    pub fn flatten(&self) -> Tensor {
+        let n = self.dims().first().copied().unwrap_or(1);
+        let rest = self.shape().numel() / n.max(1);
+        self.reshape([n, rest])
+    }
+
+    #[track_caller]
+    pub fn permute(&self, perm: &[usize]) -> Tensor {
+        self.record(Op::Permute { perm: perm.to_vec() }, &[self])
+    }
+
+    /// Swaps two axes (negative axes count from the end).
+    #[track_caller]
+    pub fn transpose(&self, a: isize, b: isize) -> Tensor {
+        let loc = Location::caller();
+        let (Some(a), Some(b)) = (self.shape.axis(a), self.shape.axis(b)) else {
+            return self.axis_error("permute", loc, format!("axes ({a}, {b})"));
+        };
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        perm.swap(a, b);
+        self.tracer().record_at(Op::Permute { perm }, &[self], loc)
+    }
+
+    /// Swaps the last two axes.
+    #[track_caller]
+    pub fn t(&self) -> Tensor {
+        self.transpose(-2, -1)
+    }
+
+    #[track_caller]
+    pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Tensor {
+        self.record(Op::BroadcastTo { shape: shape.into() }, &[self])
+    }
+
+    /// A copy into a buffer of its own.
+    #[track_caller]
+    pub fn copy(&self) -> Tensor {
+        self.record(Op::Copy, &[self])
+    }
+
+    #[track_caller]
+    fn reduce(&self, op: ReduceOp, axes: Option<Vec<isize>>, keepdims: bool) -> Tensor {
+        let loc = Location::caller();
+        let axes = match axes {
+            None => Some((0..self.rank()).collect::<Vec<_>>()),
+            Some(list) => list.iter().map(|&a| self.shape.axis(a)).collect(),
+        };
+        let Some(mut axes) = axes else {
+            return self.axis_error(Op::Reduce { op, axes: vec![], keepdims }.name(), loc, "the axes".into());
+        };
+        axes.sort_unstable();
+        axes.dedup();
+        self.tracer().record_at(Op::Reduce { op, axes, keepdims }, &[self], loc)
+    }
+
+    #[track_caller]
+    pub fn sum(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
+        self.reduce(ReduceOp::Sum, axes.axes(), keepdims)
+    }
+
+    #[track_caller]
+    pub fn mean(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
+        self.reduce(ReduceOp::Mean, axes.axes(), keepdims)
+    }
+
+    #[track_caller]
+    pub fn max(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
+        self.reduce(ReduceOp::Max, axes.axes(), keepdims)
+    }
+
+    #[track_caller]
+    fn along(&self, axis: isize, make: impl FnOnce(usize) -> Op, name: &str) -> Tensor {
+        let loc = Location::caller();
+        match self.shape.axis(axis) {
+            Some(a) => self.tracer().record_at(make(a), &[self], loc),
+            None => self.axis_error(name, loc, format!("axis {axis}")),
+        }
+    }
+
+    #[track_caller]
+    pub fn softmax(&self, axis: isize) -> Tensor {
+        self.along(axis, |axis| Op::Softmax { axis }, "softmax")
+    }
+
+    #[track_caller]
+    pub fn log_softmax(&self, axis: isize) -> Tensor {
+        self.along(axis, |axis| Op::LogSoftmax { axis }, "log_softmax")
+    }
+
+    /// Elements `start..start + len` along `axis`.
+    #[track_caller]
+    pub fn slice(&self, axis: isize, start: usize, len: usize) -> Tensor {
+        self.along(axis, |axis| Op::Slice { axis, start, len }, "slice")
+    }
+
+    /// Zeros added before and after along `axis`.
+    #[track_caller]
+    pub fn pad(&self, axis: isize, before: usize, after: usize) -> Tensor {
+        self.along(axis, |axis| Op::Pad { axis, before, after }, "pad")
+    }
+
+    /// Joins `self` and `others` along `axis`.
+    #[track_caller]
+    pub fn concat(&self, others: &[&Tensor], axis: isize) -> Tensor {
+        let loc = Location::caller();
+        let mut all = vec![self];
+        all.extend_from_slice(others);
+        match self.shape.axis(axis) {
+            Some(a) => self.tracer().record_at(Op::Concat { axis: a }, &all, loc),
+            None => self.axis_error("concat", loc, format!("axis {axis}")),
+        }
+    }
+
+    /// 2-D convolution: `self` is NHWC, `filter` is [KH, KW, C, F].
+    #[track_caller]
+    pub fn conv2d(&self, filter: &Tensor, stride: [usize; 2], padding: Padding) -> Tensor {
+        let size = match filter.dims() {
+            [kh, kw, _, _] => [*kh, *kw],
+            _ => [0, 0],
+        };
+        self.record(Op::Conv2d { window: Window2d { size, stride, padding } }, &[self, filter])
+    }
+
+    #[track_caller]
+    pub fn max_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
+        self.record(Op::Pool2d { kind: PoolKind::Max, window: Window2d { size, stride, padding } }, &[self])
+    }
+
+    #[track_caller]
+    pub fn avg_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
+        self.record(Op::Pool2d { kind: PoolKind::Avg, window: Window2d { size, stride, padding } }, &[self])
+    }
+
+    /// Rows of `self` (a [V, ...] table) picked by `ids` (integers stored as f32).
+    #[track_caller]
+    pub fn gather(&self, ids: &Tensor) -> Tensor {
+        self.record(Op::Gather, &[self, ids])
+    }
+
+    fn axis_error(&self, op: &str, loc: &'static Location<'static>, what: String) -> Tensor {
+        self.tracer().fail(
+            op,
+            loc,
+            format!("{what} out of range for rank {}", self.rank()),
+            &[self],
+            &format!("axes run from {} to {}", -(self.rank() as isize), self.rank() as isize - 1),
+        )
+    }
+}
