@@ -15,3 +15,4 @@ pub mod ir;
 pub mod trace;
 
 pub use error::{CompileError, Result};
+pub mod planner;

@@ -1,1 +1,4 @@
-//! kiln-kernels
+//! kiln-kernels: for every op of the IR, a CPU implementation (`cpu`) and, for the CUDA backend,
+//! the CUDA C source that NVRTC compiles.
+
+pub mod cpu;

@@ -1,0 +1,1 @@
+//! Memory placement (being written).

@@ -1,0 +1,1 @@
+//! Growth allocators (being written).
