@@ -1,1 +1,43 @@
-//! kiln
+//! kiln: a graph-mode tensor compiler with static memory planning.
+//!
+//! Models are written in a Rust DSL (`Tracer`, `Tensor` with operators, Keras-like layers),
+//! traced into a dataflow graph, differentiated, and compiled into a `Plan` that gives every
+//! intermediate tensor a fixed offset in one arena per device. Backends execute plans.
+//!
+//! ```
+//! use kiln::prelude::*;
+//!
+//! let t = Tracer::new("affine");
+//! let x = t.input("x", [4, 3]);
+//! let w = t.param("w", [3, 2], Init::GlorotUniform);
+//! let y = (x.matmul(&w) + 1.0).relu();
+//! t.output("y", &y);
+//! let plan = compile(t.finish()?, &CompileOptions::default())?;
+//! assert!(plan.memory.arena_bytes >= plan.memory.lower_bound_bytes);
+//! # Ok::<(), kiln::Error>(())
+//! ```
+
+pub mod device;
+mod error;
+pub mod report;
+pub mod seed;
+pub mod zoo;
+
+pub use device::Device;
+pub use error::{Error, Result};
+pub use kiln_compiler as compiler;
+pub use kiln_kernels as kernels;
+pub use kiln_runtime as runtime;
+
+pub mod prelude {
+    pub use crate::device::Device;
+    pub use crate::error::{Error, Result};
+    pub use kiln_compiler::ir::{DType, Init, Padding, Shape};
+    pub use kiln_compiler::losses::{Loss, Metric};
+    pub use kiln_compiler::nn::{Activation, Dense, Layer, Sequential};
+    pub use kiln_compiler::optim::{Adam, Optimizer, Sgd};
+    pub use kiln_compiler::step::TrainConfig;
+    pub use kiln_compiler::trace::{Tensor, Tracer};
+    pub use kiln_compiler::{CompileOptions, Plan, compile};
+    pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};
+}

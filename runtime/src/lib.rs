@@ -1,3 +1,23 @@
 //! kiln-runtime: backends that execute plans, the eager executor, and its growth allocators.
+//!
+//! - `backend`: the interface every device offers (load a plan once, run it many times);
+//! - `cpu`: the CPU backend (host arena, rayon kernels);
+//! - `store`, `init`: persistent variables and their initialisers;
+//! - `trainer`: Keras-like `fit` / `predict` over plans compiled per input shape and cached;
+//! - `alloc`: TensorFlow's BFC and PyTorch's caching allocator, for the eager baseline.
 
 pub mod alloc;
+pub mod backend;
+pub mod cpu;
+pub mod error;
+mod host_buffer;
+pub mod init;
+pub mod store;
+pub mod tensor;
+pub mod trainer;
+
+pub use backend::{Backend, ProgramId};
+pub use cpu::CpuBackend;
+pub use error::{Result, RuntimeError};
+pub use tensor::HostTensor;
+pub use trainer::{FitOptions, History, Trainer};

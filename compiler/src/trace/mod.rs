@@ -171,6 +171,25 @@ impl Tracer {
         }
     }
 
+    /// Records a user mistake found outside shape inference (a loss given mismatched shapes, say)
+    /// and returns a poisoned tensor; `finish` reports the first such error.
+    #[track_caller]
+    pub fn report(&self, op: &str, message: impl Into<String>, operands: &[&Tensor], help: &str) -> Tensor {
+        self.fail(op, Location::caller(), message.into(), operands, help)
+    }
+
+    /// Reads the graph recorded so far.
+    pub fn with_graph<R>(&self, f: impl FnOnce(&Graph) -> R) -> R {
+        f(&self.state.borrow().graph)
+    }
+
+    /// Adds a control dependency: `after` runs after `before`.
+    pub fn add_control(&self, before: &Tensor, after: &Tensor) {
+        if let (Some(b), Some(a)) = (before.id, after.id) {
+            self.state.borrow_mut().graph.add_control(b, a);
+        }
+    }
+
     /// The first error recorded so far, if any.
     pub fn error(&self) -> Option<CompileError> {
         self.state.borrow().error.clone()
@@ -285,7 +304,7 @@ impl Tensor {
     }
 
     #[track_caller]
-    pub(crate) fn record(&self, op: Op, operands: &[&Tensor]) -> Tensor {
+    pub fn record(&self, op: Op, operands: &[&Tensor]) -> Tensor {
         self.tracer().record_at(op, operands, Location::caller())
     }
 }

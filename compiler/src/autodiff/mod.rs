@@ -1,0 +1,101 @@
+//! Reverse-mode automatic differentiation as a graph-to-graph pass.
+//!
+//! `gradients` appends the backward graph to the forward graph: every gradient is an ordinary node,
+//! scheduled, planned and executed like any other, so the backward pass's memory is in the plan.
+//! The vector-Jacobian product of each op lives in `rules`; contributions to a value used several
+//! times are summed.
+
+mod rules;
+
+use crate::error::{CompileError, Result};
+use crate::ir::{Graph, NodeId, Shape};
+use crate::trace::{Tensor, Tracer};
+use std::collections::{HashMap, HashSet};
+
+/// Appends d`loss`/d`wrt[i]` to `graph`. `loss` must hold one element. A `wrt` node the loss does
+/// not depend on gets `None`.
+pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, Vec<Option<NodeId>>)> {
+    let loss_node = graph.node(loss);
+    if loss_node.shape.numel() != 1 {
+        return Err(CompileError::invalid(
+            format!("the loss must be a scalar, but {} has shape {}", loss_node.describe(), loss_node.shape),
+            "reduce it first, e.g. with `.mean(.., false)`",
+        ));
+    }
+    let relevant = relevant_nodes(&graph, loss, wrt);
+    // Traced graphs are built operands-first, so reverse insertion order visits every node after
+    // all of its users. Verify rather than assume.
+    let order: Vec<NodeId> = graph.node_ids().filter(|n| relevant.contains(n)).collect();
+    let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    for &n in &order {
+        if graph.operands(n).iter().any(|o| relevant.contains(o) && position[o] > position[&n]) {
+            return Err(CompileError::Internal("graph is not in topological insertion order".into()));
+        }
+    }
+
+    let tracer = Tracer::resume(graph);
+    let mut grads: HashMap<NodeId, Tensor> = HashMap::new();
+    grads.insert(loss, tracer.fill(1.0, tracer.tensor(loss).shape().clone()));
+    for &n in order.iter().rev() {
+        let Some(g) = grads.remove(&n) else { continue };
+        if wrt.contains(&n) {
+            grads.insert(n, g.clone());
+        }
+        let operands = tracer.with_graph(|gr| gr.operands(n));
+        let ins: Vec<Tensor> = operands.iter().map(|&o| tracer.tensor(o)).collect();
+        let out = tracer.tensor(n);
+        let op = tracer.with_graph(|gr| gr.node(n).op.clone());
+        let contributions = rules::vjp(&op, &ins, &out, &g)?;
+        for ((&o, t), c) in operands.iter().zip(&ins).zip(contributions) {
+            let Some(c) = c else { continue };
+            if !relevant.contains(&o) {
+                continue;
+            }
+            debug_assert_eq!(c.shape(), t.shape(), "gradient of {} operand", op.name());
+            let total = match grads.remove(&o) {
+                Some(prev) => &prev + &c,
+                None => c,
+            };
+            grads.insert(o, total);
+        }
+    }
+    let result: Vec<Option<NodeId>> = wrt.iter().map(|w| grads.get(w).and_then(Tensor::id)).collect();
+    let graph = tracer.finish()?;
+    Ok((graph, result))
+}
+
+/// Nodes on some path from a `wrt` node to `loss`.
+fn relevant_nodes(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> HashSet<NodeId> {
+    let mut ancestors = HashSet::from([loss]);
+    let mut stack = vec![loss];
+    while let Some(n) = stack.pop() {
+        for o in graph.operands(n) {
+            if ancestors.insert(o) {
+                stack.push(o);
+            }
+        }
+    }
+    let mut reach: HashSet<NodeId> = wrt.iter().copied().filter(|w| ancestors.contains(w)).collect();
+    let mut stack: Vec<NodeId> = reach.iter().copied().collect();
+    while let Some(n) = stack.pop() {
+        for u in graph.users(n) {
+            if ancestors.contains(&u) && reach.insert(u) {
+                stack.push(u);
+            }
+        }
+    }
+    reach
+}
+
+/// Sums `g` over the axes along which `shape` was broadcast to `g`'s shape.
+#[track_caller]
+pub(crate) fn sum_to(g: &Tensor, shape: &Shape) -> Tensor {
+    if g.shape() == shape {
+        return g.clone();
+    }
+    let lead = g.rank() - shape.rank();
+    let axes: Vec<usize> =
+        (0..g.rank()).filter(|&i| i < lead || (shape.dims()[i - lead] == 1 && g.dims()[i] != 1)).collect();
+    let summed = if axes.is_empty() { g.clone() } else { g.sum(axes, true) };
+    if summed.shape() == shape { summed } else { summed.reshape(shape.clone()) }
+}

@@ -1,0 +1,188 @@
+//! Vector-Jacobian products: for each op, the gradient of every operand given the gradient `g`
+//! of the op's output, written with the DSL's own ops.
+
+use super::sum_to;
+use crate::error::{CompileError, Result};
+use crate::ir::{BinaryOp, Op, ReduceOp, ScalarOp, Shape, UnaryOp};
+use crate::trace::Tensor;
+
+/// Gradients of `op`'s operands `x` (in order; `None` where there is none) given its output `y`
+/// and the output's gradient `g`.
+pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    let one = |t: Tensor| Ok(vec![Some(t)]);
+    match op {
+        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } => Ok(vec![]),
+        Op::Unary(u) => Ok(vec![unary(*u, &x[0], y, g)]),
+        Op::Binary(b) => binary(*b, &x[0], &x[1], y, g),
+        Op::Scalar { op, value } => Ok(vec![scalar(*op, *value, &x[0], y, g)]),
+        Op::Select => {
+            let zeros = g.tracer().fill(0.0, Shape::scalar());
+            let ga = x[0].select(g, &zeros);
+            let gb = x[0].select(&zeros, g);
+            Ok(vec![None, Some(sum_to(&ga, x[1].shape())), Some(sum_to(&gb, x[2].shape()))])
+        }
+        Op::MatMul { transpose_a: ta, transpose_b: tb } => {
+            let (a, b) = (&x[0], &x[1]);
+            let (ga, gb) = match (ta, tb) {
+                (false, false) => (g.matmul_t(b, false, true), a.matmul_t(g, true, false)),
+                (false, true) => (g.matmul(b), g.matmul_t(a, true, false)),
+                (true, false) => (b.matmul_t(g, false, true), a.matmul(g)),
+                (true, true) => (b.matmul_t(g, true, true), g.matmul_t(a, true, true)),
+            };
+            Ok(vec![Some(sum_to(&ga, a.shape())), Some(sum_to(&gb, b.shape()))])
+        }
+        Op::Reshape { .. } => one(g.reshape(x[0].shape().clone())),
+        Op::Permute { perm } => {
+            let mut inverse = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i;
+            }
+            one(g.permute(&inverse))
+        }
+        Op::BroadcastTo { .. } => one(sum_to(g, x[0].shape())),
+        Op::Copy => one(g.clone()),
+        Op::Concat { axis } => {
+            let mut start = 0;
+            Ok(x.iter()
+                .map(|t| {
+                    let len = t.dims()[*axis];
+                    let s = g.slice(*axis as isize, start, len);
+                    start += len;
+                    Some(s)
+                })
+                .collect())
+        }
+        Op::Slice { axis, start, len } => {
+            let after = x[0].dims()[*axis] - start - len;
+            one(g.pad(*axis as isize, *start, after))
+        }
+        Op::Pad { axis, before, .. } => one(g.slice(*axis as isize, *before, x[0].dims()[*axis])),
+        Op::Reduce { op, axes, keepdims } => {
+            let kept = keepdims_shape(x[0].shape(), axes);
+            let gk = if *keepdims { g.clone() } else { g.reshape(kept.clone()) };
+            let gx = match op {
+                ReduceOp::Sum => gk.broadcast_to(x[0].shape().clone()),
+                ReduceOp::Mean => {
+                    let count: usize = axes.iter().map(|&a| x[0].dims()[a]).product();
+                    gk.broadcast_to(x[0].shape().clone()) * (1.0 / count as f32)
+                }
+                ReduceOp::Max => {
+                    // Ties share the gradient equally, as TensorFlow's reduce_max gradient does.
+                    let yk = if *keepdims { y.clone() } else { y.reshape(kept) };
+                    let mask = x[0].eq(&yk);
+                    let ties = mask.sum(axes.clone(), true);
+                    mask * (gk / ties)
+                }
+            };
+            one(gx)
+        }
+        Op::Softmax { axis } => {
+            let dot = (g * y).sum(*axis as isize, true);
+            one(y * (g - dot))
+        }
+        Op::LogSoftmax { axis } => {
+            let total = g.sum(*axis as isize, true);
+            one(g - y.exp() * total)
+        }
+        Op::Conv2d { window } => {
+            let (xs, w) = (&x[0], &x[1]);
+            let dx =
+                g.record(Op::Conv2dBackpropInput { window: *window, input: xs.shape().clone() }, &[g, w]);
+            let dw = g.record(Op::Conv2dBackpropFilter { window: *window }, &[xs, g]);
+            Ok(vec![Some(dx), Some(dw)])
+        }
+        Op::Pool2d { kind, window } => {
+            one(g.record(Op::Pool2dGrad { kind: *kind, window: *window }, &[&x[0], g]))
+        }
+        Op::Gather => {
+            let vocab = x[0].dims()[0];
+            Ok(vec![Some(g.record(Op::GatherGrad { vocab }, &[&x[1], g])), None])
+        }
+        Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::Pool2dGrad { .. }
+        | Op::GatherGrad { .. } => Err(second_order(op)),
+        Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => Err(CompileError::invalid(
+            format!("`{}` updates a variable and has no gradient", op.name()),
+            "differentiate the loss before adding optimizer updates",
+        )),
+    }
+}
+
+fn second_order(op: &Op) -> CompileError {
+    CompileError::unsupported(
+        format!("the gradient of `{}` (second-order differentiation)", op.name()),
+        "differentiate a graph that contains no gradient ops",
+    )
+}
+
+fn keepdims_shape(s: &Shape, axes: &[usize]) -> Shape {
+    Shape::new(
+        s.dims().iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect::<Vec<_>>(),
+    )
+}
+
+fn unary(u: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Option<Tensor> {
+    let helper = |b: BinaryOp, v: &Tensor| v.record(Op::Binary(b), &[v, g]);
+    Some(match u {
+        UnaryOp::Neg => -g,
+        UnaryOp::Abs => g * x.sign(),
+        UnaryOp::Sign => return None,
+        UnaryOp::Relu => helper(BinaryOp::ReluGrad, x),
+        UnaryOp::Gelu => helper(BinaryOp::GeluGrad, x),
+        UnaryOp::Sigmoid => helper(BinaryOp::SigmoidGrad, y),
+        UnaryOp::Tanh => helper(BinaryOp::TanhGrad, y),
+        UnaryOp::Exp => g * y,
+        UnaryOp::Log => g / x,
+        UnaryOp::Sqrt => (g / y) * 0.5,
+        // y = x^-1/2: dy/dx = -y^3 / 2
+        UnaryOp::Rsqrt => g * y.pow(3.0) * -0.5,
+        UnaryOp::Square => g * x * 2.0,
+        UnaryOp::Reciprocal => -(g * y.square()),
+    })
+}
+
+fn binary(b: BinaryOp, x0: &Tensor, x1: &Tensor, y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    let both =
+        |ga: Tensor, gb: Tensor| Ok(vec![Some(sum_to(&ga, x0.shape())), Some(sum_to(&gb, x1.shape()))]);
+    match b {
+        BinaryOp::Add => both(g.clone(), g.clone()),
+        BinaryOp::Sub => both(g.clone(), -g),
+        BinaryOp::Mul => both(g * x1, g * x0),
+        BinaryOp::Div => both(g / x1, -(g * y) / x1),
+        BinaryOp::Pow => both(g * x1 * x0.pow(x1 - 1.0), g * y * x0.log()),
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            let mask = if b == BinaryOp::Maximum { x0.ge(x1) } else { x0.le(x1) };
+            both(g * &mask, g * mask.rsub(1.0))
+        }
+        BinaryOp::Greater
+        | BinaryOp::GreaterEqual
+        | BinaryOp::Less
+        | BinaryOp::LessEqual
+        | BinaryOp::Equal
+        | BinaryOp::NotEqual => Ok(vec![None, None]),
+        BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad => {
+            Err(second_order(&Op::Binary(b)))
+        }
+    }
+}
+
+fn scalar(op: ScalarOp, c: f32, x: &Tensor, y: &Tensor, g: &Tensor) -> Option<Tensor> {
+    Some(match op {
+        ScalarOp::Add => g.clone(),
+        ScalarOp::Mul => g * c,
+        ScalarOp::RSub => -g,
+        // y = c / x: dy/dx = -y / x
+        ScalarOp::RDiv => -(g * y) / x,
+        ScalarOp::Pow if c == 2.0 => g * x * 2.0,
+        ScalarOp::Pow => g * x.pow(c - 1.0) * c,
+        // Keras's clip passes the gradient where the input is inside the range, bounds included.
+        ScalarOp::Max => g * x.ge(c),
+        ScalarOp::Min => g * x.le(c),
+        ScalarOp::Greater
+        | ScalarOp::GreaterEqual
+        | ScalarOp::Less
+        | ScalarOp::LessEqual
+        | ScalarOp::Equal => return None,
+    })
+}

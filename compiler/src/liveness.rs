@@ -1,0 +1,142 @@
+//! Buffers and their lifetimes over a schedule.
+//!
+//! Every value gets a buffer: graph inputs and outputs get io buffers, variables their persistent
+//! storage, everything else an arena buffer live from the step that writes it to the last step
+//! that reads it. Two rules let values share a buffer:
+//! - a view (`reshape`) is its operand's buffer with another shape;
+//! - an elementwise op writes in place into an operand of its own shape whose buffer dies at that
+//!   op (its last reader, views of it included, is this op).
+//!
+//! Steps are the nodes that run a kernel: everything but inputs, variables and views.
+
+use crate::error::{CompileError, Result};
+use crate::ir::{Graph, NodeId, Op, OpClass};
+use std::collections::HashMap;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StorageClass {
+    Arena,
+    Input(String),
+    Output(String),
+    Variable(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct BufferLife {
+    pub bytes: usize,
+    pub class: StorageClass,
+    /// First and last step (inclusive) at which the buffer holds a live value.
+    pub start: usize,
+    pub end: usize,
+    /// The node whose value first occupies the buffer.
+    pub producer: NodeId,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Liveness {
+    /// The nodes that run, in order: step `i` runs `steps[i]`.
+    pub steps: Vec<NodeId>,
+    pub buffers: Vec<BufferLife>,
+    /// The buffer of every node's value (effects have none).
+    pub buffer_of: HashMap<NodeId, usize>,
+    /// Steps that write into an operand's buffer.
+    pub in_place: Vec<NodeId>,
+}
+
+impl Liveness {
+    /// Bytes of every arena value before any sharing: the "naive" figure.
+    pub fn naive_values<'a>(&'a self, graph: &'a Graph) -> impl Iterator<Item = usize> + 'a {
+        self.steps.iter().filter(move |&&n| self.is_arena(n)).map(move |&n| graph.node(n).bytes())
+    }
+
+    fn is_arena(&self, n: NodeId) -> bool {
+        self.buffer_of.get(&n).is_some_and(|&b| self.buffers[b].class == StorageClass::Arena)
+    }
+}
+
+pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
+    let is_step = |n: NodeId| !matches!(graph.node(n).op.class(), OpClass::Source | OpClass::View);
+    let steps: Vec<NodeId> = order.iter().copied().filter(|&n| is_step(n)).collect();
+    let step_of: HashMap<NodeId, usize> = steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let last = steps.len().saturating_sub(1);
+
+    // The last step that reads each value's storage, through views: computed in reverse order
+    // so that a view's readers are known before its operand's.
+    let mut reads_until: HashMap<NodeId, Option<usize>> = HashMap::new();
+    for &n in order.iter().rev() {
+        let mut end: Option<usize> = None;
+        for u in graph.users(n) {
+            let e =
+                if graph.node(u).op.class() == OpClass::View { reads_until[&u] } else { Some(step_of[&u]) };
+            end = end.max(e);
+        }
+        reads_until.insert(n, end);
+    }
+
+    let outputs: HashMap<NodeId, &str> =
+        graph.outputs().iter().map(|(name, id)| (*id, name.as_str())).collect();
+    let mut live = Liveness { steps, ..Default::default() };
+    for &n in order {
+        let node = graph.node(n);
+        let new = |class: StorageClass, start: usize, end: usize| BufferLife {
+            bytes: node.bytes(),
+            class,
+            start,
+            end,
+            producer: n,
+        };
+        let buffer = match &node.op {
+            _ if node.op.is_effect() => continue,
+            Op::Input { name, .. } => Some(new(StorageClass::Input(name.clone()), 0, last)),
+            Op::Variable { key, .. } => Some(new(StorageClass::Variable(key.clone()), 0, last)),
+            Op::Reshape { .. } => {
+                let operand = graph.operands(n)[0];
+                let b = live.buffer_of[&operand];
+                live.buffer_of.insert(n, b);
+                None
+            }
+            _ => {
+                let s = step_of[&n];
+                if let Some(name) = outputs.get(&n) {
+                    Some(new(StorageClass::Output(name.to_string()), s, last))
+                } else if let Some(b) = in_place_target(graph, &live, n, s) {
+                    let end = reads_until[&n].unwrap_or(s);
+                    live.buffers[b].end = live.buffers[b].end.max(end);
+                    live.buffer_of.insert(n, b);
+                    live.in_place.push(n);
+                    None
+                } else {
+                    Some(new(StorageClass::Arena, s, reads_until[&n].unwrap_or(s)))
+                }
+            }
+        };
+        if let Some(b) = buffer {
+            live.buffer_of.insert(n, live.buffers.len());
+            live.buffers.push(b);
+        }
+    }
+    for (&n, &b) in &live.buffer_of {
+        if graph.node(n).op.class() != OpClass::View && live.buffers[b].bytes < graph.node(n).bytes() {
+            return Err(CompileError::Internal(format!(
+                "{} does not fit its buffer",
+                graph.node(n).describe()
+            )));
+        }
+    }
+    Ok(live)
+}
+
+/// An arena buffer of an operand of elementwise `n` (step `s`) with `n`'s shape and dtype whose
+/// last reader is `n`.
+fn in_place_target(graph: &Graph, live: &Liveness, n: NodeId, s: usize) -> Option<usize> {
+    let node = graph.node(n);
+    if node.op.class() != OpClass::Elementwise {
+        return None;
+    }
+    graph.operands(n).into_iter().find_map(|o| {
+        let b = *live.buffer_of.get(&o)?;
+        let buf = &live.buffers[b];
+        let fits = graph.node(o).shape == node.shape && graph.node(o).dtype == node.dtype;
+        (fits && buf.class == StorageClass::Arena && buf.end == s).then_some(b)
+    })
+}

@@ -1,0 +1,106 @@
+//! Losses and metrics, composed from DSL ops (so autodiff differentiates them like any model code).
+//! Each reduces to the mean over the batch, as Keras's default `sum_over_batch_size` does.
+
+use crate::trace::Tensor;
+
+/// Keras's `backend.epsilon()`: the clamp of probabilities in binary cross-entropy.
+pub const EPSILON: f32 = 1e-7;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Loss {
+    /// On probabilities (a sigmoid output), clamped to [ε, 1-ε] as Keras does.
+    BinaryCrossEntropy,
+    /// On logits with one-hot (or soft) labels over the last axis; stable through log_softmax.
+    SoftmaxCrossEntropy,
+    MeanSquaredError,
+}
+
+impl Loss {
+    pub fn name(self) -> &'static str {
+        match self {
+            Loss::BinaryCrossEntropy => "binary_crossentropy",
+            Loss::SoftmaxCrossEntropy => "softmax_crossentropy",
+            Loss::MeanSquaredError => "mean_squared_error",
+        }
+    }
+
+    /// The scalar loss of `pred` against `target`.
+    #[track_caller]
+    pub fn apply(self, pred: &Tensor, target: &Tensor) -> Tensor {
+        match self {
+            Loss::BinaryCrossEntropy => binary_crossentropy(pred, target),
+            Loss::SoftmaxCrossEntropy => softmax_crossentropy(pred, target),
+            Loss::MeanSquaredError => mean_squared_error(pred, target),
+        }
+    }
+}
+
+/// Predictions and targets must agree exactly: broadcasting [32, 1] against [32] would silently
+/// build a [32, 32] loss.
+#[track_caller]
+fn same_shape(loss: &str, pred: &Tensor, target: &Tensor) -> Option<Tensor> {
+    if pred.id().is_some() && target.id().is_some() && pred.shape() != target.shape() {
+        return Some(pred.tracer().report(
+            loss,
+            format!("predictions {} and targets {} differ in shape", pred.shape(), target.shape()),
+            &[pred, target],
+            "give the targets the model output's shape (e.g. labels [batch, 1] for a Dense(1) output)",
+        ));
+    }
+    None
+}
+
+#[track_caller]
+pub fn binary_crossentropy(pred: &Tensor, target: &Tensor) -> Tensor {
+    if let Some(e) = same_shape("binary_crossentropy", pred, target) {
+        return e;
+    }
+    let p = pred.clamp(EPSILON, 1.0 - EPSILON);
+    let bce = target * p.log() + target.rsub(1.0) * p.rsub(1.0).log();
+    -bce.mean(.., false)
+}
+
+#[track_caller]
+pub fn softmax_crossentropy(logits: &Tensor, labels: &Tensor) -> Tensor {
+    if let Some(e) = same_shape("softmax_crossentropy", logits, labels) {
+        return e;
+    }
+    let per_example = -(labels * logits.log_softmax(-1)).sum(-1, false);
+    per_example.mean(.., false)
+}
+
+#[track_caller]
+pub fn mean_squared_error(pred: &Tensor, target: &Tensor) -> Tensor {
+    if let Some(e) = same_shape("mean_squared_error", pred, target) {
+        return e;
+    }
+    (pred - target).square().mean(.., false)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Metric {
+    /// Fraction of predictions on the right side of 0.5 (Keras's `binary_accuracy`).
+    BinaryAccuracy,
+    /// Fraction of rows whose largest logit is at the label's one-hot position.
+    CategoricalAccuracy,
+}
+
+impl Metric {
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::BinaryAccuracy => "accuracy",
+            Metric::CategoricalAccuracy => "accuracy",
+        }
+    }
+
+    #[track_caller]
+    pub fn apply(self, pred: &Tensor, target: &Tensor) -> Tensor {
+        match self {
+            Metric::BinaryAccuracy => pred.gt(0.5).eq(target).mean(.., false),
+            Metric::CategoricalAccuracy => {
+                let is_max = pred.eq(&pred.max(-1, true));
+                (target * is_max).sum(-1, false).mean(.., false)
+            }
+        }
+    }
+}

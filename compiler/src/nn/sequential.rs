@@ -1,0 +1,74 @@
+use super::Layer;
+use crate::trace::Tensor;
+use std::collections::HashMap;
+
+/// Layers applied in order, each in its own name scope.
+#[derive(Default)]
+pub struct Sequential {
+    layers: Vec<Box<dyn Layer>>,
+}
+
+impl Sequential {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn add(mut self, layer: impl Layer + 'static) -> Self {
+        self.layers.push(Box::new(layer));
+        self
+    }
+
+    pub fn push(&mut self, layer: impl Layer + 'static) {
+        self.layers.push(Box::new(layer));
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
+
+    /// The scope name of every layer, Keras style: `dense`, `dense_1`, ...
+    pub fn scope_names(&self) -> Vec<String> {
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        self.layers
+            .iter()
+            .map(|l| match l.name() {
+                Some(n) => n.to_string(),
+                None => {
+                    let c = counts.entry(l.kind()).or_default();
+                    let name = if *c == 0 { l.kind().to_string() } else { format!("{}_{}", l.kind(), c) };
+                    *c += 1;
+                    name
+                }
+            })
+            .collect()
+    }
+
+    /// Applies layers `range` only (used to split a model over devices).
+    pub fn forward_range(&self, x: &Tensor, range: std::ops::Range<usize>) -> Tensor {
+        let names = self.scope_names();
+        let tracer = x.tracer();
+        let mut h = x.clone();
+        for i in range {
+            h = tracer.scope(&names[i], || self.layers[i].forward(&h));
+        }
+        h
+    }
+}
+
+impl Layer for Sequential {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.forward_range(x, 0..self.layers.len())
+    }
+
+    fn kind(&self) -> &'static str {
+        "sequential"
+    }
+}

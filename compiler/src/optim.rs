@@ -1,0 +1,129 @@
+//! Optimizers as graph builders: each appends in-place update ops (effects) for every parameter,
+//! with its state in persistent variables keyed `optimizer/<parameter>/<slot>`. Defaults follow Keras.
+
+use crate::ir::{DType, Init, Op, Shape, VarRole};
+use crate::trace::Tensor;
+
+/// Stochastic gradient descent, optionally with (Nesterov) momentum, as Keras 3's `SGD`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    pub learning_rate: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+}
+
+impl Sgd {
+    pub fn new(learning_rate: f32) -> Self {
+        Sgd { learning_rate, momentum: 0.0, nesterov: false }
+    }
+
+    pub fn momentum(mut self, momentum: f32) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    pub fn nesterov(mut self) -> Self {
+        self.nesterov = true;
+        self
+    }
+}
+
+/// Adam with Keras's defaults: beta_1 0.9, beta_2 0.999, epsilon 1e-7.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adam {
+    pub learning_rate: f32,
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+}
+
+impl Adam {
+    pub fn new(learning_rate: f32) -> Self {
+        Adam { learning_rate, beta_1: 0.9, beta_2: 0.999, epsilon: 1e-7 }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Optimizer {
+    Sgd(Sgd),
+    Adam(Adam),
+}
+
+impl From<Sgd> for Optimizer {
+    fn from(o: Sgd) -> Self {
+        Optimizer::Sgd(o)
+    }
+}
+
+impl From<Adam> for Optimizer {
+    fn from(o: Adam) -> Self {
+        Optimizer::Adam(o)
+    }
+}
+
+/// The key of optimizer state `slot` for the parameter `key`.
+pub fn slot_key(key: &str, slot: &str) -> String {
+    format!("optimizer/{key}/{slot}")
+}
+
+pub const ITERATIONS_KEY: &str = "optimizer/iterations";
+
+impl Optimizer {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::Sgd(_) => "sgd",
+            Optimizer::Adam(_) => "adam",
+        }
+    }
+
+    /// Appends one update per (parameter, gradient) pair and returns the effect nodes.
+    pub fn apply(&self, updates: &[(Tensor, String, Tensor)]) -> Vec<Tensor> {
+        let Some((first, _, _)) = updates.first() else { return vec![] };
+        let tracer = first.tracer();
+        let state = |key: &str, slot: &str, shape: &Shape| {
+            tracer.variable(
+                &slot_key(key, slot),
+                shape.clone(),
+                DType::F32,
+                VarRole::OptimizerState,
+                Init::Zeros,
+            )
+        };
+        let mut effects = Vec::new();
+        match *self {
+            Optimizer::Sgd(o) => {
+                let op = Op::ApplySgd { lr: o.learning_rate, momentum: o.momentum, nesterov: o.nesterov };
+                for (var, key, grad) in updates {
+                    let effect = if o.momentum != 0.0 {
+                        let velocity = state(key, "velocity", var.shape());
+                        var.record(op.clone(), &[var, grad, &velocity])
+                    } else {
+                        var.record(op.clone(), &[var, grad])
+                    };
+                    effects.push(effect);
+                }
+            }
+            Optimizer::Adam(o) => {
+                let iterations = tracer.variable(
+                    ITERATIONS_KEY,
+                    Shape::scalar(),
+                    DType::F32,
+                    VarRole::Counter,
+                    Init::Zeros,
+                );
+                let op = Op::ApplyAdam {
+                    lr: o.learning_rate,
+                    beta1: o.beta_1,
+                    beta2: o.beta_2,
+                    epsilon: o.epsilon,
+                };
+                for (var, key, grad) in updates {
+                    let (m, v) = (state(key, "m", var.shape()), state(key, "v", var.shape()));
+                    effects.push(var.record(op.clone(), &[var, grad, &m, &v, &iterations]));
+                }
+                effects.push(iterations.record(Op::AssignAdd { value: 1.0 }, &[&iterations]));
+            }
+        }
+        effects
+    }
+}

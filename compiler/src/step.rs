@@ -1,0 +1,75 @@
+//! The graphs kiln compiles for a model: an inference call, and a training step (forward, loss,
+//! metrics, backward, optimizer updates), each traced for one set of input shapes.
+
+use crate::autodiff;
+use crate::error::{CompileError, Result};
+use crate::ir::{Graph, Op, Shape, VarRole};
+use crate::losses::{Loss, Metric};
+use crate::nn::Layer;
+use crate::optim::Optimizer;
+use crate::trace::Tracer;
+
+/// The graph of `model` applied to an input `x` of `x_shape`; output `y`.
+pub fn forward_graph(model: &dyn Layer, x_shape: &Shape) -> Result<Graph> {
+    let t = Tracer::new(format!("forward{x_shape}"));
+    let x = t.input("x", x_shape.clone());
+    let y = model.forward(&x);
+    t.output("y", &y);
+    t.finish()
+}
+
+/// What a training step computes besides the model.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub loss: Loss,
+    pub optimizer: Optimizer,
+    pub metrics: Vec<Metric>,
+}
+
+/// The graph of one training step on inputs `x` and targets `y`: outputs `loss` and one per
+/// metric; every parameter the loss depends on is updated in place by the optimizer.
+pub fn train_step_graph(
+    model: &dyn Layer,
+    x_shape: &Shape,
+    y_shape: &Shape,
+    cfg: &TrainConfig,
+) -> Result<Graph> {
+    let t = Tracer::new(format!("train{x_shape}"));
+    let x = t.input("x", x_shape.clone());
+    let y = t.input("y", y_shape.clone());
+    let pred = model.forward(&x);
+    let loss = cfg.loss.apply(&pred, &y);
+    t.output("loss", &loss);
+    for m in &cfg.metrics {
+        t.output(m.name(), &m.apply(&pred, &y));
+    }
+    let graph = t.finish()?;
+
+    let loss = graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;
+    let params: Vec<_> = graph
+        .variables()
+        .into_iter()
+        .filter(|&v| matches!(graph.node(v).op, Op::Variable { role: VarRole::Parameter, .. }))
+        .collect();
+    let (graph, grads) = autodiff::gradients(graph, loss, &params)?;
+    let t = Tracer::resume(graph);
+    let updates: Vec<_> = params
+        .iter()
+        .zip(&grads)
+        .filter_map(|(&p, g)| {
+            let key = match &t.with_graph(|gr| gr.node(p).op.clone()) {
+                Op::Variable { key, .. } => key.clone(),
+                _ => return None,
+            };
+            g.map(|g| (t.tensor(p), key, t.tensor(g)))
+        })
+        .collect();
+    if updates.is_empty() {
+        return Err(CompileError::invalid(
+            "the loss does not depend on any trainable parameter",
+            "train a model that declares parameters (e.g. a Dense layer) and feeds the loss",
+        ));
+    }
+    cfg.optimizer.apply(&updates);
+    t.finish()
+}

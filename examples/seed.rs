@@ -1,0 +1,18 @@
+//! The seed documents' model, trained the way `cargo run --release` does:
+//! Dense(10, relu) -> Dense(1, sigmoid), Adam(0.01), binary cross-entropy, 1000x100 random inputs
+//! with random labels, 5 epochs of batch 32; then the memory report of both plans (batch 32 and
+//! the last batch of 8).
+//!
+//!     cargo run --release --example seed
+
+use kiln::{Device, seed};
+use std::time::Instant;
+
+fn main() -> kiln::Result<()> {
+    let (device, why) = Device::best();
+    println!("training the seed model on {device:?} ({why})");
+    let start = Instant::now();
+    let run = seed::run(&device, true)?;
+    print!("{}", seed::summary(&run, start.elapsed()));
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! Host memory allocated once, 256-byte aligned and zeroed: the CPU arena, io regions, variables.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+pub const ALIGN: usize = 256;
+
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    bytes: usize,
+}
+
+// SAFETY: the buffer owns its allocation; access goes through &self / &mut self or raw pointers
+// whose use the executor orders.
+unsafe impl Send for HostBuffer {}
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    pub fn zeroed(bytes: usize) -> Self {
+        if bytes == 0 {
+            // A dangling pointer aligned to ALIGN: valid for zero-sized access.
+            let ptr = NonNull::new(ALIGN as *mut u8).expect("non-null");
+            return HostBuffer { ptr, bytes };
+        }
+        let layout = Layout::from_size_align(bytes, ALIGN).expect("valid layout");
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        HostBuffer { ptr, bytes }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// `count` f32s at byte `offset`.
+    pub fn f32s(&self, offset: usize, count: usize) -> &[f32] {
+        assert!(offset % 4 == 0 && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
+        // SAFETY: in bounds (checked), aligned (offset multiple of 4, base 256-aligned), initialised (zeroed).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset) as *const f32, count) }
+    }
+
+    pub fn f32s_mut(&mut self, offset: usize, count: usize) -> &mut [f32] {
+        assert!(offset % 4 == 0 && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
+        // SAFETY: as in `f32s`, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset) as *mut f32, count) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            let layout = Layout::from_size_align(self.bytes, ALIGN).expect("valid layout");
+            // SAFETY: allocated in `zeroed` with this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! Variable initialisers, as Keras computes them. Each variable draws from its own generator,
+//! seeded by the session seed and the variable's key, so values do not depend on the order in
+//! which variables are first seen.
+
+use kiln_compiler::ir::{Init, Shape};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+pub fn initial_values(init: Init, shape: &Shape, seed: u64, key: &str) -> Vec<f32> {
+    let n = shape.numel();
+    let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(key));
+    match init {
+        Init::Zeros => vec![0.0; n],
+        Init::Constant(c) => vec![c; n],
+        Init::GlorotUniform => {
+            let (fan_in, fan_out) = Init::fans(shape);
+            let limit = (6.0 / (fan_in + fan_out).max(1) as f32).sqrt();
+            (0..n).map(|_| rng.random_range(-limit..limit)).collect()
+        }
+        Init::Uniform { low, high } => (0..n).map(|_| rng.random_range(low..high)).collect(),
+        Init::Normal { mean, std } => match Normal::new(mean, std) {
+            Ok(d) => (0..n).map(|_| d.sample(&mut rng)).collect(),
+            Err(_) => vec![mean; n],
+        },
+    }
+}
+
+/// A stable 64-bit hash of a key (FNV-1a), independent of the std hasher's per-process seed.
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}

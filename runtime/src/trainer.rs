@@ -1,0 +1,248 @@
+//! Keras-like training over compiled plans.
+//!
+//! A `Trainer` holds a model, its loss, metrics and optimizer, and a backend. Each distinct input
+//! shape gets its own plan, compiled on first use and cached — as `tf.function` retraces per
+//! input signature — so a last batch of 8 rows after batches of 32 compiles a second plan that
+//! shares every variable with the first.
+
+use crate::backend::{Backend, ProgramId};
+use crate::error::{Result, RuntimeError};
+use crate::tensor::HostTensor;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kiln_compiler::ir::Shape;
+use kiln_compiler::nn::Layer;
+use kiln_compiler::step::{TrainConfig, forward_graph, train_step_graph};
+use kiln_compiler::{CompileOptions, Plan, compile};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct FitOptions {
+    pub epochs: usize,
+    pub batch_size: usize,
+    /// Shuffle the rows every epoch (Keras's default).
+    pub shuffle: bool,
+    pub seed: u64,
+    /// Progress bar and one line per epoch on stderr.
+    pub verbose: bool,
+}
+
+impl Default for FitOptions {
+    fn default() -> Self {
+        FitOptions { epochs: 1, batch_size: 32, shuffle: true, seed: 0, verbose: true }
+    }
+}
+
+/// Loss and metrics of one step, or averaged over an epoch (weighted by batch rows, as Keras).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logs {
+    pub loss: f32,
+    pub metrics: Vec<(String, f32)>,
+}
+
+impl Logs {
+    pub fn metric(&self, name: &str) -> Option<f32> {
+        self.metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    pub epochs: Vec<Logs>,
+}
+
+pub struct Trainer {
+    model: Box<dyn Layer>,
+    config: TrainConfig,
+    backend: Box<dyn Backend>,
+    options: CompileOptions,
+    train_programs: HashMap<(Shape, Shape), ProgramId>,
+    predict_programs: HashMap<Shape, ProgramId>,
+    compile_time: Duration,
+}
+
+impl Trainer {
+    pub fn new(model: impl Layer + 'static, config: TrainConfig, backend: Box<dyn Backend>) -> Self {
+        Trainer {
+            model: Box::new(model),
+            config,
+            backend,
+            options: CompileOptions::default(),
+            train_programs: HashMap::new(),
+            predict_programs: HashMap::new(),
+            compile_time: Duration::ZERO,
+        }
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
+    pub fn backend_mut(&mut self) -> &mut dyn Backend {
+        self.backend.as_mut()
+    }
+
+    /// Time spent tracing, differentiating and planning so far.
+    pub fn compile_time(&self) -> Duration {
+        self.compile_time
+    }
+
+    /// Every plan compiled so far: training steps first, then inference, each in order of first use.
+    pub fn plans(&self) -> Vec<&Plan> {
+        let mut ids: Vec<ProgramId> = self.train_programs.values().copied().collect();
+        ids.sort_unstable();
+        let mut predict: Vec<ProgramId> = self.predict_programs.values().copied().collect();
+        predict.sort_unstable();
+        ids.extend(predict);
+        ids.into_iter().map(|id| self.backend.plan(id)).collect()
+    }
+
+    /// The training-step program for these shapes, compiled on first use.
+    pub fn train_program(&mut self, x: &Shape, y: &Shape) -> Result<ProgramId> {
+        if let Some(&id) = self.train_programs.get(&(x.clone(), y.clone())) {
+            return Ok(id);
+        }
+        let start = Instant::now();
+        let graph = train_step_graph(self.model.as_ref(), x, y, &self.config)?;
+        let plan = compile(graph, &self.options)?;
+        self.compile_time += start.elapsed();
+        let id = self.backend.load(plan)?;
+        self.train_programs.insert((x.clone(), y.clone()), id);
+        Ok(id)
+    }
+
+    fn predict_program(&mut self, x: &Shape) -> Result<ProgramId> {
+        if let Some(&id) = self.predict_programs.get(x) {
+            return Ok(id);
+        }
+        let start = Instant::now();
+        let plan = compile(forward_graph(self.model.as_ref(), x)?, &self.options)?;
+        self.compile_time += start.elapsed();
+        let id = self.backend.load(plan)?;
+        self.predict_programs.insert(x.clone(), id);
+        Ok(id)
+    }
+
+    /// One optimizer step on a batch.
+    pub fn train_step(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
+        let id = self.train_program(x.shape(), y.shape())?;
+        self.backend.set_input(id, "x", x.shape(), x.data())?;
+        self.backend.set_input(id, "y", y.shape(), y.data())?;
+        self.backend.run(id)?;
+        self.logs(id)
+    }
+
+    fn logs(&self, id: ProgramId) -> Result<Logs> {
+        let scalar = |name: &str| -> Result<f32> {
+            let t = self.backend.output(id, name)?;
+            t.item().ok_or_else(|| RuntimeError::invalid(format!("output `{name}` is not a scalar"), ""))
+        };
+        let metrics = self.config.metrics.iter().map(|m| Ok((m.name().to_string(), scalar(m.name())?)));
+        Ok(Logs { loss: scalar("loss")?, metrics: metrics.collect::<Result<_>>()? })
+    }
+
+    /// The model's output for `x`, computed in one batch.
+    pub fn predict(&mut self, x: &HostTensor) -> Result<HostTensor> {
+        let id = self.predict_program(x.shape())?;
+        self.backend.set_input(id, "x", x.shape(), x.data())?;
+        self.backend.run(id)?;
+        self.backend.output(id, "y")
+    }
+
+    /// Trains on `x` and `y` (rows along the first axis) for `opts.epochs` epochs of
+    /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows.
+    pub fn fit(&mut self, x: &HostTensor, y: &HostTensor, opts: &FitOptions) -> Result<History> {
+        let rows = x.shape().dims().first().copied().unwrap_or(0);
+        if y.shape().dims().first() != Some(&rows) || rows == 0 || opts.batch_size == 0 {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "fit got inputs {} and targets {} with batch size {}",
+                    x.shape(),
+                    y.shape(),
+                    opts.batch_size
+                ),
+                "inputs and targets need the same number of rows (at least one), and the batch size must be positive",
+            ));
+        }
+        let batches = rows.div_ceil(opts.batch_size);
+        let mut order: Vec<usize> = (0..rows).collect();
+        let mut rng = StdRng::seed_from_u64(opts.seed);
+        let (mut xb, mut yb) = (Vec::new(), Vec::new());
+        let mut history = History::default();
+        for epoch in 0..opts.epochs {
+            if opts.shuffle {
+                order.shuffle(&mut rng);
+            }
+            let bar = progress_bar(batches, epoch, opts);
+            let mut sums: Option<Logs> = None;
+            for b in 0..batches {
+                let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(rows)];
+                x.gather_rows_into(idx, &mut xb);
+                y.gather_rows_into(idx, &mut yb);
+                let xs = with_rows(x.shape(), idx.len());
+                let ys = with_rows(y.shape(), idx.len());
+                let id = self.train_program(&xs, &ys)?;
+                self.backend.set_input(id, "x", &xs, &xb)?;
+                self.backend.set_input(id, "y", &ys, &yb)?;
+                self.backend.run(id)?;
+                let logs = self.logs(id)?;
+                let w = idx.len() as f32;
+                match &mut sums {
+                    None => {
+                        sums = Some(Logs {
+                            loss: logs.loss * w,
+                            metrics: logs.metrics.iter().map(|(n, v)| (n.clone(), v * w)).collect(),
+                        })
+                    }
+                    Some(s) => {
+                        s.loss += logs.loss * w;
+                        for (acc, (_, v)) in s.metrics.iter_mut().zip(&logs.metrics) {
+                            acc.1 += v * w;
+                        }
+                    }
+                }
+                bar.inc(1);
+            }
+            let mut logs = sums.unwrap_or(Logs { loss: 0.0, metrics: vec![] });
+            logs.loss /= rows as f32;
+            for m in &mut logs.metrics {
+                m.1 /= rows as f32;
+            }
+            bar.finish_and_clear();
+            if opts.verbose {
+                eprintln!("Epoch {}/{} - {}", epoch + 1, opts.epochs, format_logs(&logs));
+            }
+            history.epochs.push(logs);
+        }
+        Ok(history)
+    }
+}
+
+fn with_rows(shape: &Shape, rows: usize) -> Shape {
+    let mut dims = shape.dims().to_vec();
+    dims[0] = rows;
+    Shape::new(dims)
+}
+
+pub fn format_logs(logs: &Logs) -> String {
+    let mut s = format!("loss: {:.4}", logs.loss);
+    for (n, v) in &logs.metrics {
+        s.push_str(&format!(" - {n}: {v:.4}"));
+    }
+    s
+}
+
+fn progress_bar(batches: usize, epoch: usize, opts: &FitOptions) -> ProgressBar {
+    if !opts.verbose {
+        return ProgressBar::with_draw_target(Some(batches as u64), ProgressDrawTarget::hidden());
+    }
+    let bar = ProgressBar::new(batches as u64);
+    let style = ProgressStyle::with_template("Epoch {msg} {bar:30} {pos}/{len} [{elapsed_precise}]")
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_message(format!("{}/{}", epoch + 1, opts.epochs));
+    bar
+}

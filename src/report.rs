@@ -1,0 +1,123 @@
+//! The memory report: every figure computed from a plan (DESIGN.md defines them), as a table.
+
+use kiln_compiler::Plan;
+use std::fmt::Write;
+
+/// The memory figures of one plan, in bytes.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PlanMemory {
+    pub plan: String,
+    pub naive_bytes: usize,
+    pub lower_bound_bytes: usize,
+    pub arena_bytes: usize,
+    pub parameter_bytes: usize,
+    pub optimizer_state_bytes: usize,
+    pub io_bytes: usize,
+    pub persistent_bytes: usize,
+    pub planned_total_bytes: usize,
+    pub algorithm: String,
+}
+
+impl PlanMemory {
+    pub fn of(plan: &Plan) -> Self {
+        let m = &plan.memory;
+        PlanMemory {
+            plan: plan.name.clone(),
+            naive_bytes: m.naive_bytes,
+            lower_bound_bytes: m.lower_bound_bytes,
+            arena_bytes: m.arena_bytes,
+            parameter_bytes: m.parameter_bytes,
+            optimizer_state_bytes: m.optimizer_state_bytes,
+            io_bytes: m.io_bytes,
+            persistent_bytes: m.persistent_bytes,
+            planned_total_bytes: m.planned_total_bytes(),
+            algorithm: m.algorithm.clone(),
+        }
+    }
+
+    /// arena / lower bound (1.0 is optimal for this schedule).
+    pub fn arena_over_bound(&self) -> f64 {
+        ratio(self.arena_bytes, self.lower_bound_bytes)
+    }
+
+    /// naive / arena: how much reuse saved.
+    pub fn naive_over_arena(&self) -> f64 {
+        ratio(self.naive_bytes, self.arena_bytes)
+    }
+}
+
+pub fn ratio(a: usize, b: usize) -> f64 {
+    if b == 0 { if a == 0 { 1.0 } else { f64::INFINITY } } else { a as f64 / b as f64 }
+}
+
+/// Bytes with thousands separators: 1234567 -> "1,234,567".
+pub fn bytes(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A table of plans' memory, one row a plan.
+pub fn table(rows: &[PlanMemory]) -> String {
+    let headers = [
+        "plan",
+        "persistent B",
+        "params B",
+        "opt state B",
+        "io B",
+        "arena B",
+        "lower bound B",
+        "naive B",
+        "arena/bound",
+        "naive/arena",
+    ];
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.plan.clone(),
+                bytes(r.persistent_bytes),
+                bytes(r.parameter_bytes),
+                bytes(r.optimizer_state_bytes),
+                bytes(r.io_bytes),
+                bytes(r.arena_bytes),
+                bytes(r.lower_bound_bytes),
+                bytes(r.naive_bytes),
+                format!("{:.3}", r.arena_over_bound()),
+                format!("{:.2}x", r.naive_over_arena()),
+            ]
+        })
+        .collect();
+    render_table(&headers, &cells)
+}
+
+/// Left-aligns the first column, right-aligns the rest.
+pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..headers.len())
+        .map(|c| rows.iter().map(|r| r[c].len()).chain([headers[c].len()]).max().unwrap_or(0))
+        .collect();
+    let mut s = String::new();
+    let line = |s: &mut String, cells: &[String]| {
+        for (c, cell) in cells.iter().enumerate() {
+            if c == 0 {
+                let _ = write!(s, "{cell:<w$}", w = widths[c]);
+            } else {
+                let _ = write!(s, "  {cell:>w$}", w = widths[c]);
+            }
+        }
+        s.push('\n');
+    };
+    line(&mut s, &headers.iter().map(|h| h.to_string()).collect::<Vec<_>>());
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    line(&mut s, &rule);
+    for r in rows {
+        line(&mut s, r);
+    }
+    s
+}

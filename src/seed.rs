@@ -1,0 +1,56 @@
+//! The seed run: the seed documents' model trained on 1000 random rows of 100 features with
+//! random 0/1 labels, 5 epochs of batch 32 (the last batch of each epoch has 8 rows).
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::report::{PlanMemory, table};
+use crate::zoo;
+use kiln_runtime::{FitOptions, History, HostTensor, Trainer};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+pub const ROWS: usize = 1000;
+pub const FEATURES: usize = 100;
+
+/// Uniform [0, 1) inputs and random 0/1 labels, as `np.random.random` and `np.random.randint(2)`.
+pub fn data(seed: u64) -> (HostTensor, HostTensor) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let x = HostTensor::from_fn([ROWS, FEATURES], |_| rng.random::<f32>());
+    let y = HostTensor::from_fn([ROWS, 1], |_| if rng.random::<bool>() { 1.0 } else { 0.0 });
+    (x, y)
+}
+
+/// The result of a seed run: the trainer (with its plans) and the per-epoch history.
+pub struct SeedRun {
+    pub trainer: Trainer,
+    pub history: History,
+}
+
+/// Trains the seed model on `device`; `verbose` draws progress bars and epoch lines.
+pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
+    let (x, y) = data(42);
+    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7));
+    let opts = FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose };
+    let history = trainer.fit(&x, &y, &opts)?;
+    Ok(SeedRun { trainer, history })
+}
+
+/// The run's epochs, timing and memory report, as `cargo run --release` prints them.
+pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
+    let mut s = String::new();
+    for (i, logs) in run.history.epochs.iter().enumerate() {
+        s.push_str(&format!("epoch {}: {}\n", i + 1, kiln_runtime::trainer::format_logs(logs)));
+    }
+    s.push_str(&format!(
+        "trained in {:.1} ms (compile {:.2} ms) on {}\n",
+        elapsed.as_secs_f64() * 1e3,
+        run.trainer.compile_time().as_secs_f64() * 1e3,
+        run.trainer.backend().describe()
+    ));
+    let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
+    s.push_str(&format!(
+        "\nmemory report (bytes; persistent = parameters + optimizer state + io; one plan per input shape)\n{}",
+        table(&rows)
+    ));
+    s
+}

@@ -1,0 +1,165 @@
+//! Shared test helpers: run one test body on every backend, and check gradients against central
+//! finite differences.
+
+#![allow(dead_code)]
+
+use kiln::compiler::autodiff::gradients;
+use kiln::compiler::ir::Shape;
+use kiln::prelude::*;
+use kiln::runtime::ProgramId;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// Defines `mod $name { fn cpu() }` running `$body(&mut dyn Backend)` on each backend, as candle's
+/// `test_device!` does. Backends that cannot run here say why on stderr and pass.
+#[macro_export]
+macro_rules! backend_test {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            #[test]
+            fn cpu() {
+                let mut backend = kiln::runtime::CpuBackend::new(0);
+                ($body)(&mut backend as &mut dyn kiln::runtime::Backend);
+            }
+        }
+    };
+}
+
+/// How a test input is drawn.
+#[derive(Clone, Copy, Debug)]
+pub enum Draw {
+    /// Standard normal.
+    Normal,
+    /// Uniform in [0.5, 2): for log, sqrt, pow bases, divisors.
+    Positive,
+    /// Magnitude in [0.2, 1.5) with a random sign: away from the kinks of relu, abs, sign.
+    AwayFromZero,
+    /// A random permutation of evenly spaced values: no ties for max and max-pooling.
+    Distinct,
+    /// Integers in [0, n) stored as f32 (ids for gather).
+    Ids(usize),
+    /// 0.0 or 1.0.
+    Mask,
+}
+
+pub fn draw(shape: &Shape, how: Draw, rng: &mut StdRng) -> HostTensor {
+    let n = shape.numel();
+    let data: Vec<f32> = match how {
+        Draw::Normal => (0..n).map(|_| normal(rng)).collect(),
+        Draw::Positive => (0..n).map(|_| rng.random_range(0.5..2.0)).collect(),
+        Draw::AwayFromZero => (0..n)
+            .map(|_| rng.random_range(0.2f32..1.5) * if rng.random::<bool>() { 1.0 } else { -1.0 })
+            .collect(),
+        Draw::Distinct => {
+            let mut v: Vec<f32> = (0..n).map(|i| (i as f32 - n as f32 / 2.0) * 0.1).collect();
+            for i in (1..n).rev() {
+                v.swap(i, rng.random_range(0..=i));
+            }
+            v
+        }
+        Draw::Ids(k) => (0..n).map(|_| rng.random_range(0..k) as f32).collect(),
+        Draw::Mask => (0..n).map(|_| if rng.random::<bool>() { 1.0 } else { 0.0 }).collect(),
+    };
+    HostTensor::new(shape.clone(), data).expect("shape and data agree")
+}
+
+fn normal(rng: &mut StdRng) -> f32 {
+    // Box-Muller: enough for test data.
+    let (u, v): (f32, f32) = (rng.random_range(1e-6..1.0), rng.random());
+    (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+}
+
+fn seed_of(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Runs a compiled graph on `backend` with `inputs` fed by name.
+pub fn run_graph(
+    backend: &mut dyn Backend,
+    graph: kiln::compiler::ir::Graph,
+    inputs: &[(String, HostTensor)],
+) -> (ProgramId, Vec<(String, HostTensor)>) {
+    let plan = compile(graph, &CompileOptions::default()).expect("compiles");
+    let id = backend.load(plan).expect("loads");
+    let feed: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let out = backend.call(id, &feed).expect("runs");
+    (id, out)
+}
+
+/// Checks d loss / d input for the inputs in `wrt`, where loss = sum(f(inputs) * r) for a fixed
+/// random r, against central differences with step 1e-2. Tolerance: 2e-3 + 2e-2 |numeric|.
+pub fn check_gradients(
+    backend: &mut dyn Backend,
+    name: &str,
+    inputs: &[(Shape, Draw)],
+    wrt: &[usize],
+    f: impl Fn(&[Tensor]) -> Tensor,
+) {
+    let mut rng = StdRng::seed_from_u64(seed_of(name));
+    let data: Vec<HostTensor> = inputs.iter().map(|(s, d)| draw(s, *d, &mut rng)).collect();
+    let trace = |with_grads: bool| {
+        let t = Tracer::new(name);
+        let xs: Vec<Tensor> =
+            inputs.iter().enumerate().map(|(i, (s, _))| t.input(&format!("x{i}"), s.clone())).collect();
+        let out = f(&xs);
+        let r = t.input("r", out.shape().clone());
+        let loss = (&out * &r).sum(.., false);
+        t.output("loss", &loss);
+        let graph = t.finish().unwrap_or_else(|e| panic!("{name}: {e}"));
+        if !with_grads {
+            return (graph, vec![]);
+        }
+        let targets: Vec<_> = wrt.iter().map(|&i| xs[i].id().expect("traced")).collect();
+        let (mut graph, grads) =
+            gradients(graph, loss.id().expect("traced"), &targets).expect("differentiates");
+        let mut names = vec![];
+        for (k, g) in grads.into_iter().enumerate() {
+            let g = g.unwrap_or_else(|| panic!("{name}: no gradient for input {}", wrt[k]));
+            graph.set_output(format!("g{k}"), g);
+            names.push(format!("g{k}"));
+        }
+        (graph, names)
+    };
+    let out_shape = {
+        let t = Tracer::new("shape");
+        let xs: Vec<Tensor> =
+            inputs.iter().enumerate().map(|(i, (s, _))| t.input(&format!("x{i}"), s.clone())).collect();
+        f(&xs).shape().clone()
+    };
+    let r = draw(&out_shape, Draw::Normal, &mut rng);
+    let mut feed: Vec<(String, HostTensor)> =
+        data.iter().enumerate().map(|(i, d)| (format!("x{i}"), d.clone())).collect();
+    feed.push(("r".into(), r));
+
+    let (graph, grad_names) = trace(true);
+    let (_, outputs) = run_graph(backend, graph, &feed);
+    let (fwd_graph, _) = trace(false);
+    let plan = compile(fwd_graph, &CompileOptions::default()).expect("compiles");
+    let fwd = backend.load(plan).expect("loads");
+    for (k, &i) in wrt.iter().enumerate() {
+        let analytic = &outputs.iter().find(|(n, _)| *n == grad_names[k]).expect("gradient output").1;
+        assert_eq!(analytic.shape(), &inputs[i].0, "{name}: gradient shape of input {i}");
+        let eps = 1e-2f32;
+        for e in 0..data[i].data().len() {
+            let mut loss_at = |delta: f32| {
+                let mut x = feed[i].1.clone();
+                x.data_mut()[e] += delta;
+                for (n, t) in feed.iter().enumerate() {
+                    let t = if n == i { &x } else { &t.1 };
+                    backend.set_input(fwd, &feed[n].0, t.shape(), t.data()).expect("feeds");
+                }
+                backend.run(fwd).expect("runs");
+                backend.output(fwd, "loss").expect("loss").item().expect("scalar")
+            };
+            let numeric = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
+            let a = analytic.data()[e];
+            let tol = 2e-3 + 2e-2 * numeric.abs();
+            assert!(
+                (a - numeric).abs() <= tol,
+                "{name}: d/dx{i}[{e}] analytic {a} vs numeric {numeric} (tolerance {tol})"
+            );
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Every differentiable op's gradient against central finite differences, on every backend.
+
+mod common;
+
+use common::{Draw, check_gradients};
+use kiln::compiler::ir::{Padding, Shape};
+use kiln::compiler::losses;
+use kiln::prelude::*;
+
+fn s(d: &[usize]) -> Shape {
+    Shape::from(d)
+}
+
+macro_rules! grad_test {
+    ($name:ident, [$(($shape:expr, $draw:expr)),+ $(,)?], $wrt:expr, $f:expr) => {
+        backend_test!($name, |b: &mut dyn Backend| {
+            check_gradients(b, stringify!($name), &[$((s(&$shape), $draw)),+], &$wrt, $f)
+        });
+    };
+}
+
+// ---- unary
+grad_test!(neg, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| -&x[0]);
+grad_test!(abs, [([3, 4], Draw::AwayFromZero)], [0], |x: &[Tensor]| x[0].abs());
+grad_test!(relu, [([3, 4], Draw::AwayFromZero)], [0], |x: &[Tensor]| x[0].relu());
+grad_test!(sigmoid, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].sigmoid());
+grad_test!(tanh, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].tanh());
+grad_test!(gelu, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].gelu());
+grad_test!(exp, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].exp());
+grad_test!(log, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].log());
+grad_test!(sqrt, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].sqrt());
+grad_test!(rsqrt, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].rsqrt());
+grad_test!(square, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].square());
+grad_test!(reciprocal, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].reciprocal());
+
+// ---- binary, with broadcasting both ways
+grad_test!(add, [([3, 4], Draw::Normal), ([4], Draw::Normal)], [0, 1], |x: &[Tensor]| &x[0] + &x[1]);
+grad_test!(sub, [([3, 1], Draw::Normal), ([2, 1, 4], Draw::Normal)], [0, 1], |x: &[Tensor]| &x[0] - &x[1]);
+grad_test!(mul, [([2, 3, 4], Draw::Normal), ([3, 1], Draw::Normal)], [0, 1], |x: &[Tensor]| &x[0] * &x[1]);
+grad_test!(div, [([3, 4], Draw::Normal), ([1, 4], Draw::Positive)], [0, 1], |x: &[Tensor]| &x[0] / &x[1]);
+grad_test!(pow, [([3, 4], Draw::Positive), ([3, 4], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0].pow(&x[1]));
+grad_test!(maximum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| x[0]
+    .maximum(&x[1]));
+grad_test!(minimum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| x[0]
+    .minimum(&x[1]));
+grad_test!(
+    select,
+    [([3, 4], Draw::Mask), ([3, 4], Draw::Normal), ([4], Draw::Normal)],
+    [1, 2],
+    |x: &[Tensor]| { x[0].select(&x[1], &x[2]) }
+);
+
+// ---- with a scalar
+grad_test!(scalar_add_mul, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| (&x[0] + 2.0) * 3.0);
+grad_test!(scalar_rsub_rdiv, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| 1.0 - 2.0 / &x[0]);
+grad_test!(scalar_pow, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].pow(3.0)
+    + x[0].pow(2.0)
+    + x[0].pow(0.5));
+grad_test!(clamp, [([3, 4], Draw::AwayFromZero)], [0], |x: &[Tensor]| x[0].clamp(-0.9, 0.9) * 1.5);
+
+// ---- matmul: every transpose, batched with broadcasting
+grad_test!(matmul, [([3, 5], Draw::Normal), ([5, 4], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0]
+    .matmul(&x[1]));
+grad_test!(matmul_ta, [([5, 3], Draw::Normal), ([5, 4], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0]
+    .matmul_t(&x[1], true, false));
+grad_test!(matmul_tb, [([3, 5], Draw::Normal), ([4, 5], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0]
+    .matmul_t(&x[1], false, true));
+grad_test!(matmul_tab, [([5, 3], Draw::Normal), ([4, 5], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0]
+    .matmul_t(&x[1], true, true));
+grad_test!(matmul_batched, [([2, 3, 4], Draw::Normal), ([4, 2], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0]
+    .matmul(&x[1]));
+grad_test!(
+    matmul_batch_broadcast,
+    [([2, 1, 3, 4], Draw::Normal), ([3, 4, 2], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].matmul(&x[1]) }
+);
+
+// ---- layout
+grad_test!(reshape, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].reshape([2, 6]).sigmoid());
+grad_test!(permute, [([2, 3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].permute(&[2, 0, 1]));
+grad_test!(transpose, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].t());
+grad_test!(broadcast_to, [([3, 1], Draw::Normal)], [0], |x: &[Tensor]| x[0].broadcast_to([2, 3, 4]));
+grad_test!(copy, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].copy());
+grad_test!(
+    concat,
+    [([2, 3], Draw::Normal), ([2, 1], Draw::Normal), ([2, 2], Draw::Normal)],
+    [0, 1, 2],
+    |x: &[Tensor]| { x[0].concat(&[&x[1], &x[2]], 1) }
+);
+grad_test!(slice, [([4, 5], Draw::Normal)], [0], |x: &[Tensor]| x[0].slice(1, 1, 3));
+grad_test!(pad, [([3, 2], Draw::Normal)], [0], |x: &[Tensor]| x[0].pad(0, 1, 2));
+
+// ---- reductions and normalisers
+grad_test!(sum, [([2, 3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].sum([0, 2], false));
+grad_test!(sum_keepdims, [([2, 3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].sum(1, true));
+grad_test!(mean, [([2, 3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].mean(-1, false));
+grad_test!(mean_all, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].mean(.., false));
+grad_test!(max, [([3, 4], Draw::Distinct)], [0], |x: &[Tensor]| x[0].max(1, false));
+grad_test!(max_keepdims, [([2, 3, 4], Draw::Distinct)], [0], |x: &[Tensor]| x[0].max([0, 2], true));
+grad_test!(softmax, [([3, 5], Draw::Normal)], [0], |x: &[Tensor]| x[0].softmax(-1));
+grad_test!(softmax_axis0, [([3, 5], Draw::Normal)], [0], |x: &[Tensor]| x[0].softmax(0));
+grad_test!(log_softmax, [([3, 5], Draw::Normal)], [0], |x: &[Tensor]| x[0].log_softmax(-1));
+
+// ---- convolution, pooling, embedding
+grad_test!(
+    conv2d_same,
+    [([2, 5, 5, 3], Draw::Normal), ([3, 3, 3, 2], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d(&x[1], [1, 1], Padding::Same) }
+);
+grad_test!(
+    conv2d_valid_stride2,
+    [([1, 7, 6, 2], Draw::Normal), ([3, 2, 2, 3], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d(&x[1], [2, 2], Padding::Valid) }
+);
+grad_test!(
+    conv2d_same_stride2,
+    [([1, 6, 6, 2], Draw::Normal), ([3, 3, 2, 2], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d(&x[1], [2, 2], Padding::Same) }
+);
+grad_test!(max_pool2d, [([2, 4, 4, 3], Draw::Distinct)], [0], |x: &[Tensor]| x[0].max_pool2d(
+    [2, 2],
+    [2, 2],
+    Padding::Valid
+));
+grad_test!(max_pool2d_overlapping, [([1, 5, 5, 2], Draw::Distinct)], [0], |x: &[Tensor]| {
+    x[0].max_pool2d([3, 3], [2, 2], Padding::Same)
+});
+grad_test!(avg_pool2d, [([2, 5, 5, 2], Draw::Normal)], [0], |x: &[Tensor]| x[0].avg_pool2d(
+    [2, 2],
+    [2, 2],
+    Padding::Same
+));
+grad_test!(gather, [([6, 3], Draw::Normal), ([2, 4], Draw::Ids(6))], [0], |x: &[Tensor]| x[0].gather(&x[1]));
+
+// ---- losses (gradients with respect to the predictions)
+grad_test!(binary_crossentropy, [([6, 1], Draw::Positive), ([6, 1], Draw::Mask)], [0], |x: &[Tensor]| {
+    losses::binary_crossentropy(&(&x[0] * 0.4), &x[1])
+});
+grad_test!(softmax_crossentropy, [([4, 5], Draw::Normal), ([4, 5], Draw::Mask)], [0], |x: &[Tensor]| {
+    losses::softmax_crossentropy(&x[0], &x[1])
+});
+grad_test!(mean_squared_error, [([4, 3], Draw::Normal), ([4, 3], Draw::Normal)], [0, 1], |x: &[Tensor]| {
+    losses::mean_squared_error(&x[0], &x[1])
+});
+
+// ---- a whole layer: gradients flow through Dense's parameters' consumers
+grad_test!(
+    dense_chain,
+    [([4, 3], Draw::Normal), ([3, 5], Draw::Normal), ([5], Draw::Normal)],
+    [0, 1, 2],
+    |x: &[Tensor]| { (x[0].matmul(&x[1]) + &x[2]).tanh() }
+);
