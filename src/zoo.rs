@@ -1,9 +1,202 @@
-//! The model zoo: models the examples, tests and benchmarks build by name.
+//! The model zoo: models the examples, tests and benchmarks build by name and batch size.
+//!
+//! | name | model | batch |
+//! |---|---|---|
+//! | `seed-mlp` | 100 -> 10 relu -> 1 sigmoid, binary cross-entropy, Adam(0.01) | 32 |
+//! | `mlp` | 784 -> 1024 relu -> 1024 relu -> 10, softmax cross-entropy, Adam(1e-3) | 256 |
+//! | `cnn` | 32x32x3: (3x3 conv 32 relu) x2, max-pool, (3x3 conv 64 relu) x2, max-pool, dense 128 relu, dense 10 | 64 |
+//! | `transformer` | embedding 1000x256, one pre-LN block (4 heads, GELU MLP 1024), LN, dense 1000; sequence 128 | 8 |
 
+use kiln_compiler::ir::{Padding, Shape};
 use kiln_compiler::losses::{Loss, Metric};
-use kiln_compiler::nn::{Dense, Sequential};
+use kiln_compiler::nn::{
+    Activation, Conv2D, Dense, Embedding, Flatten, LayerNorm, MultiHeadAttention, Pool2D, Residual,
+    Sequential,
+};
 use kiln_compiler::optim::Adam;
 use kiln_compiler::step::TrainConfig;
+use kiln_runtime::HostTensor;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// How a zoo model's inputs or targets are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Data {
+    /// Uniform in [0, 1).
+    Uniform,
+    /// 0.0 or 1.0 per element.
+    Binary,
+    /// One-hot rows over the last axis.
+    OneHot,
+    /// Integer ids in [0, n) stored as f32.
+    Ids(usize),
+}
+
+/// A zoo entry: everything needed to build, compile and feed the model.
+#[derive(Clone, Debug)]
+pub struct ZooModel {
+    pub name: &'static str,
+    pub batch: usize,
+    /// Input and target shapes without the batch axis.
+    pub x: Vec<usize>,
+    pub y: Vec<usize>,
+    pub x_data: Data,
+    pub y_data: Data,
+    build: fn() -> Sequential,
+    config: fn() -> TrainConfig,
+}
+
+impl ZooModel {
+    pub fn model(&self) -> Sequential {
+        (self.build)()
+    }
+
+    pub fn config(&self) -> TrainConfig {
+        (self.config)()
+    }
+
+    /// The same model at another batch size.
+    pub fn with_batch(mut self, batch: usize) -> Self {
+        self.batch = batch;
+        self
+    }
+
+    pub fn x_shape(&self) -> Shape {
+        batched(self.batch, &self.x)
+    }
+
+    pub fn y_shape(&self) -> Shape {
+        batched(self.batch, &self.y)
+    }
+
+    /// One batch of inputs and targets.
+    pub fn batch_data(&self, seed: u64) -> (HostTensor, HostTensor) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (draw(&self.x_shape(), self.x_data, &mut rng), draw(&self.y_shape(), self.y_data, &mut rng))
+    }
+}
+
+fn batched(batch: usize, dims: &[usize]) -> Shape {
+    let mut d = vec![batch];
+    d.extend_from_slice(dims);
+    Shape::new(d)
+}
+
+fn draw(shape: &Shape, data: Data, rng: &mut StdRng) -> HostTensor {
+    match data {
+        Data::Uniform => HostTensor::from_fn(shape.clone(), |_| rng.random::<f32>()),
+        Data::Binary => HostTensor::from_fn(shape.clone(), |_| if rng.random::<bool>() { 1.0 } else { 0.0 }),
+        Data::Ids(n) => HostTensor::from_fn(shape.clone(), |_| rng.random_range(0..n) as f32),
+        Data::OneHot => {
+            let classes = shape.dims().last().copied().unwrap_or(1);
+            let mut t = HostTensor::zeros(shape.clone());
+            for row in t.data_mut().chunks_mut(classes) {
+                row[rng.random_range(0..classes)] = 1.0;
+            }
+            t
+        }
+    }
+}
+
+/// Every zoo model at its default batch size.
+pub fn all() -> Vec<ZooModel> {
+    vec![
+        ZooModel {
+            name: "seed-mlp",
+            batch: 32,
+            x: vec![100],
+            y: vec![1],
+            x_data: Data::Uniform,
+            y_data: Data::Binary,
+            build: seed_mlp,
+            config: seed_config,
+        },
+        ZooModel {
+            name: "mlp",
+            batch: 256,
+            x: vec![784],
+            y: vec![10],
+            x_data: Data::Uniform,
+            y_data: Data::OneHot,
+            build: mlp,
+            config: classifier_config,
+        },
+        ZooModel {
+            name: "cnn",
+            batch: 64,
+            x: vec![32, 32, 3],
+            y: vec![10],
+            x_data: Data::Uniform,
+            y_data: Data::OneHot,
+            build: cnn,
+            config: classifier_config,
+        },
+        ZooModel {
+            name: "transformer",
+            batch: 8,
+            x: vec![TRANSFORMER_SEQ],
+            y: vec![TRANSFORMER_SEQ, TRANSFORMER_VOCAB],
+            x_data: Data::Ids(TRANSFORMER_VOCAB),
+            y_data: Data::OneHot,
+            build: transformer,
+            config: classifier_config,
+        },
+    ]
+}
+
+/// The zoo model called `name`.
+pub fn by_name(name: &str) -> Option<ZooModel> {
+    all().into_iter().find(|m| m.name == name)
+}
+
+pub const TRANSFORMER_SEQ: usize = 128;
+pub const TRANSFORMER_VOCAB: usize = 1000;
+pub const TRANSFORMER_MODEL: usize = 256;
+
+/// Softmax cross-entropy on logits, Adam(1e-3), accuracy.
+pub fn classifier_config() -> TrainConfig {
+    TrainConfig {
+        loss: Loss::SoftmaxCrossEntropy,
+        optimizer: Adam::new(1e-3).into(),
+        metrics: vec![Metric::CategoricalAccuracy],
+    }
+}
+
+/// 784 -> 1024 relu -> 1024 relu -> 10 logits.
+pub fn mlp() -> Sequential {
+    Sequential::new().add(Dense::new(1024).relu()).add(Dense::new(1024).relu()).add(Dense::new(10))
+}
+
+/// A CIFAR-style CNN on 32x32x3 images, producing 10 logits.
+pub fn cnn() -> Sequential {
+    let conv = |f: usize| Conv2D::new(f, [3, 3]).padding(Padding::Same).relu();
+    Sequential::new()
+        .add(conv(32))
+        .add(conv(32))
+        .add(Pool2D::max([2, 2]))
+        .add(conv(64))
+        .add(conv(64))
+        .add(Pool2D::max([2, 2]))
+        .add(Flatten)
+        .add(Dense::new(128).relu())
+        .add(Dense::new(10))
+}
+
+/// Token ids -> embedding -> one pre-LN transformer block -> LN -> logits over the vocabulary.
+pub fn transformer() -> Sequential {
+    let d = TRANSFORMER_MODEL;
+    let attention = Sequential::new().add(LayerNorm::new().epsilon(1e-5)).add(MultiHeadAttention::new(4));
+    let mlp = Sequential::new()
+        .add(LayerNorm::new().epsilon(1e-5))
+        .add(Dense::new(1024).activation(Activation::Gelu))
+        .add(Dense::new(d));
+    Sequential::new()
+        .add(Embedding::new(TRANSFORMER_VOCAB, d))
+        .add(Residual::new(attention))
+        .add(Residual::new(mlp))
+        .add(LayerNorm::new().epsilon(1e-5))
+        .add(Dense::new(TRANSFORMER_VOCAB))
+}
 
 /// The seed documents' model: Dense(10, relu) -> Dense(1, sigmoid) on 100 features.
 pub fn seed_mlp() -> Sequential {
@@ -21,9 +214,7 @@ pub fn seed_config() -> TrainConfig {
 
 /// Two interleaved spirals in the plane, `n` points per class, labels 0/1 in [2n, 1]: a classic
 /// task that a linear model cannot learn and a small MLP can.
-pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (kiln_runtime::HostTensor, kiln_runtime::HostTensor) {
-    use rand::rngs::StdRng;
-    use rand::{RngExt, SeedableRng};
+pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (HostTensor, HostTensor) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut x = Vec::with_capacity(4 * n);
     let mut y = Vec::with_capacity(2 * n);
@@ -39,14 +230,13 @@ pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (kiln_runtime::HostTensor
             y.push(label);
         }
     }
-    let x = kiln_runtime::HostTensor::new([2 * n, 2], x).expect("2n x 2 points");
-    let y = kiln_runtime::HostTensor::new([2 * n, 1], y).expect("2n labels");
+    let x = HostTensor::new([2 * n, 2], x).expect("2n x 2 points");
+    let y = HostTensor::new([2 * n, 1], y).expect("2n labels");
     (x, y)
 }
 
 /// A model that separates the two spirals: 2 -> 64 tanh -> 64 tanh -> 1 sigmoid.
 pub fn spiral_mlp() -> Sequential {
-    use kiln_compiler::nn::Activation;
     Sequential::new()
         .add(Dense::new(64).activation(Activation::Tanh))
         .add(Dense::new(64).activation(Activation::Tanh))

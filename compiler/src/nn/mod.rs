@@ -4,11 +4,21 @@
 //! variables.
 
 mod activation;
+mod attention;
+mod conv;
 mod dense;
+mod embedding;
+mod norm;
+mod residual;
 mod sequential;
 
 pub use activation::Activation;
+pub use attention::MultiHeadAttention;
+pub use conv::{Conv2D, Flatten, Pool2D};
 pub use dense::Dense;
+pub use embedding::Embedding;
+pub use norm::LayerNorm;
+pub use residual::Residual;
 pub use sequential::Sequential;
 
 use crate::trace::Tensor;

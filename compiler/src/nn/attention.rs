@@ -1,0 +1,54 @@
+use super::{Dense, Layer};
+use crate::trace::Tensor;
+
+/// Multi-head scaled dot-product self-attention over [batch, seq, model] inputs, composed from
+/// the DSL's ops: projections, a split into heads (reshape + permute), softmax(q·kᵀ/√d)·v, a merge
+/// of the heads and an output projection (Keras `MultiHeadAttention` with query = key = value).
+#[derive(Clone, Debug)]
+pub struct MultiHeadAttention {
+    pub heads: usize,
+}
+
+impl MultiHeadAttention {
+    pub fn new(heads: usize) -> Self {
+        MultiHeadAttention { heads }
+    }
+}
+
+impl Layer for MultiHeadAttention {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let t = x.tracer();
+        let (b, s, d) = match x.dims() {
+            [b, s, d] => (*b, *s, *d),
+            _ => {
+                return t.report(
+                    "multi_head_attention",
+                    format!("expects [batch, seq, model] input, got {}", x.shape()),
+                    &[x],
+                    "reshape the input to rank 3",
+                );
+            }
+        };
+        let h = self.heads.max(1);
+        if d % h != 0 {
+            return t.report(
+                "multi_head_attention",
+                format!("model width {d} is not divisible by {h} heads"),
+                &[x],
+                "choose a head count that divides the model width",
+            );
+        }
+        let dh = d / h;
+        let project = |name: &str| t.scope(name, || Dense::new(d).forward(x));
+        let split = |p: Tensor| p.reshape([b, s, h, dh]).permute(&[0, 2, 1, 3]);
+        let (q, k, v) = (split(project("query")), split(project("key")), split(project("value")));
+        let scores = q.matmul_t(&k, false, true) * (1.0 / (dh as f32).sqrt());
+        let context = scores.softmax(-1).matmul(&v);
+        let merged = context.permute(&[0, 2, 1, 3]).reshape([b, s, d]);
+        t.scope("output", || Dense::new(d).forward(&merged))
+    }
+
+    fn kind(&self) -> &'static str {
+        "multi_head_attention"
+    }
+}

@@ -1,0 +1,137 @@
+use super::{Activation, Layer};
+use crate::ir::{Init, Padding, Shape};
+use crate::trace::Tensor;
+
+/// 2-D convolution over NHWC inputs with an HWIO kernel [kh, kw, in, filters] (Keras `Conv2D`).
+#[derive(Clone, Debug)]
+pub struct Conv2D {
+    pub filters: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: Padding,
+    pub activation: Activation,
+    pub use_bias: bool,
+    pub name: Option<String>,
+}
+
+impl Conv2D {
+    pub fn new(filters: usize, kernel: [usize; 2]) -> Self {
+        Conv2D {
+            filters,
+            kernel,
+            stride: [1, 1],
+            padding: Padding::Valid,
+            activation: Activation::Linear,
+            use_bias: true,
+            name: None,
+        }
+    }
+
+    pub fn stride(mut self, stride: [usize; 2]) -> Self {
+        self.stride = stride;
+        self
+    }
+
+    pub fn padding(mut self, padding: Padding) -> Self {
+        self.padding = padding;
+        self
+    }
+
+    pub fn same(self) -> Self {
+        self.padding(Padding::Same)
+    }
+
+    pub fn activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
+    }
+
+    pub fn relu(self) -> Self {
+        self.activation(Activation::Relu)
+    }
+
+    pub fn named(mut self, name: &str) -> Self {
+        self.name = Some(name.to_string());
+        self
+    }
+}
+
+impl Layer for Conv2D {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let t = x.tracer();
+        let channels = x.dims().last().copied().unwrap_or(1);
+        let kernel =
+            t.param("kernel", [self.kernel[0], self.kernel[1], channels, self.filters], Init::GlorotUniform);
+        let mut y = x.conv2d(&kernel, self.stride, self.padding);
+        if self.use_bias {
+            y = y + t.param("bias", Shape::new([self.filters]), Init::Zeros);
+        }
+        self.activation.apply(&y)
+    }
+
+    fn kind(&self) -> &'static str {
+        "conv2d"
+    }
+
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+}
+
+/// Max or average pooling over NHWC inputs (Keras `MaxPooling2D` / `AveragePooling2D`); the
+/// stride defaults to the window.
+#[derive(Clone, Debug)]
+pub struct Pool2D {
+    pub max: bool,
+    pub window: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: Padding,
+}
+
+impl Pool2D {
+    pub fn max(window: [usize; 2]) -> Self {
+        Pool2D { max: true, window, stride: window, padding: Padding::Valid }
+    }
+
+    pub fn avg(window: [usize; 2]) -> Self {
+        Pool2D { max: false, window, stride: window, padding: Padding::Valid }
+    }
+
+    pub fn stride(mut self, stride: [usize; 2]) -> Self {
+        self.stride = stride;
+        self
+    }
+
+    pub fn padding(mut self, padding: Padding) -> Self {
+        self.padding = padding;
+        self
+    }
+}
+
+impl Layer for Pool2D {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        if self.max {
+            x.max_pool2d(self.window, self.stride, self.padding)
+        } else {
+            x.avg_pool2d(self.window, self.stride, self.padding)
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.max { "max_pooling2d" } else { "average_pooling2d" }
+    }
+}
+
+/// [N, ...] -> [N, product of the rest] (a view, no copy).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Flatten;
+
+impl Layer for Flatten {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.flatten()
+    }
+
+    fn kind(&self) -> &'static str {
+        "flatten"
+    }
+}
