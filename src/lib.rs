@@ -41,3 +41,8 @@ pub mod prelude {
     pub use kiln_compiler::{CompileOptions, Plan, compile};
     pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};
 }
+
+/// The README's code blocks run as doctests, so the README cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
