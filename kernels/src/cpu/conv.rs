@@ -217,7 +217,7 @@ impl CpuKernel for BackpropInput {
                 for kh in 0..g.kh {
                     // Output row oh whose tap kh reads input row ih.
                     let t = ih + g.ph;
-                    if t < kh || (t - kh) % g.sh != 0 || (t - kh) / g.sh >= g.oh {
+                    if t < kh || !(t - kh).is_multiple_of(g.sh) || (t - kh) / g.sh >= g.oh {
                         continue;
                     }
                     let oh = (t - kh) / g.sh;

@@ -26,7 +26,7 @@ use std::slice;
 /// `x` and `o` are valid for `n` elements and either equal or disjoint.
 #[inline(always)]
 unsafe fn map1(x: *const f32, o: *mut f32, n: usize, f: impl Fn(f32) -> f32) {
-    if x == o as *const f32 {
+    if std::ptr::eq(x, o) {
         // SAFETY: in place: one mutable slice over the shared buffer.
         let o = unsafe { slice::from_raw_parts_mut(o, n) };
         for v in o {
