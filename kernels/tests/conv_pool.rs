@@ -224,3 +224,69 @@ fn max_pool_grad_routes_ties_to_the_first_maximum() {
     let dx = run(&Op::Pool2dGrad { kind: PoolKind::Max, window: w }, &[&x, &dy]);
     assert_eq!(dx.data, [4.0, 2.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
 }
+
+fn conv_case(xd: [usize; 4], w: Window2d, f: usize, seed: u64) {
+    let x = rand(&xd, seed);
+    let filt = rand(&[w.size[0], w.size[1], xd[3], f], seed + 1);
+    let y = run(&Op::Conv2d { window: w }, &[&x, &filt]);
+    assert_close(&y.data, &conv_ref(&x, &filt, &w, &y.dims), 1e-4);
+    let dy = rand(&y.dims, seed + 2);
+    let dx = run(&Op::Conv2dBackpropInput { window: w, input: Shape::from(xd) }, &[&dy, &filt]);
+    assert_close(&dx.data, &backprop_input_ref(&dy, &filt, &w, &xd), 1e-4);
+    let dw = run(&Op::Conv2dBackpropFilter { window: w }, &[&x, &dy]);
+    assert_close(&dw.data, &backprop_filter_ref(&x, &dy, &w), 1e-4);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(120))]
+    #[test]
+    fn conv_random_geometries(
+        n in 1usize..3, h in 1usize..9, wd in 1usize..9, c in 1usize..4, f in 1usize..4,
+        kh in 1usize..5, kw in 1usize..5, sh in 1usize..4, sw in 1usize..4, same: bool, seed: u64,
+    ) {
+        let w = win([kh, kw], [sh, sw], if same { Padding::Same } else { Padding::Valid });
+        proptest::prop_assume!(w.out_and_pad(0, h).is_some_and(|o| o.0 > 0));
+        proptest::prop_assume!(w.out_and_pad(1, wd).is_some_and(|o| o.0 > 0));
+        conv_case([n, h, wd, c], w, f, seed);
+    }
+}
+
+#[test]
+fn conv_gradients_do_not_depend_on_the_thread_count() {
+    let w = win([3, 3], [1, 1], Padding::Same);
+    let x = rand(&[8, 16, 16, 8], 1);
+    let filt = rand(&[3, 3, 8, 16], 2);
+    let dy = rand(&[8, 16, 16, 16], 3);
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let y = run(&Op::Conv2d { window: w }, &[&x, &filt]);
+            let dx = run(&Op::Conv2dBackpropInput { window: w, input: x.shape() }, &[&dy, &filt]);
+            let dw = run(&Op::Conv2dBackpropFilter { window: w }, &[&x, &dy]);
+            (y, dx, dw)
+        })
+    };
+    let one = on(1);
+    assert!(one == on(3) && one == on(8));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(120))]
+    #[test]
+    fn pool_random_geometries(
+        n in 1usize..3, h in 1usize..9, wd in 1usize..9, c in 1usize..4,
+        kh in 1usize..5, kw in 1usize..5, sh in 1usize..4, sw in 1usize..4, same: bool, seed: u64,
+    ) {
+        let w = win([kh, kw], [sh, sw], if same { Padding::Same } else { Padding::Valid });
+        proptest::prop_assume!(w.out_and_pad(0, h).is_some_and(|o| o.0 > 0));
+        proptest::prop_assume!(w.out_and_pad(1, wd).is_some_and(|o| o.0 > 0));
+        let x = rand(&[n, h, wd, c], seed);
+        for kind in [PoolKind::Max, PoolKind::Avg] {
+            let y = run(&Op::Pool2d { kind, window: w }, &[&x]);
+            assert_close(&y.data, &pool_ref(kind, &x, &w, &y.dims), 1e-6);
+            let dy = rand(&y.dims, seed ^ 1);
+            let dx = run(&Op::Pool2dGrad { kind, window: w }, &[&x, &dy]);
+            assert_close(&dx.data, &pool_grad_ref(kind, &x, &dy, &w), 1e-6);
+        }
+    }
+}

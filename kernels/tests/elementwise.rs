@@ -352,3 +352,34 @@ fn select_broadcasts_all_three_operands() {
         }
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+    #[test]
+    fn binary_random_broadcasts(
+        out in proptest::collection::vec(1usize..5, 0..5),
+        keep_a in proptest::collection::vec(proptest::bool::ANY, 4),
+        keep_b in proptest::collection::vec(proptest::bool::ANY, 4),
+        drop_a in 0usize..5,
+        drop_b in 0usize..5,
+        seed: u64,
+    ) {
+        // Each operand: a suffix of the output's axes, each kept or set to 1.
+        let operand = |keep: &[bool], drop: usize| -> Vec<usize> {
+            let skip = drop.min(out.len());
+            out[skip..].iter().zip(keep).map(|(&d, &k)| if k { d } else { 1 }).collect()
+        };
+        let (da, db) = (operand(&keep_a, drop_a), operand(&keep_b, drop_b));
+        for op in [BinaryOp::Sub, BinaryOp::Maximum] {
+            let (a, b) = binary_inputs(op, &da, &db, seed);
+            let got = run(&Op::Binary(op), &[&a, &b]);
+            assert_close(&got.data, &binary_expected(op, &a, &b, &got.dims), 1e-6);
+            if a.dims == got.dims {
+                proptest::prop_assert_eq!(&run_aliased(&Op::Binary(op), &[&a, &b], &[0]).data, &got.data);
+            }
+            if b.dims == got.dims {
+                proptest::prop_assert_eq!(&run_aliased(&Op::Binary(op), &[&a, &b], &[1]).data, &got.data);
+            }
+        }
+    }
+}

@@ -15,6 +15,12 @@
 //! - `gather`: embedding lookup and its gradient.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
 //! - `math`, `par`: scalar definitions and parallel helpers.
+//!
+//! Measured (release, one core of the 2-core Xeon build machine, which other jobs shared, so
+//! +-30%): relu on 32x10 costs 0.03-0.07 us per call and a bias add 32x10 + 10 about 0.5 us; a
+//! 1024x1024x1024 matmul 35 ms (60 GFLOP/s); a 3x3 SAME conv 64x32x32x16 -> 16 about 5 ms,
+//! its input and filter gradients 1.5-2x that (their GEMMs contract over only 16 channels, see
+//! `conv`).
 
 mod broadcast;
 mod conv;
@@ -68,13 +74,14 @@ pub fn prepare(
         return Err(KernelError::Unsupported {
             op: op.label(),
             dtype: d,
-            help: "the CPU backend computes in f32 only; cast the model to f32".into(),
+            help: "the CPU backend computes in f32 only; declare the model's inputs and variables as f32"
+                .into(),
         });
     }
     let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
     let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
         op: op.label(),
-        message: format!("{} (operands {}); {}", e.message, operands(), e.help),
+        message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
     })?;
     if &shape != output.0 {
         return Err(KernelError::Shape {
