@@ -2,7 +2,8 @@
 //!
 //! `prepare` does all shape analysis once per plan step (broadcast strides, reduction blocks,
 //! matmul batch offsets, convolution taps) and returns a `CpuKernel` whose `run` only computes:
-//! no heap allocation, no shape logic, and no thread hand-off below `par::PAR_MIN` elements of work.
+//! no heap allocation of its own (the `gemm` crate allocates packing buffers for some shapes), no
+//! shape logic, and no thread hand-off below `par::PAR_MIN` elements of work.
 //! Kernels get no scratch memory: every byte they touch is an operand or the output, planned by the
 //! compiler (convolutions therefore run as strided GEMMs per filter tap, without im2col buffers).
 //!
