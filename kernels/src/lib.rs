@@ -2,3 +2,6 @@
 //! the CUDA C source that NVRTC compiles.
 
 pub mod cpu;
+mod error;
+
+pub use error::KernelError;

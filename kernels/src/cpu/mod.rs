@@ -1,26 +1,138 @@
-//! CPU kernels (placeholder interface; the real kernels replace this file).
+//! CPU kernels: one implementation of every computing op of the IR, f32, contiguous row-major.
+//!
+//! `prepare` does all shape analysis once per plan step (broadcast strides, reduction blocks,
+//! matmul batch offsets, convolution taps) and returns a `CpuKernel` whose `run` only computes:
+//! no heap allocation of its own (the `gemm` crate allocates packing buffers for some shapes), no
+//! shape logic, and no thread hand-off below `par::PAR_MIN` elements of work.
+//! Kernels get no scratch memory: every byte they touch is an operand or the output, planned by the
+//! compiler (convolutions therefore run as strided GEMMs per filter tap, without im2col buffers).
+//!
+//! Modules, one job each:
+//! - `elementwise`: unary, binary, scalar and select ops, in place when the planner aliases.
+//! - `broadcast`: strided loop nests (broadcasting, permutation) shared by the kernels.
+//! - `layout`: fill, copy, permute, broadcast_to, concat, slice, pad.
+//! - `reduce`, `softmax`: reductions and the normalisers along an axis.
+//! - `matmul`, `conv`, `pool`: the GEMM-based ops and pooling.
+//! - `gather`: embedding lookup and its gradient.
+//! - `optim`: the in-place training effects (SGD, Adam, assign_add).
+//! - `math`, `par`: scalar definitions and parallel helpers.
+//!
+//! Measured (release, one core of the 2-core Xeon build machine, which other jobs shared, so
+//! +-30%): relu on 32x10 costs 0.03-0.07 us per call and a bias add 32x10 + 10 about 0.5 us; a
+//! 1024x1024x1024 matmul 35 ms (60 GFLOP/s); a 3x3 SAME conv 64x32x32x16 -> 16 about 5 ms,
+//! its input and filter gradients 1.5-2x that (their GEMMs contract over only 16 channels, see
+//! `conv`).
 
-use kiln_compiler::ir::{DType, Op, Shape};
+mod broadcast;
+mod conv;
+mod elementwise;
+mod gather;
+mod layout;
+mod math;
+mod matmul;
+mod optim;
+mod par;
+mod pool;
+mod reduce;
+mod softmax;
 
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error("no CPU kernel for `{op}` on {dtype}: {help}")]
-    Unsupported { op: String, dtype: DType, help: String },
-    #[error("`{op}`: {message}")]
-    Shape { op: String, message: String },
-}
+pub use crate::KernelError;
+use kiln_compiler::ir::{DType, Op, Shape, infer};
 
+/// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
+    /// Runs the kernel. `inputs[i]` points at operand i's first byte, `output` at the output's first
+    /// byte (null for effect ops, which produce no tensor).
     /// # Safety
-    /// See the real kernels' documentation.
+    /// Every pointer is valid for its tensor's bytes (numel * dtype size) and 4-byte aligned (arena
+    /// offsets are 256-aligned). Buffers do not overlap, EXCEPT: for elementwise ops
+    /// (`op.class() == OpClass::Elementwise`: Unary, Binary, Scalar, Select) the output may be the very
+    /// same buffer as one input whose shape equals the output shape (in-place execution). Effect ops
+    /// (ApplySgd, ApplyAdam, AssignAdd) write their mutated operands (`Op::mutated_operands`) in place.
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8);
+    /// Short description for profiles, e.g. "matmul 32x100x10".
     fn describe(&self) -> String;
 }
 
+/// Prepares a kernel for `op` on operands of the given shapes/dtypes producing `output`. All shape
+/// analysis (broadcast strides, reduction decomposition, matmul batch mapping, conv padding) happens
+/// here once; `run` only computes. Called once per plan step, then `run` is called every training step.
 pub fn prepare(
     op: &Op,
-    _inputs: &[(&Shape, DType)],
+    inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
-    Err(KernelError::Unsupported { op: op.name().into(), dtype: output.1, help: "placeholder".into() })
+    if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
+        let help = if matches!(op, Op::Reshape { .. }) {
+            "reshape is a view of its operand's buffer: the runtime aliases it and runs no kernel"
+        } else {
+            "sources are filled by the runtime (feeds and variable initialisation), not by a kernel"
+        };
+        return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
+    }
+    let dtypes = inputs.iter().map(|&(_, d)| d).chain([output.1]);
+    if let Some(d) = dtypes.into_iter().find(|&d| d != DType::F32) {
+        return Err(KernelError::Unsupported {
+            op: op.label(),
+            dtype: d,
+            help: "the CPU backend computes in f32 only; declare the model's inputs and variables as f32"
+                .into(),
+        });
+    }
+    let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
+    let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
+        op: op.label(),
+        message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
+    })?;
+    if &shape != output.0 {
+        return Err(KernelError::Shape {
+            op: op.label(),
+            message: format!(
+                "the output is declared as {} but the operands {} give {shape}",
+                output.0,
+                operands()
+            ),
+        });
+    }
+    let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
+    let out = output.0;
+    let name = op.name();
+    Ok(match op {
+        Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
+        Op::Fill { value, .. } => layout::fill(*value, out),
+        Op::Unary(u) => elementwise::unary(*u, name, s[0]),
+        Op::Binary(b) => elementwise::binary(*b, name, s[0], s[1], out),
+        Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),
+        Op::Select => elementwise::select(s[0], s[1], s[2], out),
+        Op::MatMul { transpose_a, transpose_b } => {
+            matmul::matmul(s[0], s[1], *transpose_a, *transpose_b, out)
+        }
+        Op::Permute { perm } => layout::permute(s[0], perm, out),
+        Op::BroadcastTo { .. } => layout::broadcast_to(s[0], out),
+        Op::Copy => layout::copy_kernel(s[0]),
+        Op::Concat { axis } => layout::concat(&s, *axis, out),
+        Op::Slice { axis, start, len } => layout::slice(s[0], *axis, *start, *len),
+        Op::Pad { axis, before, after } => layout::pad(s[0], *axis, *before, *after),
+        Op::Reduce { op: rop, axes, keepdims: _ } => reduce::reduce(*rop, name, s[0], axes),
+        Op::Softmax { axis } => softmax::softmax(s[0], *axis, false),
+        Op::LogSoftmax { axis } => softmax::softmax(s[0], *axis, true),
+        Op::Conv2d { window } => conv::conv2d(s[0], s[1], window, out),
+        Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(s[0], s[1], window, out),
+        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(s[0], s[1], window, out),
+        Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
+        Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
+        Op::Gather => gather::gather(s[0], s[1]),
+        Op::GatherGrad { vocab } => gather::gather_grad(s[0], *vocab, out),
+        Op::ApplySgd { lr, momentum, nesterov } => optim::sgd(*lr, *momentum, *nesterov, s[0]),
+        Op::ApplyAdam { lr, beta1, beta2, epsilon } => optim::adam(*lr, *beta1, *beta2, *epsilon, s[0]),
+        Op::AssignAdd { value } => optim::assign_add(*value, s[0]),
+    })
+}
+
+/// A shape as profiles print it: "32x10", "scalar" for rank 0.
+pub(crate) fn shape_text(s: &Shape) -> String {
+    if s.rank() == 0 {
+        return "scalar".into();
+    }
+    s.dims().iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
 }

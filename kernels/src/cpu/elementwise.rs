@@ -1,0 +1,327 @@
+//! Elementwise kernels: unary, binary (NumPy broadcasting), scalar and select.
+//!
+//! The output may be the very buffer of an operand of the output's shape (the planner reuses
+//! buffers in place). Such an operand is always read with stride 1 at the output's own offsets, so
+//! element i is read before element i is written and the result is the same; the row functions
+//! below only have to avoid creating a `&mut [f32]` and a `&[f32]` over the same memory. They check
+//! for aliasing per run and then use either one `&mut` slice (in place) or disjoint slices, which
+//! keeps every loop vectorisable.
+//!
+//! Broadcasting uses `broadcast::Strided`, which collapses the fast cases (same shapes, a scalar
+//! operand, a bias row) to one or two loops; the innermost run of a binary op reads each operand
+//! with stride 0 or 1, so four loop shapes cover everything.
+
+use super::broadcast::{Strided, broadcast_strides};
+use super::math::{flag, gelu, gelu_derivative, max_nan, min_nan, relu, sigmoid, sign};
+use super::par::{SendPtr, par_ranges};
+use super::{CpuKernel, shape_text};
+use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
+use std::slice;
+
+// ---------------------------------------------------------------- runs
+
+/// out[i] = f(x[i]) for i < n.
+///
+/// # Safety
+/// `x` and `o` are valid for `n` elements and either equal or disjoint.
+#[inline(always)]
+unsafe fn map1(x: *const f32, o: *mut f32, n: usize, f: impl Fn(f32) -> f32) {
+    if std::ptr::eq(x, o) {
+        // SAFETY: in place: one mutable slice over the shared buffer.
+        let o = unsafe { slice::from_raw_parts_mut(o, n) };
+        for v in o {
+            *v = f(*v);
+        }
+    } else {
+        // SAFETY: disjoint buffers, each valid for n elements.
+        let (x, o) = unsafe { (slice::from_raw_parts(x, n), slice::from_raw_parts_mut(o, n)) };
+        for (v, &a) in o.iter_mut().zip(x) {
+            *v = f(a);
+        }
+    }
+}
+
+/// out[i] = f(a[i * sa], b[i * sb]) for i < n, with sa, sb in {0, 1}.
+///
+/// # Safety
+/// The pointers are valid for the elements read and written; an operand read with stride 1 either
+/// is the output or is disjoint from it, and an operand read with stride 0 is disjoint from it.
+#[inline(always)]
+unsafe fn map2(
+    a: *const f32,
+    sa: isize,
+    b: *const f32,
+    sb: isize,
+    o: *mut f32,
+    n: usize,
+    f: impl Fn(f32, f32) -> f32,
+) {
+    let oc = o as *const f32;
+    // SAFETY (whole body): per the contract, slices are created only over disjoint memory, or as
+    // a single mutable slice when an operand is the output.
+    unsafe {
+        match (sa, sb) {
+            (1, 1) if a == oc && b == oc => {
+                for v in slice::from_raw_parts_mut(o, n) {
+                    *v = f(*v, *v);
+                }
+            }
+            (1, 1) if a == oc => {
+                let (o, b) = (slice::from_raw_parts_mut(o, n), slice::from_raw_parts(b, n));
+                for (v, &y) in o.iter_mut().zip(b) {
+                    *v = f(*v, y);
+                }
+            }
+            (1, 1) if b == oc => {
+                let (o, a) = (slice::from_raw_parts_mut(o, n), slice::from_raw_parts(a, n));
+                for (v, &x) in o.iter_mut().zip(a) {
+                    *v = f(x, *v);
+                }
+            }
+            (1, 1) => {
+                let o = slice::from_raw_parts_mut(o, n);
+                let (a, b) = (slice::from_raw_parts(a, n), slice::from_raw_parts(b, n));
+                for ((v, &x), &y) in o.iter_mut().zip(a).zip(b) {
+                    *v = f(x, y);
+                }
+            }
+            (1, 0) => {
+                let y = *b;
+                map1(a, o, n, |x| f(x, y));
+            }
+            (0, 1) => {
+                let x = *a;
+                map1(b, o, n, |y| f(x, y));
+            }
+            (0, 0) => {
+                let v = f(*a, *b);
+                slice::from_raw_parts_mut(o, n).fill(v);
+            }
+            _ => {
+                for i in 0..n as isize {
+                    *o.offset(i) = f(*a.offset(i * sa), *b.offset(i * sb));
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- unary
+
+pub(crate) struct Unary {
+    op: UnaryOp,
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn unary(op: UnaryOp, name: &str, x: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(Unary { op, n: x.numel(), desc: format!("{name} {}", shape_text(x)) })
+}
+
+/// # Safety
+/// As `map1`.
+#[inline(always)]
+unsafe fn unary_run(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match op {
+            UnaryOp::Neg => map1(x, o, n, |v| -v),
+            UnaryOp::Abs => map1(x, o, n, f32::abs),
+            UnaryOp::Sign => map1(x, o, n, sign),
+            UnaryOp::Relu => map1(x, o, n, relu),
+            UnaryOp::Sigmoid => map1(x, o, n, sigmoid),
+            UnaryOp::Tanh => map1(x, o, n, f32::tanh),
+            UnaryOp::Gelu => map1(x, o, n, gelu),
+            UnaryOp::Exp => map1(x, o, n, f32::exp),
+            UnaryOp::Log => map1(x, o, n, f32::ln),
+            UnaryOp::Sqrt => map1(x, o, n, f32::sqrt),
+            UnaryOp::Rsqrt => map1(x, o, n, |v| 1.0 / v.sqrt()),
+            UnaryOp::Square => map1(x, o, n, |v| v * v),
+            UnaryOp::Reciprocal => map1(x, o, n, |v| 1.0 / v),
+        }
+    }
+}
+
+impl CpuKernel for Unary {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        par_ranges(self.n, 1, |s, e| {
+            // SAFETY: run's contract: x and o hold n elements and are equal or disjoint; ranges
+            // handed to different threads are disjoint.
+            unsafe { unary_run(self.op, x.get().add(s), o.get().add(s), e - s) }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+// ---------------------------------------------------------------- scalar
+
+pub(crate) struct Scalar {
+    op: ScalarOp,
+    c: f32,
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, x: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(Scalar { op, c, n: x.numel(), desc: format!("{name}[{c}] {}", shape_text(x)) })
+}
+
+/// # Safety
+/// As `map1`.
+#[inline(always)]
+unsafe fn scalar_run(op: ScalarOp, c: f32, x: *const f32, o: *mut f32, n: usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match op {
+            ScalarOp::Add => map1(x, o, n, |v| v + c),
+            ScalarOp::Mul => map1(x, o, n, |v| v * c),
+            ScalarOp::RSub => map1(x, o, n, |v| c - v),
+            ScalarOp::RDiv => map1(x, o, n, |v| c / v),
+            ScalarOp::Pow if c == 2.0 => map1(x, o, n, |v| v * v),
+            ScalarOp::Pow if c == 1.0 => map1(x, o, n, |v| v),
+            ScalarOp::Pow if c == 0.5 => map1(x, o, n, f32::sqrt),
+            ScalarOp::Pow if c == -1.0 => map1(x, o, n, |v| 1.0 / v),
+            ScalarOp::Pow if c == 0.0 => map1(x, o, n, |_| 1.0),
+            ScalarOp::Pow => map1(x, o, n, |v| v.powf(c)),
+            ScalarOp::Max => map1(x, o, n, |v| max_nan(v, c)),
+            ScalarOp::Min => map1(x, o, n, |v| min_nan(v, c)),
+            ScalarOp::Greater => map1(x, o, n, |v| flag(v > c)),
+            ScalarOp::GreaterEqual => map1(x, o, n, |v| flag(v >= c)),
+            ScalarOp::Less => map1(x, o, n, |v| flag(v < c)),
+            ScalarOp::LessEqual => map1(x, o, n, |v| flag(v <= c)),
+            ScalarOp::Equal => map1(x, o, n, |v| flag(v == c)),
+        }
+    }
+}
+
+impl CpuKernel for Scalar {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        par_ranges(self.n, 1, |s, e| {
+            // SAFETY: as in Unary::run.
+            unsafe { scalar_run(self.op, self.c, x.get().add(s), o.get().add(s), e - s) }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+// ---------------------------------------------------------------- binary
+
+pub(crate) struct Binary {
+    op: BinaryOp,
+    walk: Strided<2>,
+    inner: [isize; 2],
+    desc: String,
+}
+
+pub(crate) fn binary(op: BinaryOp, name: &str, a: &Shape, b: &Shape, out: &Shape) -> Box<dyn CpuKernel> {
+    let (sa, sb) = (broadcast_strides(a.dims(), out.dims()), broadcast_strides(b.dims(), out.dims()));
+    let walk = Strided::new(out.dims(), [&sa, &sb]);
+    let inner = walk.inner_strides();
+    let desc = format!("{name} {} {}", shape_text(a), shape_text(b));
+    Box::new(Binary { op, walk, inner, desc })
+}
+
+impl Binary {
+    /// The walk with the op's function inlined into every run.
+    ///
+    /// # Safety
+    /// As `CpuKernel::run`.
+    #[inline(always)]
+    unsafe fn go(&self, inputs: &[*mut u8], output: *mut u8, f: impl Fn(f32, f32) -> f32 + Copy + Sync) {
+        let a = SendPtr::new(inputs[0] as *mut f32);
+        let b = SendPtr::new(inputs[1] as *mut f32);
+        let o = SendPtr::new(output as *mut f32);
+        let [sa, sb] = self.inner;
+        par_ranges(self.walk.numel(), 1, |s, e| {
+            self.walk.for_each_run(s, e, &mut |oo, [ia, ib], n| {
+                // SAFETY: the walk stays inside every operand (strides from their shapes); an
+                // operand aliasing the output has the output's shape, so it is read at the
+                // output's offsets with stride 1; threads write disjoint output ranges.
+                unsafe { map2(a.get().offset(ia), sa, b.get().offset(ib), sb, o.get().add(oo), n, f) }
+            });
+        });
+    }
+}
+
+impl CpuKernel for Binary {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (i, o) = (inputs, output);
+        // SAFETY: run's contract, forwarded.
+        unsafe {
+            match self.op {
+                BinaryOp::Add => self.go(i, o, |x, y| x + y),
+                BinaryOp::Sub => self.go(i, o, |x, y| x - y),
+                BinaryOp::Mul => self.go(i, o, |x, y| x * y),
+                BinaryOp::Div => self.go(i, o, |x, y| x / y),
+                BinaryOp::Pow => self.go(i, o, f32::powf),
+                BinaryOp::Maximum => self.go(i, o, max_nan),
+                BinaryOp::Minimum => self.go(i, o, min_nan),
+                BinaryOp::Greater => self.go(i, o, |x, y| flag(x > y)),
+                BinaryOp::GreaterEqual => self.go(i, o, |x, y| flag(x >= y)),
+                BinaryOp::Less => self.go(i, o, |x, y| flag(x < y)),
+                BinaryOp::LessEqual => self.go(i, o, |x, y| flag(x <= y)),
+                BinaryOp::Equal => self.go(i, o, |x, y| flag(x == y)),
+                BinaryOp::NotEqual => self.go(i, o, |x, y| flag(x != y)),
+                BinaryOp::ReluGrad => self.go(i, o, |x, dy| if x > 0.0 { dy } else { 0.0 }),
+                BinaryOp::GeluGrad => self.go(i, o, |x, dy| dy * gelu_derivative(x)),
+                BinaryOp::SigmoidGrad => self.go(i, o, |y, dy| dy * y * (1.0 - y)),
+                BinaryOp::TanhGrad => self.go(i, o, |y, dy| dy * (1.0 - y * y)),
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+// ---------------------------------------------------------------- select
+
+pub(crate) struct Select {
+    walk: Strided<3>,
+    inner: [isize; 3],
+    desc: String,
+}
+
+pub(crate) fn select(c: &Shape, a: &Shape, b: &Shape, out: &Shape) -> Box<dyn CpuKernel> {
+    let s = [c, a, b].map(|x| broadcast_strides(x.dims(), out.dims()));
+    let walk = Strided::new(out.dims(), [&s[0], &s[1], &s[2]]);
+    let inner = walk.inner_strides();
+    let desc = format!("select {} {} {}", shape_text(c), shape_text(a), shape_text(b));
+    Box::new(Select { walk, inner, desc })
+}
+
+impl CpuKernel for Select {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let [c, a, b] = [0, 1, 2].map(|i| SendPtr::new(inputs[i] as *mut f32));
+        let o = SendPtr::new(output as *mut f32);
+        let [sc, sa, sb] = self.inner;
+        par_ranges(self.walk.numel(), 1, |s, e| {
+            self.walk.for_each_run(s, e, &mut |oo, [ic, ia, ib], n| {
+                let (c, a, b) = (c.get(), a.get(), b.get());
+                let o = o.get();
+                // SAFETY: as in Binary::run. Raw reads and writes only: element i of an operand
+                // that is the output is read before element i is written.
+                unsafe {
+                    let (c, a, b, o) = (c.offset(ic), a.offset(ia), b.offset(ib), o.add(oo));
+                    for i in 0..n as isize {
+                        let v = if *c.offset(i * sc) != 0.0 { *a.offset(i * sa) } else { *b.offset(i * sb) };
+                        *o.offset(i) = v;
+                    }
+                }
+            });
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}

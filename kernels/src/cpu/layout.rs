@@ -1,0 +1,338 @@
+//! Data-movement kernels: fill, copy, permute, broadcast_to, concat, slice, pad.
+//!
+//! All of them write a contiguous output and are parallelised over output element ranges (the
+//! result never depends on how the range is cut). Permute and broadcast_to read through a
+//! `broadcast::Strided` walk; concat, slice and pad see the output as rows (everything from the
+//! axis inwards) made of segments, each copied from an operand or zero-filled.
+
+use super::broadcast::{Strided, broadcast_strides, contiguous_strides};
+use super::par::{SendPtr, par_ranges};
+use super::{CpuKernel, shape_text};
+use kiln_compiler::ir::Shape;
+use std::ptr;
+
+/// Copies `n` elements between disjoint buffers.
+///
+/// # Safety
+/// `src` and `dst` are valid for `n` elements and do not overlap.
+#[inline(always)]
+unsafe fn copy(src: *const f32, dst: *mut f32, n: usize) {
+    // SAFETY: forwarded contract.
+    unsafe { ptr::copy_nonoverlapping(src, dst, n) }
+}
+
+/// # Safety
+/// `dst` is valid for `n` elements.
+#[inline(always)]
+unsafe fn fill_raw(dst: *mut f32, n: usize, value: f32) {
+    // SAFETY: forwarded contract.
+    unsafe { std::slice::from_raw_parts_mut(dst, n).fill(value) }
+}
+
+/// Calls `f(row, lo, hi)` for the parts of rows of `row_len` elements that cover `start..end`.
+#[inline]
+fn rows_in_range(row_len: usize, start: usize, end: usize, mut f: impl FnMut(usize, usize, usize)) {
+    let mut i = start;
+    while i < end {
+        let (r, lo) = (i / row_len, i % row_len);
+        let hi = (lo + end - i).min(row_len);
+        f(r, lo, hi);
+        i += hi - lo;
+    }
+}
+
+// ---------------------------------------------------------------- fill, copy
+
+struct Fill {
+    value: f32,
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn fill(value: f32, out: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(Fill { value, n: out.numel(), desc: format!("fill[{value}] {}", shape_text(out)) })
+}
+
+impl CpuKernel for Fill {
+    unsafe fn run(&self, _inputs: &[*mut u8], output: *mut u8) {
+        let o = SendPtr::new(output as *mut f32);
+        // SAFETY: the output holds n elements; chunks are disjoint.
+        par_ranges(self.n, 1, |s, e| unsafe { fill_raw(o.get().add(s), e - s, self.value) });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+struct Copy {
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn copy_kernel(x: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(Copy { n: x.numel(), desc: format!("copy {}", shape_text(x)) })
+}
+
+impl CpuKernel for Copy {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        // SAFETY: both hold n elements and do not overlap; chunks are disjoint.
+        par_ranges(self.n, 1, |s, e| unsafe { copy(x.get().add(s), o.get().add(s), e - s) });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+// ---------------------------------------------------------------- permute, broadcast_to
+
+/// Output = the operand read through `walk` (a permutation or a broadcast).
+struct Restride {
+    walk: Strided<1>,
+    inner: isize,
+    desc: String,
+}
+
+pub(crate) fn permute(x: &Shape, perm: &[usize], out: &Shape) -> Box<dyn CpuKernel> {
+    let xs = contiguous_strides(x.dims());
+    let strides: Vec<isize> = perm.iter().map(|&p| xs[p] as isize).collect();
+    let walk = Strided::new(out.dims(), [&strides]);
+    let [inner] = walk.inner_strides();
+    let desc = format!("permute{perm:?} {}", shape_text(x));
+    if inner != 1
+        && let Some(t) = Transpose::new(&walk, &desc)
+    {
+        return Box::new(t);
+    }
+    Box::new(Restride { walk, inner, desc })
+}
+
+pub(crate) fn broadcast_to(x: &Shape, out: &Shape) -> Box<dyn CpuKernel> {
+    let strides = broadcast_strides(x.dims(), out.dims());
+    let walk = Strided::new(out.dims(), [&strides]);
+    let [inner] = walk.inner_strides();
+    let desc = format!("broadcast_to {} -> {}", shape_text(x), shape_text(out));
+    Box::new(Restride { walk, inner, desc })
+}
+
+impl CpuKernel for Restride {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let s = self.inner;
+        par_ranges(self.walk.numel(), 1, |start, end| {
+            self.walk.for_each_run(start, end, &mut |oo, [xo], n| {
+                // SAFETY: the walk stays inside the operand; output runs are disjoint.
+                unsafe {
+                    let (src, dst) = (x.get().offset(xo), o.get().add(oo));
+                    match s {
+                        0 => fill_raw(dst, n, *src),
+                        1 => copy(src, dst, n),
+                        _ => {
+                            for i in 0..n {
+                                *dst.add(i) = *src.offset(i as isize * s);
+                            }
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+/// Side of the square tiles a transposing permute copies at a time.
+const TILE: usize = 32;
+
+/// A permute that moves the input's contiguous axis away from the innermost position: copied in
+/// TILE x TILE tiles so that both the reads and the writes stay in cache (a row-by-row strided
+/// gather of a 1024x1024 transpose is several times slower).
+struct Transpose {
+    /// The other axes: (extent, output stride, input stride), outer first.
+    outer: Vec<(usize, usize, isize)>,
+    /// The output axis read contiguously: (extent, output stride).
+    p: (usize, usize),
+    /// The innermost output axis: (extent, input stride).
+    l: (usize, isize),
+    tiles: (usize, usize),
+    tasks: usize,
+    desc: String,
+}
+
+impl Transpose {
+    fn new(walk: &Strided<1>, desc: &str) -> Option<Transpose> {
+        let axes = walk.axes();
+        let dims: Vec<usize> = axes.iter().map(|a| a.0).collect();
+        let out_strides = contiguous_strides(&dims);
+        let last = axes.len() - 1;
+        let p = axes[..last].iter().position(|a| a.1 == [1])?;
+        let outer =
+            (0..last).filter(|&i| i != p).map(|i| (axes[i].0, out_strides[i], axes[i].1[0])).collect();
+        let (pd, ld) = (axes[p].0, axes[last].0);
+        let tiles = (pd.div_ceil(TILE), ld.div_ceil(TILE));
+        let tasks = walk.numel().checked_div(pd * ld).unwrap_or(0) * tiles.0 * tiles.1;
+        let desc = desc.to_string();
+        Some(Transpose { outer, p: (pd, out_strides[p]), l: (ld, axes[last].1[0]), tiles, tasks, desc })
+    }
+}
+
+impl CpuKernel for Transpose {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let ((pd, pos), (ld, lis)) = (self.p, self.l);
+        par_ranges(self.tasks, TILE * TILE, |s, e| {
+            for t in s..e {
+                let (tl, tp, mut q) =
+                    (t % self.tiles.1, (t / self.tiles.1) % self.tiles.0, t / (self.tiles.0 * self.tiles.1));
+                let (mut oo, mut io) = (0usize, 0isize);
+                for &(d, os, is) in self.outer.iter().rev() {
+                    oo += (q % d) * os;
+                    io += (q % d) as isize * is;
+                    q /= d;
+                }
+                let (j0, j1) = (tl * TILE, ((tl + 1) * TILE).min(ld));
+                for i in tp * TILE..((tp + 1) * TILE).min(pd) {
+                    // SAFETY: indices inside both tensors (strides from their shapes); tiles of
+                    // different tasks are disjoint parts of the output.
+                    unsafe {
+                        let dst = o.get().add(oo + i * pos);
+                        let src = x.get().offset(io + i as isize);
+                        for j in j0..j1 {
+                            *dst.add(j) = *src.offset(j as isize * lis);
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+// ---------------------------------------------------------------- concat, slice, pad
+
+/// Splits a shape at `axis`: (rows before the axis, elements per index of the axis).
+fn split(dims: &[usize], axis: usize) -> (usize, usize) {
+    (dims[..axis].iter().product(), dims[axis + 1..].iter().product())
+}
+
+struct Concat {
+    /// Per operand: (offset in an output row, elements per row).
+    segments: Vec<(usize, usize)>,
+    row: usize,
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn concat(xs: &[&Shape], axis: usize, out: &Shape) -> Box<dyn CpuKernel> {
+    let (_, inner) = split(out.dims(), axis);
+    let mut segments = Vec::with_capacity(xs.len());
+    let mut offset = 0;
+    for x in xs {
+        let len = x.dims()[axis] * inner;
+        segments.push((offset, len));
+        offset += len;
+    }
+    let parts: Vec<String> = xs.iter().map(|x| shape_text(x)).collect();
+    let desc = format!("concat[axis {axis}] {}", parts.join(" "));
+    Box::new(Concat { segments, row: offset, n: out.numel(), desc })
+}
+
+impl CpuKernel for Concat {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        if self.row == 0 {
+            return;
+        }
+        let (ins, o) = (SendPtr::new(inputs.as_ptr() as *mut *mut u8), SendPtr::new(output as *mut f32));
+        let count = inputs.len();
+        par_ranges(self.n, 1, |s, e| {
+            rows_in_range(self.row, s, e, |r, lo, hi| {
+                for (j, &(off, len)) in self.segments.iter().enumerate().take(count) {
+                    let (a, b) = (lo.max(off), hi.min(off + len));
+                    if a < b {
+                        // SAFETY: operand j holds rows * len elements; rows of the output are
+                        // row elements long; the ranges of different chunks are disjoint.
+                        unsafe {
+                            let src = (*ins.get().add(j) as *const f32).add(r * len + a - off);
+                            copy(src, o.get().add(r * self.row + a), b - a);
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+/// Slice and pad: each output row is [zeros, a window of the operand's row, zeros].
+struct Window {
+    /// Elements per operand row and per output row.
+    in_row: usize,
+    out_row: usize,
+    /// The copied part: output row positions begin..end come from operand row position src.
+    begin: usize,
+    end: usize,
+    src: usize,
+    n: usize,
+    desc: String,
+}
+
+pub(crate) fn slice(x: &Shape, axis: usize, start: usize, len: usize) -> Box<dyn CpuKernel> {
+    let (rows, inner) = split(x.dims(), axis);
+    let in_row = x.dims()[axis] * inner;
+    let out_row = len * inner;
+    let desc = format!("slice[axis {axis}, {start}..{}] {}", start + len, shape_text(x));
+    Box::new(Window { in_row, out_row, begin: 0, end: out_row, src: start * inner, n: rows * out_row, desc })
+}
+
+pub(crate) fn pad(x: &Shape, axis: usize, before: usize, after: usize) -> Box<dyn CpuKernel> {
+    let (rows, inner) = split(x.dims(), axis);
+    let in_row = x.dims()[axis] * inner;
+    let out_row = (x.dims()[axis] + before + after) * inner;
+    let begin = before * inner;
+    let desc = format!("pad[axis {axis}, {before}+{after}] {}", shape_text(x));
+    Box::new(Window { in_row, out_row, begin, end: begin + in_row, src: 0, n: rows * out_row, desc })
+}
+
+impl CpuKernel for Window {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        if self.out_row == 0 {
+            return;
+        }
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        par_ranges(self.n, 1, |s, e| {
+            rows_in_range(self.out_row, s, e, |r, lo, hi| {
+                let dst = |p: usize| o.get().wrapping_add(r * self.out_row + p);
+                // SAFETY: positions stay inside row r of the output and, for the copied part,
+                // inside row r of the operand; chunks are disjoint.
+                unsafe {
+                    let (a, b) = (lo.max(self.begin), hi.min(self.end));
+                    if a < b {
+                        let src = x.get().add(r * self.in_row + self.src + a - self.begin);
+                        copy(src, dst(a), b - a);
+                    }
+                    if lo < self.begin.min(hi) {
+                        fill_raw(dst(lo), self.begin.min(hi) - lo, 0.0);
+                    }
+                    let z = lo.max(self.end);
+                    if z < hi {
+                        fill_raw(dst(z), hi - z, 0.0);
+                    }
+                }
+            });
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}

@@ -1,0 +1,172 @@
+//! Batched matrix products on the `gemm` crate.
+//!
+//! Operands are read in place through row and column strides, so a transposed operand costs
+//! nothing. Batch axes broadcast (NumPy rules): `prepare` lists, for every output matrix, the
+//! offsets of its two operand matrices. When the right operand has no batch and the left one is
+//! a plain stack of row-major matrices ([B, M, K] @ [K, N], a dense layer on a sequence), the
+//! batch folds into M and the product is one GEMM.
+//!
+//! Threads: products below `SERIAL_MACS` multiply-adds run on the calling thread
+//! (`Parallelism::None`), since a rayon hand-off costs more than a 32x100x10 product; many
+//! mid-sized batches run one per task; otherwise each GEMM uses the rayon pool.
+
+use super::broadcast::broadcast_strides;
+use super::par::SendPtr;
+use super::{CpuKernel, shape_text};
+use gemm::{Parallelism, gemm};
+use kiln_compiler::ir::Shape;
+use rayon::prelude::*;
+
+/// Products (all batches together) below this many multiply-adds stay on the calling thread.
+const SERIAL_MACS: usize = 1 << 17;
+/// Batches of at most this many multiply-adds each run one per rayon task.
+const TASK_MACS: usize = 1 << 22;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Threads {
+    Serial,
+    PerBatch,
+    PerGemm,
+}
+
+/// One row-major-output matrix product shape with operand strides.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// Element strides of the left operand (rows of A, columns of A) and the right one.
+    pub a: (isize, isize),
+    pub b: (isize, isize),
+    /// Row stride of the output (columns are contiguous).
+    pub out_rs: isize,
+}
+
+impl Gemm {
+    /// out = A·B, or out += A·B with `accumulate`.
+    ///
+    /// # Safety
+    /// The pointers are valid for the strided matrices; the output does not overlap the operands,
+    /// and distinct output (row, column) pairs are distinct elements.
+    #[inline]
+    pub(crate) unsafe fn run(
+        &self,
+        a: *const f32,
+        b: *const f32,
+        out: *mut f32,
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        let par = if parallel { Parallelism::Rayon(0) } else { Parallelism::None };
+        // SAFETY: forwarded contract. gemm computes dst = alpha*dst + beta*lhs*rhs and does not
+        // read dst when read_dst is false.
+        unsafe {
+            gemm(
+                self.m,
+                self.n,
+                self.k,
+                out,
+                1,
+                self.out_rs,
+                accumulate,
+                a,
+                self.a.1,
+                self.a.0,
+                b,
+                self.b.1,
+                self.b.0,
+                if accumulate { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    }
+}
+
+struct MatMul {
+    g: Gemm,
+    /// Per output matrix: element offsets of its A and B matrices.
+    batches: Vec<(usize, usize)>,
+    threads: Threads,
+    desc: String,
+}
+
+pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> Box<dyn CpuKernel> {
+    let r = out.rank();
+    let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
+    let k = if ta { a.back(2) } else { a.back(1) };
+    // Strides (row, column) of A as an m x k matrix and of B as k x n.
+    let sa = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let sb = if tb { (1, k as isize) } else { (n as isize, 1) };
+    let out_batch = &out.dims()[..r - 2];
+    let a_batch = &a.dims()[..a.rank() - 2];
+    let b_batch = &b.dims()[..b.rank() - 2];
+    let batch: usize = out_batch.iter().product();
+    let a_count: usize = a_batch.iter().product();
+    let b_count: usize = b_batch.iter().product();
+
+    let mut g = Gemm { m, n, k, a: sa, b: sb, out_rs: n as isize };
+    let batches = if b_count == 1 && a_count == batch && !ta {
+        g.m = m * batch;
+        vec![(0, 0)]
+    } else {
+        let a_str = broadcast_strides(a_batch, out_batch);
+        let b_str = broadcast_strides(b_batch, out_batch);
+        let mut index = vec![0usize; out_batch.len()];
+        (0..batch)
+            .map(|_| {
+                let off = |s: &[isize], size: usize| {
+                    index.iter().zip(s).map(|(&i, &s)| i * s as usize).sum::<usize>() * size
+                };
+                let offsets = (off(&a_str, m * k), off(&b_str, k * n));
+                for ax in (0..index.len()).rev() {
+                    index[ax] += 1;
+                    if index[ax] < out_batch[ax] {
+                        break;
+                    }
+                    index[ax] = 0;
+                }
+                offsets
+            })
+            .collect()
+    };
+    let macs = batch * m * n * k;
+    let per_batch = m * n * k;
+    let threads = if macs < SERIAL_MACS {
+        Threads::Serial
+    } else if batches.len() >= 4 && per_batch <= TASK_MACS {
+        Threads::PerBatch
+    } else {
+        Threads::PerGemm
+    };
+    let t = |x: bool| if x { "ᵀ" } else { "" };
+    let batch_text = if batch > 1 { format!("{batch}x") } else { String::new() };
+    let desc =
+        format!("matmul {batch_text}{m}x{k}x{n} ({}{} @ {}{})", shape_text(a), t(ta), shape_text(b), t(tb));
+    Box::new(MatMul { g, batches, threads, desc })
+}
+
+impl CpuKernel for MatMul {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (a, b) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
+        let o = SendPtr::new(output as *mut f32);
+        let size = self.g.m * self.g.n;
+        let one = |i: usize, parallel: bool| {
+            let (ao, bo) = self.batches[i];
+            // SAFETY: offsets come from the operand shapes; output matrices are disjoint.
+            unsafe { self.g.run(a.get().add(ao), b.get().add(bo), o.get().add(i * size), false, parallel) }
+        };
+        match self.threads {
+            Threads::Serial => (0..self.batches.len()).for_each(|i| one(i, false)),
+            Threads::PerBatch => (0..self.batches.len()).into_par_iter().for_each(|i| one(i, false)),
+            Threads::PerGemm => (0..self.batches.len()).for_each(|i| one(i, true)),
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}

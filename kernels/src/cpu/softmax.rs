@@ -1,0 +1,138 @@
+//! Softmax and log-softmax along one axis, numerically stable (the maximum is subtracted first,
+//! sums of exponentials accumulate in f64).
+//!
+//! The input is seen as [outer, n, inner] around the axis. With inner == 1 (the usual last axis)
+//! each row is contiguous; otherwise a tile of up to `TILE` adjacent columns is normalised
+//! together, with the maxima and sums on the stack. Softmax writes e^(x - max) into its output and
+//! rescales it there, so it needs no scratch memory.
+
+use super::math::max_nan;
+use super::par::{SendPtr, par_ranges};
+use super::{CpuKernel, shape_text};
+use kiln_compiler::ir::Shape;
+use std::slice;
+
+const TILE: usize = 64;
+
+struct Softmax {
+    log: bool,
+    outer: usize,
+    n: usize,
+    inner: usize,
+    desc: String,
+}
+
+pub(crate) fn softmax(x: &Shape, axis: usize, log: bool) -> Box<dyn CpuKernel> {
+    let dims = x.dims();
+    let (outer, inner) = (dims[..axis].iter().product(), dims[axis + 1..].iter().product());
+    let name = if log { "log_softmax" } else { "softmax" };
+    let desc = format!("{name}[axis {axis}] {}", shape_text(x));
+    Box::new(Softmax { log, outer, n: dims[axis], inner, desc })
+}
+
+/// One contiguous row.
+fn row(x: &[f32], o: &mut [f32], log: bool) {
+    let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| max_nan(m, v));
+    if log {
+        let sum: f64 = x.iter().map(|&v| (v - m).exp() as f64).sum();
+        let lse = sum.ln() as f32;
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = (v - m) - lse;
+        }
+    } else {
+        let mut sum = 0f64;
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = (v - m).exp();
+            sum += *o as f64;
+        }
+        let scale = (1.0 / sum) as f32;
+        for o in o.iter_mut() {
+            *o *= scale;
+        }
+    }
+}
+
+impl Softmax {
+    /// Columns i0..i0+w of outer block q (inner > 1).
+    ///
+    /// # Safety
+    /// `x` and `o` hold the whole tensor.
+    unsafe fn tile(&self, x: *const f32, o: *mut f32, q: usize, i0: usize, w: usize) {
+        let (n, inner) = (self.n, self.inner);
+        let base = q * n * inner + i0;
+        // SAFETY: rows r < n of the block, w <= inner - i0 elements from column i0.
+        let xr = |r: usize| unsafe { slice::from_raw_parts(x.add(base + r * inner), w) };
+        // SAFETY: as above, in the output, which does not overlap the input.
+        let or = |r: usize| unsafe { slice::from_raw_parts_mut(o.add(base + r * inner), w) };
+        let mut max = [f32::NEG_INFINITY; TILE];
+        for r in 0..n {
+            for (m, &v) in max[..w].iter_mut().zip(xr(r)) {
+                *m = max_nan(*m, v);
+            }
+        }
+        let mut sum = [0f64; TILE];
+        for r in 0..n {
+            if self.log {
+                for ((s, &m), &v) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)) {
+                    *s += (v - m).exp() as f64;
+                }
+            } else {
+                for (((s, &m), &v), o) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)).zip(or(r)) {
+                    *o = (v - m).exp();
+                    *s += *o as f64;
+                }
+            }
+        }
+        let mut k = [0f32; TILE];
+        for ((k, &s), &m) in k[..w].iter_mut().zip(&sum[..w]).zip(&max[..w]) {
+            *k = if self.log { m + s.ln() as f32 } else { (1.0 / s) as f32 };
+        }
+        for r in 0..n {
+            if self.log {
+                for ((o, &v), &k) in or(r).iter_mut().zip(xr(r)).zip(&k[..w]) {
+                    *o = v - k;
+                }
+            } else {
+                for (o, &k) in or(r).iter_mut().zip(&k[..w]) {
+                    *o *= k;
+                }
+            }
+        }
+    }
+}
+
+impl CpuKernel for Softmax {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let (n, inner) = (self.n, self.inner);
+        if inner == 1 {
+            par_ranges(self.outer, n, |s, e| {
+                for q in s..e {
+                    // SAFETY: row q of the input and of the (disjoint) output; threads take
+                    // disjoint rows.
+                    let (xr, or) = unsafe {
+                        (
+                            slice::from_raw_parts(x.get().add(q * n), n),
+                            slice::from_raw_parts_mut(o.get().add(q * n), n),
+                        )
+                    };
+                    row(xr, or, self.log);
+                }
+            });
+        } else {
+            let tiles = inner.div_ceil(TILE);
+            par_ranges(self.outer * tiles, n * TILE.min(inner), |s, e| {
+                for u in s..e {
+                    let (q, t) = (u / tiles, u % tiles);
+                    let i0 = t * TILE;
+                    // SAFETY: in bounds; units own disjoint columns of the output.
+                    unsafe { self.tile(x.get(), o.get(), q, i0, TILE.min(inner - i0)) };
+                }
+            });
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}

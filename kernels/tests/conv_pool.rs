@@ -1,0 +1,292 @@
+//! Convolution, its two backprops and pooling against direct f64 loops, for stride 1 and 2, SAME
+//! and VALID, non-square windows and strides; the backprops are also checked as adjoints:
+//! <conv(x, w), dy> = <x, backprop_input(dy, w)> = <w, backprop_filter(x, dy)>.
+
+mod common;
+use common::*;
+use kiln_compiler::ir::{Op, Padding, PoolKind, Shape, Window2d};
+
+fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
+    Window2d { size, stride, padding }
+}
+
+/// For each output position along an axis, the input position of tap 0 (may be negative).
+fn starts(w: &Window2d, axis: usize, input: usize) -> (usize, isize) {
+    let (out, pad) = w.out_and_pad(axis, input).unwrap();
+    (out, pad as isize)
+}
+
+/// Calls f(n, oh, ow, ih, iw, kh, kw) for every in-bounds tap.
+fn for_taps(x: &[usize], w: &Window2d, mut f: impl FnMut([usize; 7])) {
+    let (oh, ph) = starts(w, 0, x[1]);
+    let (ow, pw) = starts(w, 1, x[2]);
+    for n in 0..x[0] {
+        for a in 0..oh {
+            for b in 0..ow {
+                for kh in 0..w.size[0] {
+                    for kw in 0..w.size[1] {
+                        let ih = (a * w.stride[0] + kh) as isize - ph;
+                        let iw = (b * w.stride[1] + kw) as isize - pw;
+                        if ih >= 0 && iw >= 0 && (ih as usize) < x[1] && (iw as usize) < x[2] {
+                            f([n, a, b, ih as usize, iw as usize, kh, kw]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn conv_ref(x: &T, f: &T, w: &Window2d, out: &[usize]) -> Vec<f64> {
+    let (c, fo) = (x.dims[3], f.dims[3]);
+    let mut res = vec![0.0; out.iter().product()];
+    for_taps(&x.dims, w, |[n, a, b, ih, iw, kh, kw]| {
+        for ci in 0..c {
+            for fi in 0..fo {
+                res[ravel(&[n, a, b, fi], out)] +=
+                    x.at(&[n, ih, iw, ci]) as f64 * f.at(&[kh, kw, ci, fi]) as f64;
+            }
+        }
+    });
+    res
+}
+
+fn backprop_input_ref(dy: &T, f: &T, w: &Window2d, xd: &[usize]) -> Vec<f64> {
+    let (c, fo) = (xd[3], f.dims[3]);
+    let mut res = vec![0.0; xd.iter().product()];
+    for_taps(xd, w, |[n, a, b, ih, iw, kh, kw]| {
+        for ci in 0..c {
+            for fi in 0..fo {
+                res[ravel(&[n, ih, iw, ci], xd)] +=
+                    dy.at(&[n, a, b, fi]) as f64 * f.at(&[kh, kw, ci, fi]) as f64;
+            }
+        }
+    });
+    res
+}
+
+fn backprop_filter_ref(x: &T, dy: &T, w: &Window2d) -> Vec<f64> {
+    let (c, fo) = (x.dims[3], dy.dims[3]);
+    let wd = [w.size[0], w.size[1], c, fo];
+    let mut res = vec![0.0; wd.iter().product()];
+    for_taps(&x.dims, w, |[n, a, b, ih, iw, kh, kw]| {
+        for ci in 0..c {
+            for fi in 0..fo {
+                res[ravel(&[kh, kw, ci, fi], &wd)] +=
+                    x.at(&[n, ih, iw, ci]) as f64 * dy.at(&[n, a, b, fi]) as f64;
+            }
+        }
+    });
+    res
+}
+
+/// (input dims, window, output channels)
+fn conv_cases() -> Vec<([usize; 4], Window2d, usize)> {
+    let mut v = Vec::new();
+    for padding in [Padding::Same, Padding::Valid] {
+        v.push(([2, 5, 7, 3], win([3, 3], [1, 1], padding), 4));
+        v.push(([2, 7, 6, 3], win([3, 3], [2, 2], padding), 5));
+        v.push(([1, 6, 9, 2], win([2, 3], [2, 1], padding), 3));
+        v.push(([3, 8, 7, 1], win([1, 4], [1, 3], padding), 2));
+        v.push(([1, 5, 5, 2], win([1, 1], [2, 2], padding), 3));
+        v.push(([1, 9, 8, 2], win([2, 2], [3, 3], padding), 2));
+        v.push(([1, 4, 4, 3], win([4, 4], [1, 1], padding), 1));
+        v.push(([1, 3, 3, 2], win([5, 5], [1, 2], Padding::Same), 2));
+        v.push(([4, 16, 16, 8], win([3, 3], [1, 1], padding), 16));
+        v.push(([2, 17, 15, 5], win([5, 3], [2, 2], padding), 7));
+    }
+    v
+}
+
+#[test]
+fn conv2d_and_backprops_match_direct_loops() {
+    for (i, (xd, w, f)) in conv_cases().into_iter().enumerate() {
+        let x = rand(&xd, 3 * i as u64);
+        let filt = rand(&[w.size[0], w.size[1], xd[3], f], 3 * i as u64 + 1);
+        let y = run(&Op::Conv2d { window: w }, &[&x, &filt]);
+        let tol = 1e-5 * ((w.size[0] * w.size[1] * xd[3]) as f64).sqrt();
+        assert_close(&y.data, &conv_ref(&x, &filt, &w, &y.dims), tol);
+
+        let dy = rand(&y.dims, 3 * i as u64 + 2);
+        let dx = run(&Op::Conv2dBackpropInput { window: w, input: Shape::from(xd) }, &[&dy, &filt]);
+        assert_eq!(dx.dims, xd);
+        assert_close(&dx.data, &backprop_input_ref(&dy, &filt, &w, &xd), tol * 3.0);
+
+        let dw = run(&Op::Conv2dBackpropFilter { window: w }, &[&x, &dy]);
+        assert_eq!(dw.dims, filt.dims);
+        let terms = (y.dims[0] * y.dims[1] * y.dims[2]) as f64;
+        assert_close(&dw.data, &backprop_filter_ref(&x, &dy, &w), 1e-5 * terms.sqrt());
+
+        // Adjoints.
+        let (a, b, c) = (dot(&y.data, &dy.data), dot(&x.data, &dx.data), dot(&filt.data, &dw.data));
+        let scale = 1e-4 * (1.0 + a.abs()) * (y.data.len() as f64).sqrt();
+        assert!((a - b).abs() < scale && (a - c).abs() < scale, "case {i}: {a} {b} {c}");
+    }
+}
+
+fn pool_ref(kind: PoolKind, x: &T, w: &Window2d, out: &[usize]) -> Vec<f64> {
+    let c = x.dims[3];
+    let init = if kind == PoolKind::Max { f64::NEG_INFINITY } else { 0.0 };
+    let mut res = vec![init; out.iter().product()];
+    let mut count = vec![0.0; res.len()];
+    for_taps(&x.dims, w, |[n, a, b, ih, iw, _, _]| {
+        for ci in 0..c {
+            let o = ravel(&[n, a, b, ci], out);
+            let v = x.at(&[n, ih, iw, ci]) as f64;
+            res[o] = if kind == PoolKind::Max { res[o].max(v) } else { res[o] + v };
+            count[o] += 1.0;
+        }
+    });
+    if kind == PoolKind::Avg {
+        res.iter_mut().zip(&count).for_each(|(r, c)| *r /= c);
+    }
+    res
+}
+
+fn pool_grad_ref(kind: PoolKind, x: &T, dy: &T, w: &Window2d) -> Vec<f64> {
+    let c = x.dims[3];
+    let mut dx = vec![0.0; x.data.len()];
+    // Window contents per output element, in row-major window order.
+    let mut windows: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for_taps(&x.dims, w, |[n, a, b, ih, iw, _, _]| {
+        for ci in 0..c {
+            windows
+                .entry(ravel(&[n, a, b, ci], &dy.dims))
+                .or_default()
+                .push(ravel(&[n, ih, iw, ci], &x.dims));
+        }
+    });
+    for (o, members) in windows {
+        let g = dy.data[o] as f64;
+        match kind {
+            PoolKind::Max => {
+                let mut best = members[0];
+                for &m in &members {
+                    if x.data[m] > x.data[best] {
+                        best = m;
+                    }
+                }
+                dx[best] += g;
+            }
+            PoolKind::Avg => members.iter().for_each(|&m| dx[m] += g / members.len() as f64),
+        }
+    }
+    dx
+}
+
+#[test]
+fn pooling_and_gradients_match_direct_loops() {
+    let mut cases = Vec::new();
+    for padding in [Padding::Same, Padding::Valid] {
+        cases.push(([2, 5, 7, 3], win([2, 2], [2, 2], padding)));
+        cases.push(([1, 7, 7, 2], win([3, 3], [2, 2], padding)));
+        cases.push(([2, 6, 5, 4], win([3, 3], [1, 1], padding)));
+        cases.push(([1, 8, 9, 3], win([2, 3], [1, 2], padding)));
+        cases.push(([1, 5, 5, 1], win([1, 1], [2, 2], padding)));
+        cases.push(([2, 16, 16, 70], win([3, 3], [2, 2], padding)));
+    }
+    for (i, (xd, w)) in cases.into_iter().enumerate() {
+        let x = rand(&xd, 40 + i as u64);
+        for kind in [PoolKind::Max, PoolKind::Avg] {
+            let y = run(&Op::Pool2d { kind, window: w }, &[&x]);
+            assert_close(&y.data, &pool_ref(kind, &x, &w, &y.dims), 1e-6);
+            let dy = rand(&y.dims, 80 + i as u64);
+            let dx = run(&Op::Pool2dGrad { kind, window: w }, &[&x, &dy]);
+            assert_eq!(dx.dims, xd);
+            assert_close(&dx.data, &pool_grad_ref(kind, &x, &dy, &w), 1e-6);
+            // Pool gradients are adjoint to pooling's linearisation: <pool'(x)·dx, dy> = <dx, grad>.
+            if kind == PoolKind::Avg {
+                let probe = rand(&xd, 99);
+                let py = run(&Op::Pool2d { kind, window: w }, &[&probe]);
+                let (a, b) = (dot(&py.data, &dy.data), dot(&probe.data, &dx.data));
+                assert!((a - b).abs() < 1e-4 * (1.0 + a.abs()), "{a} {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn max_pool_grad_routes_ties_to_the_first_maximum() {
+    let x = T::new(&[1, 4, 4, 1], vec![0.0; 16]);
+    let w = win([2, 2], [2, 2], Padding::Valid);
+    let dy = T::new(&[1, 2, 2, 1], vec![1.0, 2.0, 3.0, 4.0]);
+    let dx = run(&Op::Pool2dGrad { kind: PoolKind::Max, window: w }, &[&x, &dy]);
+    #[rustfmt::skip]
+    let want = [1.0, 0.0, 2.0, 0.0,
+                0.0, 0.0, 0.0, 0.0,
+                3.0, 0.0, 4.0, 0.0,
+                0.0, 0.0, 0.0, 0.0];
+    assert_eq!(dx.data, want);
+    // Overlapping SAME windows on a constant input: each window's first in-bounds element.
+    let x = T::new(&[1, 3, 3, 1], vec![1.0; 9]);
+    let w = win([3, 3], [1, 1], Padding::Same);
+    let dy = T::new(&[1, 3, 3, 1], vec![1.0; 9]);
+    let dx = run(&Op::Pool2dGrad { kind: PoolKind::Max, window: w }, &[&x, &dy]);
+    assert_eq!(dx.data, [4.0, 2.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+}
+
+fn conv_case(xd: [usize; 4], w: Window2d, f: usize, seed: u64) {
+    let x = rand(&xd, seed);
+    let filt = rand(&[w.size[0], w.size[1], xd[3], f], seed + 1);
+    let y = run(&Op::Conv2d { window: w }, &[&x, &filt]);
+    assert_close(&y.data, &conv_ref(&x, &filt, &w, &y.dims), 1e-4);
+    let dy = rand(&y.dims, seed + 2);
+    let dx = run(&Op::Conv2dBackpropInput { window: w, input: Shape::from(xd) }, &[&dy, &filt]);
+    assert_close(&dx.data, &backprop_input_ref(&dy, &filt, &w, &xd), 1e-4);
+    let dw = run(&Op::Conv2dBackpropFilter { window: w }, &[&x, &dy]);
+    assert_close(&dw.data, &backprop_filter_ref(&x, &dy, &w), 1e-4);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(120))]
+    #[test]
+    fn conv_random_geometries(
+        n in 1usize..3, h in 1usize..9, wd in 1usize..9, c in 1usize..4, f in 1usize..4,
+        kh in 1usize..5, kw in 1usize..5, sh in 1usize..4, sw in 1usize..4, same: bool, seed: u64,
+    ) {
+        let w = win([kh, kw], [sh, sw], if same { Padding::Same } else { Padding::Valid });
+        proptest::prop_assume!(w.out_and_pad(0, h).is_some_and(|o| o.0 > 0));
+        proptest::prop_assume!(w.out_and_pad(1, wd).is_some_and(|o| o.0 > 0));
+        conv_case([n, h, wd, c], w, f, seed);
+    }
+}
+
+#[test]
+fn conv_gradients_do_not_depend_on_the_thread_count() {
+    let w = win([3, 3], [1, 1], Padding::Same);
+    let x = rand(&[8, 16, 16, 8], 1);
+    let filt = rand(&[3, 3, 8, 16], 2);
+    let dy = rand(&[8, 16, 16, 16], 3);
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let y = run(&Op::Conv2d { window: w }, &[&x, &filt]);
+            let dx = run(&Op::Conv2dBackpropInput { window: w, input: x.shape() }, &[&dy, &filt]);
+            let dw = run(&Op::Conv2dBackpropFilter { window: w }, &[&x, &dy]);
+            (y, dx, dw)
+        })
+    };
+    let one = on(1);
+    assert!(one == on(3) && one == on(8));
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(120))]
+    #[test]
+    fn pool_random_geometries(
+        n in 1usize..3, h in 1usize..9, wd in 1usize..9, c in 1usize..4,
+        kh in 1usize..5, kw in 1usize..5, sh in 1usize..4, sw in 1usize..4, same: bool, seed: u64,
+    ) {
+        let w = win([kh, kw], [sh, sw], if same { Padding::Same } else { Padding::Valid });
+        proptest::prop_assume!(w.out_and_pad(0, h).is_some_and(|o| o.0 > 0));
+        proptest::prop_assume!(w.out_and_pad(1, wd).is_some_and(|o| o.0 > 0));
+        let x = rand(&[n, h, wd, c], seed);
+        for kind in [PoolKind::Max, PoolKind::Avg] {
+            let y = run(&Op::Pool2d { kind, window: w }, &[&x]);
+            assert_close(&y.data, &pool_ref(kind, &x, &w, &y.dims), 1e-6);
+            let dy = rand(&y.dims, seed ^ 1);
+            let dx = run(&Op::Pool2dGrad { kind, window: w }, &[&x, &dy]);
+            assert_close(&dx.data, &pool_grad_ref(kind, &x, &dy, &w), 1e-6);
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Gather and its gradient (repeated and out-of-range ids), the optimizer effects against values
+//! computed by hand, and prepare's errors.
+
+mod common;
+use common::*;
+use kiln_compiler::ir::{DType, Op, Shape, Window2d};
+use kiln_kernels::KernelError;
+use kiln_kernels::cpu::prepare;
+
+#[test]
+fn gather_rows_with_repeats_and_invalid_ids() {
+    let table = T::new(&[4, 2], vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0]);
+    let ids = T::new(&[2, 3], vec![3.0, 1.0, 3.0, -1.0, 4.0, 0.0]);
+    let got = run(&Op::Gather, &[&table, &ids]);
+    assert_eq!(got.dims, [2, 3, 2]);
+    assert_eq!(got.data, [30.0, 31.0, 10.0, 11.0, 30.0, 31.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]);
+
+    let dy = T::new(&[2, 3, 2], (1..=12).map(|v| v as f32).collect());
+    let dt = run(&Op::GatherGrad { vocab: 4 }, &[&ids, &dy]);
+    assert_eq!(dt.dims, [4, 2]);
+    // Row 3 gets dy rows 0 and 2; ids -1 and 4 are skipped.
+    assert_eq!(dt.data, [11.0, 12.0, 3.0, 4.0, 0.0, 0.0, 6.0, 8.0]);
+
+    // Scalar ids, a rank-1 table, and a large gradient split across threads by columns.
+    let t1 = T::new(&[3], vec![5.0, 6.0, 7.0]);
+    assert_eq!(run(&Op::Gather, &[&t1, &T::new(&[], vec![2.0])]).data, [7.0]);
+    let mut rng = Rng::new(3);
+    let (vocab, row, count) = (50, 300, 400);
+    let ids = T::new(&[count], (0..count).map(|_| rng.below(vocab + 5) as f32 - 2.0).collect());
+    let dy = rand(&[count, row], 4);
+    let got = run(&Op::GatherGrad { vocab }, &[&ids, &dy]);
+    let mut want = vec![0.0f64; vocab * row];
+    for (i, &id) in ids.data.iter().enumerate() {
+        if id >= 0.0 && (id as usize) < vocab {
+            for c in 0..row {
+                want[id as usize * row + c] += dy.data[i * row + c] as f64;
+            }
+        }
+    }
+    assert_close(&got.data, &want, 1e-5);
+}
+
+#[test]
+fn sgd_steps() {
+    let var = T::new(&[3], vec![1.0, 2.0, 3.0]);
+    let grad = T::new(&[3], vec![0.5, -1.0, 2.0]);
+    let plain = run_effect(&Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false }, &[&var, &grad]);
+    assert_close(&plain[0].data, &[0.95, 2.1, 2.8], 1e-7);
+    assert_eq!(plain[1], grad);
+
+    // v = 0.9·[1, 1, 1] - 0.1·g = [0.85, 1.0, 0.7]; var += v; Nesterov: var += 0.9·v - 0.1·g.
+    let vel = T::new(&[3], vec![1.0; 3]);
+    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov };
+    let m = run_effect(&op(false), &[&var, &grad, &vel]);
+    assert_close(&m[2].data, &[0.85, 1.0, 0.7], 1e-7);
+    assert_close(&m[0].data, &[1.85, 3.0, 3.7], 1e-7);
+    let n = run_effect(&op(true), &[&var, &grad, &vel]);
+    assert_close(&n[2].data, &[0.85, 1.0, 0.7], 1e-7);
+    assert_close(&n[0].data, &[1.0 + 0.765 - 0.05, 2.0 + 0.9 + 0.1, 3.0 + 0.63 - 0.2], 1e-7);
+}
+
+#[test]
+fn adam_steps() {
+    let (lr, b1, b2, eps) = (0.01f32, 0.9f32, 0.999f32, 1e-7f32);
+    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps };
+    let var = T::new(&[2], vec![1.0, -2.0]);
+    let grad = T::new(&[2], vec![0.5, -3.0]);
+    let zeros = T::new(&[2], vec![0.0; 2]);
+    let iters = T::new(&[], vec![0.0]);
+    let out = run_effect(&op, &[&var, &grad, &zeros, &zeros, &iters]);
+    // Step 1: m = 0.1·g, v = 0.001·g², alpha = lr·sqrt(0.001)/0.1, update = alpha·m/(sqrt(v)+eps)
+    // which is lr·sign(g) up to epsilon.
+    assert_close(&out[2].data, &[0.05, -0.3], 1e-6);
+    assert_close(&out[3].data, &[0.00025, 0.009], 1e-6);
+    assert_close(&out[0].data, &[0.99, -1.99], 1e-6);
+    assert_eq!(out[4], iters, "adam does not advance the counter");
+
+    // Step 3 from a hand-computed state: t = 3.
+    let m = T::new(&[2], vec![0.2, -0.1]);
+    let v = T::new(&[2], vec![0.01, 0.04]);
+    let it = T::new(&[1], vec![2.0]);
+    let out = run_effect(&op, &[&var, &grad, &m, &v, &it]);
+    let (g, m0, v0) = ([0.5f64, -3.0], [0.2f64, -0.1], [0.01f64, 0.04]);
+    let alpha = 0.01 * (1.0 - 0.999f64.powi(3)).sqrt() / (1.0 - 0.9f64.powi(3));
+    for i in 0..2 {
+        let m1 = m0[i] + (g[i] - m0[i]) * 0.1;
+        let v1 = v0[i] + (g[i] * g[i] - v0[i]) * 0.001;
+        let x1 = var.data[i] as f64 - alpha * m1 / (v1.sqrt() + 1e-7);
+        assert_close(&out[2].data[i..=i], &[m1], 1e-6);
+        assert_close(&out[3].data[i..=i], &[v1], 1e-6);
+        assert_close(&out[0].data[i..=i], &[x1], 1e-6);
+    }
+}
+
+#[test]
+fn optimizers_on_large_variables() {
+    let n = 100_003;
+    let var = rand(&[n], 1);
+    let grad = rand(&[n], 2);
+    let vel = rand(&[n], 3);
+    let out = run_effect(&Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false }, &[&var, &grad, &vel]);
+    for i in (0..n).step_by(997) {
+        let v = 0.5 * vel.data[i] as f64 - 0.5 * grad.data[i] as f64;
+        assert_close(&out[2].data[i..=i], &[v], 1e-6);
+        assert_close(&out[0].data[i..=i], &[var.data[i] as f64 + v], 1e-6);
+    }
+    let step = run_effect(&Op::AssignAdd { value: 1.0 }, &[&T::new(&[], vec![41.0])]);
+    assert_eq!(step[0].data, [42.0]);
+    let big = run_effect(&Op::AssignAdd { value: -0.5 }, &[&var]);
+    assert!(big[0].data.iter().zip(&var.data).all(|(a, b)| *a == b - 0.5));
+}
+
+#[test]
+fn prepare_rejects_what_it_cannot_run() {
+    let s = Shape::from([2, 3]);
+    let f32s = |n: usize| vec![(&s, DType::F32); n];
+    // Sources and views have no kernel.
+    for op in [
+        Op::Reshape { shape: Shape::from([6]) },
+        Op::Input { name: "x".into(), shape: s.clone(), dtype: DType::F32 },
+    ] {
+        let inputs = if matches!(op, Op::Reshape { .. }) { f32s(1) } else { vec![] };
+        let out = if matches!(op, Op::Reshape { .. }) { Shape::from([6]) } else { s.clone() };
+        let e = prepare(&op, &inputs, (&out, DType::F32)).err().expect("no kernel");
+        assert!(matches!(e, KernelError::Unsupported { .. }), "{e}");
+        assert!(e.to_string().contains(op.name()), "{e}");
+    }
+    // Other dtypes.
+    let relu = Op::Unary(kiln_compiler::ir::UnaryOp::Relu);
+    let e = prepare(&relu, &[(&s, DType::F16)], (&s, DType::F16)).err().expect("f16");
+    assert!(matches!(e, KernelError::Unsupported { dtype: DType::F16, .. }), "{e}");
+    // Shapes inconsistent with infer: bad operands, or a wrong declared output.
+    let mm = Op::MatMul { transpose_a: false, transpose_b: false };
+    let e = prepare(&mm, &f32s(2), (&s, DType::F32)).err().expect("3 vs 2");
+    assert!(matches!(e, KernelError::Shape { .. }) && e.to_string().contains("matmul"), "{e}");
+    let wrong = Shape::from([3, 2]);
+    let e = prepare(&relu, &f32s(1), (&wrong, DType::F32)).err().expect("wrong output");
+    assert!(matches!(e, KernelError::Shape { .. }) && e.to_string().contains("[3, 2]"), "{e}");
+    let conv = Op::Conv2d {
+        window: Window2d { size: [3, 3], stride: [1, 1], padding: kiln_compiler::ir::Padding::Valid },
+    };
+    let x = Shape::from([1, 2, 2, 1]);
+    let w = Shape::from([3, 3, 1, 1]);
+    let e = prepare(&conv, &[(&x, DType::F32), (&w, DType::F32)], (&x, DType::F32)).err().expect("too small");
+    assert!(matches!(e, KernelError::Shape { .. }), "{e}");
+}
+
+#[test]
+fn kernels_describe_themselves() {
+    let (a, b) = (rand(&[32, 100], 1), rand(&[100, 10], 2));
+    let (k, _) = kernel(&Op::MatMul { transpose_a: false, transpose_b: false }, &[&a, &b]);
+    assert!(k.describe().starts_with("matmul 32x100x10"), "{}", k.describe());
+    let (k, _) = kernel(&Op::Unary(kiln_compiler::ir::UnaryOp::Relu), &[&rand(&[32, 10], 3)]);
+    assert_eq!(k.describe(), "relu 32x10");
+}

@@ -1,0 +1,101 @@
+//! Matrix products against an f64 reference: transposes, batch axes with broadcasting, odd and
+//! large sizes (serial, per-batch and per-GEMM threading).
+
+mod common;
+use common::*;
+use kiln_compiler::ir::Op;
+
+/// The batch dims of `dims` (all but the last two).
+fn batch(dims: &[usize]) -> &[usize] {
+    &dims[..dims.len() - 2]
+}
+
+fn matmul_ref(a: &T, b: &T, ta: bool, tb: bool, out: &[usize]) -> Vec<f64> {
+    let r = out.len();
+    let (m, n) = (out[r - 2], out[r - 1]);
+    let k = if ta { a.dims[a.dims.len() - 2] } else { a.dims[a.dims.len() - 1] };
+    let ob = &out[..r - 2];
+    let nb: usize = ob.iter().product();
+    let (ab, bb) = (batch(&a.dims), batch(&b.dims));
+    let mut res = vec![0.0; nb * m * n];
+    for bi in 0..nb {
+        let idx = unravel(bi, ob);
+        let ao = broadcast_index(&idx, ab) * m * k;
+        let bo = broadcast_index(&idx, bb) * k * n;
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0;
+                for p in 0..k {
+                    let x = a.data[ao + if ta { p * m + i } else { i * k + p }] as f64;
+                    let y = b.data[bo + if tb { j * k + p } else { p * n + j }] as f64;
+                    s += x * y;
+                }
+                res[(bi * m + i) * n + j] = s;
+            }
+        }
+    }
+    res
+}
+
+/// Operand dims for an (m, k) x (k, n) product with the given transposes and batch dims.
+fn operands(
+    (m, k, n): (usize, usize, usize),
+    ta: bool,
+    tb: bool,
+    ba: &[usize],
+    bb: &[usize],
+    seed: u64,
+) -> (T, T) {
+    let mut da = ba.to_vec();
+    da.extend(if ta { [k, m] } else { [m, k] });
+    let mut db = bb.to_vec();
+    db.extend(if tb { [n, k] } else { [k, n] });
+    (rand(&da, seed), rand(&db, seed + 1))
+}
+
+fn check(m: usize, k: usize, n: usize, ba: &[usize], bb: &[usize]) {
+    for ta in [false, true] {
+        for tb in [false, true] {
+            let (a, b) = operands((m, k, n), ta, tb, ba, bb, (m * 31 + k * 7 + n) as u64);
+            let op = Op::MatMul { transpose_a: ta, transpose_b: tb };
+            let got = run(&op, &[&a, &b]);
+            let want = matmul_ref(&a, &b, ta, tb, &got.dims);
+            assert_close(&got.data, &want, 1e-5 * (k as f64).sqrt().max(1.0));
+        }
+    }
+}
+
+#[test]
+fn small_and_odd_sizes() {
+    for (m, k, n) in [(1, 1, 1), (1, 7, 1), (3, 1, 5), (7, 33, 3), (32, 100, 10), (33, 17, 65)] {
+        check(m, k, n, &[], &[]);
+    }
+}
+
+#[test]
+fn batched_with_broadcast() {
+    check(32, 100, 10, &[2], &[]); // folds into one GEMM
+    check(5, 6, 7, &[], &[3]);
+    check(3, 4, 6, &[2, 1], &[5]);
+    check(4, 3, 2, &[1, 3], &[2, 1]);
+    check(6, 5, 4, &[2, 3], &[2, 3]);
+    check(2, 3, 4, &[1], &[1]);
+    check(64, 32, 64, &[8, 4], &[8, 4]); // per-batch threads
+}
+
+#[test]
+fn large_products_use_the_pool() {
+    check(130, 257, 190, &[], &[]);
+    let (a, b) = operands((128, 64, 128), false, true, &[8, 4], &[8, 4], 9);
+    let op = Op::MatMul { transpose_a: false, transpose_b: true };
+    let got = run(&op, &[&a, &b]);
+    assert_eq!(got.dims, [8, 4, 128, 128]);
+    assert_close(&got.data, &matmul_ref(&a, &b, false, true, &got.dims), 1e-4);
+}
+
+#[test]
+fn empty_contraction_gives_zeros() {
+    let (a, b) = (T::new(&[3, 0], vec![]), T::new(&[0, 4], vec![]));
+    let got = run(&Op::MatMul { transpose_a: false, transpose_b: false }, &[&a, &b]);
+    assert_eq!(got.data, vec![0.0; 12]);
+}
