@@ -4,8 +4,8 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use kiln_runtime::alloc::{
-    AllocError, Allocator, BfcAllocator, BfcOptions, Block, KIB, MIB, OOM_HINT, RegionSource, SourceEvent, VirtualSource,
-    bfc_bin_for_size, bfc_rounded_bytes,
+    AllocError, Allocator, BfcAllocator, BfcOptions, Block, KIB, MIB, OOM_HINT, RegionSource, SourceEvent,
+    VirtualSource, bfc_bin_for_size, bfc_rounded_bytes,
 };
 
 fn growth(limit: usize) -> BfcAllocator {
@@ -141,7 +141,11 @@ fn coalesces_with_both_neighbours() {
     a.deallocate(z.addr).unwrap();
     let chunks = a.chunks();
     let shape: Vec<(usize, bool)> = chunks.iter().map(|c| (c.size, c.in_use)).collect();
-    assert_eq!(shape, [(256 * KIB, false), (256 * KIB, true), (2 * MIB - 512 * KIB, false)], "z merged with the tail");
+    assert_eq!(
+        shape,
+        [(256 * KIB, false), (256 * KIB, true), (2 * MIB - 512 * KIB, false)],
+        "z merged with the tail"
+    );
     a.deallocate(y.addr).unwrap();
     let chunks = a.chunks();
     assert_eq!(chunks.len(), 1);
@@ -187,7 +191,8 @@ fn request_larger_than_the_current_region_size() {
 
 #[test]
 fn last_region_is_clipped_to_the_limit_then_oom() {
-    let mut a = BfcAllocator::with_options(VirtualSource::new(), BfcOptions::growth(7 * MIB).named("GPU_0_bfc"));
+    let mut a =
+        BfcAllocator::with_options(VirtualSource::new(), BfcOptions::growth(7 * MIB).named("GPU_0_bfc"));
     for _ in 0..7 {
         alloc(&mut a, MIB);
     }
@@ -196,7 +201,16 @@ fn last_region_is_clipped_to_the_limit_then_oom() {
     assert_eq!(a.stats().reserved, 7 * MIB);
     let err = a.allocate(MIB).unwrap_err();
     match &err {
-        AllocError::OutOfMemory { allocator, requested, rounded, limit, reserved, in_use, largest_free, .. } => {
+        AllocError::OutOfMemory {
+            allocator,
+            requested,
+            rounded,
+            limit,
+            reserved,
+            in_use,
+            largest_free,
+            ..
+        } => {
             assert_eq!(allocator, "GPU_0_bfc");
             assert_eq!((*requested, *rounded), (MIB, MIB));
             assert_eq!(*limit, Some(7 * MIB));
@@ -257,7 +271,10 @@ fn garbage_collection_frees_unused_regions_before_failing() {
     assert_eq!(b.size, 4 * MIB);
     let events = a.source().events();
     assert!(matches!(events[2], SourceEvent::Free { bytes, .. } if bytes == 2 * MIB), "{events:?}");
-    assert!(matches!(events[3], SourceEvent::Alloc { bytes, .. } if bytes == 4 * MIB), "min(8 MiB, 4 MiB left)");
+    assert!(
+        matches!(events[3], SourceEvent::Alloc { bytes, .. } if bytes == 4 * MIB),
+        "min(8 MiB, 4 MiB left)"
+    );
     assert_eq!(a.regions().iter().map(|r| r.1).collect::<Vec<_>>(), [4 * MIB, 4 * MIB]);
     assert_eq!(a.stats().reserved, 8 * MIB);
     assert_eq!(a.stats().peak_reserved, 8 * MIB);
@@ -281,7 +298,9 @@ fn backpedals_when_the_device_refuses() {
     assert_eq!(sizes.len(), 2);
     assert!(sizes[1] <= MIB && sizes[1] as f64 > 0.9 * MIB as f64 - 256.0, "{sizes:?}");
     assert_eq!(sizes[1] % 256, 0);
-    assert!(a.source().events().iter().any(|e| matches!(e, SourceEvent::Refused { bytes } if *bytes == 4 * MIB)));
+    assert!(
+        a.source().events().iter().any(|e| matches!(e, SourceEvent::Refused { bytes } if *bytes == 4 * MIB))
+    );
     assert_eq!(b.requested, 512 * KIB);
     // Nothing of at least 1 MiB fits the device any more: out of memory, and it says the device refused.
     let err = a.allocate(MIB).unwrap_err().to_string();

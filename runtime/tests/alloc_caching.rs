@@ -183,8 +183,12 @@ fn oom_when_the_free_memory_is_inside_a_used_segment() {
         other => panic!("expected OutOfMemory, got {other:?}"),
     }
     let msg = err.to_string();
-    for needle in ["cuda:0: out of memory allocating 30.00 MiB", "memory limit 40.00 MiB", "segment of 30.00 MiB", OOM_HINT]
-    {
+    for needle in [
+        "cuda:0: out of memory allocating 30.00 MiB",
+        "memory limit 40.00 MiB",
+        "segment of 30.00 MiB",
+        OOM_HINT,
+    ] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
 }
@@ -205,7 +209,10 @@ fn stats_fragmentation_and_reset_peak() {
     let y = alloc(&mut a, 3 * MIB);
     a.deallocate(x.addr).unwrap();
     let s = a.stats();
-    assert_eq!((s.in_use, s.peak_in_use, s.reserved, s.num_allocs, s.num_regions), (3 * MIB, 8 * MIB, 20 * MIB, 2, 1));
+    assert_eq!(
+        (s.in_use, s.peak_in_use, s.reserved, s.num_allocs, s.num_regions),
+        (3 * MIB, 8 * MIB, 20 * MIB, 2, 1)
+    );
     // Free: 5 MiB at the start and 12 MiB at the end of the segment.
     assert_eq!(s.largest_free_chunk, 12 * MIB);
     assert!((s.fragmentation() - 5.0 / 17.0).abs() < 1e-12);
@@ -226,7 +233,10 @@ fn double_free_and_foreign_addresses_are_errors() {
     let mut a = caching(None);
     let b = alloc(&mut a, KIB);
     a.deallocate(b.addr).unwrap();
-    assert_eq!(a.deallocate(b.addr), Err(AllocError::DoubleFree { allocator: "caching".into(), addr: b.addr }));
+    assert_eq!(
+        a.deallocate(b.addr),
+        Err(AllocError::DoubleFree { allocator: "caching".into(), addr: b.addr })
+    );
     assert!(matches!(a.deallocate(1234), Err(AllocError::UnknownAddress { addr: 1234, .. })));
     a.deallocate(0).unwrap();
 }

@@ -417,8 +417,7 @@ impl<S: RegionSource> CachingAllocator<S> {
         // Only unsplit blocks are whole segments that can go back to the device; blocks of at least
         // max_split_size are never split by this allocator except in corner cases (see the report).
         let unsplit = |this: &Self, id: BlockId| !this.blocks[id].is_split();
-        let single =
-            self.pool_ref(pool).range((key, 0)..).map(|(_, &id)| id).find(|&id| unsplit(self, id));
+        let single = self.pool_ref(pool).range((key, 0)..).map(|(_, &id)| id).find(|&id| unsplit(self, id));
         if let Some(id) = single {
             self.release_block(id);
             return true;
@@ -476,8 +475,15 @@ impl<S: RegionSource> CachingAllocator<S> {
             let rem = &mut self.blocks[id];
             rem.addr = addr + size as u64;
             rem.size -= size;
-            let new_id =
-                self.new_block(Blk { addr, size, requested: 0, allocated: false, pool, prev, next: Some(id) });
+            let new_id = self.new_block(Blk {
+                addr,
+                size,
+                requested: 0,
+                allocated: false,
+                pool,
+                prev,
+                next: Some(id),
+            });
             if let Some(p) = prev {
                 self.blocks[p].next = Some(new_id);
             }

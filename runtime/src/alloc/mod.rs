@@ -23,7 +23,10 @@ mod bfc;
 mod caching;
 mod source;
 
-pub use bfc::{BFC_BIN_COUNT, BFC_MIN_ALLOCATION, BfcAllocator, BfcOptions, ChunkInfo, bfc_bin_for_size, bfc_rounded_bytes};
+pub use bfc::{
+    BFC_BIN_COUNT, BFC_MIN_ALLOCATION, BfcAllocator, BfcOptions, ChunkInfo, bfc_bin_for_size,
+    bfc_rounded_bytes,
+};
 pub use caching::{
     BlockInfo, CachingAllocator, CachingOptions, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC,
     K_ROUND_LARGE, K_SMALL_BUFFER, K_SMALL_SIZE, Pool, SegmentInfo, caching_allocation_size, caching_pool,
@@ -207,7 +210,12 @@ mod tests {
 
     #[test]
     fn fragmentation_formula() {
-        let s = AllocatorStats { reserved: 10 * MIB, in_use: 6 * MIB, largest_free_chunk: MIB, ..Default::default() };
+        let s = AllocatorStats {
+            reserved: 10 * MIB,
+            in_use: 6 * MIB,
+            largest_free_chunk: MIB,
+            ..Default::default()
+        };
         assert!((s.fragmentation() - 0.75).abs() < 1e-12);
         let full = AllocatorStats { reserved: MIB, in_use: MIB, ..Default::default() };
         assert_eq!(full.fragmentation(), 0.0);

@@ -142,18 +142,16 @@ impl Default for VirtualSource {
 
 impl RegionSource for VirtualSource {
     fn alloc_region(&mut self, bytes: usize) -> Result<u64, AllocError> {
-        let refuse = |reason: String| AllocError::DeviceRefused { source_name: self.name.clone(), bytes, reason };
+        let refuse =
+            |reason: String| AllocError::DeviceRefused { source_name: self.name.clone(), bytes, reason };
         if bytes == 0 {
             return Err(refuse("a region must not be empty".to_string()));
         }
         if let Some(cap) = self.capacity
             && self.held.checked_add(bytes).is_none_or(|total| total > cap)
         {
-            let err = refuse(format!(
-                "capacity {} with {} already held",
-                fmt_bytes(cap),
-                fmt_bytes(self.held)
-            ));
+            let err =
+                refuse(format!("capacity {} with {} already held", fmt_bytes(cap), fmt_bytes(self.held)));
             self.events.push(SourceEvent::Refused { bytes });
             return Err(err);
         }
@@ -269,20 +267,26 @@ impl Default for HostSource {
 
 impl RegionSource for HostSource {
     fn alloc_region(&mut self, bytes: usize) -> Result<u64, AllocError> {
-        let refuse = |reason: String| AllocError::DeviceRefused { source_name: self.name.clone(), bytes, reason };
+        let refuse =
+            |reason: String| AllocError::DeviceRefused { source_name: self.name.clone(), bytes, reason };
         if bytes == 0 {
             return Err(refuse("a region must not be empty".to_string()));
         }
         if let Some(cap) = self.capacity
             && self.held.checked_add(bytes).is_none_or(|total| total > cap)
         {
-            return Err(refuse(format!("capacity {} with {} already held", fmt_bytes(cap), fmt_bytes(self.held))));
+            return Err(refuse(format!(
+                "capacity {} with {} already held",
+                fmt_bytes(cap),
+                fmt_bytes(self.held)
+            )));
         }
         let layout =
             Layout::from_size_align(bytes, HOST_ALIGN).map_err(|e| refuse(format!("invalid layout: {e}")))?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| refuse("the system allocator returned null".to_string()))?;
+        let ptr =
+            NonNull::new(raw).ok_or_else(|| refuse("the system allocator returned null".to_string()))?;
         let base = ptr.as_ptr() as usize as u64;
         self.held += bytes;
         self.regions.insert(base, HostRegion { ptr, layout });
