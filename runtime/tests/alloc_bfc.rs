@@ -236,6 +236,7 @@ fn last_region_is_clipped_to_the_limit_then_oom() {
 fn request_above_the_limit_fails_without_a_region() {
     let mut a = growth(8 * MIB);
     assert!(matches!(a.allocate(9 * MIB), Err(AllocError::OutOfMemory { .. })));
+    assert!(matches!(a.allocate(usize::MAX), Err(AllocError::OutOfMemory { .. })));
     assert!(a.source().events().is_empty());
 }
 
@@ -305,6 +306,18 @@ fn backpedals_when_the_device_refuses() {
     // Nothing of at least 1 MiB fits the device any more: out of memory, and it says the device refused.
     let err = a.allocate(MIB).unwrap_err().to_string();
     assert!(err.contains("refused"), "{err}");
+}
+
+#[test]
+fn backpedal_ends_when_the_device_refuses_everything() {
+    let mut a = BfcAllocator::new(VirtualSource::with_capacity(0), 64 * MIB);
+    assert!(matches!(a.allocate(1), Err(AllocError::OutOfMemory { .. })));
+    let tries = a.source().events().len();
+    assert!((40..200).contains(&tries), "{tries} attempts from 2 MiB down to ~2.5 KiB");
+    // Almost nothing left under the limit: 1 KiB regions, and the device refuses them.
+    let mut a = BfcAllocator::new(VirtualSource::with_capacity(0), 1024);
+    assert!(matches!(a.allocate(1), Err(AllocError::OutOfMemory { .. })));
+    assert_eq!(a.source().events().len(), 1);
 }
 
 #[test]

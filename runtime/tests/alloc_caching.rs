@@ -200,6 +200,10 @@ fn device_refusal_is_out_of_memory_too() {
     let err = a.allocate(16 * MIB).unwrap_err(); // 15 MiB free in the segment: a new one is needed
     assert!(matches!(err, AllocError::OutOfMemory { limit: None, .. }));
     assert!(err.to_string().contains("refused"), "{err}");
+    // Absurd sizes are refused, not overflowed.
+    let mut a = caching(None);
+    assert!(matches!(a.allocate(usize::MAX), Err(AllocError::OutOfMemory { .. })));
+    assert_eq!(a.stats().reserved, 0);
 }
 
 #[test]

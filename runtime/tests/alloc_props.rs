@@ -222,6 +222,11 @@ proptest! {
     }
 
     #[test]
+    fn bfc_on_a_tiny_device(ops in ops()) {
+        run(BfcAllocator::new(VirtualSource::with_capacity(3 * MIB), 1 << 30), &ops)?;
+    }
+
+    #[test]
     fn caching_default(ops in ops()) {
         run(CachingAllocator::new(VirtualSource::new(), Some(80 * MIB)), &ops)?;
     }

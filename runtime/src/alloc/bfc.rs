@@ -26,7 +26,8 @@
 //!   the whole limit, so the first allocation takes one region of the whole limit.
 //! - **Backpedal** (`Extend`): when the device refuses, the size is retried at 90% (rounded to 256 B)
 //!   until it would no longer cover the request (the current TSL code retries every time; TF 2.0-2.4
-//!   did it only once per allocator lifetime).
+//!   did it only once per allocator lifetime). One deliberate difference: the loop also stops when
+//!   90% rounded up no longer shrinks the size (below ~2.5 KiB), where TF's loop would never end.
 //! - **Garbage collection** (`DeallocateFreeRegions`): when neither a chunk nor a new region can serve
 //!   the request, regions with no chunk in use are returned to the device if that can make room
 //!   (`limit - reserved + free regions >= rounded`), and `Extend` runs again. `GPUBFCAllocator` turns
@@ -303,10 +304,13 @@ impl<S: RegionSource> BfcAllocator<S> {
                 Ok(base) => break base,
                 Err(e) => {
                     self.last_device_error = Some(e.to_string());
-                    bytes = bfc_rounded_bytes((bytes as f32 * BACKPEDAL_FACTOR) as usize);
-                    if bytes < rounded {
+                    let smaller = bfc_rounded_bytes((bytes as f32 * BACKPEDAL_FACTOR) as usize);
+                    // TF stops only when the size drops below the request; below ~2.5 KiB, 90% rounded
+                    // up to 256 B no longer shrinks and TF would retry forever. Stop there too.
+                    if smaller < rounded || smaller >= bytes {
                         return false;
                     }
+                    bytes = smaller;
                 }
             }
         };

@@ -156,9 +156,16 @@ impl RegionSource for VirtualSource {
             return Err(err);
         }
         let base = self.next;
-        let span = (bytes as u64).div_ceil(VIRTUAL_ALIGN) * VIRTUAL_ALIGN + VIRTUAL_ALIGN;
-        self.next = base.checked_add(span).ok_or_else(|| refuse("address space exhausted".to_string()))?;
-        self.held += bytes;
+        let next = (bytes as u64)
+            .checked_next_multiple_of(VIRTUAL_ALIGN)
+            .and_then(|span| span.checked_add(VIRTUAL_ALIGN))
+            .and_then(|span| base.checked_add(span));
+        let (Some(next), Some(held)) = (next, self.held.checked_add(bytes)) else {
+            self.events.push(SourceEvent::Refused { bytes });
+            return Err(refuse("address space exhausted".to_string()));
+        };
+        self.next = next;
+        self.held = held;
         self.peak_held = self.peak_held.max(self.held);
         self.live.insert(base, bytes);
         self.events.push(SourceEvent::Alloc { base, bytes });
