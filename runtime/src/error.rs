@@ -13,6 +13,9 @@ pub enum RuntimeError {
     #[error(transparent)]
     Kernel(#[from] KernelError),
 
+    #[error(transparent)]
+    Alloc(#[from] crate::alloc::AllocError),
+
     #[error("input `{name}` expects {expected_dtype}{expected} but got {dtype}{got}\n  help: {help}")]
     InputShape {
         name: String,

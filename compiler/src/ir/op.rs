@@ -141,7 +141,7 @@ impl Window2d {
     /// Output extent and the padding before the first element, for one spatial axis.
     pub fn out_and_pad(&self, axis: usize, input: usize) -> Option<(usize, usize)> {
         let (k, s) = (self.size[axis], self.stride[axis]);
-        if s == 0 || k == 0 {
+        if s == 0 || k == 0 || input == 0 {
             return None;
         }
         match self.padding {
