@@ -13,9 +13,9 @@ fn main() -> kiln::Result<()> {
         metrics: vec![Metric::BinaryAccuracy],
     };
     let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0));
-    let opts = FitOptions { epochs: 300, batch_size: 64, verbose: false, ..Default::default() };
+    let opts = FitOptions { epochs: 150, batch_size: 32, verbose: false, ..Default::default() };
     let history = trainer.fit(&x, &y, &opts)?;
-    for (i, logs) in history.epochs.iter().enumerate().filter(|(i, _)| (i + 1) % 50 == 0) {
+    for (i, logs) in history.epochs.iter().enumerate().filter(|(i, _)| (i + 1) % 25 == 0) {
         println!("epoch {:>3}: {}", i + 1, kiln::runtime::trainer::format_logs(logs));
     }
     let pred = trainer.predict(&x)?;

@@ -235,10 +235,7 @@ pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (HostTensor, HostTensor) 
     (x, y)
 }
 
-/// A model that separates the two spirals: 2 -> 64 tanh -> 64 tanh -> 1 sigmoid.
+/// A model that separates the two spirals: 2 -> 64 relu -> 64 relu -> 1 sigmoid.
 pub fn spiral_mlp() -> Sequential {
-    Sequential::new()
-        .add(Dense::new(64).activation(Activation::Tanh))
-        .add(Dense::new(64).activation(Activation::Tanh))
-        .add(Dense::new(1).sigmoid())
+    Sequential::new().add(Dense::new(64).relu()).add(Dense::new(64).relu()).add(Dense::new(1).sigmoid())
 }

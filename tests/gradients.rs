@@ -39,10 +39,13 @@ grad_test!(sub, [([3, 1], Draw::Normal), ([2, 1, 4], Draw::Normal)], [0, 1], |x:
 grad_test!(mul, [([2, 3, 4], Draw::Normal), ([3, 1], Draw::Normal)], [0, 1], |x: &[Tensor]| &x[0] * &x[1]);
 grad_test!(div, [([3, 4], Draw::Normal), ([1, 4], Draw::Positive)], [0, 1], |x: &[Tensor]| &x[0] / &x[1]);
 grad_test!(pow, [([3, 4], Draw::Positive), ([3, 4], Draw::Normal)], [0, 1], |x: &[Tensor]| x[0].pow(&x[1]));
-grad_test!(maximum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| x[0]
-    .maximum(&x[1]));
-grad_test!(minimum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| x[0]
-    .minimum(&x[1]));
+grad_test!(maximum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| {
+    // Shifted by half the spacing of Distinct's values: no ties, where max has no derivative.
+    x[0].maximum(&(&x[1] + 0.05))
+});
+grad_test!(minimum, [([12], Draw::Distinct), ([12], Draw::Distinct)], [0, 1], |x: &[Tensor]| {
+    x[0].minimum(&(&x[1] + 0.05))
+});
 grad_test!(
     select,
     [([3, 4], Draw::Mask), ([3, 4], Draw::Normal), ([4], Draw::Normal)],
@@ -153,4 +156,27 @@ grad_test!(
     [([4, 3], Draw::Normal), ([3, 5], Draw::Normal), ([5], Draw::Normal)],
     [0, 1, 2],
     |x: &[Tensor]| { (x[0].matmul(&x[1]) + &x[2]).tanh() }
+);
+
+// ---- a three-layer network with its loss, parameters as inputs: checks the whole backward graph
+// (accumulation, in-place reuse, transposed matmuls) at once.
+grad_test!(
+    mlp_with_loss,
+    [
+        ([6, 2], Draw::Normal),
+        ([2, 5], Draw::Normal),
+        ([5], Draw::Normal),
+        ([5, 4], Draw::Normal),
+        ([4], Draw::Normal),
+        ([4, 1], Draw::Normal),
+        ([1], Draw::Normal),
+        ([6, 1], Draw::Mask)
+    ],
+    [0, 1, 2, 3, 4, 5, 6],
+    |x: &[Tensor]| {
+        let h = (x[0].matmul(&x[1]) + &x[2]).tanh();
+        let h = (h.matmul(&x[3]) + &x[4]).tanh();
+        let p = (h.matmul(&x[5]) + &x[6]).sigmoid();
+        losses::binary_crossentropy(&p, &x[7])
+    }
 );

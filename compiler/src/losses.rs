@@ -98,7 +98,7 @@ impl Metric {
         match self {
             Metric::BinaryAccuracy => pred.gt(0.5).eq(target).mean(.., false),
             Metric::CategoricalAccuracy => {
-                let is_max = pred.eq(&pred.max(-1, true));
+                let is_max = pred.eq(pred.max(-1, true));
                 (target * is_max).sum(-1, false).mean(.., false)
             }
         }

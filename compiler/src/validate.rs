@@ -35,7 +35,7 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
     let mut io_end = 0;
     for buf in &plan.buffers {
         if let Storage::Io { offset } = buf.storage {
-            if offset % plan.alignment != 0 {
+            if !offset.is_multiple_of(plan.alignment) {
                 return Err(format!("io buffer {} is not aligned", buf.label));
             }
             io_end = io_end.max(offset + buf.bytes);

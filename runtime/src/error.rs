@@ -8,13 +8,13 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum RuntimeError {
     #[error(transparent)]
-    Compile(#[from] CompileError),
+    Compile(Box<CompileError>),
 
     #[error(transparent)]
     Kernel(#[from] KernelError),
 
     #[error(transparent)]
-    Alloc(#[from] crate::alloc::AllocError),
+    Alloc(Box<crate::alloc::AllocError>),
 
     #[error("input `{name}` expects {expected_dtype}{expected} but got {dtype}{got}\n  help: {help}")]
     InputShape {
@@ -33,6 +33,18 @@ pub enum RuntimeError {
         "variable `{key}` exists with shape {existing} but the plan declares {requested}\n  help: {help}"
     )]
     VariableShape { key: String, existing: Shape, requested: Shape, help: String },
+}
+
+impl From<CompileError> for RuntimeError {
+    fn from(e: CompileError) -> Self {
+        RuntimeError::Compile(Box::new(e))
+    }
+}
+
+impl From<crate::alloc::AllocError> for RuntimeError {
+    fn from(e: crate::alloc::AllocError) -> Self {
+        RuntimeError::Alloc(Box::new(e))
+    }
 }
 
 impl RuntimeError {

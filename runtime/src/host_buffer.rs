@@ -39,13 +39,13 @@ impl HostBuffer {
 
     /// `count` f32s at byte `offset`.
     pub fn f32s(&self, offset: usize, count: usize) -> &[f32] {
-        assert!(offset % 4 == 0 && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
+        assert!(offset.is_multiple_of(4) && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
         // SAFETY: in bounds (checked), aligned (offset multiple of 4, base 256-aligned), initialised (zeroed).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset) as *const f32, count) }
     }
 
     pub fn f32s_mut(&mut self, offset: usize, count: usize) -> &mut [f32] {
-        assert!(offset % 4 == 0 && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
+        assert!(offset.is_multiple_of(4) && offset + count * 4 <= self.bytes, "f32 view inside the buffer");
         // SAFETY: as in `f32s`, and &mut self gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset) as *mut f32, count) }
     }

@@ -400,7 +400,7 @@ mod tests {
     use super::*;
     use crate::ir::{Padding, PoolKind};
 
-    fn f32s<'a>(shapes: &'a [Shape]) -> Vec<(&'a Shape, DType)> {
+    fn f32s(shapes: &[Shape]) -> Vec<(&Shape, DType)> {
         shapes.iter().map(|s| (s, DType::F32)).collect()
     }
 

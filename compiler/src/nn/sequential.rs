@@ -13,6 +13,8 @@ impl Sequential {
         Self::default()
     }
 
+    /// Appends a layer (Keras's `model.add`).
+    #[allow(clippy::should_implement_trait)]
     pub fn add(mut self, layer: impl Layer + 'static) -> Self {
         self.layers.push(Box::new(layer));
         self

@@ -57,7 +57,7 @@ pub fn naive_bytes(intervals: &[Interval], alignment: usize) -> usize {
 pub fn verify(intervals: &[Interval], placement: &Placement, alignment: usize) -> Result<(), String> {
     for (i, a) in intervals.iter().enumerate() {
         let oa = placement.offsets[i];
-        if oa % alignment != 0 || oa + a.bytes > placement.arena_bytes {
+        if !oa.is_multiple_of(alignment) || oa + a.bytes > placement.arena_bytes {
             return Err(format!("interval {i} misplaced"));
         }
         for (j, b) in intervals.iter().enumerate().skip(i + 1) {
