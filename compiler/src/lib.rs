@@ -46,10 +46,23 @@ impl Default for CompileOptions {
     }
 }
 
-/// Compiles a graph into a plan: passes, schedule, liveness, arena placement, lowering.
-pub fn compile(mut graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
+/// A graph after the default passes, with its execution order: what the planner plans, and
+/// what the eager executor runs op by op.
+pub struct Scheduled {
+    pub graph: ir::Graph,
+    pub order: Vec<ir::NodeId>,
+}
+
+/// Runs the default passes and schedules the graph.
+pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
     passes::default_pipeline().run(&mut graph)?;
     let order = schedule::schedule(&graph)?;
+    Ok(Scheduled { graph, order })
+}
+
+/// Compiles a graph into a plan: passes, schedule, liveness, arena placement, lowering, validation.
+pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
+    let Scheduled { graph, order } = optimize(graph)?;
     let live = liveness::analyze(&graph, &order)?;
     let (arena_buffers, intervals): (Vec<usize>, Vec<Interval>) = live
         .buffers

@@ -1,0 +1,246 @@
+//! The eager baseline: the same graph run op by op, as TensorFlow's and PyTorch's eager modes
+//! run it, with every byte on the device coming from a growth allocator.
+//!
+//! Each op's output is allocated when the op runs and freed as soon as its last reader has run
+//! (reference counting, as both frameworks do; a view shares its operand's block). Parameters
+//! are allocated when first seen and optimizer state when the first update needs it, both kept
+//! for good; inputs are allocated at the start of each call and outputs freed when it returns.
+//! Nothing is written in place: eager frameworks allocate a new tensor for every op result.
+//!
+//! The executor runs the CPU kernels for real on memory from a `HostSource`, or only simulates
+//! the allocations (`execute = false`): the allocator sees the same sequence either way, since
+//! sizes and lifetimes do not depend on values.
+
+use crate::alloc::{Allocator, AllocatorStats, Block};
+use crate::error::{Result, RuntimeError};
+use crate::init::initial_values;
+use crate::tensor::HostTensor;
+use kiln_compiler::ir::{Graph, NodeId, Op, OpClass, Shape};
+use kiln_kernels::cpu;
+use std::collections::HashMap;
+
+/// Memory after one op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MemorySample {
+    /// Index among the ops that ran a kernel: the same numbering as a plan's steps.
+    pub step: usize,
+    pub in_use: usize,
+    pub reserved: usize,
+}
+
+/// What one eager call did.
+#[derive(Clone, Debug)]
+pub struct EagerRun {
+    pub outputs: Vec<(String, HostTensor)>,
+    pub samples: Vec<MemorySample>,
+    /// Statistics when the call returned (peaks since the executor was made or last reset).
+    pub stats: AllocatorStats,
+    /// Fragmentation (TensorFlow's formula) at the moment in-use memory peaked during the call.
+    pub fragmentation_at_peak: f64,
+}
+
+struct Storage {
+    block: Block,
+    refs: usize,
+}
+
+pub struct EagerExecutor<A: Allocator> {
+    allocator: A,
+    execute: bool,
+    seed: u64,
+    variables: HashMap<String, Block>,
+}
+
+impl<A: Allocator> EagerExecutor<A> {
+    /// `execute`: run the kernels (the allocator's addresses must then be real host memory, as
+    /// from `HostSource`) or only simulate the allocations.
+    pub fn new(allocator: A, seed: u64, execute: bool) -> Self {
+        EagerExecutor { allocator, execute, seed, variables: HashMap::new() }
+    }
+
+    pub fn allocator(&self) -> &A {
+        &self.allocator
+    }
+
+    pub fn allocator_mut(&mut self) -> &mut A {
+        &mut self.allocator
+    }
+
+    /// The current value of a variable (only meaningful when executing).
+    pub fn read_variable(&self, key: &str, shape: &Shape) -> Option<HostTensor> {
+        let block = self.variables.get(key)?;
+        HostTensor::new(shape.clone(), read_f32s(block.addr, shape.numel())).ok()
+    }
+
+    fn alloc(&mut self, bytes: usize, what: &str) -> Result<Block> {
+        self.allocator.allocate(bytes).map_err(|e| {
+            RuntimeError::invalid(
+                format!("eager `{what}`: {e}"),
+                "give the device more memory or use graph mode",
+            )
+        })
+    }
+
+    /// Runs `graph` once in `order` (a schedule of it, e.g. from `kiln_compiler::optimize`).
+    pub fn run(
+        &mut self,
+        graph: &Graph,
+        order: &[NodeId],
+        inputs: &[(&str, &HostTensor)],
+    ) -> Result<EagerRun> {
+        let outputs: HashMap<NodeId, &str> =
+            graph.outputs().iter().map(|(n, id)| (*id, n.as_str())).collect();
+        let mut uses: HashMap<NodeId, usize> = order.iter().map(|&n| (n, graph.users(n).len())).collect();
+        let mut storage: Vec<Storage> = Vec::new();
+        let mut storage_of: HashMap<NodeId, usize> = HashMap::new();
+        let mut samples = Vec::new();
+        let mut peak = (0usize, 0.0f64);
+        let mut step = 0;
+
+        for &n in order {
+            let node = graph.node(n);
+            let operands = graph.operands(n);
+            match &node.op {
+                Op::Input { name, .. } => {
+                    let Some((_, data)) = inputs.iter().find(|(k, _)| k == name) else {
+                        return Err(RuntimeError::invalid(
+                            format!("no value fed for input `{name}`"),
+                            "feed every input",
+                        ));
+                    };
+                    if data.shape() != &node.shape {
+                        return Err(RuntimeError::InputShape {
+                            name: name.clone(),
+                            expected: node.shape.clone(),
+                            expected_dtype: node.dtype,
+                            got: data.shape().clone(),
+                            dtype: node.dtype,
+                            help: "feed the shape the graph was traced with".into(),
+                        });
+                    }
+                    let block = self.alloc(node.bytes(), name)?;
+                    if self.execute {
+                        write_f32s(block.addr, data.data());
+                    }
+                    // The caller holds its inputs until the call returns: one extra reference.
+                    storage_of.insert(n, storage.len());
+                    storage.push(Storage { block, refs: 2 });
+                }
+                Op::Variable { key, shape, init, .. } => {
+                    let block = match self.variables.get(key) {
+                        Some(b) => *b,
+                        None => {
+                            let block = self.alloc(node.bytes(), key)?;
+                            if self.execute {
+                                write_f32s(block.addr, &initial_values(*init, shape, self.seed, key));
+                            }
+                            self.variables.insert(key.clone(), block);
+                            block
+                        }
+                    };
+                    // Variables are never freed: one extra reference pins them.
+                    storage_of.insert(n, storage.len());
+                    storage.push(Storage { block, refs: 2 });
+                }
+                Op::Reshape { .. } => {
+                    let s = storage_of[&operands[0]];
+                    storage[s].refs += 1;
+                    storage_of.insert(n, s);
+                }
+                op => {
+                    let output = if op.is_effect() {
+                        None
+                    } else {
+                        let block = self.alloc(node.bytes(), op.name())?;
+                        storage_of.insert(n, storage.len());
+                        storage.push(Storage { block, refs: 1 });
+                        Some(block)
+                    };
+                    if self.execute {
+                        let types: Vec<_> =
+                            operands.iter().map(|&o| (&graph.node(o).shape, graph.node(o).dtype)).collect();
+                        let scalar = Shape::scalar();
+                        let out_type =
+                            if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
+                        let kernel = cpu::prepare(op, &types, out_type)?;
+                        let ptrs: Vec<*mut u8> = operands
+                            .iter()
+                            .map(|o| storage[storage_of[o]].block.addr as usize as *mut u8)
+                            .collect();
+                        let out = output.map_or(std::ptr::null_mut(), |b| b.addr as usize as *mut u8);
+                        // SAFETY: every block is live host memory of its value's size from the allocator
+                        // (a HostSource when executing); blocks of live values never overlap.
+                        unsafe { kernel.run(&ptrs, out) };
+                    }
+                    debug_assert!(op.class() != OpClass::Source);
+                    let stats = self.allocator.stats();
+                    samples.push(MemorySample { step, in_use: stats.in_use, reserved: stats.reserved });
+                    if stats.in_use >= peak.0 {
+                        peak = (stats.in_use, stats.fragmentation());
+                    }
+                    step += 1;
+                }
+            }
+            // Operands whose last reader this was are released.
+            for o in operands {
+                let u = uses.get_mut(&o).expect("operand scheduled");
+                *u -= 1;
+                if *u == 0 && !outputs.contains_key(&o) {
+                    self.release(&mut storage, storage_of[&o])?;
+                }
+            }
+            // A value nobody reads (an effect, or an unused result) dies at once.
+            if uses[&n] == 0 && !outputs.contains_key(&n) && !node.op.is_effect() {
+                self.release(&mut storage, storage_of[&n])?;
+            }
+        }
+
+        let mut result = Vec::new();
+        for (name, id) in graph.outputs() {
+            let node = graph.node(*id);
+            let block = storage[storage_of[id]].block;
+            let data = if self.execute {
+                read_f32s(block.addr, node.shape.numel())
+            } else {
+                vec![0.0; node.shape.numel()]
+            };
+            result.push((name.clone(), HostTensor::new(node.shape.clone(), data)?));
+        }
+        for (_, id) in graph.outputs() {
+            self.release(&mut storage, storage_of[id])?;
+        }
+        for id in graph.inputs() {
+            if let Some(&s) = storage_of.get(&id) {
+                self.release(&mut storage, s)?;
+            }
+        }
+        Ok(EagerRun {
+            outputs: result,
+            samples,
+            stats: self.allocator.stats(),
+            fragmentation_at_peak: peak.1,
+        })
+    }
+
+    fn release(&mut self, storage: &mut [Storage], s: usize) -> Result<()> {
+        let st = &mut storage[s];
+        if st.refs == 0 {
+            return Ok(());
+        }
+        st.refs -= 1;
+        if st.refs == 0 {
+            self.allocator.deallocate(st.block.addr)?;
+        }
+        Ok(())
+    }
+}
+
+fn write_f32s(addr: u64, data: &[f32]) {
+    // SAFETY: called only when executing, on a fresh block of at least data.len() f32s of host memory.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut f32, data.len()) };
+}
+
+fn read_f32s(addr: u64, n: usize) -> Vec<f32> {
+    // SAFETY: a live block of at least n f32s of host memory (executing mode).
+    unsafe { std::slice::from_raw_parts(addr as usize as *const f32, n) }.to_vec()
+}
