@@ -3,7 +3,7 @@
 //! with random labels, 5 epochs of batch 32; then the memory report of both plans (batch 32 and
 //! the last batch of 8).
 //!
-//!     cargo run --release --example seed
+//!     cargo run --release --example seed [-- --svg PATH]
 
 use kiln::{Device, seed};
 use std::time::Instant;
@@ -14,5 +14,12 @@ fn main() -> kiln::Result<()> {
     let start = Instant::now();
     let run = seed::run(&device, true)?;
     print!("{}", seed::summary(&run, start.elapsed()));
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--svg") {
+        let path =
+            args.get(i + 1).map(std::path::PathBuf::from).unwrap_or_else(|| "seed-mlp-train.svg".into());
+        seed::write_svg(&path)?;
+        println!("wrote {}", path.display());
+    }
     Ok(())
 }

@@ -17,10 +17,12 @@
 //! # Ok::<(), kiln::Error>(())
 //! ```
 
+pub mod compare;
 pub mod device;
 mod error;
 pub mod report;
 pub mod seed;
+pub mod svg;
 pub mod zoo;
 
 pub use device::Device;

@@ -121,3 +121,11 @@ pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     }
     s
 }
+
+/// Where benchmarks and the CLI write machine-readable results: `<target dir>/kiln/`.
+pub fn output_dir() -> std::path::PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    target.join("kiln")
+}

@@ -54,3 +54,13 @@ pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
     ));
     s
 }
+
+/// Writes the picture of the seed model's training plan (batch 32) beside the eager BFC
+/// allocator running the same step.
+pub fn write_svg(path: &std::path::Path) -> Result<()> {
+    let m = zoo::by_name("seed-mlp").expect("the seed model is in the zoo");
+    let row = crate::compare::compare(&m, crate::compare::Mode::Train, true)?;
+    let svg = crate::svg::plan_svg(&row.plan, Some(&row.bfc_samples), "seed-mlp train (batch 32)");
+    std::fs::write(path, svg)?;
+    Ok(())
+}

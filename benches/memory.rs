@@ -1,0 +1,33 @@
+//! `cargo bench --bench memory`: planned against eager memory for every zoo model, forward and
+//! training step. Prints a table and the goals, writes `target/kiln/memory.json` and one SVG per
+//! model and mode. `--simulate` replays the eager allocations without computing (same figures,
+//! faster).
+
+use kiln::compare::{Comparison, Goals, Mode, compare, table};
+use kiln::report::output_dir;
+use kiln::{svg, zoo};
+use std::time::Instant;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let simulate = std::env::args().any(|a| a == "--simulate");
+    let dir = output_dir();
+    std::fs::create_dir_all(&dir)?;
+    let mut rows: Vec<Comparison> = Vec::new();
+    for m in zoo::all() {
+        for mode in [Mode::Forward, Mode::Train] {
+            let start = Instant::now();
+            let row = compare(&m, mode, !simulate)?;
+            eprintln!("{} {}: {:.1} s", m.name, mode.name(), start.elapsed().as_secs_f64());
+            let title = format!("{} {} (batch {})", m.name, mode.name(), m.batch);
+            let path = dir.join(format!("{}-{}.svg", m.name, mode.name()));
+            std::fs::write(&path, svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
+            rows.push(row);
+        }
+    }
+    println!("{}", table(&rows));
+    print!("{}", Goals::of(&rows).render());
+    let json = dir.join("memory.json");
+    std::fs::write(&json, serde_json::to_string_pretty(&rows)?)?;
+    println!("wrote {} and {} SVGs in {}", json.display(), rows.len(), dir.display());
+    Ok(())
+}

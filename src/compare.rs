@@ -1,0 +1,247 @@
+//! Planned against eager memory for one model: the comparison the benchmark, the CLI and the
+//! examples print. Everything here is measured: the plan's figures come from the plan, the eager
+//! figures from TensorFlow's BFC allocator (allow_growth) and PyTorch's caching allocator
+//! running the same graph op by op.
+
+use crate::error::Result;
+use crate::zoo::ZooModel;
+use kiln_compiler::ir::Graph;
+use kiln_compiler::step::{forward_graph, train_step_graph};
+use kiln_compiler::{CompileOptions, Plan, compile, optimize};
+use kiln_runtime::HostTensor;
+use kiln_runtime::alloc::{
+    Allocator, BfcAllocator, CachingAllocator, HostSource, RegionSource, VirtualSource,
+};
+use kiln_runtime::eager::{EagerExecutor, MemorySample};
+use std::time::Instant;
+
+/// Inference, or one training step (forward, backward, Adam).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Forward,
+    Train,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Forward => "forward",
+            Mode::Train => "train",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Mode> {
+        match s {
+            "forward" | "inference" => Some(Mode::Forward),
+            "train" | "training" => Some(Mode::Train),
+            _ => None,
+        }
+    }
+}
+
+/// The device memory the eager allocators may grow to (an H200's 141 GB would change nothing:
+/// no zoo model comes near the limit).
+pub const EAGER_DEVICE_BYTES: usize = 80 << 30;
+
+/// Eager calls per comparison: the first creates the optimizer state, the second runs warm.
+pub const EAGER_CALLS: usize = 2;
+
+/// One row of the memory benchmark (field names as documented in the README).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Comparison {
+    pub model: String,
+    pub mode: Mode,
+    pub batch: usize,
+    pub naive_bytes: usize,
+    pub lower_bound_bytes: usize,
+    pub arena_bytes: usize,
+    pub persistent_bytes: usize,
+    pub planned_total_bytes: usize,
+    pub eager_bfc_peak_in_use_bytes: usize,
+    pub eager_bfc_peak_reserved_bytes: usize,
+    pub eager_bfc_fragmentation_at_peak: f64,
+    pub eager_caching_peak_in_use_bytes: usize,
+    pub eager_caching_peak_reserved_bytes: usize,
+    pub plan_ms: f64,
+    pub steps: usize,
+    pub algorithm: String,
+    /// Whether the eager runs executed the kernels (else they replayed the allocations only).
+    pub eager_executed: bool,
+    #[serde(skip)]
+    pub plan: Plan,
+    /// BFC memory after every step of the last eager call.
+    #[serde(skip)]
+    pub bfc_samples: Vec<MemorySample>,
+}
+
+impl Comparison {
+    pub fn arena_over_bound(&self) -> f64 {
+        crate::report::ratio(self.arena_bytes, self.lower_bound_bytes)
+    }
+
+    /// planned total / eager BFC peak reserved: below 1 means the plan holds less.
+    pub fn planned_over_eager_reserved(&self) -> f64 {
+        crate::report::ratio(self.planned_total_bytes, self.eager_bfc_peak_reserved_bytes)
+    }
+
+    /// eager BFC peak reserved / planned total: how much more eager mode holds from the device.
+    pub fn eager_reserved_over_planned(&self) -> f64 {
+        crate::report::ratio(self.eager_bfc_peak_reserved_bytes, self.planned_total_bytes)
+    }
+}
+
+pub fn graph_of(m: &ZooModel, mode: Mode) -> Result<Graph> {
+    let model = m.model();
+    Ok(match mode {
+        Mode::Forward => forward_graph(&model, &m.x_shape())?,
+        Mode::Train => train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config())?,
+    })
+}
+
+/// Plans `m` in `mode` and runs it eagerly under both allocators. With `execute`, the eager runs
+/// compute on host memory; otherwise they replay the same allocation sequence on virtual memory.
+pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
+    let graph = graph_of(m, mode)?;
+    let start = Instant::now();
+    let plan = compile(graph.clone(), &CompileOptions::default())?;
+    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+
+    let (x, y) = m.batch_data(1);
+    let scheduled = optimize(graph)?;
+    let feed: Vec<(&str, &HostTensor)> = match mode {
+        Mode::Forward => vec![("x", &x)],
+        Mode::Train => vec![("x", &x), ("y", &y)],
+    };
+    let eager =
+        |alloc: Box<dyn Allocator>| -> Result<(kiln_runtime::alloc::AllocatorStats, f64, Vec<MemorySample>)> {
+            let mut ex = EagerExecutor::new(alloc, 1, execute);
+            let mut frag: f64 = 0.0;
+            let mut last = None;
+            for _ in 0..EAGER_CALLS {
+                let run = ex.run(&scheduled.graph, &scheduled.order, &feed)?;
+                frag = frag.max(run.fragmentation_at_peak);
+                last = Some(run);
+            }
+            let run = last.expect("at least one call");
+            Ok((run.stats, frag, run.samples))
+        };
+    let source = || -> Box<dyn RegionSource> {
+        if execute { Box::new(HostSource::new()) } else { Box::new(VirtualSource::new()) }
+    };
+    let (bfc, bfc_frag, samples) = eager(Box::new(BfcAllocator::new(source(), EAGER_DEVICE_BYTES)))?;
+    let (caching, _, _) = eager(Box::new(CachingAllocator::new(source(), Some(EAGER_DEVICE_BYTES))))?;
+
+    let mem = &plan.memory;
+    Ok(Comparison {
+        model: m.name.to_string(),
+        mode,
+        batch: m.batch,
+        naive_bytes: mem.naive_bytes,
+        lower_bound_bytes: mem.lower_bound_bytes,
+        arena_bytes: mem.arena_bytes,
+        persistent_bytes: mem.persistent_bytes,
+        planned_total_bytes: mem.planned_total_bytes(),
+        eager_bfc_peak_in_use_bytes: bfc.peak_in_use,
+        eager_bfc_peak_reserved_bytes: bfc.peak_reserved,
+        eager_bfc_fragmentation_at_peak: bfc_frag,
+        eager_caching_peak_in_use_bytes: caching.peak_in_use,
+        eager_caching_peak_reserved_bytes: caching.peak_reserved,
+        plan_ms,
+        steps: plan.steps.len(),
+        algorithm: mem.algorithm.clone(),
+        eager_executed: execute,
+        plan,
+        bfc_samples: samples,
+    })
+}
+
+/// The comparison table, one row per model and mode.
+pub fn table(rows: &[Comparison]) -> String {
+    use crate::report::bytes;
+    let headers = [
+        "model",
+        "mode",
+        "batch",
+        "naive",
+        "lower bound",
+        "arena",
+        "arena/bound",
+        "persistent",
+        "planned total",
+        "eager BFC in-use",
+        "eager BFC reserved",
+        "eager caching reserved",
+        "frag@peak",
+        "planned/eager",
+        "plan ms",
+    ];
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.model.clone(),
+                r.mode.name().to_string(),
+                r.batch.to_string(),
+                bytes(r.naive_bytes),
+                bytes(r.lower_bound_bytes),
+                bytes(r.arena_bytes),
+                format!("{:.3}", r.arena_over_bound()),
+                bytes(r.persistent_bytes),
+                bytes(r.planned_total_bytes),
+                bytes(r.eager_bfc_peak_in_use_bytes),
+                bytes(r.eager_bfc_peak_reserved_bytes),
+                bytes(r.eager_caching_peak_reserved_bytes),
+                format!("{:.3}", r.eager_bfc_fragmentation_at_peak),
+                format!("{:.3}", r.planned_over_eager_reserved()),
+                format!("{:.2}", r.plan_ms),
+            ]
+        })
+        .collect();
+    crate::report::render_table(&headers, &cells)
+}
+
+/// The goals the memory benchmark holds, each with its measured figure.
+pub struct Goals {
+    /// max over rows of arena / lower bound (goal: <= 1.05).
+    pub worst_arena_over_bound: f64,
+    /// rows whose planned total exceeds the eager BFC in-use peak (goal: none).
+    pub planned_above_eager_in_use: Vec<String>,
+    /// geometric mean over training steps of eager BFC reserved / planned total (goal: >= 1.5).
+    pub train_reserved_ratio_geomean: f64,
+}
+
+impl Goals {
+    pub fn of(rows: &[Comparison]) -> Self {
+        let worst_arena_over_bound = rows.iter().map(Comparison::arena_over_bound).fold(1.0, f64::max);
+        let planned_above_eager_in_use = rows
+            .iter()
+            .filter(|r| r.planned_total_bytes > r.eager_bfc_peak_in_use_bytes)
+            .map(|r| format!("{} {}", r.model, r.mode.name()))
+            .collect();
+        let train: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.mode == Mode::Train)
+            .map(|r| r.eager_reserved_over_planned().ln())
+            .collect();
+        let train_reserved_ratio_geomean =
+            if train.is_empty() { f64::NAN } else { (train.iter().sum::<f64>() / train.len() as f64).exp() };
+        Goals { worst_arena_over_bound, planned_above_eager_in_use, train_reserved_ratio_geomean }
+    }
+
+    pub fn render(&self) -> String {
+        let mark = |ok: bool| if ok { "met" } else { "MISSED" };
+        let above = &self.planned_above_eager_in_use;
+        format!(
+            "goal arena <= 1.05 x lower bound on every model: worst {:.3} ({})\n\
+             goal planned total <= eager BFC in-use peak on every model: {} ({})\n\
+             goal eager BFC reserved / planned total >= 1.5 (geomean over training steps): {:.2} ({})\n",
+            self.worst_arena_over_bound,
+            mark(self.worst_arena_over_bound <= 1.05),
+            if above.is_empty() { "all".to_string() } else { format!("exceeded on {}", above.join(", ")) },
+            mark(above.is_empty()),
+            self.train_reserved_ratio_geomean,
+            mark(self.train_reserved_ratio_geomean >= 1.5),
+        )
+    }
+}
