@@ -1,0 +1,145 @@
+//! Placed buffers indexed by time: "which byte ranges are taken at some slot in `[lo, hi]`?"
+//!
+//! A segment tree over the slots of a [`Timeline`](super::timeline::Timeline). A placed buffer is
+//! cut into the usual `O(log n)` canonical nodes that exactly cover its slot range; every node keeps
+//! two unions of offsets ([`RangeSet`]):
+//! - `here`: the buffers that have this node as a canonical node (they are live at all its slots);
+//! - `below`: every buffer with a canonical node in this node's subtree (`here` included).
+//!
+//! A buffer conflicts with a query iff one of its canonical nodes is an ancestor-or-self or a
+//! descendant of one of the query's canonical nodes (both contain a common slot, and nodes sharing
+//! a slot are nested). So the query takes `below` of its canonical nodes and `here` of their strict
+//! ancestors: `O(log n)` sets. A plain interval tree (start-sorted, max-end augmented) returns every
+//! conflicting buffer instead, which is quadratic on training steps: an activation saved for the
+//! backward pass conflicts with every buffer in between, and a short buffer with every saved
+//! activation. Unions merge buffers stacked back to back, so the sets stay a few ranges long: on a
+//! 100k-interval transformer training step the index returns under 4 ranges per query on average
+//! where the conflicting buffers number in the thousands (see `tests/planner_scale.rs`).
+
+use super::range_set::RangeSet;
+
+#[derive(Clone, Debug, Default)]
+struct Node {
+    here: RangeSet,
+    below: RangeSet,
+}
+
+/// Occupied offsets over time, for slots `0..slots`.
+#[derive(Clone, Debug)]
+pub struct IntervalIndex {
+    /// Leaves in the tree: `slots` rounded up to a power of two (at least 1).
+    leaves: usize,
+    /// Heap layout: node 1 is the root, node `k` has children `2k` and `2k + 1`.
+    nodes: Vec<Node>,
+}
+
+impl IntervalIndex {
+    pub fn new(slots: usize) -> Self {
+        let leaves = slots.max(1).next_power_of_two();
+        IntervalIndex { leaves, nodes: vec![Node::default(); 2 * leaves] }
+    }
+
+    /// Records bytes `[offset, offset + size)` as taken during slots `[lo, hi]`.
+    pub fn insert(&mut self, lo: usize, hi: usize, offset: usize, size: usize) {
+        debug_assert!(lo <= hi && hi < self.leaves);
+        if size > 0 {
+            self.insert_at(1, 0, self.leaves - 1, lo, hi, offset, offset + size);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_at(&mut self, node: usize, nlo: usize, nhi: usize, lo: usize, hi: usize, a: usize, b: usize) {
+        let n = &mut self.nodes[node];
+        n.below.insert(a, b);
+        if lo <= nlo && nhi <= hi {
+            n.here.insert(a, b);
+            return;
+        }
+        let mid = nlo + (nhi - nlo) / 2;
+        if lo <= mid {
+            self.insert_at(2 * node, nlo, mid, lo, hi, a, b);
+        }
+        if hi > mid {
+            self.insert_at(2 * node + 1, mid + 1, nhi, lo, hi, a, b);
+        }
+    }
+
+    /// Appends to `out` byte ranges whose union is exactly the bytes taken at some slot in
+    /// `[lo, hi]`. The ranges come from several sets: unsorted, and they may overlap.
+    pub fn occupied(&self, lo: usize, hi: usize, out: &mut Vec<(usize, usize)>) {
+        debug_assert!(lo <= hi && hi < self.leaves);
+        self.occupied_at(1, 0, self.leaves - 1, lo, hi, out);
+    }
+
+    fn occupied_at(
+        &self,
+        node: usize,
+        nlo: usize,
+        nhi: usize,
+        lo: usize,
+        hi: usize,
+        out: &mut Vec<(usize, usize)>,
+    ) {
+        let n = &self.nodes[node];
+        if n.below.is_empty() {
+            return; // nothing placed in this subtree
+        }
+        if lo <= nlo && nhi <= hi {
+            out.extend_from_slice(n.below.ranges());
+            return;
+        }
+        out.extend_from_slice(n.here.ranges());
+        let mid = nlo + (nhi - nlo) / 2;
+        if lo <= mid {
+            self.occupied_at(2 * node, nlo, mid, lo, hi, out);
+        }
+        if hi > mid {
+            self.occupied_at(2 * node + 1, mid + 1, nhi, lo, hi, out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes taken during `[lo, hi]`, as a bitmap over 0..64.
+    fn bitmap(ranges: &[(usize, usize)]) -> [bool; 64] {
+        let mut bits = [false; 64];
+        for &(a, b) in ranges {
+            bits[a..b].iter_mut().for_each(|x| *x = true);
+        }
+        bits
+    }
+
+    #[test]
+    fn answers_like_a_scan() {
+        let mut state = 99u64;
+        let mut next = move |m: u64| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % m) as usize
+        };
+        for slots in [1, 2, 3, 7, 8, 13] {
+            let mut index = IntervalIndex::new(slots);
+            let mut placed = Vec::new();
+            for _ in 0..40 {
+                let lo = next(slots as u64);
+                let hi = lo + next((slots - lo) as u64);
+                let offset = next(56);
+                let size = next(9);
+                index.insert(lo, hi, offset, size);
+                placed.push((lo, hi, offset, size));
+                let qlo = next(slots as u64);
+                let qhi = qlo + next((slots - qlo) as u64);
+                let mut got = Vec::new();
+                index.occupied(qlo, qhi, &mut got);
+                let want: Vec<_> = placed
+                    .iter()
+                    .filter(|&&(l, h, _, _)| l <= qhi && qlo <= h)
+                    .map(|&(_, _, o, s)| (o, o + s))
+                    .collect();
+                assert_eq!(bitmap(&got), bitmap(&want), "slots {slots} query [{qlo}, {qhi}]");
+            }
+        }
+    }
+}
