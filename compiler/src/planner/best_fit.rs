@@ -8,6 +8,7 @@
 //! The order is the only thing that differs between heuristics (see [`super::heuristics`]).
 
 use super::interval_index::IntervalIndex;
+use super::range_set::Union;
 use super::timeline::Timeline;
 
 /// The result of one best-fit pass.
@@ -28,16 +29,14 @@ pub fn place_in_order(timeline: &Timeline, order: &[usize]) -> BestFit {
     let mut offsets = vec![0; timeline.spans.len()];
     let mut arena_bytes = 0;
     let mut ranges_scanned = 0;
-    let mut taken = Vec::new();
+    let mut taken = Union::new();
     for &i in order {
         let span = timeline.spans[i];
         if span.size == 0 {
             continue; // takes no bytes, conflicts with nothing; offset 0
         }
-        taken.clear();
-        index.occupied(span.lo, span.hi, &mut taken);
-        ranges_scanned += taken.len();
-        let offset = best_gap(&mut taken, span.size);
+        ranges_scanned += index.occupied(span.lo, span.hi, &mut taken);
+        let offset = best_gap(taken.ranges(), span.size);
         index.insert(span.lo, span.hi, offset, span.size);
         offsets[i] = offset;
         arena_bytes = arena_bytes.max(offset + span.size);
@@ -45,10 +44,10 @@ pub fn place_in_order(timeline: &Timeline, order: &[usize]) -> BestFit {
     BestFit { offsets, arena_bytes, ranges_scanned }
 }
 
-/// The offset for `size` bytes given the taken ranges (any order, may overlap): the start of the
-/// smallest gap that fits (the lowest on ties), else the top of the highest taken range.
-pub fn best_gap(taken: &mut [(usize, usize)], size: usize) -> usize {
-    taken.sort_unstable();
+/// The offset for `size` bytes given the taken ranges (sorted by start; they may overlap): the start
+/// of the smallest gap that fits (the lowest on ties), else the top of the highest taken range.
+pub fn best_gap(taken: &[(usize, usize)], size: usize) -> usize {
+    debug_assert!(taken.is_sorted());
     let mut best: Option<(usize, usize)> = None; // (gap length, offset)
     let mut top = 0;
     for &(lo, hi) in taken.iter() {
@@ -74,18 +73,16 @@ mod tests {
     fn picks_the_smallest_gap_then_the_lowest() {
         // Gaps: [10, 30) len 20, [40, 50) len 10, [60, 70) len 10; top 80.
         let taken = [(0, 10), (30, 40), (50, 60), (70, 80)];
-        assert_eq!(best_gap(&mut taken.clone(), 8), 40);
-        assert_eq!(best_gap(&mut taken.clone(), 10), 40);
-        assert_eq!(best_gap(&mut taken.clone(), 15), 10);
-        assert_eq!(best_gap(&mut taken.clone(), 21), 80);
-        assert_eq!(best_gap(&mut [], 5), 0);
+        assert_eq!(best_gap(&taken, 8), 40);
+        assert_eq!(best_gap(&taken, 10), 40);
+        assert_eq!(best_gap(&taken, 15), 10);
+        assert_eq!(best_gap(&taken, 21), 80);
+        assert_eq!(best_gap(&[], 5), 0);
     }
 
     #[test]
     fn overlapping_ranges_do_not_open_gaps() {
-        let mut taken = [(0, 50), (10, 20), (60, 70)];
-        assert_eq!(best_gap(&mut taken, 10), 50);
-        let mut taken = [(20, 30), (0, 10)];
-        assert_eq!(best_gap(&mut taken, 10), 10);
+        assert_eq!(best_gap(&[(0, 50), (10, 20), (60, 70)], 10), 50);
+        assert_eq!(best_gap(&[(0, 10), (20, 30)], 10), 10);
     }
 }

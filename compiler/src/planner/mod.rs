@@ -84,25 +84,71 @@ pub fn align(bytes: usize, alignment: usize) -> usize {
 }
 
 /// Places every interval: tries each of [`Heuristic::ALL`] through best fit and keeps the smallest
-/// arena (ties go to the earlier heuristic). Deterministic for a given input.
+/// arena (ties go to the earlier heuristic). Deterministic for a given input: from
+/// [`PARALLEL_MIN`] intervals up the heuristics run on worker threads, but each is computed alone
+/// and the results are compared in a fixed order.
 ///
 /// # Panics
 /// If an interval has `start > end` (liveness never produces one), or `alignment` is 0.
 pub fn place(intervals: &[Interval], alignment: usize) -> Placement {
     check_intervals(intervals);
     let timeline = timeline::Timeline::new(intervals, alignment);
-    let mut best: Option<(Heuristic, Vec<usize>, usize)> = None;
-    let mut tried = Vec::with_capacity(Heuristic::ALL.len());
-    for heuristic in Heuristic::ALL {
-        let order = heuristic.order(intervals, &timeline);
-        let fit = best_fit::place_in_order(&timeline, &order);
-        tried.push((heuristic.name().to_string(), fit.arena_bytes));
-        if best.as_ref().is_none_or(|(_, _, a)| fit.arena_bytes < *a) {
-            best = Some((heuristic, fit.offsets, fit.arena_bytes));
-        }
+    let run = |h: Heuristic| best_fit::place_in_order(&timeline, &h.order(intervals, &timeline));
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(Heuristic::ALL.len());
+    let fits: Vec<best_fit::BestFit> = if intervals.len() < PARALLEL_MIN || workers < 2 {
+        Heuristic::ALL.into_iter().map(run).collect()
+    } else {
+        run_parallel(workers, &run)
+    };
+    let tried: Vec<(String, usize)> =
+        Heuristic::ALL.iter().zip(&fits).map(|(h, fit)| (h.name().to_string(), fit.arena_bytes)).collect();
+    let (winner, fit) = Heuristic::ALL
+        .into_iter()
+        .zip(fits)
+        .reduce(|best, next| if next.1.arena_bytes < best.1.arena_bytes { next } else { best })
+        .expect("at least one heuristic");
+    Placement {
+        offsets: fit.offsets,
+        arena_bytes: fit.arena_bytes,
+        algorithm: winner.name().to_string(),
+        tried,
     }
-    let (heuristic, offsets, arena_bytes) = best.expect("at least one heuristic");
-    Placement { offsets, arena_bytes, algorithm: heuristic.name().to_string(), tried }
+}
+
+/// From this many intervals up, `place` runs the heuristics on worker threads (below it, starting
+/// threads costs more than it saves: 1k intervals take about 1 ms for all four).
+pub const PARALLEL_MIN: usize = 4096;
+
+/// Runs every heuristic on `workers` scoped threads, each taking the next heuristic not yet taken;
+/// returns the results in [`Heuristic::ALL`] order. A worker's panic is re-raised here.
+fn run_parallel<F>(workers: usize, run: &F) -> Vec<best_fit::BestFit>
+where
+    F: Fn(Heuristic) -> best_fit::BestFit + Sync,
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let mut fits: Vec<Option<best_fit::BestFit>> = Heuristic::ALL.iter().map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&h) = Heuristic::ALL.get(k) else { break done };
+                        done.push((k, run(h)));
+                    }
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => done.into_iter().for_each(|(k, fit)| fits[k] = Some(fit)),
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    fits.into_iter().map(|fit| fit.expect("every heuristic ran")).collect()
 }
 
 /// Panics on an interval that ends before it starts: a liveness bug, not a user mistake.

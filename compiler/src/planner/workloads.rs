@@ -179,16 +179,16 @@ pub fn transformer_training(d: TransformerDims) -> Vec<Interval> {
     t.intervals()
 }
 
-/// `n` intervals over about `n` steps: sizes log-uniform from 64 B to 4 MiB, 90% living 1 to 8
-/// steps and 10% up to `n / 4` steps. Deterministic for a seed.
-pub fn random_mix(n: usize, seed: u64) -> Vec<Interval> {
+/// `n` intervals over about `n` steps: sizes log-uniform from 64 B to 8 MiB, 90% living 1 to 8
+/// steps and 10% living up to `long` steps. Deterministic for a seed.
+pub fn random_mix(n: usize, long: usize, seed: u64) -> Vec<Interval> {
     let mut rng = SplitMix64(seed);
     (0..n)
         .map(|i| {
             let bytes = 1usize << (6 + rng.below(17));
             let bytes = bytes + rng.below(bytes as u64) as usize;
             let start = i + rng.below(4) as usize;
-            let life = if rng.below(10) == 0 { rng.below((n as u64 / 4).max(1)) } else { rng.below(8) };
+            let life = if rng.below(10) == 0 { rng.below(long.max(1) as u64) } else { rng.below(8) };
             Interval { bytes, start, end: start + life as usize }
         })
         .collect()
