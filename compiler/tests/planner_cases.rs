@@ -160,7 +160,7 @@ fn parallel_and_sequential_runs_agree() {
     let p = plan(&ivs, 256);
     let t = Timeline::new(&ivs, 256);
     for (h, (name, arena)) in Heuristic::ALL.iter().zip(&p.tried) {
-        let fit = best_fit::place_in_order(&t, &h.order(&ivs, &t));
+        let fit = best_fit::place_in_order(&t, &h.order(&t));
         assert_eq!((h.name(), fit.arena_bytes), (name.as_str(), *arena));
         if h.name() == p.algorithm {
             assert_eq!(fit.offsets, p.offsets);

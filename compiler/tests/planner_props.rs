@@ -29,7 +29,9 @@ fn alignment() -> impl Strategy<Value = usize> {
 }
 
 /// Best fit as specified, by scanning every placed buffer: the reference for the indexed one.
-fn reference_best_fit(ivs: &[Interval], alignment: usize, order: &[usize]) -> Vec<usize> {
+/// Holes are visited from the bottom; an exact fit is taken at once; after `budget` holes the
+/// best so far is taken as soon as there is one.
+fn reference_best_fit(ivs: &[Interval], alignment: usize, order: &[usize], budget: usize) -> Vec<usize> {
     let mut offsets = vec![0; ivs.len()];
     let mut placed: Vec<usize> = Vec::new();
     for &i in order {
@@ -43,14 +45,22 @@ fn reference_best_fit(ivs: &[Interval], alignment: usize, order: &[usize]) -> Ve
             .map(|&j| (offsets[j], offsets[j] + align(ivs[j].bytes, alignment)))
             .collect();
         taken.sort();
-        let (mut top, mut best): (usize, Option<(usize, usize)>) = (0, None);
+        let (mut top, mut best, mut holes): (usize, Option<(usize, usize)>, usize) = (0, None, 0);
+        let mut chosen = None;
         for (lo, hi) in taken {
-            if lo > top && lo - top >= size && best.is_none_or(|(len, _)| lo - top < len) {
-                best = Some((lo - top, top));
+            if lo > top {
+                if lo - top >= size && best.is_none_or(|(len, _)| lo - top < len) {
+                    best = Some((lo - top, top));
+                }
+                holes += 1;
+                if lo - top == size || (holes >= budget && best.is_some()) {
+                    chosen = best;
+                    break;
+                }
             }
             top = top.max(hi);
         }
-        offsets[i] = best.map_or(top, |(_, offset)| offset);
+        offsets[i] = chosen.or(best).map_or(top, |(_, offset)| offset);
         placed.push(i);
     }
     offsets
@@ -99,12 +109,17 @@ proptest! {
     fn indexed_best_fit_matches_the_scan(ivs in intervals(200), alignment in alignment()) {
         let t = Timeline::new(&ivs, alignment);
         for h in Heuristic::ALL {
-            let order = h.order(&ivs, &t);
+            let order = h.order(&t);
             let mut sorted = order.clone();
             sorted.sort_unstable();
             prop_assert_eq!(sorted, (0..ivs.len()).collect::<Vec<_>>(), "{:?} is not a permutation", h);
+            for budget in [usize::MAX, best_fit::SEARCH_BUDGET, 2, 0] {
+                let fit = best_fit::place_in_order_with_budget(&t, &order, budget);
+                let want = reference_best_fit(&ivs, alignment, &order, budget);
+                prop_assert_eq!(&fit.offsets, &want, "{:?}, budget {}", h, budget);
+            }
             let fit = best_fit::place_in_order(&t, &order);
-            prop_assert_eq!(&fit.offsets, &reference_best_fit(&ivs, alignment, &order), "{:?}", h);
+            prop_assert_eq!(fit.offsets, reference_best_fit(&ivs, alignment, &order, best_fit::SEARCH_BUDGET));
         }
     }
 

@@ -16,7 +16,7 @@
 //! 100k-interval transformer training step the index returns under 4 ranges per query on average
 //! where the conflicting buffers number in the thousands (see `tests/planner_scale.rs`).
 
-use super::range_set::{RangeSet, Union};
+use super::range_set::RangeSet;
 
 #[derive(Clone, Debug, Default)]
 struct Node {
@@ -74,47 +74,53 @@ impl IntervalIndex {
         }
     }
 
-    /// Sets `out` to the bytes taken at some slot in `[lo, hi]`, and returns how many ranges the
-    /// sets it merged held (the query's work).
-    pub fn occupied(&self, lo: usize, hi: usize, out: &mut Union) -> usize {
+    /// Sets `out` to the non-empty sets whose union is exactly the bytes taken at some slot in
+    /// `[lo, hi]` (read them with [`IntervalIndex::set`]). Each set is sorted; sets may overlap.
+    pub fn occupied_sets(&self, lo: usize, hi: usize, out: &mut Vec<SetId>) {
         debug_assert!(lo <= hi && hi < self.leaves);
         out.clear();
-        self.occupied_at(1, 0, self.leaves - 1, lo, hi, out)
+        self.sets_at(1, 0, self.leaves - 1, lo, hi, out);
     }
 
-    fn occupied_at(
-        &self,
-        node: usize,
-        nlo: usize,
-        nhi: usize,
-        lo: usize,
-        hi: usize,
-        out: &mut Union,
-    ) -> usize {
+    fn sets_at(&self, node: usize, nlo: usize, nhi: usize, lo: usize, hi: usize, out: &mut Vec<SetId>) {
         let n = &self.nodes[node];
         if n.below.is_empty() {
-            return 0; // nothing placed in this subtree
+            return; // nothing placed in this subtree
         }
         if lo <= nlo && nhi <= hi {
-            out.add(n.below.ranges());
-            return n.below.len();
+            out.push(SetId { node, below: true });
+            return;
         }
-        out.add(n.here.ranges());
-        let mut work = n.here.len();
+        if !n.here.is_empty() {
+            out.push(SetId { node, below: false });
+        }
         let mid = nlo + (nhi - nlo) / 2;
         if lo <= mid {
-            work += self.occupied_at(2 * node, nlo, mid, lo, hi, out);
+            self.sets_at(2 * node, nlo, mid, lo, hi, out);
         }
         if hi > mid {
-            work += self.occupied_at(2 * node + 1, mid + 1, nhi, lo, hi, out);
+            self.sets_at(2 * node + 1, mid + 1, nhi, lo, hi, out);
         }
-        work
     }
+
+    /// The ranges of one set named by [`IntervalIndex::occupied_sets`], ascending and disjoint.
+    pub fn set(&self, id: SetId) -> &[(usize, usize)] {
+        let n = &self.nodes[id.node];
+        if id.below { n.below.ranges() } else { n.here.ranges() }
+    }
+}
+
+/// Names one set of an [`IntervalIndex`]: a node's `here` or `below`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SetId {
+    node: usize,
+    below: bool,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::planner::range_set::Union;
 
     /// Bytes taken during `[lo, hi]`, as a bitmap over 0..64.
     fn bitmap(ranges: &[(usize, usize)]) -> [bool; 64] {
@@ -144,8 +150,10 @@ mod tests {
                 placed.push((lo, hi, offset, size));
                 let qlo = next(slots as u64);
                 let qhi = qlo + next((slots - qlo) as u64);
+                let mut sets = Vec::new();
+                index.occupied_sets(qlo, qhi, &mut sets);
                 let mut got = Union::new();
-                index.occupied(qlo, qhi, &mut got);
+                sets.iter().for_each(|&id| got.add(index.set(id)));
                 let got = got.ranges();
                 assert!(got.windows(2).all(|w| w[0].1 < w[1].0), "{got:?}");
                 let want: Vec<_> = placed

@@ -93,7 +93,7 @@ pub fn align(bytes: usize, alignment: usize) -> usize {
 pub fn place(intervals: &[Interval], alignment: usize) -> Placement {
     check_intervals(intervals);
     let timeline = timeline::Timeline::new(intervals, alignment);
-    let run = |h: Heuristic| best_fit::place_in_order(&timeline, &h.order(intervals, &timeline));
+    let run = |h: Heuristic| best_fit::place_in_order(&timeline, &h.order(&timeline));
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(Heuristic::ALL.len());
     let fits: Vec<best_fit::BestFit> = if intervals.len() < PARALLEL_MIN || workers < 2 {
         Heuristic::ALL.into_iter().map(run).collect()

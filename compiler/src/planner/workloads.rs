@@ -102,11 +102,15 @@ pub struct TransformerDims {
     pub model: usize,
     pub heads: usize,
     pub layers: usize,
+    /// Weight gradients live until one optimizer op after the backward pass (as with gradient
+    /// accumulation or a fused multi-tensor update) instead of being consumed right away.
+    pub deferred_updates: bool,
 }
 
 /// One training step of a stack of pre-norm transformer blocks: per block nine activations are
 /// saved for the backward pass (the attention probabilities among them, `heads * seq^2` per
-/// sequence), and each weight gradient is consumed by its update right away.
+/// sequence), and each weight gradient is consumed by its update right away or, with
+/// `deferred_updates`, by one optimizer op at the end.
 pub fn transformer_training(d: TransformerDims) -> Vec<Interval> {
     let tok = d.batch * d.seq;
     let x_bytes = tok * d.model * F32;
@@ -152,9 +156,14 @@ pub fn transformer_training(d: TransformerDims) -> Vec<Interval> {
     }
     let loss = t.op(&[x], &[F32, x_bytes]);
     let mut dx2 = loss[1];
-    let update = |t: &mut OpTrace, inputs: &[Buf], bytes: usize| {
+    let mut grads = Vec::new();
+    let mut update = |t: &mut OpTrace, inputs: &[Buf], bytes: usize| {
         let g = t.op1(inputs, bytes);
-        t.op(&[g], &[]);
+        if d.deferred_updates {
+            grads.push(g);
+        } else {
+            t.op(&[g], &[]);
+        }
     };
     for s in saved.iter().rev() {
         let dgelu = t.op1(&[dx2], hidden_bytes);
@@ -176,6 +185,7 @@ pub fn transformer_training(d: TransformerDims) -> Vec<Interval> {
         dx2 = t.op1(&[dln1, s.x, dx1], x_bytes);
     }
     t.op(&[dx2, loss[0]], &[]);
+    t.op(&grads, &[]);
     t.intervals()
 }
 
@@ -233,9 +243,13 @@ mod tests {
 
     #[test]
     fn transformer_size() {
-        let d = TransformerDims { batch: 1, seq: 8, model: 16, heads: 2, layers: 3 };
+        let d = TransformerDims { batch: 1, seq: 8, model: 16, heads: 2, layers: 3, deferred_updates: false };
         let ivs = transformer_training(d);
         assert_eq!(ivs.len(), 1 + 12 * 3 + 2 + 17 * 3);
         assert!(ivs.iter().all(|iv| iv.start <= iv.end));
+        let deferred = transformer_training(TransformerDims { deferred_updates: true, ..d });
+        assert_eq!(deferred.len(), ivs.len());
+        let last = deferred.iter().map(|iv| iv.end).max().unwrap();
+        assert_eq!(deferred.iter().filter(|iv| iv.end == last).count(), 4 * 3);
     }
 }
