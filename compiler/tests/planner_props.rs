@@ -29,8 +29,8 @@ fn alignment() -> impl Strategy<Value = usize> {
 }
 
 /// Best fit as specified, by scanning every placed buffer: the reference for the indexed one.
-/// Holes are visited from the bottom; an exact fit is taken at once; after `budget` holes the
-/// best so far is taken as soon as there is one.
+/// Fitting holes are visited from the bottom; an exact fit is taken at once; after `budget` of
+/// them the smallest so far is taken.
 fn reference_best_fit(ivs: &[Interval], alignment: usize, order: &[usize], budget: usize) -> Vec<usize> {
     let mut offsets = vec![0; ivs.len()];
     let mut placed: Vec<usize> = Vec::new();
@@ -45,15 +45,15 @@ fn reference_best_fit(ivs: &[Interval], alignment: usize, order: &[usize], budge
             .map(|&j| (offsets[j], offsets[j] + align(ivs[j].bytes, alignment)))
             .collect();
         taken.sort();
-        let (mut top, mut best, mut holes): (usize, Option<(usize, usize)>, usize) = (0, None, 0);
+        let (mut top, mut best, mut seen): (usize, Option<(usize, usize)>, usize) = (0, None, 0);
         let mut chosen = None;
         for (lo, hi) in taken {
-            if lo > top {
-                if lo - top >= size && best.is_none_or(|(len, _)| lo - top < len) {
+            if lo > top && lo - top >= size {
+                if best.is_none_or(|(len, _)| lo - top < len) {
                     best = Some((lo - top, top));
                 }
-                holes += 1;
-                if lo - top == size || (holes >= budget && best.is_some()) {
+                seen += 1;
+                if lo - top == size || seen >= budget.max(1) {
                     chosen = best;
                     break;
                 }

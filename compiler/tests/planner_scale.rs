@@ -1,5 +1,5 @@
 //! Scale: 1k, 10k and 100k intervals from generated training steps and a random mix plan correctly.
-//! Times are printed, never asserted (`cargo test --release --test planner_scale -- --nocapture`).
+//! Times are printed, never asserted: `cargo test --release --test planner_scale -- --nocapture`.
 
 use std::time::{Duration, Instant};
 
@@ -49,10 +49,10 @@ fn run(name: &str, intervals: &[Interval]) {
         let t = Instant::now();
         let fit = best_fit::place_in_order(&timeline, &h.order(&timeline));
         each.push(format!(
-            "{} {:.1} ms {:.0} r/b",
+            "{} {:.1} ms {:.0} s/b",
             h.name(),
             ms(t.elapsed()),
-            fit.ranges_scanned as f64 / intervals.len() as f64
+            fit.search_steps as f64 / intervals.len() as f64
         ));
         if h.name() == placement.algorithm {
             assert_eq!(fit.offsets, placement.offsets);
@@ -71,11 +71,14 @@ fn run(name: &str, intervals: &[Interval]) {
 
 #[test]
 fn plans_100k_intervals() {
-    println!("(r/b: byte ranges the index returned per buffer)");
+    println!("(s/b: search work per buffer, see BestFit::search_steps)");
     for n in [1_000, 10_000, 100_000] {
         run("transformer", &transformer(n, false));
-        run("transformer, deferred", &transformer(n, true));
-        run("mlp", &mlp(n));
-        run("random mix, long<1000", &random_mix(n, 1_000, 7));
+        // Unoptimized test builds check the 100k case on one workload only, to stay quick.
+        if n < 100_000 || !cfg!(debug_assertions) {
+            run("transformer, deferred", &transformer(n, true));
+            run("mlp", &mlp(n));
+            run("random mix, long<1000", &random_mix(n, 1_000, 7));
+        }
     }
 }

@@ -11,12 +11,13 @@
 //!
 //! Measured (`tests/planner_workloads.rs`, `tests/planner_scale.rs`): on MLP and transformer
 //! training steps `size` and `breadth` reach the lower bound; on random mixes each of the three wins
-//! some seeds. Tried and left out, because they fragment the arena so that best fit scans thousands
-//! of free ranges per buffer: size x lifetime ("area": 6,000 ranges per buffer and 8.6 s on a
-//! 100k-interval transformer step, against 42 and 0.1 s for `size`), and the number of conflicting
-//! buffers or the lifetime, most first (1,900 and 1,100 ranges per buffer, 1.0 s and 0.6 s, on a
-//! 20k-interval transformer step whose weight gradients live until the end, against 90 and 0.1 s
-//! for `size`). They won a few random mixes, by up to 8% of the arena.
+//! some seeds. Three more orders were tried and left out because on some training steps they leave
+//! the arena so fragmented that best fit must look through thousands of taken ranges per buffer:
+//! the number of conflicting buffers (most first), the lifetime (longest first) and size x lifetime
+//! ("area", XLA's spatial-temporal order). On a 100k-interval transformer step whose weight
+//! gradients live until the end they took 19.7, 13.8 and 15.8 s (2,400-3,500 ranges per buffer),
+//! against 0.3-0.4 s (20-35) for the three kept; "area" took 11 s on the same step with immediate
+//! updates. They won a few random mixes, by up to 8% of the arena.
 
 use std::cmp::Reverse;
 
