@@ -9,8 +9,9 @@
 //!
 //! One deliberate bound: only the lowest [`SEARCH_BUDGET`] (8) holes that fit are compared. Exact
 //! best fit compares them all, and some orders leave hundreds per buffer: on a 100k-interval
-//! transformer step whose weight gradients live until the end, the `start` order took 8.8 s exact
-//! and 0.28 s with the bound (591 and 34 search steps per buffer). The arenas did not suffer: equal
+//! transformer step whose weight gradients live until the end, the `start` order took 7.6 s exact
+//! and 0.28 s with the bound (1,700 and 37 search steps per buffer; `size` 0.90 and 0.38 s). The
+//! arenas did not suffer: equal
 //! on every training step measured, and on random mixes as often smaller as larger (best of the
 //! three heuristics at 100k intervals, long lifetimes up to 5,000 steps: 1.085 x the bound with
 //! the bound, 1.105 exact). `place_in_order_with_budget(.., usize::MAX)` is exact best fit.

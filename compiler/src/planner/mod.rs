@@ -20,13 +20,13 @@
 //! - [`workloads`]: synthetic interval sets (MLP and transformer training steps, random mixes) for
 //!   tests, benches and reports.
 //!
-//! Measured with `tests/planner_scale.rs` (release, the 2-core build machine while other builds ran;
-//! `place` = all three heuristics on two threads): a transformer training step of 1k / 10k / 100k
-//! intervals in 3.6 / 26 / 353 ms (each heuristic alone 144-221 ms at 100k); the same with weight
-//! gradients held until the end 6 / 47 / 716 ms; an MLP step 1.7 / 15 / 186 ms. Work per buffer
-//! stays flat from 1k to 100k (about 20-35 search steps), so time grows as `n log n`. Arena / lower
-//! bound: 1.0000 on every MLP and transformer training step in `tests/planner_workloads.rs`,
-//! 1.00-1.14 on random mixes.
+//! Measured with `tests/planner_scale.rs` (release, on the 2-core build machine, about ±20% from
+//! run to run as other builds share it; `place` = all three heuristics on two threads): a
+//! transformer training step of 1k / 10k / 100k intervals in 3.7 / 34 / 378 ms (each heuristic
+//! alone 144-205 ms at 100k); the same with weight gradients held until the end 5.3 / 68 / 764 ms;
+//! an MLP step 1.6 / 23 / 174 ms; `verify` 26-39 ms at 100k. Work per buffer stays flat from 1k to
+//! 100k (20-40 search steps), so time grows as `n log n`. Arena / lower bound: 1.0000 on every MLP
+//! and transformer training step in `tests/planner_workloads.rs`, 1.00-1.14 on random mixes.
 
 pub mod best_fit;
 pub mod bound;
