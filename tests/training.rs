@@ -60,3 +60,14 @@ fn adam_matches_keras_on_one_step() {
     let t = trainer.backend().read_variable("optimizer/iterations").unwrap();
     assert_eq!(t.item(), Some(1.0));
 }
+
+#[test]
+fn a_mistake_in_fit_names_the_callers_line() {
+    let (x, _) = seed::data(0);
+    let y = HostTensor::zeros([1000]);
+    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(0));
+    let opts = FitOptions { epochs: 1, verbose: false, ..Default::default() };
+    let e = trainer.fit(&x, &y, &opts).unwrap_err().to_string();
+    assert!(e.contains("tests/training.rs:"), "{e}");
+    assert!(e.contains("[32, 1]") && e.contains("[32]"), "{e}");
+}

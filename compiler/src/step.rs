@@ -10,6 +10,7 @@ use crate::optim::Optimizer;
 use crate::trace::Tracer;
 
 /// The graph of `model` applied to an input `x` of `x_shape`; output `y`.
+#[track_caller]
 pub fn forward_graph(model: &dyn Layer, x_shape: &Shape) -> Result<Graph> {
     let t = Tracer::new(format!("forward{x_shape}"));
     let x = t.input("x", x_shape.clone());
@@ -27,7 +28,9 @@ pub struct TrainConfig {
 }
 
 /// The graph of one training step on inputs `x` and targets `y`: outputs `loss` and one per
-/// metric; every parameter the loss depends on is updated in place by the optimizer.
+/// metric; every parameter the loss depends on is updated in place by the optimizer. Mistakes
+/// in the loss (targets of the wrong shape) name the caller's line.
+#[track_caller]
 pub fn train_step_graph(
     model: &dyn Layer,
     x_shape: &Shape,

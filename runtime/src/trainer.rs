@@ -101,6 +101,7 @@ impl Trainer {
     }
 
     /// The training-step program for these shapes, compiled on first use.
+    #[track_caller]
     pub fn train_program(&mut self, x: &Shape, y: &Shape) -> Result<ProgramId> {
         if let Some(&id) = self.train_programs.get(&(x.clone(), y.clone())) {
             return Ok(id);
@@ -114,6 +115,7 @@ impl Trainer {
         Ok(id)
     }
 
+    #[track_caller]
     fn predict_program(&mut self, x: &Shape) -> Result<ProgramId> {
         if let Some(&id) = self.predict_programs.get(x) {
             return Ok(id);
@@ -127,6 +129,7 @@ impl Trainer {
     }
 
     /// One optimizer step on a batch.
+    #[track_caller]
     pub fn train_step(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
         let id = self.train_program(x.shape(), y.shape())?;
         self.backend.set_input(id, "x", x.shape(), x.data())?;
@@ -145,6 +148,7 @@ impl Trainer {
     }
 
     /// The model's output for `x`, computed in one batch.
+    #[track_caller]
     pub fn predict(&mut self, x: &HostTensor) -> Result<HostTensor> {
         let id = self.predict_program(x.shape())?;
         self.backend.set_input(id, "x", x.shape(), x.data())?;
@@ -154,6 +158,7 @@ impl Trainer {
 
     /// Trains on `x` and `y` (rows along the first axis) for `opts.epochs` epochs of
     /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows.
+    #[track_caller]
     pub fn fit(&mut self, x: &HostTensor, y: &HostTensor, opts: &FitOptions) -> Result<History> {
         let rows = x.shape().dims().first().copied().unwrap_or(0);
         if y.shape().dims().first() != Some(&rows) || rows == 0 || opts.batch_size == 0 {
