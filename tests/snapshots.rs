@@ -56,6 +56,7 @@ fn shape_error_message() {
 #[test]
 fn loss_shape_error_message() {
     let m = seed();
-    let e = train_step_graph(&m.model(), &m.x_shape(), &kiln::compiler::ir::Shape::from([32]), &m.config()).unwrap_err();
+    let e = train_step_graph(&m.model(), &m.x_shape(), &kiln::compiler::ir::Shape::from([32]), &m.config())
+        .unwrap_err();
     insta::assert_snapshot!(e.to_string());
 }

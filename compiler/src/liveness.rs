@@ -11,7 +11,7 @@
 
 use crate::error::{CompileError, Result};
 use crate::ir::{Graph, NodeId, Op, OpClass};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StorageClass {
@@ -40,7 +40,7 @@ pub struct Liveness {
     /// The buffer of every node's value (effects have none).
     pub buffer_of: HashMap<NodeId, usize>,
     /// Steps that write into an operand's buffer.
-    pub in_place: Vec<NodeId>,
+    pub in_place: HashSet<NodeId>,
 }
 
 impl Liveness {
@@ -103,7 +103,7 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
                     let end = reads_until[&n].unwrap_or(s);
                     live.buffers[b].end = live.buffers[b].end.max(end);
                     live.buffer_of.insert(n, b);
-                    live.in_place.push(n);
+                    live.in_place.insert(n);
                     None
                 } else {
                     Some(new(StorageClass::Arena, s, reads_until[&n].unwrap_or(s)))

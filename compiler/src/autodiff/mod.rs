@@ -33,12 +33,13 @@ pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, V
         }
     }
 
+    let wanted: HashSet<NodeId> = wrt.iter().copied().collect();
     let tracer = Tracer::resume(graph);
     let mut grads: HashMap<NodeId, Tensor> = HashMap::new();
     grads.insert(loss, tracer.fill(1.0, tracer.tensor(loss).shape().clone()));
     for &n in order.iter().rev() {
         let Some(g) = grads.remove(&n) else { continue };
-        if wrt.contains(&n) {
+        if wanted.contains(&n) {
             grads.insert(n, g.clone());
         }
         let operands = tracer.with_graph(|gr| gr.operands(n));
