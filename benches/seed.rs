@@ -26,7 +26,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut device = String::new();
     for _ in 0..31 {
         let start = Instant::now();
-        let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(7));
+        let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(7)?);
         trainer.fit(&x, &y, &opts)?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
         compiles.push(trainer.compile_time().as_secs_f64() * 1e3);

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 fn main() -> kiln::Result<()> {
     let (device, why) = Device::best();
-    println!("training the seed model on {device:?} ({why})");
+    println!("training the seed model on {device} ({why})");
     let start = Instant::now();
     let run = seed::run(&device, true)?;
     print!("{}", seed::summary(&run, start.elapsed()));

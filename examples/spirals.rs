@@ -12,7 +12,7 @@ fn main() -> kiln::Result<()> {
         optimizer: Adam::new(0.01).into(),
         metrics: vec![Metric::BinaryAccuracy],
     };
-    let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0));
+    let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0)?);
     let opts = FitOptions { epochs: 150, batch_size: 32, verbose: false, ..Default::default() };
     let history = trainer.fit(&x, &y, &opts)?;
     for (i, logs) in history.epochs.iter().enumerate().filter(|(i, _)| (i + 1) % 25 == 0) {

@@ -12,7 +12,7 @@ use kiln_runtime::HostTensor;
 use kiln_runtime::alloc::{
     Allocator, BfcAllocator, CachingAllocator, HostSource, RegionSource, VirtualSource,
 };
-use kiln_runtime::eager::{EagerExecutor, MemorySample};
+use kiln_runtime::eager::{CpuEager, EagerExecutor, MemorySample, Simulated};
 use std::time::Instant;
 
 /// Inference, or one training step (forward, backward, Adam).
@@ -115,7 +115,11 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
     };
     let eager =
         |alloc: Box<dyn Allocator>| -> Result<(kiln_runtime::alloc::AllocatorStats, f64, Vec<MemorySample>)> {
-            let mut ex = EagerExecutor::new(alloc, 1, execute);
+            let mut ex = if execute {
+                EagerExecutor::new(alloc, 1, CpuEager)
+            } else {
+                EagerExecutor::new(alloc, 1, Simulated)
+            };
             let mut frag: f64 = 0.0;
             let mut last = None;
             for _ in 0..EAGER_CALLS {

@@ -1,11 +1,15 @@
 //! Choosing the device a model runs on.
 
+use crate::error::Result;
+use kiln_runtime::cuda::{CudaBackend, probe};
 use kiln_runtime::{Backend, CpuBackend};
 
 /// A device to run plans on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
     Cpu,
+    /// CUDA device by ordinal.
+    Cuda(usize),
 }
 
 impl Device {
@@ -13,15 +17,33 @@ impl Device {
         Device::Cpu
     }
 
-    /// The best device present, with the reason it was chosen.
+    /// The first CUDA device when one works (driver, device and NVRTC present), else the CPU;
+    /// with the reason for the choice.
     pub fn best() -> (Self, String) {
-        (Device::Cpu, "no CUDA backend in this build".into())
+        let p = probe();
+        match p.usable() {
+            Ok(d) => {
+                let (major, minor) = d.compute_capability;
+                (Device::Cuda(d.ordinal), format!("{} (sm_{major}{minor}) found", d.name))
+            }
+            Err(why) => (Device::Cpu, format!("no CUDA: {why}")),
+        }
     }
 
     /// A backend for this device; `seed` seeds variable initialisation.
-    pub fn backend(&self, seed: u64) -> Box<dyn Backend> {
-        match self {
+    pub fn backend(&self, seed: u64) -> Result<Box<dyn Backend>> {
+        Ok(match self {
             Device::Cpu => Box::new(CpuBackend::new(seed)),
+            Device::Cuda(ordinal) => Box::new(CudaBackend::new(*ordinal, seed)?),
+        })
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
         }
     }
 }

@@ -91,7 +91,7 @@ fn invalid(what: String, help: String) -> kiln::Error {
 
 fn run_seed(verbose: bool, svg: Option<&Path>) -> kiln::Result<()> {
     let (device, why) = Device::best();
-    println!("kiln: training the seed model on {device:?} ({why})");
+    println!("kiln: training the seed model on {device} ({why})");
     let start = Instant::now();
     let run = seed::run(&device, verbose)?;
     print!("{}", seed::summary(&run, start.elapsed()));

@@ -29,7 +29,7 @@ pub struct SeedRun {
 /// Trains the seed model on `device`; `verbose` draws progress bars and epoch lines.
 pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
     let (x, y) = data(42);
-    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7));
+    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7)?);
     let opts = FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose };
     let history = trainer.fit(&x, &y, &opts)?;
     Ok(SeedRun { trainer, history })

@@ -5,7 +5,7 @@ use kiln::compiler::ir::{Graph, VarRole};
 use kiln::compiler::step::{forward_graph, train_step_graph};
 use kiln::prelude::*;
 use kiln::runtime::alloc::{Allocator, BfcAllocator, CachingAllocator, HostSource};
-use kiln::runtime::eager::EagerExecutor;
+use kiln::runtime::eager::{CpuEager, EagerExecutor};
 use kiln::zoo;
 
 const SEED: u64 = 11;
@@ -21,7 +21,7 @@ fn check<A: Allocator>(name: &str, graph: Graph, feed: &[(&str, &HostTensor)], a
     let mut planned = CpuBackend::new(SEED);
     let id = planned.load(plan.clone()).unwrap();
     let scheduled = kiln::compiler::optimize(graph).unwrap();
-    let mut eager = EagerExecutor::new(allocator, SEED, true);
+    let mut eager = EagerExecutor::new(allocator, SEED, CpuEager);
     for call in 0..2 {
         let p = planned.call(id, feed).unwrap();
         let e = eager.run(&scheduled.graph, &scheduled.order, feed).unwrap();
@@ -34,7 +34,7 @@ fn check<A: Allocator>(name: &str, graph: Graph, feed: &[(&str, &HostTensor)], a
     }
     for v in &plan.variables {
         let p = planned.read_variable(&v.key).unwrap();
-        let e = eager.read_variable(&v.key, &v.shape).unwrap();
+        let e = eager.read_variable(&v.key, &v.shape).unwrap().unwrap();
         let d = max_diff(&p, &e);
         assert!(d <= 1e-6, "{name}: variable {} differs by {d}", v.key);
     }
@@ -78,7 +78,7 @@ fn eager_frees_everything_but_variables() {
     let (x, y) = m.batch_data(1);
     let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
     let s = kiln::compiler::optimize(train).unwrap();
-    let mut eager = EagerExecutor::new(BfcAllocator::new(HostSource::new(), 1 << 30), 0, true);
+    let mut eager = EagerExecutor::new(BfcAllocator::new(HostSource::new(), 1 << 30), 0, CpuEager);
     let run = eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)]).unwrap();
     let plan = compile(s.graph.clone(), &CompileOptions::default()).unwrap();
     let variable_bytes: usize = plan.variables.iter().map(|v| v.bytes().div_ceil(256) * 256).sum();

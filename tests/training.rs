@@ -11,7 +11,7 @@ fn a_small_mlp_learns_two_spirals() {
         optimizer: Adam::new(0.01).into(),
         metrics: vec![Metric::BinaryAccuracy],
     };
-    let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0));
+    let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0).unwrap());
     let opts = FitOptions { epochs: 150, batch_size: 32, verbose: false, ..Default::default() };
     let history = trainer.fit(&x, &y, &opts).unwrap();
     let pred = trainer.predict(&x).unwrap();
@@ -47,7 +47,7 @@ fn adam_matches_keras_on_one_step() {
     };
     let config =
         TrainConfig { loss: Loss::MeanSquaredError, optimizer: Adam::new(0.1).into(), metrics: vec![] };
-    let mut trainer = Trainer::new(model, config, Device::cpu().backend(0));
+    let mut trainer = Trainer::new(model, config, Device::cpu().backend(0).unwrap());
     let x = HostTensor::new([1, 3], vec![1.0, -2.0, 3.0]).unwrap();
     let y = HostTensor::new([1, 1], vec![0.0]).unwrap();
     // pred = 0.5 * (1 - 2 + 3) = 1; d loss / d w = 2 * (pred - y) * x = 2x.
@@ -65,7 +65,7 @@ fn adam_matches_keras_on_one_step() {
 fn a_mistake_in_fit_names_the_callers_line() {
     let (x, _) = seed::data(0);
     let y = HostTensor::zeros([1000]);
-    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(0));
+    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(0).unwrap());
     let opts = FitOptions { epochs: 1, verbose: false, ..Default::default() };
     let e = trainer.fit(&x, &y, &opts).unwrap_err().to_string();
     assert!(e.contains("tests/training.rs:"), "{e}");

@@ -26,6 +26,10 @@ pub enum RuntimeError {
         help: String,
     },
 
+    /// The CUDA driver or NVRTC refused or is missing.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+
     #[error("{what}\n  help: {help}")]
     Invalid { what: String, help: String },
 

@@ -9,6 +9,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 pub mod eager;
 pub mod error;
 mod host_buffer;

@@ -10,8 +10,9 @@ use kiln::runtime::ProgramId;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-/// Defines `mod $name { fn cpu() }` running `$body(&mut dyn Backend)` on each backend, as candle's
-/// `test_device!` does. Backends that cannot run here say why on stderr and pass.
+/// Defines `mod $name { fn cpu(); fn cuda() }` running `$body(&mut dyn Backend)` on each backend,
+/// as candle's `test_device!` does. Where there is no CUDA device the `cuda` test says
+/// "skipped: no CUDA device" on stderr and passes; with KILN_REQUIRE_GPU=1 it fails instead.
 #[macro_export]
 macro_rules! backend_test {
     ($name:ident, $body:expr) => {
@@ -23,8 +24,29 @@ macro_rules! backend_test {
                 let mut backend = kiln::runtime::CpuBackend::new(0);
                 ($body)(&mut backend as &mut dyn kiln::runtime::Backend);
             }
+            #[test]
+            fn cuda() {
+                if let Some(mut backend) = $crate::common::cuda_backend(0) {
+                    ($body)(&mut backend as &mut dyn kiln::runtime::Backend);
+                }
+            }
         }
     };
+}
+
+/// A CUDA backend on device 0, or None (after saying why) where there is none. With
+/// KILN_REQUIRE_GPU=1 a missing device fails the test.
+pub fn cuda_backend(seed: u64) -> Option<kiln::runtime::cuda::CudaBackend> {
+    match kiln::runtime::cuda::CudaBackend::new(0, seed) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            if std::env::var("KILN_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("KILN_REQUIRE_GPU=1 but no CUDA device is usable: {e}");
+            }
+            eprintln!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
 }
 
 /// How a test input is drawn.

@@ -7,16 +7,20 @@
 //! for good; inputs are allocated at the start of each call and outputs freed when it returns.
 //! Nothing is written in place: eager frameworks allocate a new tensor for every op result.
 //!
-//! The executor runs the CPU kernels for real on memory from a `HostSource`, or only simulates
-//! the allocations (`execute = false`): the allocator sees the same sequence either way, since
-//! sizes and lifetimes do not depend on values.
+//! The executor runs on an `EagerDevice`: the CPU (kernels on memory from a `HostSource`), a
+//! CUDA device (kernels on memory from `cudaMalloc`'d regions), or `Simulated`, which replays
+//! the allocations only: the allocator sees the same sequence either way, since sizes and
+//! lifetimes do not depend on values.
+
+mod device;
+
+pub use device::{CpuEager, EagerDevice, Simulated};
 
 use crate::alloc::{Allocator, AllocatorStats, Block};
 use crate::error::{Result, RuntimeError};
 use crate::init::initial_values;
 use crate::tensor::HostTensor;
 use kiln_compiler::ir::{Graph, NodeId, Op, OpClass, Shape};
-use kiln_kernels::cpu;
 use std::collections::HashMap;
 
 /// Memory after one op.
@@ -46,16 +50,17 @@ struct Storage {
 
 pub struct EagerExecutor<A: Allocator> {
     allocator: A,
-    execute: bool,
+    device: Box<dyn EagerDevice>,
     seed: u64,
     variables: HashMap<String, Block>,
 }
 
 impl<A: Allocator> EagerExecutor<A> {
-    /// `execute`: run the kernels (the allocator's addresses must then be real host memory, as
-    /// from `HostSource`) or only simulate the allocations.
-    pub fn new(allocator: A, seed: u64, execute: bool) -> Self {
-        EagerExecutor { allocator, execute, seed, variables: HashMap::new() }
+    /// An executor whose tensors live in `allocator`'s blocks on `device`: the allocator's region
+    /// source must hand out that device's memory (`HostSource` for `CpuEager`, `CudaSource` for
+    /// the CUDA device; anything for `Simulated`).
+    pub fn new(allocator: A, seed: u64, device: impl EagerDevice + 'static) -> Self {
+        EagerExecutor { allocator, device: Box::new(device), seed, variables: HashMap::new() }
     }
 
     pub fn allocator(&self) -> &A {
@@ -66,10 +71,11 @@ impl<A: Allocator> EagerExecutor<A> {
         &mut self.allocator
     }
 
-    /// The current value of a variable (only meaningful when executing).
-    pub fn read_variable(&self, key: &str, shape: &Shape) -> Option<HostTensor> {
-        let block = self.variables.get(key)?;
-        HostTensor::new(shape.clone(), read_f32s(block.addr, shape.numel())).ok()
+    /// The current value of a variable (zeros when simulating).
+    pub fn read_variable(&mut self, key: &str, shape: &Shape) -> Result<Option<HostTensor>> {
+        let Some(block) = self.variables.get(key).copied() else { return Ok(None) };
+        let data = self.device.read(block.addr, shape.numel())?;
+        Ok(Some(HostTensor::new(shape.clone(), data)?))
     }
 
     fn alloc(&mut self, bytes: usize, what: &str) -> Result<Block> {
@@ -119,9 +125,7 @@ impl<A: Allocator> EagerExecutor<A> {
                         });
                     }
                     let block = self.alloc(node.bytes(), name)?;
-                    if self.execute {
-                        write_f32s(block.addr, data.data());
-                    }
+                    self.device.write(block.addr, data.data())?;
                     // The caller holds its inputs until the call returns: one extra reference.
                     storage_of.insert(n, storage.len());
                     storage.push(Storage { block, refs: 2 });
@@ -131,9 +135,7 @@ impl<A: Allocator> EagerExecutor<A> {
                         Some(b) => *b,
                         None => {
                             let block = self.alloc(node.bytes(), key)?;
-                            if self.execute {
-                                write_f32s(block.addr, &initial_values(*init, shape, self.seed, key));
-                            }
+                            self.device.write(block.addr, &initial_values(*init, shape, self.seed, key))?;
                             self.variables.insert(key.clone(), block);
                             block
                         }
@@ -156,22 +158,13 @@ impl<A: Allocator> EagerExecutor<A> {
                         storage.push(Storage { block, refs: 1 });
                         Some(block)
                     };
-                    if self.execute {
-                        let types: Vec<_> =
-                            operands.iter().map(|&o| (&graph.node(o).shape, graph.node(o).dtype)).collect();
-                        let scalar = Shape::scalar();
-                        let out_type =
-                            if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
-                        let kernel = cpu::prepare(op, &types, out_type)?;
-                        let ptrs: Vec<*mut u8> = operands
-                            .iter()
-                            .map(|o| storage[storage_of[o]].block.addr as usize as *mut u8)
-                            .collect();
-                        let out = output.map_or(std::ptr::null_mut(), |b| b.addr as usize as *mut u8);
-                        // SAFETY: every block is live host memory of its value's size from the allocator
-                        // (a HostSource when executing); blocks of live values never overlap.
-                        unsafe { kernel.run(&ptrs, out) };
-                    }
+                    let types: Vec<_> =
+                        operands.iter().map(|&o| (&graph.node(o).shape, graph.node(o).dtype)).collect();
+                    let scalar = Shape::scalar();
+                    let out_type =
+                        if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
+                    let ptrs: Vec<u64> = operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
+                    self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);
                     let stats = self.allocator.stats();
                     samples.push(MemorySample { step, in_use: stats.in_use, reserved: stats.reserved });
@@ -199,11 +192,7 @@ impl<A: Allocator> EagerExecutor<A> {
         for (name, id) in graph.outputs() {
             let node = graph.node(*id);
             let block = storage[storage_of[id]].block;
-            let data = if self.execute {
-                read_f32s(block.addr, node.shape.numel())
-            } else {
-                vec![0.0; node.shape.numel()]
-            };
+            let data = self.device.read(block.addr, node.shape.numel())?;
             result.push((name.clone(), HostTensor::new(node.shape.clone(), data)?));
         }
         for (_, id) in graph.outputs() {
@@ -233,14 +222,4 @@ impl<A: Allocator> EagerExecutor<A> {
         }
         Ok(())
     }
-}
-
-fn write_f32s(addr: u64, data: &[f32]) {
-    // SAFETY: called only when executing, on a fresh block of at least data.len() f32s of host memory.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut f32, data.len()) };
-}
-
-fn read_f32s(addr: u64, n: usize) -> Vec<f32> {
-    // SAFETY: a live block of at least n f32s of host memory (executing mode).
-    unsafe { std::slice::from_raw_parts(addr as usize as *const f32, n) }.to_vec()
 }

@@ -1,0 +1,147 @@
+//! Finding CUDA without requiring it. cudarc loads the driver and NVRTC at first use and panics
+//! when a library is missing, so kiln probes first and touches cudarc only once a probe succeeded.
+//!
+//! NVRTC is looked for, in order: the file or folder named by `KILN_NVRTC`; the loader's own
+//! search path (`LD_LIBRARY_PATH`, ldconfig); the project-local `.nvrtc/` folder that
+//! `scripts/test.sh` fills from the PyPI package `nvidia-cuda-nvrtc`; the usual CUDA install
+//! folders. A library found by path is loaded once and kept, so that cudarc's later load by name
+//! (`libnvrtc.so.13`) resolves to it.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// The NVRTC library's file name for the CUDA major version cudarc was built for.
+pub const NVRTC_SONAME: &str = "libnvrtc.so.13";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvrtcInfo {
+    /// Where it was found ("loader search path" when found by name).
+    pub location: String,
+    pub version: (i32, i32),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_bytes: usize,
+}
+
+/// What was found, and why not where nothing was.
+#[derive(Clone, Debug)]
+pub struct CudaProbe {
+    pub nvrtc: Result<NvrtcInfo, String>,
+    pub devices: Result<Vec<DeviceInfo>, String>,
+}
+
+impl CudaProbe {
+    /// The first usable device, or the reason there is none.
+    pub fn usable(&self) -> Result<&DeviceInfo, String> {
+        let devices = self.devices.as_ref().map_err(Clone::clone)?;
+        let first = devices.first().ok_or_else(|| "the CUDA driver reports no device".to_string())?;
+        self.nvrtc.as_ref().map_err(|e| format!("a CUDA device is present but NVRTC is missing: {e}"))?;
+        Ok(first)
+    }
+}
+
+fn candidates() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(p) = std::env::var_os("KILN_NVRTC") {
+        v.push(PathBuf::from(p));
+    }
+    let project = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(".nvrtc");
+    v.push(project.join("nvidia/cu13/lib"));
+    for dir in [
+        "/usr/local/cuda/lib64",
+        "/usr/local/cuda-13/lib64",
+        "/usr/local/cuda-13.0/lib64",
+        "/usr/lib/x86_64-linux-gnu",
+    ] {
+        v.push(PathBuf::from(dir));
+    }
+    v
+}
+
+fn load_nvrtc() -> Result<String, String> {
+    // SAFETY: loading NVRTC runs its initialisers, which have no preconditions.
+    if let Ok(lib) = unsafe { libloading::Library::new(NVRTC_SONAME) } {
+        std::mem::forget(lib);
+        return Ok("loader search path".into());
+    }
+    for c in candidates() {
+        let file = if c.is_dir() { c.join(NVRTC_SONAME) } else { c.clone() };
+        if !file.is_file() {
+            continue;
+        }
+        // SAFETY: as above.
+        match unsafe { libloading::Library::new(&file) } {
+            Ok(lib) => {
+                // Kept loaded for the life of the process: cudarc finds it by its soname.
+                std::mem::forget(lib);
+                return Ok(file.display().to_string());
+            }
+            Err(e) => return Err(format!("{} exists but does not load: {e}", file.display())),
+        }
+    }
+    Err(format!(
+        "{NVRTC_SONAME} not found (looked on the loader path, in KILN_NVRTC, in .nvrtc/ and the CUDA folders); \
+         `scripts/test.sh` installs it from PyPI (nvidia-cuda-nvrtc)"
+    ))
+}
+
+/// NVRTC, loaded once per process.
+pub fn nvrtc() -> Result<NvrtcInfo, String> {
+    static NVRTC: OnceLock<Result<NvrtcInfo, String>> = OnceLock::new();
+    NVRTC
+        .get_or_init(|| {
+            let location = load_nvrtc()?;
+            let (mut major, mut minor) = (0, 0);
+            // SAFETY: NVRTC is loaded (above); nvrtcVersion writes two ints.
+            let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+            if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+                return Err(format!("nvrtcVersion failed: {status:?}"));
+            }
+            Ok(NvrtcInfo { location, version: (major, minor) })
+        })
+        .clone()
+}
+
+fn devices() -> Result<Vec<DeviceInfo>, String> {
+    // SAFETY: only tries to load the library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver (libcuda) is not installed".into());
+    }
+    cudarc::driver::result::init().map_err(|e| format!("the CUDA driver failed to initialise: {e:?}"))?;
+    let count =
+        cudarc::driver::CudaContext::device_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))?;
+    let mut out = Vec::new();
+    for ordinal in 0..count.max(0) as usize {
+        let device = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| format!("{e:?}"))?;
+        // SAFETY: `device` is a valid handle from cuDeviceGet.
+        let total_bytes =
+            unsafe { cudarc::driver::result::device::total_mem(device) }.map_err(|e| format!("{e:?}"))?;
+        let name = cudarc::driver::result::device::get_name(device).map_err(|e| format!("{e:?}"))?;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        // SAFETY: valid device handle and attribute.
+        let attr = |a| unsafe { cudarc::driver::result::device::get_attribute(device, a) }.unwrap_or(0);
+        let compute_capability = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        );
+        out.push(DeviceInfo { ordinal, name, compute_capability, total_bytes });
+    }
+    Ok(out)
+}
+
+/// Probes the driver, the devices and NVRTC once per process; never panics.
+pub fn probe() -> CudaProbe {
+    static PROBE: OnceLock<CudaProbe> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let devices = std::panic::catch_unwind(devices)
+                .unwrap_or_else(|_| Err("probing the CUDA driver panicked".into()));
+            CudaProbe { nvrtc: nvrtc(), devices }
+        })
+        .clone()
+}

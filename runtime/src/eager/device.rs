@@ -1,0 +1,83 @@
+//! Where the eager executor runs: something that can write and read tensors at block addresses
+//! and run one op's kernel on them.
+
+use crate::error::Result;
+use kiln_compiler::ir::{DType, Op, Shape};
+use kiln_kernels::cpu;
+
+pub trait EagerDevice {
+    fn name(&self) -> String;
+    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()>;
+    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>>;
+    /// Runs `op` on operands at `inputs` writing its output at `output` (0 for effects).
+    fn run_op(
+        &mut self,
+        op: &Op,
+        types: &[(&Shape, DType)],
+        out_type: (&Shape, DType),
+        inputs: &[u64],
+        output: u64,
+    ) -> Result<()>;
+    /// Waits for queued work (a no-op on the CPU).
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The CPU: addresses are host pointers (the allocator's regions come from a `HostSource`).
+pub struct CpuEager;
+
+impl EagerDevice for CpuEager {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
+        // SAFETY: `addr` is a live host block of at least data.len() f32s (HostSource memory).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut f32, data.len()) };
+        Ok(())
+    }
+
+    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
+        // SAFETY: as in `write`.
+        Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const f32, n) }.to_vec())
+    }
+
+    fn run_op(
+        &mut self,
+        op: &Op,
+        types: &[(&Shape, DType)],
+        out_type: (&Shape, DType),
+        inputs: &[u64],
+        output: u64,
+    ) -> Result<()> {
+        let kernel = cpu::prepare(op, types, out_type)?;
+        let ptrs: Vec<*mut u8> = inputs.iter().map(|&a| a as usize as *mut u8).collect();
+        // SAFETY: every block is live host memory of its value's size; blocks of live values do
+        // not overlap (the allocator hands out disjoint blocks).
+        unsafe { kernel.run(&ptrs, output as usize as *mut u8) };
+        Ok(())
+    }
+}
+
+/// No device: the allocations are replayed (same sizes, same order, same lifetimes) but nothing
+/// is computed; reads return zeros.
+pub struct Simulated;
+
+impl EagerDevice for Simulated {
+    fn name(&self) -> String {
+        "simulated".into()
+    }
+
+    fn write(&mut self, _addr: u64, _data: &[f32]) -> Result<()> {
+        Ok(())
+    }
+
+    fn read(&mut self, _addr: u64, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+
+    fn run_op(&mut self, _: &Op, _: &[(&Shape, DType)], _: (&Shape, DType), _: &[u64], _: u64) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,234 @@
+//! The CUDA backend against the CPU backend: every op forward and backward on odd sizes, every
+//! zoo training step, and the memory promises (the arena is the only allocation a step makes;
+//! what the device holds equals the plan). Where there is no CUDA device every test here says
+//! "skipped: no CUDA device" and passes; with KILN_REQUIRE_GPU=1 they fail instead.
+
+mod common;
+
+use common::{Draw, cuda_backend, draw};
+use kiln::compiler::autodiff::gradients;
+use kiln::compiler::ir::{Padding, Shape};
+use kiln::compiler::losses;
+use kiln::prelude::*;
+use kiln::runtime::cuda::CudaBackend;
+use kiln::zoo;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+/// Relative tolerance against the largest magnitude of the CPU result: f32 accumulation orders
+/// differ between the backends (the CPU sums reductions in f64).
+const RTOL: f32 = 2e-4;
+
+fn close(name: &str, what: &str, cpu: &HostTensor, gpu: &HostTensor) {
+    assert_eq!(cpu.shape(), gpu.shape(), "{name}: {what} shape");
+    let scale = cpu.data().iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    let d = cpu.max_abs_diff(gpu);
+    assert!(d <= RTOL * scale, "{name}: {what} differs by {d} (scale {scale}, tolerance {})", RTOL * scale);
+}
+
+type Case = (&'static str, Vec<(Vec<usize>, Draw)>, fn(&[Tensor]) -> Tensor);
+
+fn cases() -> Vec<Case> {
+    vec![
+        ("relu", vec![(vec![37, 19], Draw::AwayFromZero)], |x| x[0].relu()),
+        ("gelu_tanh_sigmoid", vec![(vec![3, 5, 7], Draw::Normal)], |x| {
+            x[0].gelu() + x[0].tanh() * x[0].sigmoid()
+        }),
+        ("exp_log_sqrt", vec![(vec![1001], Draw::Positive)], |x| {
+            x[0].exp() + x[0].log() * x[0].sqrt() - x[0].rsqrt()
+        }),
+        ("broadcast_binary", vec![(vec![7, 1, 9], Draw::Normal), (vec![5, 1], Draw::Positive)], |x| {
+            (&x[0] * &x[1] - &x[0] / &x[1]).maximum(&x[1])
+        }),
+        ("bias_add", vec![(vec![33, 65], Draw::Normal), (vec![65], Draw::Normal)], |x| &x[0] + &x[1]),
+        ("select_compare", vec![(vec![17, 3], Draw::Normal), (vec![17, 3], Draw::Normal)], |x| {
+            x[0].gt(&x[1]).select(&x[0], &x[1]) + x[0].clamp(-0.5, 0.5)
+        }),
+        ("matmul_odd", vec![(vec![67, 129], Draw::Normal), (vec![129, 33], Draw::Normal)], |x| {
+            x[0].matmul(&x[1])
+        }),
+        ("matmul_tn", vec![(vec![129, 67], Draw::Normal), (vec![129, 33], Draw::Normal)], |x| {
+            x[0].matmul_t(&x[1], true, false)
+        }),
+        ("matmul_nt", vec![(vec![67, 129], Draw::Normal), (vec![33, 129], Draw::Normal)], |x| {
+            x[0].matmul_t(&x[1], false, true)
+        }),
+        ("matmul_batched", vec![(vec![3, 1, 17, 31], Draw::Normal), (vec![5, 31, 9], Draw::Normal)], |x| {
+            x[0].matmul(&x[1])
+        }),
+        ("matmul_large", vec![(vec![256, 300], Draw::Normal), (vec![300, 257], Draw::Normal)], |x| {
+            x[0].matmul(&x[1])
+        }),
+        ("permute", vec![(vec![5, 33, 17], Draw::Normal)], |x| x[0].permute(&[2, 0, 1]) * 2.0),
+        ("transpose_big", vec![(vec![129, 257], Draw::Normal)], |x| x[0].t() * 1.5),
+        ("concat_slice_pad", vec![(vec![4, 7], Draw::Normal), (vec![4, 3], Draw::Normal)], |x| {
+            x[0].concat(&[&x[1]], 1).slice(1, 2, 6).pad(0, 1, 2)
+        }),
+        ("reduce_sum_mean", vec![(vec![6, 77, 5], Draw::Normal)], |x| {
+            x[0].sum(1, false) + x[0].mean([0, 2], false).sum(.., false)
+        }),
+        ("reduce_max", vec![(vec![9, 1025], Draw::Distinct)], |x| x[0].max(-1, true) * 1.0),
+        ("reduce_long_row", vec![(vec![3, 100_003], Draw::Normal)], |x| x[0].sum(-1, false)),
+        ("softmax", vec![(vec![13, 1000], Draw::Normal)], |x| x[0].softmax(-1)),
+        ("log_softmax_axis0", vec![(vec![31, 6], Draw::Normal)], |x| x[0].log_softmax(0)),
+        ("conv_same", vec![(vec![2, 9, 11, 3], Draw::Normal), (vec![3, 3, 3, 5], Draw::Normal)], |x| {
+            x[0].conv2d(&x[1], [1, 1], Padding::Same)
+        }),
+        (
+            "conv_valid_stride2",
+            vec![(vec![3, 13, 10, 4], Draw::Normal), (vec![3, 2, 4, 7], Draw::Normal)],
+            |x| x[0].conv2d(&x[1], [2, 2], Padding::Valid),
+        ),
+        (
+            "conv_same_stride2",
+            vec![(vec![2, 12, 12, 16], Draw::Normal), (vec![3, 3, 16, 32], Draw::Normal)],
+            |x| x[0].conv2d(&x[1], [2, 2], Padding::Same),
+        ),
+        ("max_pool", vec![(vec![2, 9, 9, 3], Draw::Distinct)], |x| {
+            x[0].max_pool2d([3, 3], [2, 2], Padding::Same)
+        }),
+        ("avg_pool", vec![(vec![2, 7, 8, 5], Draw::Normal)], |x| {
+            x[0].avg_pool2d([2, 2], [2, 2], Padding::Same)
+        }),
+        ("gather", vec![(vec![50, 7], Draw::Normal), (vec![3, 11], Draw::Ids(50))], |x| x[0].gather(&x[1])),
+        ("bce", vec![(vec![33, 1], Draw::Positive), (vec![33, 1], Draw::Mask)], |x| {
+            losses::binary_crossentropy(&(&x[0] * 0.4), &x[1])
+        }),
+        ("softmax_ce", vec![(vec![17, 10], Draw::Normal), (vec![17, 10], Draw::Mask)], |x| {
+            losses::softmax_crossentropy(&x[0], &x[1])
+        }),
+    ]
+}
+
+/// The forward value and the gradient of sum(f(x) * r) for every float input, on `backend`.
+fn run_case(backend: &mut dyn Backend, case: &Case) -> Vec<(String, HostTensor)> {
+    let (name, inputs, f) = case;
+    let t = Tracer::new(*name);
+    let xs: Vec<Tensor> =
+        inputs.iter().enumerate().map(|(i, (s, _))| t.input(&format!("x{i}"), s.clone())).collect();
+    let out = f(&xs);
+    let r = t.input("r", out.shape().clone());
+    let loss = (&out * &r).sum(.., false);
+    t.output("y", &out);
+    t.output("loss", &loss);
+    let graph = t.finish().unwrap();
+    let wrt: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, d))| !matches!(d, Draw::Ids(_) | Draw::Mask))
+        .map(|(i, _)| xs[i].id().unwrap())
+        .collect();
+    let (mut graph, grads) = gradients(graph, loss.id().unwrap(), &wrt).unwrap();
+    for (k, g) in grads.into_iter().enumerate() {
+        if let Some(g) = g {
+            graph.set_output(format!("grad{k}"), g);
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(name.len() as u64);
+    let mut feed: Vec<(String, HostTensor)> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, (s, d))| (format!("x{i}"), draw(&Shape::from(s.as_slice()), *d, &mut rng)))
+        .collect();
+    feed.push(("r".into(), draw(out.shape(), Draw::Normal, &mut rng)));
+    common::run_graph(backend, graph, &feed).1
+}
+
+#[test]
+fn gpu_every_op_forward_and_backward_matches_cpu() {
+    let Some(mut gpu) = cuda_backend(0) else { return };
+    for case in cases() {
+        let cpu_out = run_case(&mut CpuBackend::new(0), &case);
+        let gpu_out = run_case(&mut gpu, &case);
+        for ((n, c), (_, g)) in cpu_out.iter().zip(&gpu_out) {
+            close(case.0, n, c, g);
+        }
+    }
+}
+
+#[test]
+fn gpu_every_zoo_training_step_matches_cpu() {
+    let Some(mut gpu) = cuda_backend(3) else { return };
+    for m in zoo::all() {
+        let (x, y) = m.batch_data(2);
+        let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
+        let plan = compile(graph, &CompileOptions::default()).unwrap();
+        let mut cpu = CpuBackend::new(3);
+        let (c, g) = (cpu.load(plan.clone()).unwrap(), gpu.load(plan.clone()).unwrap());
+        for step in 0..2 {
+            let co = cpu.call(c, &[("x", &x), ("y", &y)]).unwrap();
+            let go = gpu.call(g, &[("x", &x), ("y", &y)]).unwrap();
+            for ((n, a), (_, b)) in co.iter().zip(&go) {
+                close(m.name, &format!("step {step} output {n}"), a, b);
+            }
+        }
+        for v in &plan.variables {
+            close(m.name, &v.key, &cpu.read_variable(&v.key).unwrap(), &gpu.read_variable(&v.key).unwrap());
+        }
+    }
+}
+
+#[test]
+fn gpu_steps_allocate_nothing_and_memory_equals_the_plan() {
+    let Some(mut gpu) = cuda_backend(0) else { return };
+    let m = zoo::by_name("mlp").unwrap();
+    let (x, y) = m.batch_data(1);
+    let plan =
+        compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &CompileOptions::default())
+            .unwrap();
+    let id = gpu.load(plan.clone()).unwrap();
+    gpu.call(id, &[("x", &x), ("y", &y)]).unwrap();
+    let (count, bytes) = gpu.device_allocations();
+    let free_before = gpu.mem_info().unwrap().0;
+    for _ in 0..20 {
+        gpu.set_input(id, "x", x.shape(), x.data()).unwrap();
+        gpu.set_input(id, "y", y.shape(), y.data()).unwrap();
+        gpu.run(id).unwrap();
+    }
+    gpu.output(id, "loss").unwrap();
+    assert_eq!(gpu.device_allocations(), (count, bytes), "training steps allocated device memory");
+    assert_eq!(gpu.mem_info().unwrap().0, free_before, "the device's free memory moved during steps");
+    let variables: usize = plan.variables.iter().map(|v| v.bytes().max(1)).sum();
+    assert_eq!(bytes, variables + plan.memory.arena_bytes.max(1) + plan.memory.io_bytes.max(1));
+}
+
+#[test]
+fn gpu_a_second_load_compiles_nothing() {
+    let Some(mut gpu) = cuda_backend(0) else { return };
+    let m = zoo::by_name("seed-mlp").unwrap();
+    let plan =
+        compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &CompileOptions::default())
+            .unwrap();
+    gpu.load(plan.clone()).unwrap();
+    let before = gpu.compile_stats();
+    gpu.load(plan).unwrap();
+    let after = gpu.compile_stats();
+    assert_eq!(after.compiled, before.compiled, "the second load compiled kernels");
+    assert!(after.from_memory > before.from_memory);
+    let _: &CudaBackend = &gpu;
+}
+
+#[test]
+fn gpu_eager_on_device_regions_matches_the_cpu_plan() {
+    use kiln::runtime::alloc::BfcAllocator;
+    use kiln::runtime::cuda::{CudaEager, CudaSource};
+    use kiln::runtime::eager::EagerExecutor;
+    let Some(gpu) = cuda_backend(5) else { return };
+    for name in ["seed-mlp", "cnn"] {
+        let m = zoo::by_name(name).unwrap().with_batch(4);
+        let (x, y) = m.batch_data(3);
+        let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
+        let mut cpu = CpuBackend::new(5);
+        let id = cpu.load(compile(graph.clone(), &CompileOptions::default()).unwrap()).unwrap();
+        let s = kiln::compiler::optimize(graph).unwrap();
+        let mut eager =
+            EagerExecutor::new(BfcAllocator::new(CudaSource::new(&gpu), 1 << 34), 5, CudaEager::new(&gpu));
+        for step in 0..2 {
+            let c = cpu.call(id, &[("x", &x), ("y", &y)]).unwrap();
+            let e = eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)]).unwrap();
+            for ((n, a), (_, b)) in c.iter().zip(&e.outputs) {
+                close(name, &format!("eager step {step} {n}"), a, b);
+            }
+        }
+    }
+}
