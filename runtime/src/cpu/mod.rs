@@ -49,6 +49,35 @@ impl CpuBackend {
         &self.store
     }
 
+    /// Runs the program `runs` times and returns each step's kernel description and median time
+    /// in nanoseconds, in step order.
+    pub fn profile(&mut self, program: ProgramId, runs: usize) -> Vec<(String, u64)> {
+        let store = &self.store;
+        let p = &mut self.programs[program];
+        let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
+        let mut scratch = std::mem::take(&mut p.scratch);
+        for _ in 0..runs {
+            for (i, step) in p.steps.iter().enumerate() {
+                scratch.clear();
+                scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
+                let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
+                let start = std::time::Instant::now();
+                // SAFETY: as in `run`.
+                unsafe { step.kernel.run(&scratch, out) };
+                times[i].push(start.elapsed().as_nanos() as u64);
+            }
+        }
+        p.scratch = scratch;
+        p.steps
+            .iter()
+            .zip(times)
+            .map(|(s, mut t)| {
+                t.sort_unstable();
+                (s.kernel.describe(), t.get(t.len() / 2).copied().unwrap_or(0))
+            })
+            .collect()
+    }
+
     /// Bytes of host memory the program's arena and io region hold.
     pub fn program_bytes(&self, program: ProgramId) -> (usize, usize) {
         let p = &self.programs[program];
