@@ -70,7 +70,9 @@ fn axes(s: &mut String, x0: f64, title: &str, steps: usize, top: usize) {
 /// The SVG document for `plan`, with the eager samples beside it when given.
 pub fn plan_svg(plan: &Plan, eager: Option<&[MemorySample]>, title: &str) -> String {
     let steps = plan.steps.len().max(1);
-    let m = &plan.memory;
+    // The first device's arena (a single-device plan's only one).
+    let Some(first) = plan.devices.first() else { return String::new() };
+    let m = &first.memory;
     let panels = if eager.is_some() { 2.0 } else { 1.0 };
     let width = panels * (W + 2.0 * PAD) + 20.0;
     let mut s = String::new();
@@ -93,7 +95,7 @@ pub fn plan_svg(plan: &Plan, eager: Option<&[MemorySample]>, title: &str) -> Str
     let sx = W / steps as f64;
     let sy = H / top as f64;
     for b in &plan.buffers {
-        let Storage::Arena { offset } = b.storage else { continue };
+        let Storage::Arena { device: 0, offset } = b.storage else { continue };
         let x = PAD + b.first_step as f64 * sx;
         let w = ((b.last_step - b.first_step + 1) as f64 * sx).max(0.5);
         let y = PAD + H - (offset + b.bytes) as f64 * sy;

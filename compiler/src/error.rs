@@ -20,6 +20,10 @@ pub enum CompileError {
     #[error("{what}\n  help: {help}")]
     Invalid { what: String, help: String },
 
+    /// The plan does not fit a device's memory limit (checked before anything runs).
+    #[error("{0}")]
+    OutOfMemory(Box<crate::limits::OutOfMemory>),
+
     /// Something the compiler does not implement yet.
     #[error("not supported: {what}\n  help: {help}")]
     Unsupported { what: String, help: String },

@@ -10,7 +10,7 @@
 //! Steps are the nodes that run a kernel: everything but inputs, variables and views.
 
 use crate::error::{CompileError, Result};
-use crate::ir::{Graph, NodeId, Op, OpClass};
+use crate::ir::{DeviceId, Graph, NodeId, Op, OpClass};
 use std::collections::{HashMap, HashSet};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,6 +25,8 @@ pub enum StorageClass {
 pub struct BufferLife {
     pub bytes: usize,
     pub class: StorageClass,
+    /// The device whose memory holds the buffer (its producer's device).
+    pub device: DeviceId,
     /// First and last step (inclusive) at which the buffer holds a live value.
     pub start: usize,
     pub end: usize,
@@ -44,9 +46,9 @@ pub struct Liveness {
 }
 
 impl Liveness {
-    /// Bytes of every arena value before any sharing: the "naive" figure.
-    pub fn naive_values<'a>(&'a self, graph: &'a Graph) -> impl Iterator<Item = usize> + 'a {
-        self.steps.iter().filter(move |&&n| self.is_arena(n)).map(move |&n| graph.node(n).bytes())
+    /// Every arena value with its bytes, before any sharing: the "naive" figure.
+    pub fn naive_values<'a>(&'a self, graph: &'a Graph) -> impl Iterator<Item = (NodeId, usize)> + 'a {
+        self.steps.iter().filter(move |&&n| self.is_arena(n)).map(move |&n| (n, graph.node(n).bytes()))
     }
 
     fn is_arena(&self, n: NodeId) -> bool {
@@ -81,6 +83,7 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
         let new = |class: StorageClass, start: usize, end: usize| BufferLife {
             bytes: node.bytes(),
             class,
+            device: node.device,
             start,
             end,
             producer: n,

@@ -1,31 +1,42 @@
-//! Lowers a scheduled graph with its liveness and arena placement into a `Plan`.
+//! Lowers a scheduled graph with its liveness and per-device arena placements into a `Plan`.
 
-use crate::ir::{Graph, NodeId, Op, OpClass, VarRole};
+use crate::device::DeviceSpec;
+use crate::ir::{Graph, NodeId, Op, VarRole};
 use crate::liveness::{Liveness, StorageClass};
-use crate::plan::{Binding, Buffer, MemoryFigures, Plan, Step, Storage, Value, VariableSpec};
+use crate::plan::{Binding, Buffer, DevicePlan, MemoryFigures, Plan, Step, Storage, Value, VariableSpec};
 use crate::planner::{self, Interval, Placement};
 use std::collections::HashMap;
+
+/// One device's arena: the buffers placed in it (indices into `Liveness::buffers`), their
+/// intervals, and where the planner put them.
+pub struct DeviceArena {
+    pub spec: DeviceSpec,
+    pub buffers: Vec<usize>,
+    pub intervals: Vec<Interval>,
+    pub placement: Placement,
+}
 
 pub struct Lowering<'a> {
     pub graph: &'a Graph,
     pub live: &'a Liveness,
-    pub intervals: &'a [Interval],
-    /// Buffer index of each interval.
-    pub arena_buffers: &'a [usize],
-    pub placement: &'a Placement,
+    pub arenas: &'a [DeviceArena],
     pub alignment: usize,
 }
 
 impl Lowering<'_> {
     pub fn plan(&self) -> Plan {
         let (graph, live, align) = (self.graph, self.live, self.alignment);
+        let device_index: HashMap<u32, usize> =
+            self.arenas.iter().enumerate().map(|(i, a)| (a.spec.id.0, i)).collect();
         let mut variables = Vec::new();
         let mut var_index: HashMap<String, usize> = HashMap::new();
         for v in graph.variables() {
-            if let Op::Variable { key, shape, dtype, role, init } = &graph.node(v).op {
+            let node = graph.node(v);
+            if let Op::Variable { key, shape, dtype, role, init } = &node.op {
                 var_index.insert(key.clone(), variables.len());
                 variables.push(VariableSpec {
                     key: key.clone(),
+                    device: device_index[&node.device.0],
                     shape: shape.clone(),
                     dtype: *dtype,
                     role: *role,
@@ -34,30 +45,35 @@ impl Lowering<'_> {
             }
         }
 
-        let arena_offset: HashMap<usize, usize> =
-            self.arena_buffers.iter().zip(&self.placement.offsets).map(|(&b, &o)| (b, o)).collect();
-        // The io region: inputs first, then outputs, each slot aligned.
-        let mut io_top = 0;
+        let mut arena_offset: HashMap<usize, usize> = HashMap::new();
+        for a in self.arenas {
+            arena_offset.extend(a.buffers.iter().zip(&a.placement.offsets).map(|(&b, &o)| (b, o)));
+        }
+        // Each device's io region: its inputs and outputs in order of first appearance, aligned.
+        let mut io_top = vec![0usize; self.arenas.len()];
         let buffers: Vec<Buffer> = live
             .buffers
             .iter()
             .enumerate()
             .map(|(i, b)| {
+                let device = device_index[&b.device.0];
                 let storage = match &b.class {
-                    StorageClass::Arena => Storage::Arena { offset: arena_offset[&i] },
+                    StorageClass::Arena => Storage::Arena { device, offset: arena_offset[&i] },
                     StorageClass::Variable(key) => Storage::Variable { index: var_index[key] },
                     StorageClass::Input(_) | StorageClass::Output(_) => {
-                        let offset = io_top;
-                        io_top += planner::align(b.bytes, align);
-                        Storage::Io { offset }
+                        let offset = io_top[device];
+                        io_top[device] += planner::align(b.bytes, align);
+                        Storage::Io { device, offset }
                     }
                 };
+                let producer = graph.node(b.producer);
                 Buffer {
                     bytes: b.bytes,
                     storage,
                     first_step: b.start,
                     last_step: b.end,
-                    label: graph.node(b.producer).describe(),
+                    label: producer.describe(),
+                    origin: producer.origin.map(|o| o.to_string()),
                 }
             })
             .collect();
@@ -87,6 +103,7 @@ impl Lowering<'_> {
                     inputs,
                     output,
                     in_place: live.in_place.contains(&n),
+                    device: device_index[&node.device.0],
                     label: node.describe(),
                     origin: node.origin.map(|o| o.to_string()),
                 }
@@ -106,32 +123,50 @@ impl Lowering<'_> {
             .map(|(name, n)| Binding { name: name.clone(), value: value(*n) })
             .collect();
 
-        let bound = planner::lower_bound(self.intervals, align);
-        let role_bytes = |roles: &[VarRole]| -> usize {
-            variables.iter().filter(|v| roles.contains(&v.role)).map(VariableSpec::bytes).sum()
-        };
-        let parameter_bytes = role_bytes(&[VarRole::Parameter]);
-        let optimizer_state_bytes = role_bytes(&[VarRole::OptimizerState, VarRole::Counter]);
-        let naive: Vec<Interval> =
-            live.naive_values(graph).map(|bytes| Interval { bytes, start: 0, end: 0 }).collect();
-        let memory = MemoryFigures {
-            arena_bytes: self.placement.arena_bytes,
-            lower_bound_bytes: bound.bytes,
-            lower_bound_step: bound.step,
-            naive_bytes: planner::naive_bytes(&naive, align),
-            parameter_bytes,
-            optimizer_state_bytes,
-            io_bytes: io_top,
-            persistent_bytes: parameter_bytes + optimizer_state_bytes + io_top,
-            algorithm: self.placement.algorithm.clone(),
-            tried: self.placement.tried.clone(),
-        };
-        let device = graph.node_ids().map(|n| graph.node(n).device).find(|_| true).unwrap_or_default();
-        debug_assert!(steps.iter().all(|s| s.op.class() != OpClass::View));
+        let devices: Vec<DevicePlan> = self
+            .arenas
+            .iter()
+            .enumerate()
+            .map(|(d, a)| {
+                let bound = planner::lower_bound(&a.intervals, align);
+                let role_bytes = |roles: &[VarRole]| -> usize {
+                    variables
+                        .iter()
+                        .filter(|v| v.device == d && roles.contains(&v.role))
+                        .map(VariableSpec::bytes)
+                        .sum()
+                };
+                let parameter_bytes = role_bytes(&[VarRole::Parameter]);
+                let optimizer_state_bytes = role_bytes(&[VarRole::OptimizerState, VarRole::Counter]);
+                let naive: Vec<Interval> = live
+                    .naive_values(graph)
+                    .filter(|(n, _)| graph.node(*n).device == a.spec.id)
+                    .map(|(_, bytes)| Interval { bytes, start: 0, end: 0 })
+                    .collect();
+                DevicePlan {
+                    device: a.spec.id,
+                    name: a.spec.name.clone(),
+                    memory_limit: a.spec.memory_limit,
+                    memory: MemoryFigures {
+                        arena_bytes: a.placement.arena_bytes,
+                        lower_bound_bytes: bound.bytes,
+                        lower_bound_step: bound.step,
+                        naive_bytes: planner::naive_bytes(&naive, align),
+                        parameter_bytes,
+                        optimizer_state_bytes,
+                        io_bytes: io_top[d],
+                        persistent_bytes: parameter_bytes + optimizer_state_bytes + io_top[d],
+                        algorithm: a.placement.algorithm.clone(),
+                        tried: a.placement.tried.clone(),
+                    },
+                }
+            })
+            .collect();
+        let memory = total(&devices);
         Plan {
             name: graph.name().to_string(),
-            device,
             alignment: align,
+            devices,
             buffers,
             values,
             steps,
@@ -141,4 +176,31 @@ impl Lowering<'_> {
             memory,
         }
     }
+}
+
+/// The sum of the devices' figures (the lower bound too: each device's peak is its own).
+fn total(devices: &[DevicePlan]) -> MemoryFigures {
+    let mut m = MemoryFigures::default();
+    for d in devices {
+        let x = &d.memory;
+        m.arena_bytes += x.arena_bytes;
+        m.lower_bound_bytes += x.lower_bound_bytes;
+        m.naive_bytes += x.naive_bytes;
+        m.parameter_bytes += x.parameter_bytes;
+        m.optimizer_state_bytes += x.optimizer_state_bytes;
+        m.io_bytes += x.io_bytes;
+        m.persistent_bytes += x.persistent_bytes;
+    }
+    if let [one] = devices {
+        m.lower_bound_step = one.memory.lower_bound_step;
+        m.algorithm = one.memory.algorithm.clone();
+        m.tried = one.memory.tried.clone();
+    } else {
+        m.algorithm = devices
+            .iter()
+            .map(|d| format!("{}: {}", d.name, d.memory.algorithm))
+            .collect::<Vec<_>>()
+            .join(", ");
+    }
+    m
 }

@@ -94,12 +94,15 @@ impl Optimizer {
             Optimizer::Sgd(o) => {
                 let op = Op::ApplySgd { lr: o.learning_rate, momentum: o.momentum, nesterov: o.nesterov };
                 for (var, key, grad) in updates {
-                    let effect = if o.momentum != 0.0 {
-                        let velocity = state(key, "velocity", var.shape());
-                        var.record(op.clone(), &[var, grad, &velocity])
-                    } else {
-                        var.record(op.clone(), &[var, grad])
-                    };
+                    // State and update live on the variable's device.
+                    let effect = tracer.on_device(var.device(), || {
+                        if o.momentum != 0.0 {
+                            let velocity = state(key, "velocity", var.shape());
+                            var.record(op.clone(), &[var, grad, &velocity])
+                        } else {
+                            var.record(op.clone(), &[var, grad])
+                        }
+                    });
                     effects.push(effect);
                 }
             }
@@ -118,8 +121,10 @@ impl Optimizer {
                     epsilon: o.epsilon,
                 };
                 for (var, key, grad) in updates {
-                    let (m, v) = (state(key, "m", var.shape()), state(key, "v", var.shape()));
-                    effects.push(var.record(op.clone(), &[var, grad, &m, &v, &iterations]));
+                    effects.push(tracer.on_device(var.device(), || {
+                        let (m, v) = (state(key, "m", var.shape()), state(key, "v", var.shape()));
+                        var.record(op.clone(), &[var, grad, &m, &v, &iterations])
+                    }));
                 }
                 effects.push(iterations.record(Op::AssignAdd { value: 1.0 }, &[&iterations]));
             }

@@ -1,9 +1,11 @@
 //! The compiler's output: plain, serialisable data that a backend executes without re-planning.
 //!
-//! A plan names every buffer's storage (an offset in the device's one arena, an offset in the
-//! io region for inputs and outputs, or a persistent variable), every value's buffer and shape,
-//! and the ordered steps (op, operand values, output value). Its `memory` figures are computed
-//! from the plan itself; DESIGN.md defines them.
+//! A plan names every buffer's storage (an offset in its device's one arena, an offset in that
+//! device's io region for inputs and outputs, or a persistent variable), every value's buffer and
+//! shape, and the ordered steps (op, operand values, output value, device). A plan may span several
+//! devices: each has its own arena, io region and figures in `devices`; `memory` sums them. (Steps
+//! of different devices interleave in one order, so the per-device parts live in one plan rather
+//! than one plan per device.) Every figure is computed from the plan itself; DESIGN.md defines them.
 
 use crate::ir::{DType, DeviceId, Init, Op, Shape, VarRole};
 use serde::{Deserialize, Serialize};
@@ -12,23 +14,34 @@ use std::fmt::Write;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub name: String,
-    pub device: DeviceId,
     pub alignment: usize,
+    /// The devices the plan uses, each with its own arena; storage refers to them by index.
+    pub devices: Vec<DevicePlan>,
     pub buffers: Vec<Buffer>,
     pub values: Vec<Value>,
     pub steps: Vec<Step>,
     pub variables: Vec<VariableSpec>,
     pub inputs: Vec<Binding>,
     pub outputs: Vec<Binding>,
+    /// Totals over the devices.
+    pub memory: MemoryFigures,
+}
+
+/// One device's part of a plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DevicePlan {
+    pub device: DeviceId,
+    pub name: String,
+    pub memory_limit: Option<usize>,
     pub memory: MemoryFigures,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Storage {
-    /// `offset` bytes into the device's arena.
-    Arena { offset: usize },
-    /// `offset` bytes into the plan's io region (inputs and outputs).
-    Io { offset: usize },
+    /// `offset` bytes into the arena of `plan.devices[device]`.
+    Arena { device: usize, offset: usize },
+    /// `offset` bytes into the io region (inputs and outputs) of `plan.devices[device]`.
+    Io { device: usize, offset: usize },
     /// The persistent variable `plan.variables[index]`.
     Variable { index: usize },
 }
@@ -42,6 +55,8 @@ pub struct Buffer {
     pub last_step: usize,
     /// The op (and name) whose value first occupies the buffer.
     pub label: String,
+    /// The user's source line that traced that op, when known.
+    pub origin: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -60,6 +75,8 @@ pub struct Step {
     pub output: Option<usize>,
     /// Whether the output shares an operand's buffer.
     pub in_place: bool,
+    /// Index into `plan.devices`.
+    pub device: usize,
     pub label: String,
     /// The user's source line that traced the op, when known.
     pub origin: Option<String>,
@@ -68,6 +85,8 @@ pub struct Step {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VariableSpec {
     pub key: String,
+    /// Index into `plan.devices`.
+    pub device: usize,
     pub shape: Shape,
     pub dtype: DType,
     pub role: VarRole,
@@ -130,29 +149,35 @@ impl Plan {
     /// A readable listing of the plan (snapshot-tested): figures, variables, then one line a step
     /// with where its output lives and for how long.
     pub fn render(&self) -> String {
-        let m = &self.memory;
         let mut s = String::new();
-        let _ = writeln!(s, "plan {:?} on device {}: {} steps", self.name, self.device.0, self.steps.len());
-        let _ = writeln!(
-            s,
-            "  arena {} B (lower bound {} B at step {}, naive {} B, {}), io {} B, parameters {} B, optimizer state {} B",
-            m.arena_bytes,
-            m.lower_bound_bytes,
-            m.lower_bound_step,
-            m.naive_bytes,
-            m.algorithm,
-            m.io_bytes,
-            m.parameter_bytes,
-            m.optimizer_state_bytes
-        );
+        let names: Vec<&str> = self.devices.iter().map(|d| d.name.as_str()).collect();
+        let _ = writeln!(s, "plan {:?} on {}: {} steps", self.name, names.join(", "), self.steps.len());
+        for d in &self.devices {
+            let m = &d.memory;
+            let _ = writeln!(
+                s,
+                "  {}: arena {} B (lower bound {} B at step {}, naive {} B, {}), io {} B, parameters {} B, optimizer state {} B",
+                d.name,
+                m.arena_bytes,
+                m.lower_bound_bytes,
+                m.lower_bound_step,
+                m.naive_bytes,
+                m.algorithm,
+                m.io_bytes,
+                m.parameter_bytes,
+                m.optimizer_state_bytes
+            );
+        }
+        let multi = self.devices.len() > 1;
         for v in &self.variables {
             let _ = writeln!(s, "  var {} : {}{} ({:?})", v.key, v.dtype, v.shape, v.role);
         }
         let value = |i: usize| {
             let v = &self.values[i];
+            let dev = |d: usize| if multi { format!("{}:", self.devices[d].name) } else { String::new() };
             let where_ = match self.buffers[v.buffer].storage {
-                Storage::Arena { offset } => format!("arena@{offset}"),
-                Storage::Io { offset } => format!("io@{offset}"),
+                Storage::Arena { device, offset } => format!("{}arena@{offset}", dev(device)),
+                Storage::Io { device, offset } => format!("{}io@{offset}", dev(device)),
                 Storage::Variable { index } => format!("var {}", self.variables[index].key),
             };
             format!("{}{} {where_}", v.dtype, v.shape)

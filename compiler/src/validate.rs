@@ -7,8 +7,15 @@ use crate::plan::{Plan, Storage};
 use crate::planner::{self, Interval, Placement};
 
 pub fn validate(plan: &Plan) -> Result<(), String> {
+    for d in 0..plan.devices.len() {
+        validate_arena(plan, d)?;
+    }
+    validate_steps(plan)
+}
+
+fn validate_arena(plan: &Plan, device: usize) -> Result<(), String> {
     let arena: Vec<usize> = (0..plan.buffers.len())
-        .filter(|&b| matches!(plan.buffers[b].storage, Storage::Arena { .. }))
+        .filter(|&b| matches!(plan.buffers[b].storage, Storage::Arena { device: d, .. } if d == device))
         .collect();
     let intervals: Vec<Interval> = arena
         .iter()
@@ -20,31 +27,37 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
     let offsets = arena
         .iter()
         .map(|&b| match plan.buffers[b].storage {
-            Storage::Arena { offset } => offset,
+            Storage::Arena { offset, .. } => offset,
             _ => unreachable!("filtered to arena buffers"),
         })
         .collect();
+    let figures = &plan.devices[device].memory;
     let placement = Placement {
         offsets,
-        arena_bytes: plan.memory.arena_bytes,
-        algorithm: plan.memory.algorithm.clone(),
+        arena_bytes: figures.arena_bytes,
+        algorithm: figures.algorithm.clone(),
         tried: vec![],
     };
     planner::verify(&intervals, &placement, plan.alignment)?;
 
     let mut io_end = 0;
     for buf in &plan.buffers {
-        if let Storage::Io { offset } = buf.storage {
+        if let Storage::Io { device: d, offset } = buf.storage
+            && d == device
+        {
             if !offset.is_multiple_of(plan.alignment) {
                 return Err(format!("io buffer {} is not aligned", buf.label));
             }
             io_end = io_end.max(offset + buf.bytes);
         }
     }
-    if io_end > plan.memory.io_bytes {
-        return Err(format!("io buffers end at {io_end} past the io region of {}", plan.memory.io_bytes));
+    if io_end > figures.io_bytes {
+        return Err(format!("io buffers end at {io_end} past the io region of {}", figures.io_bytes));
     }
+    Ok(())
+}
 
+fn validate_steps(plan: &Plan) -> Result<(), String> {
     let mut written = vec![false; plan.buffers.len()];
     let mut first_update: Vec<Option<usize>> = vec![None; plan.variables.len()];
     let mut last_read: Vec<Option<usize>> = vec![None; plan.variables.len()];
@@ -53,6 +66,16 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
         for (i, &v) in step.inputs.iter().enumerate() {
             let b = plan.values[v].buffer;
             let buf = &plan.buffers[b];
+            let device = match buf.storage {
+                Storage::Arena { device, .. } | Storage::Io { device, .. } => device,
+                Storage::Variable { index } => plan.variables[index].device,
+            };
+            if device != step.device {
+                return Err(format!(
+                    "step {s} ({}) on one device reads {} on another",
+                    step.label, buf.label
+                ));
+            }
             match buf.storage {
                 Storage::Arena { .. } => {
                     if !(buf.first_step <= s && s <= buf.last_step) {

@@ -45,16 +45,18 @@ pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, V
         let operands = tracer.with_graph(|gr| gr.operands(n));
         let ins: Vec<Tensor> = operands.iter().map(|&o| tracer.tensor(o)).collect();
         let out = tracer.tensor(n);
-        let op = tracer.with_graph(|gr| gr.node(n).op.clone());
-        let contributions = rules::vjp(&op, &ins, &out, &g)?;
+        let (op, device) = tracer.with_graph(|gr| (gr.node(n).op.clone(), gr.node(n).device));
+        // The backward of an op runs on the op's device.
+        let contributions = tracer.on_device(device, || rules::vjp(&op, &ins, &out, &g))?;
         for ((&o, t), c) in operands.iter().zip(&ins).zip(contributions) {
             let Some(c) = c else { continue };
             if !relevant.contains(&o) {
                 continue;
             }
             debug_assert_eq!(c.shape(), t.shape(), "gradient of {} operand", op.name());
+            // Contributions are summed where the value they belong to lives.
             let total = match grads.remove(&o) {
-                Some(prev) => &prev + &c,
+                Some(prev) => tracer.on_device(t.device(), || &prev + &c),
                 None => c,
             };
             grads.insert(o, total);

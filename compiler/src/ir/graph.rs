@@ -204,6 +204,19 @@ impl Graph {
         }
     }
 
+    /// Makes operand `index` of `node` read `new` instead.
+    pub fn replace_operand(&mut self, node: NodeId, index: usize, new: NodeId) {
+        let edge = self
+            .g
+            .edges_directed(node, Direction::Incoming)
+            .find(|e| *e.weight() == Edge::Operand(index as u32))
+            .map(|e| e.id());
+        if let Some(e) = edge {
+            self.g.remove_edge(e);
+            self.g.add_edge(new, node, Edge::Operand(index as u32));
+        }
+    }
+
     pub fn remove(&mut self, id: NodeId) -> Option<Node> {
         self.outputs.retain(|(_, o)| *o != id);
         self.g.remove_node(id)

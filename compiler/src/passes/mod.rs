@@ -5,12 +5,14 @@ mod cse;
 mod dce;
 mod effects;
 mod outputs;
+mod transfers;
 mod verify;
 
 pub use cse::CommonSubexpressions;
 pub use dce::DeadCode;
 pub use effects::OrderEffects;
 pub use outputs::MaterializeOutputs;
+pub use transfers::InsertTransfers;
 pub use verify::Verify;
 
 use crate::error::Result;
@@ -45,12 +47,14 @@ impl Pipeline {
     }
 }
 
-/// verify, CSE, dead-code elimination, output copies, effect ordering, verify again.
+/// verify, CSE, dead-code elimination, cross-device copies, output copies, effect ordering,
+/// verify again.
 pub fn default_pipeline() -> Pipeline {
     Pipeline::new()
         .with(Verify)
         .with(CommonSubexpressions)
         .with(DeadCode)
+        .with(InsertTransfers)
         .with(MaterializeOutputs)
         .with(OrderEffects)
         .with(Verify)

@@ -286,6 +286,11 @@ impl Tensor {
         self.dtype
     }
 
+    /// The device the tensor's op is placed on (the default device for a poisoned tensor).
+    pub fn device(&self) -> DeviceId {
+        self.id.map(|id| self.state.borrow().graph.node(id).device).unwrap_or_default()
+    }
+
     /// The node this tensor refers to; `None` when an earlier mistake poisoned it.
     pub fn id(&self) -> Option<NodeId> {
         self.id

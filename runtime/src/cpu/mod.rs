@@ -1,4 +1,5 @@
-//! The CPU backend: each plan's arena and io region are host buffers allocated once at `load`;
+//! The CPU backend: each plan's arenas and io regions (one per device of the plan: logical CPU
+//! devices each get their own) are host buffers allocated once at `load`;
 //! every step's kernel is prepared once and runs on base + offset pointers. Kernels use rayon
 //! for work large enough to split.
 
@@ -15,8 +16,8 @@ use kiln_kernels::cpu::{self, CpuKernel};
 /// Where a value lives, resolved once at load.
 #[derive(Clone, Copy, Debug)]
 enum Loc {
-    Arena(usize),
-    Io(usize),
+    Arena(usize, usize),
+    Io(usize, usize),
     Var(usize),
 }
 
@@ -28,8 +29,8 @@ struct BoundStep {
 
 struct Program {
     plan: Plan,
-    arena: HostBuffer,
-    io: HostBuffer,
+    arenas: Vec<HostBuffer>,
+    ios: Vec<HostBuffer>,
     steps: Vec<BoundStep>,
     /// Reused operand-pointer list: no allocation per step.
     scratch: Vec<*mut u8>,
@@ -78,10 +79,10 @@ impl CpuBackend {
             .collect()
     }
 
-    /// Bytes of host memory the program's arena and io region hold.
+    /// Bytes of host memory the program's arenas and io regions hold.
     pub fn program_bytes(&self, program: ProgramId) -> (usize, usize) {
         let p = &self.programs[program];
-        (p.arena.len(), p.io.len())
+        (p.arenas.iter().map(HostBuffer::len).sum(), p.ios.iter().map(HostBuffer::len).sum())
     }
 }
 
@@ -95,8 +96,8 @@ fn ptr(p: &Program, store: &VariableStore, loc: Loc) -> *mut u8 {
     // SAFETY (of the adds): offsets come from the plan, whose buffers lie inside the arena and
     // io region allocated with the plan's sizes.
     match loc {
-        Loc::Arena(o) => unsafe { p.arena.as_mut_ptr().add(o) },
-        Loc::Io(o) => unsafe { p.io.as_mut_ptr().add(o) },
+        Loc::Arena(d, o) => unsafe { p.arenas[d].as_mut_ptr().add(o) },
+        Loc::Io(d, o) => unsafe { p.ios[d].as_mut_ptr().add(o) },
         Loc::Var(slot) => store.ptr(slot),
     }
 }
@@ -109,8 +110,8 @@ impl Backend for CpuBackend {
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
         let slots: Vec<usize> = plan.variables.iter().map(|v| self.store.ensure(v)).collect::<Result<_>>()?;
         let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
-            Storage::Arena { offset } => Loc::Arena(offset),
-            Storage::Io { offset } => Loc::Io(offset),
+            Storage::Arena { device, offset } => Loc::Arena(device, offset),
+            Storage::Io { device, offset } => Loc::Io(device, offset),
             Storage::Variable { index } => Loc::Var(slots[index]),
         };
         let mut steps = Vec::with_capacity(plan.steps.len());
@@ -131,9 +132,9 @@ impl Backend for CpuBackend {
             });
         }
         let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
-        let arena = HostBuffer::zeroed(plan.memory.arena_bytes);
-        let io = HostBuffer::zeroed(plan.memory.io_bytes);
-        self.programs.push(Program { plan, arena, io, steps, scratch: Vec::with_capacity(max_operands) });
+        let arenas = plan.devices.iter().map(|d| HostBuffer::zeroed(d.memory.arena_bytes)).collect();
+        let ios = plan.devices.iter().map(|d| HostBuffer::zeroed(d.memory.io_bytes)).collect();
+        self.programs.push(Program { plan, arenas, ios, steps, scratch: Vec::with_capacity(max_operands) });
         Ok(self.programs.len() - 1)
     }
 
@@ -144,13 +145,13 @@ impl Backend for CpuBackend {
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
         let p = &mut self.programs[program];
         let value = check_input(&p.plan, name, shape, data.len())?;
-        let Storage::Io { offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
+        let Storage::Io { device, offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
             return Err(RuntimeError::invalid(
                 format!("input `{name}` is not in the io region"),
                 "recompile",
             ));
         };
-        p.io.f32s_mut(offset, data.len()).copy_from_slice(data);
+        p.ios[device].f32s_mut(offset, data.len()).copy_from_slice(data);
         Ok(())
     }
 
@@ -177,13 +178,13 @@ impl Backend for CpuBackend {
             return Err(RuntimeError::invalid(format!("plan {:?} has no output `{name}`", p.plan.name), ""));
         };
         let v = p.plan.value(b.value);
-        let Storage::Io { offset } = p.plan.buffers[v.buffer].storage else {
+        let Storage::Io { device, offset } = p.plan.buffers[v.buffer].storage else {
             return Err(RuntimeError::invalid(
                 format!("output `{name}` is not in the io region"),
                 "recompile",
             ));
         };
-        HostTensor::new(v.shape.clone(), p.io.f32s(offset, v.shape.numel()).to_vec())
+        HostTensor::new(v.shape.clone(), p.ios[device].f32s(offset, v.shape.numel()).to_vec())
     }
 
     fn read_variable(&self, key: &str) -> Result<HostTensor> {

@@ -32,9 +32,9 @@ struct BoundLaunch {
 
 struct Program {
     plan: Plan,
-    /// Held for the launches, which point into it.
-    _arena: CudaSlice<u8>,
-    io: CudaSlice<u8>,
+    /// One arena per device of the plan (logical devices of this GPU), held for the launches.
+    _arenas: Vec<CudaSlice<u8>>,
+    ios: Vec<CudaSlice<u8>>,
     launches: Vec<BoundLaunch>,
 }
 
@@ -209,13 +209,16 @@ impl Backend for CudaBackend {
         let kernels = plan_kernels(&plan)?;
         let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
         let ptx = self.compiler.compile_all(&sources)?;
-        let arena = self.alloc(plan.memory.arena_bytes)?;
-        let io = self.alloc(plan.memory.io_bytes)?;
-        let (arena_base, io_base) = (self.ptr(&arena), self.ptr(&io));
+        let arenas: Vec<CudaSlice<u8>> =
+            plan.devices.iter().map(|d| self.alloc(d.memory.arena_bytes)).collect::<Result<_>>()?;
+        let ios: Vec<CudaSlice<u8>> =
+            plan.devices.iter().map(|d| self.alloc(d.memory.io_bytes)).collect::<Result<_>>()?;
+        let arena_base: Vec<u64> = arenas.iter().map(|a| self.ptr(a)).collect();
+        let io_base: Vec<u64> = ios.iter().map(|a| self.ptr(a)).collect();
         let address = |value: usize| -> u64 {
             match plan.buffers[plan.values[value].buffer].storage {
-                Storage::Arena { offset } => arena_base + offset as u64,
-                Storage::Io { offset } => io_base + offset as u64,
+                Storage::Arena { device, offset } => arena_base[device] + offset as u64,
+                Storage::Io { device, offset } => io_base[device] + offset as u64,
                 Storage::Variable { index } => var_ptrs[index],
             }
         };
@@ -248,7 +251,7 @@ impl Backend for CudaBackend {
                 launches.push(BoundLaunch { function, config, args });
             }
         }
-        self.programs.push(Program { plan, _arena: arena, io, launches });
+        self.programs.push(Program { plan, _arenas: arenas, ios, launches });
         Ok(self.programs.len() - 1)
     }
 
@@ -259,14 +262,14 @@ impl Backend for CudaBackend {
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
         let p = &mut self.programs[program];
         let value = check_input(&p.plan, name, shape, data.len())?;
-        let Storage::Io { offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
+        let Storage::Io { device, offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
             return Err(RuntimeError::invalid(
                 format!("input `{name}` is not in the io region"),
                 "recompile",
             ));
         };
         let bytes = bytemuck::cast_slice::<f32, u8>(data);
-        let mut view = p.io.slice_mut(offset..offset + bytes.len());
+        let mut view = p.ios[device].slice_mut(offset..offset + bytes.len());
         self.stream.memcpy_htod(bytes, &mut view).map_err(driver("copying an input to the device"))
     }
 
@@ -291,14 +294,14 @@ impl Backend for CudaBackend {
             return Err(RuntimeError::invalid(format!("plan {:?} has no output `{name}`", p.plan.name), ""));
         };
         let v = p.plan.value(b.value);
-        let Storage::Io { offset } = p.plan.buffers[v.buffer].storage else {
+        let Storage::Io { device, offset } = p.plan.buffers[v.buffer].storage else {
             return Err(RuntimeError::invalid(
                 format!("output `{name}` is not in the io region"),
                 "recompile",
             ));
         };
         let mut host = vec![0f32; v.shape.numel()];
-        let view = p.io.slice(offset..offset + host.len() * 4);
+        let view = p.ios[device].slice(offset..offset + host.len() * 4);
         self.stream
             .memcpy_dtoh(&view, bytemuck::cast_slice_mut::<f32, u8>(&mut host))
             .map_err(driver("copying an output to the host"))?;

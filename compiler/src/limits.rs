@@ -1,0 +1,112 @@
+//! Memory limits, checked at compile time: a plan that does not fit a device's limit is an error
+//! that names the device, its limit, what the plan needs (persistent + arena, and the lower
+//! bound), the step where memory peaks with the largest tensors live there, and what would
+//! help. A plan that compiles never runs out of memory at run time.
+
+use crate::device::human_bytes;
+use crate::plan::{Plan, Storage};
+use std::fmt;
+
+/// What a plan needs on one device and why it does not fit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutOfMemory {
+    pub plan: String,
+    pub device: String,
+    pub limit: usize,
+    pub needed: usize,
+    pub arena: usize,
+    pub lower_bound: usize,
+    pub parameters: usize,
+    pub optimizer_state: usize,
+    pub io: usize,
+    pub peak_step: usize,
+    pub steps: usize,
+    /// The op running at the peak step, with its source line.
+    pub peak_op: String,
+    /// The largest tensors live at the peak step: (bytes, op and name, source line).
+    pub largest: Vec<(usize, String, Option<String>)>,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "out of memory on device {}: plan {:?} needs {} but the limit is {}",
+            self.device,
+            self.plan,
+            human_bytes(self.needed),
+            human_bytes(self.limit)
+        )?;
+        writeln!(
+            f,
+            "  needs: arena {} (lower bound {}) + persistent {} (parameters {}, optimizer state {}, inputs and outputs {})",
+            human_bytes(self.arena),
+            human_bytes(self.lower_bound),
+            human_bytes(self.parameters + self.optimizer_state + self.io),
+            human_bytes(self.parameters),
+            human_bytes(self.optimizer_state),
+            human_bytes(self.io)
+        )?;
+        writeln!(f, "  memory peaks at step {} of {}: {}", self.peak_step, self.steps, self.peak_op)?;
+        writeln!(f, "  largest tensors live there:")?;
+        for (bytes, label, origin) in &self.largest {
+            match origin {
+                Some(o) => writeln!(f, "    {:>12}  {label} ({o})", human_bytes(*bytes))?,
+                None => writeln!(f, "    {:>12}  {label}", human_bytes(*bytes))?,
+            }
+        }
+        let over = self.needed - self.limit;
+        write!(
+            f,
+            "  help: {} more is needed. Reduce the batch size (activations grow with it), place some layers on \
+             another device (`Tracer::on_device`, or `kiln::placement::split_sequential` to split a Sequential \
+             model), or raise this device's memory limit",
+            human_bytes(over)
+        )
+    }
+}
+
+/// The first device of `plan` whose limit the plan exceeds, with the details.
+pub fn check(plan: &Plan) -> Result<(), Box<OutOfMemory>> {
+    for (d, dev) in plan.devices.iter().enumerate() {
+        let Some(limit) = dev.memory_limit else { continue };
+        let m = &dev.memory;
+        let needed = m.persistent_bytes + m.arena_bytes;
+        if needed <= limit {
+            continue;
+        }
+        let step = m.lower_bound_step;
+        let mut largest: Vec<(usize, String, Option<String>)> = plan
+            .buffers
+            .iter()
+            .filter(|b| {
+                matches!(b.storage, Storage::Arena { device, .. } if device == d)
+                    && b.first_step <= step
+                    && step <= b.last_step
+            })
+            .map(|b| (b.bytes, b.label.clone(), b.origin.clone()))
+            .collect();
+        largest.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        largest.truncate(5);
+        let peak_op = plan.steps.get(step).map_or_else(String::new, |s| match &s.origin {
+            Some(o) => format!("{} ({o})", s.label),
+            None => s.label.clone(),
+        });
+        return Err(Box::new(OutOfMemory {
+            plan: plan.name.clone(),
+            device: dev.name.clone(),
+            limit,
+            needed,
+            arena: m.arena_bytes,
+            lower_bound: m.lower_bound_bytes,
+            parameters: m.parameter_bytes,
+            optimizer_state: m.optimizer_state_bytes,
+            io: m.io_bytes,
+            peak_step: step,
+            steps: plan.steps.len(),
+            peak_op,
+            largest,
+        }));
+    }
+    Ok(())
+}
