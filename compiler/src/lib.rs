@@ -23,6 +23,7 @@ pub mod lower;
 pub mod nn;
 pub mod optim;
 pub mod passes;
+pub mod placement;
 pub mod plan;
 pub mod planner;
 pub mod schedule;

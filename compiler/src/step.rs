@@ -39,13 +39,16 @@ pub fn train_step_graph(
 ) -> Result<Graph> {
     let t = Tracer::new(format!("train{x_shape}"));
     let x = t.input("x", x_shape.clone());
-    let y = t.input("y", y_shape.clone());
     let pred = model.forward(&x);
+    // Targets, loss and metrics live where the model's output is computed.
+    let previous = t.set_device(pred.device());
+    let y = t.input("y", y_shape.clone());
     let loss = cfg.loss.apply(&pred, &y);
     t.output("loss", &loss);
     for m in &cfg.metrics {
         t.output(m.name(), &m.apply(&pred, &y));
     }
+    t.set_device(previous);
     let graph = t.finish()?;
 
     let loss = graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;

@@ -70,7 +70,8 @@ fn validate_steps(plan: &Plan) -> Result<(), String> {
                 Storage::Arena { device, .. } | Storage::Io { device, .. } => device,
                 Storage::Variable { index } => plan.variables[index].device,
             };
-            if device != step.device {
+            // Copies are the transfers between devices: the only steps that read another device.
+            if device != step.device && !matches!(step.op, crate::ir::Op::Copy) {
                 return Err(format!(
                     "step {s} ({}) on one device reads {} on another",
                     step.label, buf.label

@@ -60,3 +60,42 @@ impl Drop for HostBuffer {
         }
     }
 }
+
+/// Host memory handed to a plan or a variable: an allocation of its own, or a piece of a
+/// device's preallocated pool (which outlives it: both belong to the same backend).
+pub enum HostMem {
+    Owned(HostBuffer),
+    Pooled { ptr: NonNull<u8>, len: usize },
+}
+
+// SAFETY: as for HostBuffer; a pooled piece is exclusively this owner's part of the pool.
+unsafe impl Send for HostMem {}
+unsafe impl Sync for HostMem {}
+
+impl HostMem {
+    pub fn len(&self) -> usize {
+        match self {
+            HostMem::Owned(b) => b.len(),
+            HostMem::Pooled { len, .. } => *len,
+        }
+    }
+
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        match self {
+            HostMem::Owned(b) => b.as_mut_ptr(),
+            HostMem::Pooled { ptr, .. } => ptr.as_ptr(),
+        }
+    }
+
+    pub fn f32s(&self, offset: usize, count: usize) -> &[f32] {
+        assert!(offset.is_multiple_of(4) && offset + count * 4 <= self.len(), "f32 view inside the memory");
+        // SAFETY: in bounds (checked), aligned (pool pieces are 256-aligned), zero-initialised.
+        unsafe { std::slice::from_raw_parts(self.as_mut_ptr().add(offset) as *const f32, count) }
+    }
+
+    pub fn f32s_mut(&mut self, offset: usize, count: usize) -> &mut [f32] {
+        assert!(offset.is_multiple_of(4) && offset + count * 4 <= self.len(), "f32 view inside the memory");
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr().add(offset) as *mut f32, count) }
+    }
+}

@@ -2,7 +2,7 @@
 //! plan loaded on it: plans compiled for another batch size find the same variables by key.
 
 use crate::error::{Result, RuntimeError};
-use crate::host_buffer::HostBuffer;
+use crate::host_buffer::HostMem;
 use crate::init::initial_values;
 use crate::tensor::HostTensor;
 use kiln_compiler::ir::VarRole;
@@ -11,10 +11,10 @@ use std::collections::HashMap;
 
 struct Slot {
     spec: VariableSpec,
-    data: HostBuffer,
+    data: HostMem,
 }
 
-/// Variables in host memory, each its own allocation, made once when first declared.
+/// Variables in host memory, each taken once (from its device's budget) when first declared.
 pub struct VariableStore {
     seed: u64,
     slots: Vec<Slot>,
@@ -26,8 +26,12 @@ impl VariableStore {
         VariableStore { seed, slots: Vec::new(), index: HashMap::new() }
     }
 
-    /// The slot of `spec`'s variable, created and initialised on first sight.
-    pub fn ensure(&mut self, spec: &VariableSpec) -> Result<usize> {
+    /// The slot of `spec`'s variable, created in memory from `take` and initialised on first sight.
+    pub fn ensure(
+        &mut self,
+        spec: &VariableSpec,
+        take: impl FnOnce(usize) -> Result<HostMem>,
+    ) -> Result<usize> {
         if let Some(&i) = self.index.get(&spec.key) {
             let existing = &self.slots[i].spec;
             if existing.shape != spec.shape || existing.dtype != spec.dtype {
@@ -40,7 +44,7 @@ impl VariableStore {
             }
             return Ok(i);
         }
-        let mut data = HostBuffer::zeroed(spec.bytes());
+        let mut data = take(spec.bytes())?;
         let values = initial_values(spec.init, &spec.shape, self.seed, &spec.key);
         data.f32s_mut(0, values.len()).copy_from_slice(&values);
         self.index.insert(spec.key.clone(), self.slots.len());

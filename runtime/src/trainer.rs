@@ -77,6 +77,16 @@ impl Trainer {
         }
     }
 
+    /// Compiles with these options: the devices (with their memory limits) plans may use.
+    pub fn with_options(mut self, options: CompileOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    pub fn options(&self) -> &CompileOptions {
+        &self.options
+    }
+
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
     }

@@ -74,3 +74,9 @@ impl Layer for Sequential {
         "sequential"
     }
 }
+
+impl AsRef<Sequential> for Sequential {
+    fn as_ref(&self) -> &Sequential {
+        self
+    }
+}

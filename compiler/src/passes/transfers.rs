@@ -51,11 +51,6 @@ impl Pass for InsertTransfers {
                 graph.replace_operand(n, i, copy);
             }
         }
-        debug_assert!(
-            graph
-                .node_ids()
-                .all(|n| graph.operands(n).iter().all(|&o| graph.node(o).device == graph.node(n).device))
-        );
         Ok(())
     }
 }

@@ -146,6 +146,11 @@ impl Tracer {
         r
     }
 
+    /// Places every op recorded from now on `device`; returns the previous device.
+    pub fn set_device(&self, device: DeviceId) -> DeviceId {
+        std::mem::replace(&mut self.state.borrow_mut().device, device)
+    }
+
     /// Runs `f` with every op it records placed on `device`.
     pub fn on_device<R>(&self, device: DeviceId, f: impl FnOnce() -> R) -> R {
         let prev = std::mem::replace(&mut self.state.borrow_mut().device, device);

@@ -1,19 +1,22 @@
-//! The CPU backend: each plan's arenas and io regions (one per device of the plan: logical CPU
-//! devices each get their own) are host buffers allocated once at `load`;
-//! every step's kernel is prepared once and runs on base + offset pointers. Kernels use rayon
-//! for work large enough to split.
+//! The CPU backend. Each device of a plan (logical CPU devices each get their own) has a memory
+//! budget: with growth, a plan's arena is allocated when the plan first runs and its io region
+//! and variables when it is loaded, each exactly sized; with preallocation, all of them are
+//! carved from one region taken when the backend starts. Every step's kernel is prepared once at
+//! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
 use crate::backend::{Backend, ProgramId, check_input};
 use crate::error::{Result, RuntimeError};
-use crate::host_buffer::HostBuffer;
+use crate::host_buffer::{HostBuffer, HostMem};
+use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::VariableStore;
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
 use kiln_compiler::ir::{OpClass, Shape};
 use kiln_compiler::plan::Storage;
 use kiln_kernels::cpu::{self, CpuKernel};
+use std::ptr::NonNull;
 
-/// Where a value lives, resolved once at load.
+/// Where a value lives, resolved once at load: (plan device, offset) or a variable slot.
 #[derive(Clone, Copy, Debug)]
 enum Loc {
     Arena(usize, usize),
@@ -29,30 +32,82 @@ struct BoundStep {
 
 struct Program {
     plan: Plan,
-    arenas: Vec<HostBuffer>,
-    ios: Vec<HostBuffer>,
+    /// The backend device of each plan device.
+    devices: Vec<usize>,
+    /// One arena per plan device; `None` until the first run under the growth policy.
+    arenas: Vec<Option<HostMem>>,
+    ios: Vec<HostMem>,
     steps: Vec<BoundStep>,
     /// Reused operand-pointer list: no allocation per step.
     scratch: Vec<*mut u8>,
 }
 
+/// One host device's memory: its budget and, when preallocating, the pool.
+struct HostDevice {
+    account: Account,
+    pool: Option<HostBuffer>,
+}
+
+impl HostDevice {
+    fn new(budget: DeviceBudget, tracker: Tracker) -> Self {
+        let pool = budget.pool_bytes().map(HostBuffer::zeroed);
+        HostDevice { account: Account::new(budget, tracker), pool }
+    }
+
+    fn take(&mut self, bytes: usize, purpose: Purpose) -> Result<HostMem> {
+        match (self.account.claim(bytes, purpose)?, &self.pool) {
+            (Some(offset), Some(pool)) => {
+                // SAFETY: the account keeps offset + bytes inside the pool.
+                let ptr = unsafe { pool.as_mut_ptr().add(offset) };
+                Ok(HostMem::Pooled { ptr: NonNull::new(ptr).expect("pool pointer"), len: bytes })
+            }
+            _ => Ok(HostMem::Owned(HostBuffer::zeroed(bytes))),
+        }
+    }
+}
+
 pub struct CpuBackend {
     store: VariableStore,
+    devices: Vec<HostDevice>,
+    tracker: Tracker,
     programs: Vec<Program>,
 }
 
 impl CpuBackend {
+    /// A backend whose devices grow without limit.
     pub fn new(seed: u64) -> Self {
-        CpuBackend { store: VariableStore::new(seed), programs: Vec::new() }
+        Self::with_budgets(seed, vec![], Tracker::default())
+    }
+
+    /// A backend for devices with these budgets (plans may use any of them by name; a device
+    /// name no budget mentions grows without limit), reporting to `tracker`.
+    pub fn with_budgets(seed: u64, budgets: Vec<DeviceBudget>, tracker: Tracker) -> Self {
+        let devices = budgets.into_iter().map(|b| HostDevice::new(b, tracker.clone())).collect();
+        CpuBackend { store: VariableStore::new(seed), devices, tracker, programs: Vec::new() }
     }
 
     pub fn store(&self) -> &VariableStore {
         &self.store
     }
 
+    pub fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    fn device(&mut self, name: &str) -> usize {
+        match self.devices.iter().position(|d| d.account.budget.name == name) {
+            Some(i) => i,
+            None => {
+                self.devices.push(HostDevice::new(DeviceBudget::unlimited(name), self.tracker.clone()));
+                self.devices.len() - 1
+            }
+        }
+    }
+
     /// Runs the program `runs` times and returns each step's kernel description and median time
     /// in nanoseconds, in step order.
-    pub fn profile(&mut self, program: ProgramId, runs: usize) -> Vec<(String, u64)> {
+    pub fn profile(&mut self, program: ProgramId, runs: usize) -> Result<Vec<(String, u64)>> {
+        self.ensure_arenas(program)?;
         let store = &self.store;
         let p = &mut self.programs[program];
         let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
@@ -69,20 +124,34 @@ impl CpuBackend {
             }
         }
         p.scratch = scratch;
-        p.steps
+        Ok(p.steps
             .iter()
             .zip(times)
             .map(|(s, mut t)| {
                 t.sort_unstable();
                 (s.kernel.describe(), t.get(t.len() / 2).copied().unwrap_or(0))
             })
-            .collect()
+            .collect())
     }
 
-    /// Bytes of host memory the program's arenas and io regions hold.
+    /// Bytes of host memory the program's arenas and io regions hold (arenas not yet allocated
+    /// under growth count 0).
     pub fn program_bytes(&self, program: ProgramId) -> (usize, usize) {
         let p = &self.programs[program];
-        (p.arenas.iter().map(HostBuffer::len).sum(), p.ios.iter().map(HostBuffer::len).sum())
+        (p.arenas.iter().flatten().map(HostMem::len).sum(), p.ios.iter().map(HostMem::len).sum())
+    }
+
+    /// Allocates the program's arenas if this is its first run (growth policy).
+    fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
+        for d in 0..self.programs[program].arenas.len() {
+            if self.programs[program].arenas[d].is_none() {
+                let bytes = self.programs[program].plan.devices[d].memory.arena_bytes;
+                let device = self.programs[program].devices[d];
+                let mem = self.devices[device].take(bytes, Purpose::Arena)?;
+                self.programs[program].arenas[d] = Some(mem);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -96,7 +165,9 @@ fn ptr(p: &Program, store: &VariableStore, loc: Loc) -> *mut u8 {
     // SAFETY (of the adds): offsets come from the plan, whose buffers lie inside the arena and
     // io region allocated with the plan's sizes.
     match loc {
-        Loc::Arena(d, o) => unsafe { p.arenas[d].as_mut_ptr().add(o) },
+        Loc::Arena(d, o) => unsafe {
+            p.arenas[d].as_ref().expect("arenas allocated before running").as_mut_ptr().add(o)
+        },
         Loc::Io(d, o) => unsafe { p.ios[d].as_mut_ptr().add(o) },
         Loc::Var(slot) => store.ptr(slot),
     }
@@ -108,7 +179,12 @@ impl Backend for CpuBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
-        let slots: Vec<usize> = plan.variables.iter().map(|v| self.store.ensure(v)).collect::<Result<_>>()?;
+        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
+        let mut slots = Vec::with_capacity(plan.variables.len());
+        for v in &plan.variables {
+            let device = &mut self.devices[devices[v.device]];
+            slots.push(self.store.ensure(v, |bytes| device.take(bytes, Purpose::Variable))?);
+        }
         let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
             Storage::Arena { device, offset } => Loc::Arena(device, offset),
             Storage::Io { device, offset } => Loc::Io(device, offset),
@@ -132,9 +208,25 @@ impl Backend for CpuBackend {
             });
         }
         let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
-        let arenas = plan.devices.iter().map(|d| HostBuffer::zeroed(d.memory.arena_bytes)).collect();
-        let ios = plan.devices.iter().map(|d| HostBuffer::zeroed(d.memory.io_bytes)).collect();
-        self.programs.push(Program { plan, arenas, ios, steps, scratch: Vec::with_capacity(max_operands) });
+        let mut ios = Vec::with_capacity(plan.devices.len());
+        let mut arenas = Vec::with_capacity(plan.devices.len());
+        for (d, dev) in plan.devices.iter().enumerate() {
+            let device = &mut self.devices[devices[d]];
+            ios.push(device.take(dev.memory.io_bytes, Purpose::Io)?);
+            // Growth: the arena waits for the first run. Preallocation: carved now.
+            arenas.push(match device.pool {
+                Some(_) => Some(device.take(dev.memory.arena_bytes, Purpose::Arena)?),
+                None => None,
+            });
+        }
+        self.programs.push(Program {
+            plan,
+            devices,
+            arenas,
+            ios,
+            steps,
+            scratch: Vec::with_capacity(max_operands),
+        });
         Ok(self.programs.len() - 1)
     }
 
@@ -156,6 +248,7 @@ impl Backend for CpuBackend {
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
+        self.ensure_arenas(program)?;
         let store = &self.store;
         let p = &mut self.programs[program];
         let mut scratch = std::mem::take(&mut p.scratch);

@@ -1,14 +1,17 @@
-//! The CUDA backend: per plan, one arena allocation and one io allocation made at `load`;
-//! variables allocated once when first declared; every step's kernels generated per shape,
-//! compiled by NVRTC (cached) and launched on base + offset pointers, all on one stream. A
-//! training step allocates nothing: `device_allocations` counts every allocation this backend
-//! ever made, so a test can check that it does not move while steps run.
+//! The CUDA backend. Each device of a plan (logical devices of this GPU each get their own) has
+//! a memory budget: with growth, a plan's arena is one `cuMemAlloc` made when the plan first
+//! runs, its io region and variables allocations made at load; with preallocation, all of them
+//! are carved from one region allocated when the backend starts. Every step's kernels are
+//! generated per shape, compiled by NVRTC (cached) and launched on base + offset pointers, all on
+//! one stream. A training step allocates nothing: `device_allocations` counts every allocation
+//! this backend ever made, so a test can check that it does not move while steps run.
 
 use super::nvrtc::{CompileStats, NvrtcCompiler};
 use super::probe::{self, DeviceInfo};
 use crate::backend::{Backend, ProgramId, check_input};
 use crate::error::{Result, RuntimeError};
 use crate::init::initial_values;
+use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::tensor::HostTensor;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -24,23 +27,46 @@ fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + 
     move |e| RuntimeError::Cuda(format!("{what}: {e:?}"))
 }
 
+/// Device memory: an allocation of its own, or a piece of a preallocated pool.
+struct DeviceMem {
+    ptr: u64,
+    _owned: Option<CudaSlice<u8>>,
+}
+
+/// Where a kernel argument points, resolved to an address once the arenas exist.
+#[derive(Clone, Copy)]
+enum Loc {
+    Arena(usize, u64),
+    Io(usize, u64),
+    Var(u64),
+}
+
 struct BoundLaunch {
     function: CudaFunction,
     config: LaunchConfig,
+    locs: Vec<Loc>,
     args: Vec<u64>,
 }
 
 struct Program {
     plan: Plan,
-    /// One arena per device of the plan (logical devices of this GPU), held for the launches.
-    _arenas: Vec<CudaSlice<u8>>,
-    ios: Vec<CudaSlice<u8>>,
+    /// The backend device of each plan device.
+    devices: Vec<usize>,
+    /// One arena per plan device; `None` until the first run under the growth policy.
+    arenas: Vec<Option<DeviceMem>>,
+    ios: Vec<DeviceMem>,
     launches: Vec<BoundLaunch>,
+    bound: bool,
 }
 
 struct Variable {
     spec: VariableSpec,
-    data: CudaSlice<u8>,
+    data: DeviceMem,
+}
+
+struct GpuDevice {
+    account: Account,
+    pool: Option<DeviceMem>,
 }
 
 pub struct CudaBackend {
@@ -49,6 +75,8 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     compiler: Arc<NvrtcCompiler>,
     seed: u64,
+    devices: Vec<GpuDevice>,
+    tracker: Tracker,
     variables: HashMap<String, Variable>,
     programs: Vec<Program>,
     modules: HashMap<String, Arc<CudaModule>>,
@@ -75,8 +103,18 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
 }
 
 impl CudaBackend {
-    /// The backend of CUDA device `ordinal`, or why there is none.
+    /// The backend of CUDA device `ordinal` with growing, unlimited memory, or why there is none.
     pub fn new(ordinal: usize, seed: u64) -> Result<Self> {
+        Self::with_budgets(ordinal, seed, vec![], Tracker::default())
+    }
+
+    /// The backend of CUDA device `ordinal` whose (logical) devices have these budgets.
+    pub fn with_budgets(
+        ordinal: usize,
+        seed: u64,
+        budgets: Vec<DeviceBudget>,
+        tracker: Tracker,
+    ) -> Result<Self> {
         let found = probe::probe();
         found.usable().map_err(RuntimeError::Cuda)?;
         let devices = found.devices.map_err(RuntimeError::Cuda)?;
@@ -90,18 +128,43 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let compiler = Arc::new(NvrtcCompiler::new(info.compute_capability)?);
-        Ok(CudaBackend {
+        let mut backend = CudaBackend {
             info,
             ctx,
             stream,
             compiler,
             seed,
+            devices: Vec::new(),
+            tracker,
             variables: HashMap::new(),
             programs: Vec::new(),
             modules: HashMap::new(),
             device_allocations: 0,
             device_allocated_bytes: 0,
-        })
+        };
+        for b in budgets {
+            backend.add_device(b)?;
+        }
+        Ok(backend)
+    }
+
+    fn add_device(&mut self, budget: DeviceBudget) -> Result<usize> {
+        let pool = match budget.pool_bytes() {
+            Some(bytes) => Some(self.alloc(bytes)?),
+            None => None,
+        };
+        self.devices.push(GpuDevice { account: Account::new(budget, self.tracker.clone()), pool });
+        Ok(self.devices.len() - 1)
+    }
+
+    fn device(&mut self, name: &str) -> Result<usize> {
+        match self.devices.iter().position(|d| d.account.budget.name == name) {
+            Some(i) => Ok(i),
+            None => self.add_device(DeviceBudget {
+                capacity: self.info.total_bytes,
+                ..DeviceBudget::unlimited(name)
+            }),
+        }
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -130,24 +193,43 @@ impl CudaBackend {
         &self.ctx
     }
 
+    /// The NVRTC compiler and its caches, shared with the eager executor.
+    pub fn compiler(&self) -> &Arc<NvrtcCompiler> {
+        &self.compiler
+    }
+
+    /// "cuda:0".
+    pub fn describe_short(&self) -> String {
+        format!("cuda:{}", self.info.ordinal)
+    }
+
     /// Kernel launches per run of `program`.
     pub fn launches(&self, program: ProgramId) -> usize {
         self.programs[program].launches.len()
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<CudaSlice<u8>> {
+    /// One real device allocation (`cuMemAlloc`), counted.
+    fn alloc(&mut self, bytes: usize) -> Result<DeviceMem> {
         let slice = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver("cuMemAlloc"))?;
         self.device_allocations += 1;
         self.device_allocated_bytes += bytes.max(1);
-        Ok(slice)
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            ptr
+        };
+        Ok(DeviceMem { ptr, _owned: Some(slice) })
     }
 
-    fn ptr(&self, slice: &CudaSlice<u8>) -> u64 {
-        let (p, _sync) = slice.device_ptr(&self.stream);
-        p
+    /// Memory for `purpose` on backend device `device`, under its budget.
+    fn take(&mut self, device: usize, bytes: usize, purpose: Purpose) -> Result<DeviceMem> {
+        let offset = self.devices[device].account.claim(bytes, purpose)?;
+        match (offset, &self.devices[device].pool) {
+            (Some(offset), Some(pool)) => Ok(DeviceMem { ptr: pool.ptr + offset as u64, _owned: None }),
+            _ => self.alloc(bytes),
+        }
     }
 
-    fn ensure_variable(&mut self, spec: &VariableSpec) -> Result<u64> {
+    fn ensure_variable(&mut self, spec: &VariableSpec, device: usize) -> Result<u64> {
         if let Some(v) = self.variables.get(&spec.key) {
             if v.spec.shape != spec.shape || v.spec.dtype != spec.dtype {
                 return Err(RuntimeError::VariableShape {
@@ -157,26 +239,32 @@ impl CudaBackend {
                     help: "a variable keeps its shape across plans".into(),
                 });
             }
-            return Ok(self.ptr(&v.data));
+            return Ok(v.data.ptr);
         }
-        let mut data = self.alloc(spec.bytes())?;
+        let data = self.take(device, spec.bytes(), Purpose::Variable)?;
         let values = initial_values(spec.init, &spec.shape, self.seed, &spec.key);
-        self.stream
-            .memcpy_htod(bytemuck::cast_slice::<f32, u8>(&values), &mut data)
-            .map_err(driver("copying a variable"))?;
-        let p = self.ptr(&data);
+        self.htod(data.ptr, &values)?;
+        let p = data.ptr;
         self.variables.insert(spec.key.clone(), Variable { spec: spec.clone(), data });
         Ok(p)
     }
 
-    /// "cuda:0".
-    pub fn describe_short(&self) -> String {
-        format!("cuda:{}", self.info.ordinal)
+    fn htod(&self, dst: u64, data: &[f32]) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
+        // SAFETY: `dst` addresses at least data.len() f32s of device memory this backend holds.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
+            .map_err(driver("copying to the device"))
     }
 
-    /// The NVRTC compiler and its caches, shared with the eager executor.
-    pub fn compiler(&self) -> &Arc<NvrtcCompiler> {
-        &self.compiler
+    fn dtoh(&self, src: u64, n: usize) -> Result<Vec<f32>> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
+        let mut host = vec![0f32; n];
+        // SAFETY: `src` addresses at least n f32s of device memory this backend holds.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, src) }
+            .map_err(driver("copying to the host"))?;
+        Ok(host)
     }
 
     fn module(&mut self, key: &str, ptx: &str) -> Result<Arc<CudaModule>> {
@@ -189,6 +277,46 @@ impl CudaBackend {
             .map_err(driver("loading a compiled kernel (cuModuleLoadData)"))?;
         self.modules.insert(key.to_string(), m.clone());
         Ok(m)
+    }
+
+    /// Allocates the program's arenas if this is its first run (growth) and resolves every launch
+    /// argument to an address.
+    fn bind(&mut self, program: ProgramId) -> Result<()> {
+        if self.programs[program].bound {
+            return Ok(());
+        }
+        for d in 0..self.programs[program].arenas.len() {
+            if self.programs[program].arenas[d].is_none() {
+                let bytes = self.programs[program].plan.devices[d].memory.arena_bytes;
+                let device = self.programs[program].devices[d];
+                let mem = self.take(device, bytes, Purpose::Arena)?;
+                self.programs[program].arenas[d] = Some(mem);
+            }
+        }
+        let p = &mut self.programs[program];
+        let arena: Vec<u64> = p.arenas.iter().map(|a| a.as_ref().map_or(0, |m| m.ptr)).collect();
+        let io: Vec<u64> = p.ios.iter().map(|m| m.ptr).collect();
+        for l in &mut p.launches {
+            l.args = l
+                .locs
+                .iter()
+                .map(|loc| match *loc {
+                    Loc::Arena(d, off) => arena[d] + off,
+                    Loc::Io(d, off) => io[d] + off,
+                    Loc::Var(ptr) => ptr,
+                })
+                .collect();
+        }
+        p.bound = true;
+        Ok(())
+    }
+
+    fn io_address(&self, program: ProgramId, value: usize, what: &str) -> Result<u64> {
+        let p = &self.programs[program];
+        match p.plan.buffers[p.plan.values[value].buffer].storage {
+            Storage::Io { device, offset } => Ok(p.ios[device].ptr + offset as u64),
+            _ => Err(RuntimeError::invalid(format!("{what} is not in the io region"), "recompile")),
+        }
     }
 }
 
@@ -204,22 +332,30 @@ impl Backend for CudaBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
-        let var_ptrs: Vec<u64> =
-            plan.variables.iter().map(|v| self.ensure_variable(v)).collect::<Result<_>>()?;
+        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
+        let var_ptrs: Vec<u64> = plan
+            .variables
+            .iter()
+            .map(|v| self.ensure_variable(v, devices[v.device]))
+            .collect::<Result<_>>()?;
         let kernels = plan_kernels(&plan)?;
         let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
         let ptx = self.compiler.compile_all(&sources)?;
-        let arenas: Vec<CudaSlice<u8>> =
-            plan.devices.iter().map(|d| self.alloc(d.memory.arena_bytes)).collect::<Result<_>>()?;
-        let ios: Vec<CudaSlice<u8>> =
-            plan.devices.iter().map(|d| self.alloc(d.memory.io_bytes)).collect::<Result<_>>()?;
-        let arena_base: Vec<u64> = arenas.iter().map(|a| self.ptr(a)).collect();
-        let io_base: Vec<u64> = ios.iter().map(|a| self.ptr(a)).collect();
-        let address = |value: usize| -> u64 {
+        let mut ios = Vec::with_capacity(plan.devices.len());
+        let mut arenas = Vec::with_capacity(plan.devices.len());
+        for (d, dev) in plan.devices.iter().enumerate() {
+            ios.push(self.take(devices[d], dev.memory.io_bytes, Purpose::Io)?);
+            // Growth: the arena waits for the first run. Preallocation: carved now.
+            arenas.push(match self.devices[devices[d]].pool {
+                Some(_) => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
+                None => None,
+            });
+        }
+        let loc = |value: usize| -> Loc {
             match plan.buffers[plan.values[value].buffer].storage {
-                Storage::Arena { device, offset } => arena_base[device] + offset as u64,
-                Storage::Io { device, offset } => io_base[device] + offset as u64,
-                Storage::Variable { index } => var_ptrs[index],
+                Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
+                Storage::Io { device, offset } => Loc::Io(device, offset as u64),
+                Storage::Variable { index } => Loc::Var(var_ptrs[index]),
             }
         };
         let mut launches = Vec::new();
@@ -230,28 +366,28 @@ impl Backend for CudaBackend {
                 let function = module
                     .load_function(&l.function)
                     .map_err(driver(&format!("finding kernel function `{}`", l.function)))?;
-                let args = l
+                let locs = l
                     .args
                     .iter()
                     .map(|a| match a {
-                        Arg::Input(i) => Ok(address(step.inputs[*i])),
-                        Arg::Output => step.output.map(address).ok_or_else(|| {
+                        Arg::Input(i) => Ok(loc(step.inputs[*i])),
+                        Arg::Output => step.output.map(loc).ok_or_else(|| {
                             RuntimeError::Cuda(format!(
                                 "kernel `{}` wants an output but `{}` has none",
                                 l.function, step.label
                             ))
                         }),
                     })
-                    .collect::<Result<Vec<u64>>>()?;
+                    .collect::<Result<Vec<Loc>>>()?;
                 let config = LaunchConfig {
                     grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
                     block_dim: (l.block[0], l.block[1], l.block[2]),
                     shared_mem_bytes: l.shared_bytes,
                 };
-                launches.push(BoundLaunch { function, config, args });
+                launches.push(BoundLaunch { function, config, locs, args: Vec::new() });
             }
         }
-        self.programs.push(Program { plan, _arenas: arenas, ios, launches });
+        self.programs.push(Program { plan, devices, arenas, ios, launches, bound: false });
         Ok(self.programs.len() - 1)
     }
 
@@ -260,29 +396,22 @@ impl Backend for CudaBackend {
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let p = &mut self.programs[program];
-        let value = check_input(&p.plan, name, shape, data.len())?;
-        let Storage::Io { device, offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
-            return Err(RuntimeError::invalid(
-                format!("input `{name}` is not in the io region"),
-                "recompile",
-            ));
-        };
-        let bytes = bytemuck::cast_slice::<f32, u8>(data);
-        let mut view = p.ios[device].slice_mut(offset..offset + bytes.len());
-        self.stream.memcpy_htod(bytes, &mut view).map_err(driver("copying an input to the device"))
+        let value = check_input(&self.programs[program].plan, name, shape, data.len())?;
+        let dst = self.io_address(program, value, &format!("input `{name}`"))?;
+        self.htod(dst, data)
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
+        self.bind(program)?;
         let p = &self.programs[program];
         for l in &p.launches {
             let mut builder = self.stream.launch_builder(&l.function);
             for a in &l.args {
                 builder.arg(a);
             }
-            // SAFETY: the arguments are device pointers into the plan's arena, io region and
-            // variables, allocated at load with the plan's sizes; the kernel was generated for
-            // exactly these shapes and argument order.
+            // SAFETY: the arguments are device pointers into the plan's arenas, io regions and
+            // variables, allocated with the plan's sizes; the kernel was generated for exactly
+            // these shapes and argument order.
             unsafe { builder.launch(l.config) }.map_err(driver("launching a kernel"))?;
         }
         Ok(())
@@ -294,19 +423,8 @@ impl Backend for CudaBackend {
             return Err(RuntimeError::invalid(format!("plan {:?} has no output `{name}`", p.plan.name), ""));
         };
         let v = p.plan.value(b.value);
-        let Storage::Io { device, offset } = p.plan.buffers[v.buffer].storage else {
-            return Err(RuntimeError::invalid(
-                format!("output `{name}` is not in the io region"),
-                "recompile",
-            ));
-        };
-        let mut host = vec![0f32; v.shape.numel()];
-        let view = p.ios[device].slice(offset..offset + host.len() * 4);
-        self.stream
-            .memcpy_dtoh(&view, bytemuck::cast_slice_mut::<f32, u8>(&mut host))
-            .map_err(driver("copying an output to the host"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
-        HostTensor::new(v.shape.clone(), host)
+        let src = self.io_address(program, b.value, &format!("output `{name}`"))?;
+        HostTensor::new(v.shape.clone(), self.dtoh(src, v.shape.numel())?)
     }
 
     fn read_variable(&self, key: &str) -> Result<HostTensor> {
@@ -314,18 +432,13 @@ impl Backend for CudaBackend {
             .variables
             .get(key)
             .ok_or_else(|| RuntimeError::invalid(format!("no variable `{key}`"), ""))?;
-        let mut host = vec![0f32; v.spec.shape.numel()];
-        self.stream
-            .memcpy_dtoh(&v.data.slice(0..host.len() * 4), bytemuck::cast_slice_mut::<f32, u8>(&mut host))
-            .map_err(driver("copying a variable to the host"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
-        HostTensor::new(v.spec.shape.clone(), host)
+        HostTensor::new(v.spec.shape.clone(), self.dtoh(v.data.ptr, v.spec.shape.numel())?)
     }
 
     fn write_variable(&mut self, key: &str, value: &HostTensor) -> Result<()> {
         let v = self
             .variables
-            .get_mut(key)
+            .get(key)
             .ok_or_else(|| RuntimeError::invalid(format!("no variable `{key}`"), ""))?;
         if value.shape() != &v.spec.shape {
             return Err(RuntimeError::VariableShape {
@@ -335,8 +448,6 @@ impl Backend for CudaBackend {
                 help: "write a tensor of the variable's shape".into(),
             });
         }
-        let bytes = bytemuck::cast_slice::<f32, u8>(value.data());
-        let mut view = v.data.slice_mut(0..bytes.len());
-        self.stream.memcpy_htod(bytes, &mut view).map_err(driver("copying a variable to the device"))
+        self.htod(v.data.ptr, value.data())
     }
 }

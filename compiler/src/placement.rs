@@ -1,0 +1,168 @@
+//! Placing a model on several devices.
+//!
+//! `Placed` runs contiguous ranges of a `Sequential` model's layers on given devices (the
+//! backward pass and the optimizer's updates follow their forward ops, and the compiler inserts
+//! the copies between devices). `split_sequential` finds such ranges automatically: given
+//! devices with memory limits, it gives each device, in order, as many layers as its plan can
+//! hold, measuring each candidate with the compiler itself — every figure is from a real plan.
+
+use crate::device::{DeviceSpec, human_bytes};
+use crate::error::{CompileError, Result};
+use crate::ir::{DeviceId, Shape};
+use crate::nn::{Layer, Sequential};
+use crate::plan::Plan;
+use crate::step::{TrainConfig, train_step_graph};
+use crate::trace::Tensor;
+use crate::{CompileOptions, compile};
+use std::ops::Range;
+
+/// A `Sequential` model (owned or borrowed) whose layer ranges run on the given devices.
+pub struct Placed<M: AsRef<Sequential>> {
+    pub model: M,
+    /// (device, layers), in layer order, covering every layer once.
+    pub ranges: Vec<(DeviceId, Range<usize>)>,
+}
+
+impl<M: AsRef<Sequential>> Placed<M> {
+    pub fn new(model: M, ranges: Vec<(DeviceId, Range<usize>)>) -> Self {
+        Placed { model, ranges }
+    }
+}
+
+impl<M: AsRef<Sequential>> Layer for Placed<M> {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let t = x.tracer();
+        let mut h = x.clone();
+        for (device, range) in &self.ranges {
+            h = t.on_device(*device, || self.model.as_ref().forward_range(&h, range.clone()));
+        }
+        h
+    }
+
+    fn kind(&self) -> &'static str {
+        "placed"
+    }
+}
+
+/// How a model was split, with the plan that proves it fits.
+#[derive(Clone, Debug)]
+pub struct Split {
+    /// (device name, layer range, layer scope names) in order.
+    pub ranges: Vec<(String, Range<usize>, Vec<String>)>,
+    /// The same ranges by device id, ready for `Placed`.
+    pub placement: Vec<(DeviceId, Range<usize>)>,
+    pub plan: Plan,
+}
+
+impl Split {
+    /// One line per device: its layers and what its plan holds against its limit.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        for (name, range, layers) in &self.ranges {
+            let dev = self.plan.devices.iter().find(|d| &d.name == name);
+            let (needed, limit) =
+                dev.map_or((0, None), |d| (d.memory.persistent_bytes + d.memory.arena_bytes, d.memory_limit));
+            s.push_str(&format!(
+                "{name}: layers {}..{} ({}) need {} of {}\n",
+                range.start,
+                range.end,
+                layers.join(", "),
+                human_bytes(needed),
+                limit.map_or("no limit".into(), human_bytes)
+            ));
+        }
+        s
+    }
+}
+
+/// Splits `model`'s layers over `devices` (in order, each a contiguous range) so that every
+/// device's share of the training step's plan fits its memory limit.
+pub fn split_sequential(
+    model: &Sequential,
+    x: &Shape,
+    y: &Shape,
+    cfg: &TrainConfig,
+    devices: &[DeviceSpec],
+    alignment: usize,
+) -> Result<Split> {
+    let layers = model.len();
+    if devices.is_empty() || layers == 0 {
+        return Err(CompileError::invalid("nothing to split", "give at least one device and one layer"));
+    }
+    let unlimited: Vec<DeviceSpec> =
+        devices.iter().map(|d| DeviceSpec { memory_limit: None, ..d.clone() }).collect();
+    let options = CompileOptions { alignment, devices: unlimited };
+    // The plan of a placement (limits not enforced: we read each device's needs).
+    let plan_of = |ranges: &[(DeviceId, Range<usize>)]| -> Result<Plan> {
+        let placed = Placed { model, ranges: ranges.to_vec() };
+        compile(train_step_graph(&placed, x, y, cfg)?, &options)
+    };
+    let needs = |plan: &Plan, d: &DeviceSpec| {
+        plan.devices
+            .iter()
+            .find(|p| p.device == d.id)
+            .map_or(0, |p| p.memory.persistent_bytes + p.memory.arena_bytes)
+    };
+    let mut ranges: Vec<(DeviceId, Range<usize>)> = Vec::new();
+    let mut start = 0;
+    for (i, d) in devices.iter().enumerate() {
+        if start == layers {
+            break;
+        }
+        let last = i + 1 == devices.len();
+        let mut end = if last { layers } else { start + 1 };
+        let fits = |end: usize, ranges: &[(DeviceId, Range<usize>)]| -> Result<bool> {
+            let mut trial = ranges.to_vec();
+            trial.push((d.id, start..end));
+            if end < layers {
+                // The rest goes to the next device for now; it does not change this device's needs.
+                trial.push((devices[i + 1].id, end..layers));
+            }
+            let plan = plan_of(&trial)?;
+            Ok(d.memory_limit.is_none_or(|limit| needs(&plan, d) <= limit))
+        };
+        if !fits(end, &ranges)? {
+            if last {
+                break;
+            }
+            // Not even one layer fits here: this device takes none.
+            continue;
+        }
+        while !last && end < layers && fits(end + 1, &ranges)? {
+            end += 1;
+        }
+        ranges.push((d.id, start..end));
+        start = end;
+    }
+    let names = model.scope_names();
+    let placed_all = start == layers && ranges.last().is_some_and(|r| r.1.end == layers);
+    // The final plan is compiled with the real limits: it is checked like any other.
+    let limited = CompileOptions { alignment, devices: devices.to_vec() };
+    let plan = placed_all
+        .then(|| compile(train_step_graph(&Placed { model, ranges: ranges.clone() }, x, y, cfg)?, &limited))
+        .transpose();
+    let plan = match plan {
+        Err(CompileError::OutOfMemory(_)) => None,
+        other => other?,
+    };
+    let Some(plan) = plan else {
+        let total: Vec<String> = devices
+            .iter()
+            .map(|d| format!("{} {}", d.name, d.memory_limit.map_or("unlimited".into(), human_bytes)))
+            .collect();
+        return Err(CompileError::invalid(
+            format!("the model's {layers} layers do not fit on {} even when split", total.join(", ")),
+            "reduce the batch size, add a device, or raise the limits",
+        ));
+    };
+    let placement = ranges.clone();
+    let ranges = ranges
+        .into_iter()
+        .map(|(id, r)| {
+            let name = devices.iter().find(|d| d.id == id).map_or_else(String::new, |d| d.name.clone());
+            let layers = names[r.clone()].to_vec();
+            (name, r, layers)
+        })
+        .collect();
+    Ok(Split { ranges, placement, plan })
+}

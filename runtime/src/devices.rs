@@ -1,0 +1,414 @@
+//! Devices and their memory policies, configured once — what TensorFlow's `tf.config` knobs do
+//! by hand (`set_memory_growth`, `memory_limit`, `set_logical_device_configuration`,
+//! `per_process_gpu_memory_fraction`), checked when the configuration is built and again when
+//! every plan compiles.
+//!
+//! A `DeviceConfig` lists the physical devices present and is consumed by `build`: the resulting
+//! `Devices` has no setters, so changing a policy after the devices are in use is impossible by
+//! construction. Physical devices may be split into logical devices, each with its own limit
+//! and its own arenas; logical devices are numbered per kind in order, as TensorFlow numbers
+//! them (`cpu:0`, `cpu:1`, ... `gpu:0`, `gpu:1`, ...).
+
+use crate::alloc::{Allocator, BfcAllocator, BfcOptions, HostSource};
+use crate::backend::Backend;
+use crate::cpu::CpuBackend;
+use crate::cuda::{self, CudaBackend, CudaSource};
+use crate::error::{Result, RuntimeError};
+use crate::memory::{DeviceBudget, MemoryInfo, Policy, Tracker};
+use kiln_compiler::device::{DeviceSpec, human_bytes};
+use kiln_compiler::{CompileOptions, ir::DeviceId};
+use std::fmt::Write;
+
+/// One mebibyte: TensorFlow's `memory_limit` unit.
+pub const MB: usize = 1 << 20;
+pub const GB: usize = 1 << 30;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Cpu,
+    Gpu,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhysicalDevice {
+    /// "cpu:0", "gpu:0", ...
+    pub name: String,
+    pub kind: Kind,
+    /// The CUDA ordinal for GPUs.
+    pub ordinal: usize,
+    pub total_bytes: usize,
+    pub description: String,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Settings {
+    growth: Option<bool>,
+    fraction: Option<f64>,
+    limit: Option<usize>,
+    logical: Option<Vec<usize>>,
+}
+
+/// The one configuration value: the physical devices present and their policies.
+#[derive(Clone, Debug)]
+pub struct DeviceConfig {
+    physical: Vec<PhysicalDevice>,
+    settings: Vec<Settings>,
+    errors: Vec<String>,
+}
+
+/// The machine's memory from /proc/meminfo (16 GiB where it cannot be read).
+fn host_memory() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(16 * GB, |kib| kib * 1024)
+}
+
+impl DeviceConfig {
+    /// The devices present: the CPU (with the machine's memory) and every CUDA device that works.
+    pub fn detect() -> Self {
+        let mut physical = vec![PhysicalDevice {
+            name: "cpu:0".into(),
+            kind: Kind::Cpu,
+            ordinal: 0,
+            total_bytes: host_memory(),
+            description: format!("host ({} threads)", rayon::current_num_threads()),
+        }];
+        let probe = cuda::probe();
+        if probe.nvrtc.is_ok()
+            && let Ok(gpus) = &probe.devices
+        {
+            for g in gpus {
+                physical.push(PhysicalDevice {
+                    name: format!("gpu:{}", g.ordinal),
+                    kind: Kind::Gpu,
+                    ordinal: g.ordinal,
+                    total_bytes: g.total_bytes,
+                    description: format!(
+                        "{} (sm_{}{})",
+                        g.name, g.compute_capability.0, g.compute_capability.1
+                    ),
+                });
+            }
+        }
+        Self::with_devices(physical)
+    }
+
+    /// Only a CPU, with `total_bytes` of memory (tests and examples that must not depend on the machine).
+    pub fn cpu(total_bytes: usize) -> Self {
+        Self::with_devices(vec![PhysicalDevice {
+            name: "cpu:0".into(),
+            kind: Kind::Cpu,
+            ordinal: 0,
+            total_bytes,
+            description: "host".into(),
+        }])
+    }
+
+    fn with_devices(physical: Vec<PhysicalDevice>) -> Self {
+        let settings = vec![Settings::default(); physical.len()];
+        DeviceConfig { physical, settings, errors: Vec::new() }
+    }
+
+    pub fn physical(&self) -> &[PhysicalDevice] {
+        &self.physical
+    }
+
+    /// Whether a GPU was found.
+    pub fn has_gpu(&self) -> bool {
+        self.physical.iter().any(|p| p.kind == Kind::Gpu)
+    }
+
+    fn settings(&mut self, device: &str) -> Option<&mut Settings> {
+        match self.physical.iter().position(|p| p.name == device) {
+            Some(i) => Some(&mut self.settings[i]),
+            None => {
+                let known: Vec<&str> = self.physical.iter().map(|p| p.name.as_str()).collect();
+                self.errors.push(format!("no physical device `{device}` (devices: {known:?})"));
+                None
+            }
+        }
+    }
+
+    /// Growth: memory taken when needed, exactly sized (TensorFlow's `set_memory_growth(True)`).
+    /// Off: the whole device (or its limit) is taken up front. Growth is the default.
+    pub fn set_memory_growth(mut self, device: &str, on: bool) -> Self {
+        if let Some(s) = self.settings(device) {
+            s.growth = Some(on);
+        }
+        self
+    }
+
+    /// Takes `fraction` of the device (or of its limit) up front and carves every arena from it
+    /// (TensorFlow's `per_process_gpu_memory_fraction`; JAX preallocates 0.75).
+    pub fn set_memory_fraction(mut self, device: &str, fraction: f64) -> Self {
+        if let Some(s) = self.settings(device) {
+            s.fraction = Some(fraction);
+        }
+        self
+    }
+
+    /// A hard limit in bytes on what kiln may hold on the device.
+    pub fn set_memory_limit(mut self, device: &str, bytes: usize) -> Self {
+        if let Some(s) = self.settings(device) {
+            s.limit = Some(bytes);
+        }
+        self
+    }
+
+    /// Splits the device into logical devices with these limits (TensorFlow's
+    /// `set_logical_device_configuration`), each with its own arenas.
+    pub fn set_logical_devices(mut self, device: &str, limits: &[usize]) -> Self {
+        if let Some(s) = self.settings(device) {
+            s.logical = Some(limits.to_vec());
+        }
+        self
+    }
+
+    /// Checks the configuration and makes the devices. Every mistake is reported at once.
+    pub fn build(self) -> Result<Devices> {
+        let mut errors = self.errors.clone();
+        let mut logical = Vec::new();
+        let mut count = [0usize; 2];
+        for (p, s) in self.physical.iter().zip(&self.settings) {
+            let policy = match (s.growth, s.fraction) {
+                (Some(true), Some(_)) => {
+                    errors.push(format!(
+                        "{}: memory growth and a preallocated fraction exclude each other; choose one",
+                        p.name
+                    ));
+                    Policy::Growth
+                }
+                (_, Some(f)) if !(f > 0.0 && f <= 1.0) => {
+                    errors.push(format!("{}: the memory fraction must be in (0, 1], got {f}", p.name));
+                    Policy::Growth
+                }
+                (_, Some(fraction)) => Policy::Preallocate { fraction },
+                (Some(false), None) => Policy::Preallocate { fraction: 1.0 },
+                (_, None) => Policy::Growth,
+            };
+            if let Some(l) = s.limit
+                && l > p.total_bytes
+            {
+                errors.push(format!(
+                    "{}: the memory limit {} exceeds the device's {}",
+                    p.name,
+                    human_bytes(l),
+                    human_bytes(p.total_bytes)
+                ));
+            }
+            let available = s.limit.unwrap_or(p.total_bytes);
+            let kind = p.kind as usize;
+            let shares: Vec<Option<usize>> = match &s.logical {
+                Some(limits) => {
+                    let sum: usize = limits.iter().sum();
+                    if limits.is_empty() || limits.contains(&0) {
+                        errors.push(format!("{}: logical devices need positive memory limits", p.name));
+                    } else if sum > available {
+                        errors.push(format!(
+                            "{}: the logical devices' limits add up to {}, more than the {} available",
+                            p.name,
+                            human_bytes(sum),
+                            human_bytes(available)
+                        ));
+                    }
+                    limits.iter().map(|&l| Some(l)).collect()
+                }
+                None => vec![s.limit],
+            };
+            for share in shares {
+                let prefix = if p.kind == Kind::Cpu { "cpu" } else { "gpu" };
+                let name = format!("{prefix}:{}", count[kind]);
+                count[kind] += 1;
+                logical.push(LogicalDevice {
+                    name: name.clone(),
+                    physical: p.name.clone(),
+                    kind: p.kind,
+                    ordinal: p.ordinal,
+                    budget: DeviceBudget {
+                        name,
+                        policy,
+                        limit: share,
+                        capacity: share.unwrap_or(p.total_bytes),
+                    },
+                });
+            }
+        }
+        if !errors.is_empty() {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "the device configuration has {} mistake(s):\n  {}",
+                    errors.len(),
+                    errors.join("\n  ")
+                ),
+                "fix them in the DeviceConfig before build(); policies cannot change once the devices exist",
+            ));
+        }
+        Ok(Devices { physical: self.physical, logical, tracker: Tracker::default() })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogicalDevice {
+    /// "cpu:0", "gpu:1", ...: numbered per kind over all physical devices.
+    pub name: String,
+    pub physical: String,
+    pub kind: Kind,
+    pub ordinal: usize,
+    pub budget: DeviceBudget,
+}
+
+impl LogicalDevice {
+    /// What plans on this device must fit: its limit, the preallocated region, or the device.
+    pub fn plan_limit(&self) -> usize {
+        self.budget.pool_bytes().unwrap_or(self.budget.available())
+    }
+}
+
+/// One device's statistics: what kiln's plans and variables hold, and for a GPU the driver's view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemoryInfo {
+    pub planned: MemoryInfo,
+    /// (free, total) bytes from the driver (what nvidia-smi shows), for GPUs.
+    pub driver: Option<(usize, usize)>,
+}
+
+/// The configured devices: read-only once built.
+pub struct Devices {
+    physical: Vec<PhysicalDevice>,
+    logical: Vec<LogicalDevice>,
+    tracker: Tracker,
+}
+
+impl Devices {
+    pub fn physical(&self) -> &[PhysicalDevice] {
+        &self.physical
+    }
+
+    pub fn logical(&self) -> &[LogicalDevice] {
+        &self.logical
+    }
+
+    pub fn get(&self, name: &str) -> Result<&LogicalDevice> {
+        self.logical.iter().find(|d| d.name == name).ok_or_else(|| {
+            let known: Vec<&str> = self.logical.iter().map(|d| d.name.as_str()).collect();
+            RuntimeError::invalid(format!("no logical device `{name}`"), format!("the devices are {known:?}"))
+        })
+    }
+
+    /// The first GPU if there is one, else the CPU.
+    pub fn best(&self) -> &LogicalDevice {
+        self.logical.iter().find(|d| d.kind == Kind::Gpu).unwrap_or(&self.logical[0])
+    }
+
+    /// Compile options for plans on `names`: device `i` of the plan is `names[i]`, with the
+    /// limit plans there must fit.
+    pub fn compile_options(&self, names: &[&str]) -> Result<CompileOptions> {
+        let devices = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let d = self.get(n)?;
+                Ok(DeviceSpec {
+                    id: DeviceId(i as u32),
+                    name: d.name.clone(),
+                    memory_limit: Some(d.plan_limit()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CompileOptions::default().with_devices(devices))
+    }
+
+    /// A backend for plans on `names`: logical devices of the CPU, or of one GPU.
+    pub fn backend(&self, names: &[&str], seed: u64) -> Result<Box<dyn Backend>> {
+        let devices: Vec<&LogicalDevice> = names.iter().map(|n| self.get(n)).collect::<Result<_>>()?;
+        let Some(first) = devices.first() else {
+            return Err(RuntimeError::invalid("no device named", "name at least one logical device"));
+        };
+        if devices.iter().any(|d| d.physical != first.physical) {
+            return Err(RuntimeError::invalid(
+                format!("{names:?} are on different physical devices"),
+                "one backend runs the logical devices of one physical device; split across the logical devices of one CPU or one GPU",
+            ));
+        }
+        let budgets: Vec<DeviceBudget> = devices.iter().map(|d| d.budget.clone()).collect();
+        Ok(match first.kind {
+            Kind::Cpu => Box::new(CpuBackend::with_budgets(seed, budgets, self.tracker.clone())),
+            Kind::Gpu => {
+                Box::new(CudaBackend::with_budgets(first.ordinal, seed, budgets, self.tracker.clone())?)
+            }
+        })
+    }
+
+    /// An eager allocator for `name` following its policy: TensorFlow's BFC with allow_growth
+    /// under growth, one region of the preallocated size otherwise; capped by the device's limit.
+    pub fn eager_allocator(&self, name: &str) -> Result<Box<dyn Allocator>> {
+        let d = self.get(name)?;
+        let limit = d.budget.available();
+        let opts = match d.budget.pool_bytes() {
+            Some(pool) => BfcOptions::preallocate(pool),
+            None => BfcOptions::growth(limit),
+        }
+        .named(d.name.clone());
+        Ok(match d.kind {
+            Kind::Cpu => Box::new(BfcAllocator::with_options(HostSource::new(), opts)),
+            Kind::Gpu => {
+                let backend = CudaBackend::new(d.ordinal, 0)?;
+                Box::new(BfcAllocator::with_options(CudaSource::new(&backend), opts))
+            }
+        })
+    }
+
+    /// Current and peak bytes of `name` (TensorFlow's `get_memory_info`), and for a GPU the
+    /// driver's free and total memory.
+    pub fn memory_info(&self, name: &str) -> Result<DeviceMemoryInfo> {
+        let d = self.get(name)?;
+        let driver = match d.kind {
+            Kind::Cpu => None,
+            Kind::Gpu => cudarc::driver::CudaContext::new(d.ordinal).ok().and_then(|c| c.mem_get_info().ok()),
+        };
+        Ok(DeviceMemoryInfo { planned: self.tracker.info(name), driver })
+    }
+
+    /// Starts a new peak measurement on `name` (TensorFlow's `reset_memory_stats`).
+    pub fn reset_memory_stats(&self, name: &str) -> Result<()> {
+        self.get(name)?;
+        self.tracker.reset_peak(name);
+        Ok(())
+    }
+
+    /// The devices with their policies, limits and usage, as `kiln devices` prints them.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "physical devices:");
+        for p in &self.physical {
+            let _ = writeln!(s, "  {:<6} {:>12}  {}", p.name, human_bytes(p.total_bytes), p.description);
+        }
+        let _ = writeln!(s, "logical devices:");
+        let _ = writeln!(
+            s,
+            "  {:<6} {:<8} {:<16} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "name", "on", "policy", "limit", "arenas", "io", "variables", "current", "peak"
+        );
+        for d in &self.logical {
+            let m = self.tracker.info(&d.name);
+            let _ = writeln!(
+                s,
+                "  {:<6} {:<8} {:<16} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+                d.name,
+                d.physical,
+                d.budget.policy.describe(),
+                d.budget.limit.map_or("none".into(), human_bytes),
+                human_bytes(m.arenas),
+                human_bytes(m.io),
+                human_bytes(m.variables),
+                human_bytes(m.current),
+                human_bytes(m.peak)
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,182 @@
+//! Device memory policies and accounting, shared by the backends and `Devices`.
+//!
+//! - `Policy::Growth`: memory is taken when needed and exactly sized — a plan's arena when the
+//!   plan first runs, its io region and variables when it is loaded (eager pools grow on demand).
+//! - `Policy::Preallocate { fraction }`: one region of `fraction` of the device (or of its limit)
+//!   is taken up front — TensorFlow's `per_process_gpu_memory_fraction`, JAX's 75% default — and
+//!   every arena, io region and variable is carved from it.
+//!
+//! A limit caps what a device may hold. Plans are checked against it when they compile; the
+//! backends check again at load (several plans share a device) and never allocate past it.
+//! `Tracker` keeps each device's current and peak bytes for `Devices::memory_info`.
+
+use crate::error::{Result, RuntimeError};
+use kiln_compiler::device::human_bytes;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Policy {
+    Growth,
+    Preallocate { fraction: f64 },
+}
+
+impl Policy {
+    pub fn describe(&self) -> String {
+        match self {
+            Policy::Growth => "growth".into(),
+            Policy::Preallocate { fraction } => format!("preallocate {:.0}%", fraction * 100.0),
+        }
+    }
+}
+
+/// What a backend may take from one (logical) device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceBudget {
+    pub name: String,
+    pub policy: Policy,
+    /// The most the device may hold, if limited.
+    pub limit: Option<usize>,
+    /// The device's (or logical device's share of) memory.
+    pub capacity: usize,
+}
+
+impl DeviceBudget {
+    /// An unlimited, growing budget (a device nobody configured).
+    pub fn unlimited(name: &str) -> Self {
+        DeviceBudget { name: name.into(), policy: Policy::Growth, limit: None, capacity: usize::MAX }
+    }
+
+    /// The bytes available: the limit, else the capacity.
+    pub fn available(&self) -> usize {
+        self.limit.unwrap_or(self.capacity)
+    }
+
+    /// The region taken up front, for the preallocating policy.
+    pub fn pool_bytes(&self) -> Option<usize> {
+        match self.policy {
+            Policy::Growth => None,
+            Policy::Preallocate { fraction } => {
+                Some(((self.available() as f64 * fraction) as usize).div_ceil(256) * 256)
+            }
+        }
+    }
+}
+
+/// What the memory of a device is used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    Arena,
+    Io,
+    Variable,
+}
+
+/// One device's statistics (bytes), as TensorFlow's `get_memory_info` reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryInfo {
+    /// Bytes held for plans and variables now, and the most since the last reset.
+    pub current: usize,
+    pub peak: usize,
+    pub arenas: usize,
+    pub io: usize,
+    pub variables: usize,
+    /// Bytes taken from the device (the preallocated region, or the sum of allocations).
+    pub reserved: usize,
+}
+
+/// Per-device statistics shared by every backend of a `Devices`.
+#[derive(Clone, Debug, Default)]
+pub struct Tracker(Arc<Mutex<BTreeMap<String, MemoryInfo>>>);
+
+impl Tracker {
+    pub fn record(&self, device: &str, purpose: Purpose, bytes: usize, reserved: usize) {
+        let mut map = self.0.lock().expect("tracker lock");
+        let m = map.entry(device.to_string()).or_default();
+        match purpose {
+            Purpose::Arena => m.arenas += bytes,
+            Purpose::Io => m.io += bytes,
+            Purpose::Variable => m.variables += bytes,
+        }
+        m.current += bytes;
+        m.peak = m.peak.max(m.current);
+        m.reserved += reserved;
+    }
+
+    pub fn info(&self, device: &str) -> MemoryInfo {
+        self.0.lock().expect("tracker lock").get(device).copied().unwrap_or_default()
+    }
+
+    /// Starts a new peak measurement at the current figure.
+    pub fn reset_peak(&self, device: &str) {
+        if let Some(m) = self.0.lock().expect("tracker lock").get_mut(device) {
+            m.peak = m.current;
+        }
+    }
+}
+
+/// Bookkeeping of one device inside a backend: what it holds, under its budget.
+#[derive(Debug)]
+pub struct Account {
+    pub budget: DeviceBudget,
+    held: usize,
+    /// For the preallocating policy: the pool's size and how much of it is carved.
+    pool: Option<(usize, usize)>,
+    tracker: Tracker,
+}
+
+impl Account {
+    pub fn new(budget: DeviceBudget, tracker: Tracker) -> Self {
+        let pool = budget.pool_bytes().map(|b| (b, 0));
+        if let Some((bytes, _)) = pool {
+            tracker.record(&budget.name, Purpose::Arena, 0, bytes);
+        }
+        Account { budget, held: 0, pool, tracker }
+    }
+
+    /// Claims `bytes` for `purpose`: an error naming the device when the limit or the pool would
+    /// be exceeded. Returns the offset in the pool for the preallocating policy.
+    pub fn claim(&mut self, bytes: usize, purpose: Purpose) -> Result<Option<usize>> {
+        let bytes = bytes.div_ceil(256) * 256;
+        let limit = self.budget.available();
+        if self.held + bytes > limit {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "device {} cannot hold {} more: it holds {} of its {} limit",
+                    self.budget.name,
+                    human_bytes(bytes),
+                    human_bytes(self.held),
+                    human_bytes(limit)
+                ),
+                "load fewer plans on this device, use another device, or raise its limit",
+            ));
+        }
+        let offset = match &mut self.pool {
+            None => None,
+            Some((size, top)) => {
+                if *top + bytes > *size {
+                    return Err(RuntimeError::invalid(
+                        format!(
+                            "device {}: the preallocated {} region has {} left, {} needed",
+                            self.budget.name,
+                            human_bytes(*size),
+                            human_bytes(*size - *top),
+                            human_bytes(bytes)
+                        ),
+                        "preallocate a larger fraction, or use memory growth",
+                    ));
+                }
+                let at = *top;
+                *top += bytes;
+                Some(at)
+            }
+        };
+        self.held += bytes;
+        let reserved = if self.pool.is_some() { 0 } else { bytes };
+        self.tracker.record(&self.budget.name, purpose, bytes, reserved);
+        Ok(offset)
+    }
+
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
