@@ -20,6 +20,7 @@
 pub mod compare;
 pub mod device;
 mod error;
+pub mod examples;
 pub mod report;
 pub mod seed;
 pub mod svg;
@@ -38,9 +39,11 @@ pub mod prelude {
     pub use kiln_compiler::losses::{Loss, Metric};
     pub use kiln_compiler::nn::{Activation, Dense, Layer, Sequential};
     pub use kiln_compiler::optim::{Adam, Optimizer, Sgd};
+    pub use kiln_compiler::placement::{Placed, split_sequential};
     pub use kiln_compiler::step::TrainConfig;
     pub use kiln_compiler::trace::{Tensor, Tracer};
     pub use kiln_compiler::{CompileOptions, Plan, compile};
+    pub use kiln_runtime::devices::{DeviceConfig, Devices, GB, MB};
     pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};
 }
 

@@ -25,6 +25,24 @@ struct Cli {
 enum Command {
     /// Train the seed model and print the memory report (the default).
     Seed,
+    /// List the devices with their policies, limits, arenas and usage.
+    Devices {
+        /// A memory limit: DEVICE=SIZE (e.g. gpu:0=5000MB). Repeatable.
+        #[arg(long, value_name = "DEVICE=SIZE")]
+        limit: Vec<String>,
+        /// Memory growth on DEVICE. Repeatable.
+        #[arg(long, value_name = "DEVICE")]
+        growth: Vec<String>,
+        /// Preallocate a fraction of DEVICE: DEVICE=F (e.g. gpu:0=0.75). Repeatable.
+        #[arg(long, value_name = "DEVICE=F")]
+        fraction: Vec<String>,
+        /// Split DEVICE into logical devices: DEVICE=SIZE,SIZE,... (e.g. cpu:0=1GB,4GB,2GB). Repeatable.
+        #[arg(long, value_name = "DEVICE=SIZES")]
+        logical: Vec<String>,
+        /// Train the seed model on every logical device first, so the table shows arenas and usage.
+        #[arg(long)]
+        seed: bool,
+    },
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
         /// A zoo model: seed-mlp, mlp, cnn, transformer.
@@ -50,6 +68,9 @@ fn main() -> ExitCode {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
         Command::Memory { model, mode, batch, svg, steps } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
+        }
+        Command::Devices { limit, growth, fraction, logical, seed } => {
+            devices(&limit, &growth, &fraction, &logical, seed)
         }
     };
     match result {
@@ -82,6 +103,61 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, step
         std::fs::write(path, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
         println!("wrote {}", path.display());
     }
+    Ok(())
+}
+
+fn devices(
+    limit: &[String],
+    growth: &[String],
+    fraction: &[String],
+    logical: &[String],
+    seed: bool,
+) -> kiln::Result<()> {
+    use kiln::runtime::devices::{DeviceConfig, parse_bytes};
+    let pair = |s: &str| -> kiln::Result<(String, String)> {
+        s.split_once('=')
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .ok_or_else(|| invalid(format!("`{s}` is not DEVICE=VALUE"), "write e.g. gpu:0=5000MB".into()))
+    };
+    let mut config = DeviceConfig::detect();
+    for l in limit {
+        let (d, v) = pair(l)?;
+        config = config.set_memory_limit(&d, parse_bytes(&v)?);
+    }
+    for d in growth {
+        config = config.set_memory_growth(d, true);
+    }
+    for f in fraction {
+        let (d, v) = pair(f)?;
+        let f = v
+            .parse::<f64>()
+            .map_err(|_| invalid(format!("`{v}` is not a fraction"), "write e.g. 0.75".into()))?;
+        config = config.set_memory_fraction(&d, f);
+    }
+    for l in logical {
+        let (d, v) = pair(l)?;
+        let sizes = v.split(',').map(parse_bytes).collect::<Result<Vec<_>, _>>()?;
+        config = config.set_logical_devices(&d, &sizes);
+    }
+    if !config.has_gpu() {
+        println!("no CUDA device: {}", kiln::Device::best().1);
+    }
+    let devices = config.build()?;
+    if seed {
+        let (x, y) = seed::data(42);
+        for d in devices.logical() {
+            let names = [d.name.as_str()];
+            let backend = devices.backend(&names, 7)?;
+            let mut trainer = kiln::runtime::Trainer::new(zoo::seed_mlp(), zoo::seed_config(), backend)
+                .with_options(devices.compile_options(&names)?);
+            let opts =
+                kiln::runtime::FitOptions { epochs: 5, batch_size: 32, verbose: false, ..Default::default() };
+            let h = trainer.fit(&x, &y, &opts)?;
+            let last = h.epochs.last().map(kiln::runtime::trainer::format_logs).unwrap_or_default();
+            println!("seed model on {}: {last}", d.name);
+        }
+    }
+    print!("{}", devices.table());
     Ok(())
 }
 

@@ -412,3 +412,41 @@ impl Devices {
         s
     }
 }
+
+/// A byte count as people write it: "5000MB", "1GB", "1.5GiB", "512KB", "1048576". MB and GB
+/// are mebibytes and gibibytes, as TensorFlow's `memory_limit` counts them.
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let scale = match unit.as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => MB,
+        "g" | "gb" | "gib" => GB,
+        _ => 0,
+    };
+    match num.trim().parse::<f64>() {
+        Ok(v) if scale > 0 && v >= 0.0 => Ok((v * scale as f64) as usize),
+        _ => Err(RuntimeError::invalid(
+            format!("`{s}` is not a size"),
+            "write a number with an optional unit: 5000MB, 1GB, 1.5GiB, 512KB",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_tensorflow_counts_them() {
+        assert_eq!(parse_bytes("5000MB").unwrap(), 5000 * MB);
+        assert_eq!(parse_bytes("1GB").unwrap(), GB);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 * GB / 2);
+        assert_eq!(parse_bytes("512 KB").unwrap(), 512 * 1024);
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert!(parse_bytes("12XB").is_err() && parse_bytes("lots").is_err());
+    }
+}

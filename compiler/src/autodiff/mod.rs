@@ -22,6 +22,14 @@ pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, V
             "reduce it first, e.g. with `.mean(.., false)`",
         ));
     }
+    if petgraph::visit::NodeIndexable::node_bound(graph.petgraph()) != graph.len() {
+        // New nodes would reuse removed nodes' indices, and the backward nodes of an op are
+        // recognised by their indices (to attribute them to the op).
+        return Err(CompileError::invalid(
+            "cannot differentiate a graph that nodes were removed from",
+            "differentiate the traced graph before running passes on it",
+        ));
+    }
     let relevant = relevant_nodes(&graph, loss, wrt);
     // Traced graphs are built operands-first, so reverse insertion order visits every node after
     // all of its users. Verify rather than assume.
@@ -46,8 +54,11 @@ pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, V
         let ins: Vec<Tensor> = operands.iter().map(|&o| tracer.tensor(o)).collect();
         let out = tracer.tensor(n);
         let (op, device) = tracer.with_graph(|gr| (gr.node(n).op.clone(), gr.node(n).device));
+        let first_new = tracer.with_graph(|gr| gr.node_ids().last()).map_or(0, |id| id.index() + 1);
         // The backward of an op runs on the op's device.
         let contributions = tracer.on_device(device, || rules::vjp(&op, &ins, &out, &g))?;
+        // Its nodes are reported as the op's gradient, at the op's source line.
+        tracer.label_since(first_new, n);
         for ((&o, t), c) in operands.iter().zip(&ins).zip(contributions) {
             let Some(c) = c else { continue };
             if !relevant.contains(&o) {

@@ -188,6 +188,22 @@ impl Tracer {
         f(&self.state.borrow().graph)
     }
 
+    /// Gives every node with an index from `first` on the source line of `of` and the name
+    /// "<of's name> grad": how autodiff attributes backward ops to the forward op they belong to.
+    pub fn label_since(&self, first: usize, of: NodeId) {
+        let mut st = self.state.borrow_mut();
+        let (origin, name) = {
+            let n = st.graph.node(of);
+            (n.origin, n.name.clone().unwrap_or_else(|| n.op.name().to_string()))
+        };
+        let ids: Vec<NodeId> = st.graph.node_ids().filter(|id| id.index() >= first).collect();
+        for id in ids {
+            let node = st.graph.node_mut(id);
+            node.origin = origin;
+            node.name = Some(format!("{name} grad"));
+        }
+    }
+
     /// Adds a control dependency: `after` runs after `before`.
     pub fn add_control(&self, before: &Tensor, after: &Tensor) {
         if let (Some(b), Some(a)) = (before.id, after.id) {
@@ -233,8 +249,10 @@ impl Tracer {
             Ok((shape, dtype)) => {
                 let mut st = self.state.borrow_mut();
                 let device = st.device;
-                let node =
-                    Node { op, shape: shape.clone(), dtype, device, name: None, origin: Some(loc.into()) };
+                // Ops traced inside a scope (a layer) carry the scope's path as their name.
+                let sourced = op.class() == crate::ir::OpClass::Source;
+                let name = (!st.scopes.is_empty() && !sourced).then(|| st.scopes.join("/"));
+                let node = Node { op, shape: shape.clone(), dtype, device, name, origin: Some(loc.into()) };
                 let id = st.graph.add(node, &ids);
                 Tensor { state: self.state.clone(), id: Some(id), shape, dtype }
             }
