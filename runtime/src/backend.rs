@@ -68,3 +68,27 @@ pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize) -> Result
     }
     Ok(b.value)
 }
+
+/// Where output `name` of `plan` lives: its value, and (device, offset) in the io regions.
+pub fn output_slot(plan: &Plan, name: &str) -> Result<(usize, usize, usize)> {
+    let Some(b) = plan.output(name) else {
+        let known: Vec<&str> = plan.outputs.iter().map(|b| b.name.as_str()).collect();
+        return Err(RuntimeError::invalid(
+            format!("plan {:?} has no output `{name}`", plan.name),
+            format!("its outputs are {known:?}"),
+        ));
+    };
+    let (device, offset) = io_slot(plan, b.value, name)?;
+    Ok((b.value, device, offset))
+}
+
+/// (device, offset) of an input or output value in the io regions.
+pub fn io_slot(plan: &Plan, value: usize, name: &str) -> Result<(usize, usize)> {
+    match plan.buffers[plan.values[value].buffer].storage {
+        kiln_compiler::plan::Storage::Io { device, offset } => Ok((device, offset)),
+        _ => Err(RuntimeError::Invalid {
+            what: format!("`{name}` of plan {:?} is not in the io region", plan.name),
+            help: "plans from `compile` keep inputs and outputs there; recompile the plan".into(),
+        }),
+    }
+}

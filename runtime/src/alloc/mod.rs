@@ -173,17 +173,10 @@ pub enum AllocError {
 
 /// Formats a byte count for messages, e.g. `2.00 MiB (2097152 B)`.
 pub fn fmt_bytes(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
     if bytes < 1024 {
         return format!("{bytes} B");
     }
-    let mut value = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.2} {} ({bytes} B)", UNITS[unit])
+    format!("{} ({bytes} B)", kiln_compiler::device::human_bytes(bytes))
 }
 
 fn fmt_limit(limit: Option<usize>) -> String {

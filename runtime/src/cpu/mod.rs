@@ -4,7 +4,7 @@
 //! carved from one region taken when the backend starts. Every step's kernel is prepared once at
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
-use crate::backend::{Backend, ProgramId, check_input};
+use crate::backend::{Backend, ProgramId, check_input, io_slot, output_slot};
 use crate::error::{Result, RuntimeError};
 use crate::host_buffer::{HostBuffer, HostMem};
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
@@ -237,12 +237,7 @@ impl Backend for CpuBackend {
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
         let p = &mut self.programs[program];
         let value = check_input(&p.plan, name, shape, data.len())?;
-        let Storage::Io { device, offset } = p.plan.buffers[p.plan.values[value].buffer].storage else {
-            return Err(RuntimeError::invalid(
-                format!("input `{name}` is not in the io region"),
-                "recompile",
-            ));
-        };
+        let (device, offset) = io_slot(&p.plan, value, name)?;
         p.ios[device].f32s_mut(offset, data.len()).copy_from_slice(data);
         Ok(())
     }
@@ -267,17 +262,9 @@ impl Backend for CpuBackend {
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {
         let p = &self.programs[program];
-        let Some(b) = p.plan.output(name) else {
-            return Err(RuntimeError::invalid(format!("plan {:?} has no output `{name}`", p.plan.name), ""));
-        };
-        let v = p.plan.value(b.value);
-        let Storage::Io { device, offset } = p.plan.buffers[v.buffer].storage else {
-            return Err(RuntimeError::invalid(
-                format!("output `{name}` is not in the io region"),
-                "recompile",
-            ));
-        };
-        HostTensor::new(v.shape.clone(), p.ios[device].f32s(offset, v.shape.numel()).to_vec())
+        let (value, device, offset) = output_slot(&p.plan, name)?;
+        let shape = &p.plan.value(value).shape;
+        HostTensor::new(shape.clone(), p.ios[device].f32s(offset, shape.numel()).to_vec())
     }
 
     fn read_variable(&self, key: &str) -> Result<HostTensor> {

@@ -8,7 +8,7 @@
 
 use super::nvrtc::{CompileStats, NvrtcCompiler};
 use super::probe::{self, DeviceInfo};
-use crate::backend::{Backend, ProgramId, check_input};
+use crate::backend::{Backend, ProgramId, check_input, io_slot, output_slot};
 use crate::error::{Result, RuntimeError};
 use crate::init::initial_values;
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
@@ -311,12 +311,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn io_address(&self, program: ProgramId, value: usize, what: &str) -> Result<u64> {
+    fn io_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
         let p = &self.programs[program];
-        match p.plan.buffers[p.plan.values[value].buffer].storage {
-            Storage::Io { device, offset } => Ok(p.ios[device].ptr + offset as u64),
-            _ => Err(RuntimeError::invalid(format!("{what} is not in the io region"), "recompile")),
-        }
+        let (device, offset) = io_slot(&p.plan, value, name)?;
+        Ok(p.ios[device].ptr + offset as u64)
     }
 }
 
@@ -397,7 +395,7 @@ impl Backend for CudaBackend {
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
         let value = check_input(&self.programs[program].plan, name, shape, data.len())?;
-        let dst = self.io_address(program, value, &format!("input `{name}`"))?;
+        let dst = self.io_address(program, value, name)?;
         self.htod(dst, data)
     }
 
@@ -418,13 +416,11 @@ impl Backend for CudaBackend {
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {
-        let p = &self.programs[program];
-        let Some(b) = p.plan.output(name) else {
-            return Err(RuntimeError::invalid(format!("plan {:?} has no output `{name}`", p.plan.name), ""));
-        };
-        let v = p.plan.value(b.value);
-        let src = self.io_address(program, b.value, &format!("output `{name}`"))?;
-        HostTensor::new(v.shape.clone(), self.dtoh(src, v.shape.numel())?)
+        let plan = &self.programs[program].plan;
+        let (value, _, _) = output_slot(plan, name)?;
+        let shape = plan.value(value).shape.clone();
+        let src = self.io_address(program, value, name)?;
+        HostTensor::new(shape.clone(), self.dtoh(src, shape.numel())?)
     }
 
     fn read_variable(&self, key: &str) -> Result<HostTensor> {
