@@ -2,6 +2,7 @@
 //! the CUDA C source that NVRTC compiles.
 
 pub mod cpu;
+pub mod cuda;
 mod error;
 
 pub use error::KernelError;

@@ -1,0 +1,358 @@
+//! The tiled GEMM kernel behind matmul and the three convolutions: out[b] (M x N, row-major) =
+//! A[b] (M x K) · B[b] (K x N), where A and B are not matrices in memory but element loaders
+//! (`Operand::load`): strided for matmul (transposes cost nothing), implicit im2col gathers with
+//! zero padding for the convolutions.
+//!
+//! Design (the classic shared-memory + register-blocked SGEMM):
+//! - A block of 256 threads (16 x 16) computes a BM x BN tile of the output, each thread a TM x TN
+//!   micro-tile in registers (rows ty + 16 i, columns tx + 16 j: strided, so that a warp's shared
+//!   reads are conflict-free and its stores to the output coalesced).
+//! - K advances BK at a time through shared memory: each thread loads BM·BK/256 elements of A and
+//!   BN·BK/256 of B, mapped so that consecutive threads read consecutive addresses (along k when
+//!   the operand is contiguous along k, else along rows); a shared tile is padded by one column
+//!   when its stores would otherwise hit one bank. The next tile is fetched into registers while
+//!   the current one is multiplied (register prefetch), which hides most global latency.
+//! - Tiles: from 128x128 (8x8 per thread) down to 16x16 (1x1), chosen per shape by a small cost
+//!   model (`choose`): padded work / (per-SM rate x utilisation), bounded below by the latency of
+//!   the serial K loop. Large square products get 64x64 or 128x128 tiles, thin ones (N = 10)
+//!   16-wide tiles, tiny ones (32x100x10) 16x16.
+//! - In-block split-K: when the output has few tiles but K is long (a weight gradient contracts
+//!   over the batch, a filter gradient over N·OH·OW), the block runs S = 2 or 4 groups of 256
+//!   threads on interleaved K tiles and adds their partial tiles through shared memory in a fixed
+//!   order. That keeps the result deterministic (no atomics, no scratch memory).
+//! - Edges: every load is guarded (rows < M or N, k < K; zero outside), every store too, so any
+//!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
+//!   grid dimension limit applies.
+//! Accumulation is f32 with FMA, in K order within a group: the CPU's `gemm` crate adds in
+//! another order, so results agree to rounding, not bitwise.
+//! The tile choice is a model, not a measurement: no GPU was at hand when it was written.
+
+use super::codegen::{Code, int};
+use super::{Arg, Launch};
+
+/// Threads per K group; each block has `split` of them.
+const GROUP: usize = 256;
+/// Shared memory limit of a block without opting in to more.
+const SHARED_LIMIT: usize = 48 * 1024;
+/// SMs of the H200.
+const SMS: usize = 132;
+
+/// One tile configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tile {
+    pub bm: usize,
+    pub bn: usize,
+    pub bk: usize,
+    pub tm: usize,
+    pub tn: usize,
+    /// K groups per block (in-block split-K).
+    pub split: usize,
+}
+
+/// (BM, BN, BK, TM, TN): 16 x 16 threads, BM = 16 TM, BN = 16 TN.
+const CANDIDATES: [(usize, usize, usize, usize, usize); 12] = [
+    (128, 128, 8, 8, 8),
+    (128, 64, 8, 8, 4),
+    (64, 128, 8, 4, 8),
+    (128, 32, 8, 8, 2),
+    (32, 128, 8, 2, 8),
+    (64, 64, 16, 4, 4),
+    (64, 32, 16, 4, 2),
+    (32, 64, 16, 2, 4),
+    (64, 16, 16, 4, 1),
+    (16, 64, 16, 1, 4),
+    (32, 32, 16, 2, 2),
+    (16, 16, 16, 1, 1),
+];
+
+impl Tile {
+    fn loads_a(&self) -> usize {
+        self.bm * self.bk / GROUP
+    }
+
+    fn loads_b(&self) -> usize {
+        self.bn * self.bk / GROUP
+    }
+
+    fn threads(&self) -> usize {
+        GROUP * self.split
+    }
+
+    /// Registers per thread, estimated.
+    fn regs(&self) -> usize {
+        self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32
+    }
+
+    /// Shared floats for the tiles (and, with split-K, the partial sums, which reuse them).
+    fn shared_floats(&self, pad_a: usize, pad_b: usize) -> usize {
+        let tiles = self.split * self.bk * (self.bm + pad_a + self.bn + pad_b);
+        let partials = (self.split - 1) * self.tm * self.tn * GROUP;
+        tiles.max(partials)
+    }
+
+    /// Estimated time in cycles, `None` when the configuration does not fit an SM.
+    fn cost(&self, m: usize, n: usize, k: usize, batch: usize) -> Option<f64> {
+        let tiles = batch * m.div_ceil(self.bm) * n.div_ceil(self.bn);
+        let ktiles = k.div_ceil(self.bk).max(1);
+        if self.split > 1 && ktiles < 2 * self.split {
+            return None;
+        }
+        let iters = ktiles.div_ceil(self.split);
+        let threads = self.threads();
+        if threads * self.regs() > 65536 || self.shared_floats(1, 1) * 4 > SHARED_LIMIT {
+            return None;
+        }
+        let per_sm = (2048 / threads).min(65536 / (threads * self.regs())).max(1);
+        let active = tiles.min(SMS) as f64;
+        let resident = tiles.div_ceil(SMS).min(per_sm);
+        let util = ((resident * threads / 32) as f64 / 16.0).min(1.0);
+        let (tm, tn) = (self.tm as f64, self.tn as f64);
+        let eff = tm * tn / (tm * tn + tm + tn + 4.0);
+        let padded = (tiles * self.bm * self.bn * iters * self.split * self.bk) as f64;
+        let compute = padded / (active * 128.0 * eff * util);
+        let waves = tiles.div_ceil(SMS * per_sm) as f64;
+        let latency = iters as f64 * waves * 400.0;
+        Some(compute.max(latency))
+    }
+}
+
+/// The cheapest tile for an M x N x K product repeated `batch` times.
+pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> Tile {
+    let mut best: Option<(f64, Tile)> = None;
+    for &(bm, bn, bk, tm, tn) in &CANDIDATES {
+        for split in [1, 2, 4] {
+            let t = Tile { bm, bn, bk, tm, tn, split };
+            if let Some(c) = t.cost(m, n, k, batch)
+                && best.is_none_or(|(b, _)| c < b)
+            {
+                best = Some((c, t));
+            }
+        }
+    }
+    best.expect("the 16x16 tile always fits").1
+}
+
+/// How the kernel reads one operand.
+pub(crate) struct Operand {
+    /// Whether consecutive k are adjacent in memory (else consecutive rows of A, columns of B).
+    pub k_contiguous: bool,
+    /// Statements that set `float v` to the element at (`gr`, `gk`) (row of A or column of B, k),
+    /// both in range, reading pointer `src` at batch offset `base`.
+    pub load: String,
+    /// The batch offset (elements) of batch `bz`, or "0".
+    pub batch_offset: String,
+}
+
+/// One GEMM kernel: out[bz] = A[bz] · B[bz] for bz < batch, A = operand 0, B = operand 1.
+pub(crate) struct Gemm {
+    pub name: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub a: Operand,
+    pub b: Operand,
+    /// Index type of the kernel (`codegen::idx_type` over every tensor).
+    pub ty: &'static str,
+    /// Which launch arguments the two operand pointers are.
+    pub args: [Arg; 2],
+}
+
+impl Gemm {
+    /// Appends the kernel to `c`; returns its launch and a description of the tiling.
+    pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
+        assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
+        let t = choose(self.m, self.n, self.k, self.batch);
+        let ty = self.ty;
+        let (pad_a, pad_b) = (usize::from(self.a.k_contiguous), usize::from(self.b.k_contiguous));
+        let (lda, ldb) = (t.bm + pad_a, t.bn + pad_b);
+        let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
+        let ktiles = self.k.div_ceil(t.bk);
+        let iters = ktiles.div_ceil(t.split);
+        let (la, lb) = (t.loads_a(), t.loads_b());
+        let name = &self.name;
+
+        for (side, op, rows, br, loads) in
+            [("a", &self.a, self.m, t.bm, la), ("b", &self.b, self.n, t.bn, lb)]
+        {
+            let (rr, kk) = if op.k_contiguous {
+                (format!("e / {}", t.bk), format!("e % {}", t.bk))
+            } else {
+                (format!("e % {br}"), format!("e / {br}"))
+            };
+            c.line(format!(
+                "__device__ __forceinline__ void {name}_load_{side}(const float* __restrict__ src, \
+                 const {ty} base, const {ty} r0, const {ty} k0, const int t, float (&dst)[{loads}]) {{"
+            ));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {loads}; ++i) {{"));
+            c.line(format!("const int e = t + i * {GROUP};"));
+            c.line(format!("const {ty} gr = r0 + {rr}, gk = k0 + {kk};"));
+            c.line("float v = 0.0f;");
+            c.line(format!("if (gr < {} && gk < {}) {{", int(rows), int(self.k)));
+            c.line(&op.load);
+            c.line("}");
+            c.line("dst[i] = v;");
+            c.line("}");
+            c.line("}");
+            c.blank();
+        }
+
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({}) {name}(const float* __restrict__ in0, \
+             const float* __restrict__ in1, float* __restrict__ out) {{",
+            t.threads()
+        ));
+        c.line(format!("// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads", t.bm, t.bn, t.bk, t.tm, t.tn, t.split));
+        c.line(format!("__shared__ float smem[{}];", t.shared_floats(pad_a, pad_b)));
+        if t.split > 1 {
+            c.line(format!("const int t = threadIdx.x % {GROUP};"));
+            c.line(format!("const int group = threadIdx.x / {GROUP};"));
+        } else {
+            c.line("const int t = threadIdx.x;");
+        }
+        c.line("const int tx = t % 16, ty = t / 16;");
+        c.line(format!("{ty} blk = blockIdx.x;"));
+        c.line(format!("const {ty} n0 = (blk % {tiles_n}) * {}; blk /= {tiles_n};", t.bn));
+        if self.batch > 1 {
+            c.line(format!("const {ty} m0 = (blk % {tiles_m}) * {};", t.bm));
+            c.line(format!("const {ty} bz = blk / {tiles_m};"));
+        } else {
+            c.line(format!("const {ty} m0 = blk * {};", t.bm));
+        }
+        c.line(format!("const {ty} a_base = {};", self.a.batch_offset));
+        c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
+        if self.batch > 1 {
+            c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
+        } else {
+            c.line("float* o = out;");
+        }
+        let (a_at, b_at, k_start) = if t.split > 1 {
+            (
+                format!("smem + group * {}", t.bk * lda),
+                format!("smem + {} + group * {}", t.split * t.bk * lda, t.bk * ldb),
+                format!("({ty})group * {}", t.bk),
+            )
+        } else {
+            ("smem".to_string(), format!("smem + {}", t.bk * lda), "0".to_string())
+        };
+        c.line(format!("float* As = {a_at};"));
+        c.line(format!("float* Bs = {b_at};"));
+        c.line(format!("float acc[{}][{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] = 0.0f;", t.tn));
+        c.line("}");
+        c.line(format!("float ra[{la}], rb[{lb}];"));
+        c.line(format!("{ty} k0 = {k_start};"));
+        c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
+        c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+        c.line(format!("for (int it = 0; it < {iters}; ++it) {{"));
+        for (s, op, br, loads, ld, reg) in
+            [("As", &self.a, t.bm, la, lda, "ra"), ("Bs", &self.b, t.bn, lb, ldb, "rb")]
+        {
+            let (rr, kk) = if op.k_contiguous {
+                (format!("e / {}", t.bk), format!("e % {}", t.bk))
+            } else {
+                (format!("e % {br}"), format!("e / {br}"))
+            };
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {loads}; ++i) {{"));
+            c.line(format!("const int e = t + i * {GROUP};"));
+            c.line(format!("{s}[({kk}) * {ld} + {rr}] = {reg}[i];"));
+            c.line("}");
+        }
+        c.line("__syncthreads();");
+        if iters > 1 {
+            c.line(format!("if (it + 1 < {iters}) {{"));
+            c.line(format!("k0 += {};", t.split * t.bk));
+            c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
+            c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int kk = 0; kk < {}; ++kk) {{", t.bk));
+        c.line(format!("float av[{}], bv[{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) av[i] = As[kk * {lda} + ty + i * 16];", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) bv[j] = Bs[kk * {ldb} + tx + j * 16];", t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] += av[i] * bv[j];", t.tn));
+        c.line("}");
+        c.line("}");
+        c.line("__syncthreads();");
+        c.line("}");
+        let micro = t.tm * t.tn;
+        if t.split > 1 {
+            c.line("// add the other K groups' partial tiles to group 0's, in group order");
+            c.line("if (group > 0) {");
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+            c.line("__syncthreads();");
+            c.line("if (group > 0) return;");
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line(format!("const {ty} gm = m0 + ty + i * 16;"));
+        c.line(format!("if (gm < {}) {{", int(self.m)));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
+        c.line(format!("const {ty} gn = n0 + tx + j * 16;"));
+        c.line(format!("if (gn < {}) o[gm * {} + gn] = acc[i][j];", int(self.n), int(self.n)));
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        let blocks = self.batch * tiles_m * tiles_n;
+        let launch = Launch {
+            function: self.name.clone(),
+            grid: [u32::try_from(blocks).expect("fewer than 2^32 tiles"), 1, 1],
+            block: [t.threads() as u32, 1, 1],
+            shared_bytes: 0,
+            args: vec![self.args[0], self.args[1], Arg::Output],
+        };
+        let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
+        (launch, format!("tile {}x{}x{}, {}x{} per thread{split}", t.bm, t.bn, t.bk, t.tm, t.tn))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_follow_the_shape() {
+        let small = choose(32, 10, 100, 1);
+        assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
+        let big = choose(4096, 4096, 4096, 1);
+        assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
+        let thin = choose(65536, 16, 27, 1);
+        assert!(thin.bn <= 32, "{thin:?}");
+        let long_k = choose(144, 32, 65536, 1);
+        assert!(long_k.split > 1, "{long_k:?}");
+        for t in [small, big, thin, long_k] {
+            assert!(t.threads() <= 1024 && t.shared_floats(1, 1) * 4 <= SHARED_LIMIT);
+        }
+    }
+}
