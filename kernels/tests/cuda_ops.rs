@@ -130,7 +130,8 @@ fn cases() -> Vec<Case> {
         }
     }
     for b in BINARY {
-        let grad = matches!(b, BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad);
+        let grad =
+            matches!(b, BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad);
         let pairs: Vec<(&[usize], &[usize])> = if grad {
             vec![(&[7], &[7]), (&[4, 6], &[4, 6]), (&[], &[])]
         } else {
@@ -187,6 +188,8 @@ fn cases() -> Vec<Case> {
     v.push(case("matmul_mid", mm(false, false), &[&[130, 70], &[70, 260]]));
     v.push(case("matmul_big", mm(false, false), &[&[300, 64], &[64, 300]]));
     v.push(case("matmul_long_k", mm(true, false), &[&[3000, 64], &[3000, 20]]));
+    v.push(case("matmul_kpar", mm(true, false), &[&[5000, 6], &[5000, 5]]));
+    v.push(case("matmul_kpar_batch", mm(false, true), &[&[2, 3, 2100], &[2, 5, 2100]]));
     v.push(case("matmul_fold", mm(false, false), &[&[2, 32, 100], &[100, 10]]));
     v.push(case("matmul_batch", mm(false, true), &[&[3, 5, 7], &[3, 6, 7]]));
     v.push(case("matmul_bcast", mm(false, false), &[&[2, 1, 4, 5], &[3, 5, 6]]));
@@ -251,11 +254,20 @@ fn cases() -> Vec<Case> {
             v.push(case(format!("reduce_{op:?}_{i}"), r, &[s]));
         }
     }
-    let soft: Vec<(&[usize], usize)> =
-        vec![(&[4, 10], 1), (&[3, 5, 7], 1), (&[2, 3000], 1), (&[1, 20000], 1), (&[6, 1], 1), (&[5], 0), (&[4, 6], 0)];
+    let soft: Vec<(&[usize], usize)> = vec![
+        (&[4, 10], 1),
+        (&[3, 5, 7], 1),
+        (&[2, 3000], 1),
+        (&[1, 20000], 1),
+        (&[6, 1], 1),
+        (&[5], 0),
+        (&[4, 6], 0),
+    ];
     for (i, (s, axis)) in soft.into_iter().enumerate() {
         v.push(case(format!("softmax_{i}"), Op::Softmax { axis }, &[s]).with(0, Data::Uniform(-8.0, 8.0)));
-        v.push(case(format!("log_softmax_{i}"), Op::LogSoftmax { axis }, &[s]).with(0, Data::Uniform(-8.0, 8.0)));
+        v.push(
+            case(format!("log_softmax_{i}"), Op::LogSoftmax { axis }, &[s]).with(0, Data::Uniform(-8.0, 8.0)),
+        );
     }
     // ---- convolution
     let geoms: Vec<([usize; 4], Window2d, usize)> = vec![
@@ -269,12 +281,17 @@ fn cases() -> Vec<Case> {
         ([2, 5, 5, 4], win([1, 1], [1, 1], Padding::Valid), 6),
         ([1, 6, 6, 2], win([4, 4], [1, 1], Padding::Same), 2),
         ([4, 16, 16, 8], win([3, 3], [1, 1], Padding::Same), 16),
+        ([8, 32, 32, 3], win([3, 3], [1, 1], Padding::Same), 4),
+        ([4, 30, 30, 2], win([5, 5], [2, 2], Padding::Same), 3),
     ];
     for (i, (x, w, f)) in geoms.iter().enumerate() {
         let wshape = [w.size[0], w.size[1], x[3], *f];
-        let out = infer(&Op::Conv2d { window: *w }, &[(&Shape::from(*x), DType::F32), (&Shape::from(wshape), DType::F32)])
-            .unwrap()
-            .0;
+        let out = infer(
+            &Op::Conv2d { window: *w },
+            &[(&Shape::from(*x), DType::F32), (&Shape::from(wshape), DType::F32)],
+        )
+        .unwrap()
+        .0;
         let o = out.dims().to_vec();
         v.push(case(format!("conv2d_{i}"), Op::Conv2d { window: *w }, &[x, &wshape]));
         v.push(case(
@@ -282,7 +299,11 @@ fn cases() -> Vec<Case> {
             Op::Conv2dBackpropInput { window: *w, input: Shape::from(*x) },
             &[&o, &wshape],
         ));
-        v.push(case(format!("conv2d_backprop_filter_{i}"), Op::Conv2dBackpropFilter { window: *w }, &[x, &o]));
+        v.push(case(
+            format!("conv2d_backprop_filter_{i}"),
+            Op::Conv2dBackpropFilter { window: *w },
+            &[x, &o],
+        ));
     }
     // ---- pooling
     let pools: Vec<([usize; 4], Window2d)> = vec![
@@ -309,7 +330,9 @@ fn cases() -> Vec<Case> {
     v.push(case("gather_row3", Op::Gather, &[&[7, 3], &[6]]).with(1, Data::Ids(7)));
     v.push(case("gather_1d", Op::Gather, &[&[5], &[2, 2]]).with(1, Data::Ids(5)));
     v.push(case("gather_3d", Op::Gather, &[&[6, 2, 3], &[4]]).with(1, Data::Ids(6)));
-    v.push(case("gather_grad_vec4", Op::GatherGrad { vocab: 10 }, &[&[3, 5], &[3, 5, 4]]).with(0, Data::Ids(10)));
+    v.push(
+        case("gather_grad_vec4", Op::GatherGrad { vocab: 10 }, &[&[3, 5], &[3, 5, 4]]).with(0, Data::Ids(10)),
+    );
     v.push(case("gather_grad_row3", Op::GatherGrad { vocab: 7 }, &[&[6], &[6, 3]]).with(0, Data::Ids(7)));
     v.push(case("gather_grad_repeat", Op::GatherGrad { vocab: 3 }, &[&[40], &[40, 2]]).with(0, Data::Ids(3)));
     // ---- optimizers
@@ -343,15 +366,35 @@ fn large_cases() -> Vec<Case> {
     vec![
         case("large_unary", Op::Unary(UnaryOp::Relu), &[&[big + 3]]),
         case("large_binary", Op::Binary(BinaryOp::Add), &[&[1 << 16, 1 << 15], &[1 << 15]]),
-        case("large_reduce_rows", Op::Reduce { op: ReduceOp::Sum, axes: vec![1], keepdims: false }, &[&[1 << 16, 1 << 15]]),
-        case("large_reduce_cols", Op::Reduce { op: ReduceOp::Max, axes: vec![0], keepdims: false }, &[&[1 << 16, 1 << 15]]),
+        case(
+            "large_reduce_rows",
+            Op::Reduce { op: ReduceOp::Sum, axes: vec![1], keepdims: false },
+            &[&[1 << 16, 1 << 15]],
+        ),
+        case(
+            "large_reduce_cols",
+            Op::Reduce { op: ReduceOp::Max, axes: vec![0], keepdims: false },
+            &[&[1 << 16, 1 << 15]],
+        ),
         case("large_softmax", Op::Softmax { axis: 1 }, &[&[1 << 16, 1 << 15]]),
         case("large_permute", Op::Permute { perm: vec![1, 0] }, &[&[1 << 16, 1 << 15]]),
         case("large_gather", Op::Gather, &[&[1 << 16, 1 << 15], &[64]]),
-        case("large_matmul", Op::MatMul { transpose_a: false, transpose_b: false }, &[&[1 << 16, 1 << 15], &[1 << 15, 64]]),
+        case(
+            "large_matmul",
+            Op::MatMul { transpose_a: false, transpose_b: false },
+            &[&[1 << 16, 1 << 15], &[1 << 15, 64]],
+        ),
         case("large_concat", Op::Concat { axis: 0 }, &[&[1 << 30], &[1 << 30]]),
-        case("large_conv", Op::Conv2d { window: win([3, 3], [1, 1], Padding::Same) }, &[&[64, 256, 256, 256], &[3, 3, 256, 8]]),
-        case("large_adam", Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8 }, &[&[big], &[big], &[big], &[big], &[]]),
+        case(
+            "large_conv",
+            Op::Conv2d { window: win([3, 3], [1, 1], Padding::Same) },
+            &[&[64, 256, 256, 256], &[3, 3, 256, 8]],
+        ),
+        case(
+            "large_adam",
+            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8 },
+            &[&[big], &[big], &[big], &[big], &[]],
+        ),
     ]
 }
 
@@ -401,10 +444,14 @@ fn check(c: &Case, k: &CudaKernel) {
             }
         }
         let threads: u32 = l.block.iter().product();
-        assert!(threads >= 32 && threads <= 1024 && threads % 32 == 0, "{name}: block {:?}", l.block);
+        assert!((32..=1024).contains(&threads) && threads.is_multiple_of(32), "{name}: block {:?}", l.block);
         assert!(l.block[2] <= 64);
         assert!(l.grid.iter().all(|&g| g >= 1), "{name}: empty grid {:?}", l.grid);
-        assert!(l.grid[0] <= i32::MAX as u32 && l.grid[1] <= 65535 && l.grid[2] <= 65535, "{name}: grid {:?}", l.grid);
+        assert!(
+            l.grid[0] <= i32::MAX as u32 && l.grid[1] <= 65535 && l.grid[2] <= 65535,
+            "{name}: grid {:?}",
+            l.grid
+        );
         assert_eq!(l.shared_bytes, 0, "{name}: static shared memory only");
     }
     if !k.launches.is_empty() {
@@ -426,8 +473,17 @@ fn check(c: &Case, k: &CudaKernel) {
     // One thread per element: the grid covers the elements (per float4 where vectorised).
     let per_element = matches!(
         c.op,
-        Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select | Op::Fill { .. } | Op::Copy | Op::Pool2d { .. }
-    ) || matches!(c.op, Op::Pool2dGrad { .. } | Op::BroadcastTo { .. } | Op::Slice { .. } | Op::Pad { .. });
+        Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Scalar { .. }
+            | Op::Select
+            | Op::Fill { .. }
+            | Op::Copy
+            | Op::Pool2d { .. }
+    ) || matches!(
+        c.op,
+        Op::Pool2dGrad { .. } | Op::BroadcastTo { .. } | Op::Slice { .. } | Op::Pad { .. }
+    );
     if per_element && written > 0 {
         let l = &k.launches[0];
         let threads = l.grid[0] as usize * l.block[0] as usize;
@@ -454,12 +510,52 @@ fn every_op_generates_valid_launches() {
 fn every_computing_op_is_covered() {
     let names: std::collections::HashSet<&str> = cases().iter().map(|c| c.op.name()).collect();
     for n in [
-        "fill", "neg", "abs", "sign", "relu", "sigmoid", "tanh", "gelu", "exp", "log", "sqrt", "rsqrt", "square",
-        "reciprocal", "add", "pow", "relu_grad", "gelu_grad", "sigmoid_grad", "tanh_grad", "add_scalar",
-        "select", "matmul", "permute", "broadcast_to", "copy", "concat", "slice", "pad", "reduce_sum",
-        "reduce_mean", "reduce_max", "softmax", "log_softmax", "conv2d", "conv2d_backprop_input",
-        "conv2d_backprop_filter", "max_pool2d", "avg_pool2d", "max_pool2d_grad", "avg_pool2d_grad", "gather",
-        "gather_grad", "apply_sgd", "apply_adam", "assign_add",
+        "fill",
+        "neg",
+        "abs",
+        "sign",
+        "relu",
+        "sigmoid",
+        "tanh",
+        "gelu",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "square",
+        "reciprocal",
+        "add",
+        "pow",
+        "relu_grad",
+        "gelu_grad",
+        "sigmoid_grad",
+        "tanh_grad",
+        "add_scalar",
+        "select",
+        "matmul",
+        "permute",
+        "broadcast_to",
+        "copy",
+        "concat",
+        "slice",
+        "pad",
+        "reduce_sum",
+        "reduce_mean",
+        "reduce_max",
+        "softmax",
+        "log_softmax",
+        "conv2d",
+        "conv2d_backprop_input",
+        "conv2d_backprop_filter",
+        "max_pool2d",
+        "avg_pool2d",
+        "max_pool2d_grad",
+        "avg_pool2d_grad",
+        "gather",
+        "gather_grad",
+        "apply_sgd",
+        "apply_adam",
+        "assign_add",
     ] {
         assert!(names.contains(n), "no case for {n}");
     }
@@ -500,20 +596,32 @@ fn concat_splits_many_operands_into_launches() {
     let many: Vec<&[usize]> = (0..70).map(|_| &[2, 1][..]).collect();
     let k = case("c", Op::Concat { axis: 1 }, &many).generate();
     assert_eq!(k.launches.len(), 3);
-    let args: Vec<Arg> = k.launches.iter().flat_map(|l| l.args.iter().copied()).filter(|a| *a != Arg::Output).collect();
+    let args: Vec<Arg> =
+        k.launches.iter().flat_map(|l| l.args.iter().copied()).filter(|a| *a != Arg::Output).collect();
     assert_eq!(args, (0..70).map(Arg::Input).collect::<Vec<_>>());
 }
 
 #[test]
 fn matmul_tiles_depend_on_the_shape() {
-    let small = case("s", Op::MatMul { transpose_a: false, transpose_b: false }, &[&[32, 100], &[100, 10]]).generate();
-    let big = case("b", Op::MatMul { transpose_a: false, transpose_b: false }, &[&[2048, 2048], &[2048, 2048]]).generate();
+    let small = case("s", Op::MatMul { transpose_a: false, transpose_b: false }, &[&[32, 100], &[100, 10]])
+        .generate();
+    let big =
+        case("b", Op::MatMul { transpose_a: false, transpose_b: false }, &[&[2048, 2048], &[2048, 2048]])
+            .generate();
     assert_ne!(small.launches[0].block, [0; 3]);
     assert!(small.describe.contains("tile 16x16"), "{}", small.describe);
-    assert!(["tile 128x128", "tile 128x64", "tile 64x128", "tile 64x64"].iter().any(|t| big.describe.contains(t)), "{}", big.describe);
+    assert!(
+        ["tile 128x128", "tile 128x64", "tile 64x128", "tile 64x64"].iter().any(|t| big.describe.contains(t)),
+        "{}",
+        big.describe
+    );
     assert!(big.source.contains("__launch_bounds__"));
-    let long_k = case("k", Op::MatMul { transpose_a: true, transpose_b: false }, &[&[8192, 32], &[8192, 32]]).generate();
-    assert!(long_k.describe.contains("split-K"), "{}", long_k.describe);
+    let long_k = case("k", Op::MatMul { transpose_a: true, transpose_b: false }, &[&[8192, 32], &[8192, 32]])
+        .generate();
+    assert!(long_k.describe.contains("K-parallel"), "{}", long_k.describe);
+    let mid_k = case("k", Op::MatMul { transpose_a: true, transpose_b: false }, &[&[900, 144], &[900, 32]])
+        .generate();
+    assert!(mid_k.describe.contains("split-K"), "{}", mid_k.describe);
 }
 
 #[test]
@@ -534,7 +642,8 @@ fn unsupported_ops_and_dtypes_are_errors() {
     let wrong = Shape::from([3, 2]);
     let e = generate(&Op::Unary(UnaryOp::Exp), &[f], (&wrong, DType::F32)).unwrap_err();
     assert!(matches!(e, KernelError::Shape { .. }), "{e}");
-    let e = generate(&Op::Binary(BinaryOp::Add), &[f, (&Shape::from([4]), DType::F32)], (&s, DType::F32)).unwrap_err();
+    let e = generate(&Op::Binary(BinaryOp::Add), &[f, (&Shape::from([4]), DType::F32)], (&s, DType::F32))
+        .unwrap_err();
     assert!(e.to_string().contains("do not broadcast"), "{e}");
 }
 
@@ -602,7 +711,7 @@ fn write_case(dir: &Path, c: &Case, k: &CudaKernel, run: bool) {
     if !run {
         return;
     }
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ c.name.len() as u64 * 7919);
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c.name.len() as u64 * 7919));
     let mut bufs: Vec<Vec<f32>> =
         c.shapes.iter().zip(&c.data).map(|(s, &d)| draw(d, s.numel(), &mut rng)).collect();
     for (i, b) in bufs.iter().enumerate() {

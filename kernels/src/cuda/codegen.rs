@@ -259,7 +259,13 @@ pub(crate) fn decompose_some(
             }
             let inner: usize = dims[a + 1..].iter().product();
             let q = if inner == 1 { var.to_string() } else { format!("{var} / {}", int(inner)) };
-            let e = if a == 0 { q } else if inner == 1 { format!("{q} % {}", int(dims[a])) } else { format!("({q}) % {}", int(dims[a])) };
+            let e = if a == 0 {
+                q
+            } else if inner == 1 {
+                format!("{q} % {}", int(dims[a]))
+            } else {
+                format!("({q}) % {}", int(dims[a]))
+            };
             let c = format!("{prefix}{a}");
             code.line(format!("const {ty} {c} = {e};"));
             c
@@ -322,7 +328,7 @@ mod tests {
         assert_eq!(flt(-0.0), "(-0.0f)");
         assert_eq!(flt(0.1), "0x1.99999ap-4f /* 0.1 */");
         assert_eq!(flt(0.5), "0x1p-1f /* 0.5 */");
-        assert_eq!(flt(-1.5e-3), "(-0x1.89375p-10f /* 0.0015 */)");
+        assert_eq!(flt(-1.5e-3), "(-0x1.89374cp-10f /* 0.0015 */)");
         assert_eq!(flt(f32::INFINITY), "__int_as_float(0x7f800000)");
         assert_eq!(flt(f32::NEG_INFINITY), "__int_as_float(0xff800000)");
         assert_eq!(flt(f32::from_bits(1)), "0x0.000002p-126f /* 1e-45 */");
@@ -355,6 +361,9 @@ mod tests {
     fn code_indents_by_braces() {
         let mut c = Code::new();
         c.line("void f() {").line("if (x) {\ny = 1;\n} else {").line("y = 2;").line("}").line("}");
-        assert_eq!(c.finish(), "void f() {\n    if (x) {\n        y = 1;\n    } else {\n        y = 2;\n    }\n}\n");
+        assert_eq!(
+            c.finish(),
+            "void f() {\n    if (x) {\n        y = 1;\n    } else {\n        y = 2;\n    }\n}\n"
+        );
     }
 }

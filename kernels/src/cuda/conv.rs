@@ -12,6 +12,7 @@
 //! - filter gradient: dw[KH·KW·C, F] = Xᵀ[KH·KW·C, N·OH·OW] · dY[N·OH·OW, F]: K is the whole
 //!   batch of output positions and the output small, which is where the GEMM's in-block split-K
 //!   applies (deterministic, see `gemm`).
+//!
 //! Padding follows `Window2d::out_and_pad` (TensorFlow's SAME split), as the CPU kernels do.
 //! The bounds checks that a geometry cannot fail are left out of the source.
 
@@ -52,8 +53,20 @@ impl Geom {
     fn text(&self) -> String {
         format!(
             "{}x{} stride {}x{} pad {}x{}, {}x{}x{}x{} -> {}x{}x{}x{}",
-            self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.n, self.h, self.w, self.c, self.n,
-            self.oh, self.ow, self.f
+            self.kh,
+            self.kw,
+            self.sh,
+            self.sw,
+            self.ph,
+            self.pw,
+            self.n,
+            self.h,
+            self.w,
+            self.c,
+            self.n,
+            self.oh,
+            self.ow,
+            self.f
         )
     }
 
@@ -61,13 +74,14 @@ impl Geom {
     /// inside the input, "" when it always is.
     fn inside(&self) -> String {
         let mut conds = Vec::new();
-        for (var, pad, out, stride, k, extent) in
-            [("ih", self.ph, self.oh, self.sh, self.kh, self.h), ("iw", self.pw, self.ow, self.sw, self.kw, self.w)]
-        {
+        for (var, pad, out, stride, k, extent) in [
+            ("ih", self.ph, self.oh, self.sh, self.kh, self.h),
+            ("iw", self.pw, self.ow, self.sw, self.kw, self.w),
+        ] {
             if pad > 0 {
                 conds.push(format!("{var} >= 0"));
             }
-            if (out - 1) * stride + k - 1 >= extent + pad {
+            if (out - 1) * stride + k > extent + pad {
                 conds.push(format!("{var} < {extent}"));
             }
         }
@@ -84,7 +98,11 @@ fn coords(var: &str, dims: &[usize]) -> Vec<String> {
             }
             let inner: usize = dims[a + 1..].iter().product();
             let base = if inner == 1 { var.to_string() } else { format!("{var} / {}", int(inner)) };
-            if a == 0 { base } else { format!("({base}) % {}", dims[a]) }
+            match (a, inner) {
+                (0, _) => base,
+                (_, 1) => format!("{base} % {}", dims[a]),
+                _ => format!("({base}) % {}", dims[a]),
+            }
         })
         .collect()
 }
@@ -98,9 +116,14 @@ fn lets(ty: &str, names: &[&str], exprs: &[String]) -> String {
 fn read_x(g: &Geom, ty: &str) -> String {
     let inside = g.inside();
     let read = format!("v = src[((n_ * {} + ih) * {} + iw) * {} + c_];", int(g.h), int(g.w), int(g.c));
+    let at = |o: &str, s: usize, k: &str, p: usize| {
+        let scaled = if s == 1 { o.to_string() } else { format!("{o} * {s}") };
+        if p == 0 { format!("{scaled} + {k}") } else { format!("{scaled} + {k} - {p}") }
+    };
     let mut s = format!(
-        "const {ty} ih = oh_ * {} + kh_ - {};\nconst {ty} iw = ow_ * {} + kw_ - {};\n",
-        g.sh, g.ph, g.sw, g.pw
+        "const {ty} ih = {};\nconst {ty} iw = {};\n",
+        at("oh_", g.sh, "kh_", g.ph),
+        at("ow_", g.sw, "kw_", g.pw)
     );
     if inside.is_empty() {
         s.push_str(&read);
@@ -162,7 +185,13 @@ pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: 
     finish(head, gemm, describe)
 }
 
-pub(crate) fn backprop_input(label: &str, dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -> CudaKernel {
+pub(crate) fn backprop_input(
+    label: &str,
+    dy: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    dx: &Shape,
+) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
     let head = header(label, &[dy, w], Some(dx));
     let describe = format!("conv2d_backprop_input {}", g.text());
@@ -178,11 +207,14 @@ pub(crate) fn backprop_input(label: &str, dy: &Shape, w: &Shape, window: &Window
     // th = oh * sh exactly, for an output row oh inside the output.
     let mut conds = Vec::new();
     let mut defs = Vec::new();
-    for (t, i, kk, pad, stride, k_ext, extent, out_ext) in [
-        ("th", "ih_", "kh_", g.ph, g.sh, g.kh, g.h, g.oh),
-        ("tw", "iw_", "kw_", g.pw, g.sw, g.kw, g.w, g.ow),
-    ] {
-        defs.push(format!("const {ty} {t} = {i} + {pad} - {kk};"));
+    for (t, i, kk, pad, stride, k_ext, extent, out_ext) in
+        [("th", "ih_", "kh_", g.ph, g.sh, g.kh, g.h, g.oh), ("tw", "iw_", "kw_", g.pw, g.sw, g.kw, g.w, g.ow)]
+    {
+        defs.push(if pad > 0 {
+            format!("const {ty} {t} = {i} + {pad} - {kk};")
+        } else {
+            format!("const {ty} {t} = {i} - {kk};")
+        });
         if k_ext - 1 > pad {
             conds.push(format!("{t} >= 0"));
         }
@@ -197,7 +229,8 @@ pub(crate) fn backprop_input(label: &str, dy: &Shape, w: &Shape, window: &Window
     a.push('\n');
     let oh = if g.sh > 1 { format!("th / {}", g.sh) } else { "th".into() };
     let ow = if g.sw > 1 { format!("tw / {}", g.sw) } else { "tw".into() };
-    let read = format!("v = src[(((n_ * {}) + {oh}) * {} + {ow}) * {} + f_];", int(g.oh), int(g.ow), int(g.f));
+    let read =
+        format!("v = src[(((n_ * {}) + {oh}) * {} + {ow}) * {} + f_];", int(g.oh), int(g.ow), int(g.f));
     if conds.is_empty() {
         a.push_str(&read);
     } else {
@@ -219,7 +252,13 @@ pub(crate) fn backprop_input(label: &str, dy: &Shape, w: &Shape, window: &Window
     finish(head, gemm, describe)
 }
 
-pub(crate) fn backprop_filter(label: &str, x: &Shape, dy: &Shape, window: &Window2d, dw: &Shape) -> CudaKernel {
+pub(crate) fn backprop_filter(
+    label: &str,
+    x: &Shape,
+    dy: &Shape,
+    window: &Window2d,
+    dw: &Shape,
+) -> CudaKernel {
     let g = Geom::new(x, window, dy.dims()[3]);
     let head = header(label, &[x, dy], Some(dw));
     let describe = format!("conv2d_backprop_filter {}", g.text());

@@ -13,7 +13,9 @@
 //! float4 i) before it writes that element; an operand aliasing the output has the output's
 //! shape, so it is read at the same index, by the same thread.
 
-use super::codegen::{Access, BLOCK, Code, Nest, broadcast_strides, decompose_some, grid_for, grid_loop, header};
+use super::codegen::{
+    Access, BLOCK, Code, Nest, broadcast_strides, decompose_some, grid_for, grid_loop, header,
+};
 use super::codegen::{idx_type, linear, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
@@ -46,7 +48,7 @@ impl Map<'_> {
         let nest = Nest::new(self.out, &self.strides);
         let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
         let ty = idx_type(numel.max(self.max_operand));
-        let vector = numel % 4 == 0 && numel >= 4 && access.iter().all(|&a| a != Access::Strided);
+        let vector = numel.is_multiple_of(4) && numel >= 4 && access.iter().all(|&a| a != Access::Strided);
         let names: Vec<&str> = NAMES[..k].to_vec();
 
         let mut c = Code::new();
@@ -60,11 +62,7 @@ impl Map<'_> {
         c.line(format!("return {};", self.expr));
         c.line("}");
         c.blank();
-        c.line(format!(
-            "extern \"C\" __global__ void {}({}) {{",
-            self.name,
-            params(k, true, !self.in_place)
-        ));
+        c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(k, true, !self.in_place)));
         let call = |vals: &[String]| format!("kiln_op({})", vals.join(", "));
         let work;
         if vector {
@@ -129,7 +127,13 @@ impl Map<'_> {
             shared_bytes: 0,
             args: (0..k).map(Arg::Input).chain([Arg::Output]).collect(),
         };
-        let how = if vector { "float4" } else if access.contains(&Access::Strided) { "strided" } else { "flat" };
+        let how = if vector {
+            "float4"
+        } else if access.contains(&Access::Strided) {
+            "strided"
+        } else {
+            "flat"
+        };
         CudaKernel {
             source: c.finish(),
             launches: vec![launch],

@@ -25,8 +25,9 @@ pub(crate) fn gather(label: &str, table: &Shape, ids: &Shape, out: &Shape) -> Cu
     let row: usize = table.dims()[1..].iter().product();
     let count = ids.numel();
     let ty = idx_type(table.numel().max(out.numel()));
-    let w = if row % 4 == 0 { 4 } else { 1 };
-    let (t, zero) = if w == 4 { ("float4", "make_float4(0.0f, 0.0f, 0.0f, 0.0f)") } else { ("float", "0.0f") };
+    let w = if row.is_multiple_of(4) { 4 } else { 1 };
+    let (t, zero) =
+        if w == 4 { ("float4", "make_float4(0.0f, 0.0f, 0.0f, 0.0f)") } else { ("float", "0.0f") };
     let rw = row / w;
     let work = count * rw;
     let mut c = Code::new();
@@ -71,7 +72,7 @@ pub(crate) fn gather_grad(label: &str, ids: &Shape, dy: &Shape, vocab: usize, ou
     let count = ids.numel();
     let numel = out.numel();
     let ty = idx_type(numel.max(dy.numel()));
-    let w = if numel % 4 == 0 { 4 } else { 1 };
+    let w = if numel.is_multiple_of(4) { 4 } else { 1 };
     let mut c = Code::new();
     c.line(header(label, &[ids, dy], Some(out)));
     c.line(format!("extern \"C\" __global__ void kiln_gather_grad_zero({}) {{", params(0, true, true)));
@@ -95,7 +96,10 @@ pub(crate) fn gather_grad(label: &str, ids: &Shape, dy: &Shape, vocab: usize, ou
     let work = count * row;
     if work > 0 {
         c.blank();
-        c.line(format!("extern \"C\" __global__ void kiln_gather_grad_scatter({}) {{", params(2, true, true)));
+        c.line(format!(
+            "extern \"C\" __global__ void kiln_gather_grad_scatter({}) {{",
+            params(2, true, true)
+        ));
         c.line(grid_loop(ty, "e", work));
         c.line(format!("const {ty} i = e / {}; const {ty} col = e % {};", int(row), int(row)));
         c.line("const float id = in0[i];");

@@ -23,6 +23,7 @@
 //! - Edges: every load is guarded (rows < M or N, k < K; zero outside), every store too, so any
 //!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
 //!   grid dimension limit applies.
+//!
 //! Accumulation is f32 with FMA, in K order within a group: the CPU's `gemm` crate adds in
 //! another order, so results agree to rounding, not bitwise.
 //! The tile choice is a model, not a measurement: no GPU was at hand when it was written.
@@ -117,7 +118,7 @@ impl Tile {
 }
 
 /// The cheapest tile for an M x N x K product repeated `batch` times.
-pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> Tile {
+pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> (f64, Tile) {
     let mut best: Option<(f64, Tile)> = None;
     for &(bm, bn, bk, tm, tn) in &CANDIDATES {
         for split in [1, 2, 4] {
@@ -129,7 +130,46 @@ pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> Tile {
             }
         }
     }
-    best.expect("the 16x16 tile always fits").1
+    best.expect("the 16x16 tile always fits")
+}
+
+/// Threads of a K-parallel block.
+const KPAR_THREADS: usize = 1024;
+
+/// Estimated cycles of the K-parallel kernel with TM x TN outputs per block.
+fn kpar_cost(m: usize, n: usize, k: usize, batch: usize, tm: usize, tn: usize) -> f64 {
+    let blocks = batch * m.div_ceil(tm) * n.div_ceil(tn);
+    let per_sm = 2048 / KPAR_THREADS;
+    let waves = blocks.div_ceil(SMS * per_sm) as f64;
+    let iters = k.div_ceil(KPAR_THREADS) as f64;
+    // Per k: TM·TN FMAs, TM + TN loads from L2 (two issue slots each), index math.
+    let per_iter = (tm * tn + 2 * (tm + tn) + 8) as f64;
+    waves * per_sm as f64 * KPAR_THREADS as f64 * iters * per_iter / 128.0 + 2000.0
+}
+
+/// How a product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Shared-memory tiles, each block a BM x BN tile of the output.
+    Tiled(Tile),
+    /// Few outputs and a long K: each block computes TM x TN outputs with all its 1024 threads
+    /// splitting K, then a tree over the threads.
+    KParallel { tm: usize, tn: usize },
+}
+
+/// The cheaper of the tiled kernel and, for K >= 1024, the K-parallel one.
+pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
+    let (tiled, tile) = choose(m, n, k, batch);
+    let mut best = (tiled, Plan::Tiled(tile));
+    if k >= KPAR_THREADS {
+        for (tm, tn) in [(4, 4), (2, 2), (1, 1)] {
+            let c = kpar_cost(m, n, k, batch, tm, tn);
+            if c < best.0 {
+                best = (c, Plan::KParallel { tm, tn });
+            }
+        }
+    }
+    best.1
 }
 
 /// How the kernel reads one operand.
@@ -162,7 +202,137 @@ impl Gemm {
     /// Appends the kernel to `c`; returns its launch and a description of the tiling.
     pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
         assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
-        let t = choose(self.m, self.n, self.k, self.batch);
+        match plan(self.m, self.n, self.k, self.batch) {
+            Plan::Tiled(t) => self.tiled(c, t),
+            Plan::KParallel { tm, tn } => self.k_parallel(c, tm, tn),
+        }
+    }
+
+    /// Emits the block -> (batch, m0, n0) mapping and the batch offsets a_base, b_base, o.
+    fn block_origin(&self, c: &mut Code, bm: usize, bn: usize, all_bases: bool) {
+        let ty = self.ty;
+        let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
+        c.line(format!("// block -> (batch, tile row, tile column): {} x {tiles_m} x {tiles_n}", self.batch));
+        if tiles_n > 1 {
+            c.line(format!("const {ty} n0 = (({ty})blockIdx.x % {tiles_n}) * {bn};"));
+            c.line(format!("const {ty} blk = ({ty})blockIdx.x / {tiles_n};"));
+        } else {
+            c.line(format!("const {ty} n0 = 0;"));
+            c.line(format!("const {ty} blk = blockIdx.x;"));
+        }
+        match (self.batch > 1, tiles_m > 1) {
+            (true, true) => {
+                c.line(format!("const {ty} m0 = (blk % {tiles_m}) * {bm};"));
+                c.line(format!("const {ty} bz = blk / {tiles_m};"));
+            }
+            (true, false) => {
+                c.line(format!("const {ty} m0 = 0;"));
+                c.line(format!("const {ty} bz = blk;"));
+            }
+            (false, _) => {
+                c.line(format!("const {ty} m0 = blk * {bm};"));
+            }
+        }
+        if all_bases || self.a.load.contains("base") {
+            c.line(format!("const {ty} a_base = {};", self.a.batch_offset));
+        }
+        if all_bases || self.b.load.contains("base") {
+            c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
+        }
+        if self.batch > 1 {
+            c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
+        } else {
+            c.line("float* o = out;");
+        }
+    }
+
+    fn launch(&self, blocks: usize, threads: usize) -> Launch {
+        Launch {
+            function: self.name.clone(),
+            grid: [u32::try_from(blocks).expect("fewer than 2^32 blocks"), 1, 1],
+            block: [threads as u32, 1, 1],
+            shared_bytes: 0,
+            args: vec![self.args[0], self.args[1], Arg::Output],
+        }
+    }
+
+    /// The K-parallel kernel: TM x TN outputs per block, k = thread, thread + 1024, ...; the
+    /// threads' partial sums meet in a warp butterfly, then in shared memory in warp order.
+    fn k_parallel(self, c: &mut Code, tm: usize, tn: usize) -> (Launch, String) {
+        let ty = self.ty;
+        let warps = KPAR_THREADS / 32;
+        let name = &self.name;
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({KPAR_THREADS}) {name}(const float* __restrict__ in0, \
+             const float* __restrict__ in1, float* __restrict__ out) {{"
+        ));
+        c.line(format!("// {tm}x{tn} outputs per block, K split over {KPAR_THREADS} threads"));
+        c.line(format!("__shared__ float partial[{warps}][{}];", tm * tn));
+        c.line("const int t = threadIdx.x;");
+        self.block_origin(c, tm, tn, false);
+        c.line(format!("float acc[{tm}][{tn}];"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) acc[i][j] = 0.0f;"));
+        c.line("}");
+        c.line(format!("for ({ty} gk = t; gk < {}; gk += {KPAR_THREADS}) {{", int(self.k)));
+        c.line(format!("float a[{tm}], b[{tn}];"));
+        for (op, arr, count, r0, rows, ptr, basev) in [
+            (&self.a, "a", tm, "m0", self.m, "in0", "a_base"),
+            (&self.b, "b", tn, "n0", self.n, "in1", "b_base"),
+        ] {
+            c.line("{");
+            c.line(format!("const float* __restrict__ src = {ptr};"));
+            if op.load.contains("base") {
+                c.line(format!("const {ty} base = {basev};"));
+            }
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {count}; ++i) {{"));
+            c.line(format!("const {ty} gr = {r0} + i;"));
+            c.line("float v = 0.0f;");
+            c.line(format!("if (gr < {}) {{", int(rows)));
+            c.line(&op.load);
+            c.line("}");
+            c.line(format!("{arr}[i] = v;"));
+            c.line("}");
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) acc[i][j] += a[i] * b[j];"));
+        c.line("}");
+        c.line("}");
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) {{"));
+        c.line("for (int d = 16; d > 0; d >>= 1) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], d);");
+        c.line(format!("if (t % 32 == 0) partial[t / 32][i * {tn} + j] = acc[i][j];"));
+        c.line("}");
+        c.line("}");
+        c.line("__syncthreads();");
+        c.line(format!("if (t < {}) {{", tm * tn));
+        c.line("float s = partial[0][t];");
+        c.line(format!("for (int w = 1; w < {warps}; ++w) s += partial[w][t];"));
+        c.line(format!("const {ty} gm = m0 + t / {tn}, gn = n0 + t % {tn};"));
+        c.line(format!(
+            "if (gm < {} && gn < {}) o[gm * {} + gn] = s;",
+            int(self.m),
+            int(self.n),
+            int(self.n)
+        ));
+        c.line("}");
+        c.line("}");
+        let blocks = self.batch * self.m.div_ceil(tm) * self.n.div_ceil(tn);
+        (
+            self.launch(blocks, KPAR_THREADS),
+            format!("K-parallel, {tm}x{tn} outputs per block of {KPAR_THREADS} threads"),
+        )
+    }
+
+    fn tiled(self, c: &mut Code, t: Tile) -> (Launch, String) {
         let ty = self.ty;
         let (pad_a, pad_b) = (usize::from(self.a.k_contiguous), usize::from(self.b.k_contiguous));
         let (lda, ldb) = (t.bm + pad_a, t.bn + pad_b);
@@ -203,7 +373,10 @@ impl Gemm {
              const float* __restrict__ in1, float* __restrict__ out) {{",
             t.threads()
         ));
-        c.line(format!("// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads", t.bm, t.bn, t.bk, t.tm, t.tn, t.split));
+        c.line(format!(
+            "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads",
+            t.bm, t.bn, t.bk, t.tm, t.tn, t.split
+        ));
         c.line(format!("__shared__ float smem[{}];", t.shared_floats(pad_a, pad_b)));
         if t.split > 1 {
             c.line(format!("const int t = threadIdx.x % {GROUP};"));
@@ -212,21 +385,7 @@ impl Gemm {
             c.line("const int t = threadIdx.x;");
         }
         c.line("const int tx = t % 16, ty = t / 16;");
-        c.line(format!("{ty} blk = blockIdx.x;"));
-        c.line(format!("const {ty} n0 = (blk % {tiles_n}) * {}; blk /= {tiles_n};", t.bn));
-        if self.batch > 1 {
-            c.line(format!("const {ty} m0 = (blk % {tiles_m}) * {};", t.bm));
-            c.line(format!("const {ty} bz = blk / {tiles_m};"));
-        } else {
-            c.line(format!("const {ty} m0 = blk * {};", t.bm));
-        }
-        c.line(format!("const {ty} a_base = {};", self.a.batch_offset));
-        c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
-        if self.batch > 1 {
-            c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
-        } else {
-            c.line("float* o = out;");
-        }
+        self.block_origin(c, t.bm, t.bn, true);
         let (a_at, b_at, k_start) = if t.split > 1 {
             (
                 format!("smem + group * {}", t.bk * lda),
@@ -324,14 +483,7 @@ impl Gemm {
         c.line("}");
         c.line("}");
         c.line("}");
-        let blocks = self.batch * tiles_m * tiles_n;
-        let launch = Launch {
-            function: self.name.clone(),
-            grid: [u32::try_from(blocks).expect("fewer than 2^32 tiles"), 1, 1],
-            block: [t.threads() as u32, 1, 1],
-            shared_bytes: 0,
-            args: vec![self.args[0], self.args[1], Arg::Output],
-        };
+        let launch = self.launch(self.batch * tiles_m * tiles_n, t.threads());
         let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
         (launch, format!("tile {}x{}x{}, {}x{} per thread{split}", t.bm, t.bn, t.bk, t.tm, t.tn))
     }
@@ -343,16 +495,19 @@ mod tests {
 
     #[test]
     fn tiles_follow_the_shape() {
-        let small = choose(32, 10, 100, 1);
+        let small = choose(32, 10, 100, 1).1;
         assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
-        let big = choose(4096, 4096, 4096, 1);
+        let big = choose(4096, 4096, 4096, 1).1;
         assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
-        let thin = choose(65536, 16, 27, 1);
+        let thin = choose(65536, 16, 27, 1).1;
         assert!(thin.bn <= 32, "{thin:?}");
-        let long_k = choose(144, 32, 65536, 1);
+        let long_k = choose(144, 32, 4096, 1).1;
         assert!(long_k.split > 1, "{long_k:?}");
         for t in [small, big, thin, long_k] {
             assert!(t.threads() <= 1024 && t.shared_floats(1, 1) * 4 <= SHARED_LIMIT);
         }
+        // A filter gradient: few outputs, the whole batch of positions to contract.
+        assert!(matches!(plan(27, 16, 65536, 1), Plan::KParallel { .. }));
+        assert!(matches!(plan(1024, 1024, 1024, 1), Plan::Tiled(_)));
     }
 }

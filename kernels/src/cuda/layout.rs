@@ -13,7 +13,7 @@
 //!   per launch (more launches for more operands), which keeps the parameter list short.
 
 use super::codegen::{BLOCK, Code, contiguous_strides, decompose, grid_for, grid_loop, header, idx_type};
-use super::codegen::{broadcast_strides, flt, int, linear, params, shape_text, Nest};
+use super::codegen::{Nest, broadcast_strides, flt, int, linear, params, shape_text};
 use super::elementwise::Map;
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::Shape;
@@ -159,7 +159,7 @@ struct Width {
 
 impl Width {
     fn of(lengths: &[usize]) -> Width {
-        Width { w: if lengths.iter().all(|&l| l % 4 == 0) { 4 } else { 1 } }
+        Width { w: if lengths.iter().all(|&l| l.is_multiple_of(4)) { 4 } else { 1 } }
     }
 
     fn ty(&self) -> &'static str {
@@ -278,7 +278,8 @@ impl Window<'_> {
         let w = width.w;
         let numel = self.out.numel();
         let ty = idx_type(numel.max(self.x.numel()));
-        let (ir, or, b, e, s) = (self.in_row / w, self.out_row / w, self.begin / w, self.end / w, self.src / w);
+        let (ir, or, b, e, s) =
+            (self.in_row / w, self.out_row / w, self.begin / w, self.end / w, self.src / w);
         let mut c = Code::new();
         c.line(header(self.label, &[self.x], Some(self.out)));
         c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(1, true, true)));
@@ -322,7 +323,14 @@ fn offset(k: isize) -> String {
     }
 }
 
-pub(crate) fn slice(label: &str, x: &Shape, axis: usize, start: usize, len: usize, out: &Shape) -> CudaKernel {
+pub(crate) fn slice(
+    label: &str,
+    x: &Shape,
+    axis: usize,
+    start: usize,
+    len: usize,
+    out: &Shape,
+) -> CudaKernel {
     let (_, inner) = split(x.dims(), axis);
     let in_row = x.dims()[axis] * inner;
     let out_row = len * inner;
@@ -341,7 +349,14 @@ pub(crate) fn slice(label: &str, x: &Shape, axis: usize, start: usize, len: usiz
     .generate()
 }
 
-pub(crate) fn pad(label: &str, x: &Shape, axis: usize, before: usize, after: usize, out: &Shape) -> CudaKernel {
+pub(crate) fn pad(
+    label: &str,
+    x: &Shape,
+    axis: usize,
+    before: usize,
+    after: usize,
+    out: &Shape,
+) -> CudaKernel {
     let describe = format!("pad[axis {axis}, {before}+{after}] {}", shape_text(x));
     if x.numel() == 0 {
         // Nothing to copy: the output is all padding.
@@ -363,17 +378,6 @@ pub(crate) fn pad(label: &str, x: &Shape, axis: usize, before: usize, after: usi
     let in_row = x.dims()[axis] * inner;
     let out_row = (x.dims()[axis] + before + after) * inner;
     let begin = before * inner;
-    Window {
-        name: "kiln_pad",
-        label,
-        x,
-        out,
-        in_row,
-        out_row,
-        begin,
-        end: begin + in_row,
-        src: 0,
-        describe,
-    }
-    .generate()
+    Window { name: "kiln_pad", label, x, out, in_row, out_row, begin, end: begin + in_row, src: 0, describe }
+        .generate()
 }

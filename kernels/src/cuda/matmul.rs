@@ -29,7 +29,11 @@ fn batch_offset(operand: &[usize], out: &[usize], size: usize) -> String {
     let mut terms = Vec::new();
     for a in (0..out.len()).rev() {
         if strides[a] != 0 {
-            let coord = if inner == 1 { format!("(bz % {})", out[a]) } else { format!("(bz / {inner} % {})", out[a]) };
+            let coord = if inner == 1 {
+                format!("(bz % {})", out[a])
+            } else {
+                format!("(bz / {inner} % {})", out[a])
+            };
             terms.push(format!("{coord} * {}", int(strides[a] as usize * size)));
         }
         inner *= out[a];

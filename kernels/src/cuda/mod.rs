@@ -79,7 +79,11 @@ pub enum Arg {
 /// Generates the CUDA kernel of `op` on operands of the given shapes and dtypes producing `output`
 /// (for effect ops, the scalar shape that `infer` gives). Errors as `cpu::prepare`: sources and
 /// views have no kernel, only f32 is supported, and the shapes must agree with `ir::infer`.
-pub fn generate(op: &Op, inputs: &[(&Shape, DType)], output: (&Shape, DType)) -> Result<CudaKernel, KernelError> {
+pub fn generate(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+) -> Result<CudaKernel, KernelError> {
     if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
         let help = if matches!(op, Op::Reshape { .. }) {
             "reshape is a view of its operand's buffer: the runtime aliases it and launches no CUDA kernel"
@@ -93,7 +97,8 @@ pub fn generate(op: &Op, inputs: &[(&Shape, DType)], output: (&Shape, DType)) ->
         return Err(KernelError::Unsupported {
             op: op.label(),
             dtype: d,
-            help: "the CUDA kernels compute in f32 only; declare the model's inputs and variables as f32".into(),
+            help: "the CUDA kernels compute in f32 only; declare the model's inputs and variables as f32"
+                .into(),
         });
     }
     let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
@@ -104,7 +109,11 @@ pub fn generate(op: &Op, inputs: &[(&Shape, DType)], output: (&Shape, DType)) ->
     if &shape != output.0 {
         return Err(KernelError::Shape {
             op: op.label(),
-            message: format!("the output is declared as {} but the operands {} give {shape}", output.0, operands()),
+            message: format!(
+                "the output is declared as {} but the operands {} give {shape}",
+                output.0,
+                operands()
+            ),
         });
     }
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
@@ -129,7 +138,9 @@ pub fn generate(op: &Op, inputs: &[(&Shape, DType)], output: (&Shape, DType)) ->
         Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
-        Op::MatMul { transpose_a, transpose_b } => matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out),
+        Op::MatMul { transpose_a, transpose_b } => {
+            matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out)
+        }
         Op::Permute { perm } => layout::permute(l, s[0], perm, out),
         Op::BroadcastTo { .. } => layout::broadcast_to(l, s[0], out),
         Op::Copy => layout::copy(l, s[0]),

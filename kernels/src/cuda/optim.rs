@@ -8,6 +8,7 @@
 //!   every step); α = lr·√(1-β2^t)/(1-β1^t) in f64 with `pow`, as the CPU; then in f32
 //!   m += (g - m)(1 - β1); v += (g² - v)(1 - β2); var -= α·m / (√v + ε).
 //! - assign_add: var += value.
+//!
 //! Products that feed a sum are `__fmul_rn` (never fused), so the f32 updates are bitwise the
 //! CPU's; α can differ from the CPU's in its last bit where CUDA's `pow` and glibc's do.
 
@@ -25,7 +26,14 @@ fn launch(function: &str, work: usize, inputs: usize) -> Launch {
     }
 }
 
-pub(crate) fn sgd(label: &str, lr: f32, momentum: f32, nesterov: bool, var: &Shape, shapes: &[&Shape]) -> CudaKernel {
+pub(crate) fn sgd(
+    label: &str,
+    lr: f32,
+    momentum: f32,
+    nesterov: bool,
+    var: &Shape,
+    shapes: &[&Shape],
+) -> CudaKernel {
     let n = var.numel();
     let ty = idx_type(n);
     let with_velocity = momentum != 0.0;
@@ -67,7 +75,15 @@ pub(crate) fn sgd(label: &str, lr: f32, momentum: f32, nesterov: bool, var: &Sha
     }
 }
 
-pub(crate) fn adam(label: &str, lr: f32, beta1: f32, beta2: f32, epsilon: f32, var: &Shape, shapes: &[&Shape]) -> CudaKernel {
+pub(crate) fn adam(
+    label: &str,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    epsilon: f32,
+    var: &Shape,
+    shapes: &[&Shape],
+) -> CudaKernel {
     let n = var.numel();
     let ty = idx_type(n);
     let mut c = Code::new();

@@ -62,7 +62,14 @@ impl Geom {
     }
 }
 
-pub(crate) fn pool2d(kind: PoolKind, name: &str, label: &str, x: &Shape, window: &Window2d, out: &Shape) -> CudaKernel {
+pub(crate) fn pool2d(
+    kind: PoolKind,
+    name: &str,
+    label: &str,
+    x: &Shape,
+    window: &Window2d,
+    out: &Shape,
+) -> CudaKernel {
     let g = Geom::new(x, window);
     let ty = idx_type(x.numel());
     let work = out.numel();
@@ -144,7 +151,12 @@ pub(crate) fn pool2d_grad(
     c.line("for (int oh = oh_lo; oh <= oh_hi; ++oh) {");
     c.line("for (int ow = ow_lo; ow <= ow_hi; ++ow) {");
     g.window(&mut c, "oh", "ow");
-    c.line(format!("const float d = in1[(({} * n_ + oh) * {} + ow) * {} + c_];", int(g.oh), int(g.ow), int(g.c)));
+    c.line(format!(
+        "const float d = in1[(({} * n_ + oh) * {} + ow) * {} + c_];",
+        int(g.oh),
+        int(g.ow),
+        int(g.c)
+    ));
     match kind {
         PoolKind::Max => {
             c.line("// the window's first maximum, in row-major order");

@@ -14,6 +14,7 @@
 //!   row, so a warp reads 32 adjacent elements, and S block rows split the reduced elements
 //!   between them (S chosen so the grid holds about 2^18 threads); the S partials of each output
 //!   are combined by a shared-memory tree.
+//!
 //! Blocks loop over output groups (grid-stride) with block-uniform trip counts, so every thread
 //! reaches every shuffle and barrier.
 //!
@@ -118,7 +119,14 @@ fn offset(c: &mut Code, ty: &str, name: &str, var: &str, groups: &[(usize, usize
     c.line(format!("const {ty} {name} = {};", linear(&coords, &strides)));
 }
 
-pub(crate) fn reduce(op: ReduceOp, name: &str, label: &str, x: &Shape, axes: &[usize], out: &Shape) -> CudaKernel {
+pub(crate) fn reduce(
+    op: ReduceOp,
+    name: &str,
+    label: &str,
+    x: &Shape,
+    axes: &[usize],
+    out: &Shape,
+) -> CudaKernel {
     let g = groups(x, axes);
     let outputs: usize = g.kept.iter().map(|k| k.0).product();
     let count: usize = g.reduced.iter().map(|k| k.0).product();
@@ -311,7 +319,11 @@ fn columns(
         ));
         c.line("__syncthreads();");
         c.line("}");
-        c.line(format!("if (slice == 0 && o < {}) out[o] = {};", int(outputs), acc.finish("partial[0][lane]")));
+        c.line(format!(
+            "if (slice == 0 && o < {}) out[o] = {};",
+            int(outputs),
+            acc.finish("partial[0][lane]")
+        ));
         c.line("__syncthreads();");
     } else {
         c.line(format!("if (o < {}) out[o] = {};", int(outputs), acc.finish("acc")));

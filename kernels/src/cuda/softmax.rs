@@ -65,7 +65,11 @@ fn all_reduce(c: &mut Code, s: usize, v: &str, combine: impl Fn(&str, &str) -> S
         c.line(format!("if (slice % 32 == 0) {shared}[slice / 32] = {v};"));
         c.line("__syncthreads();");
         c.line(format!("{v} = {shared}[0];"));
-        c.line(format!("for (int w = 1; w < {}; ++w) {v} = {};", s / 32, combine(v, &format!("{shared}[w]"))));
+        c.line(format!(
+            "for (int w = 1; w < {}; ++w) {v} = {};",
+            s / 32,
+            combine(v, &format!("{shared}[w]"))
+        ));
         c.line("__syncthreads();");
     }
 }
@@ -92,7 +96,8 @@ fn rows(c: &mut Code, ty: &str, outer: usize, n: usize, log: bool, fname: &str) 
     c.line(format!("const bool active = o < {};", int(outer)));
     c.line(format!("const float* x = in0 + (active ? o : 0) * {};", int(n)));
     c.line(format!("float* y = out + (active ? o : 0) * {};", int(n)));
-    let (start, step) = if s == 1 { ("0".to_string(), "++j".to_string()) } else { ("slice".into(), format!("j += {s}")) };
+    let (start, step) =
+        if s == 1 { ("0".to_string(), "++j".to_string()) } else { ("slice".into(), format!("j += {s}")) };
     let each = format!("for ({ty} j = {start}; active && j < {}; {step}) {{", int(n));
     c.line(format!("float m = {NEG_INF};"));
     c.line(&each);
@@ -125,7 +130,15 @@ fn rows(c: &mut Code, ty: &str, outer: usize, n: usize, log: bool, fname: &str) 
     (launch, format!("{s} threads per row"))
 }
 
-fn columns(c: &mut Code, ty: &str, outer: usize, n: usize, inner: usize, log: bool, fname: &str) -> (Launch, String) {
+fn columns(
+    c: &mut Code,
+    ty: &str,
+    outer: usize,
+    n: usize,
+    inner: usize,
+    log: bool,
+    fname: &str,
+) -> (Launch, String) {
     let work = outer * inner;
     c.line(grid_loop(ty, "o", work));
     c.line(format!("const {ty} base = (o / {}) * {} + o % {};", int(inner), int(n * inner), int(inner)));
