@@ -360,6 +360,133 @@ fn cases() -> Vec<Case> {
     v
 }
 
+/// Random geometries (fixed seed): convolutions, pooling, reductions, permutes, broadcasts,
+/// softmax, matmul and the row ops, each valid under `infer`.
+fn random_cases() -> Vec<Case> {
+    let mut r = Rng(0x5EED_CAFE_F00D_1234);
+    let mut v = Vec::new();
+    let valid = |op: &Op, shapes: &[Vec<usize>]| {
+        let s: Vec<Shape> = shapes.iter().map(|d| Shape::from(d.as_slice())).collect();
+        let ops: Vec<(&Shape, DType)> = s.iter().map(|x| (x, DType::F32)).collect();
+        infer(op, &ops).ok().map(|o| o.0.dims().to_vec())
+    };
+    let push = |v: &mut Vec<Case>, name: String, op: Op, shapes: &[Vec<usize>]| {
+        let refs: Vec<&[usize]> = shapes.iter().map(|d| d.as_slice()).collect();
+        v.push(case(name, op, &refs));
+    };
+    let mut convs = 0;
+    while convs < 40 {
+        let x = vec![1 + r.pick(3), 1 + r.pick(12), 1 + r.pick(12), 1 + r.pick(5)];
+        let w = win(
+            [1 + r.pick(5), 1 + r.pick(5)],
+            [1 + r.pick(3), 1 + r.pick(3)],
+            if r.pick(2) == 0 { Padding::Same } else { Padding::Valid },
+        );
+        let ws = vec![w.size[0], w.size[1], x[3], 1 + r.pick(5)];
+        let Some(o) = valid(&Op::Conv2d { window: w }, &[x.clone(), ws.clone()]) else { continue };
+        let i = convs;
+        push(&mut v, format!("rand_conv2d_{i}"), Op::Conv2d { window: w }, &[x.clone(), ws.clone()]);
+        let bi = Op::Conv2dBackpropInput { window: w, input: Shape::from(x.as_slice()) };
+        push(&mut v, format!("rand_conv2d_backprop_input_{i}"), bi, &[o.clone(), ws]);
+        let bf = Op::Conv2dBackpropFilter { window: w };
+        push(&mut v, format!("rand_conv2d_backprop_filter_{i}"), bf, &[x, o]);
+        convs += 1;
+    }
+    let mut pools = 0;
+    while pools < 20 {
+        let x = vec![1 + r.pick(2), 1 + r.pick(10), 1 + r.pick(10), 1 + r.pick(4)];
+        let w = win(
+            [1 + r.pick(4), 1 + r.pick(4)],
+            [1 + r.pick(3), 1 + r.pick(3)],
+            if r.pick(2) == 0 { Padding::Same } else { Padding::Valid },
+        );
+        let kind = if r.pick(2) == 0 { PoolKind::Max } else { PoolKind::Avg };
+        let Some(o) = valid(&Op::Pool2d { kind, window: w }, &[x.clone()]) else { continue };
+        let i = pools;
+        push(&mut v, format!("rand_pool_{i}"), Op::Pool2d { kind, window: w }, &[x.clone()]);
+        let g = Op::Pool2dGrad { kind, window: w };
+        let mut c = case(format!("rand_pool_grad_{i}"), g, &[&x, &o]);
+        if r.pick(2) == 0 {
+            c = c.with(0, Data::Ties);
+        }
+        v.push(c);
+        pools += 1;
+    }
+    for i in 0..30 {
+        let rank = r.pick(5);
+        let dims: Vec<usize> = (0..rank).map(|_| 1 + r.pick(6)).collect();
+        let axes: Vec<usize> = (0..rank).filter(|_| r.pick(2) == 0).collect();
+        let op = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max][r.pick(3)];
+        push(&mut v, format!("rand_reduce_{i}"), Op::Reduce { op, axes, keepdims: r.pick(2) == 0 }, &[dims]);
+    }
+    for i in 0..20 {
+        let rank = 1 + r.pick(4);
+        let dims: Vec<usize> =
+            (0..rank).map(|_| if r.pick(3) == 0 { 16 + r.pick(25) } else { 1 + r.pick(5) }).collect();
+        let mut perm: Vec<usize> = (0..rank).collect();
+        for j in (1..rank).rev() {
+            perm.swap(j, r.pick(j + 1));
+        }
+        push(&mut v, format!("rand_permute_{i}"), Op::Permute { perm }, &[dims]);
+    }
+    for i in 0..30 {
+        let rank = r.pick(5);
+        let out: Vec<usize> = (0..rank).map(|_| 1 + r.pick(5)).collect();
+        let (a, b) = (r.operand(&out), r.operand(&out));
+        let op = Op::Binary([BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub, BinaryOp::Maximum][r.pick(4)]);
+        if valid(&op, &[a.clone(), b.clone()]).is_some() {
+            push(&mut v, format!("rand_binary_{i}"), op, &[a, b]);
+        }
+        let c = r.operand(&out);
+        if valid(&Op::Select, &[c.clone(), out.clone(), out.clone()]).is_some() {
+            push(&mut v, format!("rand_select_{i}"), Op::Select, &[c, out.clone(), out.clone()]);
+        }
+        if !out.is_empty() {
+            let src = r.operand(&out);
+            let op = Op::BroadcastTo { shape: Shape::from(out.as_slice()) };
+            push(&mut v, format!("rand_broadcast_{i}"), op, &[src]);
+        }
+    }
+    for i in 0..12 {
+        let rank = 1 + r.pick(3);
+        let dims: Vec<usize> = (0..rank).map(|_| 1 + r.pick(40)).collect();
+        let axis = r.pick(rank);
+        let op = if r.pick(2) == 0 { Op::Softmax { axis } } else { Op::LogSoftmax { axis } };
+        push(&mut v, format!("rand_softmax_{i}"), op, &[dims]);
+    }
+    for i in 0..16 {
+        let (m, n, k) = (1 + r.pick(70), 1 + r.pick(70), 1 + r.pick(70));
+        let (ta, tb) = (r.pick(2) == 0, r.pick(2) == 0);
+        let batch: Vec<usize> = (0..r.pick(3)).map(|_| 1 + r.pick(3)).collect();
+        let bcast = |b: &[usize], drop: usize| -> Vec<usize> { b[drop.min(b.len())..].to_vec() };
+        let mut a = bcast(&batch, r.pick(2));
+        let mut bb = bcast(&batch, r.pick(2));
+        if !a.is_empty() && r.pick(2) == 0 {
+            a[0] = 1;
+        }
+        a.extend(if ta { [k, m] } else { [m, k] });
+        bb.extend(if tb { [n, k] } else { [k, n] });
+        let op = Op::MatMul { transpose_a: ta, transpose_b: tb };
+        if valid(&op, &[a.clone(), bb.clone()]).is_some() {
+            push(&mut v, format!("rand_matmul_{i}"), op, &[a, bb]);
+        }
+    }
+    for i in 0..12 {
+        let rank = 1 + r.pick(3);
+        let dims: Vec<usize> = (0..rank).map(|_| 1 + r.pick(6)).collect();
+        let axis = r.pick(rank);
+        let mut other = dims.clone();
+        other[axis] = r.pick(4);
+        push(&mut v, format!("rand_concat_{i}"), Op::Concat { axis }, &[dims.clone(), other]);
+        let start = r.pick(dims[axis]);
+        let len = 1 + r.pick(dims[axis] - start);
+        push(&mut v, format!("rand_slice_{i}"), Op::Slice { axis, start, len }, &[dims.clone()]);
+        let pad = Op::Pad { axis, before: r.pick(3), after: r.pick(3) };
+        push(&mut v, format!("rand_pad_{i}"), pad, &[dims]);
+    }
+    v
+}
+
 /// Cases too large to run on the CPU: generated and compiled only (64-bit indices, big grids).
 fn large_cases() -> Vec<Case> {
     let big = 1usize << 31;
@@ -497,7 +624,7 @@ fn check(c: &Case, k: &CudaKernel) {
 fn every_op_generates_valid_launches() {
     let all = cases();
     let mut names = std::collections::HashSet::new();
-    for c in all.iter().chain(&large_cases()) {
+    for c in all.iter().chain(&random_cases()).chain(&large_cases()) {
         assert!(names.insert(c.name.clone()), "duplicate case {}", c.name);
         let k = c.generate();
         check(c, &k);
@@ -652,6 +779,17 @@ fn unsupported_ops_and_dtypes_are_errors() {
 struct Rng(u64);
 
 impl Rng {
+    /// Uniform in 0..n.
+    fn pick(&mut self, n: usize) -> usize {
+        ((self.next() * n as f32) as usize).min(n - 1)
+    }
+
+    /// A random operand shape that broadcasts to `out`: a suffix of its axes, some set to 1.
+    fn operand(&mut self, out: &[usize]) -> Vec<usize> {
+        let keep = self.pick(out.len() + 1);
+        out[out.len() - keep..].iter().map(|&d| if self.pick(3) == 0 { 1 } else { d }).collect()
+    }
+
     fn next(&mut self) -> f32 {
         let mut x = self.0;
         x ^= x << 13;
@@ -739,7 +877,7 @@ fn dump_for_device_checks() {
     let Ok(dir) = std::env::var("KILN_DUMP_CUDA") else { return };
     let dir = Path::new(&dir);
     std::fs::create_dir_all(dir).expect("dump directory");
-    for c in cases() {
+    for c in cases().into_iter().chain(random_cases()) {
         write_case(dir, &c, &c.generate(), true);
     }
     for c in large_cases() {

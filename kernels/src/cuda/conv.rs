@@ -1,6 +1,6 @@
 //! 2-D convolution (NHWC activations, HWIO filters) and its two gradients, all three as implicit
-//! GEMMs on the tiled kernel of `gemm`: the "im2col" matrix is never built, its elements are
-//! gathered (with zero padding) by the tile loaders, so no scratch memory is needed.
+//! GEMMs on the kernels of `gemm`: the "im2col" matrix is never built, its elements are gathered
+//! (with zero padding) by the loaders, so no scratch memory is needed.
 //!
 //! - forward: out[N·OH·OW, F] = X[N·OH·OW, KH·KW·C] · W[KH·KW·C, F]; the filter is that matrix
 //!   already, X(m, k) is x[n, oh·sh - ph + kh, ow·sw - pw + kw, c] or 0 in the padding.
@@ -10,8 +10,8 @@
 //!   1/s² of those products are zeros; the gradient of a strided convolution costs s² times more
 //!   arithmetic than needed, which keeps the kernel simple.
 //! - filter gradient: dw[KH·KW·C, F] = Xᵀ[KH·KW·C, N·OH·OW] · dY[N·OH·OW, F]: K is the whole
-//!   batch of output positions and the output small, which is where the GEMM's in-block split-K
-//!   applies (deterministic, see `gemm`).
+//!   batch of output positions and the output small, which is what the K-parallel GEMM is for
+//!   (every block reduces its outputs over all positions; deterministic, see `gemm`).
 //!
 //! Padding follows `Window2d::out_and_pad` (TensorFlow's SAME split), as the CPU kernels do.
 //! The bounds checks that a geometry cannot fail are left out of the source.
