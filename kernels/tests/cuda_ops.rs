@@ -401,9 +401,9 @@ fn random_cases() -> Vec<Case> {
             if r.pick(2) == 0 { Padding::Same } else { Padding::Valid },
         );
         let kind = if r.pick(2) == 0 { PoolKind::Max } else { PoolKind::Avg };
-        let Some(o) = valid(&Op::Pool2d { kind, window: w }, &[x.clone()]) else { continue };
+        let Some(o) = valid(&Op::Pool2d { kind, window: w }, std::slice::from_ref(&x)) else { continue };
         let i = pools;
-        push(&mut v, format!("rand_pool_{i}"), Op::Pool2d { kind, window: w }, &[x.clone()]);
+        push(&mut v, format!("rand_pool_{i}"), Op::Pool2d { kind, window: w }, std::slice::from_ref(&x));
         let g = Op::Pool2dGrad { kind, window: w };
         let mut c = case(format!("rand_pool_grad_{i}"), g, &[&x, &o]);
         if r.pick(2) == 0 {
@@ -480,7 +480,7 @@ fn random_cases() -> Vec<Case> {
         push(&mut v, format!("rand_concat_{i}"), Op::Concat { axis }, &[dims.clone(), other]);
         let start = r.pick(dims[axis]);
         let len = 1 + r.pick(dims[axis] - start);
-        push(&mut v, format!("rand_slice_{i}"), Op::Slice { axis, start, len }, &[dims.clone()]);
+        push(&mut v, format!("rand_slice_{i}"), Op::Slice { axis, start, len }, std::slice::from_ref(&dims));
         let pad = Op::Pad { axis, before: r.pick(3), after: r.pick(3) };
         push(&mut v, format!("rand_pad_{i}"), pad, &[dims]);
     }
