@@ -884,3 +884,27 @@ fn dump_for_device_checks() {
         write_case(dir, &c, &c.generate(), false);
     }
 }
+
+#[test]
+fn a_bias_add_reads_like_handwritten_cuda() {
+    let k = case("bias", Op::Binary(BinaryOp::Add), &[&[32, 10], &[10]]).generate();
+    let want = r#"// kiln: add: [32, 10], [10] -> [32, 10]
+__device__ __forceinline__ float kiln_op(float a, float b) {
+    return a + b;
+}
+
+extern "C" __global__ void kiln_add(const float* in0, const float* in1, float* out) {
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < 320; i += (int)(gridDim.x * blockDim.x)) {
+        const int c1 = i % 10;
+        const float a = in0[i];
+        const float b = in1[c1];
+        out[i] = kiln_op(a, b);
+    }
+}
+"#;
+    assert_eq!(k.source, want);
+    assert_eq!(k.launches.len(), 1);
+    assert_eq!(k.launches[0].grid, [2, 1, 1]);
+    assert_eq!(k.launches[0].block, [256, 1, 1]);
+    assert_eq!(k.launches[0].args, vec![Arg::Input(0), Arg::Input(1), Arg::Output]);
+}

@@ -142,7 +142,9 @@ pub(crate) fn pool2d_grad(
     c.line(format!("const {ty} n_ = q / {};", g.h));
     c.line("// the output rows and columns whose windows contain (ih_, iw_)");
     for (v, i, p, k, s, o) in [("oh", "ih_", g.ph, g.kh, g.sh, g.oh), ("ow", "iw_", g.pw, g.kw, g.sw, g.ow)] {
-        c.line(format!("const int {v}t = {i} + {};", p as isize - k as isize + 1));
+        let shift = p as isize - k as isize + 1;
+        let sign = if shift < 0 { '-' } else { '+' };
+        c.line(format!("const int {v}t = {i} {sign} {};", shift.unsigned_abs()));
         c.line(format!("const int {v}_lo = {v}t <= 0 ? 0 : ({v}t + {}) / {s};", s - 1));
         c.line(format!("const int {v}u = ({i} + {p}) / {s};"));
         c.line(format!("const int {v}_hi = {v}u > {} ? {} : {v}u;", o - 1, o - 1));
