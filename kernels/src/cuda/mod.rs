@@ -1,34 +1,176 @@
-//! CUDA C source for every op (placeholder interface; the generator replaces this file).
+//! CUDA C source for every computing op of the IR: the CUDA backend compiles each `CudaKernel`'s
+//! source with NVRTC (`--gpu-architecture=compute_90 --std=c++17`, no fast-math) and runs its
+//! launches, in order, on pointers into the device arena. This module produces strings and launch
+//! descriptions only; it does not touch a device (no cudarc).
+//!
+//! Conventions of every generated source:
+//! - One translation unit, no `#include`: `extern "C" __global__` functions, CUDA builtins only.
+//!   The first line is a comment naming the op, its attributes and shapes.
+//! - Shapes, strides and attributes are baked in as literals (sources are per shape; NVRTC then
+//!   folds the index math). f32 constants are printed exactly (`codegen::flt`).
+//! - Tensors are contiguous row-major f32. Parameters are `float*`, in the order of the launch's
+//!   `args`: `Input(i)` is operand i, `Output` the step's output. Read-only inputs are
+//!   `const float* __restrict__`, except in elementwise kernels (Unary, Binary, Scalar, Select),
+//!   whose output may be the same buffer as an input: those take plain pointers and read element
+//!   i of every input before writing element i. Effect ops (ApplySgd, ApplyAdam, AssignAdd) have
+//!   no `Output` argument and update `Op::mutated_operands` in place.
+//! - Grids are 1-D (no 65535 limit applies), blocks at most 1024 threads, static shared memory
+//!   within 48 KiB (`shared_bytes` is 0). Kernels over many elements use grid-stride loops; index
+//!   arithmetic is `int` below 2^30 elements and `long long` above.
+//! - Arithmetic follows the CPU kernels (`cpu`) operation for operation, with products that feed
+//!   additions written `__fmul_rn` so NVRTC does not fuse them; see `math` for what remains
+//!   different (CUDA's transcendental functions), `gemm` for summation order in products and
+//!   convolutions, and `gather` for the atomics of gather_grad.
+//!
+//! Checked without a GPU (the build machines have none): `tests/cuda_ops.rs` generates 783
+//! kernels (every op; fixed, random and >2^31-element shapes) and, with `KILN_DUMP_CUDA=DIR`,
+//! writes their sources, launches, inputs and the CPU kernels' outputs. All of them compile with
+//! NVRTC 13.0 (`compute_90`, and `sm_90` through ptxas: no register spills) without a warning, and
+//! a host emulation of the kernels (blocks run one at a time, their threads as OS threads, with
+//! barriers, shuffles and shared memory) reproduced the CPU results on all 772 runnable cases:
+//! bitwise for everything but GELU (CUDA's `erff` vs libm's, 1e-8) and the GEMM-based ops
+//! (summation order, within 1e-7 of the sum of |terms|), and again on 527 of them with 64-bit
+//! indices forced.
+//!
+//! Modules, one job each:
+//! - `codegen`: source builder, float literals, index types, grids, strided loop nests.
+//! - `math`: device scalar functions and each elementwise op's expression.
+//! - `elementwise`: unary, binary, scalar, select, and the strided map the layout ops share.
+//! - `layout`: fill, copy, permute (tiled transposes), broadcast_to, concat, slice, pad.
+//! - `reduce`, `softmax`: reductions and the normalisers along an axis.
+//! - `gemm`: the tiled, register-blocked GEMM; `matmul` and `conv` build on it.
+//! - `pool`: pooling and its gradients; `gather`: embedding lookup and its gradient.
+//! - `optim`: the in-place training effects.
+
+mod codegen;
+mod conv;
+mod elementwise;
+mod gather;
+mod gemm;
+mod layout;
+mod math;
+mod matmul;
+mod optim;
+mod pool;
+mod reduce;
+mod softmax;
 
 use crate::KernelError;
-use kiln_compiler::ir::{DType, Op, Shape};
+use kiln_compiler::ir::{DType, Op, Shape, infer};
 
+/// A kernel for one plan step: CUDA C source (one translation unit, `extern "C" __global__`
+/// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CudaKernel {
     pub source: String,
     pub launches: Vec<Launch>,
+    /// Short description for profiles, e.g. "matmul 32x100x10 (... tile 16x16x16 ...)".
     pub describe: String,
 }
 
+/// One kernel launch: a function of the source, its geometry and its pointer arguments.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Launch {
     pub function: String,
     pub grid: [u32; 3],
     pub block: [u32; 3],
+    /// Dynamic shared memory in bytes (the generated kernels use static shared memory: 0).
     pub shared_bytes: u32,
     pub args: Vec<Arg>,
 }
 
+/// Kernel parameters are device pointers, in this order: `Input(i)` = operand i, `Output` = the step's output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arg {
     Input(usize),
     Output,
 }
 
+/// Generates the CUDA kernel of `op` on operands of the given shapes and dtypes producing `output`
+/// (for effect ops, the scalar shape that `infer` gives). Errors as `cpu::prepare`: sources and
+/// views have no kernel, only f32 is supported, and the shapes must agree with `ir::infer`.
 pub fn generate(
     op: &Op,
-    _inputs: &[(&Shape, DType)],
+    inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
 ) -> Result<CudaKernel, KernelError> {
-    Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: "placeholder".into() })
+    if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
+        let help = if matches!(op, Op::Reshape { .. }) {
+            "reshape is a view of its operand's buffer: the runtime aliases it and launches no CUDA kernel"
+        } else {
+            "sources are filled by the runtime (feeds and variable initialisation), not by a CUDA kernel"
+        };
+        return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
+    }
+    let dtypes = inputs.iter().map(|&(_, d)| d).chain([output.1]);
+    if let Some(d) = dtypes.into_iter().find(|&d| d != DType::F32) {
+        return Err(KernelError::Unsupported {
+            op: op.label(),
+            dtype: d,
+            help: "the CUDA kernels compute in f32 only; declare the model's inputs and variables as f32"
+                .into(),
+        });
+    }
+    let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
+    let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
+        op: op.label(),
+        message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
+    })?;
+    if &shape != output.0 {
+        return Err(KernelError::Shape {
+            op: op.label(),
+            message: format!(
+                "the output is declared as {} but the operands {} give {shape}",
+                output.0,
+                operands()
+            ),
+        });
+    }
+    let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
+    let out = output.0;
+    let name = op.name();
+    let label = op.label();
+    // Work that writes nothing launches nothing.
+    let written = if op.is_effect() { s[0].numel() } else { out.numel() };
+    if written == 0 {
+        let head = codegen::header(&label, &s, (!op.is_effect()).then_some(out));
+        return Ok(CudaKernel {
+            source: format!("{head}\n// empty: nothing to compute, no launch\n"),
+            launches: Vec::new(),
+            describe: format!("{name} (empty)"),
+        });
+    }
+    let l = label.as_str();
+    Ok(match op {
+        Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
+        Op::Fill { value, .. } => layout::fill(l, *value, out),
+        Op::Unary(u) => elementwise::unary(*u, name, l, s[0]),
+        Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
+        Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
+        Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
+        Op::MatMul { transpose_a, transpose_b } => {
+            matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out)
+        }
+        Op::Permute { perm } => layout::permute(l, s[0], perm, out),
+        Op::BroadcastTo { .. } => layout::broadcast_to(l, s[0], out),
+        Op::Copy => layout::copy(l, s[0]),
+        Op::Concat { axis } => layout::concat(l, &s, *axis, out),
+        Op::Slice { axis, start, len } => layout::slice(l, s[0], *axis, *start, *len, out),
+        Op::Pad { axis, before, after } => layout::pad(l, s[0], *axis, *before, *after, out),
+        Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out),
+        Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false),
+        Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
+        Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out),
+        Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(l, s[0], s[1], window, out),
+        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out),
+        Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
+        Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
+        Op::Gather => gather::gather(l, s[0], s[1], out),
+        Op::GatherGrad { vocab } => gather::gather_grad(l, s[0], s[1], *vocab, out),
+        Op::ApplySgd { lr, momentum, nesterov } => optim::sgd(l, *lr, *momentum, *nesterov, s[0], &s),
+        Op::ApplyAdam { lr, beta1, beta2, epsilon } => {
+            optim::adam(l, *lr, *beta1, *beta2, *epsilon, s[0], &s)
+        }
+        Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
+    })
 }

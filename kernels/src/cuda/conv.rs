@@ -1,0 +1,288 @@
+//! 2-D convolution (NHWC activations, HWIO filters) and its two gradients, all three as implicit
+//! GEMMs on the kernels of `gemm`: the "im2col" matrix is never built, its elements are gathered
+//! (with zero padding) by the loaders, so no scratch memory is needed.
+//!
+//! - forward: out[N·OH·OW, F] = X[N·OH·OW, KH·KW·C] · W[KH·KW·C, F]; the filter is that matrix
+//!   already, X(m, k) is x[n, oh·sh - ph + kh, ow·sw - pw + kw, c] or 0 in the padding.
+//! - input gradient: dx[N·H·W, C] = dY[N·H·W, KH·KW·F] · Wᵀ; dY(m, k) is dy[n, oh, ow, f] with
+//!   oh = (ih + ph - kh) / sh where that division is exact and lands inside the output, else 0.
+//!   Each dx element is one dot product: no atomics, deterministic. With stride s, all but
+//!   1/s² of those products are zeros; the gradient of a strided convolution costs s² times more
+//!   arithmetic than needed, which keeps the kernel simple.
+//! - filter gradient: dw[KH·KW·C, F] = Xᵀ[KH·KW·C, N·OH·OW] · dY[N·OH·OW, F]: K is the whole
+//!   batch of output positions and the output small, which is what the K-parallel GEMM is for
+//!   (every block reduces its outputs over all positions; deterministic, see `gemm`).
+//!
+//! Padding follows `Window2d::out_and_pad` (TensorFlow's SAME split), as the CPU kernels do.
+//! The bounds checks that a geometry cannot fail are left out of the source.
+
+use super::codegen::{Code, header, idx_type, int};
+use super::elementwise::Map;
+use super::gemm::{Gemm, Operand};
+use super::{Arg, CudaKernel};
+use kiln_compiler::ir::{Shape, Window2d};
+
+/// Geometry shared by the three kernels.
+#[derive(Clone, Debug)]
+struct Geom {
+    n: usize,
+    h: usize,
+    w: usize,
+    c: usize,
+    oh: usize,
+    ow: usize,
+    f: usize,
+    kh: usize,
+    kw: usize,
+    sh: usize,
+    sw: usize,
+    ph: usize,
+    pw: usize,
+}
+
+impl Geom {
+    fn new(x: &Shape, window: &Window2d, f: usize) -> Geom {
+        let [n, h, w, c] = [0, 1, 2, 3].map(|i| x.dims()[i]);
+        let (oh, ph) = window.out_and_pad(0, h).expect("checked by infer");
+        let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
+        let [kh, kw] = window.size;
+        let [sh, sw] = window.stride;
+        Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw }
+    }
+
+    fn text(&self) -> String {
+        format!(
+            "{}x{} stride {}x{} pad {}x{}, {}x{}x{}x{} -> {}x{}x{}x{}",
+            self.kh,
+            self.kw,
+            self.sh,
+            self.sw,
+            self.ph,
+            self.pw,
+            self.n,
+            self.h,
+            self.w,
+            self.c,
+            self.n,
+            self.oh,
+            self.ow,
+            self.f
+        )
+    }
+
+    /// Conditions under which input row `ih` / column `iw` (of output position and tap) is
+    /// inside the input, "" when it always is.
+    fn inside(&self) -> String {
+        let mut conds = Vec::new();
+        for (var, pad, out, stride, k, extent) in [
+            ("ih", self.ph, self.oh, self.sh, self.kh, self.h),
+            ("iw", self.pw, self.ow, self.sw, self.kw, self.w),
+        ] {
+            if pad > 0 {
+                conds.push(format!("{var} >= 0"));
+            }
+            if (out - 1) * stride + k > extent + pad {
+                conds.push(format!("{var} < {extent}"));
+            }
+        }
+        conds.join(" && ")
+    }
+}
+
+/// Coordinates of linear index `var` over `dims` (outer first), as expressions.
+fn coords(var: &str, dims: &[usize]) -> Vec<String> {
+    (0..dims.len())
+        .map(|a| {
+            if dims[a] == 1 {
+                return "0".to_string();
+            }
+            let inner: usize = dims[a + 1..].iter().product();
+            let base = if inner == 1 { var.to_string() } else { format!("{var} / {}", int(inner)) };
+            match (a, inner) {
+                (0, _) => base,
+                (_, 1) => format!("{base} % {}", dims[a]),
+                _ => format!("({base}) % {}", dims[a]),
+            }
+        })
+        .collect()
+}
+
+/// `const T name = expr;` for each (name, expr).
+fn lets(ty: &str, names: &[&str], exprs: &[String]) -> String {
+    names.iter().zip(exprs).map(|(n, e)| format!("const {ty} {n} = {e};")).collect::<Vec<_>>().join("\n")
+}
+
+/// Reads x at (n_, ih, iw, c_) when inside, into v.
+fn read_x(g: &Geom, ty: &str) -> String {
+    let inside = g.inside();
+    let read = format!("v = src[((n_ * {} + ih) * {} + iw) * {} + c_];", int(g.h), int(g.w), int(g.c));
+    let at = |o: &str, s: usize, k: &str, p: usize| {
+        let scaled = if s == 1 { o.to_string() } else { format!("{o} * {s}") };
+        if p == 0 { format!("{scaled} + {k}") } else { format!("{scaled} + {k} - {p}") }
+    };
+    let mut s = format!(
+        "const {ty} ih = {};\nconst {ty} iw = {};\n",
+        at("oh_", g.sh, "kh_", g.ph),
+        at("ow_", g.sw, "kw_", g.pw)
+    );
+    if inside.is_empty() {
+        s.push_str(&read);
+    } else {
+        s.push_str(&format!("if ({inside}) {read}"));
+    }
+    s
+}
+
+fn zeros(name: &str, head: String, describe: String, out: &Shape) -> CudaKernel {
+    let mut k = Map {
+        name,
+        header: head,
+        describe: describe.clone(),
+        out: out.dims(),
+        strides: Vec::new(),
+        max_operand: out.numel(),
+        expr: "0.0f".into(),
+        in_place: false,
+    }
+    .generate();
+    k.describe = format!("{describe} (empty contraction: zeros)");
+    k
+}
+
+fn finish(head: String, gemm: Gemm, describe: String) -> CudaKernel {
+    let mut c = Code::new();
+    c.line(head);
+    let (launch, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+}
+
+pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: &Shape) -> CudaKernel {
+    let g = Geom::new(x, window, w.dims()[3]);
+    let head = header(label, &[x, w], Some(out));
+    let describe = format!("conv2d {}", g.text());
+    let (m, n, k) = (g.n * g.oh * g.ow, g.f, g.kh * g.kw * g.c);
+    if k == 0 {
+        return zeros("kiln_conv2d", head, describe, out);
+    }
+    let ty = idx_type(x.numel().max(w.numel()).max(out.numel()));
+    let mut a_load = lets(ty, &["n_", "oh_", "ow_"], &coords("gr", &[g.n, g.oh, g.ow]));
+    a_load.push('\n');
+    a_load.push_str(&lets(ty, &["kh_", "kw_", "c_"], &coords("gk", &[g.kh, g.kw, g.c])));
+    a_load.push('\n');
+    a_load.push_str(&read_x(&g, ty));
+    let b_load = format!("v = src[gk * {} + gr];", int(g.f));
+    let gemm = Gemm {
+        name: "kiln_conv2d".into(),
+        m,
+        n,
+        k,
+        batch: 1,
+        a: Operand { k_contiguous: true, load: a_load, batch_offset: "0".into() },
+        b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
+        ty,
+        args: [Arg::Input(0), Arg::Input(1)],
+    };
+    finish(head, gemm, describe)
+}
+
+pub(crate) fn backprop_input(
+    label: &str,
+    dy: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    dx: &Shape,
+) -> CudaKernel {
+    let g = Geom::new(dx, window, w.dims()[3]);
+    let head = header(label, &[dy, w], Some(dx));
+    let describe = format!("conv2d_backprop_input {}", g.text());
+    let (m, n, k) = (g.n * g.h * g.w, g.c, g.kh * g.kw * g.f);
+    if k == 0 {
+        return zeros("kiln_conv2d_backprop_input", head, describe, dx);
+    }
+    let ty = idx_type(dy.numel().max(w.numel()).max(dx.numel()));
+    let mut a = lets(ty, &["n_", "ih_", "iw_"], &coords("gr", &[g.n, g.h, g.w]));
+    a.push('\n');
+    a.push_str(&lets(ty, &["kh_", "kw_", "f_"], &coords("gk", &[g.kh, g.kw, g.f])));
+    a.push('\n');
+    // th = oh * sh exactly, for an output row oh inside the output.
+    let mut conds = Vec::new();
+    let mut defs = Vec::new();
+    for (t, i, kk, pad, stride, k_ext, extent, out_ext) in
+        [("th", "ih_", "kh_", g.ph, g.sh, g.kh, g.h, g.oh), ("tw", "iw_", "kw_", g.pw, g.sw, g.kw, g.w, g.ow)]
+    {
+        defs.push(if pad > 0 {
+            format!("const {ty} {t} = {i} + {pad} - {kk};")
+        } else {
+            format!("const {ty} {t} = {i} - {kk};")
+        });
+        if k_ext - 1 > pad {
+            conds.push(format!("{t} >= 0"));
+        }
+        if stride > 1 {
+            conds.push(format!("{t} % {stride} == 0"));
+        }
+        if extent - 1 + pad >= out_ext * stride {
+            conds.push(format!("{t} < {}", out_ext * stride));
+        }
+    }
+    a.push_str(&defs.join("\n"));
+    a.push('\n');
+    let oh = if g.sh > 1 { format!("th / {}", g.sh) } else { "th".into() };
+    let ow = if g.sw > 1 { format!("tw / {}", g.sw) } else { "tw".into() };
+    let read =
+        format!("v = src[(((n_ * {}) + {oh}) * {} + {ow}) * {} + f_];", int(g.oh), int(g.ow), int(g.f));
+    if conds.is_empty() {
+        a.push_str(&read);
+    } else {
+        a.push_str(&format!("if ({}) {read}", conds.join(" && ")));
+    }
+    // B(k, c) = w[kh, kw, c, f] with k = (kh, kw, f).
+    let b_load = format!("v = src[(gk / {f} * {} + gr) * {f} + gk % {f}];", int(g.c), f = int(g.f));
+    let gemm = Gemm {
+        name: "kiln_conv2d_backprop_input".into(),
+        m,
+        n,
+        k,
+        batch: 1,
+        a: Operand { k_contiguous: true, load: a, batch_offset: "0".into() },
+        b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into() },
+        ty,
+        args: [Arg::Input(0), Arg::Input(1)],
+    };
+    finish(head, gemm, describe)
+}
+
+pub(crate) fn backprop_filter(
+    label: &str,
+    x: &Shape,
+    dy: &Shape,
+    window: &Window2d,
+    dw: &Shape,
+) -> CudaKernel {
+    let g = Geom::new(x, window, dy.dims()[3]);
+    let head = header(label, &[x, dy], Some(dw));
+    let describe = format!("conv2d_backprop_filter {}", g.text());
+    let (m, n, k) = (g.kh * g.kw * g.c, g.f, g.n * g.oh * g.ow);
+    if k == 0 {
+        return zeros("kiln_conv2d_backprop_filter", head, describe, dw);
+    }
+    let ty = idx_type(x.numel().max(dy.numel()).max(dw.numel()));
+    let mut a_load = lets(ty, &["kh_", "kw_", "c_"], &coords("gr", &[g.kh, g.kw, g.c]));
+    a_load.push('\n');
+    a_load.push_str(&lets(ty, &["n_", "oh_", "ow_"], &coords("gk", &[g.n, g.oh, g.ow])));
+    a_load.push('\n');
+    a_load.push_str(&read_x(&g, ty));
+    let b_load = format!("v = src[gk * {} + gr];", int(g.f));
+    let gemm = Gemm {
+        name: "kiln_conv2d_backprop_filter".into(),
+        m,
+        n,
+        k,
+        batch: 1,
+        a: Operand { k_contiguous: false, load: a_load, batch_offset: "0".into() },
+        b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
+        ty,
+        args: [Arg::Input(0), Arg::Input(1)],
+    };
+    finish(head, gemm, describe)
+}

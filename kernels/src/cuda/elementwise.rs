@@ -1,0 +1,208 @@
+//! Elementwise kernels (unary, binary with NumPy broadcasting, scalar, select) and the strided map
+//! that the layout kernels (fill, copy, broadcast_to, permute) share.
+//!
+//! One thread per output element in a grid-stride loop (256-thread blocks). The output's loop nest
+//! is merged first (`codegen::Nest`), so each operand is read either at the output's own index,
+//! as a broadcast scalar, or through baked strides after a div/mod decomposition of the index.
+//! When no operand needs strides and the element count is a multiple of 4, the loop runs over
+//! `float4`s: 16-byte loads and stores (arena offsets are 256-byte aligned), scalar operands
+//! loaded once per thread.
+//!
+//! In place: the runtime may pass an input's buffer as the output. Elementwise kernels therefore
+//! take plain pointers (no `__restrict__`) and every thread reads all operands of element i (or
+//! float4 i) before it writes that element; an operand aliasing the output has the output's
+//! shape, so it is read at the same index, by the same thread.
+
+use super::codegen::{
+    Access, BLOCK, Code, Nest, broadcast_strides, decompose_some, grid_for, grid_loop, header,
+};
+use super::codegen::{idx_type, linear, params, shape_text};
+use super::{Arg, CudaKernel, Launch, math};
+use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
+
+/// Operand value names in the op expressions.
+const NAMES: [&str; 3] = ["a", "b", "c"];
+
+/// A one-thread-per-element kernel over a contiguous output.
+pub(crate) struct Map<'a> {
+    /// Function name, e.g. "kiln_add".
+    pub name: &'a str,
+    /// The source's first line (`codegen::header`).
+    pub header: String,
+    pub describe: String,
+    pub out: &'a [usize],
+    /// Operand k's element strides along the output's axes (0 where broadcast).
+    pub strides: Vec<Vec<isize>>,
+    /// Largest operand, in elements (chooses the index type).
+    pub max_operand: usize,
+    /// The output value as an expression of the operand values a, b, c.
+    pub expr: String,
+    /// Whether the output may alias an operand (elementwise ops): no `__restrict__`.
+    pub in_place: bool,
+}
+
+impl Map<'_> {
+    pub(crate) fn generate(self) -> CudaKernel {
+        let numel: usize = self.out.iter().product();
+        let k = self.strides.len();
+        let nest = Nest::new(self.out, &self.strides);
+        let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
+        let ty = idx_type(numel.max(self.max_operand));
+        let vector = numel.is_multiple_of(4) && numel >= 4 && access.iter().all(|&a| a != Access::Strided);
+        let names: Vec<&str> = NAMES[..k].to_vec();
+
+        let mut c = Code::new();
+        c.line(self.header);
+        let prelude = math::prelude(&self.expr);
+        if !prelude.is_empty() {
+            c.line(prelude);
+        }
+        let args: Vec<String> = names.iter().map(|n| format!("float {n}")).collect();
+        c.line(format!("__device__ __forceinline__ float kiln_op({}) {{", args.join(", ")));
+        c.line(format!("return {};", self.expr));
+        c.line("}");
+        c.blank();
+        c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(k, true, !self.in_place)));
+        let call = |vals: &[String]| format!("kiln_op({})", vals.join(", "));
+        let work;
+        if vector {
+            work = numel / 4;
+            for (j, a) in access.iter().enumerate() {
+                match a {
+                    Access::Same => {
+                        c.line(format!("const float4* in{j}v = reinterpret_cast<const float4*>(in{j});"));
+                    }
+                    _ => {
+                        c.line(format!("const float {} = in{j}[0];", names[j]));
+                    }
+                }
+            }
+            c.line("float4* outv = reinterpret_cast<float4*>(out);");
+            c.line(grid_loop(ty, "i", work));
+            for (j, a) in access.iter().enumerate() {
+                if *a == Access::Same {
+                    c.line(format!("const float4 {}4 = in{j}v[i];", names[j]));
+                }
+            }
+            c.line("float4 r;");
+            for lane in ["x", "y", "z", "w"] {
+                let vals: Vec<String> = (0..k)
+                    .map(|j| match access[j] {
+                        Access::Same => format!("{}4.{lane}", names[j]),
+                        _ => names[j].to_string(),
+                    })
+                    .collect();
+                c.line(format!("r.{lane} = {};", call(&vals)));
+            }
+            c.line("outv[i] = r;");
+            c.line("}");
+        } else {
+            work = numel;
+            c.line(grid_loop(ty, "i", numel));
+            let used: Vec<bool> = (0..nest.dims.len())
+                .map(|a| (0..k).any(|j| access[j] == Access::Strided && nest.strides[j][a] != 0))
+                .collect();
+            let coords = if access.contains(&Access::Strided) {
+                decompose_some(&mut c, ty, "i", &nest.dims, &used, "c")
+            } else {
+                Vec::new()
+            };
+            for (j, a) in access.iter().enumerate() {
+                let at = match a {
+                    Access::Same => "i".to_string(),
+                    Access::Scalar => "0".to_string(),
+                    Access::Strided => linear(&coords, &nest.strides[j]),
+                };
+                c.line(format!("const float {} = in{j}[{at}];", names[j]));
+            }
+            let vals: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            c.line(format!("out[i] = {};", call(&vals)));
+            c.line("}");
+        }
+        c.line("}");
+        let launch = Launch {
+            function: self.name.to_string(),
+            grid: grid_for(work, BLOCK),
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+            args: (0..k).map(Arg::Input).chain([Arg::Output]).collect(),
+        };
+        let how = if vector {
+            "float4"
+        } else if access.contains(&Access::Strided) {
+            "strided"
+        } else {
+            "flat"
+        };
+        CudaKernel {
+            source: c.finish(),
+            launches: vec![launch],
+            describe: format!("{} ({how})", self.describe),
+        }
+    }
+}
+
+fn strides_of(operands: &[&Shape], out: &Shape) -> Vec<Vec<isize>> {
+    operands.iter().map(|s| broadcast_strides(s.dims(), out.dims())).collect()
+}
+
+fn max_numel(operands: &[&Shape]) -> usize {
+    operands.iter().map(|s| s.numel()).max().unwrap_or(0)
+}
+
+pub(crate) fn unary(op: UnaryOp, name: &str, label: &str, x: &Shape) -> CudaKernel {
+    Map {
+        name: &format!("kiln_{name}"),
+        header: header(label, &[x], Some(x)),
+        describe: format!("{name} {}", shape_text(x)),
+        out: x.dims(),
+        strides: strides_of(&[x], x),
+        max_operand: x.numel(),
+        expr: math::unary(op, "a"),
+        in_place: true,
+    }
+    .generate()
+}
+
+pub(crate) fn binary(op: BinaryOp, name: &str, label: &str, a: &Shape, b: &Shape, out: &Shape) -> CudaKernel {
+    Map {
+        name: &format!("kiln_{name}"),
+        header: header(label, &[a, b], Some(out)),
+        describe: format!("{name} {} {}", shape_text(a), shape_text(b)),
+        out: out.dims(),
+        strides: strides_of(&[a, b], out),
+        max_operand: max_numel(&[a, b, out]),
+        expr: math::binary(op, "a", "b"),
+        in_place: true,
+    }
+    .generate()
+}
+
+pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape) -> CudaKernel {
+    Map {
+        name: &format!("kiln_{name}"),
+        header: header(label, &[x], Some(x)),
+        describe: format!("{name}[{c}] {}", shape_text(x)),
+        out: x.dims(),
+        strides: strides_of(&[x], x),
+        max_operand: x.numel(),
+        expr: math::scalar(op, c, "a"),
+        in_place: true,
+    }
+    .generate()
+}
+
+pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) -> CudaKernel {
+    // Operands (cond, a, b) are named a, b, c in the expression.
+    Map {
+        name: "kiln_select",
+        header: header(label, &[c, a, b], Some(out)),
+        describe: format!("select {} {} {}", shape_text(c), shape_text(a), shape_text(b)),
+        out: out.dims(),
+        strides: strides_of(&[c, a, b], out),
+        max_operand: max_numel(&[c, a, b, out]),
+        expr: "a != 0.0f ? b : c".into(),
+        in_place: true,
+    }
+    .generate()
+}

@@ -1,0 +1,521 @@
+//! The GEMM kernels behind matmul and the three convolutions: out[b] (M x N, row-major) =
+//! A[b] (M x K) · B[b] (K x N), where A and B are not matrices in memory but element loaders
+//! (`Operand::load`): strided for matmul (transposes cost nothing), implicit im2col gathers with
+//! zero padding for the convolutions.
+//!
+//! Design (the classic shared-memory + register-blocked SGEMM):
+//! - A block of 256 threads (16 x 16) computes a BM x BN tile of the output, each thread a TM x TN
+//!   micro-tile in registers (rows ty + 16 i, columns tx + 16 j: strided, so that a warp's shared
+//!   reads are conflict-free and its stores to the output coalesced).
+//! - K advances BK at a time through shared memory: each thread loads BM·BK/256 elements of A and
+//!   BN·BK/256 of B, mapped so that consecutive threads read consecutive addresses (along k when
+//!   the operand is contiguous along k, else along rows); a shared tile is padded by one column
+//!   when its stores would otherwise hit one bank. The next tile is fetched into registers while
+//!   the current one is multiplied (register prefetch), which hides most global latency.
+//! - Tiles: from 128x128 (8x8 per thread) down to 16x16 (1x1), chosen per shape by a small cost
+//!   model (`choose`): padded work / (per-SM rate x utilisation), bounded below by the latency of
+//!   the serial K loop. Large square products get 64x64 or 128x128 tiles, thin ones (N = 10)
+//!   16-wide tiles, tiny ones (32x100x10) 16x16.
+//! - In-block split-K: when the output has few tiles but K is long (a weight gradient contracts
+//!   over the batch), the block runs S = 2 or 4 groups of 256 threads on interleaved K tiles and
+//!   adds their partial tiles through shared memory in a fixed order.
+//! - K-parallel kernel, for few outputs and K >= 1024 (a filter gradient contracts over all
+//!   N·OH·OW positions into a few hundred outputs; a 16x16-tiled GEMM would occupy 2 of the 132
+//!   SMs for a 64x32x32x3 -> 16 convolution): each block computes 4x4, 2x2 or 1x1 outputs with
+//!   all of its 1024 threads, thread t taking k = t, t + 1024, ... straight from global memory
+//!   (L2), then a warp butterfly and a shared-memory pass in warp order. `plan` picks it when its
+//!   estimated cost is lower than the tiled kernel's.
+//! - Both stay deterministic: kernels get no scratch memory, so a split over blocks would need
+//!   atomics; every output is reduced inside one block, in an order fixed by the shape.
+//! - Edges: every load is guarded (rows < M or N, k < K; zero outside), every store too, so any
+//!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
+//!   grid dimension limit applies.
+//!
+//! Accumulation is f32 with FMA, in K order within a group or thread: the CPU's `gemm` crate adds
+//! in another order, so results agree to rounding, not bitwise (measured on a host emulation of
+//! the kernels: within 1e-7 of the sum of |terms|, as close to the exact f64 sum as the CPU's).
+//! The tile choice is a model, not a measurement: no GPU was at hand when it was written.
+
+use super::codegen::{Code, int};
+use super::{Arg, Launch};
+
+/// Threads per K group; each block has `split` of them.
+const GROUP: usize = 256;
+/// Shared memory limit of a block without opting in to more.
+const SHARED_LIMIT: usize = 48 * 1024;
+/// SMs of the H200.
+const SMS: usize = 132;
+
+/// One tile configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tile {
+    pub bm: usize,
+    pub bn: usize,
+    pub bk: usize,
+    pub tm: usize,
+    pub tn: usize,
+    /// K groups per block (in-block split-K).
+    pub split: usize,
+}
+
+/// (BM, BN, BK, TM, TN): 16 x 16 threads, BM = 16 TM, BN = 16 TN.
+const CANDIDATES: [(usize, usize, usize, usize, usize); 12] = [
+    (128, 128, 8, 8, 8),
+    (128, 64, 8, 8, 4),
+    (64, 128, 8, 4, 8),
+    (128, 32, 8, 8, 2),
+    (32, 128, 8, 2, 8),
+    (64, 64, 16, 4, 4),
+    (64, 32, 16, 4, 2),
+    (32, 64, 16, 2, 4),
+    (64, 16, 16, 4, 1),
+    (16, 64, 16, 1, 4),
+    (32, 32, 16, 2, 2),
+    (16, 16, 16, 1, 1),
+];
+
+impl Tile {
+    fn loads_a(&self) -> usize {
+        self.bm * self.bk / GROUP
+    }
+
+    fn loads_b(&self) -> usize {
+        self.bn * self.bk / GROUP
+    }
+
+    fn threads(&self) -> usize {
+        GROUP * self.split
+    }
+
+    /// Registers per thread, estimated.
+    fn regs(&self) -> usize {
+        self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32
+    }
+
+    /// Shared floats for the tiles (and, with split-K, the partial sums, which reuse them).
+    fn shared_floats(&self, pad_a: usize, pad_b: usize) -> usize {
+        let tiles = self.split * self.bk * (self.bm + pad_a + self.bn + pad_b);
+        let partials = (self.split - 1) * self.tm * self.tn * GROUP;
+        tiles.max(partials)
+    }
+
+    /// Estimated time in cycles, `None` when the configuration does not fit an SM.
+    fn cost(&self, m: usize, n: usize, k: usize, batch: usize) -> Option<f64> {
+        let tiles = batch * m.div_ceil(self.bm) * n.div_ceil(self.bn);
+        let ktiles = k.div_ceil(self.bk).max(1);
+        if self.split > 1 && ktiles < 2 * self.split {
+            return None;
+        }
+        let iters = ktiles.div_ceil(self.split);
+        let threads = self.threads();
+        if threads * self.regs() > 65536 || self.shared_floats(1, 1) * 4 > SHARED_LIMIT {
+            return None;
+        }
+        let per_sm = (2048 / threads).min(65536 / (threads * self.regs())).max(1);
+        let active = tiles.min(SMS) as f64;
+        let resident = tiles.div_ceil(SMS).min(per_sm);
+        let util = ((resident * threads / 32) as f64 / 16.0).min(1.0);
+        let (tm, tn) = (self.tm as f64, self.tn as f64);
+        let eff = tm * tn / (tm * tn + tm + tn + 4.0);
+        let padded = (tiles * self.bm * self.bn * iters * self.split * self.bk) as f64;
+        let compute = padded / (active * 128.0 * eff * util);
+        let waves = tiles.div_ceil(SMS * per_sm) as f64;
+        let latency = iters as f64 * waves * 400.0;
+        Some(compute.max(latency))
+    }
+}
+
+/// The cheapest tile for an M x N x K product repeated `batch` times.
+pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> (f64, Tile) {
+    let mut best: Option<(f64, Tile)> = None;
+    for &(bm, bn, bk, tm, tn) in &CANDIDATES {
+        for split in [1, 2, 4] {
+            let t = Tile { bm, bn, bk, tm, tn, split };
+            if let Some(c) = t.cost(m, n, k, batch)
+                && best.is_none_or(|(b, _)| c < b)
+            {
+                best = Some((c, t));
+            }
+        }
+    }
+    best.expect("the 16x16 tile always fits")
+}
+
+/// Threads of a K-parallel block.
+const KPAR_THREADS: usize = 1024;
+
+/// Estimated cycles of the K-parallel kernel with TM x TN outputs per block.
+fn kpar_cost(m: usize, n: usize, k: usize, batch: usize, tm: usize, tn: usize) -> f64 {
+    let blocks = batch * m.div_ceil(tm) * n.div_ceil(tn);
+    let per_sm = 2048 / KPAR_THREADS;
+    let waves = blocks.div_ceil(SMS * per_sm) as f64;
+    let iters = k.div_ceil(KPAR_THREADS) as f64;
+    // Per k: TM·TN FMAs, TM + TN loads from L2 (two issue slots each), index math.
+    let per_iter = (tm * tn + 2 * (tm + tn) + 8) as f64;
+    waves * per_sm as f64 * KPAR_THREADS as f64 * iters * per_iter / 128.0 + 2000.0
+}
+
+/// How a product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Shared-memory tiles, each block a BM x BN tile of the output.
+    Tiled(Tile),
+    /// Few outputs and a long K: each block computes TM x TN outputs with all its 1024 threads
+    /// splitting K, then a tree over the threads.
+    KParallel { tm: usize, tn: usize },
+}
+
+/// The cheaper of the tiled kernel and, for K >= 1024, the K-parallel one.
+pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
+    let (tiled, tile) = choose(m, n, k, batch);
+    let mut best = (tiled, Plan::Tiled(tile));
+    if k >= KPAR_THREADS {
+        for (tm, tn) in [(4, 4), (2, 2), (1, 1)] {
+            let c = kpar_cost(m, n, k, batch, tm, tn);
+            if c < best.0 {
+                best = (c, Plan::KParallel { tm, tn });
+            }
+        }
+    }
+    best.1
+}
+
+/// How the kernel reads one operand.
+pub(crate) struct Operand {
+    /// Whether consecutive k are adjacent in memory (else consecutive rows of A, columns of B).
+    pub k_contiguous: bool,
+    /// Statements that set `float v` to the element at (`gr`, `gk`) (row of A or column of B, k),
+    /// both in range, reading pointer `src` at batch offset `base`.
+    pub load: String,
+    /// The batch offset (elements) of batch `bz`, or "0".
+    pub batch_offset: String,
+}
+
+/// One GEMM kernel: out[bz] = A[bz] · B[bz] for bz < batch, A = operand 0, B = operand 1.
+pub(crate) struct Gemm {
+    pub name: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub batch: usize,
+    pub a: Operand,
+    pub b: Operand,
+    /// Index type of the kernel (`codegen::idx_type` over every tensor).
+    pub ty: &'static str,
+    /// Which launch arguments the two operand pointers are.
+    pub args: [Arg; 2],
+}
+
+impl Gemm {
+    /// Appends the kernel to `c`; returns its launch and a description of the tiling.
+    pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
+        assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
+        match plan(self.m, self.n, self.k, self.batch) {
+            Plan::Tiled(t) => self.tiled(c, t),
+            Plan::KParallel { tm, tn } => self.k_parallel(c, tm, tn),
+        }
+    }
+
+    /// Emits the block -> (batch, m0, n0) mapping and the batch offsets a_base, b_base, o.
+    fn block_origin(&self, c: &mut Code, bm: usize, bn: usize, all_bases: bool) {
+        let ty = self.ty;
+        let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
+        c.line(format!("// block -> (batch, tile row, tile column): {} x {tiles_m} x {tiles_n}", self.batch));
+        if tiles_n > 1 {
+            c.line(format!("const {ty} n0 = (({ty})blockIdx.x % {tiles_n}) * {bn};"));
+            c.line(format!("const {ty} blk = ({ty})blockIdx.x / {tiles_n};"));
+        } else {
+            c.line(format!("const {ty} n0 = 0;"));
+            c.line(format!("const {ty} blk = blockIdx.x;"));
+        }
+        match (self.batch > 1, tiles_m > 1) {
+            (true, true) => {
+                c.line(format!("const {ty} m0 = (blk % {tiles_m}) * {bm};"));
+                c.line(format!("const {ty} bz = blk / {tiles_m};"));
+            }
+            (true, false) => {
+                c.line(format!("const {ty} m0 = 0;"));
+                c.line(format!("const {ty} bz = blk;"));
+            }
+            (false, _) => {
+                c.line(format!("const {ty} m0 = blk * {bm};"));
+            }
+        }
+        if all_bases || self.a.load.contains("base") {
+            c.line(format!("const {ty} a_base = {};", self.a.batch_offset));
+        }
+        if all_bases || self.b.load.contains("base") {
+            c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
+        }
+        if self.batch > 1 {
+            c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
+        } else {
+            c.line("float* o = out;");
+        }
+    }
+
+    fn launch(&self, blocks: usize, threads: usize) -> Launch {
+        Launch {
+            function: self.name.clone(),
+            grid: [u32::try_from(blocks).expect("fewer than 2^32 blocks"), 1, 1],
+            block: [threads as u32, 1, 1],
+            shared_bytes: 0,
+            args: vec![self.args[0], self.args[1], Arg::Output],
+        }
+    }
+
+    /// The K-parallel kernel: TM x TN outputs per block, k = thread, thread + 1024, ...; the
+    /// threads' partial sums meet in a warp butterfly, then in shared memory in warp order.
+    fn k_parallel(self, c: &mut Code, tm: usize, tn: usize) -> (Launch, String) {
+        let ty = self.ty;
+        let warps = KPAR_THREADS / 32;
+        let name = &self.name;
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({KPAR_THREADS}) {name}(const float* __restrict__ in0, \
+             const float* __restrict__ in1, float* __restrict__ out) {{"
+        ));
+        c.line(format!("// {tm}x{tn} outputs per block, K split over {KPAR_THREADS} threads"));
+        c.line(format!("__shared__ float partial[{warps}][{}];", tm * tn));
+        c.line("const int t = threadIdx.x;");
+        self.block_origin(c, tm, tn, false);
+        c.line(format!("float acc[{tm}][{tn}];"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) acc[i][j] = 0.0f;"));
+        c.line("}");
+        c.line(format!("for ({ty} gk = t; gk < {}; gk += {KPAR_THREADS}) {{", int(self.k)));
+        c.line(format!("float a[{tm}], b[{tn}];"));
+        for (op, arr, count, r0, rows, ptr, basev) in [
+            (&self.a, "a", tm, "m0", self.m, "in0", "a_base"),
+            (&self.b, "b", tn, "n0", self.n, "in1", "b_base"),
+        ] {
+            c.line("{");
+            c.line(format!("const float* __restrict__ src = {ptr};"));
+            if op.load.contains("base") {
+                c.line(format!("const {ty} base = {basev};"));
+            }
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {count}; ++i) {{"));
+            c.line(format!("const {ty} gr = {r0} + i;"));
+            c.line("float v = 0.0f;");
+            c.line(format!("if (gr < {}) {{", int(rows)));
+            c.line(&op.load);
+            c.line("}");
+            c.line(format!("{arr}[i] = v;"));
+            c.line("}");
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) acc[i][j] += a[i] * b[j];"));
+        c.line("}");
+        c.line("}");
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {tn}; ++j) {{"));
+        c.line("for (int d = 16; d > 0; d >>= 1) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], d);");
+        c.line(format!("if (t % 32 == 0) partial[t / 32][i * {tn} + j] = acc[i][j];"));
+        c.line("}");
+        c.line("}");
+        c.line("__syncthreads();");
+        c.line(format!("if (t < {}) {{", tm * tn));
+        c.line("float s = partial[0][t];");
+        c.line(format!("for (int w = 1; w < {warps}; ++w) s += partial[w][t];"));
+        c.line(format!("const {ty} gm = m0 + t / {tn}, gn = n0 + t % {tn};"));
+        c.line(format!(
+            "if (gm < {} && gn < {}) o[gm * {} + gn] = s;",
+            int(self.m),
+            int(self.n),
+            int(self.n)
+        ));
+        c.line("}");
+        c.line("}");
+        let blocks = self.batch * self.m.div_ceil(tm) * self.n.div_ceil(tn);
+        (
+            self.launch(blocks, KPAR_THREADS),
+            format!("K-parallel, {tm}x{tn} outputs per block of {KPAR_THREADS} threads"),
+        )
+    }
+
+    fn tiled(self, c: &mut Code, t: Tile) -> (Launch, String) {
+        let ty = self.ty;
+        let (pad_a, pad_b) = (usize::from(self.a.k_contiguous), usize::from(self.b.k_contiguous));
+        let (lda, ldb) = (t.bm + pad_a, t.bn + pad_b);
+        let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
+        let ktiles = self.k.div_ceil(t.bk);
+        let iters = ktiles.div_ceil(t.split);
+        let (la, lb) = (t.loads_a(), t.loads_b());
+        let name = &self.name;
+
+        for (side, op, rows, br, loads) in
+            [("a", &self.a, self.m, t.bm, la), ("b", &self.b, self.n, t.bn, lb)]
+        {
+            let (rr, kk) = if op.k_contiguous {
+                (format!("e / {}", t.bk), format!("e % {}", t.bk))
+            } else {
+                (format!("e % {br}"), format!("e / {br}"))
+            };
+            c.line(format!(
+                "__device__ __forceinline__ void {name}_load_{side}(const float* __restrict__ src, \
+                 const {ty} base, const {ty} r0, const {ty} k0, const int t, float (&dst)[{loads}]) {{"
+            ));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {loads}; ++i) {{"));
+            c.line(format!("const int e = t + i * {GROUP};"));
+            c.line(format!("const {ty} gr = r0 + {rr}, gk = k0 + {kk};"));
+            c.line("float v = 0.0f;");
+            c.line(format!("if (gr < {} && gk < {}) {{", int(rows), int(self.k)));
+            c.line(&op.load);
+            c.line("}");
+            c.line("dst[i] = v;");
+            c.line("}");
+            c.line("}");
+            c.blank();
+        }
+
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({}) {name}(const float* __restrict__ in0, \
+             const float* __restrict__ in1, float* __restrict__ out) {{",
+            t.threads()
+        ));
+        c.line(format!(
+            "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads",
+            t.bm, t.bn, t.bk, t.tm, t.tn, t.split
+        ));
+        c.line(format!("__shared__ float smem[{}];", t.shared_floats(pad_a, pad_b)));
+        if t.split > 1 {
+            c.line(format!("const int t = threadIdx.x % {GROUP};"));
+            c.line(format!("const int group = threadIdx.x / {GROUP};"));
+        } else {
+            c.line("const int t = threadIdx.x;");
+        }
+        c.line("const int tx = t % 16, ty = t / 16;");
+        self.block_origin(c, t.bm, t.bn, true);
+        let (a_at, b_at, k_start) = if t.split > 1 {
+            (
+                format!("smem + group * {}", t.bk * lda),
+                format!("smem + {} + group * {}", t.split * t.bk * lda, t.bk * ldb),
+                format!("({ty})group * {}", t.bk),
+            )
+        } else {
+            ("smem".to_string(), format!("smem + {}", t.bk * lda), "0".to_string())
+        };
+        c.line(format!("float* As = {a_at};"));
+        c.line(format!("float* Bs = {b_at};"));
+        c.line(format!("float acc[{}][{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] = 0.0f;", t.tn));
+        c.line("}");
+        c.line(format!("float ra[{la}], rb[{lb}];"));
+        c.line(format!("{ty} k0 = {k_start};"));
+        c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
+        c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+        c.line(format!("for (int it = 0; it < {iters}; ++it) {{"));
+        for (s, op, br, loads, ld, reg) in
+            [("As", &self.a, t.bm, la, lda, "ra"), ("Bs", &self.b, t.bn, lb, ldb, "rb")]
+        {
+            let (rr, kk) = if op.k_contiguous {
+                (format!("e / {}", t.bk), format!("e % {}", t.bk))
+            } else {
+                (format!("e % {br}"), format!("e / {br}"))
+            };
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {loads}; ++i) {{"));
+            c.line(format!("const int e = t + i * {GROUP};"));
+            c.line(format!("{s}[({kk}) * {ld} + {rr}] = {reg}[i];"));
+            c.line("}");
+        }
+        c.line("__syncthreads();");
+        if iters > 1 {
+            c.line(format!("if (it + 1 < {iters}) {{"));
+            c.line(format!("k0 += {};", t.split * t.bk));
+            c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
+            c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int kk = 0; kk < {}; ++kk) {{", t.bk));
+        c.line(format!("float av[{}], bv[{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) av[i] = As[kk * {lda} + ty + i * 16];", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) bv[j] = Bs[kk * {ldb} + tx + j * 16];", t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] += av[i] * bv[j];", t.tn));
+        c.line("}");
+        c.line("}");
+        c.line("__syncthreads();");
+        c.line("}");
+        let micro = t.tm * t.tn;
+        if t.split > 1 {
+            c.line("// add the other K groups' partial tiles to group 0's, in group order");
+            c.line("if (group > 0) {");
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+            c.line("__syncthreads();");
+            c.line("if (group > 0) return;");
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line(format!("const {ty} gm = m0 + ty + i * 16;"));
+        c.line(format!("if (gm < {}) {{", int(self.m)));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
+        c.line(format!("const {ty} gn = n0 + tx + j * 16;"));
+        c.line(format!("if (gn < {}) o[gm * {} + gn] = acc[i][j];", int(self.n), int(self.n)));
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        let launch = self.launch(self.batch * tiles_m * tiles_n, t.threads());
+        let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
+        (launch, format!("tile {}x{}x{}, {}x{} per thread{split}", t.bm, t.bn, t.bk, t.tm, t.tn))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_follow_the_shape() {
+        let small = choose(32, 10, 100, 1).1;
+        assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
+        let big = choose(4096, 4096, 4096, 1).1;
+        assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
+        let thin = choose(65536, 16, 27, 1).1;
+        assert!(thin.bn <= 32, "{thin:?}");
+        let long_k = choose(144, 32, 4096, 1).1;
+        assert!(long_k.split > 1, "{long_k:?}");
+        for t in [small, big, thin, long_k] {
+            assert!(t.threads() <= 1024 && t.shared_floats(1, 1) * 4 <= SHARED_LIMIT);
+        }
+        // A filter gradient: few outputs, the whole batch of positions to contract.
+        assert!(matches!(plan(27, 16, 65536, 1), Plan::KParallel { .. }));
+        assert!(matches!(plan(1024, 1024, 1024, 1), Plan::Tiled(_)));
+    }
+}

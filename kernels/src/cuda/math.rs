@@ -1,0 +1,135 @@
+//! Device-side scalar math: the CUDA twins of `cpu::math`, and each op's value as a C expression.
+//!
+//! The expressions follow the CPU definitions operation for operation, so that the GPU rounds the
+//! same way: no reassociation, and no fused multiply-add where the CPU rounds the product first.
+//! NVRTC contracts `a * b + c` into an FMA by default (`--fmad=true`); wherever a product feeds
+//! an addition, the product is written `__fmul_rn(a, b)`, which the compiler never fuses. With
+//! IEEE division and square root (NVRTC's defaults without fast-math), the arithmetic ops are then
+//! bitwise equal to the CPU's; `expf`, `logf`, `tanhf`, `erff` and `powf` come from CUDA's math
+//! library, within 1-2 ulp of glibc's.
+
+use super::codegen::flt;
+use kiln_compiler::ir::{BinaryOp, ScalarOp, UnaryOp};
+use std::f32::consts::{FRAC_1_SQRT_2, PI};
+
+/// Definitions of the helper functions an expression calls (and those they call), in order.
+pub(crate) fn prelude(uses: &str) -> String {
+    let mut out = String::new();
+    let needs = |name: &str| uses.contains(name);
+    if needs("kiln_max_nan") {
+        out.push_str(
+            "// max that propagates NaN (NumPy's maximum)\n\
+             __device__ __forceinline__ float kiln_max_nan(float a, float b) {\n    \
+             return (a > b || a != a) ? a : b;\n}\n",
+        );
+    }
+    if needs("kiln_min_nan") {
+        out.push_str(
+            "__device__ __forceinline__ float kiln_min_nan(float a, float b) {\n    \
+             return (a < b || a != a) ? a : b;\n}\n",
+        );
+    }
+    if needs("kiln_sigmoid") {
+        out.push_str(
+            "// 1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1\n\
+             __device__ __forceinline__ float kiln_sigmoid(float x) {\n    \
+             if (x >= 0.0f) {\n        return 1.0f / (1.0f + expf(-x));\n    }\n    \
+             const float e = expf(x);\n    return e / (1.0f + e);\n}\n",
+        );
+    }
+    if needs("kiln_gelu") {
+        out.push_str(&format!(
+            "// standard normal CDF\n\
+             __device__ __forceinline__ float kiln_normal_cdf(float x) {{\n    \
+             return 0.5f * (1.0f + erff(x * {}));\n}}\n",
+            flt(FRAC_1_SQRT_2)
+        ));
+    }
+    if needs("kiln_gelu(") {
+        out.push_str(
+            "// exact GELU: x * Phi(x)\n\
+             __device__ __forceinline__ float kiln_gelu(float x) {\n    \
+             return x * kiln_normal_cdf(x);\n}\n",
+        );
+    }
+    if needs("kiln_gelu_grad") {
+        let inv_sqrt_2pi = 1.0f32 / (2.0f32 * PI).sqrt();
+        out.push_str(&format!(
+            "// d/dx gelu(x) = Phi(x) + x * phi(x)\n\
+             __device__ __forceinline__ float kiln_gelu_grad(float x) {{\n    \
+             return kiln_normal_cdf(x) + __fmul_rn(x * expf(-0.5f * x * x), {});\n}}\n",
+            flt(inv_sqrt_2pi)
+        ));
+    }
+    out
+}
+
+/// `f(x)` of a unary op.
+pub(crate) fn unary(op: UnaryOp, x: &str) -> String {
+    match op {
+        UnaryOp::Neg => format!("-{x}"),
+        UnaryOp::Abs => format!("fabsf({x})"),
+        UnaryOp::Sign => format!("({x} > 0.0f ? 1.0f : ({x} < 0.0f ? -1.0f : {x}))"),
+        UnaryOp::Relu => format!("({x} < 0.0f ? 0.0f : {x})"),
+        UnaryOp::Sigmoid => format!("kiln_sigmoid({x})"),
+        UnaryOp::Tanh => format!("tanhf({x})"),
+        UnaryOp::Gelu => format!("kiln_gelu({x})"),
+        UnaryOp::Exp => format!("expf({x})"),
+        UnaryOp::Log => format!("logf({x})"),
+        UnaryOp::Sqrt => format!("sqrtf({x})"),
+        UnaryOp::Rsqrt => format!("1.0f / sqrtf({x})"),
+        UnaryOp::Square => format!("{x} * {x}"),
+        UnaryOp::Reciprocal => format!("1.0f / {x}"),
+    }
+}
+
+fn flag(cond: String) -> String {
+    format!("({cond} ? 1.0f : 0.0f)")
+}
+
+/// `f(a, b)` of a binary op; the gradient helpers take (forward value, upstream gradient).
+pub(crate) fn binary(op: BinaryOp, a: &str, b: &str) -> String {
+    match op {
+        BinaryOp::Add => format!("{a} + {b}"),
+        BinaryOp::Sub => format!("{a} - {b}"),
+        BinaryOp::Mul => format!("{a} * {b}"),
+        BinaryOp::Div => format!("{a} / {b}"),
+        BinaryOp::Pow => format!("powf({a}, {b})"),
+        BinaryOp::Maximum => format!("kiln_max_nan({a}, {b})"),
+        BinaryOp::Minimum => format!("kiln_min_nan({a}, {b})"),
+        BinaryOp::Greater => flag(format!("{a} > {b}")),
+        BinaryOp::GreaterEqual => flag(format!("{a} >= {b}")),
+        BinaryOp::Less => flag(format!("{a} < {b}")),
+        BinaryOp::LessEqual => flag(format!("{a} <= {b}")),
+        BinaryOp::Equal => flag(format!("{a} == {b}")),
+        BinaryOp::NotEqual => flag(format!("{a} != {b}")),
+        BinaryOp::ReluGrad => format!("({a} > 0.0f ? {b} : 0.0f)"),
+        BinaryOp::GeluGrad => format!("{b} * kiln_gelu_grad({a})"),
+        BinaryOp::SigmoidGrad => format!("{b} * {a} * (1.0f - {a})"),
+        BinaryOp::TanhGrad => format!("{b} * (1.0f - __fmul_rn({a}, {a}))"),
+    }
+}
+
+/// `x op c` of a scalar op, with the CPU's special cases of `pow`.
+pub(crate) fn scalar(op: ScalarOp, c: f32, x: &str) -> String {
+    let k = flt(c);
+    match op {
+        ScalarOp::Add => format!("{x} + {k}"),
+        ScalarOp::Mul => format!("{x} * {k}"),
+        ScalarOp::RSub => format!("{k} - {x}"),
+        ScalarOp::RDiv => format!("{k} / {x}"),
+        ScalarOp::Pow if c == 2.0 => format!("{x} * {x}"),
+        ScalarOp::Pow if c == 1.0 => x.to_string(),
+        ScalarOp::Pow if c == 0.5 => format!("sqrtf({x})"),
+        ScalarOp::Pow if c == -1.0 => format!("1.0f / {x}"),
+        ScalarOp::Pow if c == 0.0 => "1.0f".to_string(),
+        ScalarOp::Pow => format!("powf({x}, {k})"),
+        ScalarOp::Max => format!("kiln_max_nan({x}, {k})"),
+        ScalarOp::Min => format!("kiln_min_nan({x}, {k})"),
+        ScalarOp::Greater => flag(format!("{x} > {k}")),
+        ScalarOp::GreaterEqual => flag(format!("{x} >= {k}")),
+        ScalarOp::Less => flag(format!("{x} < {k}")),
+        ScalarOp::LessEqual => flag(format!("{x} <= {k}")),
+        ScalarOp::Equal => flag(format!("{x} == {k}")),
+    }
+}

@@ -1,0 +1,119 @@
+//! Batched matrix products: the tiled GEMM (`gemm`) with strided operand loads.
+//!
+//! A transposed operand is read in place through swapped strides, and the load mapping follows
+//! its contiguous axis. Batch axes broadcast (NumPy rules): each operand's matrix offset is a
+//! baked expression of the batch index (0 for an operand without batch, `bz · size` for a full
+//! batch, a div/mod decomposition when it broadcasts). As on the CPU, [B, M, K] @ [K, N] without
+//! a transposed left operand folds the batch into M: one product of B·M rows, bigger tiles.
+//! A product with K = 0 is a zero fill.
+
+use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
+use super::elementwise::Map;
+use super::gemm::{Gemm, Operand};
+use super::{Arg, CudaKernel};
+use kiln_compiler::ir::Shape;
+
+/// The element offset of operand batch matrices for output batch `bz`: sum over the output's
+/// batch axes of coordinate x (operand batch stride), times the matrix size.
+fn batch_offset(operand: &[usize], out: &[usize], size: usize) -> String {
+    let count: usize = operand.iter().product();
+    let total: usize = out.iter().product();
+    if count == 1 {
+        return "0".into();
+    }
+    if count == total {
+        return format!("bz * {}", int(size));
+    }
+    let strides = broadcast_strides(operand, out);
+    let mut inner = 1usize;
+    let mut terms = Vec::new();
+    for a in (0..out.len()).rev() {
+        if strides[a] != 0 {
+            let coord = if inner == 1 {
+                format!("(bz % {})", out[a])
+            } else {
+                format!("(bz / {inner} % {})", out[a])
+            };
+            terms.push(format!("{coord} * {}", int(strides[a] as usize * size)));
+        }
+        inner *= out[a];
+    }
+    terms.reverse();
+    terms.join(" + ")
+}
+
+pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> CudaKernel {
+    let r = out.rank();
+    let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
+    let k = if ta { a.back(2) } else { a.back(1) };
+    let out_batch = &out.dims()[..r - 2];
+    let a_batch = &a.dims()[..a.rank() - 2];
+    let b_batch = &b.dims()[..b.rank() - 2];
+    let batch: usize = out_batch.iter().product();
+    let t = |x: bool| if x { "ᵀ" } else { "" };
+    let batch_text = if batch > 1 { format!("{batch}x") } else { String::new() };
+    let describe =
+        format!("matmul {batch_text}{m}x{k}x{n} ({}{} @ {}{})", shape_text(a), t(ta), shape_text(b), t(tb));
+    let head = header(label, &[a, b], Some(out));
+    if k == 0 {
+        let mut kernel = Map {
+            name: "kiln_matmul",
+            header: head,
+            describe: describe.clone(),
+            out: out.dims(),
+            strides: Vec::new(),
+            max_operand: out.numel(),
+            expr: "0.0f".into(),
+            in_place: false,
+        }
+        .generate();
+        kernel.describe = format!("{describe} (K = 0: zeros)");
+        return kernel;
+    }
+    let ty = idx_type(a.numel().max(b.numel()).max(out.numel()));
+    let fold = b_batch.iter().product::<usize>() == 1 && a_batch.iter().product::<usize>() == batch && !ta;
+    let (gm, gbatch) = if fold { (m * batch, 1) } else { (m, batch) };
+    let a_load = if ta {
+        format!("v = src[base + gk * {} + gr];", int(m))
+    } else {
+        format!("v = src[base + gr * {} + gk];", int(k))
+    };
+    let b_load = if tb {
+        format!("v = src[base + gr * {} + gk];", int(k))
+    } else {
+        format!("v = src[base + gk * {} + gr];", int(n))
+    };
+    let (a_off, b_off) = if fold {
+        ("0".to_string(), "0".to_string())
+    } else {
+        (batch_offset(a_batch, out_batch, m * k), batch_offset(b_batch, out_batch, k * n))
+    };
+    let gemm = Gemm {
+        name: "kiln_matmul".into(),
+        m: gm,
+        n,
+        k,
+        batch: gbatch,
+        a: Operand { k_contiguous: !ta, load: a_load, batch_offset: a_off },
+        b: Operand { k_contiguous: tb, load: b_load, batch_offset: b_off },
+        ty,
+        args: [Arg::Input(0), Arg::Input(1)],
+    };
+    let mut c = Code::new();
+    c.line(head);
+    let (launch, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_offsets_broadcast() {
+        assert_eq!(batch_offset(&[], &[4], 6), "0");
+        assert_eq!(batch_offset(&[4], &[4], 6), "bz * 6");
+        assert_eq!(batch_offset(&[1, 3], &[2, 3], 6), "(bz % 3) * 6");
+        assert_eq!(batch_offset(&[2, 1], &[2, 3], 6), "(bz / 3 % 2) * 6");
+    }
+}

@@ -1,0 +1,344 @@
+//! Reductions (sum, mean, max) over any set of axes.
+//!
+//! As on the CPU, size-1 axes are dropped and adjacent axes of one kind (kept or reduced) merge,
+//! so the input alternates kept and reduced groups. Output o reads the elements at
+//! `kept_offset(o) + reduced_offset(j)` for j < count, both offsets decomposed with baked extents
+//! and strides, which covers non-contiguous axis sets. Two kernel shapes, chosen by the innermost
+//! group:
+//! - reduced innermost (`rows`: softmax-style [N, C] -> [N]): S threads per output take every
+//!   S-th element, so consecutive threads read consecutive addresses. S = 1 for rows of at most
+//!   8 elements (a thread per output, 256 outputs per block), a warp (S = 32, 8 outputs per
+//!   block, `__shfl_xor_sync` tree) up to 1024 elements, else a block of 256 threads, or 1024
+//!   when few outputs share the GPU (warp trees, then one warp over the per-warp results).
+//! - kept innermost (`columns`: a bias gradient [N, C] -> [C]): 32 consecutive outputs per block
+//!   row, so a warp reads 32 adjacent elements, and S block rows split the reduced elements
+//!   between them (S chosen so the grid holds about 2^18 threads); the S partials of each output
+//!   are combined by a shared-memory tree.
+//!
+//! Blocks loop over output groups (grid-stride) with block-uniform trip counts, so every thread
+//! reaches every shuffle and barrier.
+//!
+//! Sum and mean accumulate in f64, as the CPU does, so that both round one exact-ish sum to f32
+//! and agree although they add in different orders; max propagates NaN (`kiln_max_nan`). There is
+//! no second pass: kernels get no scratch memory, so a reduction of everything into one output
+//! runs on a single block of 1024 threads.
+
+use super::codegen::{Code, decompose, grid_for, header, idx_type, int, linear, shape_text};
+use super::codegen::{dbl, params};
+use super::elementwise::Map;
+use super::{Arg, CudaKernel, Launch, math};
+use kiln_compiler::ir::{ReduceOp, Shape};
+
+/// Threads per block of the row and column kernels (the row kernel's big variant uses 1024).
+const THREADS: usize = 256;
+
+/// The reduction's accumulator and its C expressions.
+struct Acc {
+    op: ReduceOp,
+    count: usize,
+}
+
+impl Acc {
+    fn ty(&self) -> &'static str {
+        match self.op {
+            ReduceOp::Max => "float",
+            _ => "double",
+        }
+    }
+
+    fn zero(&self) -> &'static str {
+        match self.op {
+            ReduceOp::Max => "__int_as_float(0xff800000)",
+            _ => "0.0",
+        }
+    }
+
+    fn add(&self, acc: &str, v: &str) -> String {
+        match self.op {
+            ReduceOp::Max => format!("{acc} = kiln_max_nan({acc}, {v});"),
+            _ => format!("{acc} += (double){v};"),
+        }
+    }
+
+    fn combine(&self, a: &str, b: &str) -> String {
+        match self.op {
+            ReduceOp::Max => format!("kiln_max_nan({a}, {b})"),
+            _ => format!("{a} + {b}"),
+        }
+    }
+
+    fn finish(&self, acc: &str) -> String {
+        match self.op {
+            ReduceOp::Sum => format!("(float){acc}"),
+            ReduceOp::Mean => format!("(float)({acc} / {})", dbl(self.count as f64)),
+            ReduceOp::Max => acc.to_string(),
+        }
+    }
+
+    fn prelude(&self) -> String {
+        math::prelude(if self.op == ReduceOp::Max { "kiln_max_nan" } else { "" })
+    }
+}
+
+/// The merged groups of a reduction: (extent, input stride), outer first.
+struct Groups {
+    kept: Vec<(usize, usize)>,
+    reduced: Vec<(usize, usize)>,
+    innermost_reduced: bool,
+}
+
+fn groups(x: &Shape, axes: &[usize]) -> Groups {
+    let mut g: Vec<(usize, bool)> = Vec::new();
+    for (i, &d) in x.dims().iter().enumerate() {
+        let r = axes.contains(&i);
+        match g.last_mut() {
+            _ if d == 1 => {}
+            Some((gd, gr)) if *gr == r => *gd *= d,
+            _ => g.push((d, r)),
+        }
+    }
+    let dims: Vec<usize> = g.iter().map(|e| e.0).collect();
+    let strides = super::codegen::contiguous_strides(&dims);
+    let mut kept = Vec::new();
+    let mut reduced = Vec::new();
+    for (&(d, r), &s) in g.iter().zip(&strides) {
+        if r { reduced.push((d, s)) } else { kept.push((d, s)) }
+    }
+    Groups { kept, reduced, innermost_reduced: g.last().is_some_and(|e| e.1) }
+}
+
+/// Emits `const T name = <offset of index var over groups>;`.
+fn offset(c: &mut Code, ty: &str, name: &str, var: &str, groups: &[(usize, usize)], prefix: &str) {
+    if groups.is_empty() {
+        c.line(format!("const {ty} {name} = 0;"));
+        return;
+    }
+    let dims: Vec<usize> = groups.iter().map(|g| g.0).collect();
+    let strides: Vec<isize> = groups.iter().map(|g| g.1 as isize).collect();
+    let coords = decompose(c, ty, var, &dims, prefix);
+    c.line(format!("const {ty} {name} = {};", linear(&coords, &strides)));
+}
+
+pub(crate) fn reduce(
+    op: ReduceOp,
+    name: &str,
+    label: &str,
+    x: &Shape,
+    axes: &[usize],
+    out: &Shape,
+) -> CudaKernel {
+    let g = groups(x, axes);
+    let outputs: usize = g.kept.iter().map(|k| k.0).product();
+    let count: usize = g.reduced.iter().map(|k| k.0).product();
+    let acc = Acc { op, count };
+    let describe = format!("{name}{axes:?} {}", shape_text(x));
+    let head = header(label, &[x], Some(out));
+    let fname = format!("kiln_{name}");
+    if count == 0 || g.reduced.is_empty() {
+        // Nothing reduced (every reduced axis has size 1) or nothing to reduce (an empty axis):
+        // the CPU's finish(add(zero, x)) or finish(zero), elementwise.
+        let (expr, strides) = if count == 0 {
+            (acc.finish(&format!("({})", acc.zero())), Vec::new())
+        } else {
+            let v = match op {
+                ReduceOp::Max => "a".to_string(),
+                _ => acc.finish("(0.0 + (double)a)"),
+            };
+            (v, vec![super::codegen::broadcast_strides(out.dims(), out.dims())])
+        };
+        let mut k = Map {
+            name: &fname,
+            header: head,
+            describe: describe.clone(),
+            out: out.dims(),
+            strides,
+            max_operand: x.numel(),
+            expr,
+            in_place: false,
+        }
+        .generate();
+        k.describe = format!("{describe} (elementwise)");
+        return k;
+    }
+    let ty = idx_type(x.numel());
+    if g.innermost_reduced {
+        rows(&acc, &g, outputs, count, ty, &fname, head, describe)
+    } else {
+        columns(&acc, &g, outputs, count, ty, &fname, head, describe)
+    }
+}
+
+/// Threads per output of the row kernel.
+fn row_slices(outputs: usize, count: usize) -> usize {
+    if count <= 8 {
+        1
+    } else if count <= 1024 {
+        32
+    } else if count >= 16384 && outputs < 264 {
+        1024
+    } else {
+        256
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rows(
+    acc: &Acc,
+    g: &Groups,
+    outputs: usize,
+    count: usize,
+    ty: &str,
+    fname: &str,
+    head: String,
+    describe: String,
+) -> CudaKernel {
+    let s = row_slices(outputs, count);
+    let per_block = if s >= THREADS { 1 } else { THREADS / s };
+    let threads = s * per_block;
+    let blocks_needed = outputs.div_ceil(per_block);
+    let t = acc.ty();
+    let mut c = Code::new();
+    c.line(head);
+    c.line(acc.prelude());
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    if s > 32 {
+        c.line(format!("__shared__ {t} partial[{}];", s / 32));
+    }
+    if s > 1 {
+        c.line(format!("const int slice = threadIdx.x % {s};"));
+    }
+    if per_block > 1 {
+        c.line(format!("const int lane = threadIdx.x / {s};"));
+    }
+    c.line(format!("for ({ty} group = blockIdx.x; group < {}; group += gridDim.x) {{", int(blocks_needed)));
+    let o = if per_block > 1 { format!("group * {per_block} + lane") } else { "group".into() };
+    c.line(format!("const {ty} o = {o};"));
+    c.line(format!("{t} acc = {};", acc.zero()));
+    c.line(format!("if (o < {}) {{", int(outputs)));
+    offset(&mut c, ty, "base", "o", &g.kept, "k");
+    if s == 1 {
+        c.line(format!("for ({ty} j = 0; j < {}; ++j) {{", int(count)));
+    } else {
+        c.line(format!("for ({ty} j = slice; j < {}; j += {s}) {{", int(count)));
+    }
+    offset(&mut c, ty, "off", "j", &g.reduced, "q");
+    c.line(acc.add("acc", "in0[base + off]"));
+    c.line("}");
+    c.line("}");
+    if s >= 32 {
+        c.line("// butterfly over the warp: every lane ends with the warp's result");
+        c.line("for (int d = 16; d > 0; d >>= 1) {");
+        c.line(format!("acc = {};", acc.combine("acc", "__shfl_xor_sync(0xffffffffu, acc, d)")));
+        c.line("}");
+    }
+    if s > 32 {
+        let warps = s / 32;
+        c.line("if (slice % 32 == 0) partial[slice / 32] = acc;");
+        c.line("__syncthreads();");
+        c.line("if (slice < 32) {");
+        c.line(format!("acc = slice < {warps} ? partial[slice] : {};", acc.zero()));
+        c.line("for (int d = 16; d > 0; d >>= 1) {");
+        c.line(format!("acc = {};", acc.combine("acc", "__shfl_xor_sync(0xffffffffu, acc, d)")));
+        c.line("}");
+        c.line("}");
+        c.line(format!("if (slice == 0) out[o] = {};", acc.finish("acc")));
+        c.line("__syncthreads();");
+    } else if s == 32 {
+        c.line(format!("if (slice == 0 && o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+    } else {
+        c.line(format!("if (o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+    }
+    c.line("}");
+    c.line("}");
+    CudaKernel {
+        source: c.finish(),
+        launches: vec![Launch {
+            function: fname.into(),
+            grid: grid_for(blocks_needed, 1),
+            block: [threads as u32, 1, 1],
+            shared_bytes: 0,
+            args: vec![Arg::Input(0), Arg::Output],
+        }],
+        describe: format!("{describe} ({s} threads per output)"),
+    }
+}
+
+/// Threads that the column kernel aims to keep busy.
+const COLUMN_THREADS: usize = 1 << 18;
+
+fn pow2_floor(v: usize) -> usize {
+    if v == 0 { 1 } else { 1 << (usize::BITS - 1 - v.leading_zeros()) }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn columns(
+    acc: &Acc,
+    g: &Groups,
+    outputs: usize,
+    count: usize,
+    ty: &str,
+    fname: &str,
+    head: String,
+    describe: String,
+) -> CudaKernel {
+    let s = pow2_floor(COLUMN_THREADS / outputs.max(1)).min(pow2_floor(count / 8)).clamp(1, 32);
+    let groups = outputs.div_ceil(32);
+    let t = acc.ty();
+    let mut c = Code::new();
+    c.line(head);
+    c.line(acc.prelude());
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    if s > 1 {
+        c.line(format!("__shared__ {t} partial[{s}][32];"));
+    }
+    c.line("const int lane = threadIdx.x % 32;");
+    if s > 1 {
+        c.line("const int slice = threadIdx.x / 32;");
+    }
+    c.line(format!("for ({ty} group = blockIdx.x; group < {}; group += gridDim.x) {{", int(groups)));
+    c.line(format!("const {ty} o = group * 32 + lane;"));
+    c.line(format!("{t} acc = {};", acc.zero()));
+    c.line(format!("if (o < {}) {{", int(outputs)));
+    offset(&mut c, ty, "base", "o", &g.kept, "k");
+    if s == 1 {
+        c.line(format!("for ({ty} j = 0; j < {}; ++j) {{", int(count)));
+    } else {
+        c.line(format!("for ({ty} j = slice; j < {}; j += {s}) {{", int(count)));
+    }
+    offset(&mut c, ty, "off", "j", &g.reduced, "q");
+    c.line(acc.add("acc", "in0[base + off]"));
+    c.line("}");
+    c.line("}");
+    if s > 1 {
+        c.line("partial[slice][lane] = acc;");
+        c.line("__syncthreads();");
+        c.line(format!("for (int d = {}; d > 0; d >>= 1) {{", s / 2));
+        c.line(format!(
+            "if (slice < d) partial[slice][lane] = {};",
+            acc.combine("partial[slice][lane]", "partial[slice + d][lane]")
+        ));
+        c.line("__syncthreads();");
+        c.line("}");
+        c.line(format!(
+            "if (slice == 0 && o < {}) out[o] = {};",
+            int(outputs),
+            acc.finish("partial[0][lane]")
+        ));
+        c.line("__syncthreads();");
+    } else {
+        c.line(format!("if (o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+    }
+    c.line("}");
+    c.line("}");
+    CudaKernel {
+        source: c.finish(),
+        launches: vec![Launch {
+            function: fname.into(),
+            grid: grid_for(groups, 1),
+            block: [(32 * s) as u32, 1, 1],
+            shared_bytes: 0,
+            args: vec![Arg::Input(0), Arg::Output],
+        }],
+        describe: format!("{describe} (32 outputs x {s} slices per block)"),
+    }
+}
