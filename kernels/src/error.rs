@@ -6,7 +6,7 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum KernelError {
     /// No kernel exists for this op (sources and views are never run) or for this dtype.
-    #[error("no CPU kernel for `{op}` on {dtype}\n  help: {help}")]
+    #[error("no kernel for `{op}` on {dtype}\n  help: {help}")]
     Unsupported { op: String, dtype: DType, help: String },
 
     /// The operand or output shapes disagree with the op's shape rules (`ir::infer`).

@@ -74,6 +74,21 @@ fn load_nvrtc() -> Result<String, String> {
         if !file.is_file() {
             continue;
         }
+        // NVRTC opens its builtins library by name when it compiles: load it from the same
+        // folder first, so that the name resolves to it.
+        if let Some(dir) = file.parent()
+            && let Ok(entries) = std::fs::read_dir(dir)
+        {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("libnvrtc-builtins.so") {
+                    // SAFETY: as above.
+                    if let Ok(lib) = unsafe { libloading::Library::new(e.path()) } {
+                        std::mem::forget(lib);
+                    }
+                }
+            }
+        }
         // SAFETY: as above.
         match unsafe { libloading::Library::new(&file) } {
             Ok(lib) => {
