@@ -39,6 +39,13 @@ impl Device {
     }
 }
 
+/// The best device present (`Device::best`); `Device::best().1` says why it was chosen.
+impl Default for Device {
+    fn default() -> Self {
+        Device::best().0
+    }
+}
+
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -47,6 +47,9 @@ pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
         run.trainer.compile_time().as_secs_f64() * 1e3,
         run.trainer.backend().describe()
     ));
+    if let Some(r) = run.trainer.backend().report() {
+        s.push_str(&format!("{r}\n"));
+    }
     let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
     s.push_str(&format!(
         "\nmemory report (bytes; persistent = parameters + optimizer state + io; one plan per input shape)\n{}",

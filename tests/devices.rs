@@ -219,3 +219,28 @@ fn memory_stats_report_current_and_peak_and_reset() {
     assert_eq!(devices.memory_info("cpu:0").unwrap().planned.peak, info.planned.current);
     assert!(devices.memory_info("gpu:5").is_err());
 }
+
+#[test]
+fn gpu_logical_devices_hold_their_plans_and_limits() {
+    let config = DeviceConfig::detect();
+    if !config.has_gpu() {
+        if std::env::var("KILN_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            panic!("KILN_REQUIRE_GPU=1 but no CUDA device: {}", Device::best().1);
+        }
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let devices = config.set_logical_devices("gpu:0", &[64 * MB, 64 * MB]).build().unwrap();
+    let (one, _) = placed_losses(&devices, &["gpu:0"]);
+    let (two, plan) = placed_losses(&devices, &["gpu:0", "gpu:1"]);
+    assert_eq!(plan.devices.len(), 2);
+    for (a, b) in one.iter().zip(&two) {
+        assert!((a - b).abs() <= 1e-5, "{one:?} vs {two:?}");
+    }
+    let info = devices.memory_info("gpu:1").unwrap();
+    assert!(info.planned.arenas > 0 && info.driver.is_some());
+    let options = devices.compile_options(&["gpu:0"]).unwrap();
+    let m = zoo::by_name("cnn").unwrap().with_batch(512);
+    let e = compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &options).unwrap_err();
+    assert!(e.to_string().starts_with("out of memory on device gpu:0"));
+}

@@ -12,6 +12,12 @@ pub trait Backend {
     /// The device, for reports: "cpu (2 threads)".
     fn describe(&self) -> String;
 
+    /// What the backend has to say beyond `describe` (kernel compilation and cache figures for
+    /// CUDA), or nothing.
+    fn report(&self) -> Option<String> {
+        None
+    }
+
     /// Binds a plan to this device: allocates its arena and io region once, creates the
     /// variables it declares (initialised on first sight), prepares every kernel.
     fn load(&mut self, plan: Plan) -> Result<ProgramId>;

@@ -329,6 +329,22 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn report(&self) -> Option<String> {
+        let s = self.compiler.stats();
+        let (n, bytes) = self.device_allocations();
+        Some(format!(
+            "kernels: {} compiled by NVRTC {}.{} for {} in {:.2} s, {} from the memory cache, {} from the disk cache; \
+             {n} device allocations, {bytes} B",
+            s.compiled,
+            self.compiler.version().0,
+            self.compiler.version().1,
+            self.compiler.arch(),
+            s.compile_seconds,
+            s.from_memory,
+            s.from_disk
+        ))
+    }
+
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
         let var_ptrs: Vec<u64> = plan
