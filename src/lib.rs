@@ -21,6 +21,7 @@ pub mod compare;
 pub mod device;
 mod error;
 pub mod examples;
+pub mod gpu_bench;
 pub mod report;
 pub mod seed;
 pub mod svg;

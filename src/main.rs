@@ -43,6 +43,8 @@ enum Command {
         #[arg(long)]
         seed: bool,
     },
+    /// The GPU benchmark (as `cargo bench --bench gpu`), for machines with CUDA but no Rust toolchain.
+    BenchGpu,
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
         /// A zoo model: seed-mlp, mlp, cnn, transformer.
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         Command::Memory { model, mode, batch, svg, steps } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
         }
+        Command::BenchGpu => kiln::gpu_bench::run().map_err(|e| invalid(e.to_string(), String::new())),
         Command::Devices { limit, growth, fraction, logical, seed } => {
             devices(&limit, &growth, &fraction, &logical, seed)
         }

@@ -122,8 +122,12 @@ pub fn render_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     s
 }
 
-/// Where benchmarks and the CLI write machine-readable results: `<target dir>/kiln/`.
+/// Where benchmarks and the CLI write machine-readable results: `KILN_OUT_DIR` if set, else
+/// `<target dir>/kiln/`.
 pub fn output_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("KILN_OUT_DIR") {
+        return dir.into();
+    }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
