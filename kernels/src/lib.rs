@@ -1,8 +1,10 @@
 //! kiln-kernels: for every op of the IR, a CPU implementation (`cpu`) and, for the CUDA backend,
 //! the CUDA C source that NVRTC compiles.
 
+mod check;
 pub mod cpu;
 pub mod cuda;
 mod error;
+mod geometry;
 
 pub use error::KernelError;

@@ -28,27 +28,10 @@ use super::CpuKernel;
 use super::broadcast::Strided;
 use super::matmul::Gemm;
 use super::par::{SendPtr, par_ranges};
+use crate::geometry::Geom;
 use kiln_compiler::ir::{Shape, Window2d};
 use rayon::prelude::*;
 use std::slice;
-
-/// Geometry shared by the three kernels.
-#[derive(Clone, Debug)]
-struct Geom {
-    n: usize,
-    h: usize,
-    w: usize,
-    c: usize,
-    oh: usize,
-    ow: usize,
-    f: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-}
 
 /// Output columns ow0..ow0+count all read filter columns lo..hi (inside the input).
 #[derive(Clone, Copy, Debug)]
@@ -60,15 +43,6 @@ struct ColumnGroup {
 }
 
 impl Geom {
-    fn new(x: &Shape, window: &Window2d, f: usize) -> Geom {
-        let [n, h, w, c] = [0, 1, 2, 3].map(|i| x.dims()[i]);
-        let (oh, ph) = window.out_and_pad(0, h).expect("checked by infer");
-        let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
-        let [kh, kw] = window.size;
-        let [sh, sw] = window.stride;
-        Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw }
-    }
-
     /// Valid filter indices of output position `o` along an axis: k with 0 <= o*s - p + k < extent.
     fn taps(o: usize, s: usize, p: usize, k: usize, extent: usize) -> (usize, usize) {
         let start = (o * s) as isize - p as isize;
@@ -97,26 +71,6 @@ impl Geom {
     /// Input column of output column `ow` under tap `kw` (valid by construction where used).
     fn iw(&self, ow: usize, kw: usize) -> usize {
         ow * self.sw + kw - self.pw
-    }
-
-    fn text(&self) -> String {
-        format!(
-            "{}x{} stride {}x{} pad {}x{}, {}x{}x{}x{} -> {}x{}x{}x{}",
-            self.kh,
-            self.kw,
-            self.sh,
-            self.sw,
-            self.ph,
-            self.pw,
-            self.n,
-            self.h,
-            self.w,
-            self.c,
-            self.n,
-            self.oh,
-            self.ow,
-            self.f
-        )
     }
 }
 

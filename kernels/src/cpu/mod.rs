@@ -37,7 +37,7 @@ mod reduce;
 mod softmax;
 
 pub use crate::KernelError;
-use kiln_compiler::ir::{DType, Op, Shape, infer};
+use kiln_compiler::ir::{DType, Op, Shape};
 
 /// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
@@ -62,38 +62,7 @@ pub fn prepare(
     inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
-    if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
-        let help = if matches!(op, Op::Reshape { .. }) {
-            "reshape is a view of its operand's buffer: the runtime aliases it and runs no kernel"
-        } else {
-            "sources are filled by the runtime (feeds and variable initialisation), not by a kernel"
-        };
-        return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
-    }
-    let dtypes = inputs.iter().map(|&(_, d)| d).chain([output.1]);
-    if let Some(d) = dtypes.into_iter().find(|&d| d != DType::F32) {
-        return Err(KernelError::Unsupported {
-            op: op.label(),
-            dtype: d,
-            help: "the CPU backend computes in f32 only; declare the model's inputs and variables as f32"
-                .into(),
-        });
-    }
-    let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
-    let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
-        op: op.label(),
-        message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
-    })?;
-    if &shape != output.0 {
-        return Err(KernelError::Shape {
-            op: op.label(),
-            message: format!(
-                "the output is declared as {} but the operands {} give {shape}",
-                output.0,
-                operands()
-            ),
-        });
-    }
+    crate::check::check(op, inputs, output, "the CPU kernels")?;
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let out = output.0;
     let name = op.name();

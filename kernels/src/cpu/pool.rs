@@ -10,38 +10,14 @@
 use super::math::max_nan;
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
+use crate::geometry::Geom;
 use kiln_compiler::ir::{PoolKind, Shape, Window2d};
 use std::slice;
 
 /// Channels handled together by one gradient task.
 const CHANNELS: usize = 64;
 
-#[derive(Clone, Debug)]
-struct Geom {
-    n: usize,
-    h: usize,
-    w: usize,
-    c: usize,
-    oh: usize,
-    ow: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-}
-
 impl Geom {
-    fn new(x: &Shape, window: &Window2d) -> Geom {
-        let [n, h, w, c] = [0, 1, 2, 3].map(|i| x.dims()[i]);
-        let (oh, ph) = window.out_and_pad(0, h).expect("checked by infer");
-        let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
-        let [kh, kw] = window.size;
-        let [sh, sw] = window.stride;
-        Geom { n, h, w, c, oh, ow, kh, kw, sh, sw, ph, pw }
-    }
-
     /// In-bounds input range of output position `o` along an axis.
     fn range(o: usize, s: usize, p: usize, k: usize, extent: usize) -> (usize, usize) {
         let start = (o * s) as isize - p as isize;
@@ -74,7 +50,7 @@ pub(crate) fn pool2d(
     window: &Window2d,
     _out: &Shape,
 ) -> Box<dyn CpuKernel> {
-    let g = Geom::new(x, window);
+    let g = Geom::pool(x, window);
     let desc = format!("{name} {}x{} stride {}x{} {}", g.kh, g.kw, g.sh, g.sw, shape_text(x));
     Box::new(Pool { kind, g, desc })
 }
@@ -138,7 +114,7 @@ pub(crate) fn pool2d_grad(
     window: &Window2d,
     _dy: &Shape,
 ) -> Box<dyn CpuKernel> {
-    let g = Geom::new(x, window);
+    let g = Geom::pool(x, window);
     let desc = format!("{name} {}x{} stride {}x{} {}", g.kh, g.kw, g.sh, g.sw, shape_text(x));
     Box::new(PoolGrad { kind, g, desc })
 }

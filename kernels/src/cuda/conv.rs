@@ -20,56 +20,10 @@ use super::codegen::{Code, header, idx_type, int};
 use super::elementwise::Map;
 use super::gemm::{Gemm, Operand};
 use super::{Arg, CudaKernel};
+use crate::geometry::Geom;
 use kiln_compiler::ir::{Shape, Window2d};
 
-/// Geometry shared by the three kernels.
-#[derive(Clone, Debug)]
-struct Geom {
-    n: usize,
-    h: usize,
-    w: usize,
-    c: usize,
-    oh: usize,
-    ow: usize,
-    f: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-}
-
 impl Geom {
-    fn new(x: &Shape, window: &Window2d, f: usize) -> Geom {
-        let [n, h, w, c] = [0, 1, 2, 3].map(|i| x.dims()[i]);
-        let (oh, ph) = window.out_and_pad(0, h).expect("checked by infer");
-        let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
-        let [kh, kw] = window.size;
-        let [sh, sw] = window.stride;
-        Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw }
-    }
-
-    fn text(&self) -> String {
-        format!(
-            "{}x{} stride {}x{} pad {}x{}, {}x{}x{}x{} -> {}x{}x{}x{}",
-            self.kh,
-            self.kw,
-            self.sh,
-            self.sw,
-            self.ph,
-            self.pw,
-            self.n,
-            self.h,
-            self.w,
-            self.c,
-            self.n,
-            self.oh,
-            self.ow,
-            self.f
-        )
-    }
-
     /// Conditions under which input row `ih` / column `iw` (of output position and tap) is
     /// inside the input, "" when it always is.
     fn inside(&self) -> String {

@@ -15,35 +15,12 @@
 
 use super::codegen::{BLOCK, Code, grid_for, grid_loop, header, idx_type, int, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
+use crate::geometry::Geom;
 use kiln_compiler::ir::{PoolKind, Shape, Window2d};
 
-#[derive(Clone, Debug)]
-struct Geom {
-    h: usize,
-    w: usize,
-    c: usize,
-    oh: usize,
-    ow: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    ph: usize,
-    pw: usize,
-}
-
 impl Geom {
-    fn new(x: &Shape, window: &Window2d) -> Geom {
-        let [h, w, c] = [1, 2, 3].map(|i| x.dims()[i]);
-        let (oh, ph) = window.out_and_pad(0, h).expect("checked by infer");
-        let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
-        let [kh, kw] = window.size;
-        let [sh, sw] = window.stride;
-        Geom { h, w, c, oh, ow, kh, kw, sh, sw, ph, pw }
-    }
-
     /// Emits the in-bounds window rows h0..h1 and columns w0..w1 of output (oh, ow).
-    fn window(&self, c: &mut Code, oh: &str, ow: &str) {
+    fn emit_window(&self, c: &mut Code, oh: &str, ow: &str) {
         for (v, o, s, p, k, e) in
             [("h", oh, self.sh, self.ph, self.kh, self.h), ("w", ow, self.sw, self.pw, self.kw, self.w)]
         {
@@ -56,10 +33,6 @@ impl Geom {
     fn pixel(&self, n: &str, ih: &str, iw: &str) -> String {
         format!("(({n} * {} + {ih}) * {} + {iw}) * {} + c_", int(self.h), int(self.w), int(self.c))
     }
-
-    fn text(&self) -> String {
-        format!("{}x{} stride {}x{}", self.kh, self.kw, self.sh, self.sw)
-    }
 }
 
 pub(crate) fn pool2d(
@@ -70,7 +43,7 @@ pub(crate) fn pool2d(
     window: &Window2d,
     out: &Shape,
 ) -> CudaKernel {
-    let g = Geom::new(x, window);
+    let g = Geom::pool(x, window);
     let ty = idx_type(x.numel());
     let work = out.numel();
     let fname = format!("kiln_{name}");
@@ -86,7 +59,7 @@ pub(crate) fn pool2d(
     c.line(format!("const int ow_ = (int)(q % {}); q /= {};", g.ow, g.ow));
     c.line(format!("const int oh_ = (int)(q % {});", g.oh));
     c.line(format!("const {ty} n_ = q / {};", g.oh));
-    g.window(&mut c, "oh_", "ow_");
+    g.emit_window(&mut c, "oh_", "ow_");
     match kind {
         PoolKind::Max => c.line("float acc = __int_as_float(0xff800000);"),
         PoolKind::Avg => c.line("float acc = 0.0f;"),
@@ -127,7 +100,7 @@ pub(crate) fn pool2d_grad(
     window: &Window2d,
     dy: &Shape,
 ) -> CudaKernel {
-    let g = Geom::new(x, window);
+    let g = Geom::pool(x, window);
     let ty = idx_type(x.numel().max(dy.numel()));
     let work = x.numel();
     let fname = format!("kiln_{name}");
@@ -152,7 +125,7 @@ pub(crate) fn pool2d_grad(
     c.line("float acc = 0.0f;");
     c.line("for (int oh = oh_lo; oh <= oh_hi; ++oh) {");
     c.line("for (int ow = ow_lo; ow <= ow_hi; ++ow) {");
-    g.window(&mut c, "oh", "ow");
+    g.emit_window(&mut c, "oh", "ow");
     c.line(format!(
         "const float d = in1[(({} * n_ + oh) * {} + ow) * {} + c_];",
         int(g.oh),

@@ -1,0 +1,47 @@
+//! What both backends require of a step before they build its kernel: an op that has a kernel
+//! (sources are filled by the runtime, a reshape is a view), f32 operands, and shapes that agree
+//! with `ir::infer`.
+
+use crate::KernelError;
+use kiln_compiler::ir::{DType, Op, Shape, infer};
+
+/// `who` names the backend in messages: "the CPU backend", "the CUDA kernels".
+pub(crate) fn check(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+    who: &str,
+) -> Result<(), KernelError> {
+    if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
+        let help = if matches!(op, Op::Reshape { .. }) {
+            "reshape is a view of its operand's buffer: the runtime aliases it and runs no kernel"
+        } else {
+            "sources are filled by the runtime (feeds and variable initialisation), not by a kernel"
+        };
+        return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
+    }
+    let dtypes = inputs.iter().map(|&(_, d)| d).chain([output.1]);
+    if let Some(d) = dtypes.into_iter().find(|&d| d != DType::F32) {
+        return Err(KernelError::Unsupported {
+            op: op.label(),
+            dtype: d,
+            help: format!("{who} compute in f32 only; declare the model's inputs and variables as f32"),
+        });
+    }
+    let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
+    let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
+        op: op.label(),
+        message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
+    })?;
+    if &shape != output.0 {
+        return Err(KernelError::Shape {
+            op: op.label(),
+            message: format!(
+                "the output is declared as {} but the operands {} give {shape}",
+                output.0,
+                operands()
+            ),
+        });
+    }
+    Ok(())
+}
