@@ -6,5 +6,6 @@ pub mod cpu;
 pub mod cuda;
 mod error;
 mod geometry;
+mod strides;
 
 pub use error::KernelError;

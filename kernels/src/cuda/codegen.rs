@@ -6,6 +6,7 @@
 //! tile sizes unroll, and size-1 axes vanish. The price is one compilation per shape, which the
 //! backend caches by source text.
 
+pub(crate) use crate::strides::{broadcast_strides, contiguous_strides};
 use kiln_compiler::ir::Shape;
 use std::fmt::Write;
 
@@ -142,30 +143,6 @@ pub(crate) fn grid_loop(ty: &str, var: &str, n: usize) -> String {
             int(n)
         )
     }
-}
-
-/// Row-major element strides of `dims`.
-pub(crate) fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
-    let mut s = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        s[i] = s[i + 1] * dims[i + 1];
-    }
-    s
-}
-
-/// Element strides of a row-major operand of shape `operand` read as a tensor of shape `out`
-/// under NumPy broadcasting (0 on axes it lacks or has as 1).
-pub(crate) fn broadcast_strides(operand: &[usize], out: &[usize]) -> Vec<isize> {
-    let offset = out.len() - operand.len();
-    let mut strides = vec![0isize; out.len()];
-    let mut running = 1usize;
-    for i in (0..operand.len()).rev() {
-        if operand[i] != 1 {
-            strides[offset + i] = running as isize;
-        }
-        running *= operand[i];
-    }
-    strides
 }
 
 /// A loop nest over a contiguous output with strided operands, after dropping size-1 axes and
