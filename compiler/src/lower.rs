@@ -138,11 +138,11 @@ impl Lowering<'_> {
                 };
                 let parameter_bytes = role_bytes(&[VarRole::Parameter]);
                 let optimizer_state_bytes = role_bytes(&[VarRole::OptimizerState, VarRole::Counter]);
-                let naive: Vec<Interval> = live
+                let naive_bytes: usize = live
                     .naive_values(graph)
                     .filter(|(n, _)| graph.node(*n).device == a.spec.id)
-                    .map(|(_, bytes)| Interval { bytes, start: 0, end: 0 })
-                    .collect();
+                    .map(|(_, bytes)| planner::align(bytes, align))
+                    .sum();
                 DevicePlan {
                     device: a.spec.id,
                     name: a.spec.name.clone(),
@@ -151,7 +151,7 @@ impl Lowering<'_> {
                         arena_bytes: a.placement.arena_bytes,
                         lower_bound_bytes: bound.bytes,
                         lower_bound_step: bound.step,
-                        naive_bytes: planner::naive_bytes(&naive, align),
+                        naive_bytes,
                         parameter_bytes,
                         optimizer_state_bytes,
                         io_bytes: io_top[d],

@@ -331,6 +331,9 @@ impl Tensor {
         self
     }
 
+    /// Records any op of the IR on `self` and `operands` (an escape hatch below the DSL's named
+    /// methods: autodiff and the optimizers use it for gradient and update ops). Shapes are
+    /// checked as for every op.
     #[track_caller]
     pub fn record(&self, op: Op, operands: &[&Tensor]) -> Tensor {
         self.tracer().record_at(op, operands, Location::caller())
