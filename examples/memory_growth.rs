@@ -17,7 +17,7 @@ fn main() -> kiln::Result<()> {
     let devices = config.set_memory_growth(&target, true).build()?;
     let name = devices.logical()[if target == "cpu:0" { 0 } else { 1 }].name.clone();
     let mut trainer = examples::seed_trainer(&devices, &[&name])?;
-    let (x, y) = zoo::by_name("seed-mlp").expect("in the zoo").batch_data(0);
+    let (x, y) = zoo::by_name("seed-mlp").expect("in the zoo").batch_data(0)?;
     trainer.train_program(x.shape(), y.shape())?;
     let before = devices.memory_info(&name)?.planned;
     println!(
@@ -35,7 +35,7 @@ fn main() -> kiln::Result<()> {
     let s = kiln::compiler::optimize(graph_of(&m, Mode::Train)?)?;
     if name.starts_with("cpu") {
         let mut eager = EagerExecutor::new(devices.eager_allocator(&name)?, 0, CpuEager);
-        let (x, y) = m.batch_data(0);
+        let (x, y) = m.batch_data(0)?;
         eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)])?;
         let st = eager.allocator().stats();
         println!(

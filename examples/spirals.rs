@@ -6,7 +6,7 @@ use kiln::prelude::*;
 use kiln::zoo;
 
 fn main() -> kiln::Result<()> {
-    let (x, y) = zoo::two_spirals(500, 0.05, 3);
+    let (x, y) = zoo::two_spirals(500, 0.05, 3)?;
     let config = TrainConfig {
         loss: Loss::BinaryCrossEntropy,
         optimizer: Adam::new(0.01).into(),

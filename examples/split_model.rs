@@ -41,8 +41,8 @@ fn main() -> kiln::Result<()> {
         let mut trainer =
             Trainer::new(Placed::new(model(), split.placement.clone()), cfg, devices.backend(&names, 0)?)
                 .with_options(options);
-        let xs = HostTensor::from_fn(x.clone(), |i| (i % 13) as f32 / 13.0);
-        let ys = HostTensor::from_fn(y.clone(), |i| (i % 2) as f32);
+        let xs = HostTensor::from_fn(x.clone(), |i| (i % 13) as f32 / 13.0)?;
+        let ys = HostTensor::from_fn(y.clone(), |i| (i % 2) as f32)?;
         let logs = trainer.train_step(&xs, &ys)?;
         println!("one training step on the split: loss {:.4}", logs.loss);
         println!("{}", devices.table());

@@ -13,6 +13,7 @@ use kiln_runtime::alloc::{
     Allocator, BfcAllocator, CachingAllocator, HostSource, RegionSource, VirtualSource,
 };
 use kiln_runtime::eager::{CpuEager, EagerExecutor, MemorySample, Simulated};
+use std::fmt::Write;
 use std::time::Instant;
 
 /// Inference, or one training step (forward, backward, Adam).
@@ -66,6 +67,9 @@ pub struct Comparison {
     pub plan_ms: f64,
     pub steps: usize,
     pub algorithm: String,
+    /// The execution order that won, and every order tried with its planned total.
+    pub schedule: String,
+    pub schedules: Vec<(String, usize)>,
     /// Whether the eager runs executed the kernels (else they replayed the allocations only).
     pub eager_executed: bool,
     #[serde(skip)]
@@ -102,12 +106,18 @@ pub fn graph_of(m: &ZooModel, mode: Mode) -> Result<Graph> {
 /// Plans `m` in `mode` and runs it eagerly under both allocators. With `execute`, the eager runs
 /// compute on host memory; otherwise they replay the same allocation sequence on virtual memory.
 pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
+    if m.batch == 0 {
+        return Err(crate::Error::Runtime(kiln_runtime::RuntimeError::invalid(
+            format!("{} with batch size 0: there is nothing to plan", m.name),
+            "use a batch size of at least 1",
+        )));
+    }
     let graph = graph_of(m, mode)?;
     let start = Instant::now();
     let plan = compile(graph.clone(), &CompileOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
 
-    let (x, y) = m.batch_data(1);
+    let (x, y) = m.batch_data(1)?;
     let scheduled = optimize(graph)?;
     let feed: Vec<(&str, &HostTensor)> = match mode {
         Mode::Forward => vec![("x", &x)],
@@ -154,6 +164,8 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
         plan_ms,
         steps: plan.steps.len(),
         algorithm: mem.algorithm.clone(),
+        schedule: mem.schedule.clone(),
+        schedules: mem.schedules.clone(),
         eager_executed: execute,
         plan,
         bfc_samples: samples,
@@ -178,6 +190,7 @@ pub fn table(rows: &[Comparison]) -> String {
         "eager caching reserved",
         "frag@peak",
         "planned/eager",
+        "schedule",
         "plan ms",
     ];
     let cells: Vec<Vec<String>> = rows
@@ -198,11 +211,18 @@ pub fn table(rows: &[Comparison]) -> String {
                 bytes(r.eager_caching_peak_reserved_bytes),
                 format!("{:.3}", r.eager_bfc_fragmentation_at_peak),
                 format!("{:.3}", r.planned_over_eager_reserved()),
+                r.schedule.clone(),
                 format!("{:.2}", r.plan_ms),
             ]
         })
         .collect();
-    crate::report::render_table(&headers, &cells)
+    let mut out = crate::report::render_table(&headers, &cells);
+    out.push_str("planned total by schedule (the smallest is kept):\n");
+    for r in rows {
+        let tried: Vec<String> = r.schedules.iter().map(|(n, b)| format!("{n} {}", bytes(*b))).collect();
+        let _ = writeln!(out, "  {} {}: {}", r.model, r.mode.name(), tried.join(", "));
+    }
+    out
 }
 
 /// The goals the memory benchmark holds, each with its measured figure.

@@ -22,6 +22,7 @@ pub mod device;
 mod error;
 pub mod examples;
 pub mod gpu_bench;
+pub mod peers;
 pub mod report;
 pub mod seed;
 pub mod svg;

@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use kiln::compare::{Mode, compare, table};
+use kiln::gpu_bench::Outcome;
 use kiln::{Device, seed, zoo};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -27,7 +28,7 @@ enum Command {
     Seed,
     /// List the devices with their policies, limits, arenas and usage.
     Devices {
-        /// A memory limit: DEVICE=SIZE (e.g. gpu:0=5000MB). Repeatable.
+        /// A memory limit: DEVICE=SIZE (e.g. gpu:0=5000MB; units are 1024-based: 1MB = 1MiB). Repeatable.
         #[arg(long, value_name = "DEVICE=SIZE")]
         limit: Vec<String>,
         /// Memory growth on DEVICE. Repeatable.
@@ -64,6 +65,10 @@ enum Command {
     },
 }
 
+/// The exit status of `kiln bench-gpu` when there is no usable CUDA device: the user asked for a
+/// GPU benchmark and none ran. (`cargo bench --bench gpu` exits 0 instead: see benches/gpu.rs.)
+const EXIT_SKIPPED: u8 = 2;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
@@ -71,7 +76,14 @@ fn main() -> ExitCode {
         Command::Memory { model, mode, batch, svg, steps } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
         }
-        Command::BenchGpu => kiln::gpu_bench::run().map_err(|e| invalid(e.to_string(), String::new())),
+        Command::BenchGpu => match kiln::gpu_bench::run() {
+            Ok(Outcome::Ran) => Ok(()),
+            Ok(skipped) => {
+                eprintln!("{}", skipped.skip_message().unwrap_or_default());
+                return ExitCode::from(EXIT_SKIPPED);
+            }
+            Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
+        },
         Command::Devices { limit, growth, fraction, logical, seed } => {
             devices(&limit, &growth, &fraction, &logical, seed)
         }
@@ -94,6 +106,12 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, step
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
     if let Some(b) = batch {
+        if b == 0 {
+            return Err(invalid(
+                "--batch 0: a batch needs at least one row".into(),
+                "pass --batch 1 or more".into(),
+            ));
+        }
         m = m.with_batch(b);
     }
     let row = compare(&m, mode, true)?;

@@ -15,8 +15,10 @@ pub const FEATURES: usize = 100;
 /// Uniform [0, 1) inputs and random 0/1 labels, as `np.random.random` and `np.random.randint(2)`.
 pub fn data(seed: u64) -> (HostTensor, HostTensor) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let x = HostTensor::from_fn([ROWS, FEATURES], |_| rng.random::<f32>());
-    let y = HostTensor::from_fn([ROWS, 1], |_| if rng.random::<bool>() { 1.0 } else { 0.0 });
+    // Fixed sizes (400 KB): the allocation is not the caller's to get wrong.
+    let x = HostTensor::from_fn([ROWS, FEATURES], |_| rng.random::<f32>()).expect("1000 x 100 floats");
+    let y = HostTensor::from_fn([ROWS, 1], |_| if rng.random::<bool>() { 1.0 } else { 0.0 })
+        .expect("1000 floats");
     (x, y)
 }
 

@@ -7,6 +7,7 @@
 //! | `cnn` | 32x32x3: (3x3 conv 32 relu) x2, max-pool, (3x3 conv 64 relu) x2, max-pool, dense 128 relu, dense 10 | 64 |
 //! | `transformer` | embedding 1000x256, one pre-LN block (4 heads, GELU MLP 1024), LN, dense 1000; sequence 128 | 8 |
 
+use crate::error::{Error, Result};
 use kiln_compiler::ir::{Padding, Shape};
 use kiln_compiler::losses::{Loss, Metric};
 use kiln_compiler::nn::{
@@ -15,7 +16,7 @@ use kiln_compiler::nn::{
 };
 use kiln_compiler::optim::Adam;
 use kiln_compiler::step::TrainConfig;
-use kiln_runtime::HostTensor;
+use kiln_runtime::{HostTensor, RuntimeError};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -69,10 +70,13 @@ impl ZooModel {
         batched(self.batch, &self.y)
     }
 
-    /// One batch of inputs and targets.
-    pub fn batch_data(&self, seed: u64) -> (HostTensor, HostTensor) {
+    /// One batch of inputs and targets; an error when the batch does not fit in host memory or
+    /// a `Data` cannot be drawn (`Ids(0)`, one-hot rows of no classes).
+    pub fn batch_data(&self, seed: u64) -> Result<(HostTensor, HostTensor)> {
         let mut rng = StdRng::seed_from_u64(seed);
-        (draw(&self.x_shape(), self.x_data, &mut rng), draw(&self.y_shape(), self.y_data, &mut rng))
+        let x = draw(&self.x_shape(), self.x_data, &mut rng)?;
+        let y = draw(&self.y_shape(), self.y_data, &mut rng)?;
+        Ok((x, y))
     }
 }
 
@@ -82,20 +86,32 @@ fn batched(batch: usize, dims: &[usize]) -> Shape {
     Shape::new(d)
 }
 
-fn draw(shape: &Shape, data: Data, rng: &mut StdRng) -> HostTensor {
-    match data {
-        Data::Uniform => HostTensor::from_fn(shape.clone(), |_| rng.random::<f32>()),
-        Data::Binary => HostTensor::from_fn(shape.clone(), |_| if rng.random::<bool>() { 1.0 } else { 0.0 }),
-        Data::Ids(n) => HostTensor::from_fn(shape.clone(), |_| rng.random_range(0..n) as f32),
+fn draw(shape: &Shape, data: Data, rng: &mut StdRng) -> Result<HostTensor> {
+    let empty = shape.checked_numel() == Some(0);
+    Ok(match data {
+        Data::Uniform => HostTensor::from_fn(shape.clone(), |_| rng.random::<f32>())?,
+        Data::Binary => HostTensor::from_fn(shape.clone(), |_| if rng.random::<bool>() { 1.0 } else { 0.0 })?,
+        Data::Ids(0) if !empty => return Err(no_data(shape, data, "there are no ids to draw from")),
+        Data::Ids(n) => HostTensor::from_fn(shape.clone(), |_| rng.random_range(0..n) as f32)?,
         Data::OneHot => {
             let classes = shape.dims().last().copied().unwrap_or(1);
-            let mut t = HostTensor::zeros(shape.clone());
-            for row in t.data_mut().chunks_mut(classes) {
-                row[rng.random_range(0..classes)] = 1.0;
+            if classes == 0 && !empty {
+                return Err(no_data(shape, data, "one-hot rows need at least one class"));
+            }
+            let mut t = HostTensor::zeros(shape.clone())?;
+            for row in t.data_mut().chunks_mut(classes.max(1)) {
+                row[rng.random_range(0..row.len())] = 1.0;
             }
             t
         }
-    }
+    })
+}
+
+fn no_data(shape: &Shape, data: Data, why: &str) -> Error {
+    Error::Runtime(RuntimeError::invalid(
+        format!("cannot draw {data:?} data of shape {shape}: {why}"),
+        "give Data::Ids a positive count, and one-hot targets a last axis of at least 1",
+    ))
 }
 
 /// Every zoo model at its default batch size.
@@ -214,10 +230,22 @@ pub fn seed_config() -> TrainConfig {
 
 /// Two interleaved spirals in the plane, `n` points per class, labels 0/1 in [2n, 1]: a classic
 /// task that a linear model cannot learn and a small MLP can.
-pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (HostTensor, HostTensor) {
+/// An error when `4n` points overflow or do not fit in host memory.
+pub fn two_spirals(n: usize, noise: f32, seed: u64) -> Result<(HostTensor, HostTensor)> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut x = Vec::with_capacity(4 * n);
-    let mut y = Vec::with_capacity(2 * n);
+    let (Some(rows), Some(coords)) = (n.checked_mul(2), n.checked_mul(4)) else {
+        return Err(Error::Runtime(RuntimeError::invalid(
+            format!("two_spirals({n}, ..): 4 x {n} coordinates overflow a usize"),
+            "ask for fewer points",
+        )));
+    };
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    x.try_reserve_exact(coords).and_then(|()| y.try_reserve_exact(rows)).map_err(|e| {
+        Error::Runtime(RuntimeError::invalid(
+            format!("two_spirals({n}, ..): {rows} points do not fit in host memory ({e})"),
+            "ask for fewer points",
+        ))
+    })?;
     for i in 0..n {
         // Angle from 0.25 to 3 turns; radius grows with the angle.
         let t = 0.25 + 2.75 * (i as f32 / n as f32);
@@ -230,9 +258,7 @@ pub fn two_spirals(n: usize, noise: f32, seed: u64) -> (HostTensor, HostTensor) 
             y.push(label);
         }
     }
-    let x = HostTensor::new([2 * n, 2], x).expect("2n x 2 points");
-    let y = HostTensor::new([2 * n, 1], y).expect("2n labels");
-    (x, y)
+    Ok((HostTensor::new([rows, 2], x)?, HostTensor::new([rows, 1], y)?))
 }
 
 /// A model that separates the two spirals: 2 -> 64 relu -> 64 relu -> 1 sigmoid.

@@ -47,7 +47,7 @@ fn eager_equals_planned_on_every_zoo_model() {
     for m in zoo::all() {
         // Small batches keep the test quick; the benchmark runs the zoo's real sizes.
         let m = m.clone().with_batch(if m.name == "transformer" { 1 } else { 2 });
-        let (x, y) = m.batch_data(5);
+        let (x, y) = m.batch_data(5).unwrap();
         let model = m.model();
         let fwd = forward_graph(&model, &m.x_shape()).unwrap();
         check(
@@ -75,7 +75,7 @@ fn eager_equals_planned_on_every_zoo_model() {
 #[test]
 fn eager_frees_everything_but_variables() {
     let m = zoo::by_name("seed-mlp").unwrap();
-    let (x, y) = m.batch_data(1);
+    let (x, y) = m.batch_data(1).unwrap();
     let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
     let s = kiln::compiler::optimize(train).unwrap();
     let mut eager = EagerExecutor::new(BfcAllocator::new(HostSource::new(), 1 << 30), 0, CpuEager);

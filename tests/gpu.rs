@@ -150,7 +150,7 @@ fn gpu_every_op_forward_and_backward_matches_cpu() {
 fn gpu_every_zoo_training_step_matches_cpu() {
     let Some(mut gpu) = cuda_backend(3) else { return };
     for m in zoo::all() {
-        let (x, y) = m.batch_data(2);
+        let (x, y) = m.batch_data(2).unwrap();
         let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
         let plan = compile(graph, &CompileOptions::default()).unwrap();
         let mut cpu = CpuBackend::new(3);
@@ -172,7 +172,7 @@ fn gpu_every_zoo_training_step_matches_cpu() {
 fn gpu_steps_allocate_nothing_and_memory_equals_the_plan() {
     let Some(mut gpu) = cuda_backend(0) else { return };
     let m = zoo::by_name("mlp").unwrap();
-    let (x, y) = m.batch_data(1);
+    let (x, y) = m.batch_data(1).unwrap();
     let plan =
         compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &CompileOptions::default())
             .unwrap();
@@ -216,7 +216,7 @@ fn gpu_eager_on_device_regions_matches_the_cpu_plan() {
     let Some(gpu) = cuda_backend(5) else { return };
     for name in ["seed-mlp", "cnn"] {
         let m = zoo::by_name(name).unwrap().with_batch(4);
-        let (x, y) = m.batch_data(3);
+        let (x, y) = m.batch_data(3).unwrap();
         let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
         let mut cpu = CpuBackend::new(5);
         let id = cpu.load(compile(graph.clone(), &CompileOptions::default()).unwrap()).unwrap();

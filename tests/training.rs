@@ -5,7 +5,7 @@ use kiln::{seed, zoo};
 
 #[test]
 fn a_small_mlp_learns_two_spirals() {
-    let (x, y) = zoo::two_spirals(500, 0.05, 3);
+    let (x, y) = zoo::two_spirals(500, 0.05, 3).unwrap();
     let config = TrainConfig {
         loss: Loss::BinaryCrossEntropy,
         optimizer: Adam::new(0.01).into(),
@@ -64,7 +64,7 @@ fn adam_matches_keras_on_one_step() {
 #[test]
 fn a_mistake_in_fit_names_the_callers_line() {
     let (x, _) = seed::data(0);
-    let y = HostTensor::zeros([1000]);
+    let y = HostTensor::zeros([1000]).unwrap();
     let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(0).unwrap());
     let opts = FitOptions { epochs: 1, verbose: false, ..Default::default() };
     let e = trainer.fit(&x, &y, &opts).unwrap_err().to_string();

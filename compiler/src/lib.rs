@@ -15,6 +15,7 @@
 pub mod autodiff;
 pub mod device;
 pub mod error;
+pub mod guard;
 pub mod ir;
 pub mod limits;
 pub mod liveness;
@@ -35,7 +36,6 @@ pub use device::DeviceSpec;
 pub use error::{CompileError, Result};
 pub use plan::Plan;
 
-use liveness::StorageClass;
 use lower::DeviceArena;
 use planner::Interval;
 
@@ -46,11 +46,18 @@ pub struct CompileOptions {
     pub alignment: usize,
     /// The devices ops may be placed on (`Tracer::on_device`), with their memory limits.
     pub devices: Vec<DeviceSpec>,
+    /// Guard mode: a canary gap of this many bytes after every arena and io slot, checked by
+    /// the backends after every step (`guard`). 0 (off) unless `KILN_GUARD=1` is set.
+    pub guard_bytes: usize,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { alignment: 256, devices: vec![DeviceSpec::new(0, "device 0")] }
+        CompileOptions {
+            alignment: 256,
+            devices: vec![DeviceSpec::new(0, "device 0")],
+            guard_bytes: guard::default_bytes(),
+        }
     }
 }
 
@@ -66,6 +73,53 @@ impl CompileOptions {
     pub fn with_devices(mut self, devices: Vec<DeviceSpec>) -> Self {
         self.devices = devices;
         self
+    }
+
+    /// Guard mode on (`guard::GUARD_BYTES` of canary after every slot) or off, whatever
+    /// `KILN_GUARD` says.
+    pub fn with_guard(mut self, on: bool) -> Self {
+        self.guard_bytes = if on { guard::GUARD_BYTES } else { 0 };
+        self
+    }
+
+    /// The largest slot alignment accepted: 1 MiB (GPU allocation granularity is 2 MiB and
+    /// kernels need at most 256 bytes).
+    pub const MAX_ALIGNMENT: usize = 1 << 20;
+
+    /// Checks the options: the alignment a power of two from 4 (f32 kernels read aligned words)
+    /// to `MAX_ALIGNMENT`, at least one device, device ids unique.
+    pub fn check(&self) -> Result<()> {
+        let a = self.alignment;
+        if !a.is_power_of_two() || !(4..=Self::MAX_ALIGNMENT).contains(&a) {
+            return Err(CompileError::invalid(
+                format!("CompileOptions::alignment is {a}"),
+                "use a power of two from 4 to 1 MiB (the default, 256, suits every backend)",
+            ));
+        }
+        if self.guard_bytes > guard::MAX_GUARD_BYTES {
+            return Err(CompileError::invalid(
+                format!("CompileOptions::guard_bytes is {}", self.guard_bytes),
+                "use at most 1 MiB of canary (`with_guard(true)` gives 256 bytes, which is enough)",
+            ));
+        }
+        if self.devices.is_empty() {
+            return Err(CompileError::invalid(
+                "CompileOptions::devices is empty",
+                "list at least one device (CompileOptions::default() has one)",
+            ));
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some(other) = self.devices[..i].iter().find(|o| o.id == d.id || o.name == d.name) {
+                return Err(CompileError::invalid(
+                    format!(
+                        "CompileOptions::devices lists device {} ({:?}) and device {} ({:?}): ids and names must be unique",
+                        other.id.0, other.name, d.id.0, d.name
+                    ),
+                    "give every device its own id and name",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -83,31 +137,141 @@ pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
     Ok(Scheduled { graph, order })
 }
 
-/// Compiles a graph into a plan: passes, schedule, liveness, arena placement, lowering, validation.
+/// Compiles a graph into a plan: passes, then for each candidate order (`schedule::candidates`)
+/// liveness, arena placement, lowering and validation; the plan with the smallest planned total
+/// is kept, and its figures name the order that won and what every order gave.
 pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
-    let Scheduled { graph, order } = optimize(graph)?;
+    options.check()?;
+    let Scheduled { graph, .. } = optimize(graph)?;
     let devices = devices_used(&graph, options)?;
-    let live = liveness::analyze(&graph, &order)?;
+    let plan = search(&graph, &devices, options)?;
+    limits::check(&plan).map_err(CompileError::OutOfMemory)?;
+    Ok(plan)
+}
+
+/// Graphs with more nodes than this rank the candidate orders by their lower bound (the arena
+/// sits within 2% of it) and place only the winner, so that a 100k-node graph still compiles in
+/// well under a second; smaller graphs place every candidate.
+pub const SEARCH_PLACES_ALL_BELOW: usize = 20_000;
+
+/// The schedule search: plans the graph in every candidate order and keeps the plan with the
+/// smallest planned total (the first such, program order winning ties).
+pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &CompileOptions) -> Result<Plan> {
+    let candidates = schedule::candidates(graph)?;
+    let mut tried = Vec::new();
+    let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {
+        let mut best: Option<(Plan, &str)> = None;
+        for c in &candidates {
+            let plan = plan_order(graph, &c.order, devices, options)?;
+            let total = plan.memory.planned_total_bytes();
+            tried.push((c.name.to_string(), total));
+            if best.as_ref().is_none_or(|(b, _)| total < b.memory.planned_total_bytes()) {
+                best = Some((plan, c.name));
+            }
+        }
+        let (mut plan, name) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
+        plan.memory.schedule = name.to_string();
+        plan
+    } else {
+        let mut best: Option<(usize, &schedule::Candidate)> = None;
+        for c in &candidates {
+            let live = liveness::analyze(graph, &c.order)?;
+            check_sizes(&live, options.alignment, options.guard_bytes)?;
+            let bound: usize = devices
+                .iter()
+                .map(|spec| {
+                    let intervals: Vec<Interval> = live
+                        .buffers
+                        .iter()
+                        .filter(|b| b.class.in_arena() && b.device == spec.id)
+                        .map(|b| Interval {
+                            bytes: b.bytes + options.guard_bytes,
+                            start: b.start,
+                            end: b.end,
+                        })
+                        .collect();
+                    planner::lower_bound(&intervals, options.alignment).bytes
+                })
+                .sum();
+            tried.push((c.name.to_string(), bound));
+            if best.is_none_or(|(b, _)| bound < b) {
+                best = Some((bound, c));
+            }
+        }
+        let (_, c) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
+        let mut plan = plan_order(graph, &c.order, devices, options)?;
+        plan.memory.schedule = c.name.to_string();
+        // The same figure for every order: persistent bytes plus the arena's lower bound.
+        let persistent = plan.memory.persistent_bytes;
+        tried.iter_mut().for_each(|(_, b)| *b += persistent);
+        plan
+    };
+    plan.memory.schedules = tried;
+    Ok(plan)
+}
+
+/// One order's plan: liveness, arena placement per device, lowering, validation.
+fn plan_order(
+    graph: &ir::Graph,
+    order: &[ir::NodeId],
+    devices: &[DeviceSpec],
+    options: &CompileOptions,
+) -> Result<Plan> {
+    let live = liveness::analyze(graph, order)?;
+    check_sizes(&live, options.alignment, options.guard_bytes)?;
     let arenas: Vec<DeviceArena> = devices
-        .into_iter()
+        .iter()
+        .cloned()
         .map(|spec| {
             let (buffers, intervals): (Vec<usize>, Vec<Interval>) = live
                 .buffers
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.class == StorageClass::Arena && b.device == spec.id)
+                .filter(|(_, b)| b.class.in_arena() && b.device == spec.id)
                 .map(|(i, b)| (i, Interval { bytes: b.bytes, start: b.start, end: b.end }))
                 .unzip();
-            let placement = planner::place(&intervals, options.alignment);
+            // Guard mode places each slot with its canary; the figures keep the real sizes.
+            let placement = if options.guard_bytes == 0 {
+                planner::place(&intervals, options.alignment)
+            } else {
+                let guarded: Vec<Interval> = intervals
+                    .iter()
+                    .map(|iv| Interval { bytes: iv.bytes + options.guard_bytes, ..*iv })
+                    .collect();
+                planner::place(&guarded, options.alignment)
+            };
             DeviceArena { spec, buffers, intervals, placement }
         })
         .collect();
-    let plan =
-        lower::Lowering { graph: &graph, live: &live, arenas: &arenas, alignment: options.alignment }.plan();
+    let plan = lower::Lowering {
+        graph,
+        live: &live,
+        arenas: &arenas,
+        alignment: options.alignment,
+        guard_bytes: options.guard_bytes,
+    }
+    .plan();
     validate::validate(&plan)
         .map_err(|e| CompileError::Internal(format!("plan {:?} failed validation: {e}", plan.name)))?;
-    limits::check(&plan).map_err(CompileError::OutOfMemory)?;
     Ok(plan)
+}
+
+/// Every buffer holds at most `ir::MAX_TENSOR_BYTES` (checked by `ir::infer`), but their sum
+/// is what the planner, lowering and the figures add up: it is checked once here, so that no
+/// later sum or offset can overflow.
+fn check_sizes(live: &liveness::Liveness, alignment: usize, guard_bytes: usize) -> Result<()> {
+    let total = live.buffers.iter().try_fold(0usize, |sum, b| {
+        (b.bytes.checked_add(guard_bytes))
+            .and_then(|g| g.checked_next_multiple_of(alignment))
+            .and_then(|a| sum.checked_add(a))
+    });
+    match total {
+        Some(_) => Ok(()),
+        None => Err(CompileError::invalid(
+            format!("the graph's {} buffers add up to more bytes than a usize can count", live.buffers.len()),
+            "the model is far larger than any device: check its shapes",
+        )),
+    }
 }
 
 /// The configured devices that the graph's ops use, in configuration order; an op placed on a

@@ -1,8 +1,11 @@
 //! Buffers and their lifetimes over a schedule.
 //!
-//! Every value gets a buffer: graph inputs and outputs get io buffers, variables their persistent
-//! storage, everything else an arena buffer live from the step that writes it to the last step
-//! that reads it. Two rules let values share a buffer:
+//! Every value gets a buffer: variables their persistent storage, everything else an arena buffer
+//! live from the step that writes it to the last step that reads it. One arena means one arena:
+//! a graph input is an arena buffer live from the first step (it is written before the run) to
+//! its last reader, a graph output one live from its producer to the last step (it is read after
+//! the run), so an input's bytes are reused once it is read and an output's are free until it is
+//! made. Two rules let values share a buffer:
 //! - a view (`reshape`) is its operand's buffer with another shape;
 //! - an elementwise op writes in place into an operand of its own shape whose buffer dies at that
 //!   op (its last reader, views of it included, is this op).
@@ -19,6 +22,13 @@ pub enum StorageClass {
     Input(String),
     Output(String),
     Variable(String),
+}
+
+impl StorageClass {
+    /// Whether the planner places the buffer in the arena: everything but variables.
+    pub fn in_arena(&self) -> bool {
+        !matches!(self, StorageClass::Variable(_))
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -46,13 +56,18 @@ pub struct Liveness {
 }
 
 impl Liveness {
-    /// Every arena value with its bytes, before any sharing: the "naive" figure.
+    /// Every arena value with its bytes, before any sharing: the "naive" figure (the graph's
+    /// inputs, then every step's value).
     pub fn naive_values<'a>(&'a self, graph: &'a Graph) -> impl Iterator<Item = (NodeId, usize)> + 'a {
-        self.steps.iter().filter(move |&&n| self.is_arena(n)).map(move |&n| (n, graph.node(n).bytes()))
+        let inputs =
+            self.buffers.iter().filter(|b| matches!(b.class, StorageClass::Input(_))).map(|b| b.producer);
+        inputs
+            .chain(self.steps.iter().copied().filter(move |&n| self.is_arena(n)))
+            .map(move |n| (n, graph.node(n).bytes()))
     }
 
     fn is_arena(&self, n: NodeId) -> bool {
-        self.buffer_of.get(&n).is_some_and(|&b| self.buffers[b].class == StorageClass::Arena)
+        self.buffer_of.get(&n).is_some_and(|&b| self.buffers[b].class.in_arena())
     }
 }
 
@@ -90,7 +105,9 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
         };
         let buffer = match &node.op {
             _ if node.op.is_effect() => continue,
-            Op::Input { name, .. } => Some(new(StorageClass::Input(name.clone()), 0, last)),
+            Op::Input { name, .. } => {
+                Some(new(StorageClass::Input(name.clone()), 0, reads_until[&n].unwrap_or(0)))
+            }
             Op::Variable { key, .. } => Some(new(StorageClass::Variable(key.clone()), 0, last)),
             Op::Reshape { .. } => {
                 let operand = graph.operands(n)[0];
@@ -140,6 +157,9 @@ fn in_place_target(graph: &Graph, live: &Liveness, n: NodeId, s: usize) -> Optio
         let b = *live.buffer_of.get(&o)?;
         let buf = &live.buffers[b];
         let fits = graph.node(o).shape == node.shape && graph.node(o).dtype == node.dtype;
-        (fits && buf.class == StorageClass::Arena && buf.end == s).then_some(b)
+        // Not into an output (it lives to the end) or a variable; an input may be overwritten
+        // once read, since every run is fed anew.
+        let reusable = matches!(buf.class, StorageClass::Arena | StorageClass::Input(_));
+        (fits && reusable && buf.end == s).then_some(b)
     })
 }

@@ -21,6 +21,8 @@ pub struct Lowering<'a> {
     pub live: &'a Liveness,
     pub arenas: &'a [DeviceArena],
     pub alignment: usize,
+    /// Guard mode's canary after every io slot (the arena placement already includes it).
+    pub guard_bytes: usize,
 }
 
 impl Lowering<'_> {
@@ -49,8 +51,9 @@ impl Lowering<'_> {
         for a in self.arenas {
             arena_offset.extend(a.buffers.iter().zip(&a.placement.offsets).map(|(&b, &o)| (b, o)));
         }
-        // Each device's io region: its inputs and outputs in order of first appearance, aligned.
-        let mut io_top = vec![0usize; self.arenas.len()];
+        // Inputs and outputs are arena buffers like any other (see `liveness`): `compile` leaves
+        // every io region empty. (`Storage::Io` stays in the plan format for plans made by hand.)
+        let io_top = vec![0usize; self.arenas.len()];
         let buffers: Vec<Buffer> = live
             .buffers
             .iter()
@@ -58,12 +61,9 @@ impl Lowering<'_> {
             .map(|(i, b)| {
                 let device = device_index[&b.device.0];
                 let storage = match &b.class {
-                    StorageClass::Arena => Storage::Arena { device, offset: arena_offset[&i] },
                     StorageClass::Variable(key) => Storage::Variable { index: var_index[key] },
-                    StorageClass::Input(_) | StorageClass::Output(_) => {
-                        let offset = io_top[device];
-                        io_top[device] += planner::align(b.bytes, align);
-                        Storage::Io { device, offset }
+                    StorageClass::Arena | StorageClass::Input(_) | StorageClass::Output(_) => {
+                        Storage::Arena { device, offset: arena_offset[&i] }
                     }
                 };
                 let producer = graph.node(b.producer);
@@ -158,6 +158,7 @@ impl Lowering<'_> {
                         persistent_bytes: parameter_bytes + optimizer_state_bytes + io_top[d],
                         algorithm: a.placement.algorithm.clone(),
                         tried: a.placement.tried.clone(),
+                        ..Default::default()
                     },
                 }
             })
@@ -166,6 +167,7 @@ impl Lowering<'_> {
         Plan {
             name: graph.name().to_string(),
             alignment: align,
+            guard_bytes: self.guard_bytes,
             devices,
             buffers,
             values,

@@ -76,6 +76,37 @@ impl Optimizer {
         }
     }
 
+    /// Checks the hyperparameters: a finite learning rate above 0, momentum and betas in [0, 1),
+    /// a finite epsilon above 0. The error names the optimizer, the value and what to use.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |name: &str, v: f32| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{self:?}: {name} is {v}, not a finite number above 0"))
+            }
+        };
+        let unit = |name: &str, v: f32| {
+            if (0.0..1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("{self:?}: {name} is {v}, outside [0, 1)"))
+            }
+        };
+        match *self {
+            Optimizer::Sgd(o) => {
+                positive("the learning rate", o.learning_rate)?;
+                unit("momentum", o.momentum)
+            }
+            Optimizer::Adam(o) => {
+                positive("the learning rate", o.learning_rate)?;
+                unit("beta_1", o.beta_1)?;
+                unit("beta_2", o.beta_2)?;
+                positive("epsilon", o.epsilon)
+            }
+        }
+    }
+
     /// Appends one update per (parameter, gradient) pair and returns the effect nodes.
     pub fn apply(&self, updates: &[(Tensor, String, Tensor)]) -> Vec<Tensor> {
         let Some((first, _, _)) = updates.first() else { return vec![] };

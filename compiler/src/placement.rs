@@ -29,9 +29,37 @@ impl<M: AsRef<Sequential>> Placed<M> {
     }
 }
 
+impl<M: AsRef<Sequential>> Placed<M> {
+    /// Why `ranges` do not cover the model's layers once, in order (`None` when they do).
+    fn ranges_problem(&self) -> Option<String> {
+        let layers = self.model.as_ref().len();
+        let mut next = 0;
+        for (device, r) in &self.ranges {
+            if r.start != next || r.end < r.start {
+                return Some(format!(
+                    "the range {}..{} on device {} does not start where the previous one ends ({next})",
+                    r.start, r.end, device.0
+                ));
+            }
+            next = r.end;
+        }
+        (next != layers).then(|| format!("the ranges end at layer {next}, but the model has {layers} layers"))
+    }
+}
+
 impl<M: AsRef<Sequential>> Layer for Placed<M> {
     fn forward(&self, x: &Tensor) -> Tensor {
         let t = x.tracer();
+        if let Some(why) = self.ranges_problem() {
+            let ranges: Vec<String> =
+                self.ranges.iter().map(|(d, r)| format!("device {}: {}..{}", d.0, r.start, r.end)).collect();
+            return t.report(
+                "placed",
+                format!("Placed ranges [{}]: {why}", ranges.join(", ")),
+                &[x],
+                "give contiguous layer ranges, in order, that cover every layer once (0..a, a..b, ..., ..n)",
+            );
+        }
         let mut h = x.clone();
         for (device, range) in &self.ranges {
             h = t.on_device(*device, || self.model.as_ref().forward_range(&h, range.clone()));
@@ -87,11 +115,29 @@ pub fn split_sequential(
 ) -> Result<Split> {
     let layers = model.len();
     if devices.is_empty() || layers == 0 {
-        return Err(CompileError::invalid("nothing to split", "give at least one device and one layer"));
+        return Err(CompileError::invalid(
+            format!(
+                "split_sequential got {} devices and a model of {layers} layers: nothing to split",
+                devices.len()
+            ),
+            "give at least one device and a model with at least one layer",
+        ));
     }
+    if devices.len() > layers {
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        return Err(CompileError::invalid(
+            format!(
+                "split_sequential got {} devices {names:?} for a model of {layers} layers",
+                devices.len()
+            ),
+            "give at most one device per layer (a device with no layers holds nothing)",
+        ));
+    }
+    // The options are checked once here (alignment, unique device ids and names), not in every trial.
+    CompileOptions { alignment, devices: devices.to_vec(), ..Default::default() }.check()?;
     let unlimited: Vec<DeviceSpec> =
         devices.iter().map(|d| DeviceSpec { memory_limit: None, ..d.clone() }).collect();
-    let options = CompileOptions { alignment, devices: unlimited };
+    let options = CompileOptions { alignment, devices: unlimited, ..Default::default() };
     // The plan of a placement (limits not enforced: we read each device's needs).
     let plan_of = |ranges: &[(DeviceId, Range<usize>)]| -> Result<Plan> {
         let placed = Placed { model, ranges: ranges.to_vec() };
@@ -137,7 +183,7 @@ pub fn split_sequential(
     let names = model.scope_names();
     let placed_all = start == layers && ranges.last().is_some_and(|r| r.1.end == layers);
     // The final plan is compiled with the real limits: it is checked like any other.
-    let limited = CompileOptions { alignment, devices: devices.to_vec() };
+    let limited = CompileOptions { alignment, devices: devices.to_vec(), ..Default::default() };
     let plan = placed_all
         .then(|| compile(train_step_graph(&Placed { model, ranges: ranges.clone() }, x, y, cfg)?, &limited))
         .transpose();

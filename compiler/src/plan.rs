@@ -15,6 +15,10 @@ use std::fmt::Write;
 pub struct Plan {
     pub name: String,
     pub alignment: usize,
+    /// Guard mode: the canary after every arena and io slot (`crate::guard`); 0 when off. The
+    /// canary of a buffer at `offset` is `[offset + bytes, offset + bytes + guard_bytes)`.
+    #[serde(default)]
+    pub guard_bytes: usize,
     /// The devices the plan uses, each with its own arena; storage refers to them by index.
     pub devices: Vec<DevicePlan>,
     pub buffers: Vec<Buffer>,
@@ -108,9 +112,10 @@ pub struct Binding {
 /// Every memory figure of a plan, in bytes.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryFigures {
-    /// The planned arena (slots aligned).
+    /// The planned arena (slots aligned; in guard mode with every slot's canary).
     pub arena_bytes: usize,
-    /// Max over steps of the aligned bytes live at that step, and the first step at that peak.
+    /// Max over steps of the aligned bytes live at that step, and the first step at that peak
+    /// (canaries not counted, nor in `naive_bytes`: guard mode leaves both as they are).
     pub lower_bound_bytes: usize,
     pub lower_bound_step: usize,
     /// Sum of every intermediate value's aligned bytes: no reuse.
@@ -124,6 +129,13 @@ pub struct MemoryFigures {
     /// The placement heuristic that won, and every one tried with its arena.
     pub algorithm: String,
     pub tried: Vec<(String, usize)>,
+    /// The execution order that won (`schedule::candidates`), and every one tried with its
+    /// planned total bytes (set on the plan's totals only; above `SEARCH_PLACES_ALL_BELOW`
+    /// nodes, persistent bytes plus the arena's lower bound).
+    #[serde(default)]
+    pub schedule: String,
+    #[serde(default)]
+    pub schedules: Vec<(String, usize)>,
 }
 
 impl MemoryFigures {
@@ -151,7 +163,11 @@ impl Plan {
     pub fn render(&self) -> String {
         let mut s = String::new();
         let names: Vec<&str> = self.devices.iter().map(|d| d.name.as_str()).collect();
-        let _ = writeln!(s, "plan {:?} on {}: {} steps", self.name, names.join(", "), self.steps.len());
+        let _ = write!(s, "plan {:?} on {}: {} steps", self.name, names.join(", "), self.steps.len());
+        if self.guard_bytes > 0 {
+            let _ = write!(s, " (guard mode: {} B canary after every slot)", self.guard_bytes);
+        }
+        s.push('\n');
         for d in &self.devices {
             let m = &d.memory;
             let _ = writeln!(

@@ -37,6 +37,12 @@ pub fn train_step_graph(
     y_shape: &Shape,
     cfg: &TrainConfig,
 ) -> Result<Graph> {
+    if let Err(why) = cfg.optimizer.check() {
+        return Err(CompileError::invalid(
+            format!("TrainConfig::optimizer: {why}"),
+            "use a positive learning rate, momentum and betas in [0, 1) and a positive epsilon (Keras's defaults: Adam::new(1e-3))",
+        ));
+    }
     let t = Tracer::new(format!("train{x_shape}"));
     let x = t.input("x", x_shape.clone());
     let pred = model.forward(&x);

@@ -1,16 +1,248 @@
-//! Checks a plan before anything runs: every buffer inside its region and aligned, no two arena
-//! buffers live at a common step overlapping in bytes, every step reading and writing buffers
-//! only while they are live, every arena buffer written before it is read, and every variable
-//! read before (never after) the step that updates it in place.
+//! Checks a plan before anything runs. A `Plan` is plain, serialisable data: a backend may be
+//! handed one that was deserialised, edited or built by hand, and its `unsafe` code relies only on
+//! what this module establishes. `validate` is the one door: `compile` calls it on every plan it
+//! makes, and every backend's `load` calls it again. In order:
+//!
+//! 1. structure: every index (device, buffer, value, variable, step operand) in range; the
+//!    alignment a power of two from 4 to 1 MiB; every size at most `ir::MAX_TENSOR_BYTES`; every
+//!    dtype f32 (the only one with kernels); every step an op with a kernel whose output shape and
+//!    dtype are what `ir::infer` derives from its operands, and every value no larger than its
+//!    buffer, so that a kernel reads and writes exactly its values' bytes;
+//! 2. regions: every arena and io buffer (in guard mode with its canary) aligned and inside its
+//!    region; no two arena buffers live at a common step overlapping in bytes (`planner::verify`);
+//!    no two io buffers of a device overlapping; variables the size their spec says;
+//! 3. aliasing: a step's output shares no buffer with its operands unless the step is an
+//!    elementwise op marked in place over an operand of its own shape; an update's mutated
+//!    variables are distinct from each other and from its other operands;
+//! 4. order: every step reading and writing arena buffers only while they are live, every arena
+//!    buffer written before it is read, every variable read before (never after) its update.
 
+use crate::ir::{self, DType, OpClass};
 use crate::plan::{Plan, Storage};
 use crate::planner::{self, Interval, Placement};
 
 pub fn validate(plan: &Plan) -> Result<(), String> {
+    validate_structure(plan)?;
     for d in 0..plan.devices.len() {
         validate_arena(plan, d)?;
+        validate_io(plan, d)?;
     }
     validate_steps(plan)
+}
+
+fn validate_structure(plan: &Plan) -> Result<(), String> {
+    if plan.guard_bytes > crate::guard::MAX_GUARD_BYTES {
+        return Err(format!("guard of {} bytes is above 1 MiB", plan.guard_bytes));
+    }
+    let a = plan.alignment;
+    if !a.is_power_of_two() || !(4..=crate::CompileOptions::MAX_ALIGNMENT).contains(&a) {
+        return Err(format!("alignment {a} is not a power of two from 4 to 1 MiB"));
+    }
+    let max = ir::MAX_TENSOR_BYTES;
+    let devices = plan.devices.len();
+    for (i, v) in plan.variables.iter().enumerate() {
+        if v.device >= devices {
+            return Err(format!("variable `{}` is on device {} of {devices}", v.key, v.device));
+        }
+        if v.dtype != DType::F32 {
+            return Err(format!("variable `{}` has dtype {}: kernels compute in f32", v.key, v.dtype));
+        }
+        if v.shape.checked_bytes(v.dtype).is_none_or(|b| b > max) {
+            return Err(format!("variable `{}` of shape {} is larger than 1 TiB", v.key, v.shape));
+        }
+        if plan.variables[..i].iter().any(|o| o.key == v.key) {
+            return Err(format!("variable `{}` is declared twice", v.key));
+        }
+    }
+    for (i, b) in plan.buffers.iter().enumerate() {
+        if b.bytes > max {
+            return Err(format!("buffer {i} ({}) has {} bytes, above 1 TiB", b.label, b.bytes));
+        }
+        if b.first_step > b.last_step {
+            return Err(format!("buffer {i} ({}) ends at step {} before it starts", b.label, b.last_step));
+        }
+        match b.storage {
+            Storage::Arena { device, .. } | Storage::Io { device, .. } if device >= devices => {
+                return Err(format!("buffer {i} ({}) is on device {device} of {devices}", b.label));
+            }
+            Storage::Variable { index } => match plan.variables.get(index) {
+                None => {
+                    return Err(format!(
+                        "buffer {i} ({}) names variable {index} of {}",
+                        b.label,
+                        plan.variables.len()
+                    ));
+                }
+                Some(v) if v.bytes() != b.bytes => {
+                    return Err(format!(
+                        "buffer {i} has {} bytes but variable `{}` has {}",
+                        b.bytes,
+                        v.key,
+                        v.bytes()
+                    ));
+                }
+                Some(_) => {}
+            },
+            _ => {}
+        }
+    }
+    for (i, v) in plan.values.iter().enumerate() {
+        let Some(b) = plan.buffers.get(v.buffer) else {
+            return Err(format!("value {i} names buffer {} of {}", v.buffer, plan.buffers.len()));
+        };
+        if v.dtype != DType::F32 {
+            return Err(format!("value {i} ({}) has dtype {}: kernels compute in f32", b.label, v.dtype));
+        }
+        if v.shape.checked_bytes(v.dtype).is_none_or(|bytes| bytes > b.bytes) {
+            return Err(format!(
+                "value {i} {}{} does not fit its buffer {} ({}) of {} bytes",
+                v.dtype, v.shape, v.buffer, b.label, b.bytes
+            ));
+        }
+    }
+    let values = plan.values.len();
+    for (kind, list) in [("input", &plan.inputs), ("output", &plan.outputs)] {
+        for (i, binding) in list.iter().enumerate() {
+            let Some(v) = plan.values.get(binding.value) else {
+                return Err(format!("{kind} `{}` names value {} of {values}", binding.name, binding.value));
+            };
+            // An input in the arena is written before the run, so it must be live from the first
+            // step (no buffer sharing its bytes runs before it); an output is read after the
+            // run, so it must be live to the last step.
+            let b = &plan.buffers[v.buffer];
+            let last = plan.steps.len().saturating_sub(1);
+            let ok = match b.storage {
+                Storage::Io { .. } => true,
+                Storage::Arena { .. } if kind == "input" => b.first_step == 0,
+                Storage::Arena { .. } => b.last_step >= last,
+                Storage::Variable { .. } => false,
+            };
+            if !ok {
+                return Err(format!(
+                    "{kind} `{}` lives in {:?} for steps {}..{}: an input must be live from step 0 and an output to the last step, in the arena or the io region",
+                    binding.name, b.storage, b.first_step, b.last_step
+                ));
+            }
+            if list[..i].iter().any(|o| o.name == binding.name) {
+                return Err(format!("two {kind}s are named `{}`", binding.name));
+            }
+        }
+    }
+    for (s, step) in plan.steps.iter().enumerate() {
+        let what = || format!("step {s} ({})", step.label);
+        if step.device >= devices {
+            return Err(format!("{} is on device {} of {devices}", what(), step.device));
+        }
+        if let Some(&v) = step.inputs.iter().chain(&step.output).find(|&&v| v >= values) {
+            return Err(format!("{} names value {v} of {values}", what()));
+        }
+        if matches!(step.op.class(), OpClass::Source | OpClass::View) {
+            return Err(format!("{}: {} runs no kernel and cannot be a step", what(), step.op.name()));
+        }
+        let types: Vec<_> =
+            step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
+        let (shape, dtype) = ir::infer(&step.op, &types).map_err(|e| format!("{}: {}", what(), e.message))?;
+        match (step.op.is_effect(), step.output) {
+            (true, Some(_)) => return Err(format!("{} is an update but writes a value", what())),
+            (false, None) => return Err(format!("{} writes no value", what())),
+            (false, Some(o)) => {
+                let v = &plan.values[o];
+                if v.shape != shape || v.dtype != dtype {
+                    return Err(format!(
+                        "{}: its operands give {dtype}{shape} but its output value {o} is {}{}",
+                        what(),
+                        v.dtype,
+                        v.shape
+                    ));
+                }
+            }
+            (true, None) => {}
+        }
+        validate_aliasing(plan, s)?;
+    }
+    Ok(())
+}
+
+/// Kernels may not read a buffer they write, except an elementwise op in place over an operand
+/// of its own shape; updates write their variables in place and nothing else.
+fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
+    let step = &plan.steps[s];
+    let buffer = |v: usize| plan.values[v].buffer;
+    if let Some(o) = step.output {
+        let out = buffer(o);
+        let aliased: Vec<usize> = step.inputs.iter().copied().filter(|&v| buffer(v) == out).collect();
+        // In place, every operand read from the output's buffer has the output's element count:
+        // with broadcasting to the output's shape that means the same flat index, so each element
+        // is read before it is overwritten (`x * x`, `x * x.reshape(..)`).
+        let numel = plan.values[o].shape.numel();
+        let ok = if aliased.is_empty() {
+            !step.in_place
+        } else {
+            step.in_place
+                && step.op.class() == OpClass::Elementwise
+                && aliased.iter().all(|&v| plan.values[v].shape.numel() == numel)
+        };
+        if !ok {
+            return Err(format!(
+                "step {s} ({}) writes buffer {out} ({}) {}",
+                step.label,
+                plan.buffers[out].label,
+                if aliased.is_empty() { "but is marked in place" } else { "that it also reads" }
+            ));
+        }
+    }
+    let mutated = step.op.mutated_operands();
+    for &i in mutated {
+        let b = buffer(step.inputs[i]);
+        if !matches!(plan.buffers[b].storage, Storage::Variable { .. }) {
+            return Err(format!("step {s} ({}) updates operand {i}, which is not a variable", step.label));
+        }
+        // Updates are elementwise: another operand may read the variable it writes at the same
+        // flat index (`p -= lr * p`), but two written operands may not be one variable.
+        let numel = plan.values[step.inputs[i]].shape.numel();
+        let clash = step.inputs.iter().enumerate().any(|(j, &v)| {
+            j != i && buffer(v) == b && (mutated.contains(&j) || plan.values[v].shape.numel() != numel)
+        });
+        if clash {
+            return Err(format!(
+                "step {s} ({}) updates variable {} through two operands",
+                step.label, plan.buffers[b].label
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The io region of `device`: inputs and outputs live for the whole call, so no two may overlap.
+fn validate_io(plan: &Plan, device: usize) -> Result<(), String> {
+    let region = plan.devices[device].memory.io_bytes;
+    let mut slots: Vec<(usize, usize, &str)> = Vec::new();
+    for buf in &plan.buffers {
+        if let Storage::Io { device: d, offset } = buf.storage
+            && d == device
+        {
+            if !offset.is_multiple_of(plan.alignment) {
+                return Err(format!("io buffer {} is not aligned", buf.label));
+            }
+            // In guard mode a slot ends after its canary (`crate::guard`).
+            match offset.checked_add(buf.bytes + plan.guard_bytes) {
+                Some(end) if end <= region => slots.push((offset, end, &buf.label)),
+                _ => {
+                    return Err(format!(
+                        "io buffer {} ({} bytes at {offset}) runs past the io region of {region} bytes",
+                        buf.label, buf.bytes
+                    ));
+                }
+            }
+        }
+    }
+    slots.sort_unstable();
+    for w in slots.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(format!("io buffers {} and {} overlap", w[0].2, w[1].2));
+        }
+    }
+    Ok(())
 }
 
 fn validate_arena(plan: &Plan, device: usize) -> Result<(), String> {
@@ -21,7 +253,7 @@ fn validate_arena(plan: &Plan, device: usize) -> Result<(), String> {
         .iter()
         .map(|&b| {
             let buf = &plan.buffers[b];
-            Interval { bytes: buf.bytes, start: buf.first_step, end: buf.last_step }
+            Interval { bytes: buf.bytes + plan.guard_bytes, start: buf.first_step, end: buf.last_step }
         })
         .collect();
     let offsets = arena
@@ -40,25 +272,14 @@ fn validate_arena(plan: &Plan, device: usize) -> Result<(), String> {
     };
     planner::verify(&intervals, &placement, plan.alignment)?;
 
-    let mut io_end = 0;
-    for buf in &plan.buffers {
-        if let Storage::Io { device: d, offset } = buf.storage
-            && d == device
-        {
-            if !offset.is_multiple_of(plan.alignment) {
-                return Err(format!("io buffer {} is not aligned", buf.label));
-            }
-            io_end = io_end.max(offset + buf.bytes);
-        }
-    }
-    if io_end > figures.io_bytes {
-        return Err(format!("io buffers end at {io_end} past the io region of {}", figures.io_bytes));
-    }
     Ok(())
 }
 
 fn validate_steps(plan: &Plan) -> Result<(), String> {
     let mut written = vec![false; plan.buffers.len()];
+    for binding in &plan.inputs {
+        written[plan.values[binding.value].buffer] = true; // fed before the run
+    }
     let mut first_update: Vec<Option<usize>> = vec![None; plan.variables.len()];
     let mut last_read: Vec<Option<usize>> = vec![None; plan.variables.len()];
     for (s, step) in plan.steps.iter().enumerate() {

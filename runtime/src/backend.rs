@@ -22,12 +22,15 @@ pub trait Backend {
     /// variables it declares (initialised on first sight), prepares every kernel.
     fn load(&mut self, plan: Plan) -> Result<ProgramId>;
 
-    fn plan(&self, program: ProgramId) -> &Plan;
+    /// The plan of a loaded program; an id this backend did not hand out is an error.
+    fn plan(&self, program: ProgramId) -> Result<&Plan>;
 
     /// Copies `data` (of `shape`) into the program's input `name`.
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()>;
 
-    /// Runs every step of the program once.
+    /// Runs every step of the program once. Inputs live in the arena until their last reader, so
+    /// a run consumes them: every input must be fed before each run. Outputs stay readable until
+    /// the next `set_input` or run.
     fn run(&mut self, program: ProgramId) -> Result<()>;
 
     /// Copies output `name` back to the host.
@@ -37,17 +40,37 @@ pub trait Backend {
 
     fn write_variable(&mut self, key: &str, value: &HostTensor) -> Result<()>;
 
-    /// Feeds `inputs`, runs, and returns every output by name.
+    /// Feeds `inputs`, runs, and returns every output by name. Every input of the plan must be
+    /// among `inputs`, each once.
     fn call(
         &mut self,
         program: ProgramId,
         inputs: &[(&str, &HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>> {
+        let plan = self.plan(program)?;
+        for (i, (name, _)) in inputs.iter().enumerate() {
+            if inputs[..i].iter().any(|(n, _)| n == name) {
+                return Err(RuntimeError::invalid(
+                    format!("input `{name}` of plan {:?} is fed twice", plan.name),
+                    "feed each input once",
+                ));
+            }
+        }
+        if let Some(missing) = plan.inputs.iter().find(|b| !inputs.iter().any(|(n, _)| *n == b.name)) {
+            let fed: Vec<&str> = inputs.iter().map(|(n, _)| *n).collect();
+            return Err(RuntimeError::invalid(
+                format!(
+                    "plan {:?} was called without its input `{}` (fed: {fed:?})",
+                    plan.name, missing.name
+                ),
+                format!("feed every input: {:?}", plan.inputs.iter().map(|b| &b.name).collect::<Vec<_>>()),
+            ));
+        }
         for (name, t) in inputs {
             self.set_input(program, name, t.shape(), t.data())?;
         }
         self.run(program)?;
-        let names: Vec<String> = self.plan(program).outputs.iter().map(|b| b.name.clone()).collect();
+        let names: Vec<String> = self.plan(program)?.outputs.iter().map(|b| b.name.clone()).collect();
         names.into_iter().map(|n| self.output(program, &n).map(|t| (n, t))).collect()
     }
 }
@@ -75,8 +98,16 @@ pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize) -> Result
     Ok(b.value)
 }
 
-/// Where output `name` of `plan` lives: its value, and (device, offset) in the io regions.
-pub fn output_slot(plan: &Plan, name: &str) -> Result<(usize, usize, usize)> {
+/// Where an input or output lives: `compile` puts them in the arena (an input live from the
+/// first step, an output to the last); plans made by hand may use the io region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    Arena { device: usize, offset: usize },
+    Io { device: usize, offset: usize },
+}
+
+/// Where output `name` of `plan` lives: its value and its slot.
+pub fn output_slot(plan: &Plan, name: &str) -> Result<(usize, Slot)> {
     let Some(b) = plan.output(name) else {
         let known: Vec<&str> = plan.outputs.iter().map(|b| b.name.as_str()).collect();
         return Err(RuntimeError::invalid(
@@ -84,17 +115,74 @@ pub fn output_slot(plan: &Plan, name: &str) -> Result<(usize, usize, usize)> {
             format!("its outputs are {known:?}"),
         ));
     };
-    let (device, offset) = io_slot(plan, b.value, name)?;
-    Ok((b.value, device, offset))
+    Ok((b.value, io_slot(plan, b.value, name)?))
 }
 
-/// (device, offset) of an input or output value in the io regions.
-pub fn io_slot(plan: &Plan, value: usize, name: &str) -> Result<(usize, usize)> {
+/// The slot of an input or output value (the plan was validated at load: bindings are in the
+/// arena or the io region).
+pub fn io_slot(plan: &Plan, value: usize, name: &str) -> Result<Slot> {
+    use kiln_compiler::plan::Storage;
     match plan.buffers[plan.values[value].buffer].storage {
-        kiln_compiler::plan::Storage::Io { device, offset } => Ok((device, offset)),
-        _ => Err(RuntimeError::Invalid {
-            what: format!("`{name}` of plan {:?} is not in the io region", plan.name),
-            help: "plans from `compile` keep inputs and outputs there; recompile the plan".into(),
+        Storage::Arena { device, offset } => Ok(Slot::Arena { device, offset }),
+        Storage::Io { device, offset } => Ok(Slot::Io { device, offset }),
+        Storage::Variable { .. } => Err(RuntimeError::Invalid {
+            what: format!("`{name}` of plan {:?} is a variable, not an input or output", plan.name),
+            help: "recompile the plan".into(),
         }),
     }
+}
+
+/// Tracks which inputs of a program have been fed since its last run: an input lives in the
+/// arena only until its last reader, so every run consumes its inputs, and running without
+/// feeding one would compute on whatever its slot holds.
+#[derive(Clone, Debug, Default)]
+pub struct Feeds(Vec<bool>);
+
+impl Feeds {
+    pub fn new(plan: &Plan) -> Self {
+        Feeds(vec![false; plan.inputs.len()])
+    }
+
+    /// Records that the input bound to value `value` was fed.
+    pub fn fed(&mut self, plan: &Plan, value: usize) {
+        if let Some(i) = plan.inputs.iter().position(|b| b.value == value) {
+            self.0[i] = true;
+        }
+    }
+
+    /// Before a run: an error naming the first input not fed since the last run; else the
+    /// inputs count as consumed.
+    pub fn consume(&mut self, plan: &Plan) -> Result<()> {
+        match self.0.iter().position(|f| !f) {
+            None => {
+                self.0.iter_mut().for_each(|f| *f = false);
+                Ok(())
+            }
+            Some(i) => Err(RuntimeError::invalid(
+                format!("plan {:?} was run before its input `{}` was fed", plan.name, plan.inputs[i].name),
+                "feed every input before each run (set_input, or pass them all to call): a run consumes its inputs",
+            )),
+        }
+    }
+}
+
+/// The error for a program id a backend did not hand out.
+pub fn no_program(program: ProgramId, loaded: usize) -> RuntimeError {
+    RuntimeError::invalid(
+        format!("no program {program}: this backend has loaded {loaded}"),
+        "use the id that `load` returned on this backend",
+    )
+}
+
+/// The error for step `step` of `plan` whose operand values its op rejects (a gather id out of
+/// range): names the step, its op and where the operands come from.
+pub fn operand_error(plan: &Plan, step: usize, message: String) -> RuntimeError {
+    let s = &plan.steps[step];
+    let sources: Vec<&str> =
+        s.inputs.iter().map(|&v| plan.buffers[plan.values[v].buffer].label.as_str()).collect();
+    let at = s.origin.as_ref().map(|o| format!(" (traced at {o})")).unwrap_or_default();
+    RuntimeError::invalid(
+        format!("step {step} ({}{at}): {message}; its operands are {}", s.label, sources.join(", ")),
+        "feed ids that are whole numbers inside the table (0 <= id < rows)",
+    )
 }

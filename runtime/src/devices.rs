@@ -122,12 +122,16 @@ impl DeviceConfig {
         self.physical.iter().any(|p| p.kind == Kind::Gpu)
     }
 
-    fn settings(&mut self, device: &str) -> Option<&mut Settings> {
+    /// The settings of `device`; a name that matches no physical device is recorded as a
+    /// mistake (naming the setter and the known devices) that `build` reports.
+    fn settings(&mut self, setter: &str, device: &str) -> Option<&mut Settings> {
         match self.physical.iter().position(|p| p.name == device) {
             Some(i) => Some(&mut self.settings[i]),
             None => {
                 let known: Vec<&str> = self.physical.iter().map(|p| p.name.as_str()).collect();
-                self.errors.push(format!("no physical device `{device}` (devices: {known:?})"));
+                self.errors.push(format!(
+                    "{setter}({device:?}, ..): no physical device `{device}` (devices: {known:?}); name one of them"
+                ));
                 None
             }
         }
@@ -136,7 +140,7 @@ impl DeviceConfig {
     /// Growth: memory taken when needed, exactly sized (TensorFlow's `set_memory_growth(True)`).
     /// Off: the whole device (or its limit) is taken up front. Growth is the default.
     pub fn set_memory_growth(mut self, device: &str, on: bool) -> Self {
-        if let Some(s) = self.settings(device) {
+        if let Some(s) = self.settings("set_memory_growth", device) {
             s.growth = Some(on);
         }
         self
@@ -145,7 +149,7 @@ impl DeviceConfig {
     /// Takes `fraction` of the device (or of its limit) up front and carves every arena from it
     /// (TensorFlow's `per_process_gpu_memory_fraction`; JAX preallocates 0.75).
     pub fn set_memory_fraction(mut self, device: &str, fraction: f64) -> Self {
-        if let Some(s) = self.settings(device) {
+        if let Some(s) = self.settings("set_memory_fraction", device) {
             s.fraction = Some(fraction);
         }
         self
@@ -153,7 +157,7 @@ impl DeviceConfig {
 
     /// A hard limit in bytes on what kiln may hold on the device.
     pub fn set_memory_limit(mut self, device: &str, bytes: usize) -> Self {
-        if let Some(s) = self.settings(device) {
+        if let Some(s) = self.settings("set_memory_limit", device) {
             s.limit = Some(bytes);
         }
         self
@@ -162,7 +166,7 @@ impl DeviceConfig {
     /// Splits the device into logical devices with these limits (TensorFlow's
     /// `set_logical_device_configuration`), each with its own arenas.
     pub fn set_logical_devices(mut self, device: &str, limits: &[usize]) -> Self {
-        if let Some(s) = self.settings(device) {
+        if let Some(s) = self.settings("set_logical_devices", device) {
             s.logical = Some(limits.to_vec());
         }
         self
@@ -174,6 +178,11 @@ impl DeviceConfig {
         let mut logical = Vec::new();
         let mut count = [0usize; 2];
         for (p, s) in self.physical.iter().zip(&self.settings) {
+            if let Some(f) = s.fraction
+                && !(f > 0.0 && f <= 1.0)
+            {
+                errors.push(format!("{}: the memory fraction must be in (0, 1], got {f}", p.name));
+            }
             let policy = match (s.growth, s.fraction) {
                 (Some(true), Some(_)) => {
                     errors.push(format!(
@@ -182,14 +191,17 @@ impl DeviceConfig {
                     ));
                     Policy::Growth
                 }
-                (_, Some(f)) if !(f > 0.0 && f <= 1.0) => {
-                    errors.push(format!("{}: the memory fraction must be in (0, 1], got {f}", p.name));
-                    Policy::Growth
-                }
+                (_, Some(f)) if !(f > 0.0 && f <= 1.0) => Policy::Growth,
                 (_, Some(fraction)) => Policy::Preallocate { fraction },
                 (Some(false), None) => Policy::Preallocate { fraction: 1.0 },
                 (_, None) => Policy::Growth,
             };
+            if s.limit == Some(0) {
+                errors.push(format!(
+                    "{}: a memory limit of 0 bytes holds nothing; give a positive limit",
+                    p.name
+                ));
+            }
             if let Some(l) = s.limit
                 && l > p.total_bytes
             {
@@ -204,15 +216,31 @@ impl DeviceConfig {
             let kind = p.kind as usize;
             let shares: Vec<Option<usize>> = match &s.logical {
                 Some(limits) => {
-                    let sum: usize = limits.iter().sum();
-                    if limits.is_empty() || limits.contains(&0) {
-                        errors.push(format!("{}: logical devices need positive memory limits", p.name));
-                    } else if sum > available {
+                    let sum = limits.iter().try_fold(0usize, |a, &l| a.checked_add(l));
+                    let zero: Vec<usize> = (0..limits.len()).filter(|&i| limits[i] == 0).collect();
+                    if limits.is_empty() {
+                        errors.push(format!(
+                            "{}: set_logical_devices got no sizes; logical devices need positive memory limits",
+                            p.name
+                        ));
+                    } else if !zero.is_empty() {
+                        errors.push(format!(
+                            "{}: logical devices need positive memory limits, but logical device(s) {zero:?} of {limits:?} have 0 bytes",
+                            p.name
+                        ));
+                    } else if let Some(sum) = sum
+                        && sum > available
+                    {
                         errors.push(format!(
                             "{}: the logical devices' limits add up to {}, more than the {} available",
                             p.name,
                             human_bytes(sum),
                             human_bytes(available)
+                        ));
+                    } else if sum.is_none() {
+                        errors.push(format!(
+                            "{}: the logical devices' limits {limits:?} add up to more bytes than a usize counts",
+                            p.name
                         ));
                     }
                     limits.iter().map(|&l| Some(l)).collect()
@@ -307,6 +335,7 @@ impl Devices {
     /// Compile options for plans on `names`: device `i` of the plan is `names[i]`, with the
     /// limit plans there must fit.
     pub fn compile_options(&self, names: &[&str]) -> Result<CompileOptions> {
+        distinct(names)?;
         let devices = names
             .iter()
             .enumerate()
@@ -324,6 +353,7 @@ impl Devices {
 
     /// A backend for plans on `names`: logical devices of the CPU, or of one GPU.
     pub fn backend(&self, names: &[&str], seed: u64) -> Result<Box<dyn Backend>> {
+        distinct(names)?;
         let devices: Vec<&LogicalDevice> = names.iter().map(|n| self.get(n)).collect::<Result<_>>()?;
         let Some(first) = devices.first() else {
             return Err(RuntimeError::invalid("no device named", "name at least one logical device"));
@@ -336,7 +366,7 @@ impl Devices {
         }
         let budgets: Vec<DeviceBudget> = devices.iter().map(|d| d.budget.clone()).collect();
         Ok(match first.kind {
-            Kind::Cpu => Box::new(CpuBackend::with_budgets(seed, budgets, self.tracker.clone())),
+            Kind::Cpu => Box::new(CpuBackend::with_budgets(seed, budgets, self.tracker.clone())?),
             Kind::Gpu => {
                 Box::new(CudaBackend::with_budgets(first.ordinal, seed, budgets, self.tracker.clone())?)
             }
@@ -413,27 +443,74 @@ impl Devices {
     }
 }
 
-/// A byte count as people write it: "5000MB", "1GB", "1.5GiB", "512KB", "1048576". MB and GB
-/// are mebibytes and gibibytes, as TensorFlow's `memory_limit` counts them.
-pub fn parse_bytes(s: &str) -> Result<usize> {
-    let t = s.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit = unit.trim().to_ascii_lowercase();
-    let scale = match unit.as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => MB,
-        "g" | "gb" | "gib" => GB,
-        _ => 0,
-    };
-    match num.trim().parse::<f64>() {
-        Ok(v) if scale > 0 && v >= 0.0 => Ok((v * scale as f64) as usize),
-        _ => Err(RuntimeError::invalid(
-            format!("`{s}` is not a size"),
-            "write a number with an optional unit: 5000MB, 1GB, 1.5GiB, 512KB",
-        )),
+/// Plan device `i` is logical device `names[i]`: naming one twice would give two plan devices
+/// one budget.
+fn distinct(names: &[&str]) -> Result<()> {
+    for (i, n) in names.iter().enumerate() {
+        if let Some(first) = names[..i].iter().position(|m| m == n) {
+            return Err(RuntimeError::invalid(
+                format!("the logical device `{n}` is named twice in {names:?} (positions {first} and {i})"),
+                "name each logical device once; to run on one device, pass it alone",
+            ));
+        }
     }
+    Ok(())
+}
+
+/// The units `parse_bytes` accepts, case-insensitive, each 1024-based as TensorFlow's
+/// `memory_limit` counts them: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB.
+const UNITS: [(&[&str], usize); 5] = [
+    (&["", "b"], 1),
+    (&["k", "kb", "kib"], 1 << 10),
+    (&["m", "mb", "mib"], 1 << 20),
+    (&["g", "gb", "gib"], 1 << 30),
+    (&["t", "tb", "tib"], 1 << 40),
+];
+
+/// A byte count as people write it: "5000MB", "1GB", "1.5GiB", "512 KB", "1e3MB", "1048576".
+/// Every unit is 1024-based, as TensorFlow's `memory_limit` counts them: MB = MiB = 2^20 bytes,
+/// GB = GiB = 2^30 bytes (so "4GB" is 4 GiB). The number is a decimal (with an optional exponent);
+/// the result must be a whole number of bytes that fits a `usize`. Negative numbers, NaN,
+/// infinities, fractions of a byte ("0.5B") and sizes that overflow are errors.
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    const HELP: &str = "write a whole number of bytes or a number with a unit: 5000MB, 1GB, 1.5GiB, 512KB, 1e3MB \
+         (units are 1024-based: 1MB = 1MiB = 1048576 bytes)";
+    let bad = |why: String| RuntimeError::invalid(format!("`{s}` is not a size: {why}"), HELP);
+    let t = s.trim();
+    if t.is_empty() {
+        return Err(bad("it is empty".into()));
+    }
+    // The unit is the trailing run of letters ("1e3MB": "MB"; the exponent's `e` is followed by a digit).
+    let split = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
+    let (num, unit) = (t[..split].trim(), t[split..].to_ascii_lowercase());
+    let Some(&(_, scale)) = UNITS.iter().find(|(names, _)| names.contains(&unit.as_str())) else {
+        return Err(bad(format!("unknown unit `{}`", &t[split..])));
+    };
+    if num.is_empty() {
+        return Err(bad("there is no number".into()));
+    }
+    if num.starts_with(['-', '+']) {
+        return Err(bad("a size has no sign (and is never negative)".into()));
+    }
+    let overflow = || bad(format!("more than {} bytes, the most a usize counts", usize::MAX));
+    // Whole numbers are exact; decimals and exponents go through f64.
+    if num.bytes().all(|b| b.is_ascii_digit()) {
+        let n: usize = num.parse().map_err(|_| overflow())?;
+        return n.checked_mul(scale).ok_or_else(overflow);
+    }
+    let v: f64 = num.parse().map_err(|_| bad(format!("`{num}` is not a number")))?;
+    if !v.is_finite() {
+        return Err(bad(format!("{v} is not a finite number")));
+    }
+    let bytes = v * scale as f64;
+    // 2^64 and above do not fit (usize::MAX as f64 rounds up to 2^64).
+    if bytes >= usize::MAX as f64 {
+        return Err(overflow());
+    }
+    if bytes.fract() != 0.0 {
+        return Err(bad(format!("it is {bytes} bytes, not a whole number of bytes")));
+    }
+    Ok(bytes as usize)
 }
 
 #[cfg(test)]
@@ -444,9 +521,52 @@ mod tests {
     fn sizes_parse_like_tensorflow_counts_them() {
         assert_eq!(parse_bytes("5000MB").unwrap(), 5000 * MB);
         assert_eq!(parse_bytes("1GB").unwrap(), GB);
+        assert_eq!(parse_bytes("4GB").unwrap(), 4 * GB);
         assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 * GB / 2);
         assert_eq!(parse_bytes("512 KB").unwrap(), 512 * 1024);
+        assert_eq!(parse_bytes("2 MiB").unwrap(), 2 * MB);
+        assert_eq!(parse_bytes("1e3MB").unwrap(), 1000 * MB);
+        assert_eq!(parse_bytes("1E3").unwrap(), 1000);
+        assert_eq!(parse_bytes("512").unwrap(), 512);
         assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("2tb").unwrap(), 2 << 40);
+        assert_eq!(parse_bytes("0").unwrap(), 0);
+        assert_eq!(parse_bytes(&usize::MAX.to_string()).unwrap(), usize::MAX);
         assert!(parse_bytes("12XB").is_err() && parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn sizes_that_are_not_whole_positive_byte_counts_are_errors() {
+        for bad in [
+            "",
+            " ",
+            "0.5B",
+            "0.3",
+            "-0GB",
+            "-1",
+            "+5MB",
+            "-1.5GB",
+            "NaN",
+            "nan",
+            "inf",
+            "-inf",
+            "infGB",
+            "1e400",
+            "99999999999TB",
+            "18446744073709551616",
+            "1e30GB",
+            "MB",
+            "1.2.3MB",
+            "5e",
+            "1e3XB",
+            "0x10",
+            "1_000",
+        ] {
+            let e = parse_bytes(bad).expect_err(bad).to_string();
+            assert!(e.contains("is not a size") && e.contains("help:"), "{bad}: {e}");
+        }
+        assert!(parse_bytes("0.5B").unwrap_err().to_string().contains("not a whole number of bytes"));
+        assert!(parse_bytes("-0GB").unwrap_err().to_string().contains("never negative"));
+        assert!(parse_bytes("99999999999TB").unwrap_err().to_string().contains("the most a usize counts"));
     }
 }

@@ -33,6 +33,20 @@ pub enum RuntimeError {
     #[error("{what}\n  help: {help}")]
     Invalid { what: String, help: String },
 
+    /// A plan handed to a backend broke an invariant that its execution relies on.
+    #[error(
+        "plan {plan:?} is invalid: {reason}\n  help: load plans as `compile` makes them (a plan edited or built by hand must keep every buffer inside its region, no two live buffers overlapping, and every step's values of the shapes its op produces)"
+    )]
+    InvalidPlan { plan: String, reason: String },
+
+    /// Memory could not be had from the machine or the device.
+    #[error("{device}: cannot allocate {bytes} bytes for {what}{detail}\n  help: {help}")]
+    OutOfMemory { device: String, bytes: usize, what: String, detail: String, help: String },
+
+    /// Guard mode (`crate::guard`): a step wrote into the canary after a slot.
+    #[error(transparent)]
+    GuardOverrun(Box<crate::guard::Overrun>),
+
     #[error(
         "variable `{key}` exists with shape {existing} but the plan declares {requested}\n  help: {help}"
     )]
@@ -52,6 +66,12 @@ impl From<crate::alloc::AllocError> for RuntimeError {
 }
 
 impl RuntimeError {
+    /// Validates a plan at a backend's door (`kiln_compiler::validate`).
+    pub fn check_plan(plan: &kiln_compiler::Plan) -> Result<()> {
+        kiln_compiler::validate::validate(plan)
+            .map_err(|reason| RuntimeError::InvalidPlan { plan: plan.name.clone(), reason })
+    }
+
     pub fn invalid(what: impl Into<String>, help: impl Into<String>) -> Self {
         RuntimeError::Invalid { what: what.into(), help: help.into() }
     }

@@ -16,17 +16,18 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    pub fn zeroed(bytes: usize) -> Self {
+    /// `bytes` of zeroed memory, or `None` when the machine cannot give them (or the size is
+    /// beyond what a layout can describe): callers turn that into an error naming the device.
+    pub fn zeroed(bytes: usize) -> Option<Self> {
         if bytes == 0 {
             // A dangling pointer aligned to ALIGN: valid for zero-sized access.
-            let ptr = NonNull::new(ALIGN as *mut u8).expect("non-null");
-            return HostBuffer { ptr, bytes };
+            let ptr = NonNull::new(ALIGN as *mut u8)?;
+            return Some(HostBuffer { ptr, bytes });
         }
-        let layout = Layout::from_size_align(bytes, ALIGN).expect("valid layout");
-        // SAFETY: layout has non-zero size.
+        let layout = Layout::from_size_align(bytes, ALIGN).ok()?;
+        // SAFETY: layout has non-zero size; a null result is handled, never dereferenced.
         let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HostBuffer { ptr, bytes }
+        Some(HostBuffer { ptr: NonNull::new(raw)?, bytes })
     }
 
     pub fn len(&self) -> usize {
@@ -54,9 +55,8 @@ impl HostBuffer {
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         if self.bytes > 0 {
-            let layout = Layout::from_size_align(self.bytes, ALIGN).expect("valid layout");
-            // SAFETY: allocated in `zeroed` with this layout.
-            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+            // SAFETY: allocated in `zeroed` with this very layout, which was valid then.
+            unsafe { dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.bytes, ALIGN)) };
         }
     }
 }

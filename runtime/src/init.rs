@@ -15,10 +15,15 @@ pub fn initial_values(init: Init, shape: &Shape, seed: u64, key: &str) -> Vec<f3
         Init::Constant(c) => vec![c; n],
         Init::GlorotUniform => {
             let (fan_in, fan_out) = Init::fans(shape);
-            let limit = (6.0 / (fan_in + fan_out).max(1) as f32).sqrt();
+            let limit = (6.0 / fan_in.saturating_add(fan_out).max(1) as f32).sqrt();
             (0..n).map(|_| rng.random_range(-limit..limit)).collect()
         }
-        Init::Uniform { low, high } => (0..n).map(|_| rng.random_range(low..high)).collect(),
+        // `Init::check` (run when the variable is traced) keeps the range non-empty and finite;
+        // a plan built another way gets `low` rather than a panic.
+        Init::Uniform { low, high } if init.check().is_ok() => {
+            (0..n).map(|_| rng.random_range(low..high)).collect()
+        }
+        Init::Uniform { low, .. } => vec![low; n],
         Init::Normal { mean, std } => match Normal::new(mean, std) {
             Ok(d) => (0..n).map(|_| d.sample(&mut rng)).collect(),
             Err(_) => vec![mean; n],

@@ -2,6 +2,7 @@
 //!
 //! - `backend`: the interface every device offers (load a plan once, run it many times);
 //! - `cpu`: the CPU backend (host arena, rayon kernels);
+//! - `guard`: guard mode's canaries, filled and checked by both backends;
 //! - `store`, `init`: persistent variables and their initialisers;
 //! - `trainer`: Keras-like `fit` / `predict` over plans compiled per input shape and cached;
 //! - `alloc`: TensorFlow's BFC and PyTorch's caching allocator, for the eager baseline.
@@ -13,6 +14,7 @@ pub mod cuda;
 pub mod devices;
 pub mod eager;
 pub mod error;
+pub mod guard;
 mod host_buffer;
 pub mod init;
 pub mod memory;

@@ -57,7 +57,10 @@ impl DeviceBudget {
         match self.policy {
             Policy::Growth => None,
             Policy::Preallocate { fraction } => {
-                Some(((self.available() as f64 * fraction) as usize).div_ceil(256) * 256)
+                // `as` saturates; rounding up must not wrap (an unlimited device's pool is then
+                // refused by the allocation, with an error naming the device and the size).
+                let bytes = (self.available() as f64 * fraction) as usize;
+                Some(bytes.checked_next_multiple_of(256).unwrap_or(usize::MAX - 255))
             }
         }
     }
@@ -69,6 +72,16 @@ pub enum Purpose {
     Arena,
     Io,
     Variable,
+}
+
+impl Purpose {
+    pub fn name(self) -> &'static str {
+        match self {
+            Purpose::Arena => "an arena",
+            Purpose::Io => "an io region",
+            Purpose::Variable => "a variable",
+        }
+    }
 }
 
 /// One device's statistics (bytes), as TensorFlow's `get_memory_info` reports them.
@@ -133,43 +146,52 @@ impl Account {
         Account { budget, held: 0, pool, tracker }
     }
 
-    /// Claims `bytes` for `purpose`: an error naming the device when the limit or the pool would
-    /// be exceeded. Returns the offset in the pool for the preallocating policy.
-    pub fn claim(&mut self, bytes: usize, purpose: Purpose) -> Result<Option<usize>> {
-        let bytes = bytes.div_ceil(256) * 256;
+    /// Whether `bytes` more fit the device's limit (and its pool): an error naming the device
+    /// when not. Returns the size rounded as it will be claimed. Sizes come from plans and may be
+    /// anything: the arithmetic is checked.
+    pub fn check(&self, bytes: usize) -> Result<usize> {
+        let rounded = bytes.checked_next_multiple_of(256);
         let limit = self.budget.available();
-        if self.held + bytes > limit {
-            return Err(RuntimeError::invalid(
+        let over = |needed: String| {
+            RuntimeError::invalid(
                 format!(
-                    "device {} cannot hold {} more: it holds {} of its {} limit",
+                    "device {} cannot hold {needed} more: it holds {} of its {} limit",
                     self.budget.name,
-                    human_bytes(bytes),
                     human_bytes(self.held),
                     human_bytes(limit)
                 ),
                 "load fewer plans on this device, use another device, or raise its limit",
+            )
+        };
+        let Some(bytes) = rounded.filter(|b| self.held.checked_add(*b).is_some_and(|t| t <= limit)) else {
+            return Err(over(human_bytes(bytes)));
+        };
+        if let Some((size, top)) = self.pool
+            && top.checked_add(bytes).is_none_or(|t| t > size)
+        {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "device {}: the preallocated {} region has {} left, {} needed",
+                    self.budget.name,
+                    human_bytes(size),
+                    human_bytes(size - top),
+                    human_bytes(bytes)
+                ),
+                "preallocate a larger fraction, or use memory growth",
             ));
         }
-        let offset = match &mut self.pool {
-            None => None,
-            Some((size, top)) => {
-                if *top + bytes > *size {
-                    return Err(RuntimeError::invalid(
-                        format!(
-                            "device {}: the preallocated {} region has {} left, {} needed",
-                            self.budget.name,
-                            human_bytes(*size),
-                            human_bytes(*size - *top),
-                            human_bytes(bytes)
-                        ),
-                        "preallocate a larger fraction, or use memory growth",
-                    ));
-                }
-                let at = *top;
-                *top += bytes;
-                Some(at)
-            }
-        };
+        Ok(bytes)
+    }
+
+    /// Claims `bytes` for `purpose` (after `check`). Returns the offset in the pool for the
+    /// preallocating policy.
+    pub fn claim(&mut self, bytes: usize, purpose: Purpose) -> Result<Option<usize>> {
+        let bytes = self.check(bytes)?;
+        let offset = self.pool.as_mut().map(|(_, top)| {
+            let at = *top;
+            *top += bytes; // checked above
+            at
+        });
         self.held += bytes;
         let reserved = if self.pool.is_some() { 0 } else { bytes };
         self.tracker.record(&self.budget.name, purpose, bytes, reserved);

@@ -107,7 +107,7 @@ impl Trainer {
         let mut predict: Vec<ProgramId> = self.predict_programs.values().copied().collect();
         predict.sort_unstable();
         ids.extend(predict);
-        ids.into_iter().map(|id| self.backend.plan(id)).collect()
+        ids.into_iter().filter_map(|id| self.backend.plan(id).ok()).collect()
     }
 
     /// The training-step program for these shapes, compiled on first use.
@@ -167,7 +167,8 @@ impl Trainer {
     }
 
     /// Trains on `x` and `y` (rows along the first axis) for `opts.epochs` epochs of
-    /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows.
+    /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows. Zero epochs
+    /// train nothing and return an empty history (as Keras's `fit(epochs=0)`).
     #[track_caller]
     pub fn fit(&mut self, x: &HostTensor, y: &HostTensor, opts: &FitOptions) -> Result<History> {
         let rows = x.shape().dims().first().copied().unwrap_or(0);
@@ -195,8 +196,8 @@ impl Trainer {
             let mut sums: Option<Logs> = None;
             for b in 0..batches {
                 let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(rows)];
-                x.gather_rows_into(idx, &mut xb);
-                y.gather_rows_into(idx, &mut yb);
+                x.gather_rows_into(idx, &mut xb)?;
+                y.gather_rows_into(idx, &mut yb)?;
                 let xs = with_rows(x.shape(), idx.len());
                 let ys = with_rows(y.shape(), idx.len());
                 let id = self.train_program(&xs, &ys)?;
@@ -236,9 +237,12 @@ impl Trainer {
     }
 }
 
+/// `shape` with its first axis set to `rows` (`fit` has checked that the rank is at least 1).
 fn with_rows(shape: &Shape, rows: usize) -> Shape {
     let mut dims = shape.dims().to_vec();
-    dims[0] = rows;
+    if let Some(first) = dims.first_mut() {
+        *first = rows;
+    }
     Shape::new(dims)
 }
 

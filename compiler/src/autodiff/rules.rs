@@ -23,6 +23,10 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         }
         Op::MatMul { transpose_a: ta, transpose_b: tb } => {
             let (a, b) = (&x[0], &x[1]);
+            if let Some(gb) = folded_weight_gradient(a, b, g, *ta, *tb) {
+                let ga = if *tb { g.matmul(b) } else { g.matmul_t(b, false, true) };
+                return Ok(vec![Some(sum_to(&ga, a.shape())), Some(gb)]);
+            }
             let (ga, gb) = match (ta, tb) {
                 (false, false) => (g.matmul_t(b, false, true), a.matmul_t(g, true, false)),
                 (false, true) => (g.matmul(b), g.matmul_t(a, true, false)),
@@ -109,6 +113,20 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
     }
 }
 
+/// The gradient of a 2-D weight `b` shared by every batch of `a[..., m, k]`: one product over all
+/// rows, `a[N, k]^T @ g[N, n]` with N the batch axes times m, instead of a batched `[B, k, n]`
+/// product summed over the batch (a temporary B times the weight's size). `None` where `a` is
+/// transposed or has no batch axes.
+fn folded_weight_gradient(a: &Tensor, b: &Tensor, g: &Tensor, ta: bool, tb: bool) -> Option<Tensor> {
+    if ta || b.rank() != 2 || a.rank() <= 2 {
+        return None;
+    }
+    let rows = a.shape().numel() / a.shape().back(1).max(1);
+    let a2 = a.reshape([rows, a.shape().back(1)]);
+    let g2 = g.reshape([rows, g.shape().back(1)]);
+    Some(if tb { g2.matmul_t(&a2, true, false) } else { a2.matmul_t(&g2, true, false) })
+}
+
 fn second_order(op: &Op) -> CompileError {
     CompileError::unsupported(
         format!("the gradient of `{}` (second-order differentiation)", op.name()),
@@ -128,7 +146,8 @@ fn unary(u: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Option<Tensor> {
         UnaryOp::Neg => -g,
         UnaryOp::Abs => g * x.sign(),
         UnaryOp::Sign => return None,
-        UnaryOp::Relu => helper(BinaryOp::ReluGrad, x),
+        // From the output (y > 0 exactly where x > 0): the pre-activation can die at the relu.
+        UnaryOp::Relu => helper(BinaryOp::ReluGrad, y),
         UnaryOp::Gelu => helper(BinaryOp::GeluGrad, x),
         UnaryOp::Sigmoid => helper(BinaryOp::SigmoidGrad, y),
         UnaryOp::Tanh => helper(BinaryOp::TanhGrad, y),

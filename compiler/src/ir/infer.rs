@@ -14,8 +14,35 @@ fn err<T>(message: impl Into<String>, help: impl Into<String>) -> Result<T, OpEr
     Err(OpError { message: message.into(), help: help.into() })
 }
 
-/// The output shape and dtype of `op` applied to `operands`.
+/// The largest tensor kiln accepts: 1 TiB. No device holds more, and with every tensor below it
+/// the byte sums that liveness, the planner and lowering compute cannot overflow `usize` on any
+/// graph that fits in memory (2^24 such tensors still sum below 2^64); `compile` checks the sums
+/// anyway.
+pub const MAX_TENSOR_BYTES: usize = 1 << 40;
+
+/// The output shape and dtype of `op` applied to `operands`. Every size is computed with checked
+/// arithmetic, and an output (or a source's shape) above `MAX_TENSOR_BYTES` is an error: this is
+/// the one door through which shapes enter a graph.
 pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), OpError> {
+    let (shape, dtype) = infer_type(op, operands)?;
+    match shape.checked_bytes(dtype) {
+        Some(bytes) if bytes <= MAX_TENSOR_BYTES => Ok((shape, dtype)),
+        bytes => {
+            let size = match bytes {
+                Some(b) => format!("{b} bytes"),
+                None => "more bytes than a usize can count".into(),
+            };
+            err(
+                format!(
+                    "the result {dtype}{shape} would hold {size}, above kiln's limit of 1 TiB per tensor"
+                ),
+                "check the shape for a wrong or overflowing dimension (a batch size, a reshape, a broadcast)",
+            )
+        }
+    }
+}
+
+fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), OpError> {
     let arity = expected_arity(op);
     if !arity.contains(&operands.len()) {
         return err(
@@ -120,15 +147,19 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), Op
                         "all operands must have the same shape except along the concatenation axis",
                     );
                 }
-                dims[*axis] += s.dims()[*axis];
+                dims[*axis] = dims[*axis].checked_add(s.dims()[*axis]).ok_or_else(|| OpError {
+                    message: format!("the concatenated axis {axis} overflows"),
+                    help: "check the operands' sizes".into(),
+                })?;
             }
             Ok((Shape::new(dims), d))
         }
         Op::Slice { axis, start, len } => {
             let s = shape(0);
-            if *axis >= s.rank() || start + len > s.dims()[*axis] || *len == 0 {
+            let end = start.checked_add(*len);
+            if *axis >= s.rank() || end.is_none_or(|e| e > s.dims()[*axis]) || *len == 0 {
                 return err(
-                    format!("slice {start}..{} of axis {axis} is outside {}", start + len, s),
+                    format!("slice of {len} elements from {start} along axis {axis} is outside {s}"),
                     "take a non-empty range inside the axis",
                 );
             }
@@ -142,7 +173,10 @@ pub fn infer(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), Op
                 return err(format!("axis {axis} is out of range for {s}"), "pad an existing axis");
             }
             let mut dims = s.dims().to_vec();
-            dims[*axis] += before + after;
+            let Some(d) = before.checked_add(*after).and_then(|p| p.checked_add(dims[*axis])) else {
+                return err(format!("padding {before}+{after} of axis {axis} overflows"), "pad by less");
+            };
+            dims[*axis] = d;
             Ok((Shape::new(dims), dtype(0)))
         }
         Op::Reduce { axes, keepdims, .. } => {

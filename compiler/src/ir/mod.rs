@@ -10,7 +10,7 @@ mod shape;
 pub use dtype::DType;
 pub use dump::dump;
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
-pub use infer::{OpError, infer};
+pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{
     BinaryOp, Init, Op, OpClass, Padding, PoolKind, ReduceOp, ScalarOp, UnaryOp, VarRole, Window2d,
 };

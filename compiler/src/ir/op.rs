@@ -38,8 +38,46 @@ impl Init {
             [] => (1, 1),
             [n] => (*n, *n),
             dims => {
-                let receptive: usize = dims[..dims.len() - 2].iter().product();
-                (receptive * dims[dims.len() - 2], receptive * dims[dims.len() - 1])
+                // Saturating: a shape with a zero axis may have other axes whose product overflows.
+                let receptive = dims[..dims.len() - 2].iter().fold(1usize, |a, &d| a.saturating_mul(d));
+                (
+                    receptive.saturating_mul(dims[dims.len() - 2]),
+                    receptive.saturating_mul(dims[dims.len() - 1]),
+                )
+            }
+        }
+    }
+
+    /// Checks the initialiser's parameters: every value finite, `low < high` with a finite width
+    /// for `Uniform`, `std >= 0` for `Normal`. The error says what is wrong, for a message that
+    /// names the variable.
+    pub fn check(&self) -> Result<(), String> {
+        let finite = |name: &str, v: f32| {
+            if v.is_finite() { Ok(()) } else { Err(format!("{self:?}: {name} is {v}, not a finite number")) }
+        };
+        match *self {
+            Init::Zeros | Init::GlorotUniform => Ok(()),
+            Init::Constant(c) => finite("the constant", c),
+            Init::Normal { mean, std } => {
+                finite("the mean", mean)?;
+                finite("std", std)?;
+                if std < 0.0 {
+                    return Err(format!("{self:?}: std is {std}, below 0"));
+                }
+                Ok(())
+            }
+            Init::Uniform { low, high } => {
+                finite("low", low)?;
+                finite("high", high)?;
+                if low >= high {
+                    return Err(format!(
+                        "{self:?}: the range {low}..{high} is empty (low must be below high)"
+                    ));
+                }
+                if !(high - low).is_finite() {
+                    return Err(format!("{self:?}: the range {low}..{high} is wider than an f32 can hold"));
+                }
+                Ok(())
             }
         }
     }
@@ -80,7 +118,8 @@ pub enum BinaryOp {
     Equal,
     NotEqual,
     /// Backward helpers, operands (forward value, upstream gradient), as TensorFlow's ReluGrad etc.
-    /// ReluGrad and GeluGrad take the forward input x; SigmoidGrad and TanhGrad the forward output y.
+    /// GeluGrad takes the forward input x; ReluGrad, SigmoidGrad and TanhGrad the forward output y
+    /// (ReluGrad passes the gradient where its first operand is > 0: relu's input or output alike).
     ReluGrad,
     GeluGrad,
     SigmoidGrad,
@@ -148,7 +187,8 @@ impl Window2d {
             Padding::Valid => (input >= k).then(|| ((input - k) / s + 1, 0)),
             Padding::Same => {
                 let out = input.div_ceil(s);
-                let total = ((out - 1) * s + k).saturating_sub(input);
+                // Checked: window and stride come from the user and may be huge.
+                let total = (out - 1).checked_mul(s)?.checked_add(k)?.saturating_sub(input);
                 Some((out, total / 2))
             }
         }
@@ -450,7 +490,7 @@ impl Op {
                 let _ = write!(s, "[axis {axis}]");
             }
             Op::Slice { axis, start, len } => {
-                let _ = write!(s, "[axis {axis}, {start}..{}]", start + len);
+                let _ = write!(s, "[axis {axis}, {start}..{}]", start.saturating_add(*len));
             }
             Op::Pad { axis, before, after } => {
                 let _ = write!(s, "[axis {axis}, {before}+{after}]");

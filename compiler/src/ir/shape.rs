@@ -23,8 +23,21 @@ impl Shape {
         self.0.len()
     }
 
+    /// The element count, saturating at `usize::MAX` (so that a shape whose count overflows never
+    /// equals a real length). Shapes inside a traced graph are checked by `ir::infer` to hold at
+    /// most `MAX_TENSOR_BYTES`, so there it is exact.
     pub fn numel(&self) -> usize {
-        self.0.iter().product()
+        self.checked_numel().unwrap_or(usize::MAX)
+    }
+
+    /// The element count, or `None` when it overflows `usize`.
+    pub fn checked_numel(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+    }
+
+    /// Bytes of a tensor of this shape and `dtype`, or `None` when the count overflows `usize`.
+    pub fn checked_bytes(&self, dtype: super::DType) -> Option<usize> {
+        self.checked_numel()?.checked_mul(dtype.size_bytes())
     }
 
     /// Dimension `i` counted from the end (`back(1)` is the last axis); 1 past the rank.

@@ -1,4 +1,4 @@
-use super::{Dense, Layer};
+use super::{Dense, Layer, invalid_layer};
 use crate::trace::Tensor;
 
 /// Multi-head scaled dot-product self-attention over [batch, seq, model] inputs, composed from
@@ -21,21 +21,29 @@ impl Layer for MultiHeadAttention {
         let (b, s, d) = match x.dims() {
             [b, s, d] => (*b, *s, *d),
             _ => {
-                return t.report(
-                    "multi_head_attention",
+                return invalid_layer(
+                    x,
+                    self.kind(),
                     format!("expects [batch, seq, model] input, got {}", x.shape()),
-                    &[x],
                     "reshape the input to rank 3",
                 );
             }
         };
-        let h = self.heads.max(1);
-        if d % h != 0 {
-            return t.report(
-                "multi_head_attention",
-                format!("model width {d} is not divisible by {h} heads"),
-                &[x],
-                "choose a head count that divides the model width",
+        let h = self.heads;
+        if h == 0 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                "MultiHeadAttention::new(0) has no heads".into(),
+                "give the layer at least one head",
+            );
+        }
+        if d == 0 || d % h != 0 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("model width {d} is not a positive multiple of {h} heads"),
+                "choose a head count that divides the model width (the input's last axis)",
             );
         }
         let dh = d / h;

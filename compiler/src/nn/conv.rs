@@ -1,4 +1,4 @@
-use super::{Activation, Layer};
+use super::{Activation, Layer, invalid_layer};
 use crate::ir::{Init, Padding, Shape};
 use crate::trace::Tensor;
 
@@ -56,8 +56,30 @@ impl Conv2D {
     }
 }
 
+/// The window options of a convolution or pooling layer, checked before any op is recorded.
+fn window_problem(what: &str, window: [usize; 2], stride: [usize; 2]) -> Option<String> {
+    if window.contains(&0) {
+        return Some(format!("the {what} {window:?} has a zero side"));
+    }
+    if stride.contains(&0) {
+        return Some(format!("the stride {stride:?} has a zero side"));
+    }
+    None
+}
+
 impl Layer for Conv2D {
     fn forward(&self, x: &Tensor) -> Tensor {
+        if self.filters == 0 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("Conv2D::new(0, {:?}) has no filters", self.kernel),
+                "give the layer at least one filter",
+            );
+        }
+        if let Some(why) = window_problem("kernel", self.kernel, self.stride) {
+            return invalid_layer(x, self.kind(), why, "kernel sizes and strides are at least 1");
+        }
         let t = x.tracer();
         let channels = x.dims().last().copied().unwrap_or(1);
         let kernel =
@@ -110,6 +132,9 @@ impl Pool2D {
 
 impl Layer for Pool2D {
     fn forward(&self, x: &Tensor) -> Tensor {
+        if let Some(why) = window_problem("window", self.window, self.stride) {
+            return invalid_layer(x, self.kind(), why, "pooling windows and strides are at least 1");
+        }
         if self.max {
             x.max_pool2d(self.window, self.stride, self.padding)
         } else {

@@ -1,4 +1,4 @@
-use super::{Activation, Layer};
+use super::{Activation, Layer, invalid_layer};
 use crate::ir::{Init, Shape};
 use crate::trace::Tensor;
 
@@ -49,6 +49,14 @@ impl Dense {
 
 impl Layer for Dense {
     fn forward(&self, x: &Tensor) -> Tensor {
+        if self.units == 0 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                "Dense::new(0) has no units".into(),
+                "give the layer at least one unit",
+            );
+        }
         let t = x.tracer();
         let input = x.dims().last().copied().unwrap_or(1);
         let kernel = t.param("kernel", [input, self.units], self.kernel_init);

@@ -1,4 +1,4 @@
-use super::Layer;
+use super::{Layer, invalid_layer};
 use crate::ir::Init;
 use crate::trace::Tensor;
 
@@ -18,6 +18,14 @@ impl Embedding {
 
 impl Layer for Embedding {
     fn forward(&self, ids: &Tensor) -> Tensor {
+        if self.vocab == 0 || self.dim == 0 {
+            return invalid_layer(
+                ids,
+                self.kind(),
+                format!("Embedding::new({}, {}) has an empty table", self.vocab, self.dim),
+                "give the table at least one row (vocab) and one column (dim)",
+            );
+        }
         let table = ids.tracer().param(
             "embeddings",
             [self.vocab, self.dim],

@@ -36,6 +36,17 @@ pub trait Layer {
     }
 }
 
+/// Records that a layer's options are unusable (zero units, a zero-size window, ...) and returns
+/// a poisoned tensor: `finish` reports the error, naming the layer by its scope (`dense_1`) and
+/// kind, the option and its value.
+#[track_caller]
+pub(crate) fn invalid_layer(x: &Tensor, kind: &str, what: String, help: &str) -> Tensor {
+    let t = x.tracer();
+    let scope = t.scope_path();
+    let layer = if scope.is_empty() { format!("layer {kind}") } else { format!("layer `{scope}` ({kind})") };
+    t.report(kind, format!("{layer}: {what}"), &[x], help)
+}
+
 /// Any `Fn(&Tensor) -> Tensor` is a layer without parameters of its own.
 impl<F: Fn(&Tensor) -> Tensor> Layer for F {
     fn forward(&self, x: &Tensor) -> Tensor {

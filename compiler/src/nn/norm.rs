@@ -1,4 +1,4 @@
-use super::Layer;
+use super::{Layer, invalid_layer};
 use crate::ir::{Init, Shape};
 use crate::trace::Tensor;
 
@@ -29,6 +29,14 @@ impl Default for LayerNorm {
 
 impl Layer for LayerNorm {
     fn forward(&self, x: &Tensor) -> Tensor {
+        if !(self.epsilon.is_finite() && self.epsilon >= 0.0) {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("epsilon is {}", self.epsilon),
+                "use a small finite epsilon >= 0 (Keras's default is 1e-3)",
+            );
+        }
         let t = x.tracer();
         let d = x.dims().last().copied().unwrap_or(1);
         let gamma = t.param("gamma", Shape::new([d]), Init::Constant(1.0));

@@ -1,4 +1,4 @@
-use super::Layer;
+use super::{Layer, invalid_layer};
 use crate::trace::Tensor;
 use std::collections::HashMap;
 
@@ -53,8 +53,17 @@ impl Sequential {
             .collect()
     }
 
-    /// Applies layers `range` only (used to split a model over devices).
+    /// Applies layers `range` only (used to split a model over devices). A range outside the
+    /// model's layers is an error (recorded in the trace), naming the range and the layer count.
     pub fn forward_range(&self, x: &Tensor, range: std::ops::Range<usize>) -> Tensor {
+        if range.start > range.end || range.end > self.layers.len() {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("layers {}..{} are not a range of its {} layers", range.start, range.end, self.len()),
+                "give a range start..end with start <= end <= the number of layers",
+            );
+        }
         let names = self.scope_names();
         let tracer = x.tracer();
         let mut h = x.clone();

@@ -61,11 +61,24 @@ impl Tracer {
         Tracer { state: Rc::new(RefCell::new(TraceState { graph, variables, ..Default::default() })) }
     }
 
-    /// A handle to an existing node.
+    /// A handle to an existing node; a node id this trace does not hold gives a poisoned tensor
+    /// and records the error.
+    #[track_caller]
     pub fn tensor(&self, id: NodeId) -> Tensor {
-        let st = self.state.borrow();
-        let node = st.graph.node(id);
-        Tensor { state: self.state.clone(), id: Some(id), shape: node.shape.clone(), dtype: node.dtype }
+        let found = {
+            let st = self.state.borrow();
+            st.graph.contains(id).then(|| (st.graph.node(id).shape.clone(), st.graph.node(id).dtype))
+        };
+        match found {
+            Some((shape, dtype)) => Tensor { state: self.state.clone(), id: Some(id), shape, dtype },
+            None => self.fail(
+                "tensor",
+                Location::caller(),
+                format!("node %{} is not in this trace", id.index()),
+                &[],
+                "take node ids from the graph this tracer records",
+            ),
+        }
     }
 
     /// A graph input of dtype f32.
@@ -77,6 +90,9 @@ impl Tracer {
     #[track_caller]
     pub fn input_typed(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Tensor {
         let loc = Location::caller();
+        if let Err(message) = supported_dtype(dtype) {
+            return self.fail("input", loc, format!("input {name:?}: {message}"), &[], DTYPE_HELP);
+        }
         let exists = self.state.borrow().graph.input(name).is_some();
         if exists {
             return self.fail(
@@ -96,7 +112,16 @@ impl Tracer {
         self.variable(name, shape, DType::F32, VarRole::Parameter, init)
     }
 
-    /// A persistent variable. Declaring the same key again in one trace returns the same node.
+    /// A trainable parameter that may already exist: the first declaration of `name` (in the
+    /// current scopes) creates it, later ones return the same variable. This is how weights are
+    /// tied (shared between layers) on purpose; `param` reports a second declaration as an error.
+    #[track_caller]
+    pub fn shared_param(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Tensor {
+        self.declare(name, shape.into(), DType::F32, VarRole::Parameter, init, true, Location::caller())
+    }
+
+    /// A persistent variable. Declaring the same key twice in one trace is an error (it would
+    /// silently share one variable between two layers); `shared_param` ties weights explicitly.
     #[track_caller]
     pub fn variable(
         &self,
@@ -106,12 +131,43 @@ impl Tracer {
         role: VarRole,
         init: Init,
     ) -> Tensor {
-        let loc = Location::caller();
-        let shape = shape.into();
+        self.declare(name, shape.into(), dtype, role, init, false, Location::caller())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn declare(
+        &self,
+        name: &str,
+        shape: Shape,
+        dtype: DType,
+        role: VarRole,
+        init: Init,
+        shared: bool,
+        loc: &'static Location<'static>,
+    ) -> Tensor {
         let key = self.scoped(name);
+        if let Err(message) = supported_dtype(dtype) {
+            return self.fail("variable", loc, format!("variable `{key}`: {message}"), &[], DTYPE_HELP);
+        }
+        if let Err(why) = init.check() {
+            let help =
+                "give the initialiser finite values, low < high and std >= 0 (or use Init::GlorotUniform)";
+            return self.fail("variable", loc, format!("variable `{key}`: {why}"), &[], help);
+        }
         let existing = self.state.borrow().variables.get(&key).copied();
         if let Some(id) = existing {
             let t = self.tensor(id);
+            if !shared {
+                let at =
+                    self.with_graph(|g| g.node(id).origin).map(|o| format!(" at {o}")).unwrap_or_default();
+                return self.fail(
+                    "variable",
+                    loc,
+                    format!("a variable `{key}` already exists (declared{at})"),
+                    &[],
+                    "give the new one another name or scope; to share (tie) one variable on purpose, declare it with `Tracer::shared_param`",
+                );
+            }
             if t.shape != shape {
                 let e = CompileError::VariableShape {
                     key,
@@ -164,11 +220,35 @@ impl Tracer {
         if st.scopes.is_empty() { name.to_string() } else { format!("{}/{name}", st.scopes.join("/")) }
     }
 
-    /// Names `t` as a graph output.
+    /// The current scopes joined by `/` (`dense_1`, `block/attention`), empty outside any scope:
+    /// how layers name themselves in their errors.
+    pub fn scope_path(&self) -> String {
+        self.state.borrow().scopes.join("/")
+    }
+
+    /// Names `t` as a graph output. Each output has its own name: a second output with a name
+    /// already taken is an error.
     #[track_caller]
     pub fn output(&self, name: &str, t: &Tensor) {
+        let loc = Location::caller();
         if !self.owns(t) {
-            self.fail("output", Location::caller(), "the tensor belongs to another trace".into(), &[t], "");
+            self.fail(
+                "output",
+                loc,
+                format!("output {name:?}: the tensor belongs to another trace"),
+                &[t],
+                "build every tensor of a model with one tracer",
+            );
+            return;
+        }
+        if self.state.borrow().graph.output(name).is_some() {
+            self.fail(
+                "output",
+                loc,
+                format!("an output named {name:?} already exists"),
+                &[t],
+                "give every output its own name",
+            );
             return;
         }
         if let Some(id) = t.id {
@@ -192,6 +272,9 @@ impl Tracer {
     /// "<of's name> grad": how autodiff attributes backward ops to the forward op they belong to.
     pub fn label_since(&self, first: usize, of: NodeId) {
         let mut st = self.state.borrow_mut();
+        if !st.graph.contains(of) {
+            return;
+        }
         let (origin, name) = {
             let n = st.graph.node(of);
             (n.origin, n.name.clone().unwrap_or_else(|| n.op.name().to_string()))
@@ -205,7 +288,18 @@ impl Tracer {
     }
 
     /// Adds a control dependency: `after` runs after `before`.
+    #[track_caller]
     pub fn add_control(&self, before: &Tensor, after: &Tensor) {
+        if !self.owns(before) || !self.owns(after) {
+            self.fail(
+                "add_control",
+                Location::caller(),
+                "the tensors come from different traces".into(),
+                &[before, after],
+                "build every tensor of a model with one tracer",
+            );
+            return;
+        }
         if let (Some(b), Some(a)) = (before.id, after.id) {
             self.state.borrow_mut().graph.add_control(b, a);
         }
@@ -289,6 +383,18 @@ impl Tracer {
 
     fn poisoned(&self) -> Tensor {
         Tensor { state: self.state.clone(), id: None, shape: Shape::scalar(), dtype: DType::F32 }
+    }
+}
+
+const DTYPE_HELP: &str =
+    "declare it as f32 (DType::F32); f16 and bf16 are carried by the IR but have no kernels yet";
+
+/// kiln's kernels compute in f32: other dtypes are refused where they enter a trace, so that no
+/// plan sizes a buffer for one dtype while a kernel writes another.
+fn supported_dtype(dtype: DType) -> std::result::Result<(), String> {
+    match dtype {
+        DType::F32 => Ok(()),
+        DType::F16 | DType::BF16 => Err(format!("dtype {dtype} is not supported: kiln computes in f32")),
     }
 }
 

@@ -52,6 +52,18 @@ pub trait CpuKernel: Send + Sync {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8);
     /// Short description for profiles, e.g. "matmul 32x100x10".
     fn describe(&self) -> String;
+    /// Whether the op's meaning restricts its operands' values (gather ids), so that the
+    /// executor calls `check_operands` before `run`. Decided at `prepare`; false for most ops.
+    fn checks_operands(&self) -> bool {
+        false
+    }
+    /// Checks operand values that `run` would otherwise have to define its own way: `Err` says
+    /// which operand and which element. Called only when `checks_operands` is true.
+    /// # Safety
+    /// As for `run`: every input pointer is valid for its tensor's bytes.
+    unsafe fn check_operands(&self, _inputs: &[*mut u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Prepares a kernel for `op` on operands of the given shapes/dtypes producing `output`. All shape

@@ -4,8 +4,9 @@
 //! carved from one region taken when the backend starts. Every step's kernel is prepared once at
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
-use crate::backend::{Backend, ProgramId, check_input, io_slot, output_slot};
+use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input, io_slot, no_program, output_slot};
 use crate::error::{Result, RuntimeError};
+use crate::guard::{Canary, Guard, Region};
 use crate::host_buffer::{HostBuffer, HostMem};
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::VariableStore;
@@ -28,6 +29,8 @@ struct BoundStep {
     kernel: Box<dyn CpuKernel>,
     inputs: Vec<Loc>,
     output: Option<Loc>,
+    /// `kernel.checks_operands()`, read once at load.
+    checks: bool,
 }
 
 struct Program {
@@ -40,6 +43,9 @@ struct Program {
     steps: Vec<BoundStep>,
     /// Reused operand-pointer list: no allocation per step.
     scratch: Vec<*mut u8>,
+    feeds: Feeds,
+    /// Guard mode's canaries, when the plan has them (`crate::guard`).
+    guard: Option<Guard>,
 }
 
 /// One host device's memory: its budget and, when preallocating, the pool.
@@ -49,21 +55,44 @@ struct HostDevice {
 }
 
 impl HostDevice {
-    fn new(budget: DeviceBudget, tracker: Tracker) -> Self {
-        let pool = budget.pool_bytes().map(HostBuffer::zeroed);
-        HostDevice { account: Account::new(budget, tracker), pool }
+    fn new(budget: DeviceBudget, tracker: Tracker) -> Result<Self> {
+        let pool = match budget.pool_bytes() {
+            Some(bytes) => Some(host_alloc(&budget.name, bytes, "its preallocated region")?),
+            None => None,
+        };
+        Ok(HostDevice { account: Account::new(budget, tracker), pool })
     }
 
     fn take(&mut self, bytes: usize, purpose: Purpose) -> Result<HostMem> {
+        // Growth: allocate before claiming, so that a failed allocation leaves the books as they were.
+        if self.pool.is_none() {
+            self.account.check(bytes)?;
+            let mem = host_alloc(&self.account.budget.name, bytes, purpose.name())?;
+            self.account.claim(bytes, purpose)?;
+            return Ok(HostMem::Owned(mem));
+        }
         match (self.account.claim(bytes, purpose)?, &self.pool) {
             (Some(offset), Some(pool)) => {
-                // SAFETY: the account keeps offset + bytes inside the pool.
+                // SAFETY: the account keeps offset + bytes inside the pool, so the pointer stays
+                // inside (or one past) the pool's allocation.
                 let ptr = unsafe { pool.as_mut_ptr().add(offset) };
-                Ok(HostMem::Pooled { ptr: NonNull::new(ptr).expect("pool pointer"), len: bytes })
+                let ptr = NonNull::new(ptr).ok_or_else(|| RuntimeError::invalid("null pool pointer", ""))?;
+                Ok(HostMem::Pooled { ptr, len: bytes })
             }
-            _ => Ok(HostMem::Owned(HostBuffer::zeroed(bytes))),
+            _ => Err(RuntimeError::invalid("a preallocating device gave no pool offset", "")),
         }
     }
+}
+
+/// Host memory, or an error naming the device and the size (never an abort).
+fn host_alloc(device: &str, bytes: usize, what: &str) -> Result<HostBuffer> {
+    HostBuffer::zeroed(bytes).ok_or_else(|| RuntimeError::OutOfMemory {
+        device: device.into(),
+        bytes,
+        what: what.into(),
+        detail: String::new(),
+        help: "the machine cannot give that much memory: use a smaller batch or model, or set a memory limit so the compiler reports the plan's needs first".into(),
+    })
 }
 
 pub struct CpuBackend {
@@ -76,14 +105,23 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// A backend whose devices grow without limit.
     pub fn new(seed: u64) -> Self {
-        Self::with_budgets(seed, vec![], Tracker::default())
+        let devices = Vec::new();
+        CpuBackend {
+            store: VariableStore::new(seed),
+            devices,
+            tracker: Tracker::default(),
+            programs: Vec::new(),
+        }
     }
 
     /// A backend for devices with these budgets (plans may use any of them by name; a device
     /// name no budget mentions grows without limit), reporting to `tracker`.
-    pub fn with_budgets(seed: u64, budgets: Vec<DeviceBudget>, tracker: Tracker) -> Self {
-        let devices = budgets.into_iter().map(|b| HostDevice::new(b, tracker.clone())).collect();
-        CpuBackend { store: VariableStore::new(seed), devices, tracker, programs: Vec::new() }
+    /// Preallocating budgets take their region now: an error names the device when the machine
+    /// cannot give it.
+    pub fn with_budgets(seed: u64, budgets: Vec<DeviceBudget>, tracker: Tracker) -> Result<Self> {
+        let devices =
+            budgets.into_iter().map(|b| HostDevice::new(b, tracker.clone())).collect::<Result<_>>()?;
+        Ok(CpuBackend { store: VariableStore::new(seed), devices, tracker, programs: Vec::new() })
     }
 
     pub fn store(&self) -> &VariableStore {
@@ -98,18 +136,20 @@ impl CpuBackend {
         match self.devices.iter().position(|d| d.account.budget.name == name) {
             Some(i) => i,
             None => {
-                self.devices.push(HostDevice::new(DeviceBudget::unlimited(name), self.tracker.clone()));
+                // An unlimited growth budget preallocates nothing, so this cannot fail.
+                let account = Account::new(DeviceBudget::unlimited(name), self.tracker.clone());
+                self.devices.push(HostDevice { account, pool: None });
                 self.devices.len() - 1
             }
         }
     }
 
     /// Runs the program `runs` times and returns each step's kernel description and median time
-    /// in nanoseconds, in step order.
+    /// in nanoseconds, in step order. Guard mode's canaries are not checked here (`run` does).
     pub fn profile(&mut self, program: ProgramId, runs: usize) -> Result<Vec<(String, u64)>> {
         self.ensure_arenas(program)?;
         let store = &self.store;
-        let p = &mut self.programs[program];
+        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
         let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
         let mut scratch = std::mem::take(&mut p.scratch);
         for _ in 0..runs {
@@ -134,15 +174,48 @@ impl CpuBackend {
             .collect())
     }
 
+    /// Replaces the kernel of one step of a loaded program: a test seam (guard mode's tests plant
+    /// a kernel that writes out of bounds). The kernel must honour `CpuKernel::run`'s contract
+    /// for the step's operands, or write only into guard mode's canaries.
+    #[doc(hidden)]
+    pub fn replace_kernel(
+        &mut self,
+        program: ProgramId,
+        step: usize,
+        kernel: Box<dyn CpuKernel>,
+    ) -> Result<()> {
+        let p = self.program_mut(program)?;
+        let steps = p.steps.len();
+        let s = p.steps.get_mut(step).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!("step {step} of a program of {steps} steps"),
+                "name a step of the plan",
+            )
+        })?;
+        s.checks = kernel.checks_operands();
+        s.kernel = kernel;
+        Ok(())
+    }
+
     /// Bytes of host memory the program's arenas and io regions hold (arenas not yet allocated
     /// under growth count 0).
-    pub fn program_bytes(&self, program: ProgramId) -> (usize, usize) {
-        let p = &self.programs[program];
-        (p.arenas.iter().flatten().map(HostMem::len).sum(), p.ios.iter().map(HostMem::len).sum())
+    pub fn program_bytes(&self, program: ProgramId) -> Result<(usize, usize)> {
+        let p = self.program(program)?;
+        Ok((p.arenas.iter().flatten().map(HostMem::len).sum(), p.ios.iter().map(HostMem::len).sum()))
+    }
+
+    fn program(&self, program: ProgramId) -> Result<&Program> {
+        self.programs.get(program).ok_or_else(|| no_program(program, self.programs.len()))
+    }
+
+    fn program_mut(&mut self, program: ProgramId) -> Result<&mut Program> {
+        let loaded = self.programs.len();
+        self.programs.get_mut(program).ok_or_else(|| no_program(program, loaded))
     }
 
     /// Allocates the program's arenas if this is its first run (growth policy).
     fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
+        self.program(program)?;
         for d in 0..self.programs[program].arenas.len() {
             if self.programs[program].arenas[d].is_none() {
                 let bytes = self.programs[program].plan.devices[d].memory.arena_bytes;
@@ -161,16 +234,74 @@ impl Default for CpuBackend {
     }
 }
 
+/// The memory an input or output slot lives in (arenas allocated by `ensure_arenas`).
+fn slot_mem(p: &mut Program, slot: Slot) -> Result<&mut HostMem> {
+    match slot {
+        Slot::Io { device, .. } => Ok(&mut p.ios[device]),
+        Slot::Arena { device, .. } => {
+            p.arenas[device].as_mut().ok_or_else(|| RuntimeError::invalid("arena not allocated", ""))
+        }
+    }
+}
+
+fn offset_of(slot: Slot) -> usize {
+    match slot {
+        Slot::Io { offset, .. } | Slot::Arena { offset, .. } => offset,
+    }
+}
+
 fn ptr(p: &Program, store: &VariableStore, loc: Loc) -> *mut u8 {
-    // SAFETY (of the adds): offsets come from the plan, whose buffers lie inside the arena and
-    // io region allocated with the plan's sizes.
     match loc {
+        // SAFETY: `load` validated the plan, so offset o + the buffer's bytes lie inside the
+        // arena of the plan's size, which `ensure_arenas` allocated before any run.
         Loc::Arena(d, o) => unsafe {
             p.arenas[d].as_ref().expect("arenas allocated before running").as_mut_ptr().add(o)
         },
+        // SAFETY: as above, inside the io region allocated at load with the plan's io size.
         Loc::Io(d, o) => unsafe { p.ios[d].as_mut_ptr().add(o) },
         Loc::Var(slot) => store.ptr(slot),
     }
+}
+
+/// Guard mode, after step `i`: checks the canaries of the buffers live at `i`, then fills those
+/// whose buffer's life begins at `i + 1`.
+fn guard_step(p: &Program, g: &Guard, i: usize) -> Result<()> {
+    for c in g.to_check(i) {
+        // SAFETY: `canary_ptr` checked the bytes lie inside their region (zeroed at allocation,
+        // so initialised); no kernel runs now and no reference into the region is held.
+        let bytes = unsafe { std::slice::from_raw_parts(canary_ptr(p, c), c.range.len()) };
+        if let Some(at) = g.check(bytes) {
+            return Err(Guard::overrun(&p.plan, i, c, at));
+        }
+    }
+    fill_canaries(p, g, i + 1);
+    Ok(())
+}
+
+/// Guard mode: fills the canaries whose buffer's life begins at `step`, before it runs.
+fn fill_canaries(p: &Program, g: &Guard, step: usize) {
+    for c in g.to_fill(step) {
+        // SAFETY: as in `guard_step`; validation keeps a canary clear of every buffer live while
+        // it is filled and checked, so this writes no live tensor.
+        g.fill(unsafe { std::slice::from_raw_parts_mut(canary_ptr(p, c), c.range.len()) });
+    }
+}
+
+/// A canary's first byte; panics unless the canary lies inside its region (validation of a
+/// guarded plan establishes that it does).
+fn canary_ptr(p: &Program, c: &Canary) -> *mut u8 {
+    let mem = match c.region {
+        Region::Arena(d) => p.arenas[d].as_ref().expect("arenas allocated before running"),
+        Region::Io(d) => &p.ios[d],
+    };
+    assert!(
+        c.range.end <= mem.len(),
+        "guard: canary {:?} outside its region of {} bytes",
+        c.range,
+        mem.len()
+    );
+    // SAFETY: inside the allocation (checked above).
+    unsafe { mem.as_mut_ptr().add(c.range.start) }
 }
 
 impl Backend for CpuBackend {
@@ -179,6 +310,8 @@ impl Backend for CpuBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
+        // Everything below (and every pointer `run` forms) relies on what validation establishes.
+        RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
         let mut slots = Vec::with_capacity(plan.variables.len());
         for v in &plan.variables {
@@ -202,6 +335,7 @@ impl Backend for CpuBackend {
             let kernel = cpu::prepare(&step.op, &ins, out)?;
             debug_assert!(step.op.class() != OpClass::View);
             steps.push(BoundStep {
+                checks: kernel.checks_operands(),
                 kernel,
                 inputs: step.inputs.iter().map(|&v| loc(v)).collect(),
                 output: step.output.map(loc),
@@ -220,6 +354,8 @@ impl Backend for CpuBackend {
             });
         }
         self.programs.push(Program {
+            feeds: Feeds::new(&plan),
+            guard: Guard::new(&plan),
             plan,
             devices,
             arenas,
@@ -230,41 +366,74 @@ impl Backend for CpuBackend {
         Ok(self.programs.len() - 1)
     }
 
-    fn plan(&self, program: ProgramId) -> &Plan {
-        &self.programs[program].plan
+    fn plan(&self, program: ProgramId) -> Result<&Plan> {
+        Ok(&self.program(program)?.plan)
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
+        let value = check_input(&self.program(program)?.plan, name, shape, data.len())?;
+        // Inputs live in the arena: under growth it is allocated by the first feed.
+        self.ensure_arenas(program)?;
         let p = &mut self.programs[program];
-        let value = check_input(&p.plan, name, shape, data.len())?;
-        let (device, offset) = io_slot(&p.plan, value, name)?;
-        p.ios[device].f32s_mut(offset, data.len()).copy_from_slice(data);
+        let slot = io_slot(&p.plan, value, name)?;
+        slot_mem(p, slot)?.f32s_mut(offset_of(slot), data.len()).copy_from_slice(data);
+        p.feeds.fed(&p.plan, value);
         Ok(())
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
         self.ensure_arenas(program)?;
         let store = &self.store;
-        let p = &mut self.programs[program];
+        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
         let mut scratch = std::mem::take(&mut p.scratch);
-        for step in &p.steps {
+        let guard = p.guard.as_ref();
+        if let Some(g) = guard {
+            fill_canaries(p, g, 0);
+        }
+        for (i, step) in p.steps.iter().enumerate() {
             scratch.clear();
             scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
             let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
-            // SAFETY: every pointer addresses a buffer of the plan with its value's size; the
-            // planner guarantees that buffers live at the same step do not overlap, except the
-            // in-place outputs of elementwise ops that the kernels allow.
+            if step.checks {
+                // SAFETY: as for `run` below.
+                if let Err(e) = unsafe { step.kernel.check_operands(&scratch) } {
+                    p.scratch = scratch;
+                    return Err(crate::backend::operand_error(&p.plan, i, e));
+                }
+            }
+            // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
+            // addresses a buffer of the plan inside its arena, io region or variable, holding
+            // its value's bytes; buffers live at this step do not overlap, and an output shares
+            // an operand's buffer only for an elementwise op in place, which the kernels allow;
+            // every kernel was prepared for exactly these shapes.
             unsafe { step.kernel.run(&scratch, out) };
+            if let Some(g) = guard
+                && let Err(e) = guard_step(p, g, i)
+            {
+                p.scratch = scratch;
+                return Err(e);
+            }
         }
         p.scratch = scratch;
         Ok(())
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {
-        let p = &self.programs[program];
-        let (value, device, offset) = output_slot(&p.plan, name)?;
+        let p = self.program(program)?;
+        let (value, slot) = output_slot(&p.plan, name)?;
         let shape = &p.plan.value(value).shape;
-        HostTensor::new(shape.clone(), p.ios[device].f32s(offset, shape.numel()).to_vec())
+        let mem = match slot {
+            Slot::Io { device, .. } => &p.ios[device],
+            Slot::Arena { device, .. } => p.arenas[device].as_ref().ok_or_else(|| {
+                RuntimeError::invalid(
+                    format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
+                    "run the plan (or call it) before reading its outputs",
+                )
+            })?,
+        };
+        HostTensor::new(shape.clone(), mem.f32s(offset_of(slot), shape.numel()).to_vec())
     }
 
     fn read_variable(&self, key: &str) -> Result<HostTensor> {

@@ -8,8 +8,9 @@
 
 use super::nvrtc::{CompileStats, NvrtcCompiler};
 use super::probe::{self, DeviceInfo};
-use crate::backend::{Backend, ProgramId, check_input, io_slot, output_slot};
+use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input, io_slot, no_program, output_slot};
 use crate::error::{Result, RuntimeError};
+use crate::guard::{Canary, Guard, Region};
 use crate::init::initial_values;
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::tensor::HostTensor;
@@ -46,6 +47,8 @@ struct BoundLaunch {
     config: LaunchConfig,
     locs: Vec<Loc>,
     args: Vec<u64>,
+    /// The plan step this launch belongs to (a step may take several launches).
+    step: usize,
 }
 
 struct Program {
@@ -57,6 +60,9 @@ struct Program {
     ios: Vec<DeviceMem>,
     launches: Vec<BoundLaunch>,
     bound: bool,
+    feeds: Feeds,
+    /// Guard mode's canaries, when the plan has them (`crate::guard`).
+    guard: Option<Guard>,
 }
 
 struct Variable {
@@ -87,6 +93,7 @@ pub struct CudaBackend {
 /// Generates the CUDA kernels of every step of `plan` (no device needed): what the backend
 /// compiles and launches, in order.
 pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
+    RuntimeError::check_plan(plan)?;
     let scalar = Shape::scalar();
     plan.steps
         .iter()
@@ -205,12 +212,18 @@ impl CudaBackend {
 
     /// Kernel launches per run of `program`.
     pub fn launches(&self, program: ProgramId) -> usize {
-        self.programs[program].launches.len()
+        self.programs.get(program).map_or(0, |p| p.launches.len())
     }
 
     /// One real device allocation (`cuMemAlloc`), counted.
     fn alloc(&mut self, bytes: usize) -> Result<DeviceMem> {
-        let slice = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver("cuMemAlloc"))?;
+        let slice = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| RuntimeError::OutOfMemory {
+            device: format!("cuda:{}", self.info.ordinal),
+            bytes,
+            what: "device memory".into(),
+            detail: format!(" (cuMemAlloc: {e})"),
+            help: "use a smaller batch or model, or set a memory limit so the compiler reports the plan's needs first".into(),
+        })?;
         self.device_allocations += 1;
         self.device_allocated_bytes += bytes.max(1);
         let ptr = {
@@ -222,6 +235,13 @@ impl CudaBackend {
 
     /// Memory for `purpose` on backend device `device`, under its budget.
     fn take(&mut self, device: usize, bytes: usize, purpose: Purpose) -> Result<DeviceMem> {
+        // Growth: allocate before claiming, so that a failed allocation leaves the books as they were.
+        if self.devices[device].pool.is_none() {
+            self.devices[device].account.check(bytes)?;
+            let mem = self.alloc(bytes)?;
+            self.devices[device].account.claim(bytes, purpose)?;
+            return Ok(mem);
+        }
         let offset = self.devices[device].account.claim(bytes, purpose)?;
         match (offset, &self.devices[device].pool) {
             (Some(offset), Some(pool)) => Ok(DeviceMem { ptr: pool.ptr + offset as u64, _owned: None }),
@@ -267,6 +287,60 @@ impl CudaBackend {
         Ok(host)
     }
 
+    /// Launches one kernel of a bound program on the stream.
+    fn launch(&self, l: &BoundLaunch) -> Result<()> {
+        let mut builder = self.stream.launch_builder(&l.function);
+        for a in &l.args {
+            builder.arg(a);
+        }
+        // SAFETY: `load` validated the plan (`kiln_compiler::validate`): the arguments are
+        // device pointers into the plan's arenas, io regions and variables, allocated with
+        // the plan's sizes, each buffer inside its region and no two live ones overlapping;
+        // the kernel was generated for exactly these shapes and argument order.
+        unsafe { builder.launch(l.config) }.map_err(driver("launching a kernel"))?;
+        Ok(())
+    }
+
+    /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
+    /// there are written, after it the canaries of every buffer live there are read back (the
+    /// driver's copies of the gap bytes, synchronising the stream) and compared.
+    fn run_guarded(&self, p: &Program, g: &Guard) -> Result<()> {
+        let mut launches = p.launches.iter().peekable();
+        for s in 0..p.plan.steps.len() {
+            for c in g.to_fill(s) {
+                self.htod_bytes(canary_address(p, c)?, g.pattern())?;
+            }
+            while let Some(l) = launches.next_if(|l| l.step == s) {
+                self.launch(l)?;
+            }
+            for c in g.to_check(s) {
+                let bytes = self.dtoh_bytes(canary_address(p, c)?, c.range.len())?;
+                if let Some(at) = g.check(&bytes) {
+                    return Err(Guard::overrun(&p.plan, s, c, at));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn htod_bytes(&self, dst: u64, data: &[u8]) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
+        // SAFETY: `dst` addresses at least data.len() bytes of device memory this backend holds.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
+            .map_err(driver("writing a guard canary"))
+    }
+
+    fn dtoh_bytes(&self, src: u64, n: usize) -> Result<Vec<u8>> {
+        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
+        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
+        let mut host = vec![0u8; n];
+        // SAFETY: `src` addresses at least n bytes of device memory this backend holds.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, src) }
+            .map_err(driver("reading a guard canary"))?;
+        Ok(host)
+    }
+
     fn module(&mut self, key: &str, ptx: &str) -> Result<Arc<CudaModule>> {
         if let Some(m) = self.modules.get(key) {
             return Ok(m.clone());
@@ -282,7 +356,7 @@ impl CudaBackend {
     /// Allocates the program's arenas if this is its first run (growth) and resolves every launch
     /// argument to an address.
     fn bind(&mut self, program: ProgramId) -> Result<()> {
-        if self.programs[program].bound {
+        if self.program(program)?.bound {
             return Ok(());
         }
         for d in 0..self.programs[program].arenas.len() {
@@ -293,7 +367,7 @@ impl CudaBackend {
                 self.programs[program].arenas[d] = Some(mem);
             }
         }
-        let p = &mut self.programs[program];
+        let p = self.program_mut(program)?;
         let arena: Vec<u64> = p.arenas.iter().map(|a| a.as_ref().map_or(0, |m| m.ptr)).collect();
         let io: Vec<u64> = p.ios.iter().map(|m| m.ptr).collect();
         for l in &mut p.launches {
@@ -311,11 +385,40 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn io_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
-        let p = &self.programs[program];
-        let (device, offset) = io_slot(&p.plan, value, name)?;
-        Ok(p.ios[device].ptr + offset as u64)
+    fn program(&self, program: ProgramId) -> Result<&Program> {
+        self.programs.get(program).ok_or_else(|| no_program(program, self.programs.len()))
     }
+
+    fn program_mut(&mut self, program: ProgramId) -> Result<&mut Program> {
+        let loaded = self.programs.len();
+        self.programs.get_mut(program).ok_or_else(|| no_program(program, loaded))
+    }
+
+    /// The device address of an input or output (the arena must be bound: `bind`).
+    fn io_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
+        let p = self.program(program)?;
+        match io_slot(&p.plan, value, name)? {
+            Slot::Io { device, offset } => Ok(p.ios[device].ptr + offset as u64),
+            Slot::Arena { device, offset } => match &p.arenas[device] {
+                Some(a) => Ok(a.ptr + offset as u64),
+                None => Err(RuntimeError::invalid(
+                    format!("`{name}` of plan {:?} is in an arena not allocated yet", p.plan.name),
+                    "feed the inputs and run the plan before reading its outputs",
+                )),
+            },
+        }
+    }
+}
+
+/// The device address of a canary of a bound program: inside its region, since validation of
+/// a guarded plan keeps every canary inside the arena or io region allocated with the plan's size.
+fn canary_address(p: &Program, c: &Canary) -> Result<u64> {
+    let base = match c.region {
+        Region::Arena(d) => p.arenas.get(d).and_then(|a| a.as_ref()).map(|m| m.ptr),
+        Region::Io(d) => p.ios.get(d).map(|m| m.ptr),
+    };
+    base.map(|b| b + c.range.start as u64)
+        .ok_or_else(|| RuntimeError::invalid("guard: a canary's region is not allocated", ""))
 }
 
 impl Backend for CudaBackend {
@@ -346,6 +449,8 @@ impl Backend for CudaBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
+        // Every device pointer formed below and at launch relies on what validation establishes.
+        RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
         let var_ptrs: Vec<u64> = plan
             .variables
@@ -373,7 +478,7 @@ impl Backend for CudaBackend {
             }
         };
         let mut launches = Vec::new();
-        for ((step, kernel), ptx) in plan.steps.iter().zip(&kernels).zip(&ptx) {
+        for (s, ((step, kernel), ptx)) in plan.steps.iter().zip(&kernels).zip(&ptx).enumerate() {
             let key = self.compiler.key(&kernel.source);
             let module = self.module(&key, ptx)?;
             for l in &kernel.launches {
@@ -398,42 +503,54 @@ impl Backend for CudaBackend {
                     block_dim: (l.block[0], l.block[1], l.block[2]),
                     shared_mem_bytes: l.shared_bytes,
                 };
-                launches.push(BoundLaunch { function, config, locs, args: Vec::new() });
+                launches.push(BoundLaunch { function, config, locs, args: Vec::new(), step: s });
             }
         }
-        self.programs.push(Program { plan, devices, arenas, ios, launches, bound: false });
+        self.programs.push(Program {
+            feeds: Feeds::new(&plan),
+            guard: Guard::new(&plan),
+            plan,
+            devices,
+            arenas,
+            ios,
+            launches,
+            bound: false,
+        });
         Ok(self.programs.len() - 1)
     }
 
-    fn plan(&self, program: ProgramId) -> &Plan {
-        &self.programs[program].plan
+    fn plan(&self, program: ProgramId) -> Result<&Plan> {
+        Ok(&self.program(program)?.plan)
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let value = check_input(&self.programs[program].plan, name, shape, data.len())?;
+        let value = check_input(&self.program(program)?.plan, name, shape, data.len())?;
+        // Inputs live in the arena: under growth it is allocated by the first feed.
+        self.bind(program)?;
         let dst = self.io_address(program, value, name)?;
-        self.htod(dst, data)
+        self.htod(dst, data)?;
+        let p = self.program_mut(program)?;
+        p.feeds.fed(&p.plan, value);
+        Ok(())
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
         self.bind(program)?;
-        let p = &self.programs[program];
+        let p = self.program(program)?;
+        if let Some(g) = &p.guard {
+            return self.run_guarded(p, g);
+        }
         for l in &p.launches {
-            let mut builder = self.stream.launch_builder(&l.function);
-            for a in &l.args {
-                builder.arg(a);
-            }
-            // SAFETY: the arguments are device pointers into the plan's arenas, io regions and
-            // variables, allocated with the plan's sizes; the kernel was generated for exactly
-            // these shapes and argument order.
-            unsafe { builder.launch(l.config) }.map_err(driver("launching a kernel"))?;
+            self.launch(l)?;
         }
         Ok(())
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {
-        let plan = &self.programs[program].plan;
-        let (value, _, _) = output_slot(plan, name)?;
+        let plan = &self.program(program)?.plan;
+        let (value, _) = output_slot(plan, name)?;
         let shape = plan.value(value).shape.clone();
         let src = self.io_address(program, value, name)?;
         HostTensor::new(shape.clone(), self.dtoh(src, shape.numel())?)

@@ -1,7 +1,7 @@
 //! Where the eager executor runs: something that can write and read tensors at block addresses
 //! and run one op's kernel on them.
 
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_kernels::cpu;
 
@@ -53,6 +53,15 @@ impl EagerDevice for CpuEager {
     ) -> Result<()> {
         let kernel = cpu::prepare(op, types, out_type)?;
         let ptrs: Vec<*mut u8> = inputs.iter().map(|&a| a as usize as *mut u8).collect();
+        if kernel.checks_operands() {
+            // SAFETY: as for `run` below.
+            unsafe { kernel.check_operands(&ptrs) }.map_err(|e| {
+                RuntimeError::invalid(
+                    format!("eager `{}`: {e}", op.name()),
+                    "feed ids that are whole numbers inside the table",
+                )
+            })?;
+        }
         // SAFETY: every block is live host memory of its value's size; blocks of live values do
         // not overlap (the allocator hands out disjoint blocks).
         unsafe { kernel.run(&ptrs, output as usize as *mut u8) };

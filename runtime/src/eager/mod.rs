@@ -174,8 +174,12 @@ impl<A: Allocator> EagerExecutor<A> {
                     step += 1;
                 }
             }
-            // Operands whose last reader this was are released.
-            for o in operands {
+            // Operands whose last reader this was are released. `uses` counts each reader once
+            // (`Graph::users`), so an operand read twice by this op (`x * x`) is counted once here.
+            let mut distinct = operands;
+            distinct.sort_unstable();
+            distinct.dedup();
+            for o in distinct {
                 let u = uses.get_mut(&o).expect("operand scheduled");
                 *u -= 1;
                 if *u == 0 && !outputs.contains_key(&o) {

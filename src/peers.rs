@@ -1,0 +1,512 @@
+//! kiln's planned memory beside a peer compiler's: XLA's buffer assignment (JAX, CPU backend) for
+//! the same models, shapes, losses and Adam step.
+//!
+//! kiln's figure is the plan's `planned_total_bytes` (parameters + optimizer state + io region +
+//! arena). XLA's figure comes from `scripts/peers/xla_memory.py`, which writes every model again in
+//! plain `jax.numpy` with kiln's exact layer math, compiles (never runs) a jitted forward pass and a
+//! jitted Adam step with donated parameters and optimizer state, and reads
+//! `compiled.memory_analysis()`: total = argument + output + temp - alias.
+//!
+//! The models: the zoo's four (`kiln::zoo`) and three it was not tuned for, defined here in kiln's
+//! layers and mirrored layer by layer in the script:
+//!
+//! | name | model | batch |
+//! |---|---|---|
+//! | `res-mlp` | 784 -> Dense 512 relu, 6 x residual [Dense 512 relu, Dense 512 relu], Dense 10; softmax CE | 256 |
+//! | `vgg-avg` | 32x32x3: (conv 32 relu) x2, avg-pool, (conv 64) x2, avg-pool, (conv 128) x2, avg-pool, dense 256 relu, dense 10 | 64 |
+//! | `transformer-2` | embedding 500x128, two pre-LN blocks (4 heads, GELU MLP 512), LN, dense 500; sequence 64 | 16 |
+//!
+//! JAX comes from a virtual environment under `target/kiln/peers-venv` (created once with pinned
+//! CPU wheels, [`JAX_PINS`]) or from the interpreter named by `KILN_PEERS_PYTHON`. Where neither can
+//! be had (no python3, no network, no wheel), [`xla_figures`] prints `skipped: <reason>` on stderr
+//! and returns `Ok(None)`.
+
+use crate::compare::Mode;
+use crate::error::{Error, Result};
+use crate::zoo::{self, ZooModel};
+use kiln_compiler::ir::{Padding, Shape};
+use kiln_compiler::nn::{
+    Activation, Conv2D, Dense, Embedding, Flatten, LayerNorm, MultiHeadAttention, Pool2D, Residual,
+    Sequential,
+};
+use kiln_compiler::step::{TrainConfig, forward_graph, train_step_graph};
+use kiln_compiler::{CompileOptions, compile};
+use kiln_runtime::RuntimeError;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// The wheels the virtual environment pins (CPU jaxlib; both exist for Python 3.11+).
+pub const JAX_PINS: [&str; 2] = ["jax==0.10.2", "jaxlib==0.10.2"];
+
+/// Names an interpreter that already has JAX; no virtual environment is made then.
+pub const PYTHON_ENV: &str = "KILN_PEERS_PYTHON";
+
+/// What each side counts, printed beside the table.
+pub const ASSUMPTIONS: &str = "\
+assumptions:
+- kiln: plan.memory.planned_total_bytes() = parameters + optimizer state (Adam m, v, iteration
+  counter) + io region (inputs x, y and the outputs, each in its own aligned slot) + arena (every
+  intermediate, 256-byte aligned slots), from CompileOptions::default().
+- XLA: jax.jit(..).lower(..).compile().memory_analysis() on jaxlib's CPU backend; total =
+  argument + output + temp - alias. Forward: params and x as arguments, no donation. Train: one
+  Adam step (Keras semantics, as kiln's) with params, m, v and the counter donated (alias = what
+  the outputs reuse of them), x and y as arguments, loss and accuracy as outputs.
+- XLA's figures are its CPU buffer assignment; the GPU backend's differs (other fusion, layouts,
+  cuDNN/cuBLAS workspaces). They are compiled with YNNPACK library fusion off
+  (xla_cpu_experimental_ynn_fusion_type=\"\") so that every intermediate is an XLA buffer: with
+  the default flags a fused convolution chain keeps its intermediates inside YNNPACK, outside
+  the figure (\"XLA default\" column: cnn forward temp 0). Kernel-internal scratch (Eigen/oneDNN
+  packing) is in neither side's figure.
+- Same architectures, shapes, f32, losses and metrics on both sides; token ids are f32 inputs on
+  both sides (kiln stores ids as f32).";
+
+// ---------------------------------------------------------------- the models
+
+/// A model measured on both sides: a zoo entry or one of this module's three.
+#[derive(Clone, Debug)]
+pub struct PeerModel {
+    pub name: &'static str,
+    pub batch: usize,
+    /// Input and target shapes without the batch axis.
+    pub x: Vec<usize>,
+    pub y: Vec<usize>,
+    /// Whether it is one of kiln's zoo models (the ones kiln's planner was developed on).
+    pub in_zoo: bool,
+    source: Source,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Zoo(ZooModel),
+    Extra { build: fn() -> Sequential, config: fn() -> TrainConfig },
+}
+
+impl PeerModel {
+    fn zoo(m: ZooModel) -> Self {
+        PeerModel {
+            name: m.name,
+            batch: m.batch,
+            x: m.x.clone(),
+            y: m.y.clone(),
+            in_zoo: true,
+            source: Source::Zoo(m),
+        }
+    }
+
+    pub fn model(&self) -> Sequential {
+        match &self.source {
+            Source::Zoo(m) => m.model(),
+            Source::Extra { build, .. } => build(),
+        }
+    }
+
+    pub fn config(&self) -> TrainConfig {
+        match &self.source {
+            Source::Zoo(m) => m.config(),
+            Source::Extra { config, .. } => config(),
+        }
+    }
+
+    pub fn x_shape(&self) -> Shape {
+        batched(self.batch, &self.x)
+    }
+
+    pub fn y_shape(&self) -> Shape {
+        batched(self.batch, &self.y)
+    }
+}
+
+fn batched(batch: usize, dims: &[usize]) -> Shape {
+    let mut d = vec![batch];
+    d.extend_from_slice(dims);
+    Shape::new(d)
+}
+
+pub const TRANSFORMER_2_SEQ: usize = 64;
+pub const TRANSFORMER_2_VOCAB: usize = 500;
+pub const TRANSFORMER_2_MODEL: usize = 128;
+
+/// The three models kiln's zoo does not have.
+pub fn extra() -> Vec<PeerModel> {
+    let extra = |name, batch, x: Vec<usize>, y: Vec<usize>, build| PeerModel {
+        name,
+        batch,
+        x,
+        y,
+        in_zoo: false,
+        source: Source::Extra { build, config: zoo::classifier_config },
+    };
+    vec![
+        extra("res-mlp", 256, vec![784], vec![10], res_mlp),
+        extra("vgg-avg", 64, vec![32, 32, 3], vec![10], vgg_avg),
+        extra(
+            "transformer-2",
+            16,
+            vec![TRANSFORMER_2_SEQ],
+            vec![TRANSFORMER_2_SEQ, TRANSFORMER_2_VOCAB],
+            transformer_2,
+        ),
+    ]
+}
+
+/// The zoo's models, then the three extra ones.
+pub fn all() -> Vec<PeerModel> {
+    zoo::all().into_iter().map(PeerModel::zoo).chain(extra()).collect()
+}
+
+/// 784 -> Dense(512, relu), six residual blocks x + relu(Dense 512)(relu(Dense 512)(x)), Dense(10).
+pub fn res_mlp() -> Sequential {
+    let mut m = Sequential::new().add(Dense::new(512).relu());
+    for _ in 0..6 {
+        m.push(Residual::new(Sequential::new().add(Dense::new(512).relu()).add(Dense::new(512).relu())));
+    }
+    m.add(Dense::new(10))
+}
+
+/// A small VGG-style net on 32x32x3 with average pooling, producing 10 logits.
+pub fn vgg_avg() -> Sequential {
+    let conv = |f: usize| Conv2D::new(f, [3, 3]).padding(Padding::Same).relu();
+    let mut m = Sequential::new();
+    for f in [32, 64, 128] {
+        m.push(conv(f));
+        m.push(conv(f));
+        m.push(Pool2D::avg([2, 2]));
+    }
+    m.add(Flatten).add(Dense::new(256).relu()).add(Dense::new(10))
+}
+
+/// Token ids -> embedding -> two pre-LN transformer blocks -> LN -> logits over the vocabulary.
+pub fn transformer_2() -> Sequential {
+    let d = TRANSFORMER_2_MODEL;
+    let ln = || LayerNorm::new().epsilon(1e-5);
+    let mut m = Sequential::new().add(Embedding::new(TRANSFORMER_2_VOCAB, d));
+    for _ in 0..2 {
+        m.push(Residual::new(Sequential::new().add(ln()).add(MultiHeadAttention::new(4))));
+        m.push(Residual::new(
+            Sequential::new()
+                .add(ln())
+                .add(Dense::new(4 * d).activation(Activation::Gelu))
+                .add(Dense::new(d)),
+        ));
+    }
+    m.add(ln()).add(Dense::new(TRANSFORMER_2_VOCAB))
+}
+
+// ---------------------------------------------------------------- kiln's side
+
+/// One plan's memory figures (bytes).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct KilnFigures {
+    pub parameter_bytes: usize,
+    pub optimizer_state_bytes: usize,
+    pub io_bytes: usize,
+    pub persistent_bytes: usize,
+    pub arena_bytes: usize,
+    pub lower_bound_bytes: usize,
+    pub planned_total_bytes: usize,
+}
+
+/// Compiles `m` in `mode` with the default options and reads the plan's figures.
+pub fn kiln_figures(m: &PeerModel, mode: Mode) -> Result<KilnFigures> {
+    let model = m.model();
+    let graph = match mode {
+        Mode::Forward => forward_graph(&model, &m.x_shape())?,
+        Mode::Train => train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config())?,
+    };
+    let plan = compile(graph, &CompileOptions::default())?;
+    let f = &plan.memory;
+    Ok(KilnFigures {
+        parameter_bytes: f.parameter_bytes,
+        optimizer_state_bytes: f.optimizer_state_bytes,
+        io_bytes: f.io_bytes,
+        persistent_bytes: f.persistent_bytes,
+        arena_bytes: f.arena_bytes,
+        lower_bound_bytes: f.lower_bound_bytes,
+        planned_total_bytes: f.planned_total_bytes(),
+    })
+}
+
+// ---------------------------------------------------------------- XLA's side
+
+/// XLA's buffer assignment for one compiled function (bytes).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct XlaFigures {
+    pub argument_bytes: usize,
+    pub output_bytes: usize,
+    pub temp_bytes: usize,
+    pub alias_bytes: usize,
+    /// argument + output + temp - alias.
+    pub total_bytes: usize,
+    /// The same with jaxlib's default flags (YNNPACK library fusion on).
+    pub default_flags_temp_bytes: usize,
+    pub default_flags_total_bytes: usize,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct XlaModel {
+    pub batch: usize,
+    /// The model's parameter count and bytes as the script declared them.
+    pub parameters: usize,
+    pub parameter_bytes: usize,
+    pub forward: XlaFigures,
+    pub train: XlaFigures,
+}
+
+impl XlaModel {
+    pub fn mode(&self, mode: Mode) -> &XlaFigures {
+        match mode {
+            Mode::Forward => &self.forward,
+            Mode::Train => &self.train,
+        }
+    }
+}
+
+/// What the script prints.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct XlaReport {
+    pub jax: String,
+    pub jaxlib: String,
+    pub backend: String,
+    pub models: BTreeMap<String, XlaModel>,
+}
+
+/// The script, in the source tree.
+pub fn script_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/xla_memory.py")
+}
+
+/// The virtual environment's directory.
+pub fn venv_dir() -> PathBuf {
+    crate::report::output_dir().join("peers-venv")
+}
+
+fn venv_python(venv: &Path) -> PathBuf {
+    if cfg!(windows) { venv.join("Scripts").join("python.exe") } else { venv.join("bin").join("python") }
+}
+
+/// Why JAX cannot be had: printed as `skipped: ...`, never an error.
+struct Skip(String);
+
+/// The last lines of a command's stderr (pip's complaint), on one line.
+fn tail(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    lines[lines.len().saturating_sub(2)..].join(" | ")
+}
+
+/// Runs `cmd`; a failure to start or a non-zero exit is a `Skip` naming `what`.
+fn run_or_skip(cmd: &mut Command, what: &str) -> std::result::Result<std::process::Output, Skip> {
+    let out = cmd.output().map_err(|e| Skip(format!("{what}: {e}")))?;
+    if !out.status.success() {
+        return Err(Skip(format!("{what} failed ({}): {}", out.status, tail(&out.stderr))));
+    }
+    Ok(out)
+}
+
+/// An interpreter that imports jax and jaxlib: `KILN_PEERS_PYTHON`, or the virtual environment
+/// (made and filled on first use; the time it took is printed).
+fn python_with_jax() -> std::result::Result<PathBuf, Skip> {
+    let has_jax = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import jax, jaxlib"])
+            .env("JAX_PLATFORMS", "cpu")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if let Some(python) = std::env::var_os(PYTHON_ENV) {
+        let python = PathBuf::from(python);
+        if has_jax(&python) {
+            return Ok(python);
+        }
+        return Err(Skip(format!("{PYTHON_ENV}={} cannot import jax and jaxlib", python.display())));
+    }
+    let venv = venv_dir();
+    let python = venv_python(&venv);
+    let marker = venv.join("kiln-pins.txt");
+    let pins = JAX_PINS.join(" ");
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == pins) && has_jax(&python) {
+        return Ok(python);
+    }
+    let start = Instant::now();
+    eprintln!("peers: installing {pins} into {} (once)", venv.display());
+    if venv.exists() {
+        std::fs::remove_dir_all(&venv).map_err(|e| Skip(format!("cannot remove {}: {e}", venv.display())))?;
+    }
+    run_or_skip(Command::new("python3").arg("--version"), "python3")?;
+    run_or_skip(Command::new("python3").args(["-m", "venv"]).arg(&venv), "python3 -m venv")?;
+    run_or_skip(
+        Command::new(&python)
+            .args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet"])
+            .args(["--retries", "1", "--timeout", "30"])
+            .args(JAX_PINS),
+        &format!("pip install {pins}"),
+    )?;
+    if !has_jax(&python) {
+        return Err(Skip(format!("{} cannot import jax after installing {pins}", python.display())));
+    }
+    std::fs::write(&marker, &pins).map_err(|e| Skip(format!("cannot write {}: {e}", marker.display())))?;
+    eprintln!("peers: installed {pins} in {:.1} s", start.elapsed().as_secs_f64());
+    Ok(python)
+}
+
+fn script_error(what: String) -> Error {
+    Error::Runtime(RuntimeError::invalid(
+        what,
+        "run scripts/peers/xla_memory.py by hand with the same interpreter to see the whole traceback",
+    ))
+}
+
+/// XLA's figures for `models` (names from [`all`]), or `Ok(None)` after printing
+/// `skipped: <reason>` on stderr where JAX cannot be had. A script that fails once JAX imports,
+/// or prints what does not parse, is an error.
+pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
+    let python = match python_with_jax() {
+        Ok(p) => p,
+        Err(Skip(why)) => {
+            eprintln!("skipped: {why}");
+            return Ok(None);
+        }
+    };
+    let script = script_path();
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg("--models")
+        .arg(models.join(","))
+        .env("JAX_PLATFORMS", "cpu")
+        .output()?;
+    if !out.status.success() {
+        return Err(script_error(format!(
+            "{} {} failed ({}): {}",
+            python.display(),
+            script.display(),
+            out.status,
+            tail(&out.stderr)
+        )));
+    }
+    let report: XlaReport = serde_json::from_slice(&out.stdout)
+        .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
+    if let Some(missing) = models.iter().find(|m| !report.models.contains_key(**m)) {
+        return Err(script_error(format!("{} printed no figures for {missing}", script.display())));
+    }
+    Ok(Some(report))
+}
+
+// ---------------------------------------------------------------- side by side
+
+/// One model and mode on both sides.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PeerRow {
+    pub model: String,
+    pub mode: Mode,
+    pub batch: usize,
+    pub in_zoo: bool,
+    pub kiln: KilnFigures,
+    pub xla: Option<XlaFigures>,
+    /// kiln planned total / XLA total.
+    pub kiln_over_xla: Option<f64>,
+}
+
+impl PeerRow {
+    pub fn new(m: &PeerModel, mode: Mode, kiln: KilnFigures, xla: Option<XlaFigures>) -> Self {
+        let kiln_over_xla =
+            xla.as_ref().map(|x| crate::report::ratio(kiln.planned_total_bytes, x.total_bytes));
+        PeerRow {
+            model: m.name.to_string(),
+            mode,
+            batch: m.batch,
+            in_zoo: m.in_zoo,
+            kiln,
+            xla,
+            kiln_over_xla,
+        }
+    }
+}
+
+/// Geometric mean of kiln / XLA over the training rows that `keep` selects (None without any).
+pub fn train_geomean(rows: &[PeerRow], keep: impl Fn(&PeerRow) -> bool) -> Option<f64> {
+    let logs: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.mode == Mode::Train && keep(r))
+        .filter_map(|r| r.kiln_over_xla)
+        .map(f64::ln)
+        .collect();
+    (!logs.is_empty()).then(|| (logs.iter().sum::<f64>() / logs.len() as f64).exp())
+}
+
+/// The side-by-side table, one row per model and mode.
+pub fn table(rows: &[PeerRow]) -> String {
+    use crate::report::bytes;
+    let headers = [
+        "model",
+        "mode",
+        "batch",
+        "kiln persistent",
+        "kiln arena",
+        "kiln total",
+        "XLA argument",
+        "XLA output",
+        "XLA temp",
+        "XLA alias",
+        "XLA total",
+        "kiln/XLA",
+        "XLA default",
+    ];
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let x = |f: fn(&XlaFigures) -> usize| r.xla.as_ref().map_or("-".to_string(), |x| bytes(f(x)));
+            vec![
+                if r.in_zoo { r.model.clone() } else { format!("{} *", r.model) },
+                r.mode.name().to_string(),
+                r.batch.to_string(),
+                bytes(r.kiln.persistent_bytes),
+                bytes(r.kiln.arena_bytes),
+                bytes(r.kiln.planned_total_bytes),
+                x(|x| x.argument_bytes),
+                x(|x| x.output_bytes),
+                x(|x| x.temp_bytes),
+                x(|x| x.alias_bytes),
+                x(|x| x.total_bytes),
+                r.kiln_over_xla.map_or("-".to_string(), |v| format!("{v:.3}")),
+                x(|x| x.default_flags_total_bytes),
+            ]
+        })
+        .collect();
+    crate::report::render_table(&headers, &cells)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_models_compile_with_the_parameters_the_script_declares() {
+        // Parameter bytes as scripts/peers/xla_memory.py counts them (weights + biases, f32).
+        let dense = |i: usize, o: usize| i * o + o;
+        let conv = |i: usize, o: usize| 9 * i * o + o;
+        let block = |d: usize, v: usize| 4 * dense(d, d) + dense(d, v) + dense(v, d) + 4 * d;
+        let expected = [
+            ("res-mlp", dense(784, 512) + 12 * dense(512, 512) + dense(512, 10)),
+            (
+                "vgg-avg",
+                conv(3, 32)
+                    + conv(32, 32)
+                    + conv(32, 64)
+                    + conv(64, 64)
+                    + conv(64, 128)
+                    + conv(128, 128)
+                    + dense(2048, 256)
+                    + dense(256, 10),
+            ),
+            ("transformer-2", 500 * 128 + 2 * block(128, 512) + 2 * 128 + dense(128, 500)),
+        ];
+        for (m, (name, params)) in extra().iter().zip(expected) {
+            assert_eq!(m.name, name);
+            let f = kiln_figures(m, Mode::Forward).unwrap();
+            assert_eq!(f.parameter_bytes, 4 * params, "{name}");
+            assert!(f.planned_total_bytes >= f.parameter_bytes);
+        }
+    }
+}
