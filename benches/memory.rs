@@ -24,6 +24,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             rows.push(row);
         }
     }
+    // JAX/XLA's figures for the same steps (a venv under target/kiln; "skipped" without one).
+    let names: Vec<&str> = zoo::all().iter().map(|m| m.name).collect();
+    if let Some(xla) = kiln::peers::xla_figures(&names)? {
+        for row in &mut rows {
+            if let Some(m) = xla.models.get(&row.model) {
+                row.xla_total_bytes = Some(m.mode(row.mode).total_bytes);
+            }
+        }
+    }
     println!("{}", table(&rows));
     print!("{}", Goals::of(&rows).render());
     let json = dir.join("memory.json");
