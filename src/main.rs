@@ -143,7 +143,7 @@ fn devices(
     let mut config = DeviceConfig::detect();
     for l in limit {
         let (d, v) = pair(l)?;
-        config = config.set_memory_limit(&d, parse_bytes(&v)?);
+        config = config.set_memory_limit(&d, parse_bytes(&v).map_err(|e| in_flag("--limit", l, e))?);
     }
     for d in growth {
         config = config.set_memory_growth(d, true);
@@ -157,7 +157,10 @@ fn devices(
     }
     for l in logical {
         let (d, v) = pair(l)?;
-        let sizes = v.split(',').map(parse_bytes).collect::<Result<Vec<_>, _>>()?;
+        let sizes = v
+            .split(',')
+            .map(|size| parse_bytes(size).map_err(|e| in_flag("--logical", l, e)))
+            .collect::<kiln::Result<Vec<_>>>()?;
         config = config.set_logical_devices(&d, &sizes);
     }
     if !config.has_gpu() {
@@ -180,6 +183,14 @@ fn devices(
     }
     print!("{}", devices.table());
     Ok(())
+}
+
+/// A mistake in the value of `flag`: the message starts with the flag and its argument.
+fn in_flag(flag: &str, arg: &str, e: kiln::runtime::RuntimeError) -> kiln::Error {
+    match e {
+        kiln::runtime::RuntimeError::Invalid { what, help } => invalid(format!("{flag} {arg}: {what}"), help),
+        other => other.into(),
+    }
 }
 
 fn invalid(what: String, help: String) -> kiln::Error {

@@ -5,7 +5,6 @@
 mod common;
 
 use kiln::compiler::ir::Graph;
-use kiln::compiler::plan::Storage;
 use kiln::compiler::step::train_step_graph;
 use kiln::kernels::cpu::{self as cpu_kernels, CpuKernel};
 use kiln::prelude::*;

@@ -45,3 +45,31 @@ pub(crate) fn check(
     }
     Ok(())
 }
+
+/// How a kernel treats empty tensors, decided once for both backends: `Nothing` when the op
+/// writes no element (nothing runs), `Fill(v)` when an operand is empty but the output is not
+/// (a reduction over no elements, a product over an empty inner axis, padding of nothing: every
+/// output element is `v`, the value over no elements), `Compute` otherwise. Deciding it here
+/// keeps the kernels from ever forming strides or block sizes from a shape with a zero in it
+/// (which may hold huge dims whose product overflows).
+pub(crate) enum Empty {
+    Compute,
+    Nothing,
+    Fill(f32),
+}
+
+pub(crate) fn empty_case(op: &Op, inputs: &[&Shape], output: &Shape) -> Empty {
+    let written = if op.is_effect() { inputs.first().map_or(0, |s| s.numel()) } else { output.numel() };
+    if written == 0 {
+        return Empty::Nothing;
+    }
+    // Concat skips empty pieces itself; gather must still check its ids against an empty table.
+    if matches!(op, Op::Concat { .. } | Op::Gather) || inputs.iter().all(|s| s.numel() > 0) {
+        return Empty::Compute;
+    }
+    Empty::Fill(match op {
+        Op::Reduce { op: kiln_compiler::ir::ReduceOp::Mean, .. } => f32::NAN,
+        Op::Reduce { op: kiln_compiler::ir::ReduceOp::Max, .. } => f32::NEG_INFINITY,
+        _ => 0.0,
+    })
+}

@@ -329,6 +329,7 @@ impl Devices {
 
     /// The first GPU if there is one, else the CPU.
     pub fn best(&self) -> &LogicalDevice {
+        // `build` always makes at least one logical device: the CPU's.
         self.logical.iter().find(|d| d.kind == Kind::Gpu).unwrap_or(&self.logical[0])
     }
 

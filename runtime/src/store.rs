@@ -52,7 +52,9 @@ impl VariableStore {
         Ok(self.slots.len() - 1)
     }
 
-    pub fn ptr(&self, slot: usize) -> *mut u8 {
+    /// The base of a slot's memory: for the backends, with slots `ensure` handed out (not public:
+    /// a slot number from elsewhere would index out of range).
+    pub(crate) fn ptr(&self, slot: usize) -> *mut u8 {
         self.slots[slot].data.as_mut_ptr()
     }
 

@@ -177,10 +177,14 @@ pub struct Window2d {
 }
 
 impl Window2d {
+    /// The largest window side or stride accepted (2^20): far beyond any real window, and small
+    /// enough that no index arithmetic over a window overflows.
+    pub const MAX_SIDE: usize = 1 << 20;
+
     /// Output extent and the padding before the first element, for one spatial axis.
     pub fn out_and_pad(&self, axis: usize, input: usize) -> Option<(usize, usize)> {
         let (k, s) = (self.size[axis], self.stride[axis]);
-        if s == 0 || k == 0 || input == 0 {
+        if s == 0 || k == 0 || input == 0 || k > Self::MAX_SIDE || s > Self::MAX_SIDE {
             return None;
         }
         match self.padding {

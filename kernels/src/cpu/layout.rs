@@ -41,7 +41,18 @@ fn rows_in_range(row_len: usize, start: usize, end: usize, mut f: impl FnMut(usi
     }
 }
 
-// ---------------------------------------------------------------- fill, copy
+// ---------------------------------------------------------------- nothing, fill, copy
+
+/// The kernel of an op that writes no element: runs nothing (and reads no pointer).
+pub(crate) struct Nothing(pub(crate) String);
+
+impl CpuKernel for Nothing {
+    unsafe fn run(&self, _inputs: &[*mut u8], _output: *mut u8) {}
+
+    fn describe(&self) -> String {
+        self.0.clone()
+    }
+}
 
 struct Fill {
     value: f32,

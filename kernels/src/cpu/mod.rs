@@ -78,6 +78,11 @@ pub fn prepare(
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let out = output.0;
     let name = op.name();
+    match crate::check::empty_case(op, &s, out) {
+        crate::check::Empty::Compute => {}
+        crate::check::Empty::Nothing => return Ok(Box::new(layout::Nothing(format!("{name} (empty)")))),
+        crate::check::Empty::Fill(v) => return Ok(layout::fill(v, out)),
+    }
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
         Op::Fill { value, .. } => layout::fill(*value, out),

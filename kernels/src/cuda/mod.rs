@@ -99,15 +99,18 @@ pub fn generate(
     let out = output.0;
     let name = op.name();
     let label = op.label();
-    // Work that writes nothing launches nothing.
-    let written = if op.is_effect() { s[0].numel() } else { out.numel() };
-    if written == 0 {
-        let head = codegen::header(&label, &s, (!op.is_effect()).then_some(out));
-        return Ok(CudaKernel {
-            source: format!("{head}\n// empty: nothing to compute, no launch\n"),
-            launches: Vec::new(),
-            describe: format!("{name} (empty)"),
-        });
+    // Work that writes nothing launches nothing; an empty operand gives a filled output.
+    match crate::check::empty_case(op, &s, out) {
+        crate::check::Empty::Compute => {}
+        crate::check::Empty::Nothing => {
+            let head = codegen::header(&label, &s, (!op.is_effect()).then_some(out));
+            return Ok(CudaKernel {
+                source: format!("{head}\n// empty: nothing to compute, no launch\n"),
+                launches: Vec::new(),
+                describe: format!("{name} (empty)"),
+            });
+        }
+        crate::check::Empty::Fill(v) => return Ok(layout::fill(&label, v, out)),
     }
     let l = label.as_str();
     Ok(match op {

@@ -33,12 +33,20 @@ impl EagerDevice for CpuEager {
     }
 
     fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
-        // SAFETY: `addr` is a live host block of at least data.len() f32s (HostSource memory).
+        // An empty tensor's block may be no memory at all (address 0): nothing to copy.
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `addr` is a live host block of at least data.len() f32s (HostSource memory),
+        // non-null since the allocator hands out real blocks for non-empty tensors.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut f32, data.len()) };
         Ok(())
     }
 
     fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         // SAFETY: as in `write`.
         Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const f32, n) }.to_vec())
     }

@@ -1,0 +1,132 @@
+//! The command line with bad flags: every mistake must end with a message on stderr and a nonzero
+//! exit status (not a signal), and nothing may panic. A few well-formed variants (sizes written
+//! `1e3MB`, `2 MiB`, ...) must succeed. Prints "CLI probes tried N, panics 0".
+
+use std::process::Command;
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// Mistakes: (arguments, a piece of the message that must be on stderr).
+const MISTAKES: &[(&[&str], &str)] = &[
+    (&["frobnicate"], "unrecognized subcommand"),
+    (&["--nonsense"], "unexpected argument"),
+    (&["bench-gpu", "extra"], "unexpected argument"),
+    (&["memory"], "MODEL"),
+    (&["memory", "nope"], "no zoo model `nope`"),
+    (&["memory", "seed-mlp", "--mode", "bad"], "no mode `bad`"),
+    (&["memory", "seed-mlp", "--batch", "0"], "--batch 0"),
+    (&["memory", "mlp", "--batch", "0", "--mode", "forward"], "--batch 0"),
+    (&["memory", "seed-mlp", "--batch", "-3"], "unexpected argument"),
+    (&["memory", "seed-mlp", "--batch", "1e3"], "invalid value"),
+    (&["memory", "seed-mlp", "--batch", "99999999999"], "above kiln's limit of 1 TiB per tensor"),
+    (&["memory", "seed-mlp", "--batch", "18446744073709551615"], "more bytes than a usize can count"),
+    (&["memory", "seed-mlp", "--batch", "18446744073709551616"], "invalid value"),
+    (&["memory", "transformer", "--batch", "4611686018427387904"], "error"),
+    (&["devices", "--limit", "cpu:0=0.5B"], "not a whole number of bytes"),
+    (&["devices", "--limit", "cpu:0=-0GB"], "never negative"),
+    (&["devices", "--limit", "cpu:0=-1"], "never negative"),
+    (&["devices", "--limit", "cpu:0=NaN"], "unknown unit"),
+    (&["devices", "--limit", "cpu:0=inf"], "unknown unit"),
+    (&["devices", "--limit", "cpu:0=1e400"], "not a finite number"),
+    (&["devices", "--limit", "cpu:0=99999999999TB"], "the most a usize counts"),
+    (&["devices", "--limit", "cpu:0=18446744073709551616"], "the most a usize counts"),
+    (&["devices", "--limit", "cpu:0="], "it is empty"),
+    (&["devices", "--limit", "cpu:0=12XB"], "unknown unit `XB`"),
+    (&["devices", "--limit", "cpu:0"], "is not DEVICE=VALUE"),
+    (&["devices", "--limit", "="], "it is empty"),
+    (&["devices", "--limit", "gpu:9=1GB"], "no physical device `gpu:9`"),
+    (&["devices", "--limit", "cpu:0=0"], "a memory limit of 0 bytes"),
+    (&["devices", "--limit", "cpu:0=1TiB", "--limit", "cpu:0=100000TB"], "exceeds the device's"),
+    (&["devices", "--fraction", "cpu:0=NaN"], "must be in (0, 1], got NaN"),
+    (&["devices", "--fraction", "cpu:0=1.5"], "must be in (0, 1], got 1.5"),
+    (&["devices", "--fraction", "cpu:0=-0.1"], "must be in (0, 1]"),
+    (&["devices", "--fraction", "cpu:0=abc"], "is not a fraction"),
+    (&["devices", "--fraction", "cpu:0=0.5", "--growth", "cpu:0"], "exclude each other"),
+    (&["devices", "--growth", "nope"], "set_memory_growth(\"nope\", ..): no physical device `nope`"),
+    (
+        &["devices", "--logical", "cpu:0=18446744073709551615,18446744073709551615"],
+        "more bytes than a usize counts",
+    ),
+    (&["devices", "--logical", "cpu:0=0"], "logical device(s) [0]"),
+    (&["devices", "--logical", "cpu:0=1GB,,2GB"], "it is empty"),
+    (&["devices", "--logical", "cpu:0=1GB,-2GB"], "never negative"),
+    (&["devices", "--logical", "nope=1GB"], "no physical device `nope`"),
+];
+
+/// Well-formed invocations that must succeed (quickly: no training).
+const ACCEPTED: &[&[&str]] = &[
+    &["devices", "--limit", "cpu:0=1e3MB"],
+    &["devices", "--limit", "cpu:0=2 MiB"],
+    &["devices", "--limit", "cpu:0=512"],
+    &["devices", "--logical", "cpu:0=1.5MiB,4MB,2048KB"],
+    &["devices", "--fraction", "cpu:0=0.5"],
+    &["memory", "seed-mlp", "--batch", "3", "--mode", "forward"],
+];
+
+fn run(args: &[&str]) -> (Option<i32>, String) {
+    let out =
+        Command::new(KILN).args(args).env_remove("RUST_BACKTRACE").output().expect("the kiln binary runs");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn no_panic(args: &[&str], stderr: &str) -> Result<(), String> {
+    if stderr.contains("panicked") || stderr.contains("RUST_BACKTRACE") {
+        return Err(format!("kiln {args:?} panicked:\n{stderr}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_flags_fail_cleanly_with_a_message() {
+    let mut failures = Vec::new();
+    let mut panics = 0;
+    let mut tried = 0;
+    for (args, expect) in MISTAKES {
+        tried += 1;
+        let (code, stderr) = run(args);
+        if let Err(e) = no_panic(args, &stderr) {
+            panics += 1;
+            failures.push(e);
+            continue;
+        }
+        match code {
+            Some(0) => {
+                failures.push(format!("kiln {args:?} succeeded; expected an error containing {expect:?}"))
+            }
+            None => failures.push(format!("kiln {args:?} was killed by a signal:\n{stderr}")),
+            Some(_) if !stderr.contains(expect) => {
+                failures.push(format!("kiln {args:?}: stderr lacks {expect:?}:\n{stderr}"))
+            }
+            Some(_) => {}
+        }
+    }
+    for args in ACCEPTED {
+        tried += 1;
+        let (code, stderr) = run(args);
+        if let Err(e) = no_panic(args, &stderr) {
+            panics += 1;
+            failures.push(e);
+        } else if code != Some(0) {
+            failures.push(format!("kiln {args:?} failed ({code:?}):\n{stderr}"));
+        }
+    }
+    eprintln!("CLI probes tried {tried}, panics {panics}");
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// `kiln bench-gpu` asked for explicitly with no usable CUDA device: "skipped: no CUDA device
+/// (<reason>)" on stderr and status 2. (Where a GPU works, the benchmark would run: not here.)
+#[test]
+fn bench_gpu_without_a_device_says_skipped_and_fails() {
+    if let Ok(d) = kiln::runtime::cuda::probe().usable() {
+        eprintln!(
+            "a CUDA device is present ({}): `kiln bench-gpu` would run the benchmark; not probed",
+            d.name
+        );
+        return;
+    }
+    let (code, stderr) = run(&["bench-gpu"]);
+    assert!(no_panic(&["bench-gpu"], &stderr).is_ok(), "{stderr}");
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("skipped: no CUDA device ("), "{stderr}");
+}
