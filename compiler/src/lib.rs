@@ -142,7 +142,8 @@ pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
 /// is kept, and its figures name the order that won and what every order gave.
 pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
-    let Scheduled { graph, .. } = optimize(graph)?;
+    let mut graph = graph;
+    passes::default_pipeline().run(&mut graph)?;
     let devices = devices_used(&graph, options)?;
     let plan = search(&graph, &devices, options)?;
     limits::check(&plan).map_err(CompileError::OutOfMemory)?;
@@ -160,9 +161,10 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
     let candidates = schedule::candidates(graph)?;
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {
+        let plans = par_map(&candidates, |c| plan_order(graph, &c.order, devices, options));
         let mut best: Option<(Plan, &str)> = None;
-        for c in &candidates {
-            let plan = plan_order(graph, &c.order, devices, options)?;
+        for (c, plan) in candidates.iter().zip(plans) {
+            let plan = plan?;
             let total = plan.memory.planned_total_bytes();
             tried.push((c.name.to_string(), total));
             if best.as_ref().is_none_or(|(b, _)| total < b.memory.planned_total_bytes()) {
@@ -173,11 +175,10 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         plan.memory.schedule = name.to_string();
         plan
     } else {
-        let mut best: Option<(usize, &schedule::Candidate)> = None;
-        for c in &candidates {
+        let bounds = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
             let live = liveness::analyze(graph, &c.order)?;
             check_sizes(&live, options.alignment, options.guard_bytes)?;
-            let bound: usize = devices
+            let bound = devices
                 .iter()
                 .map(|spec| {
                     let intervals: Vec<Interval> = live
@@ -193,13 +194,18 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
                     planner::lower_bound(&intervals, options.alignment).bytes
                 })
                 .sum();
+            Ok((bound, live))
+        });
+        let mut best: Option<(usize, &schedule::Candidate, liveness::Liveness)> = None;
+        for (c, result) in candidates.iter().zip(bounds) {
+            let (bound, live) = result?;
             tried.push((c.name.to_string(), bound));
-            if best.is_none_or(|(b, _)| bound < b) {
-                best = Some((bound, c));
+            if best.as_ref().is_none_or(|(b, _, _)| bound < *b) {
+                best = Some((bound, c, live));
             }
         }
-        let (_, c) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
-        let mut plan = plan_order(graph, &c.order, devices, options)?;
+        let (_, c, live) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
+        let mut plan = plan_live(graph, &live, devices, options)?;
         plan.memory.schedule = c.name.to_string();
         // The same figure for every order: persistent bytes plus the arena's lower bound.
         let persistent = plan.memory.persistent_bytes;
@@ -208,6 +214,18 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
     };
     plan.memory.schedules = tried;
     Ok(plan)
+}
+
+/// `f` over `items` on up to two threads (the build machines have two cores), in order.
+fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let half = items.len().div_ceil(2);
+    let (a, b) = items.split_at(half);
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| b.iter().map(&f).collect::<Vec<R>>());
+        let mut out: Vec<R> = a.iter().map(&f).collect();
+        out.extend(second.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        out
+    })
 }
 
 /// One order's plan: liveness, arena placement per device, lowering, validation.
@@ -219,6 +237,16 @@ fn plan_order(
 ) -> Result<Plan> {
     let live = liveness::analyze(graph, order)?;
     check_sizes(&live, options.alignment, options.guard_bytes)?;
+    plan_live(graph, &live, devices, options)
+}
+
+/// The plan of one order's liveness: arena placement per device, lowering, validation.
+fn plan_live(
+    graph: &ir::Graph,
+    live: &liveness::Liveness,
+    devices: &[DeviceSpec],
+    options: &CompileOptions,
+) -> Result<Plan> {
     let arenas: Vec<DeviceArena> = devices
         .iter()
         .cloned()
@@ -245,7 +273,7 @@ fn plan_order(
         .collect();
     let plan = lower::Lowering {
         graph,
-        live: &live,
+        live,
         arenas: &arenas,
         alignment: options.alignment,
         guard_bytes: options.guard_bytes,

@@ -15,7 +15,7 @@
 use crate::error::{CompileError, Result};
 use crate::ir::{Graph, NodeId, Op, OpClass};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 /// A named order.
 pub struct Candidate {
@@ -23,43 +23,82 @@ pub struct Candidate {
     pub order: Vec<NodeId>,
 }
 
+/// The graph's edges as dense tables indexed by node index: built once, read by every order.
+struct Tables {
+    nodes: Vec<NodeId>,
+    /// Predecessors (operands and control) and successors of each node index.
+    preds: Vec<Vec<u32>>,
+    succs: Vec<Vec<u32>>,
+    /// Operands in order (data edges only).
+    operands: Vec<Vec<u32>>,
+    present: Vec<bool>,
+}
+
+impl Tables {
+    fn new(graph: &Graph) -> Self {
+        let bound = graph.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
+        let mut t = Tables {
+            nodes: graph.node_ids().collect(),
+            preds: vec![Vec::new(); bound],
+            succs: vec![Vec::new(); bound],
+            operands: vec![Vec::new(); bound],
+            present: vec![false; bound],
+        };
+        for n in graph.node_ids() {
+            let i = n.index();
+            t.present[i] = true;
+            t.preds[i] = graph.predecessors(n).map(|p| p.index() as u32).collect();
+            t.succs[i] = graph.successors(n).map(|p| p.index() as u32).collect();
+            t.operands[i] = graph.operands(n).into_iter().map(|p| p.index() as u32).collect();
+        }
+        t
+    }
+
+    fn pending(&self) -> Vec<usize> {
+        self.preds.iter().map(Vec::len).collect()
+    }
+
+    fn id(i: u32) -> NodeId {
+        NodeId::new(i as usize)
+    }
+}
+
 /// Program order: the order eager execution and the default plans use.
 pub fn schedule(graph: &Graph) -> Result<Vec<NodeId>> {
-    let mut pending = pending_counts(graph);
-    let mut ready: BinaryHeap<Reverse<NodeId>> =
-        pending.iter().filter(|(_, c)| **c == 0).map(|(n, _)| Reverse(*n)).collect();
-    let mut order = Vec::with_capacity(graph.len());
+    program(graph, &Tables::new(graph))
+}
+
+fn program(graph: &Graph, t: &Tables) -> Result<Vec<NodeId>> {
+    let mut pending = t.pending();
+    let mut ready: BinaryHeap<Reverse<u32>> =
+        t.nodes.iter().filter(|n| pending[n.index()] == 0).map(|n| Reverse(n.index() as u32)).collect();
+    let mut order = Vec::with_capacity(t.nodes.len());
     while let Some(Reverse(n)) = ready.pop() {
-        order.push(n);
-        release(graph, n, &mut pending, |s| ready.push(Reverse(s)));
+        order.push(Tables::id(n));
+        for &s in &t.succs[n as usize] {
+            pending[s as usize] -= 1;
+            if pending[s as usize] == 0 {
+                ready.push(Reverse(s));
+            }
+        }
     }
     complete(graph, order)
 }
 
-/// Every order `compile` tries, program order first.
+/// Every order `compile` tries, program order first (computed on two threads).
 pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
+    let t = Tables::new(graph);
+    let ((p, m), (d, r)) = std::thread::scope(|scope| {
+        let other = scope.spawn(|| (depth_first(graph, &t, false), depth_first(graph, &t, true)));
+        let here = (program(graph, &t), memory_greedy(graph, &t));
+        (here, other.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+    });
     Ok(vec![
-        Candidate { name: "program", order: schedule(graph)? },
-        Candidate { name: "memory", order: memory_greedy(graph)? },
-        Candidate { name: "depth-first", order: depth_first(graph, false)? },
-        Candidate { name: "depth-first-reversed", order: depth_first(graph, true)? },
+        Candidate { name: "program", order: p? },
+        Candidate { name: "memory", order: m? },
+        Candidate { name: "depth-first", order: d? },
+        Candidate { name: "depth-first-reversed", order: r? },
     ])
-}
-
-fn pending_counts(graph: &Graph) -> HashMap<NodeId, usize> {
-    graph.node_ids().map(|n| (n, graph.predecessors(n).count())).collect()
-}
-
-/// Marks `n` done: successors whose predecessors have all run become ready.
-fn release(graph: &Graph, n: NodeId, pending: &mut HashMap<NodeId, usize>, mut ready: impl FnMut(NodeId)) {
-    for s in graph.successors(n) {
-        if let Some(c) = pending.get_mut(&s) {
-            *c -= 1;
-            if *c == 0 {
-                ready(s);
-            }
-        }
-    }
 }
 
 fn complete(graph: &Graph, order: Vec<NodeId>) -> Result<Vec<NodeId>> {
@@ -69,117 +108,126 @@ fn complete(graph: &Graph, order: Vec<NodeId>) -> Result<Vec<NodeId>> {
     Ok(order)
 }
 
-/// Bytes an op's own storage takes when it runs: nothing for sources (io and persistent),
-/// views (their operand's buffer) and updates (they write variables).
-fn allocates(graph: &Graph, n: NodeId) -> i64 {
-    let node = graph.node(n);
-    match node.op.class() {
-        OpClass::Source | OpClass::View | OpClass::Effect => 0,
-        _ => node.bytes() as i64,
-    }
-}
-
-/// The node whose buffer `n`'s value lives in (through views).
-fn storage_root(graph: &Graph, mut n: NodeId) -> NodeId {
-    while graph.node(n).op.class() == OpClass::View {
-        n = graph.operands(n)[0];
-    }
-    n
-}
-
 /// The list scheduler: the ready op with the largest (bytes freed - bytes allocated) runs next.
-fn memory_greedy(graph: &Graph) -> Result<Vec<NodeId>> {
-    let outputs: std::collections::HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
-    // Per storage root, the distinct non-view ops that read it (through views), and per op the
-    // distinct roots it reads.
-    let mut roots_of: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
-    let mut readers: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
-    for n in graph.node_ids() {
-        if graph.node(n).op.class() == OpClass::View {
+fn memory_greedy(graph: &Graph, t: &Tables) -> Result<Vec<NodeId>> {
+    let bound = t.present.len();
+    let class = |i: usize| graph.node(Tables::id(i as u32)).op.class();
+    let bytes = |i: usize| graph.node(Tables::id(i as u32)).bytes() as i64;
+    // Bytes an op's own storage takes when it runs: nothing for sources (persistent or fed),
+    // views (their operand's buffer) and updates (they write variables).
+    let allocates = |i: usize| match class(i) {
+        OpClass::Source | OpClass::View | OpClass::Effect => 0,
+        _ => bytes(i),
+    };
+    // The node whose buffer a value lives in (through views).
+    let mut root: Vec<u32> = (0..bound as u32).collect();
+    for n in &t.nodes {
+        // Views come after their operand in index order for traced graphs; walk to be safe.
+        let mut r = n.index();
+        while t.present[r] && class(r) == OpClass::View {
+            r = t.operands[r][0] as usize;
+        }
+        root[n.index()] = r as u32;
+    }
+    let mut outputs = vec![false; bound];
+    for (_, n) in graph.outputs() {
+        outputs[n.index()] = true;
+    }
+    // Per op the distinct roots it reads; per root its distinct non-view readers.
+    let mut roots_of: Vec<Vec<u32>> = vec![Vec::new(); bound];
+    let mut readers: Vec<Vec<u32>> = vec![Vec::new(); bound];
+    for n in &t.nodes {
+        let i = n.index();
+        if class(i) == OpClass::View {
             continue;
         }
-        let mut roots: Vec<NodeId> = graph.operands(n).into_iter().map(|o| storage_root(graph, o)).collect();
+        let mut roots: Vec<u32> = t.operands[i].iter().map(|&o| root[o as usize]).collect();
         roots.sort_unstable();
         roots.dedup();
         for &r in &roots {
-            readers.entry(r).or_default().push(n);
+            readers[r as usize].push(i as u32);
         }
-        roots_of.insert(n, roots);
+        roots_of[i] = roots;
     }
-    let mut remaining: HashMap<NodeId, usize> = readers.iter().map(|(r, v)| (*r, v.len())).collect();
-    let freeable = |r: NodeId| {
-        !outputs.contains(&r)
-            && !matches!(graph.node(r).op, Op::Variable { .. })
-            && !graph.node(r).op.is_effect()
-    };
-    let score = |n: NodeId, remaining: &HashMap<NodeId, usize>| -> i64 {
-        let freed: i64 = roots_of.get(&n).map_or(0, |roots| {
-            roots
-                .iter()
-                .filter(|&&r| remaining.get(&r) == Some(&1) && freeable(r))
-                .map(|&r| graph.node(r).bytes() as i64)
-                .sum()
-        });
-        freed - allocates(graph, n)
+    let mut remaining: Vec<usize> = readers.iter().map(Vec::len).collect();
+    let freeable: Vec<bool> = (0..bound)
+        .map(|r| {
+            t.present[r]
+                && !outputs[r]
+                && !matches!(graph.node(Tables::id(r as u32)).op, Op::Variable { .. })
+                && class(r) != OpClass::Effect
+        })
+        .collect();
+    let score = |i: usize, remaining: &[usize]| -> i64 {
+        let freed: i64 = roots_of[i]
+            .iter()
+            .filter(|&&r| remaining[r as usize] == 1 && freeable[r as usize])
+            .map(|&r| bytes(r as usize))
+            .sum();
+        freed - allocates(i)
     };
 
-    let mut pending = pending_counts(graph);
-    let mut version: HashMap<NodeId, u32> = HashMap::new();
-    // (score, earliest id first, version); stale versions are skipped when popped.
-    let mut heap: BinaryHeap<(i64, Reverse<NodeId>, u32)> = BinaryHeap::new();
-    let mut free_now: Vec<NodeId> = Vec::new(); // ready views and sources: run at once
+    let mut pending = t.pending();
+    let mut version = vec![0u32; bound];
+    let mut done = vec![false; bound];
+    // (score, earliest index first, version); stale versions are skipped when popped.
+    let mut heap: BinaryHeap<(i64, Reverse<u32>, u32)> = BinaryHeap::new();
+    let mut free_now: Vec<u32> = Vec::new(); // ready views and sources: run at once
     macro_rules! push {
         ($n:expr) => {{
-            let n: NodeId = $n;
-            if matches!(graph.node(n).op.class(), OpClass::View | OpClass::Source) {
+            let n: u32 = $n;
+            let i = n as usize;
+            if matches!(class(i), OpClass::View | OpClass::Source) {
                 free_now.push(n);
             } else {
-                let v = version.entry(n).or_insert(0);
-                *v += 1;
-                heap.push((score(n, &remaining), Reverse(n), *v));
+                version[i] += 1;
+                heap.push((score(i, &remaining), Reverse(n), version[i]));
             }
         }};
     }
-    let mut initial: Vec<NodeId> = pending.iter().filter(|(_, c)| **c == 0).map(|(n, _)| *n).collect();
+    let mut initial: Vec<u32> =
+        t.nodes.iter().filter(|n| pending[n.index()] == 0).map(|n| n.index() as u32).collect();
     initial.sort_unstable();
     for n in initial.into_iter().rev() {
         push!(n);
     }
-    let mut done: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
-    let mut order = Vec::with_capacity(graph.len());
+    let mut order = Vec::with_capacity(t.nodes.len());
+    let mut newly_ready = Vec::new();
     loop {
         let n = if let Some(n) = free_now.pop() {
             n
         } else if let Some((_, Reverse(n), v)) = heap.pop() {
-            if version.get(&n) != Some(&v) || done.contains(&n) {
+            if version[n as usize] != v || done[n as usize] {
                 continue;
             }
             n
         } else {
             break;
         };
-        done.insert(n);
-        order.push(n);
-        let mut newly_ready = Vec::new();
-        release(graph, n, &mut pending, |s| newly_ready.push(s));
+        let i = n as usize;
+        done[i] = true;
+        order.push(Tables::id(n));
+        newly_ready.clear();
+        for &s in &t.succs[i] {
+            pending[s as usize] -= 1;
+            if pending[s as usize] == 0 {
+                newly_ready.push(s);
+            }
+        }
         // Reading `n`'s operands may leave one reader of a root: that reader now frees it.
-        if let Some(roots) = roots_of.get(&n) {
-            for &r in roots {
-                let Some(c) = remaining.get_mut(&r) else { continue };
-                *c -= 1;
-                if *c == 1 {
-                    let last = readers[&r].iter().copied().find(|u| !done.contains(u));
-                    if let Some(u) = last
-                        && pending.get(&u) == Some(&0)
-                        && !newly_ready.contains(&u)
-                    {
-                        push!(u);
-                    }
-                }
+        for &r in &roots_of[i] {
+            let r = r as usize;
+            remaining[r] -= 1;
+            if remaining[r] == 1
+                && let Some(&u) = readers[r].iter().find(|&&u| !done[u as usize])
+                && pending[u as usize] == 0
+                && !newly_ready.contains(&u)
+            {
+                push!(u);
             }
         }
         newly_ready.sort_unstable();
-        for s in newly_ready.into_iter().rev() {
+        while let Some(s) = newly_ready.pop() {
             push!(s);
         }
     }
@@ -187,35 +235,40 @@ fn memory_greedy(graph: &Graph) -> Result<Vec<NodeId>> {
 }
 
 /// Post-order from the sinks (nodes nothing runs after), in program order; each node's
-/// predecessors are visited first to last, or last to first.
-fn depth_first(graph: &Graph, reversed: bool) -> Result<Vec<NodeId>> {
-    let mut sinks: Vec<NodeId> = graph.node_ids().filter(|&n| graph.successors(n).next().is_none()).collect();
-    sinks.sort_unstable();
-    let preds = |n: NodeId| -> Vec<NodeId> {
-        let mut p = graph.operands(n);
-        p.extend(graph.control_predecessors(n));
+/// predecessors (operands, then control) are visited first to last, or last to first.
+fn depth_first(graph: &Graph, t: &Tables, reversed: bool) -> Result<Vec<NodeId>> {
+    let preds = |i: usize| -> Vec<u32> {
+        let mut p = t.operands[i].clone();
+        let mut control: Vec<u32> =
+            t.preds[i].iter().copied().filter(|q| !t.operands[i].contains(q)).collect();
+        control.sort_unstable();
+        p.extend(control);
         if reversed {
             p.reverse();
         }
         p
     };
-    let mut visited: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
-    let mut order = Vec::with_capacity(graph.len());
+    let mut visited = vec![false; t.present.len()];
+    let mut order = Vec::with_capacity(t.nodes.len());
+    let mut sinks: Vec<usize> =
+        t.nodes.iter().map(|n| n.index()).filter(|&i| t.succs[i].is_empty()).collect();
+    sinks.sort_unstable();
     for sink in sinks {
-        if !visited.insert(sink) {
+        if std::mem::replace(&mut visited[sink], true) {
             continue;
         }
         // Iterative post-order: (node, its predecessors, next index).
-        let mut stack: Vec<(NodeId, Vec<NodeId>, usize)> = vec![(sink, preds(sink), 0)];
-        while let Some((n, ps, i)) = stack.last_mut() {
-            if let Some(&p) = ps.get(*i) {
-                *i += 1;
-                if visited.insert(p) {
+        let mut stack: Vec<(usize, Vec<u32>, usize)> = vec![(sink, preds(sink), 0)];
+        while let Some((n, ps, k)) = stack.last_mut() {
+            if let Some(&p) = ps.get(*k) {
+                *k += 1;
+                let p = p as usize;
+                if !std::mem::replace(&mut visited[p], true) {
                     let pp = preds(p);
                     stack.push((p, pp, 0));
                 }
             } else {
-                order.push(*n);
+                order.push(Tables::id(*n as u32));
                 stack.pop();
             }
         }
@@ -227,6 +280,7 @@ fn depth_first(graph: &Graph, reversed: bool) -> Result<Vec<NodeId>> {
 mod tests {
     use super::*;
     use crate::trace::Tracer;
+    use std::collections::HashMap;
 
     fn is_topological(graph: &Graph, order: &[NodeId]) -> bool {
         let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();

@@ -40,7 +40,8 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
     }
     let max = ir::MAX_TENSOR_BYTES;
     let devices = plan.devices.len();
-    for (i, v) in plan.variables.iter().enumerate() {
+    let mut keys = std::collections::HashSet::new();
+    for v in &plan.variables {
         if v.device >= devices {
             return Err(format!("variable `{}` is on device {} of {devices}", v.key, v.device));
         }
@@ -50,7 +51,7 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
         if v.shape.checked_bytes(v.dtype).is_none_or(|b| b > max) {
             return Err(format!("variable `{}` of shape {} is larger than 1 TiB", v.key, v.shape));
         }
-        if plan.variables[..i].iter().any(|o| o.key == v.key) {
+        if !keys.insert(v.key.as_str()) {
             return Err(format!("variable `{}` is declared twice", v.key));
         }
     }
