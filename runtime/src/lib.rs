@@ -18,6 +18,7 @@ pub mod guard;
 mod host_buffer;
 pub mod init;
 pub mod memory;
+pub mod reference;
 pub mod store;
 pub mod tensor;
 pub mod trainer;

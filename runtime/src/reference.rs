@@ -1,0 +1,119 @@
+//! A plain reference interpreter: the graph run op by op with every value in a buffer of its own.
+//!
+//! No arena, no reuse, no in-place writes, no allocator: each node's value is a fresh `Vec<f32>`
+//! that lives until the call returns, a view (reshape) is a copy, and variables live in a map.
+//! What it checks, run beside the planned and the eager executors on the same graph, is
+//! everything those add on top of the kernels: buffer assignment, lifetimes, reuse, in-place
+//! execution, views and the eager executor's bookkeeping. It runs the same CPU kernels (they are
+//! checked against hand-written references in kiln-kernels' own tests), so the three executors
+//! must agree exactly.
+
+use crate::error::{Result, RuntimeError};
+use crate::init::initial_values;
+use crate::tensor::HostTensor;
+use kiln_compiler::ir::{Graph, NodeId, Op, Shape};
+use kiln_kernels::cpu;
+use std::collections::HashMap;
+
+pub struct ReferenceInterpreter {
+    seed: u64,
+    variables: HashMap<String, Vec<f32>>,
+}
+
+impl ReferenceInterpreter {
+    /// Variables are initialised as every executor initialises them (`init::initial_values`
+    /// with this seed).
+    pub fn new(seed: u64) -> Self {
+        ReferenceInterpreter { seed, variables: HashMap::new() }
+    }
+
+    /// A variable's current value, if it has been created.
+    pub fn read_variable(&self, key: &str, shape: &Shape) -> Option<HostTensor> {
+        self.variables.get(key).and_then(|v| HostTensor::new(shape.clone(), v.clone()).ok())
+    }
+
+    /// Runs `graph` once in `order` (a topological order, e.g. from `kiln_compiler::optimize`)
+    /// and returns its outputs by name.
+    pub fn run(
+        &mut self,
+        graph: &Graph,
+        order: &[NodeId],
+        inputs: &[(&str, &HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>> {
+        let mut values: HashMap<NodeId, Vec<f32>> = HashMap::new();
+        for &n in order {
+            let node = graph.node(n);
+            let operands = graph.operands(n);
+            let value = match &node.op {
+                Op::Input { name, .. } => {
+                    let Some((_, t)) = inputs.iter().find(|(k, _)| k == name) else {
+                        return Err(RuntimeError::invalid(
+                            format!("no value fed for input `{name}`"),
+                            "feed every input",
+                        ));
+                    };
+                    if t.shape() != &node.shape {
+                        return Err(RuntimeError::invalid(
+                            format!("input `{name}` is {} but the graph expects {}", t.shape(), node.shape),
+                            "feed the shape the graph was traced with",
+                        ));
+                    }
+                    Some(t.data().to_vec())
+                }
+                Op::Variable { key, shape, init, .. } => {
+                    let seed = self.seed;
+                    let v = self
+                        .variables
+                        .entry(key.clone())
+                        .or_insert_with(|| initial_values(*init, shape, seed, key));
+                    Some(v.clone())
+                }
+                Op::Reshape { .. } => Some(values[&operands[0]].clone()),
+                op => {
+                    // Fresh copies of the operands: no kernel sees another value's memory.
+                    let mut ins: Vec<Vec<f32>> = operands.iter().map(|o| values[o].clone()).collect();
+                    let types: Vec<_> =
+                        operands.iter().map(|&o| (&graph.node(o).shape, graph.node(o).dtype)).collect();
+                    let scalar = Shape::scalar();
+                    let out_type =
+                        if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
+                    let kernel = cpu::prepare(op, &types, out_type)?;
+                    let ptrs: Vec<*mut u8> = ins.iter_mut().map(|v| v.as_mut_ptr() as *mut u8).collect();
+                    let mut out = vec![0.0f32; if op.is_effect() { 0 } else { node.shape.numel() }];
+                    if kernel.checks_operands() {
+                        // SAFETY: as for `run` below.
+                        unsafe { kernel.check_operands(&ptrs) }
+                            .map_err(|e| RuntimeError::invalid(format!("`{}`: {e}", op.name()), ""))?;
+                    }
+                    let output =
+                        if op.is_effect() { std::ptr::null_mut() } else { out.as_mut_ptr() as *mut u8 };
+                    // SAFETY: every pointer addresses a Vec of exactly its tensor's element count
+                    // (made above from the operand's value, which has its node's shape), the
+                    // output a fresh Vec of the output's element count; no two of them overlap.
+                    unsafe { kernel.run(&ptrs, output) };
+                    if op.is_effect() {
+                        // Updates wrote their variable operands in place: store them back.
+                        for &i in op.mutated_operands() {
+                            if let Op::Variable { key, .. } = &graph.node(operands[i]).op {
+                                self.variables.insert(key.clone(), ins[i].clone());
+                            }
+                        }
+                        None
+                    } else {
+                        Some(out)
+                    }
+                }
+            };
+            if let Some(v) = value {
+                values.insert(n, v);
+            }
+        }
+        graph
+            .outputs()
+            .iter()
+            .map(|(name, id)| {
+                Ok((name.clone(), HostTensor::new(graph.node(*id).shape.clone(), values[id].clone())?))
+            })
+            .collect()
+    }
+}
