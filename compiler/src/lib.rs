@@ -27,6 +27,7 @@ pub mod passes;
 pub mod placement;
 pub mod plan;
 pub mod planner;
+pub mod remat;
 pub mod schedule;
 pub mod step;
 pub mod trace;
@@ -146,7 +147,29 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     passes::default_pipeline().run(&mut graph)?;
     let devices = devices_used(&graph, options)?;
     let plan = search(&graph, &devices, options)?;
-    limits::check(&plan).map_err(CompileError::OutOfMemory)?;
+    let Err(oom) = limits::check(&plan) else { return Ok(plan) };
+    if graph.effects().is_empty() {
+        return Err(CompileError::OutOfMemory(oom));
+    }
+    // A training step over a limit: recompute forward values instead of keeping them.
+    let (mut plan, figures) = remat::fit(&graph, &devices, options, plan)?;
+    if let Err(mut oom) = limits::check(&plan) {
+        oom.remat = Some(if figures.recomputed.is_empty() {
+            "no forward value live across the peak could be recomputed there (the peak holds parameters, optimizer state, gradients or values read right at it)".into()
+        } else {
+            format!(
+                "recomputed {} values ({} FLOPs a step) and brought the need from {} to {}, not enough",
+                figures.recomputed.len(),
+                figures.recomputed_flops,
+                device::human_bytes(figures.bytes_before),
+                device::human_bytes(figures.bytes_after)
+            )
+        });
+        return Err(CompileError::OutOfMemory(oom));
+    }
+    if !figures.recomputed.is_empty() {
+        plan.memory.remat = Some(figures);
+    }
     Ok(plan)
 }
 

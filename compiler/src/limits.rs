@@ -25,6 +25,8 @@ pub struct OutOfMemory {
     pub peak_op: String,
     /// The largest tensors live at the peak step: (bytes, op and name, source line).
     pub largest: Vec<(usize, String, Option<String>)>,
+    /// What rematerialization did before giving up, when it was tried.
+    pub remat: Option<String>,
 }
 
 impl fmt::Display for OutOfMemory {
@@ -54,6 +56,9 @@ impl fmt::Display for OutOfMemory {
                 Some(o) => writeln!(f, "    {:>12}  {label} ({o})", human_bytes(*bytes))?,
                 None => writeln!(f, "    {:>12}  {label}", human_bytes(*bytes))?,
             }
+        }
+        if let Some(r) = &self.remat {
+            writeln!(f, "  rematerialization: {r}")?;
         }
         let over = self.needed - self.limit;
         write!(
@@ -106,6 +111,7 @@ pub fn check(plan: &Plan) -> Result<(), Box<OutOfMemory>> {
             steps: plan.steps.len(),
             peak_op,
             largest,
+            remat: None,
         }));
     }
     Ok(())

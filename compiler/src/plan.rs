@@ -136,6 +136,9 @@ pub struct MemoryFigures {
     pub schedule: String,
     #[serde(default)]
     pub schedules: Vec<(String, usize)>,
+    /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
+    #[serde(default)]
+    pub remat: Option<crate::remat::RematFigures>,
 }
 
 impl MemoryFigures {
