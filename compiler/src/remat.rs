@@ -33,8 +33,10 @@ pub struct RematFigures {
     pub bytes_after: usize,
 }
 
-/// At most this many rewrites are tried per compile.
+/// At most this many rewrites are tried per compile, and at most this many in a row that leave
+/// the need unchanged.
 const MAX_REWRITES: usize = 256;
+const MAX_STALLS: usize = 16;
 
 /// An estimate of an op's floating-point work: 2mnk per product, 2 per filter tap and output
 /// for convolutions, one per element read for reductions, one per output element otherwise.
@@ -83,6 +85,7 @@ pub(crate) fn fit(
     let mut figures = RematFigures::default();
     let mut rejected: HashSet<NodeId> = HashSet::new();
     let effects = g.effects();
+    let mut stalls = 0;
     for _ in 0..MAX_REWRITES {
         let Err(oom) = limits::check(&plan) else { break };
         let Some(spec) = devices.iter().find(|d| d.name == oom.device) else { break };
@@ -218,9 +221,15 @@ pub(crate) fn fit(
             .iter()
             .find(|d| d.name == spec.name)
             .map_or(usize::MAX, |d| d.memory.persistent_bytes + d.memory.arena_bytes);
-        if need >= before {
+        // A rewrite may leave the need where it was when another value holds the same peak
+        // (several peaks of one height): keep it, but give up after a run of such rewrites.
+        if need > before {
             rejected.insert(n);
             continue;
+        }
+        stalls = if need == before { stalls + 1 } else { 0 };
+        if stalls > MAX_STALLS {
+            break;
         }
         figures.recomputed_flops += added;
         figures.recomputed.push(label);
