@@ -142,6 +142,7 @@ impl CpuKernel for Conv2d {
                                 out_rs: row as isize,
                             };
                             for ow in cg.ow0..cg.ow0 + cg.count {
+                                // SAFETY: as stated above for both branches.
                                 unsafe { gemm.run(xa(a, ow), wb, out(a, ow), true, false) };
                             }
                         } else {
@@ -154,6 +155,7 @@ impl CpuKernel for Conv2d {
                                 out_rs: g.f as isize,
                             };
                             for oh in a..z {
+                                // SAFETY: as stated above for both branches.
                                 unsafe { gemm.run(xa(oh, cg.ow0), wb, out(oh, cg.ow0), true, false) };
                             }
                         }
