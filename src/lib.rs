@@ -23,6 +23,7 @@ mod error;
 pub mod examples;
 pub mod gpu_bench;
 pub mod peers;
+pub mod remat;
 pub mod report;
 pub mod seed;
 pub mod svg;

@@ -10,7 +10,8 @@
 //! 6. `planner` — offsets in one arena, with the lower bound beside it.
 //! 7. `lower` — the result as a `plan::Plan`: plain data that backends execute.
 //! 8. `validate`, `limits` — the plan is checked before anything runs: its invariants, and that
-//!    it fits every device's memory limit.
+//!    it fits every device's memory limit; a training step that does not is rematerialized
+//!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 
 pub mod autodiff;
 pub mod device;
@@ -140,7 +141,9 @@ pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
 
 /// Compiles a graph into a plan: passes, then for each candidate order (`schedule::candidates`)
 /// liveness, arena placement, lowering and validation; the plan with the smallest planned total
-/// is kept, and its figures name the order that won and what every order gave.
+/// is kept, and its figures name the order that won and what every order gave. A training step
+/// over a device's memory limit recomputes values instead of keeping them (`remat`) and is an
+/// out-of-memory error only when that cannot make it fit.
 pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
@@ -151,24 +154,15 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     if graph.effects().is_empty() {
         return Err(CompileError::OutOfMemory(oom));
     }
-    // A training step over a limit: recompute forward values instead of keeping them.
-    let (mut plan, figures) = remat::fit(&graph, &devices, options, plan)?;
-    if let Err(mut oom) = limits::check(&plan) {
-        oom.remat = Some(if figures.recomputed.is_empty() {
-            "no forward value live across the peak could be recomputed there (the peak holds parameters, optimizer state, gradients or values read right at it)".into()
-        } else {
-            format!(
-                "recomputed {} values ({} FLOPs a step) and brought the need from {} to {}, not enough",
-                figures.recomputed.len(),
-                figures.recomputed_flops,
-                device::human_bytes(figures.bytes_before),
-                device::human_bytes(figures.bytes_after)
-            )
-        });
-        return Err(CompileError::OutOfMemory(oom));
+    // A training step over a limit: recompute values instead of keeping them.
+    let outcome = remat::fit(&graph, &devices, options, plan)?;
+    if let Err(mut oom_after) = limits::check(&outcome.plan) {
+        oom_after.remat = Some(outcome.report(&oom_after, oom.needed));
+        return Err(CompileError::OutOfMemory(oom_after));
     }
-    if !figures.recomputed.is_empty() {
-        plan.memory.remat = Some(figures);
+    let mut plan = outcome.plan;
+    if !outcome.figures.recomputed.is_empty() {
+        plan.memory.remat = Some(outcome.figures);
     }
     Ok(plan)
 }

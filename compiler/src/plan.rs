@@ -187,6 +187,10 @@ impl Plan {
                 m.optimizer_state_bytes
             );
         }
+        if let Some(r) = &self.memory.remat {
+            let _ = writeln!(s, "  rematerialization: {}", r.summary());
+            let _ = writeln!(s, "    recomputed: {}", r.recomputed.join(", "));
+        }
         let multi = self.devices.len() > 1;
         for v in &self.variables {
             let _ = writeln!(s, "  var {} : {}{} ({:?})", v.key, v.dtype, v.shape, v.role);

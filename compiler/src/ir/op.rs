@@ -355,6 +355,59 @@ impl Op {
         self.class() == OpClass::Effect
     }
 
+    /// An estimate of the op's floating-point work from its operand and output shapes, as
+    /// rematerialization weighs recomputation: 2·m·n·k per matrix product (batch included),
+    /// 2·N·OH·OW·F·KH·KW·C per convolution and each of its gradients, one per element read for
+    /// reductions, normalisers, pooling and updates, one per output element for elementwise,
+    /// layout and fill ops, nothing for sources and views.
+    pub fn flops(&self, operands: &[&Shape], output: &Shape) -> u64 {
+        let n = |s: &Shape| s.numel() as u64;
+        let read = || operands.iter().map(|s| n(s)).sum::<u64>().max(n(output));
+        let operand = |i: usize| operands.get(i).copied();
+        match self {
+            Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => 0,
+            Op::Fill { .. }
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Scalar { .. }
+            | Op::Select
+            | Op::Permute { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Copy
+            | Op::Concat { .. }
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Gather
+            | Op::AssignAdd { .. } => n(output),
+            Op::MatMul { transpose_a, .. } => {
+                let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
+                2 * n(output) * k
+            }
+            // Output elements x taps x input channels.
+            Op::Conv2d { window } => {
+                let c = operand(0).map_or(1, |x| x.back(1)) as u64;
+                2 * n(output) * (window.size[0] * window.size[1]) as u64 * c
+            }
+            // dx[N,H,W,C] from dy[N,OH,OW,F]: every dy element meets KH*KW*C filter taps.
+            Op::Conv2dBackpropInput { window, .. } => {
+                let c = output.back(1) as u64;
+                2 * operand(0).map_or(0, n) * (window.size[0] * window.size[1]) as u64 * c
+            }
+            // dw[KH,KW,C,F] from x and dy: every dy element meets KH*KW*C inputs.
+            Op::Conv2dBackpropFilter { .. } => {
+                2 * operand(1).map_or(0, n) * (n(output) / output.back(1).max(1) as u64)
+            }
+            Op::Reduce { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::Pool2d { .. }
+            | Op::Pool2dGrad { .. }
+            | Op::GatherGrad { .. }
+            | Op::ApplySgd { .. }
+            | Op::ApplyAdam { .. } => read(),
+        }
+    }
+
     /// Operands this op writes in place (effects only).
     pub fn mutated_operands(&self) -> &'static [usize] {
         match self {
