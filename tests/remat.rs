@@ -22,6 +22,12 @@ fn train(plan: &Plan, x: &HostTensor, y: &HostTensor, steps: usize) -> (Vec<u32>
     (losses, plan.variables.iter().map(|v| backend.read_variable(&v.key).unwrap()).collect())
 }
 
+/// Compile options without tiled updates: these tests hold rematerialization alone to
+/// bit-identical results (tiled updates sum each gradient block in its own GEMM).
+fn untiled(limit: Option<usize>) -> CompileOptions {
+    CompileOptions { tile_updates: false, ..CompileOptions::device("cpu:0", limit) }
+}
+
 /// The limit: persistent bytes plus `fraction` of the unconstrained arena.
 fn limit(free: &Plan, fraction: f64) -> usize {
     free.memory.persistent_bytes + (free.memory.arena_bytes as f64 * fraction) as usize
@@ -34,11 +40,10 @@ fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
     for (name, batch, fraction) in [("transformer", 8, 0.5), ("cnn", 16, 0.65)] {
         let m = zoo::by_name(name).unwrap().with_batch(batch);
         let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
-        let free = compile(graph.clone(), &CompileOptions::default()).unwrap();
+        let free = compile(graph.clone(), &untiled(None)).unwrap();
         assert!(free.memory.remat.is_none());
         let limit = limit(&free, fraction);
-        let limited = compile(graph.clone(), &CompileOptions::device("cpu:0", Some(limit)))
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let limited = compile(graph.clone(), &untiled(Some(limit))).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(limited.memory.planned_total_bytes() <= limit, "{name}");
         validate(&limited).unwrap();
         let r = limited.memory.remat.as_ref().expect("remat figures");
@@ -52,9 +57,7 @@ fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
         assert_eq!(train(&free, &x, &y, 3), train(&limited, &x, &y, 3), "{name}: remat changed a result");
 
         // Below the persistent bytes nothing can fit: the report says why remat cannot help.
-        let e = compile(graph, &CompileOptions::device("cpu:0", Some(free.memory.persistent_bytes / 2)))
-            .unwrap_err()
-            .to_string();
+        let e = compile(graph, &untiled(Some(free.memory.persistent_bytes / 2))).unwrap_err().to_string();
         assert!(e.contains("out of memory") && e.contains("rematerialization: not attempted"), "{e}");
     }
 }
@@ -64,7 +67,7 @@ fn a_limit_remat_cannot_reach_says_what_it_reached() {
     // The mlp's first weight gradient (784 x 1024) with its operands is more than half its arena.
     let m = zoo::by_name("mlp").unwrap();
     let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
-    let free = compile(graph.clone(), &CompileOptions::default()).unwrap();
+    let free = compile(graph.clone(), &untiled(None)).unwrap();
     let e =
         compile(graph, &CompileOptions::device("cpu:0", Some(limit(&free, 0.3)))).unwrap_err().to_string();
     assert!(e.contains("out of memory") && e.contains("rematerialization: "), "{e}");
@@ -93,7 +96,7 @@ fn random_mlps_under_limits_validate_and_match() {
         let config = TrainConfig { loss: Loss::SoftmaxCrossEntropy, optimizer, metrics: vec![] };
         let (xs, ys) = (Shape::new([batch, features]), Shape::new([batch, classes]));
         let graph = train_step_graph(&model, &xs, &ys, &config).unwrap();
-        let free = compile(graph.clone(), &CompileOptions::default()).unwrap();
+        let free = compile(graph.clone(), &untiled(None)).unwrap();
         let x = HostTensor::from_fn(xs.clone(), |_| rng.random::<f32>() - 0.5).unwrap();
         let mut y = HostTensor::zeros(ys.clone()).unwrap();
         for row in y.data_mut().chunks_mut(classes) {
@@ -103,7 +106,7 @@ fn random_mlps_under_limits_validate_and_match() {
         for fraction in [0.7, 0.85] {
             let limit = limit(&free, fraction);
             let what = format!("case {case}: depth {depth}, batch {batch}, fraction {fraction}");
-            match compile(graph.clone(), &CompileOptions::device("cpu:0", Some(limit))) {
+            match compile(graph.clone(), &untiled(Some(limit))) {
                 Ok(plan) => {
                     validate(&plan).unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert!(plan.memory.planned_total_bytes() <= limit, "{what}");

@@ -5,7 +5,9 @@
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering.
-//! 4. `schedule` — one order of the steps.
+//! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
+//!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
+//!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
 //! 5. `liveness` — every buffer's lifetime, views and in-place reuse.
 //! 6. `planner` — offsets in one arena, with the lower bound beside it.
 //! 7. `lower` — the result as a `plan::Plan`: plain data that backends execute.
@@ -31,6 +33,7 @@ pub mod planner;
 pub mod remat;
 pub mod schedule;
 pub mod step;
+pub mod tiled_updates;
 pub mod trace;
 pub mod validate;
 
@@ -51,6 +54,11 @@ pub struct CompileOptions {
     /// Guard mode: a canary gap of this many bytes after every arena and io slot, checked by
     /// the backends after every step (`guard`). 0 (off) unless `KILN_GUARD=1` is set.
     pub guard_bytes: usize,
+    /// Whether the search also plans the graph with its weight-gradient updates tiled
+    /// (`tiled_updates`; on by default). A block is its own GEMM, whose summation order can
+    /// differ from the whole product's in the last bit: turn it off for results bitwise equal
+    /// to an untiled run (the eager executor's, or a plan compiled before).
+    pub tile_updates: bool,
 }
 
 impl Default for CompileOptions {
@@ -59,6 +67,7 @@ impl Default for CompileOptions {
             alignment: 256,
             devices: vec![DeviceSpec::new(0, "device 0")],
             guard_bytes: guard::default_bytes(),
+            tile_updates: true,
         }
     }
 }
@@ -149,22 +158,66 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
     let devices = devices_used(&graph, options)?;
-    let plan = search(&graph, &devices, options)?;
-    let Err(oom) = limits::check(&plan) else { return Ok(plan) };
-    if graph.effects().is_empty() {
+    let variants = search_tiled(graph, &devices, options)?;
+    let Err(oom) = limits::check(&variants[0].1) else {
+        return Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least"));
+    };
+    if variants[0].0.effects().is_empty() {
         return Err(CompileError::OutOfMemory(oom));
     }
-    // A training step over a limit: recompute values instead of keeping them.
-    let outcome = remat::fit(&graph, &devices, options, plan)?;
-    if let Err(mut oom_after) = limits::check(&outcome.plan) {
-        oom_after.remat = Some(outcome.report(&oom_after, oom.needed));
-        return Err(CompileError::OutOfMemory(oom_after));
+    // A training step over a limit: recompute values instead of keeping them, in each graph
+    // the search planned (tiled updates change what is live, so either may fit), the smaller
+    // planned total first.
+    let mut failure: Option<Box<limits::OutOfMemory>> = None;
+    for (graph, plan) in variants {
+        let needed = limits::check(&plan).err().map_or(0, |o| o.needed);
+        let outcome = remat::fit(&graph, &devices, options, plan)?;
+        match limits::check(&outcome.plan) {
+            Ok(()) => {
+                let mut plan = outcome.plan;
+                if !outcome.figures.recomputed.is_empty() {
+                    plan.memory.remat = Some(outcome.figures);
+                }
+                return Ok(plan);
+            }
+            Err(mut oom_after) => {
+                oom_after.remat = Some(outcome.report(&oom_after, needed));
+                if failure.as_ref().is_none_or(|f| oom_after.needed < f.needed) {
+                    failure = Some(oom_after);
+                }
+            }
+        }
     }
-    let mut plan = outcome.plan;
-    if !outcome.figures.recomputed.is_empty() {
-        plan.memory.remat = Some(outcome.figures);
+    Err(CompileError::OutOfMemory(failure.unwrap_or(oom)))
+}
+
+/// The schedule search over the graph as it is and, for a training step below
+/// `SEARCH_PLACES_ALL_BELOW` nodes, with its weight-gradient updates tiled (`tiled_updates`):
+/// each graph with its best plan, the smaller planned total first (the graph as it is on a
+/// tie). Every plan's `schedules` lists the orders of both ("+tiled" for the tiled graph's).
+fn search_tiled(
+    graph: ir::Graph,
+    devices: &[DeviceSpec],
+    options: &CompileOptions,
+) -> Result<Vec<(ir::Graph, Plan)>> {
+    let plan = search(&graph, devices, options)?;
+    if !options.tile_updates || graph.len() >= SEARCH_PLACES_ALL_BELOW {
+        return Ok(vec![(graph, plan)]);
     }
-    Ok(plan)
+    let Some(tiled) = tiled_updates::tile(&graph, options.alignment)? else { return Ok(vec![(graph, plan)]) };
+    let mut other = search(&tiled.graph, devices, options)?;
+    let mut tried = plan.memory.schedules.clone();
+    tried.extend(other.memory.schedules.iter().map(|(name, total)| (format!("{name}+tiled"), *total)));
+    other.memory.schedule = format!("{}+tiled", other.memory.schedule);
+    other.memory.tiled_updates = tiled.updates;
+    other.memory.schedules = tried.clone();
+    let mut plan = plan;
+    plan.memory.schedules = tried;
+    let mut variants = vec![(graph, plan), (tiled.graph, other)];
+    if variants[1].1.memory.planned_total_bytes() < variants[0].1.memory.planned_total_bytes() {
+        variants.swap(0, 1);
+    }
+    Ok(variants)
 }
 
 /// Graphs with more nodes than this rank the candidate orders by their lower bound (the arena

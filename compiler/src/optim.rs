@@ -123,7 +123,12 @@ impl Optimizer {
         let mut effects = Vec::new();
         match *self {
             Optimizer::Sgd(o) => {
-                let op = Op::ApplySgd { lr: o.learning_rate, momentum: o.momentum, nesterov: o.nesterov };
+                let op = Op::ApplySgd {
+                    lr: o.learning_rate,
+                    momentum: o.momentum,
+                    nesterov: o.nesterov,
+                    rows: None,
+                };
                 for (var, key, grad) in updates {
                     // State and update live on the variable's device.
                     let effect = tracer.on_device(var.device(), || {
@@ -150,6 +155,7 @@ impl Optimizer {
                     beta1: o.beta_1,
                     beta2: o.beta_2,
                     epsilon: o.epsilon,
+                    rows: None,
                 };
                 for (var, key, grad) in updates {
                     effects.push(tracer.on_device(var.device(), || {

@@ -136,6 +136,10 @@ pub struct MemoryFigures {
     pub schedule: String,
     #[serde(default)]
     pub schedules: Vec<(String, usize)>,
+    /// How many optimizer updates run in blocks of rows (`tiled_updates`; set on the totals),
+    /// 0 where the untiled graph planned smaller.
+    #[serde(default)]
+    pub tiled_updates: usize,
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
     pub remat: Option<crate::remat::RematFigures>,

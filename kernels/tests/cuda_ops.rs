@@ -9,7 +9,7 @@
 //! update): what a GPU check or an NVRTC compile check needs.
 
 use kiln_compiler::ir::{
-    BinaryOp, DType, Op, Padding, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d, infer,
+    BinaryOp, DType, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
 };
 use kiln_kernels::KernelError;
 use kiln_kernels::cpu;
@@ -336,11 +336,11 @@ fn cases() -> Vec<Case> {
     v.push(case("gather_grad_row3", Op::GatherGrad { vocab: 7 }, &[&[6], &[6, 3]]).with(0, Data::Ids(7)));
     v.push(case("gather_grad_repeat", Op::GatherGrad { vocab: 3 }, &[&[40], &[40, 2]]).with(0, Data::Ids(3)));
     // ---- optimizers
-    let sgd = |lr, momentum, nesterov| Op::ApplySgd { lr, momentum, nesterov };
+    let sgd = |lr, momentum, nesterov| Op::ApplySgd { lr, momentum, nesterov, rows: None };
     v.push(case("sgd_plain", sgd(0.01, 0.0, false), &[&[7], &[7]]));
     v.push(case("sgd_momentum", sgd(0.1, 0.9, false), &[&[3, 4], &[3, 4], &[3, 4]]));
     v.push(case("sgd_nesterov", sgd(0.05, 0.8, true), &[&[5], &[5], &[5]]));
-    let adam = Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7 };
+    let adam = Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None };
     v.push(
         case("adam", adam.clone(), &[&[5, 3], &[5, 3], &[5, 3], &[5, 3], &[]])
             .with(3, Data::Uniform(0.0, 1.0))
@@ -351,6 +351,26 @@ fn cases() -> Vec<Case> {
             .with(2, Data::Const(0.0))
             .with(3, Data::Const(0.0))
             .with(4, Data::Const(0.0)),
+    );
+    // ---- tiled updates: a block of rows of a weight gradient, and updates of a block of rows
+    let rows = |start, len| Some(Rows { start, len });
+    for (i, (a, b, start, len)) in
+        [([7, 5], [7, 3], 0, 5), ([9, 11], [9, 6], 4, 3), ([33, 70], [33, 65], 61, 9)].into_iter().enumerate()
+    {
+        let op = Op::MatMulRows { rows: Rows { start, len } };
+        v.push(case(format!("matmul_rows_{i}"), op, &[&a, &b]));
+    }
+    let sgd_rows = |momentum, nesterov, r| Op::ApplySgd { lr: 0.05, momentum, nesterov, rows: r };
+    v.push(case("sgd_rows", sgd_rows(0.0, false, rows(2, 3)), &[&[6, 4], &[3, 4]]));
+    v.push(case("sgd_rows_momentum", sgd_rows(0.9, true, rows(1, 1)), &[&[3, 2, 2], &[1, 2, 2], &[3, 2, 2]]));
+    v.push(
+        case(
+            "adam_rows",
+            Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: rows(5, 4) },
+            &[&[9, 3], &[4, 3], &[9, 3], &[9, 3], &[]],
+        )
+        .with(3, Data::Uniform(0.0, 1.0))
+        .with(4, Data::Const(2.0)),
     );
     v.push(case("assign_add_counter", Op::AssignAdd { value: 1.0 }, &[&[1]]));
     v.push(case("assign_add_10", Op::AssignAdd { value: -0.25 }, &[&[10]]));
@@ -519,7 +539,7 @@ fn large_cases() -> Vec<Case> {
         ),
         case(
             "large_adam",
-            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8 },
+            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8, rows: None },
             &[&[big], &[big], &[big], &[big], &[]],
         ),
     ]

@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use kiln_compiler::ir::{DType, Op, Shape, Window2d};
+use kiln_compiler::ir::{DType, Op, Rows, Shape, Window2d};
 use kiln_kernels::KernelError;
 use kiln_kernels::cpu::prepare;
 
@@ -44,13 +44,14 @@ fn gather_rows_with_repeats_and_invalid_ids() {
 fn sgd_steps() {
     let var = T::new(&[3], vec![1.0, 2.0, 3.0]);
     let grad = T::new(&[3], vec![0.5, -1.0, 2.0]);
-    let plain = run_effect(&Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false }, &[&var, &grad]);
+    let plain =
+        run_effect(&Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None }, &[&var, &grad]);
     assert_close(&plain[0].data, &[0.95, 2.1, 2.8], 1e-7);
     assert_eq!(plain[1], grad);
 
     // v = 0.9·[1, 1, 1] - 0.1·g = [0.85, 1.0, 0.7]; var += v; Nesterov: var += 0.9·v - 0.1·g.
     let vel = T::new(&[3], vec![1.0; 3]);
-    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov };
+    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov, rows: None };
     let m = run_effect(&op(false), &[&var, &grad, &vel]);
     assert_close(&m[2].data, &[0.85, 1.0, 0.7], 1e-7);
     assert_close(&m[0].data, &[1.85, 3.0, 3.7], 1e-7);
@@ -62,7 +63,7 @@ fn sgd_steps() {
 #[test]
 fn adam_steps() {
     let (lr, b1, b2, eps) = (0.01f32, 0.9f32, 0.999f32, 1e-7f32);
-    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps };
+    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps, rows: None };
     let var = T::new(&[2], vec![1.0, -2.0]);
     let grad = T::new(&[2], vec![0.5, -3.0]);
     let zeros = T::new(&[2], vec![0.0; 2]);
@@ -92,13 +93,57 @@ fn adam_steps() {
     }
 }
 
+/// A tiled update: each block of rows, computed by `matmul_rows` and applied by a row-block
+/// update, leaves the variable and its state exactly as one update from the whole gradient.
+#[test]
+fn tiled_updates_equal_one_update() {
+    let (m, k, n) = (37, 70, 23);
+    let (a, b) = (rand(&[m, k], 11), rand(&[m, n], 12));
+    let full = run(&Op::MatMul { transpose_a: true, transpose_b: false }, &[&a, &b]);
+    let var = rand(&[k, n], 13);
+    let state = rand(&[k, n], 14);
+    let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
+    let iters = T::new(&[], vec![4.0]);
+    let adam = |rows| Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows };
+    let sgd = |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows };
+    let whole_adam = run_effect(&adam(None), &[&var, &full, &state, &v0, &iters]);
+    let whole_sgd = run_effect(&sgd(None), &[&var, &full, &state]);
+    let (mut x, mut mm, mut vv) = (var.clone(), state.clone(), v0.clone());
+    let (mut y, mut vel) = (var.clone(), state.clone());
+    for (start, len) in [(0, 9), (9, 9), (18, 50), (68, 2)] {
+        let rows = Rows { start, len };
+        let block = run(&Op::MatMulRows { rows }, &[&a, &b]);
+        assert_eq!(block.dims, [len, n]);
+        assert_close(
+            &block.data,
+            &full.data[start * n..(start + len) * n].iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            1e-6,
+        );
+        let out = run_effect(&adam(Some(rows)), &[&x, &block, &mm, &vv, &iters]);
+        (x, mm, vv) = (out[0].clone(), out[2].clone(), out[3].clone());
+        let out = run_effect(&sgd(Some(rows)), &[&y, &block, &vel]);
+        (y, vel) = (out[0].clone(), out[2].clone());
+    }
+    let close = |got: &T, want: &T| {
+        assert_close(&got.data, &want.data.iter().map(|&v| v as f64).collect::<Vec<_>>(), 1e-6)
+    };
+    close(&x, &whole_adam[0]);
+    close(&mm, &whole_adam[2]);
+    close(&vv, &whole_adam[3]);
+    close(&y, &whole_sgd[0]);
+    close(&vel, &whole_sgd[2]);
+}
+
 #[test]
 fn optimizers_on_large_variables() {
     let n = 100_003;
     let var = rand(&[n], 1);
     let grad = rand(&[n], 2);
     let vel = rand(&[n], 3);
-    let out = run_effect(&Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false }, &[&var, &grad, &vel]);
+    let out = run_effect(
+        &Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false, rows: None },
+        &[&var, &grad, &vel],
+    );
     for i in (0..n).step_by(997) {
         let v = 0.5 * vel.data[i] as f64 - 0.5 * grad.data[i] as f64;
         assert_close(&out[2].data[i..=i], &[v], 1e-6);

@@ -92,10 +92,13 @@ impl ReferenceInterpreter {
                     // output a fresh Vec of the output's element count; no two of them overlap.
                     unsafe { kernel.run(&ptrs, output) };
                     if op.is_effect() {
-                        // Updates wrote their variable operands in place: store them back.
+                        // Updates wrote their variable operands in place: store them back, and
+                        // as the variable's value for what runs later in this call (the next
+                        // block of a tiled update reads the rows the previous one wrote).
                         for &i in op.mutated_operands() {
                             if let Op::Variable { key, .. } = &graph.node(operands[i]).op {
                                 self.variables.insert(key.clone(), ins[i].clone());
+                                values.insert(operands[i], ins[i].clone());
                             }
                         }
                         None

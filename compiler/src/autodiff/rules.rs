@@ -105,6 +105,7 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         Op::Conv2dBackpropInput { .. }
         | Op::Conv2dBackpropFilter { .. }
         | Op::Pool2dGrad { .. }
+        | Op::MatMulRows { .. }
         | Op::GatherGrad { .. } => Err(second_order(op)),
         Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => Err(CompileError::invalid(
             format!("`{}` updates a variable and has no gradient", op.name()),

@@ -269,16 +269,62 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             dims.extend_from_slice(&dy.dims()[ids.rank()..]);
             Ok((Shape::new(dims), dtype(1)))
         }
-        Op::ApplySgd { .. } | Op::ApplyAdam { .. } => {
+        Op::MatMulRows { rows } => {
+            let d = same_dtype(&[0, 1])?;
+            let (a, b) = (shape(0), shape(1));
+            if a.rank() != 2 || b.rank() != 2 || a.dims()[0] != b.dims()[0] {
+                return err(
+                    format!("operands {a} and {b} are not two matrices with the same number of rows"),
+                    "pass a[M, K] and b[M, N]: the block is a row block of aᵀ·b",
+                );
+            }
+            if rows.len == 0 || rows.end().is_none_or(|end| end > a.dims()[1]) {
+                return err(
+                    format!(
+                        "rows {}+{} are not a non-empty block of the {} columns of {a}",
+                        rows.start,
+                        rows.len,
+                        a.dims()[1]
+                    ),
+                    "take rows within aᵀ's rows",
+                );
+            }
+            Ok((Shape::new(vec![rows.len, b.dims()[1]]), d))
+        }
+        Op::ApplySgd { rows, .. } | Op::ApplyAdam { rows, .. } => {
             let var = shape(0);
-            let state: Vec<usize> = match op {
-                Op::ApplyAdam { .. } => vec![1, 2, 3],
-                _ => (1..operands.len()).collect(),
+            // A tiled update writes a block of rows: its gradient has just those rows.
+            let grad_shape = match rows {
+                None => var.clone(),
+                Some(r) => {
+                    if var.rank() == 0 || r.len == 0 || r.end().is_none_or(|end| end > var.dims()[0]) {
+                        return err(
+                            format!(
+                                "rows {}+{} are not a non-empty block of the variable {var}",
+                                r.start, r.len
+                            ),
+                            "update rows within the variable's first axis",
+                        );
+                    }
+                    let mut dims = var.dims().to_vec();
+                    dims[0] = r.len;
+                    Shape::new(dims)
+                }
             };
+            let state: Vec<usize> = match op {
+                Op::ApplyAdam { .. } => vec![2, 3],
+                _ => (2..operands.len()).collect(),
+            };
+            if shape(1) != &grad_shape {
+                return err(
+                    format!("the gradient has shape {} but the update writes {grad_shape}", shape(1)),
+                    "the gradient must have the variable's shape (or the updated rows')",
+                );
+            }
             if let Some(&i) = state.iter().find(|&&i| shape(i) != var) {
                 return err(
                     format!("operand {i} has shape {} but the variable has {}", shape(i), var),
-                    "gradients and optimizer state must have the variable's shape",
+                    "optimizer state must have the variable's shape",
                 );
             }
             if let Op::ApplyAdam { .. } = op
@@ -310,6 +356,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::AssignAdd { .. } => 1..=1,
         Op::Binary(_)
         | Op::MatMul { .. }
+        | Op::MatMulRows { .. }
         | Op::Conv2d { .. }
         | Op::Conv2dBackpropInput { .. }
         | Op::Conv2dBackpropFilter { .. }

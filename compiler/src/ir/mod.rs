@@ -12,6 +12,6 @@ pub use dump::dump;
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{
-    BinaryOp, Init, Op, OpClass, Padding, PoolKind, ReduceOp, ScalarOp, UnaryOp, VarRole, Window2d,
+    BinaryOp, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, UnaryOp, VarRole, Window2d,
 };
 pub use shape::Shape;

@@ -168,6 +168,21 @@ pub enum PoolKind {
     Avg,
 }
 
+/// A block of rows (axis 0): the part of a variable a tiled update writes, and the rows of a
+/// weight gradient `MatMulRows` computes (`tiled_updates`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Rows {
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Rows {
+    /// The first row past the block, or None where it overflows.
+    pub fn end(&self) -> Option<usize> {
+        self.start.checked_add(self.len)
+    }
+}
+
 /// Attributes of a 2-D window (convolution or pooling) over NHWC tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Window2d {
@@ -235,6 +250,12 @@ pub enum Op {
     MatMul {
         transpose_a: bool,
         transpose_b: bool,
+    },
+    /// (a[M, K], b[M, N]) -> a[:, rows]ᵀ · b, [rows.len, N]: a block of rows of the weight
+    /// gradient aᵀ·b, read from `a` in place. Tiled updates (`tiled_updates`) compute a
+    /// gradient block by block, each consumed by its update before the next is made.
+    MatMulRows {
+        rows: Rows,
     },
 
     // ---- layout
@@ -311,18 +332,24 @@ pub enum Op {
     },
 
     // ---- training effects: write their variable operands in place, produce no tensor
-    /// (var, grad) or, with momentum, (var, grad, velocity).
+    /// (var, grad) or, with momentum, (var, grad, velocity). With `rows`, only those rows of
+    /// the variable (and its state) are updated, from a gradient of just those rows.
     ApplySgd {
         lr: f32,
         momentum: f32,
         nesterov: bool,
+        #[serde(default)]
+        rows: Option<Rows>,
     },
-    /// (var, grad, m, v, iterations): Keras's Adam, t = iterations + 1.
+    /// (var, grad, m, v, iterations): Keras's Adam, t = iterations + 1. With `rows`, only those
+    /// rows of the variable and its state are updated, from a gradient of just those rows.
     ApplyAdam {
         lr: f32,
         beta1: f32,
         beta2: f32,
         epsilon: f32,
+        #[serde(default)]
+        rows: Option<Rows>,
     },
     /// (var) += value.
     AssignAdd {
@@ -383,6 +410,7 @@ impl Op {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
                 2 * n(output) * k
             }
+            Op::MatMulRows { .. } => 2 * n(output) * operand(0).map_or(1, |a| a.back(2)) as u64,
             // Output elements x taps x input channels.
             Op::Conv2d { window } => {
                 let c = operand(0).map_or(1, |x| x.back(1)) as u64;
@@ -498,6 +526,7 @@ impl Op {
             Op::Pool2dGrad { kind: PoolKind::Avg, .. } => "avg_pool2d_grad",
             Op::Gather => "gather",
             Op::GatherGrad { .. } => "gather_grad",
+            Op::MatMulRows { .. } => "matmul_rows",
             Op::ApplySgd { .. } => "apply_sgd",
             Op::ApplyAdam { .. } => "apply_adam",
             Op::AssignAdd { .. } => "assign_add",
@@ -566,15 +595,21 @@ impl Op {
             Op::GatherGrad { vocab } => {
                 let _ = write!(s, "[vocab {vocab}]");
             }
-            Op::ApplySgd { lr, momentum, nesterov } => {
+            Op::MatMulRows { rows } => {
+                let _ = write!(s, "[rows {}..{}]", rows.start, rows.start.saturating_add(rows.len));
+            }
+            Op::ApplySgd { lr, momentum, nesterov, rows } => {
                 let _ = write!(s, "[lr {lr}, momentum {momentum}");
                 if *nesterov {
                     s.push_str(", nesterov");
                 }
+                rows_label(&mut s, rows);
                 s.push(']');
             }
-            Op::ApplyAdam { lr, beta1, beta2, epsilon } => {
-                let _ = write!(s, "[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]");
+            Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
+                let _ = write!(s, "[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}");
+                rows_label(&mut s, rows);
+                s.push(']');
             }
             Op::AssignAdd { value } => {
                 let _ = write!(s, "[{value}]");
@@ -582,6 +617,12 @@ impl Op {
             _ => {}
         }
         s
+    }
+}
+
+fn rows_label(s: &mut String, rows: &Option<Rows>) {
+    if let Some(r) = rows {
+        let _ = write!(s, ", rows {}..{}", r.start, r.start.saturating_add(r.len));
     }
 }
 

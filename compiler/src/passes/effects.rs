@@ -1,10 +1,11 @@
 use super::Pass;
 use crate::error::Result;
-use crate::ir::{Graph, NodeId, OpClass};
+use crate::ir::{Graph, NodeId, Op, OpClass};
 
 /// An effect writes a variable in place, so it must run after every other reader of that
 /// variable's storage — including the readers of views (reshapes) of it. This pass adds those
-/// control edges (write-after-read ordering).
+/// control edges (write-after-read ordering). Updates of disjoint blocks of rows of the same
+/// variable (`tiled_updates`) touch different elements and are not ordered against each other.
 pub struct OrderEffects;
 
 impl Pass for OrderEffects {
@@ -19,13 +20,28 @@ impl Pass for OrderEffects {
                 graph.node(effect).op.mutated_operands().iter().map(|&i| operands[i]).collect();
             for var in mutated {
                 for reader in storage_readers(graph, var) {
-                    if reader != effect {
+                    if reader != effect && !disjoint_blocks(graph, reader, effect) {
                         graph.add_control(reader, effect);
                     }
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// Whether `a` and `b` are updates of disjoint blocks of rows.
+fn disjoint_blocks(graph: &Graph, a: NodeId, b: NodeId) -> bool {
+    let rows = |n: NodeId| match graph.node(n).op {
+        Op::ApplyAdam { rows, .. } | Op::ApplySgd { rows, .. } => rows,
+        _ => None,
+    };
+    match (rows(a), rows(b)) {
+        (Some(x), Some(y)) => {
+            let (xe, ye) = (x.start.saturating_add(x.len), y.start.saturating_add(y.len));
+            xe <= y.start || ye <= x.start
+        }
+        _ => false,
     }
 }
 

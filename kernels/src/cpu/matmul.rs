@@ -14,7 +14,7 @@ use super::broadcast::broadcast_strides;
 use super::par::SendPtr;
 use super::{CpuKernel, shape_text};
 use gemm::{Parallelism, gemm};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{Rows, Shape};
 use rayon::prelude::*;
 
 /// Products (all batches together) below this many multiply-adds stay on the calling thread.
@@ -164,6 +164,46 @@ impl CpuKernel for MatMul {
             Threads::PerBatch => (0..self.batches.len()).into_par_iter().for_each(|i| one(i, false)),
             Threads::PerGemm => (0..self.batches.len()).for_each(|i| one(i, true)),
         }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+struct MatMulRows {
+    g: Gemm,
+    /// The element offset of the block's first column in `a`.
+    offset: usize,
+    parallel: bool,
+    desc: String,
+}
+
+/// a[:, rows]ᵀ · b for a[M, K], b[M, N] (checked by `ir::infer`): one GEMM of rows.len x M x N
+/// reading the block of `a`'s columns in place (row stride 1, column stride K).
+pub(crate) fn matmul_rows(a: &Shape, b: &Shape, rows: Rows, out: &Shape) -> Box<dyn CpuKernel> {
+    let (m_rows, k) = (a.dims()[0], a.dims()[1]);
+    let n = b.dims()[1];
+    let g = Gemm { m: rows.len, n, k: m_rows, a: (1, k as isize), b: (n as isize, 1), out_rs: n as isize };
+    let desc = format!(
+        "matmul_rows {}x{m_rows}x{n} ({}ᵀ rows {}..{} @ {} -> {})",
+        rows.len,
+        shape_text(a),
+        rows.start,
+        rows.start + rows.len,
+        shape_text(b),
+        shape_text(out)
+    );
+    Box::new(MatMulRows { g, offset: rows.start, parallel: rows.len * n * m_rows >= SERIAL_MACS, desc })
+}
+
+impl CpuKernel for MatMulRows {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (a, b) = (inputs[0] as *const f32, inputs[1] as *const f32);
+        // SAFETY: `ir::infer` checked rows.start + rows.len <= K, so every element the strided
+        // block reads (column offset + i, row r < M) lies in a[M, K]; the output holds
+        // rows.len x N elements and is not an operand (a compute op's own buffer).
+        unsafe { self.g.run(a.add(self.offset), b, output as *mut f32, false, self.parallel) }
     }
 
     fn describe(&self) -> String {

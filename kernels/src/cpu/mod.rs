@@ -109,8 +109,11 @@ pub fn prepare(
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
         Op::Gather => gather::gather(s[0], s[1]),
         Op::GatherGrad { vocab } => gather::gather_grad(s[0], *vocab, out),
-        Op::ApplySgd { lr, momentum, nesterov } => optim::sgd(*lr, *momentum, *nesterov, s[0]),
-        Op::ApplyAdam { lr, beta1, beta2, epsilon } => optim::adam(*lr, *beta1, *beta2, *epsilon, s[0]),
+        Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
+        Op::ApplySgd { lr, momentum, nesterov, rows } => optim::sgd(*lr, *momentum, *nesterov, s[0], *rows),
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
+            optim::adam(*lr, *beta1, *beta2, *epsilon, s[0], *rows)
+        }
         Op::AssignAdd { value } => optim::assign_add(*value, s[0]),
     })
 }

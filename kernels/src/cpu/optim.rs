@@ -6,10 +6,13 @@
 //! - Adam: t = iterations + 1; α = lr·√(1-β2^t)/(1-β1^t); m += (g-m)(1-β1); v += (g²-v)(1-β2);
 //!   var -= α·m/(√v + ε). The iteration counter is read, not incremented (an assign_add does that).
 //! - assign_add: every element += value.
+//!
+//! A tiled update (`rows`) writes a block of rows: the variable and its state are read and
+//! written from that block's first element on, the gradient holds just the block.
 
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{Rows, Shape};
 use std::slice;
 
 /// # Safety
@@ -20,27 +23,50 @@ unsafe fn part<'a>(p: SendPtr<f32>, s: usize, e: usize) -> &'a mut [f32] {
     unsafe { slice::from_raw_parts_mut(p.get().add(s), e - s) }
 }
 
+/// The element offset of a block of rows in `var`, and the elements updated.
+fn block(var: &Shape, rows: Option<Rows>) -> (usize, usize, String) {
+    match rows {
+        None => (0, var.numel(), String::new()),
+        Some(r) => {
+            let row = var.dims()[1..].iter().product::<usize>();
+            (r.start * row, r.len * row, format!(" rows {}..{}", r.start, r.start + r.len))
+        }
+    }
+}
+
 struct Sgd {
     lr: f32,
     momentum: f32,
     nesterov: bool,
+    offset: usize,
     n: usize,
     desc: String,
 }
 
-pub(crate) fn sgd(lr: f32, momentum: f32, nesterov: bool, var: &Shape) -> Box<dyn CpuKernel> {
+/// `rows` was checked against `var` by `ir::infer`.
+pub(crate) fn sgd(
+    lr: f32,
+    momentum: f32,
+    nesterov: bool,
+    var: &Shape,
+    rows: Option<Rows>,
+) -> Box<dyn CpuKernel> {
+    let (offset, n, part) = block(var, rows);
     let desc = format!(
-        "apply_sgd[lr {lr}, momentum {momentum}{}] {}",
+        "apply_sgd[lr {lr}, momentum {momentum}{}] {}{part}",
         if nesterov { ", nesterov" } else { "" },
         shape_text(var)
     );
-    Box::new(Sgd { lr, momentum, nesterov, n: var.numel(), desc })
+    Box::new(Sgd { lr, momentum, nesterov, offset, n, desc })
 }
 
 impl CpuKernel for Sgd {
     unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
-        let [var, grad] = [0, 1].map(|i| SendPtr::new(inputs[i] as *mut f32));
-        let velocity = (self.momentum != 0.0).then(|| SendPtr::new(inputs[2] as *mut f32));
+        // SAFETY (offsets): the variable and its state hold offset + n elements (`rows` checked
+        // against the variable's shape by `ir::infer`); the gradient holds n.
+        let at = |i: usize| SendPtr::new(unsafe { (inputs[i] as *mut f32).add(self.offset) });
+        let (var, grad) = (at(0), SendPtr::new(inputs[1] as *mut f32));
+        let velocity = (self.momentum != 0.0).then(|| at(2));
         let (lr, mu) = (self.lr, self.momentum);
         par_ranges(self.n, 3, |s, e| {
             // SAFETY: var, grad and velocity are distinct buffers of n elements; tasks take
@@ -70,19 +96,35 @@ struct Adam {
     beta1: f32,
     beta2: f32,
     epsilon: f32,
+    offset: usize,
     n: usize,
     desc: String,
 }
 
-pub(crate) fn adam(lr: f32, beta1: f32, beta2: f32, epsilon: f32, var: &Shape) -> Box<dyn CpuKernel> {
-    let desc =
-        format!("apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}", shape_text(var));
-    Box::new(Adam { lr, beta1, beta2, epsilon, n: var.numel(), desc })
+/// `rows` was checked against `var` by `ir::infer`.
+pub(crate) fn adam(
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    epsilon: f32,
+    var: &Shape,
+    rows: Option<Rows>,
+) -> Box<dyn CpuKernel> {
+    let (offset, n, part) = block(var, rows);
+    let desc = format!(
+        "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}{part}",
+        shape_text(var)
+    );
+    Box::new(Adam { lr, beta1, beta2, epsilon, offset, n, desc })
 }
 
 impl CpuKernel for Adam {
     unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
-        let [var, grad, m, v] = [0, 1, 2, 3].map(|i| SendPtr::new(inputs[i] as *mut f32));
+        // SAFETY (offsets): the variable and its state hold offset + n elements (`rows` checked
+        // against the variable's shape by `ir::infer`); the gradient holds n.
+        let at = |i: usize| SendPtr::new(unsafe { (inputs[i] as *mut f32).add(self.offset) });
+        let [var, m, v] = [0, 2, 3].map(at);
+        let grad = SendPtr::new(inputs[1] as *mut f32);
         // SAFETY: the counter holds one element.
         let t = unsafe { *(inputs[4] as *const f32) } as f64 + 1.0;
         let (b1, b2) = (self.beta1 as f64, self.beta2 as f64);

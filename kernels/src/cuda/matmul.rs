@@ -11,7 +11,7 @@ use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text}
 use super::elementwise::Map;
 use super::gemm::{Gemm, Operand};
 use super::{Arg, CudaKernel};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{Rows, Shape};
 
 /// The element offset of operand batch matrices for output batch `bz`: sum over the output's
 /// batch axes of coordinate x (operand batch stride), times the matrix size.
@@ -101,6 +101,46 @@ pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out:
     };
     let mut c = Code::new();
     c.line(head);
+    let (launch, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+}
+
+/// a[:, rows]ᵀ · b for a[M, K], b[M, N] (checked by `ir::infer`): the tiled GEMM of
+/// rows.len x M x N, loading the block of `a`'s columns in place (as a transposed operand, one
+/// column offset added).
+pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &Shape) -> CudaKernel {
+    let (m_rows, k) = (a.dims()[0], a.dims()[1]);
+    let n = b.dims()[1];
+    let describe = format!(
+        "matmul_rows {}x{m_rows}x{n} ({}ᵀ rows {}..{} @ {})",
+        rows.len,
+        shape_text(a),
+        rows.start,
+        rows.start + rows.len,
+        shape_text(b)
+    );
+    let ty = idx_type(a.numel().max(b.numel()).max(out.numel()));
+    let gemm = Gemm {
+        name: "kiln_matmul_rows".into(),
+        m: rows.len,
+        n,
+        k: m_rows,
+        batch: 1,
+        a: Operand {
+            k_contiguous: false,
+            load: format!("v = src[gk * {} + {} + gr];", int(k), int(rows.start)),
+            batch_offset: "0".into(),
+        },
+        b: Operand {
+            k_contiguous: false,
+            load: format!("v = src[gk * {} + gr];", int(n)),
+            batch_offset: "0".into(),
+        },
+        ty,
+        args: [Arg::Input(0), Arg::Input(1)],
+    };
+    let mut c = Code::new();
+    c.line(header(label, &[a, b], Some(out)));
     let (launch, tiling) = gemm.generate(&mut c);
     CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
 }

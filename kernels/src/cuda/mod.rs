@@ -139,9 +139,12 @@ pub fn generate(
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
         Op::Gather => gather::gather(l, s[0], s[1], out),
         Op::GatherGrad { vocab } => gather::gather_grad(l, s[0], s[1], *vocab, out),
-        Op::ApplySgd { lr, momentum, nesterov } => optim::sgd(l, *lr, *momentum, *nesterov, s[0], &s),
-        Op::ApplyAdam { lr, beta1, beta2, epsilon } => {
-            optim::adam(l, *lr, *beta1, *beta2, *epsilon, s[0], &s)
+        Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),
+        Op::ApplySgd { lr, momentum, nesterov, rows } => {
+            optim::sgd(l, *lr, *momentum, *nesterov, s[0], *rows, &s)
+        }
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
+            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], s[0], *rows, &s)
         }
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
     })

@@ -9,12 +9,37 @@
 //!   m += (g - m)(1 - β1); v += (g² - v)(1 - β2); var -= α·m / (√v + ε).
 //! - assign_add: var += value.
 //!
+//! A tiled update (`rows`) writes a block of rows: the kernel moves the variable's and the
+//! state's pointers to the block's first element and updates as many elements as the gradient
+//! (just the block) holds.
+//!
 //! Products that feed a sum are `__fmul_rn` (never fused), so the f32 updates are bitwise the
 //! CPU's; α can differ from the CPU's in its last bit where CUDA's `pow` and glibc's do.
 
-use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, shape_text};
+use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
 use super::{Arg, CudaKernel, Launch};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{Rows, Shape};
+
+/// The element offset of a block of rows in `var` and the elements updated (`rows` checked
+/// against `var` by `ir::infer`), with the describe suffix.
+fn block(var: &Shape, rows: Option<Rows>) -> (usize, usize, String) {
+    match rows {
+        None => (0, var.numel(), String::new()),
+        Some(r) => {
+            let row = var.dims()[1..].iter().product::<usize>();
+            (r.start * row, r.len * row, format!(" rows {}..{}", r.start, r.start + r.len))
+        }
+    }
+}
+
+/// Moves the named pointer parameters to a block's first element.
+fn shift(c: &mut Code, names: &[&str], offset: usize) {
+    if offset > 0 {
+        for name in names {
+            c.line(format!("{name} += {};", int(offset)));
+        }
+    }
+}
 
 fn launch(function: &str, work: usize, inputs: usize) -> Launch {
     Launch {
@@ -32,10 +57,11 @@ pub(crate) fn sgd(
     momentum: f32,
     nesterov: bool,
     var: &Shape,
+    rows: Option<Rows>,
     shapes: &[&Shape],
 ) -> CudaKernel {
-    let n = var.numel();
-    let ty = idx_type(n);
+    let (offset, n, part) = block(var, rows);
+    let ty = idx_type(var.numel());
     let with_velocity = momentum != 0.0;
     let mut c = Code::new();
     c.line(header(label, shapes, None));
@@ -48,6 +74,7 @@ pub(crate) fn sgd(
     if with_velocity {
         c.line(format!("const float momentum = {};", flt(momentum)));
     }
+    shift(&mut c, if with_velocity { &["var", "velocity"] } else { &["var"] }, offset);
     c.line(grid_loop(ty, "i", n));
     c.line("const float g = grad[i];");
     if with_velocity {
@@ -64,7 +91,7 @@ pub(crate) fn sgd(
     c.line("}");
     c.line("}");
     let describe = format!(
-        "apply_sgd[lr {lr}, momentum {momentum}{}] {}",
+        "apply_sgd[lr {lr}, momentum {momentum}{}] {}{part}",
         if nesterov { ", nesterov" } else { "" },
         shape_text(var)
     );
@@ -75,17 +102,17 @@ pub(crate) fn sgd(
     }
 }
 
+/// `hyper` is (lr, beta1, beta2, epsilon).
 pub(crate) fn adam(
     label: &str,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    epsilon: f32,
+    hyper: [f32; 4],
     var: &Shape,
+    rows: Option<Rows>,
     shapes: &[&Shape],
 ) -> CudaKernel {
-    let n = var.numel();
-    let ty = idx_type(n);
+    let [lr, beta1, beta2, epsilon] = hyper;
+    let (offset, n, part) = block(var, rows);
+    let ty = idx_type(var.numel());
     let mut c = Code::new();
     c.line(header(label, shapes, None));
     c.line(
@@ -102,6 +129,7 @@ pub(crate) fn adam(
     c.line(format!("const float one_minus_beta1 = {};", flt(1.0 - beta1)));
     c.line(format!("const float one_minus_beta2 = {};", flt(1.0 - beta2)));
     c.line(format!("const float epsilon = {};", flt(epsilon)));
+    shift(&mut c, &["var", "m", "v"], offset);
     c.line(grid_loop(ty, "i", n));
     c.line("const float g = grad[i];");
     c.line("const float mi = m[i] + __fmul_rn(g - m[i], one_minus_beta1);");
@@ -115,7 +143,7 @@ pub(crate) fn adam(
         source: c.finish(),
         launches: vec![launch("kiln_apply_adam", n, 5)],
         describe: format!(
-            "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}",
+            "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}{part}",
             shape_text(var)
         ),
     }
