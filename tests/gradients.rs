@@ -180,3 +180,26 @@ grad_test!(
         losses::binary_crossentropy(&p, &x[7])
     }
 );
+
+/// An operand needed only for its shape is not a data dependency: average pooling's gradient
+/// reads dy alone, so nothing in the backward pass reads the pooled input (a convolution's
+/// output here), which dies at the pool.
+#[test]
+fn avg_pool_gradient_does_not_read_the_pooled_input() {
+    use kiln::compiler::autodiff::gradients;
+    use kiln::compiler::ir::{Init, Op, PoolKind};
+    let t = Tracer::new("avg");
+    let x = t.input("x", [2, 8, 8, 3]);
+    let w = t.param("w", [3, 3, 3, 4], Init::GlorotUniform);
+    let pooled = x.conv2d(&w, [1, 1], Padding::Same).avg_pool2d([2, 2], [2, 2], Padding::Valid);
+    let loss = pooled.mean([0, 1, 2, 3], false);
+    t.output("loss", &loss);
+    let graph = t.finish().unwrap();
+    let (loss, w) = (graph.output("loss").unwrap(), graph.variable("w").unwrap());
+    let (g, _) = gradients(graph, loss, &[w]).unwrap();
+    let conv = g.node_ids().find(|&n| matches!(g.node(n).op, Op::Conv2d { .. })).unwrap();
+    let readers: Vec<String> = g.users(conv).iter().map(|&u| g.node(u).op.name().to_string()).collect();
+    assert_eq!(readers, ["avg_pool2d"], "only the pool reads the convolution's output");
+    assert!(g.node_ids().any(|n| matches!(g.node(n).op, Op::AvgPool2dGrad { .. })));
+    assert!(!g.node_ids().any(|n| matches!(g.node(n).op, Op::Pool2dGrad { kind: PoolKind::Avg, .. })));
+}

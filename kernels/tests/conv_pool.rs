@@ -194,6 +194,11 @@ fn pooling_and_gradients_match_direct_loops() {
             let dx = run(&Op::Pool2dGrad { kind, window: w }, &[&x, &dy]);
             assert_eq!(dx.dims, xd);
             assert_close(&dx.data, &pool_grad_ref(kind, &x, &dy, &w), 1e-6);
+            if kind == PoolKind::Avg {
+                // From dy and the input's shape alone: the same values, bit for bit.
+                let from_dy = run(&Op::AvgPool2dGrad { window: w, input: Shape::from(xd) }, &[&dy]);
+                assert_eq!(from_dy, dx);
+            }
             // Pool gradients are adjoint to pooling's linearisation: <pool'(x)·dx, dy> = <dx, grad>.
             if kind == PoolKind::Avg {
                 let probe = rand(&xd, 99);
@@ -287,6 +292,10 @@ proptest::proptest! {
             let dy = rand(&y.dims, seed ^ 1);
             let dx = run(&Op::Pool2dGrad { kind, window: w }, &[&x, &dy]);
             assert_close(&dx.data, &pool_grad_ref(kind, &x, &dy, &w), 1e-6);
+            if kind == PoolKind::Avg {
+                let input = Shape::from([n, h, wd, c]);
+                proptest::prop_assert_eq!(run(&Op::AvgPool2dGrad { window: w, input }, &[&dy]), dx);
+            }
         }
     }
 }

@@ -323,6 +323,10 @@ fn cases() -> Vec<Case> {
             let g = Op::Pool2dGrad { kind, window: *w };
             v.push(case(format!("pool_grad_{kind:?}_{i}"), g.clone(), &[x, &o]));
             v.push(case(format!("pool_grad_ties_{kind:?}_{i}"), g, &[x, &o]).with(0, Data::Ties));
+            if kind == PoolKind::Avg {
+                let from_dy = Op::AvgPool2dGrad { window: *w, input: Shape::from(*x) };
+                v.push(case(format!("avg_pool_grad_from_dy_{i}"), from_dy, &[&o]));
+            }
         }
     }
     // ---- embedding

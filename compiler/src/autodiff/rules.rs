@@ -3,7 +3,7 @@
 
 use super::sum_to;
 use crate::error::{CompileError, Result};
-use crate::ir::{BinaryOp, Op, ReduceOp, ScalarOp, Shape, UnaryOp};
+use crate::ir::{BinaryOp, Op, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp};
 use crate::trace::Tensor;
 
 /// Gradients of `op`'s operands `x` (in order; `None` where there is none) given its output `y`
@@ -95,6 +95,10 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             let dw = g.record(Op::Conv2dBackpropFilter { window: *window }, &[xs, g]);
             Ok(vec![Some(dx), Some(dw)])
         }
+        // Average pooling's gradient needs the input's shape, not its values.
+        Op::Pool2d { kind: PoolKind::Avg, window } => {
+            one(g.record(Op::AvgPool2dGrad { window: *window, input: x[0].shape().clone() }, &[g]))
+        }
         Op::Pool2d { kind, window } => {
             one(g.record(Op::Pool2dGrad { kind: *kind, window: *window }, &[&x[0], g]))
         }
@@ -105,6 +109,7 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         Op::Conv2dBackpropInput { .. }
         | Op::Conv2dBackpropFilter { .. }
         | Op::Pool2dGrad { .. }
+        | Op::AvgPool2dGrad { .. }
         | Op::MatMulRows { .. }
         | Op::GatherGrad { .. } => Err(second_order(op)),
         Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => Err(CompileError::invalid(

@@ -248,6 +248,16 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((shape(0).clone(), d))
         }
+        Op::AvgPool2dGrad { window, input } => {
+            let expected = pool2d(input, window)?;
+            if &expected != shape(0) {
+                return err(
+                    format!("gradient {} does not match the pooling output {expected} of {input}", shape(0)),
+                    "pass the gradient of this pooling's output",
+                );
+            }
+            Ok((input.clone(), dtype(0)))
+        }
         Op::Gather => {
             let (table, ids) = (shape(0), shape(1));
             if table.rank() == 0 {
@@ -353,6 +363,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::Pool2d { .. }
+        | Op::AvgPool2dGrad { .. }
         | Op::AssignAdd { .. } => 1..=1,
         Op::Binary(_)
         | Op::MatMul { .. }

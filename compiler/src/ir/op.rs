@@ -322,6 +322,12 @@ pub enum Op {
         kind: PoolKind,
         window: Window2d,
     },
+    /// (dy) -> dx of shape `input`: average pooling's gradient, which needs the pooled input's
+    /// shape only, not its values (so autodiff does not keep the input alive for it).
+    AvgPool2dGrad {
+        window: Window2d,
+        input: Shape,
+    },
 
     // ---- embedding
     /// (table[V, ...], ids[...]) -> [ids..., table[1..]]: rows of the table, ids as f32 integers.
@@ -430,6 +436,7 @@ impl Op {
             | Op::LogSoftmax { .. }
             | Op::Pool2d { .. }
             | Op::Pool2dGrad { .. }
+            | Op::AvgPool2dGrad { .. }
             | Op::GatherGrad { .. }
             | Op::ApplySgd { .. }
             | Op::ApplyAdam { .. } => read(),
@@ -523,7 +530,7 @@ impl Op {
             Op::Pool2d { kind: PoolKind::Max, .. } => "max_pool2d",
             Op::Pool2d { kind: PoolKind::Avg, .. } => "avg_pool2d",
             Op::Pool2dGrad { kind: PoolKind::Max, .. } => "max_pool2d_grad",
-            Op::Pool2dGrad { kind: PoolKind::Avg, .. } => "avg_pool2d_grad",
+            Op::Pool2dGrad { kind: PoolKind::Avg, .. } | Op::AvgPool2dGrad { .. } => "avg_pool2d_grad",
             Op::Gather => "gather",
             Op::GatherGrad { .. } => "gather_grad",
             Op::MatMulRows { .. } => "matmul_rows",
@@ -591,7 +598,8 @@ impl Op {
             | Op::Conv2dBackpropInput { window: w, .. }
             | Op::Conv2dBackpropFilter { window: w }
             | Op::Pool2d { window: w, .. }
-            | Op::Pool2dGrad { window: w, .. } => window(&mut s, w),
+            | Op::Pool2dGrad { window: w, .. }
+            | Op::AvgPool2dGrad { window: w, .. } => window(&mut s, w),
             Op::GatherGrad { vocab } => {
                 let _ = write!(s, "[vocab {vocab}]");
             }

@@ -107,6 +107,7 @@ pub fn prepare(
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(s[0], s[1], window, out),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
+        Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, input, window),
         Op::Gather => gather::gather(s[0], s[1]),
         Op::GatherGrad { vocab } => gather::gather_grad(s[0], *vocab, out),
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),

@@ -104,6 +104,9 @@ impl CpuKernel for Pool {
 struct PoolGrad {
     kind: PoolKind,
     g: Geom,
+    /// Where dy is among the inputs: 1 after x for `Pool2dGrad`, 0 for `AvgPool2dGrad`, which
+    /// has no x (average pooling's gradient reads only dy).
+    dy_input: usize,
     desc: String,
 }
 
@@ -116,7 +119,14 @@ pub(crate) fn pool2d_grad(
 ) -> Box<dyn CpuKernel> {
     let g = Geom::pool(x, window);
     let desc = format!("{name} {}x{} stride {}x{} {}", g.kh, g.kw, g.sh, g.sw, shape_text(x));
-    Box::new(PoolGrad { kind, g, desc })
+    Box::new(PoolGrad { kind, g, dy_input: 1, desc })
+}
+
+/// Average pooling's gradient from dy alone; `input` is the pooled input's shape.
+pub(crate) fn avg_pool2d_grad(name: &str, input: &Shape, window: &Window2d) -> Box<dyn CpuKernel> {
+    let g = Geom::pool(input, window);
+    let desc = format!("{name} {}x{} stride {}x{} {} (from dy)", g.kh, g.kw, g.sh, g.sw, shape_text(input));
+    Box::new(PoolGrad { kind: PoolKind::Avg, g, dy_input: 0, desc })
 }
 
 impl PoolGrad {
@@ -185,7 +195,9 @@ impl PoolGrad {
 impl CpuKernel for PoolGrad {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
-        let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
+        // Average pooling never reads x: without an x input the pointer is null and unused.
+        let x = if self.dy_input == 0 { std::ptr::null_mut() } else { inputs[0] as *mut f32 };
+        let (x, dy) = (SendPtr::new(x), SendPtr::new(inputs[self.dy_input] as *mut f32));
         let dx = SendPtr::new(output as *mut f32);
         let blocks = g.c.div_ceil(CHANNELS);
         let cost = (g.h * g.w + g.oh * g.ow * g.kh * g.kw) * CHANNELS.min(g.c);

@@ -137,6 +137,7 @@ pub fn generate(
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
+        Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0]),
         Op::Gather => gather::gather(l, s[0], s[1], out),
         Op::GatherGrad { vocab } => gather::gather_grad(l, s[0], s[1], *vocab, out),
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),

@@ -100,13 +100,40 @@ pub(crate) fn pool2d_grad(
     window: &Window2d,
     dy: &Shape,
 ) -> CudaKernel {
+    grad(kind, name, label, x, window, dy, true)
+}
+
+/// Average pooling's gradient from dy alone (`Op::AvgPool2dGrad`): `input` is the pooled
+/// input's shape, dy the only operand.
+pub(crate) fn avg_pool2d_grad(
+    name: &str,
+    label: &str,
+    input: &Shape,
+    window: &Window2d,
+    dy: &Shape,
+) -> CudaKernel {
+    grad(PoolKind::Avg, name, label, input, window, dy, false)
+}
+
+/// dx over x's shape; with `with_x` the operands are (x, dy), else (dy) and the kind is Avg.
+fn grad(
+    kind: PoolKind,
+    name: &str,
+    label: &str,
+    x: &Shape,
+    window: &Window2d,
+    dy: &Shape,
+    with_x: bool,
+) -> CudaKernel {
+    let dy_in = if with_x { "in1" } else { "in0" };
     let g = Geom::pool(x, window);
     let ty = idx_type(x.numel().max(dy.numel()));
     let work = x.numel();
     let fname = format!("kiln_{name}");
     let mut c = Code::new();
-    c.line(header(label, &[x, dy], Some(x)));
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(2, true, true)));
+    let operands: Vec<&Shape> = if with_x { vec![x, dy] } else { vec![dy] };
+    c.line(header(label, &operands, Some(x)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(operands.len(), true, true)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));
@@ -127,7 +154,7 @@ pub(crate) fn pool2d_grad(
     c.line("for (int ow = ow_lo; ow <= ow_hi; ++ow) {");
     g.emit_window(&mut c, "oh", "ow");
     c.line(format!(
-        "const float d = in1[(({} * n_ + oh) * {} + ow) * {} + c_];",
+        "const float d = {dy_in}[(({} * n_ + oh) * {} + ow) * {} + c_];",
         int(g.oh),
         int(g.ow),
         int(g.c)
@@ -163,7 +190,7 @@ pub(crate) fn pool2d_grad(
             grid: grid_for(work, BLOCK),
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
-            args: vec![Arg::Input(0), Arg::Input(1), Arg::Output],
+            args: (0..operands.len()).map(Arg::Input).chain([Arg::Output]).collect(),
         }],
         describe: format!("{name} {} {} (gather over windows)", g.text(), shape_text(x)),
     }
