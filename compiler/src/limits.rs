@@ -39,15 +39,18 @@ impl fmt::Display for OutOfMemory {
             human_bytes(self.needed),
             human_bytes(self.limit)
         )?;
+        let persistent = self.needed.saturating_sub(self.arena);
+        let padding = persistent.saturating_sub(self.parameters + self.optimizer_state + self.io);
         writeln!(
             f,
-            "  needs: arena {} (lower bound {}) + persistent {} (parameters {}, optimizer state {}, inputs and outputs {})",
+            "  needs: arena {} (lower bound {}) + persistent {} (parameters {}, optimizer state {}, inputs and outputs {}, slot alignment {})",
             human_bytes(self.arena),
             human_bytes(self.lower_bound),
-            human_bytes(self.parameters + self.optimizer_state + self.io),
+            human_bytes(persistent),
             human_bytes(self.parameters),
             human_bytes(self.optimizer_state),
-            human_bytes(self.io)
+            human_bytes(self.io),
+            human_bytes(padding)
         )?;
         writeln!(f, "  memory peaks at step {} of {}: {}", self.peak_step, self.steps, self.peak_op)?;
         writeln!(f, "  largest tensors live there:")?;
@@ -76,7 +79,7 @@ pub fn check(plan: &Plan) -> Result<(), Box<OutOfMemory>> {
     for (d, dev) in plan.devices.iter().enumerate() {
         let Some(limit) = dev.memory_limit else { continue };
         let m = &dev.memory;
-        let needed = m.persistent_bytes + m.arena_bytes;
+        let needed = m.held_bytes();
         if needed <= limit {
             continue;
         }

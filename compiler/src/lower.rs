@@ -43,8 +43,15 @@ impl Lowering<'_> {
                     dtype: *dtype,
                     role: *role,
                     init: *init,
+                    offset: 0,
                 });
             }
+        }
+        // One variable region per device, slots in declaration order.
+        let mut region = vec![0usize; self.arenas.len()];
+        for v in &mut variables {
+            v.offset = region[v.device];
+            region[v.device] += planner::align(v.bytes(), align);
         }
 
         let mut arena_offset: HashMap<usize, usize> = HashMap::new();
@@ -156,6 +163,7 @@ impl Lowering<'_> {
                         optimizer_state_bytes,
                         io_bytes: io_top[d],
                         persistent_bytes: parameter_bytes + optimizer_state_bytes + io_top[d],
+                        variable_region_bytes: region[d],
                         algorithm: a.placement.algorithm.clone(),
                         tried: a.placement.tried.clone(),
                         ..Default::default()
@@ -192,6 +200,7 @@ fn total(devices: &[DevicePlan]) -> MemoryFigures {
         m.optimizer_state_bytes += x.optimizer_state_bytes;
         m.io_bytes += x.io_bytes;
         m.persistent_bytes += x.persistent_bytes;
+        m.variable_region_bytes += x.variable_region_bytes;
     }
     if let [one] = devices {
         m.lower_bound_step = one.memory.lower_bound_step;

@@ -88,8 +88,7 @@ impl Split {
         let mut s = String::new();
         for (name, range, layers) in &self.ranges {
             let dev = self.plan.devices.iter().find(|d| &d.name == name);
-            let (needed, limit) =
-                dev.map_or((0, None), |d| (d.memory.persistent_bytes + d.memory.arena_bytes, d.memory_limit));
+            let (needed, limit) = dev.map_or((0, None), |d| (d.memory.held_bytes(), d.memory_limit));
             s.push_str(&format!(
                 "{name}: layers {}..{} ({}) need {} of {}\n",
                 range.start,
@@ -144,10 +143,7 @@ pub fn split_sequential(
         compile(train_step_graph(&placed, x, y, cfg)?, &options)
     };
     let needs = |plan: &Plan, d: &DeviceSpec| {
-        plan.devices
-            .iter()
-            .find(|p| p.device == d.id)
-            .map_or(0, |p| p.memory.persistent_bytes + p.memory.arena_bytes)
+        plan.devices.iter().find(|p| p.device == d.id).map_or(0, |p| p.memory.held_bytes())
     };
     let mut ranges: Vec<(DeviceId, Range<usize>)> = Vec::new();
     let mut start = 0;

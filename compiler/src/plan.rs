@@ -95,6 +95,11 @@ pub struct VariableSpec {
     pub dtype: DType,
     pub role: VarRole,
     pub init: Init,
+    /// Byte offset in its device's variable region: every variable the plan declares on a
+    /// device lives in one allocation (`MemoryFigures::variable_region_bytes`), in declaration
+    /// order, each slot aligned to `Plan::alignment`.
+    #[serde(default)]
+    pub offset: usize,
 }
 
 impl VariableSpec {
@@ -126,6 +131,9 @@ pub struct MemoryFigures {
     pub io_bytes: usize,
     /// parameters + optimizer state + io.
     pub persistent_bytes: usize,
+    /// The variable region: parameters and optimizer state in one allocation, aligned slots.
+    #[serde(default)]
+    pub variable_region_bytes: usize,
     /// The placement heuristic that won, and every one tried with its arena.
     pub algorithm: String,
     pub tried: Vec<(String, usize)>,
@@ -150,7 +158,28 @@ impl MemoryFigures {
     pub fn planned_total_bytes(&self) -> usize {
         self.persistent_bytes + self.arena_bytes
     }
+
+    /// The bytes a backend takes for the plan on a device: its variable region (the variables'
+    /// bytes with each slot aligned), io region and arena. What memory limits are checked against.
+    pub fn held_bytes(&self) -> usize {
+        let variables = self.variable_region_bytes.max(self.parameter_bytes + self.optimizer_state_bytes);
+        variables + self.io_bytes + self.arena_bytes
+    }
+
+    /// One device's figures as its allocations take memory: the variable region, the io region
+    /// and the arena, each one allocation rounded up to `granularity` bytes (the driver's:
+    /// `DEVICE_GRANULARITY`). On a plan's totals (several devices) use `Plan::device_bytes`.
+    pub fn device_bytes(&self, granularity: usize) -> usize {
+        [self.variable_region_bytes, self.io_bytes, self.arena_bytes]
+            .iter()
+            .map(|&b| b.next_multiple_of(granularity.max(1)))
+            .sum()
+    }
 }
+
+/// The granularity a CUDA driver maps device memory in (`cuMemGetAllocationGranularity` gives
+/// 2 MiB on current GPUs): what an allocation of any size takes from the device.
+pub const DEVICE_GRANULARITY: usize = 2 << 20;
 
 impl Plan {
     pub fn value(&self, i: usize) -> &Value {

@@ -361,10 +361,7 @@ fn prune(
 
 /// The over-limit device's persistent + arena bytes in `plan`.
 fn need_of(plan: &Plan, spec: &DeviceSpec) -> usize {
-    plan.devices
-        .iter()
-        .find(|d| d.name == spec.name)
-        .map_or(usize::MAX, |d| d.memory.persistent_bytes + d.memory.arena_bytes)
+    plan.devices.iter().find(|d| d.name == spec.name).map_or(usize::MAX, |d| d.memory.held_bytes())
 }
 
 /// What a rewrite must lower, in order: the device's need (persistent + arena), the bytes over
@@ -382,7 +379,8 @@ fn progress(plan: &Plan, spec: &DeviceSpec) -> (usize, u128, usize) {
 fn excess_area(plan: &Plan, spec: &DeviceSpec) -> u128 {
     let Some(d) = plan.devices.iter().position(|d| d.name == spec.name) else { return 0 };
     let dev = &plan.devices[d];
-    let budget = dev.memory_limit.unwrap_or(usize::MAX).saturating_sub(dev.memory.persistent_bytes);
+    let held_outside_arena = dev.memory.held_bytes() - dev.memory.arena_bytes;
+    let budget = dev.memory_limit.unwrap_or(usize::MAX).saturating_sub(held_outside_arena);
     let mut delta = vec![0i128; plan.steps.len() + 1];
     for b in &plan.buffers {
         if matches!(b.storage, Storage::Arena { device, .. } if device == d) && b.first_step <= b.last_step {

@@ -26,6 +26,7 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
     for d in 0..plan.devices.len() {
         validate_arena(plan, d)?;
         validate_io(plan, d)?;
+        validate_variable_region(plan, d)?;
     }
     validate_steps(plan)
 }
@@ -209,6 +210,33 @@ fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
                 "step {s} ({}) updates variable {} through two operands",
                 step.label, plan.buffers[b].label
             ));
+        }
+    }
+    Ok(())
+}
+
+/// The variable region of `device`: every variable aligned, inside the region, none overlapping.
+fn validate_variable_region(plan: &Plan, device: usize) -> Result<(), String> {
+    let region = plan.devices[device].memory.variable_region_bytes;
+    let mut slots: Vec<(usize, usize, &str)> = Vec::new();
+    for v in plan.variables.iter().filter(|v| v.device == device) {
+        if !v.offset.is_multiple_of(plan.alignment) {
+            return Err(format!("variable `{}` is not aligned in its region", v.key));
+        }
+        match v.shape.checked_bytes(v.dtype).and_then(|b| v.offset.checked_add(b)) {
+            Some(end) if end <= region => slots.push((v.offset, end, &v.key)),
+            _ => {
+                return Err(format!(
+                    "variable `{}` ({} at {}) runs past the variable region of {region} bytes",
+                    v.key, v.shape, v.offset
+                ));
+            }
+        }
+    }
+    slots.sort_unstable();
+    for w in slots.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(format!("variables `{}` and `{}` overlap in their region", w[0].2, w[1].2));
         }
     }
     Ok(())

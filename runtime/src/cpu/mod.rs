@@ -313,11 +313,10 @@ impl Backend for CpuBackend {
         // Everything below (and every pointer `run` forms) relies on what validation establishes.
         RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
-        let mut slots = Vec::with_capacity(plan.variables.len());
-        for v in &plan.variables {
-            let device = &mut self.devices[devices[v.device]];
-            slots.push(self.store.ensure(v, |bytes| device.take(bytes, Purpose::Variable))?);
-        }
+        let backend_devices = &mut self.devices;
+        let slots = self
+            .store
+            .ensure_plan(&plan, |d, bytes| backend_devices[devices[d]].take(bytes, Purpose::Variable))?;
         let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
             Storage::Arena { device, offset } => Loc::Arena(device, offset),
             Storage::Io { device, offset } => Loc::Io(device, offset),

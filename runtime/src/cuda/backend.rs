@@ -13,6 +13,7 @@ use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
 use crate::init::initial_values;
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
+use crate::store::new_region;
 use crate::tensor::HostTensor;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -65,9 +66,10 @@ struct Program {
     guard: Option<Guard>,
 }
 
+/// A variable: its spec and its address inside one of the backend's variable regions.
 struct Variable {
     spec: VariableSpec,
-    data: DeviceMem,
+    ptr: u64,
 }
 
 struct GpuDevice {
@@ -84,6 +86,9 @@ pub struct CudaBackend {
     devices: Vec<GpuDevice>,
     tracker: Tracker,
     variables: HashMap<String, Variable>,
+    /// The variable regions (`crate::store::new_region`): one allocation per plan device for
+    /// the variables a loaded plan declared first.
+    variable_regions: Vec<DeviceMem>,
     programs: Vec<Program>,
     modules: HashMap<String, Arc<CudaModule>>,
     device_allocations: u64,
@@ -144,6 +149,7 @@ impl CudaBackend {
             devices: Vec::new(),
             tracker,
             variables: HashMap::new(),
+            variable_regions: Vec::new(),
             programs: Vec::new(),
             modules: HashMap::new(),
             device_allocations: 0,
@@ -235,6 +241,10 @@ impl CudaBackend {
 
     /// Memory for `purpose` on backend device `device`, under its budget.
     fn take(&mut self, device: usize, bytes: usize, purpose: Purpose) -> Result<DeviceMem> {
+        // Nothing to hold (an empty io region): no allocation, and no address is ever formed.
+        if bytes == 0 {
+            return Ok(DeviceMem { ptr: 0, _owned: None });
+        }
         // Growth: allocate before claiming, so that a failed allocation leaves the books as they were.
         if self.devices[device].pool.is_none() {
             self.devices[device].account.check(bytes)?;
@@ -249,9 +259,13 @@ impl CudaBackend {
         }
     }
 
-    fn ensure_variable(&mut self, spec: &VariableSpec, device: usize) -> Result<u64> {
-        if let Some(v) = self.variables.get(&spec.key) {
-            if v.spec.shape != spec.shape || v.spec.dtype != spec.dtype {
+    /// The device address of every variable of `plan` (in `plan.variables` order): held ones
+    /// checked against their spec, new ones created one region per plan device and initialised.
+    fn ensure_variables(&mut self, plan: &Plan, devices: &[usize]) -> Result<Vec<u64>> {
+        for spec in &plan.variables {
+            if let Some(v) = self.variables.get(&spec.key)
+                && (v.spec.shape != spec.shape || v.spec.dtype != spec.dtype)
+            {
                 return Err(RuntimeError::VariableShape {
                     key: spec.key.clone(),
                     existing: v.spec.shape.clone(),
@@ -259,14 +273,18 @@ impl CudaBackend {
                     help: "a variable keeps its shape across plans".into(),
                 });
             }
-            return Ok(v.data.ptr);
         }
-        let data = self.take(device, spec.bytes(), Purpose::Variable)?;
-        let values = initial_values(spec.init, &spec.shape, self.seed, &spec.key);
-        self.htod(data.ptr, &values)?;
-        let p = data.ptr;
-        self.variables.insert(spec.key.clone(), Variable { spec: spec.clone(), data });
-        Ok(p)
+        for d in 0..plan.devices.len() {
+            let Some(region) = new_region(plan, d, |key| self.variables.contains_key(key)) else { continue };
+            let mem = self.take(devices[d], region.bytes, Purpose::Variable)?;
+            for (spec, &offset) in region.variables.iter().zip(&region.offsets) {
+                let ptr = mem.ptr + offset as u64;
+                self.htod(ptr, &initial_values(spec.init, &spec.shape, self.seed, &spec.key))?;
+                self.variables.insert(spec.key.clone(), Variable { spec: (*spec).clone(), ptr });
+            }
+            self.variable_regions.push(mem);
+        }
+        Ok(plan.variables.iter().map(|v| self.variables[&v.key].ptr).collect())
     }
 
     fn htod(&self, dst: u64, data: &[f32]) -> Result<()> {
@@ -452,11 +470,7 @@ impl Backend for CudaBackend {
         // Every device pointer formed below and at launch relies on what validation establishes.
         RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
-        let var_ptrs: Vec<u64> = plan
-            .variables
-            .iter()
-            .map(|v| self.ensure_variable(v, devices[v.device]))
-            .collect::<Result<_>>()?;
+        let var_ptrs = self.ensure_variables(&plan, &devices)?;
         let kernels = plan_kernels(&plan)?;
         let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
         let ptx = self.compiler.compile_all(&sources)?;
@@ -561,7 +575,7 @@ impl Backend for CudaBackend {
             .variables
             .get(key)
             .ok_or_else(|| RuntimeError::invalid(format!("no variable `{key}`"), ""))?;
-        HostTensor::new(v.spec.shape.clone(), self.dtoh(v.data.ptr, v.spec.shape.numel())?)
+        HostTensor::new(v.spec.shape.clone(), self.dtoh(v.ptr, v.spec.shape.numel())?)
     }
 
     fn write_variable(&mut self, key: &str, value: &HostTensor) -> Result<()> {
@@ -577,6 +591,6 @@ impl Backend for CudaBackend {
                 help: "write a tensor of the variable's shape".into(),
             });
         }
-        self.htod(v.data.ptr, value.data())
+        self.htod(v.ptr, value.data())
     }
 }
