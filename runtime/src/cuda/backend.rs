@@ -274,9 +274,9 @@ impl CudaBackend {
                 });
             }
         }
-        for d in 0..plan.devices.len() {
+        for (d, &device) in devices.iter().enumerate() {
             let Some(region) = new_region(plan, d, |key| self.variables.contains_key(key)) else { continue };
-            let mem = self.take(devices[d], region.bytes, Purpose::Variable)?;
+            let mem = self.take(device, region.bytes, Purpose::Variable)?;
             for (spec, &offset) in region.variables.iter().zip(&region.offsets) {
                 let ptr = mem.ptr + offset as u64;
                 self.htod(ptr, &initial_values(spec.init, &spec.shape, self.seed, &spec.key))?;
