@@ -182,6 +182,13 @@ impl MemoryFigures {
 pub const DEVICE_GRANULARITY: usize = 2 << 20;
 
 impl Plan {
+    /// What the device hands out for the plan: each device's variable region, io region and
+    /// arena, each one allocation rounded up to `granularity` (`DEVICE_GRANULARITY` unless
+    /// measured). Counted like an allocator's reserved bytes, which are whole segments.
+    pub fn device_bytes(&self, granularity: usize) -> usize {
+        self.devices.iter().map(|d| d.memory.device_bytes(granularity)).sum()
+    }
+
     pub fn value(&self, i: usize) -> &Value {
         &self.values[i]
     }
