@@ -3,7 +3,7 @@
 //! model and mode. `--simulate` replays the eager allocations without computing (same figures,
 //! faster).
 
-use kiln::compare::{Comparison, Goals, Mode, compare, table};
+use kiln::compare::{Comparison, Goals, Mode, compare, framework_table, table};
 use kiln::report::output_dir;
 use kiln::{svg, zoo};
 use std::time::Instant;
@@ -34,6 +34,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!("{}", table(&rows));
+    println!("framework columns (kiln's eager op stream with what each framework adds on a GPU):");
+    println!("{}", framework_table(&rows));
+    println!("{}", kiln::compare::FRAMEWORK_ASSUMPTIONS);
     print!("{}", Goals::of(&rows).render());
     let json = dir.join("memory.json");
     std::fs::write(&json, serde_json::to_string_pretty(&rows)?)?;

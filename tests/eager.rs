@@ -88,3 +88,88 @@ fn eager_frees_everything_but_variables() {
     assert!(run.stats.peak_in_use > variable_bytes);
     assert_eq!(run.samples.len(), plan.steps.len(), "one memory sample per plan step");
 }
+
+/// Variables come when frameworks make them: every parameter at build, before any input, and
+/// all optimizer state together at the first update, not while the forward pass runs.
+#[test]
+fn parameters_at_build_and_optimizer_state_at_the_first_update() {
+    use kiln::runtime::alloc::VirtualSource;
+    use kiln::runtime::eager::Simulated;
+    let m = zoo::by_name("mlp").unwrap();
+    let (x, y) = m.batch_data(1).unwrap();
+    let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let s = kiln::compiler::optimize(train).unwrap();
+    let bytes = |roles: &[VarRole]| -> usize {
+        s.graph
+            .variables()
+            .into_iter()
+            .filter(|&v| matches!(&s.graph.node(v).op, kiln::compiler::ir::Op::Variable { role, .. } if roles.contains(role)))
+            .map(|v| s.graph.node(v).bytes().div_ceil(512) * 512)
+            .sum()
+    };
+    let params = bytes(&[VarRole::Parameter]);
+    let state = bytes(&[VarRole::OptimizerState, VarRole::Counter]);
+    let mut eager = EagerExecutor::new(CachingAllocator::new(VirtualSource::new(), None), 0, Simulated);
+    eager.build(&s.graph).unwrap();
+    assert_eq!(eager.allocator().stats().in_use, params, "build makes the parameters alone");
+    let run = eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)]).unwrap();
+    // Before the first update only parameters and the step's own tensors exist.
+    let first_update = s
+        .order
+        .iter()
+        .filter(|&&n| {
+            !matches!(
+                s.graph.node(n).op.class(),
+                kiln::compiler::ir::OpClass::Source | kiln::compiler::ir::OpClass::View
+            )
+        })
+        .position(|&n| s.graph.node(n).op.is_effect())
+        .unwrap();
+    // (The mlp's activations and gradients never reach its 14.9 MB of optimizer state.)
+    let before = run.samples[..first_update].iter().map(|s| s.in_use).max().unwrap();
+    assert!(before < params + state, "optimizer state made before the first update: {before}");
+    assert!(run.samples[first_update].in_use >= params + state, "all state at the first update");
+    assert_eq!(run.stats.in_use, params + state, "after the call only variables remain");
+}
+
+/// PyTorch's extras: a 32 MiB cuBLAS workspace per product (or kept), cuBLASLt's 1 MiB kept,
+/// foreach Adam's parameter-sized temporaries; TensorFlow's convolution scratch.
+#[test]
+fn framework_extras_take_what_the_framework_takes() {
+    use kiln::runtime::alloc::VirtualSource;
+    use kiln::runtime::eager::framework::{CUBLAS_WORKSPACE_SM90, CUBLASLT_WORKSPACE};
+    use kiln::runtime::eager::{FrameworkExtras, Simulated, WorkspacePolicy};
+    let run = |name: &str, extras: FrameworkExtras, bfc: bool| {
+        let m = zoo::by_name(name).unwrap();
+        let (x, y) = m.batch_data(1).unwrap();
+        let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let s = kiln::compiler::optimize(train).unwrap();
+        let feed = [("x", &x), ("y", &y)];
+        if bfc {
+            let a = BfcAllocator::new(VirtualSource::new(), 1 << 36);
+            let mut e = EagerExecutor::new(a, 0, Simulated).with_extras(extras);
+            e.run(&s.graph, &s.order, &feed).unwrap().stats
+        } else {
+            let a = CachingAllocator::new(VirtualSource::new(), None);
+            let mut e = EagerExecutor::new(a, 0, Simulated).with_extras(extras);
+            e.run(&s.graph, &s.order, &feed).unwrap().stats
+        }
+    };
+    let plain = run("seed-mlp", FrameworkExtras::default(), false);
+    let per_call = run("seed-mlp", FrameworkExtras::pytorch(WorkspacePolicy::PerCall), false);
+    let kept = run("seed-mlp", FrameworkExtras::pytorch(WorkspacePolicy::Persistent), false);
+    let ws = CUBLAS_WORKSPACE_SM90 + CUBLASLT_WORKSPACE;
+    assert!(per_call.peak_in_use >= ws && per_call.peak_in_use > plain.peak_in_use, "{per_call:?}");
+    assert_eq!(per_call.in_use, plain.in_use + CUBLASLT_WORKSPACE, "per call: only cuBLASLt's is kept");
+    assert_eq!(kept.in_use, plain.in_use + ws, "kept: both workspaces stay");
+    assert!(per_call.peak_reserved >= ws);
+    // foreach Adam: the mlp's 7.45 MB of parameters once more at the optimizer step.
+    let foreach = FrameworkExtras { foreach_optimizer_temporaries: true, ..Default::default() };
+    let (with, without) = (run("mlp", foreach, false), run("mlp", FrameworkExtras::default(), false));
+    assert!(with.peak_in_use > without.peak_in_use, "{} vs {}", with.peak_in_use, without.peak_in_use);
+    assert_eq!(with.in_use, without.in_use, "the temporaries die after the last update");
+    // TensorFlow: im2col scratch around the cnn's convolutions.
+    let tf = run("cnn", FrameworkExtras::tensorflow(), true);
+    let bfc = run("cnn", FrameworkExtras::default(), true);
+    assert!(tf.peak_in_use > bfc.peak_in_use && tf.in_use == bfc.in_use);
+}

@@ -21,8 +21,10 @@
 //! lifetimes do not depend on values.
 
 mod device;
+pub mod framework;
 
 pub use device::{CpuEager, EagerDevice, Simulated};
+pub use framework::{FrameworkExtras, WorkspacePolicy};
 
 use crate::alloc::{Allocator, AllocatorStats, Block};
 use crate::error::{Result, RuntimeError};
@@ -61,6 +63,10 @@ pub struct EagerExecutor<A: Allocator> {
     device: Box<dyn EagerDevice>,
     seed: u64,
     variables: HashMap<String, Block>,
+    /// What the framework adds to the op stream (`framework`); none by default.
+    extras: FrameworkExtras,
+    /// Workspaces taken once and kept (cuBLASLt's; cuBLAS's when persistent).
+    kept: Vec<Block>,
 }
 
 impl<A: Allocator> EagerExecutor<A> {
@@ -68,7 +74,20 @@ impl<A: Allocator> EagerExecutor<A> {
     /// source must hand out that device's memory (`HostSource` for `CpuEager`, `CudaSource` for
     /// the CUDA device; anything for `Simulated`).
     pub fn new(allocator: A, seed: u64, device: impl EagerDevice + 'static) -> Self {
-        EagerExecutor { allocator, device: Box::new(device), seed, variables: HashMap::new() }
+        EagerExecutor {
+            allocator,
+            device: Box::new(device),
+            seed,
+            variables: HashMap::new(),
+            extras: FrameworkExtras::default(),
+            kept: Vec::new(),
+        }
+    }
+
+    /// The same executor with a framework's workspaces and temporaries (`framework`).
+    pub fn with_extras(mut self, extras: FrameworkExtras) -> Self {
+        self.extras = extras;
+        self
     }
 
     pub fn allocator(&self) -> &A {
@@ -148,6 +167,11 @@ impl<A: Allocator> EagerExecutor<A> {
         // update that reads any of it.
         let mut pending: Vec<(usize, String)> = Vec::new();
         let placeholder = Block { addr: 0, size: 0, requested: 0 };
+        // Foreach optimizers: one temporary per updated parameter, from the first update of the
+        // call to its last.
+        let effects = order.iter().filter(|&&n| graph.node(n).op.is_effect()).count();
+        let mut effects_run = 0;
+        let mut foreach_temps: Vec<Block> = Vec::new();
 
         for &n in order {
             let node = graph.node(n);
@@ -215,6 +239,10 @@ impl<A: Allocator> EagerExecutor<A> {
                     let scalar = Shape::scalar();
                     let out_type =
                         if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
+                    if op.is_effect() && effects_run == 0 && self.extras.foreach_optimizer_temporaries {
+                        foreach_temps = self.foreach_temporaries(graph, order)?;
+                    }
+                    let scratch = self.scratch_for(op, &types, out_type.0)?;
                     let ptrs: Vec<u64> = operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
                     self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);
@@ -224,6 +252,17 @@ impl<A: Allocator> EagerExecutor<A> {
                         peak = (stats.in_use, stats.fragmentation());
                     }
                     step += 1;
+                    for b in scratch {
+                        self.allocator.deallocate(b.addr)?;
+                    }
+                    if op.is_effect() {
+                        effects_run += 1;
+                        if effects_run == effects {
+                            for b in foreach_temps.drain(..) {
+                                self.allocator.deallocate(b.addr)?;
+                            }
+                        }
+                    }
                 }
             }
             // Operands whose last reader this was are released. `uses` counts each reader once
@@ -265,6 +304,56 @@ impl<A: Allocator> EagerExecutor<A> {
             stats: self.allocator.stats(),
             fragmentation_at_peak: peak.1,
         })
+    }
+
+    /// The workspaces `op` takes for its run and gives back after it (per-call cuBLAS, conv
+    /// scratch); workspaces kept for good are taken at the first product.
+    fn scratch_for(
+        &mut self,
+        op: &Op,
+        types: &[(&Shape, kiln_compiler::ir::DType)],
+        out: &Shape,
+    ) -> Result<Vec<Block>> {
+        let mut taken = Vec::new();
+        if framework::is_blas(op) {
+            if self.kept.is_empty() {
+                if self.extras.blas_lt_workspace > 0 {
+                    let b = self.alloc(self.extras.blas_lt_workspace, "cuBLASLt workspace")?;
+                    self.kept.push(b);
+                }
+                if let Some(w) =
+                    self.extras.blas_workspace.filter(|w| w.policy == WorkspacePolicy::Persistent)
+                {
+                    let b = self.alloc(w.bytes, "cuBLAS workspace")?;
+                    self.kept.push(b);
+                }
+            }
+            if let Some(w) = self.extras.blas_workspace.filter(|w| w.policy == WorkspacePolicy::PerCall) {
+                taken.push(self.alloc(w.bytes, "cuBLAS workspace")?);
+            }
+        }
+        if self.extras.conv_scratch {
+            let shapes: Vec<&Shape> = types.iter().map(|t| t.0).collect();
+            let bytes = framework::conv_scratch_bytes(op, &shapes, out);
+            if bytes > 0 {
+                taken.push(self.alloc(bytes, "convolution scratch")?);
+            }
+        }
+        Ok(taken)
+    }
+
+    /// One temporary the size of each parameter an Adam update of `order` writes (foreach
+    /// Adam's square roots of the second moments; foreach SGD without Nesterov makes none).
+    fn foreach_temporaries(&mut self, graph: &Graph, order: &[NodeId]) -> Result<Vec<Block>> {
+        let mut temps = Vec::new();
+        for &n in order {
+            if matches!(graph.node(n).op, Op::ApplyAdam { .. })
+                && let Some(&var) = graph.operands(n).first()
+            {
+                temps.push(self.alloc(graph.node(var).bytes(), "foreach optimizer temporary")?);
+            }
+        }
+        Ok(temps)
     }
 
     fn release(&mut self, storage: &mut [Storage], s: usize) -> Result<()> {
