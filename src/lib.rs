@@ -27,6 +27,7 @@ pub mod remat;
 pub mod report;
 pub mod seed;
 pub mod svg;
+pub mod torch_stream;
 pub mod zoo;
 
 pub use device::Device;

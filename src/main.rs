@@ -46,6 +46,12 @@ enum Command {
     },
     /// The GPU benchmark (as `cargo bench --bench gpu`), for machines with CUDA but no Rust toolchain.
     BenchGpu,
+    /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
+    /// eager column and plans.
+    TorchStream {
+        /// The JSON file the script wrote.
+        file: PathBuf,
+    },
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
         /// A zoo model: seed-mlp, mlp, cnn, transformer.
@@ -87,6 +93,7 @@ fn main() -> ExitCode {
         Command::Devices { limit, growth, fraction, logical, seed } => {
             devices(&limit, &growth, &fraction, &logical, seed)
         }
+        Command::TorchStream { file } => torch_stream(&file),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -95,6 +102,56 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// PyTorch's real peaks, the replayed stream, kiln's eager caching column and the plan's device
+/// bytes, per recorded zoo training step.
+fn torch_stream(file: &Path) -> kiln::Result<()> {
+    use kiln::report::{bytes, ratio, render_table};
+    let json = std::fs::read_to_string(file).map_err(|e| {
+        kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(
+            format!("cannot read {}: {e}", file.display()),
+            "pass the JSON file scripts/peers/torch_stream.py wrote",
+        ))
+    })?;
+    let rec = kiln::torch_stream::Recording::parse(&json)?;
+    if let Some(why) = rec.skipped {
+        println!("skipped: {why}");
+        return Ok(());
+    }
+    let mut rows = Vec::new();
+    for (name, stream) in &rec.models {
+        let replayed = kiln::torch_stream::replay(stream)?;
+        let Some(m) = kiln::zoo::by_name(name) else { continue };
+        let c = kiln::compare::compare(&m, kiln::compare::Mode::Train, false)?;
+        rows.push(vec![
+            name.clone(),
+            bytes(stream.max_memory_reserved),
+            bytes(replayed.peak_reserved),
+            bytes(stream.max_memory_allocated),
+            bytes(replayed.peak_in_use),
+            bytes(c.eager_caching_peak_reserved_bytes),
+            bytes(c.pytorch_caching_peak_reserved_bytes),
+            bytes(c.device_bytes),
+            format!("{:.3}", ratio(c.eager_caching_peak_reserved_bytes, replayed.peak_reserved)),
+            format!("{:.3}", ratio(c.device_bytes, stream.max_memory_reserved)),
+        ]);
+    }
+    let headers = [
+        "model (train)",
+        "PyTorch reserved",
+        "replayed reserved",
+        "PyTorch allocated",
+        "replayed in use",
+        "kiln eager caching",
+        "kiln PyTorch column",
+        "kiln device bytes",
+        "kiln eager/replayed",
+        "device/PyTorch",
+    ];
+    println!("PyTorch {} on {}:", rec.torch.as_deref().unwrap_or("?"), rec.device.as_deref().unwrap_or("?"));
+    println!("{}", render_table(&headers, &rows));
+    Ok(())
 }
 
 fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, steps: bool) -> kiln::Result<()> {
