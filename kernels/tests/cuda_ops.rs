@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
+mod cuda_host;
+
 /// How an operand's test data is drawn.
 #[derive(Clone, Copy, Debug)]
 enum Data {
@@ -873,12 +875,27 @@ fn write_case(dir: &Path, c: &Case, k: &CudaKernel, run: bool) {
     if !run {
         return;
     }
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c.name.len() as u64 * 7919));
-    let mut bufs: Vec<Vec<f32>> =
-        c.shapes.iter().zip(&c.data).map(|(s, &d)| draw(d, s.numel(), &mut rng)).collect();
-    for (i, b) in bufs.iter().enumerate() {
+    let (inputs, after, o) = cpu_reference(c);
+    for (i, b) in inputs.iter().enumerate() {
         std::fs::write(dir.join(format!("{}.in{i}", c.name)), bytes(b)).expect("write operand");
     }
+    if c.op.is_effect() {
+        for &i in c.op.mutated_operands() {
+            std::fs::write(dir.join(format!("{}.expect{i}", c.name)), bytes(&after[i]))
+                .expect("write result");
+        }
+    } else {
+        std::fs::write(dir.join(format!("{}.expect", c.name)), bytes(&o)).expect("write result");
+    }
+}
+
+/// The case's operands as drawn (deterministic per case name), and what the CPU kernel makes of
+/// them: the operands after the run (effects update some in place) and the output.
+fn cpu_reference(c: &Case) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c.name.len() as u64 * 7919));
+    let inputs: Vec<Vec<f32>> =
+        c.shapes.iter().zip(&c.data).map(|(s, &d)| draw(d, s.numel(), &mut rng)).collect();
+    let mut bufs = inputs.clone();
     let ops: Vec<(&Shape, DType)> = c.shapes.iter().map(|s| (s, DType::F32)).collect();
     let out = c.output();
     let kernel = cpu::prepare(&c.op, &ops, (&out, DType::F32)).expect("cpu kernel");
@@ -887,13 +904,102 @@ fn write_case(dir: &Path, c: &Case, k: &CudaKernel, run: bool) {
     let optr = if c.op.is_effect() { std::ptr::null_mut() } else { o.as_mut_ptr() as *mut u8 };
     // SAFETY: buffers sized from the shapes, distinct allocations; effects get a null output.
     unsafe { kernel.run(&ptrs, optr) };
-    if c.op.is_effect() {
-        for &i in c.op.mutated_operands() {
-            std::fs::write(dir.join(format!("{}.expect{i}", c.name)), bytes(&bufs[i])).expect("write result");
-        }
-    } else {
-        std::fs::write(dir.join(format!("{}.expect", c.name)), bytes(&o)).expect("write result");
+    (inputs, bufs, o)
+}
+
+/// Whether the host run of `got` matches the CPU's `want`: NaN where NaN, infinities equal,
+/// else within `tol` relative (transcendentals are libm's on both sides; sums may run in
+/// another order: `tolerance`).
+fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} elements, expected {}", got.len(), want.len()));
     }
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan())
+            || g == w
+            || (g.is_finite() && w.is_finite() && (g - w).abs() <= tol * w.abs().max(1.0));
+        if !ok {
+            return Err(format!("element {i}: {g} on the host, {w} on the CPU"));
+        }
+    }
+    Ok(())
+}
+
+/// The relative tolerance for `op`: 1e-5, or 1e-4 where the kernel sums long rows in another
+/// order than the CPU (products and convolutions split over K, reductions by warps).
+fn tolerance(op: &Op) -> f32 {
+    match op {
+        Op::MatMul { .. }
+        | Op::MatMulRows { .. }
+        | Op::Conv2d { .. }
+        | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::GatherGrad { .. } => 1e-4,
+        _ => 1e-5,
+    }
+}
+
+/// Every generated kernel of every case (odd sizes, every op forward and backward, effects)
+/// compiled with the system C++ compiler, launched on the host with its own grid and block, and
+/// compared with the CPU kernel. Cases whose grid holds more than `MAX_THREADS` threads are left
+/// to the device run (`KILN_DUMP_CUDA`); the test names how many.
+#[test]
+fn every_kernel_runs_on_the_host_and_matches_the_cpu() {
+    const MAX_THREADS: usize = 1 << 15;
+    if let Err(why) = cuda_host::available() {
+        assert!(std::env::var("CI").is_err(), "CI runs the host CUDA tests: {why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let all: Vec<Case> = cases().into_iter().chain(random_cases()).collect();
+    let total = all.len();
+    let threads = |k: &CudaKernel| {
+        k.launches
+            .iter()
+            .map(|l| l.grid.iter().product::<u32>() as usize * l.block.iter().product::<u32>() as usize)
+            .sum::<usize>()
+    };
+    let mut runs = Vec::new();
+    let mut references = Vec::new();
+    for c in all {
+        let k = c.generate();
+        if k.launches.is_empty() || threads(&k) > MAX_THREADS {
+            continue;
+        }
+        let (inputs, after, out) = cpu_reference(&c);
+        runs.push(cuda_host::HostCase {
+            name: c.name.clone(),
+            kernel: k,
+            operands: inputs,
+            output_len: out.len(),
+        });
+        references.push((c, after, out));
+    }
+    let ran = runs.len();
+    let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
+    let results = cuda_host::run(runs).unwrap_or_else(|e| panic!("{e}"));
+    let mut failures = Vec::new();
+    for ((name, r), (c, after, out)) in names.iter().zip(&results).zip(&references) {
+        let check = if c.op.is_effect() {
+            c.op.mutated_operands().iter().try_for_each(|&i| {
+                close(&r.operands[i], &after[i], tolerance(&c.op)).map_err(|e| format!("operand {i}: {e}"))
+            })
+        } else {
+            close(&r.output, out, tolerance(&c.op))
+        };
+        if let Err(e) = check {
+            failures.push(format!("{name}: {e}"));
+        }
+    }
+    eprintln!(
+        "{ran} of {total} kernels ran on the host ({} left to a device: over {MAX_THREADS} threads or no launch)",
+        total - ran
+    );
+    assert!(failures.is_empty(), "{} kernels differ from the CPU:\n{}", failures.len(), failures.join("\n"));
+    assert!(ran * 10 >= total * 9, "only {ran} of {total} kernels are small enough to run on the host");
 }
 
 #[test]
