@@ -3,8 +3,8 @@
 // with its grid and block on small inputs, and compare it with the CPU kernel.
 //
 // A block runs as blockDim host threads at once (so __syncthreads and warp shuffles synchronise
-// real threads), blocks one after another (so __shared__ arrays, mapped to function statics, are
-// the block's own). What it cannot see: timing, memory coalescing, bank conflicts, occupancy,
+// real threads), blocks one after another on the same threads (so __shared__ arrays, mapped to
+// function statics, are the block's own). What it cannot see: timing, memory coalescing, bank conflicts, occupancy,
 // register pressure, and races that this schedule happens to order (blocks never overlap here).
 #pragma once
 #include <atomic>
@@ -86,38 +86,44 @@ inline T atomicAdd(T* p, T v) {
 }
 
 namespace kiln_host {
-// Runs `body` for every thread of every block of `grid` x `block`.
-template <class F>
-void launch(dim3 grid, dim3 block, F body) {
+// Runs `body` for every thread of every block of `grid` x `block`: blockDim host threads, each
+// running its thread of every block in turn; a barrier between blocks (whose completion makes
+// the next block's barriers) keeps one block's __shared__ statics from the next.
+inline void launch(dim3 grid, dim3 block, void (*body)(void**), void** args) {
     grid_dim = grid;
     block_dim = block;
     const unsigned n = block.x * block.y * block.z;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                std::barrier<> bar((std::ptrdiff_t)n);
-                std::vector<Warp> warps((n + 31) / 32);
-                for (unsigned w = 0; w < warps.size(); ++w) {
-                    const unsigned size = (w + 1) * 32 <= n ? 32 : n - w * 32;
-                    warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)size);
-                }
-                std::vector<std::thread> threads;
-                threads.reserve(n);
-                for (unsigned t = 0; t < n; ++t) {
-                    threads.emplace_back([&, t] {
-                        thread_idx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        block_idx = dim3{bx, by, bz};
-                        block_barrier = &bar;
-                        warp = &warps[t / 32];
-                        lane = t % 32;
-                        body();
-                        // A thread that is done no longer holds the others at a barrier.
-                        warp->bar->arrive_and_drop();
-                        bar.arrive_and_drop();
-                    });
-                }
-                for (auto& th : threads) th.join();
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<Warp> warps((n + 31) / 32);
+    auto fresh = [&]() noexcept {
+        bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)n);
+        for (unsigned w = 0; w < warps.size(); ++w) {
+            const unsigned size = (w + 1) * 32 <= n ? 32 : n - w * 32;
+            warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)size);
+        }
+    };
+    fresh();
+    std::barrier block_end((std::ptrdiff_t)n, fresh);
+    std::vector<std::thread> threads;
+    threads.reserve(n);
+    for (unsigned t = 0; t < n; ++t) {
+        threads.emplace_back([&, t] {
+            thread_idx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            warp = &warps[t / 32];
+            lane = t % 32;
+            for (unsigned b = 0; b < blocks; ++b) {
+                block_idx = dim3{b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)};
+                block_barrier = bar.get();
+                body(args);
+                // A thread that is done no longer holds the others at a barrier.
+                warp->bar->arrive_and_drop();
+                block_barrier->arrive_and_drop();
+                block_end.arrive_and_wait();
             }
+        });
+    }
+    for (auto& th : threads) th.join();
 }
 
 template <class... P, std::size_t... I>

@@ -53,9 +53,10 @@ fn unit(cases: &[(usize, &HostCase)]) -> String {
         for (j, l) in c.kernel.launches.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "extern \"C\" void kiln_case_{i}_launch_{j}(void** args) {{\n    \
-                 kiln_host::launch(dim3{{{}, {}, {}}}, dim3{{{}, {}, {}}}, [&] {{ kiln_host::call(kiln_case_{i}::{}, args); }});\n}}",
-                l.grid[0], l.grid[1], l.grid[2], l.block[0], l.block[1], l.block[2], l.function
+                "static void kiln_case_{i}_body_{j}(void** args) {{ kiln_host::call(kiln_case_{i}::{}, args); }}\n\
+                 extern \"C\" void kiln_case_{i}_launch_{j}(void** args) {{\n    \
+                 kiln_host::launch(dim3{{{}, {}, {}}}, dim3{{{}, {}, {}}}, kiln_case_{i}_body_{j}, args);\n}}",
+                l.function, l.grid[0], l.grid[1], l.grid[2], l.block[0], l.block[1], l.block[2]
             );
         }
     }
@@ -124,7 +125,9 @@ fn build(dir: &Path, cases: &[HostCase], units: usize) -> Result<Vec<(PathBuf, V
 pub fn run(cases: Vec<HostCase>) -> Result<Vec<HostResult>, String> {
     let dir = std::env::temp_dir().join(format!("kiln-cuda-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let start = std::time::Instant::now();
     let libs = build(&dir, &cases, 2)?;
+    let compiled = start.elapsed().as_secs_f64();
     let mut results: Vec<Option<HostResult>> = (0..cases.len()).map(|_| None).collect();
     for (lib_path, indices) in libs {
         // SAFETY: the library was just built from generated kernels and the header; loading it
@@ -157,5 +160,10 @@ pub fn run(cases: Vec<HostCase>) -> Result<Vec<HostResult>, String> {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    eprintln!(
+        "host CUDA: {} kernels compiled in {compiled:.1} s, run in {:.1} s",
+        cases.len(),
+        start.elapsed().as_secs_f64() - compiled
+    );
     Ok(results.into_iter().map(|r| r.expect("every case ran")).collect())
 }

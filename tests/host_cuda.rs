@@ -1,0 +1,141 @@
+//! Every CUDA kernel of every zoo training step (batch 1) runs on the host and matches the CPU
+//! kernel of its step: the generated source compiled with the system C++ compiler against
+//! `kernels/tests/cuda_host/cuda_host.h` (CUDA's built-ins on host threads), launched with its
+//! grid and block on random operands of the step's shapes. Kernels with identical source run
+//! once; kernels of more than `MAX_THREADS` threads are left to a device (the test says how
+//! many). What the host cannot see: timing, coalescing, occupancy, and races the host schedule
+//! happens to order.
+
+#[path = "../kernels/tests/cuda_host/mod.rs"]
+mod cuda_host;
+
+use kiln::compare::{Mode, graph_of};
+use kiln::compiler::ir::{DType, Op, Shape};
+use kiln::kernels::cpu;
+use kiln::prelude::*;
+use kiln::runtime::cuda::plan_kernels;
+use kiln::zoo;
+use std::collections::HashSet;
+
+const MAX_THREADS: usize = 1 << 16;
+
+/// Operands for a step: ids within the table for gathers, else uniform in [-1, 1).
+fn operands(op: &Op, shapes: &[&Shape], seed: u64) -> Vec<Vec<f32>> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 40) as f32 / (1u64 << 24) as f32
+    };
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let ids = match op {
+                Op::Gather if i == 1 => Some(shapes[0].dims()[0]),
+                Op::GatherGrad { vocab } if i == 0 => Some(*vocab),
+                _ => None,
+            };
+            (0..s.numel())
+                .map(|_| match ids {
+                    Some(v) => (next() * v as f32).floor().min(v as f32 - 1.0),
+                    None => next() * 2.0 - 1.0,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan())
+            || g == w
+            || (g.is_finite() && w.is_finite() && (g - w).abs() <= tol * w.abs().max(1.0));
+        if !ok {
+            return Err(format!("element {i}: {g} on the host, {w} on the CPU"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
+    if let Err(why) = cuda_host::available() {
+        assert!(std::env::var("CI").is_err(), "CI runs the host CUDA tests: {why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let mut cases = Vec::new();
+    let mut references = Vec::new();
+    let (mut total, mut seen, mut too_big) = (0, HashSet::new(), Vec::new());
+    for m in zoo::all() {
+        let m = m.with_batch(1);
+        let plan = compile(graph_of(&m, Mode::Train).unwrap(), &CompileOptions::default()).unwrap();
+        for (s, (step, k)) in plan.steps.iter().zip(plan_kernels(&plan).unwrap()).enumerate() {
+            total += 1;
+            let threads: usize = k
+                .launches
+                .iter()
+                .map(|l| l.grid.iter().product::<u32>() as usize * l.block.iter().product::<u32>() as usize)
+                .sum();
+            if k.launches.is_empty() || !seen.insert(k.source.clone()) {
+                continue;
+            }
+            if threads > MAX_THREADS {
+                too_big.push(format!("{} step {s} ({}, {threads} threads)", m.name, step.label));
+                continue;
+            }
+            let shapes: Vec<&Shape> = step.inputs.iter().map(|&v| &plan.values[v].shape).collect();
+            let inputs = operands(&step.op, &shapes, s as u64 + 1);
+            let scalar = Shape::scalar();
+            let out = step.output.map_or(&scalar, |o| &plan.values[o].shape);
+            let types: Vec<(&Shape, DType)> = shapes.iter().map(|&s| (s, DType::F32)).collect();
+            let kernel = cpu::prepare(&step.op, &types, (out, DType::F32)).unwrap();
+            let mut after = inputs.clone();
+            let mut o = vec![f32::NAN; if step.op.is_effect() { 0 } else { out.numel() }];
+            let ptrs: Vec<*mut u8> = after.iter_mut().map(|b| b.as_mut_ptr() as *mut u8).collect();
+            let optr = if step.op.is_effect() { std::ptr::null_mut() } else { o.as_mut_ptr() as *mut u8 };
+            // SAFETY: buffers sized from the step's shapes, distinct allocations; effects get a
+            // null output.
+            unsafe { kernel.run(&ptrs, optr) };
+            let name = format!("{} step {s} ({})", m.name, step.label);
+            cases.push(cuda_host::HostCase {
+                name: name.clone(),
+                kernel: k,
+                operands: inputs,
+                output_len: o.len(),
+            });
+            references.push((name, step.op.clone(), after, o));
+        }
+    }
+    let ran = cases.len();
+    let results = cuda_host::run(cases).unwrap_or_else(|e| panic!("{e}"));
+    let mut failures = Vec::new();
+    for (r, (name, op, after, out)) in results.iter().zip(&references) {
+        let tol = if matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select) {
+            1e-5
+        } else {
+            1e-4
+        };
+        let check = if op.is_effect() {
+            op.mutated_operands().iter().try_for_each(|&i| close(&r.operands[i], &after[i], tol))
+        } else {
+            close(&r.output, out, tol)
+        };
+        if let Err(e) = check {
+            failures.push(format!("{name}: {e}"));
+        }
+    }
+    eprintln!(
+        "{total} zoo steps, {} distinct kernels: {ran} ran on the host, {} over {MAX_THREADS} threads left to a device",
+        seen.len(),
+        too_big.len()
+    );
+    assert!(failures.is_empty(), "{} kernels differ from the CPU:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        ran * 4 >= seen.len() * 3,
+        "only {ran} of {} distinct zoo kernels ran on the host: {too_big:?}",
+        seen.len()
+    );
+}
