@@ -14,6 +14,7 @@
 use super::broadcast::{Strided, broadcast_strides};
 use super::math::{flag, gelu, gelu_derivative, max_nan, min_nan, relu, sigmoid, sign};
 use super::par::{SendPtr, par_ranges};
+use super::vmath;
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
 use std::slice;
@@ -130,10 +131,10 @@ unsafe fn unary_run(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
             UnaryOp::Sign => map1(x, o, n, sign),
             UnaryOp::Relu => map1(x, o, n, relu),
             UnaryOp::Sigmoid => map1(x, o, n, sigmoid),
-            UnaryOp::Tanh => map1(x, o, n, f32::tanh),
+            UnaryOp::Tanh => map1(x, o, n, vmath::tanh),
             UnaryOp::Gelu => map1(x, o, n, gelu),
-            UnaryOp::Exp => map1(x, o, n, f32::exp),
-            UnaryOp::Log => map1(x, o, n, f32::ln),
+            UnaryOp::Exp => map1(x, o, n, vmath::exp),
+            UnaryOp::Log => map1(x, o, n, vmath::ln),
             UnaryOp::Sqrt => map1(x, o, n, f32::sqrt),
             UnaryOp::Rsqrt => map1(x, o, n, |v| 1.0 / v.sqrt()),
             UnaryOp::Square => map1(x, o, n, |v| v * v),

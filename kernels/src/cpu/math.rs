@@ -36,21 +36,16 @@ pub(crate) fn relu(x: f32) -> f32 {
     if x < 0.0 { 0.0 } else { x }
 }
 
-/// 1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1.
+/// 1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1 (`vmath`).
 #[inline(always)]
 pub(crate) fn sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
+    super::vmath::sigmoid(x)
 }
 
 /// Φ(x), the standard normal CDF.
 #[inline(always)]
 pub(crate) fn normal_cdf(x: f32) -> f32 {
-    0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2))
+    0.5 * (1.0 + super::vmath::erf(x * FRAC_1_SQRT_2))
 }
 
 /// Exact GELU: x·Φ(x).
@@ -63,5 +58,5 @@ pub(crate) fn gelu(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn gelu_derivative(x: f32) -> f32 {
     let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
-    normal_cdf(x) + x * (-0.5 * x * x).exp() * inv_sqrt_2pi
+    normal_cdf(x) + x * super::vmath::exp(-0.5 * x * x) * inv_sqrt_2pi
 }

@@ -34,7 +34,7 @@ pub(crate) fn softmax(x: &Shape, axis: usize, log: bool) -> Box<dyn CpuKernel> {
 fn row(x: &[f32], o: &mut [f32], log: bool) {
     let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| max_nan(m, v));
     if log {
-        let sum: f64 = x.iter().map(|&v| (v - m).exp() as f64).sum();
+        let sum: f64 = x.iter().map(|&v| super::vmath::exp(v - m) as f64).sum();
         let lse = sum.ln() as f32;
         for (o, &v) in o.iter_mut().zip(x) {
             *o = (v - m) - lse;
@@ -42,7 +42,7 @@ fn row(x: &[f32], o: &mut [f32], log: bool) {
     } else {
         let mut sum = 0f64;
         for (o, &v) in o.iter_mut().zip(x) {
-            *o = (v - m).exp();
+            *o = super::vmath::exp(v - m);
             sum += *o as f64;
         }
         let scale = (1.0 / sum) as f32;
@@ -74,11 +74,11 @@ impl Softmax {
         for r in 0..n {
             if self.log {
                 for ((s, &m), &v) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)) {
-                    *s += (v - m).exp() as f64;
+                    *s += super::vmath::exp(v - m) as f64;
                 }
             } else {
                 for (((s, &m), &v), o) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)).zip(or(r)) {
-                    *o = (v - m).exp();
+                    *o = super::vmath::exp(v - m);
                     *s += *o as f64;
                 }
             }
