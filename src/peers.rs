@@ -393,6 +393,48 @@ pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
     Ok(Some(report))
 }
 
+/// JAX's step times for `models`: milliseconds of each of `steps` jitted training steps (after
+/// warm-up), or `Ok(None)` after printing `skipped: <reason>` where JAX cannot be had.
+pub fn xla_step_times(models: &[&str], steps: usize) -> Result<Option<BTreeMap<String, Vec<f64>>>> {
+    #[derive(serde::Deserialize)]
+    struct Times {
+        train_step_ms: Vec<f64>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Report {
+        models: BTreeMap<String, Times>,
+    }
+    let python = match python_with_jax() {
+        Ok(p) => p,
+        Err(Skip(why)) => {
+            eprintln!("skipped: {why}");
+            return Ok(None);
+        }
+    };
+    let script = script_path();
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg("--models")
+        .arg(models.join(","))
+        .arg("--time")
+        .arg(steps.to_string())
+        .env("JAX_PLATFORMS", "cpu")
+        .output()?;
+    if !out.status.success() {
+        return Err(script_error(format!(
+            "{} {} --time failed ({}): {}",
+            python.display(),
+            script.display(),
+            out.status,
+            tail(&out.stderr)
+        )));
+    }
+    let report: Report = serde_json::from_slice(&out.stdout).map_err(|e| {
+        script_error(format!("{} --time printed no report that parses: {e}", script.display()))
+    })?;
+    Ok(Some(report.models.into_iter().map(|(k, t)| (k, t.train_step_ms)).collect()))
+}
+
 // ---------------------------------------------------------------- side by side
 
 /// One model and mode on both sides.

@@ -22,6 +22,8 @@ allocates itself at run time, outside XLA's buffer assignment (cnn forward: temp
 XLA buffer; the default-flags figures (temp and total) are reported beside them.
 
 Usage: xla_memory.py [--models seed-mlp,mlp,...]   prints one JSON object on stdout.
+       xla_memory.py --time STEPS [--models ...]    times STEPS jitted training steps per model
+                                                    instead (after two warm-up steps), in ms.
 """
 
 import argparse
@@ -366,9 +368,55 @@ def measure(name):
     }
 
 
+def time_steps(name, steps):
+    """Milliseconds of each of `steps` jitted, donated training steps on real arrays (uniform x,
+    one-hot or binary y, Glorot-like parameters), after two warm-up steps (compilation)."""
+    import time
+
+    b = Builder()
+    apply, x_shape, y_shape, loss_kind = MODELS[name](b)
+    lr = 0.01 if name == "seed-mlp" else 1e-3
+    loss_fn = binary_crossentropy if loss_kind == "bce" else softmax_crossentropy
+    key = jax.random.PRNGKey(0)
+    params = {}
+    for i, (k, s) in enumerate(b.shapes.items()):
+        params[k] = jax.random.uniform(jax.random.fold_in(key, i), s, F32, -0.05, 0.05)
+    m = {k: jnp.zeros_like(v) for k, v in params.items()}
+    v = {k: jnp.zeros_like(p) for k, p in params.items()}
+    it = jnp.zeros((), F32)
+    if name.startswith("transformer"):
+        vocab = y_shape[-1]
+        x = jax.random.randint(jax.random.fold_in(key, 998), x_shape, 0, vocab).astype(F32)
+    else:
+        x = jax.random.uniform(jax.random.fold_in(key, 998), x_shape, F32)
+    if loss_kind == "bce":
+        y = (jax.random.uniform(jax.random.fold_in(key, 999), y_shape) > 0.5).astype(F32)
+    else:
+        labels = jax.random.randint(jax.random.fold_in(key, 999), y_shape[:-1], 0, y_shape[-1])
+        y = jax.nn.one_hot(labels, y_shape[-1], dtype=F32)
+
+    def step(params, m, v, it, x, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(apply(p, x), y))(params)
+        new_p, new_m, new_v = {}, {}, {}
+        for k in params:
+            new_p[k], new_m[k], new_v[k] = adam_update(lr, params[k], grads[k], m[k], v[k], it)
+        return new_p, new_m, new_v, it + 1.0, loss
+
+    train = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        params, m, v, it, loss = train(params, m, v, it, x, y)
+        loss.block_until_ready()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"train_step_ms": times}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--time", type=int, default=0, help="time this many training steps per model")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -380,7 +428,7 @@ def main():
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "backend": jax.default_backend(),
-        "models": {n: measure(n) for n in names},
+        "models": {n: (time_steps(n, args.time) if args.time else measure(n)) for n in names},
     }
     json.dump(out, sys.stdout, indent=1)
     print()
