@@ -5,17 +5,17 @@
 //! baseline x86-64 target).
 //!
 //! Why and what it gave: libm's scalar calls were the CPU's elementwise hot spot. 1M floats in
-//! [-6, 6], unary kernel on 2 threads, best of 3 runs of median-of-15, before -> after on the
-//! 2-core build machine: tanh 4.28 -> 0.95 ms, sigmoid 1.57 -> 0.68 ms, exp 0.68 -> 0.53 ms, ln
-//! 0.83 -> 0.88 ms (relu: 0.05-0.09 ms). GELU keeps libm's `erff` and `expf`: a branch-free erf
-//! (fitted here, within 2 ulp) made the unary GELU kernel 4.7x faster on [-6, 6], but the
-//! transformer's activations are mostly |x| < 1, where libm's fast path wins in the loops the
-//! compiler does not vectorise (GELU's gradient, a strided binary loop): its training step
-//! measured 44.6 ms without and 50.2 ms with it (this shared machine's timings drift by 10%
-//! between runs; an interleaved A/B is owed). The compiler's vectorisation is fragile (a select written as `copysign`
-//! made a loop 3x slower): explicit SIMD is the next step toward 5x. Accuracy against libm over
-//! sweeps of every range (tests below): exp and ln within 1 ulp, sigmoid and tanh within 2 ulp.
-//! NaN propagates, ±inf and overflow/underflow give libm's limits, subnormal results of exp are
+//! [-6, 6], unary kernel on 2 threads, median of 15, before -> after on the 2-core build machine
+//! (AVX2: the unary loops are also compiled for AVX2 and picked at run time, `elementwise`):
+//! tanh 4.28 -> 0.45 ms, sigmoid 1.57 -> 0.31 ms, exp 0.68 -> 0.28 ms, ln 0.83 -> 0.39 ms (relu:
+//! 0.05-0.09 ms). GELU keeps libm's `erff` and `expf`: a branch-free erf (fitted, within 2 ulp;
+//! in the history) made the unary GELU 9x faster, but GELU's gradient runs in a strided binary
+//! loop the compiler does not vectorise, where it lost to libm's fast path on the transformer's
+//! mostly small activations, and compiling the binary loops for AVX2 too made the zoo's steps
+//! slower, not faster. The compiler's vectorisation is fragile (a select written as `copysign`
+//! made a loop 3x slower): explicit SIMD is the next step. Accuracy against libm over sweeps of
+//! every range (tests below): exp and ln within 1 ulp, sigmoid and tanh within 2 ulp. NaN
+//! propagates, ±inf and overflow/underflow give libm's limits, subnormal results of exp are
 //! rounded once.
 //!
 //! The polynomials are Cephes' single-precision minimax coefficients (exp, ln, and tanh below
