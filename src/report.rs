@@ -15,6 +15,8 @@ pub struct PlanMemory {
     pub io_bytes: usize,
     pub persistent_bytes: usize,
     pub planned_total_bytes: usize,
+    /// The plan's allocations (variable region, io, arena) each rounded to the device's 2 MiB.
+    pub device_bytes: usize,
     pub algorithm: String,
 }
 
@@ -31,6 +33,7 @@ impl PlanMemory {
             io_bytes: m.io_bytes,
             persistent_bytes: m.persistent_bytes,
             planned_total_bytes: m.planned_total_bytes(),
+            device_bytes: plan.device_bytes(kiln_compiler::plan::DEVICE_GRANULARITY),
             algorithm: m.algorithm.clone(),
         }
     }
@@ -74,6 +77,7 @@ pub fn table(rows: &[PlanMemory]) -> String {
         "arena B",
         "lower bound B",
         "naive B",
+        "device B",
         "arena/bound",
         "naive/arena",
     ];
@@ -89,6 +93,7 @@ pub fn table(rows: &[PlanMemory]) -> String {
                 bytes(r.arena_bytes),
                 bytes(r.lower_bound_bytes),
                 bytes(r.naive_bytes),
+                bytes(r.device_bytes),
                 format!("{:.3}", r.arena_over_bound()),
                 format!("{:.2}x", r.naive_over_arena()),
             ]
