@@ -358,10 +358,10 @@ fn script_error(what: String) -> Error {
     ))
 }
 
-/// XLA's figures for `models` (names from [`all`]), or `Ok(None)` after printing
-/// `skipped: <reason>` on stderr where JAX cannot be had. A script that fails once JAX imports,
-/// or prints what does not parse, is an error.
-pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
+/// Runs `scripts/peers/xla_memory.py` on `models` with `extra` arguments and returns what it
+/// printed, or `Ok(None)` after printing `skipped: <reason>` on stderr where JAX cannot be had.
+/// A script that fails once JAX imports is an error.
+fn run_script(models: &[&str], extra: &[String]) -> Result<Option<Vec<u8>>> {
     let python = match python_with_jax() {
         Ok(p) => p,
         Err(Skip(why)) => {
@@ -374,18 +374,29 @@ pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
         .arg(&script)
         .arg("--models")
         .arg(models.join(","))
+        .args(extra)
         .env("JAX_PLATFORMS", "cpu")
         .output()?;
     if !out.status.success() {
         return Err(script_error(format!(
-            "{} {} failed ({}): {}",
+            "{} {} {} failed ({}): {}",
             python.display(),
             script.display(),
+            extra.join(" "),
             out.status,
             tail(&out.stderr)
         )));
     }
-    let report: XlaReport = serde_json::from_slice(&out.stdout)
+    Ok(Some(out.stdout))
+}
+
+/// XLA's figures for `models` (names from [`all`]), or `Ok(None)` after printing
+/// `skipped: <reason>` on stderr where JAX cannot be had. A script that fails once JAX imports,
+/// or prints what does not parse, is an error.
+pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
+    let Some(stdout) = run_script(models, &[])? else { return Ok(None) };
+    let script = script_path();
+    let report: XlaReport = serde_json::from_slice(&stdout)
         .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
     if let Some(missing) = models.iter().find(|m| !report.models.contains_key(**m)) {
         return Err(script_error(format!("{} printed no figures for {missing}", script.display())));
@@ -404,33 +415,9 @@ pub fn xla_step_times(models: &[&str], steps: usize) -> Result<Option<BTreeMap<S
     struct Report {
         models: BTreeMap<String, Times>,
     }
-    let python = match python_with_jax() {
-        Ok(p) => p,
-        Err(Skip(why)) => {
-            eprintln!("skipped: {why}");
-            return Ok(None);
-        }
-    };
-    let script = script_path();
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg("--models")
-        .arg(models.join(","))
-        .arg("--time")
-        .arg(steps.to_string())
-        .env("JAX_PLATFORMS", "cpu")
-        .output()?;
-    if !out.status.success() {
-        return Err(script_error(format!(
-            "{} {} --time failed ({}): {}",
-            python.display(),
-            script.display(),
-            out.status,
-            tail(&out.stderr)
-        )));
-    }
-    let report: Report = serde_json::from_slice(&out.stdout).map_err(|e| {
-        script_error(format!("{} --time printed no report that parses: {e}", script.display()))
+    let Some(stdout) = run_script(models, &["--time".into(), steps.to_string()])? else { return Ok(None) };
+    let report: Report = serde_json::from_slice(&stdout).map_err(|e| {
+        script_error(format!("{} --time printed no report that parses: {e}", script_path().display()))
     })?;
     Ok(Some(report.models.into_iter().map(|(k, t)| (k, t.train_step_ms)).collect()))
 }

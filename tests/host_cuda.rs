@@ -47,18 +47,6 @@ fn operands(op: &Op, shapes: &[&Shape], seed: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g.is_nan() && w.is_nan())
-            || g == w
-            || (g.is_finite() && w.is_finite() && (g - w).abs() <= tol * w.abs().max(1.0));
-        if !ok {
-            return Err(format!("element {i}: {g} on the host, {w} on the CPU"));
-        }
-    }
-    Ok(())
-}
-
 #[test]
 fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
     if let Err(why) = cuda_host::available() {
@@ -113,15 +101,11 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
     let results = cuda_host::run(cases).unwrap_or_else(|e| panic!("{e}"));
     let mut failures = Vec::new();
     for (r, (name, op, after, out)) in results.iter().zip(&references) {
-        let tol = if matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select) {
-            1e-5
-        } else {
-            1e-4
-        };
+        let tol = cuda_host::tolerance(op);
         let check = if op.is_effect() {
-            op.mutated_operands().iter().try_for_each(|&i| close(&r.operands[i], &after[i], tol))
+            op.mutated_operands().iter().try_for_each(|&i| cuda_host::close(&r.operands[i], &after[i], tol))
         } else {
-            close(&r.output, out, tol)
+            cuda_host::close(&r.output, out, tol)
         };
         if let Err(e) = check {
             failures.push(format!("{name}: {e}"));

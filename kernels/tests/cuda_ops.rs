@@ -907,41 +907,6 @@ fn cpu_reference(c: &Case) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>) {
     (inputs, bufs, o)
 }
 
-/// Whether the host run of `got` matches the CPU's `want`: NaN where NaN, infinities equal,
-/// else within `tol` relative (transcendentals are libm's on both sides; sums may run in
-/// another order: `tolerance`).
-fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{} elements, expected {}", got.len(), want.len()));
-    }
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g.is_nan() && w.is_nan())
-            || g == w
-            || (g.is_finite() && w.is_finite() && (g - w).abs() <= tol * w.abs().max(1.0));
-        if !ok {
-            return Err(format!("element {i}: {g} on the host, {w} on the CPU"));
-        }
-    }
-    Ok(())
-}
-
-/// The relative tolerance for `op`: 1e-5, or 1e-4 where the kernel sums long rows in another
-/// order than the CPU (products and convolutions split over K, reductions by warps).
-fn tolerance(op: &Op) -> f32 {
-    match op {
-        Op::MatMul { .. }
-        | Op::MatMulRows { .. }
-        | Op::Conv2d { .. }
-        | Op::Conv2dBackpropInput { .. }
-        | Op::Conv2dBackpropFilter { .. }
-        | Op::Reduce { .. }
-        | Op::Softmax { .. }
-        | Op::LogSoftmax { .. }
-        | Op::GatherGrad { .. } => 1e-4,
-        _ => 1e-5,
-    }
-}
-
 /// Every generated kernel of every case (odd sizes, every op forward and backward, effects)
 /// compiled with the system C++ compiler, launched on the host with its own grid and block, and
 /// compared with the CPU kernel. Cases whose grid holds more than `MAX_THREADS` threads are left
@@ -985,10 +950,11 @@ fn every_kernel_runs_on_the_host_and_matches_the_cpu() {
     for ((name, r), (c, after, out)) in names.iter().zip(&results).zip(&references) {
         let check = if c.op.is_effect() {
             c.op.mutated_operands().iter().try_for_each(|&i| {
-                close(&r.operands[i], &after[i], tolerance(&c.op)).map_err(|e| format!("operand {i}: {e}"))
+                cuda_host::close(&r.operands[i], &after[i], cuda_host::tolerance(&c.op))
+                    .map_err(|e| format!("operand {i}: {e}"))
             })
         } else {
-            close(&r.output, out, tolerance(&c.op))
+            cuda_host::close(&r.output, out, cuda_host::tolerance(&c.op))
         };
         if let Err(e) = check {
             failures.push(format!("{name}: {e}"));

@@ -181,6 +181,19 @@ impl Rows {
     pub fn end(&self) -> Option<usize> {
         self.start.checked_add(self.len)
     }
+
+    /// The elements an update of `rows` (or, None, the whole variable) touches in `var`: the
+    /// offset of the first and the count, with the block as kernel descriptions name it.
+    /// `rows` was checked against `var` by `ir::infer`.
+    pub fn span(rows: Option<Rows>, var: &Shape) -> (usize, usize, String) {
+        match rows {
+            None => (0, var.numel(), String::new()),
+            Some(r) => {
+                let row = var.dims()[1..].iter().product::<usize>();
+                (r.start * row, r.len * row, format!(" rows {}..{}", r.start, r.start + r.len))
+            }
+        }
+    }
 }
 
 /// Attributes of a 2-D window (convolution or pooling) over NHWC tensors.

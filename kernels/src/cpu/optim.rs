@@ -23,17 +23,6 @@ unsafe fn part<'a>(p: SendPtr<f32>, s: usize, e: usize) -> &'a mut [f32] {
     unsafe { slice::from_raw_parts_mut(p.get().add(s), e - s) }
 }
 
-/// The element offset of a block of rows in `var`, and the elements updated.
-fn block(var: &Shape, rows: Option<Rows>) -> (usize, usize, String) {
-    match rows {
-        None => (0, var.numel(), String::new()),
-        Some(r) => {
-            let row = var.dims()[1..].iter().product::<usize>();
-            (r.start * row, r.len * row, format!(" rows {}..{}", r.start, r.start + r.len))
-        }
-    }
-}
-
 struct Sgd {
     lr: f32,
     momentum: f32,
@@ -51,7 +40,7 @@ pub(crate) fn sgd(
     var: &Shape,
     rows: Option<Rows>,
 ) -> Box<dyn CpuKernel> {
-    let (offset, n, part) = block(var, rows);
+    let (offset, n, part) = Rows::span(rows, var);
     let desc = format!(
         "apply_sgd[lr {lr}, momentum {momentum}{}] {}{part}",
         if nesterov { ", nesterov" } else { "" },
@@ -110,7 +99,7 @@ pub(crate) fn adam(
     var: &Shape,
     rows: Option<Rows>,
 ) -> Box<dyn CpuKernel> {
-    let (offset, n, part) = block(var, rows);
+    let (offset, n, part) = Rows::span(rows, var);
     let desc = format!(
         "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}{part}",
         shape_text(var)

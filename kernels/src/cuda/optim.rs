@@ -20,18 +20,6 @@ use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_typ
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::{Rows, Shape};
 
-/// The element offset of a block of rows in `var` and the elements updated (`rows` checked
-/// against `var` by `ir::infer`), with the describe suffix.
-fn block(var: &Shape, rows: Option<Rows>) -> (usize, usize, String) {
-    match rows {
-        None => (0, var.numel(), String::new()),
-        Some(r) => {
-            let row = var.dims()[1..].iter().product::<usize>();
-            (r.start * row, r.len * row, format!(" rows {}..{}", r.start, r.start + r.len))
-        }
-    }
-}
-
 /// Moves the named pointer parameters to a block's first element.
 fn shift(c: &mut Code, names: &[&str], offset: usize) {
     if offset > 0 {
@@ -60,7 +48,7 @@ pub(crate) fn sgd(
     rows: Option<Rows>,
     shapes: &[&Shape],
 ) -> CudaKernel {
-    let (offset, n, part) = block(var, rows);
+    let (offset, n, part) = Rows::span(rows, var);
     let ty = idx_type(var.numel());
     let with_velocity = momentum != 0.0;
     let mut c = Code::new();
@@ -111,7 +99,7 @@ pub(crate) fn adam(
     shapes: &[&Shape],
 ) -> CudaKernel {
     let [lr, beta1, beta2, epsilon] = hyper;
-    let (offset, n, part) = block(var, rows);
+    let (offset, n, part) = Rows::span(rows, var);
     let ty = idx_type(var.numel());
     let mut c = Code::new();
     c.line(header(label, shapes, None));

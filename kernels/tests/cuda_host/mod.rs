@@ -4,6 +4,7 @@
 //! cannot see. Cases are compiled into a few translation units (each kernel in a namespace of
 //! its own) built in parallel, so the whole set costs a few compiler runs.
 
+use kiln_compiler::ir::Op;
 use kiln_kernels::cuda::{Arg, CudaKernel};
 use std::ffi::c_void;
 use std::fmt::Write as _;
@@ -23,6 +24,41 @@ pub struct HostCase {
 pub struct HostResult {
     pub operands: Vec<Vec<f32>>,
     pub output: Vec<f32>,
+}
+
+/// Whether the host run of `got` matches the CPU's `want`: NaN where NaN, infinities equal,
+/// else within `tol` relative (transcendentals are libm's on both sides; sums may run in
+/// another order: `tolerance`).
+pub fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} elements, expected {}", got.len(), want.len()));
+    }
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan())
+            || g == w
+            || (g.is_finite() && w.is_finite() && (g - w).abs() <= tol * w.abs().max(1.0));
+        if !ok {
+            return Err(format!("element {i}: {g} on the host, {w} on the CPU"));
+        }
+    }
+    Ok(())
+}
+
+/// The relative tolerance for `op`: 1e-5, or 1e-4 where the kernel sums long rows in another
+/// order than the CPU (products and convolutions split over K, reductions by warps).
+pub fn tolerance(op: &Op) -> f32 {
+    match op {
+        Op::MatMul { .. }
+        | Op::MatMulRows { .. }
+        | Op::Conv2d { .. }
+        | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropFilter { .. }
+        | Op::Reduce { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::GatherGrad { .. } => 1e-4,
+        _ => 1e-5,
+    }
 }
 
 const HEADER: &str = include_str!("cuda_host.h");
