@@ -1,6 +1,7 @@
-//! `cargo bench --bench speed`: CPU training-step time of every zoo model, kiln against JAX/XLA
-//! (jit, donated parameters; the peers environment of the memory bench), side by side in one
-//! run: 3 interleaved rounds (kiln then JAX, every model) of 10 timed steps each after warm-up;
+//! `cargo bench --bench speed`: CPU training-step time of every zoo model, kiln fused (the
+//! default) and unfused against JAX/XLA (jit, donated parameters; the peers environment of the
+//! memory bench), side by side in one run: 3 interleaved rounds (kiln fused, kiln unfused, then
+//! JAX, every model) of 10 timed steps each after warm-up;
 //! the median of all of a side's steps is its figure. PyTorch eager and torch.compile are not
 //! measured here: their CPU wheels cannot be installed on the build machines (the PyPI wheel
 //! needs CUDA's libraries to import). Writes `target/kiln/speed.json` and a table.
@@ -21,9 +22,13 @@ struct Row {
     model: String,
     batch: usize,
     kiln_ms: f64,
+    kiln_unfused_ms: f64,
+    plan_steps: usize,
+    plan_steps_unfused: usize,
     jax_ms: Option<f64>,
     kiln_over_jax: Option<f64>,
     kiln_steps: Vec<f64>,
+    kiln_unfused_steps: Vec<f64>,
     jax_steps: Vec<f64>,
 }
 
@@ -36,27 +41,33 @@ fn median(v: &[f64]) -> f64 {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let models = zoo::all();
     let names: Vec<&str> = models.iter().map(|m| m.name).collect();
+    // Per model, the fused program then the unfused one.
     let mut programs = Vec::new();
+    let mut plan_steps = Vec::new();
     for m in &models {
         let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config())?;
-        let plan = compile(graph, &CompileOptions::default())?;
-        let mut backend = CpuBackend::new(0);
-        let id = backend.load(plan)?;
-        let (x, y) = m.batch_data(1)?;
-        for _ in 0..2 {
-            backend.call(id, &[("x", &x), ("y", &y)])?;
+        for fuse in [true, false] {
+            let plan = compile(graph.clone(), &CompileOptions::default().with_fusion(fuse))?;
+            plan_steps.push(plan.steps.len());
+            let mut backend = CpuBackend::new(0);
+            let id = backend.load(plan)?;
+            let (x, y) = m.batch_data(1)?;
+            for _ in 0..2 {
+                backend.call(id, &[("x", &x), ("y", &y)])?;
+            }
+            programs.push((backend, id, x, y));
         }
-        programs.push((backend, id, x, y));
     }
-    let mut kiln_steps: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut kiln_steps: BTreeMap<(&str, bool), Vec<f64>> = BTreeMap::new();
     let mut jax_steps: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut jax_ok = true;
     for round in 0..ROUNDS {
-        for (m, (backend, id, x, y)) in models.iter().zip(&mut programs) {
+        for (i, (backend, id, x, y)) in programs.iter_mut().enumerate() {
+            let key = (models[i / 2].name, i % 2 == 0);
             for _ in 0..STEPS {
                 let t = Instant::now();
                 backend.call(*id, &[("x", &*x), ("y", &*y)])?;
-                kiln_steps.entry(m.name).or_default().push(t.elapsed().as_secs_f64() * 1e3);
+                kiln_steps.entry(key).or_default().push(t.elapsed().as_secs_f64() * 1e3);
             }
         }
         if jax_ok {
@@ -69,17 +80,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let rows: Vec<Row> = models
         .iter()
-        .map(|m| {
-            let k = &kiln_steps[m.name];
+        .enumerate()
+        .map(|(i, m)| {
+            let (k, u) = (&kiln_steps[&(m.name, true)], &kiln_steps[&(m.name, false)]);
             let j = jax_steps.get(m.name).cloned().unwrap_or_default();
             let (kiln_ms, jax_ms) = (median(k), (!j.is_empty()).then(|| median(&j)));
             Row {
                 model: m.name.into(),
                 batch: m.batch,
                 kiln_ms,
+                kiln_unfused_ms: median(u),
+                plan_steps: plan_steps[2 * i],
+                plan_steps_unfused: plan_steps[2 * i + 1],
                 jax_ms,
                 kiln_over_jax: jax_ms.map(|j| kiln_ms / j),
                 kiln_steps: k.clone(),
+                kiln_unfused_steps: u.clone(),
                 jax_steps: j,
             }
         })
@@ -90,7 +106,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             vec![
                 r.model.clone(),
                 r.batch.to_string(),
+                format!("{} / {}", r.plan_steps_unfused, r.plan_steps),
+                format!("{:.3}", r.kiln_unfused_ms),
                 format!("{:.3}", r.kiln_ms),
+                format!("{:.2}", r.kiln_ms / r.kiln_unfused_ms),
                 r.jax_ms.map_or("skipped".into(), |j| format!("{j:.3}")),
                 r.kiln_over_jax.map_or("-".into(), |x| format!("{x:.2}")),
             ]
@@ -98,10 +117,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     println!(
         "{}",
-        render_table(&["model (train step)", "batch", "kiln ms", "JAX jit ms", "kiln/JAX"], &cells)
+        render_table(
+            &[
+                "model (train step)",
+                "batch",
+                "plan steps unfused / fused",
+                "kiln unfused ms",
+                "kiln ms",
+                "fused/unfused",
+                "JAX jit ms",
+                "kiln/JAX"
+            ],
+            &cells
+        )
     );
     println!(
-        "CPU, 2 cores; medians of {} steps per side in {ROUNDS} interleaved rounds; kiln: CpuBackend, default compile options (unfused); JAX: jit with donated parameters and Adam state, XLA CPU defaults; PyTorch: not measured (not installable here).",
+        "CPU, 2 cores; medians of {} steps per side in {ROUNDS} interleaved rounds; kiln: CpuBackend, default compile options (fused; unfused with fusion off); JAX: jit with donated parameters and Adam state, XLA CPU defaults; PyTorch: not measured (not installable here).",
         ROUNDS * STEPS
     );
     let dir = output_dir();

@@ -4,7 +4,8 @@
 //! 1. `trace` — the Rust DSL records a model into an `ir::Graph`; `nn` builds layers on it.
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
-//! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering.
+//! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
+//!    then `fusion` — elementwise chains become one fused op each (plans only: eager stays unfused).
 //! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
 //!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
 //!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
@@ -18,6 +19,7 @@
 pub mod autodiff;
 pub mod device;
 pub mod error;
+pub mod fusion;
 pub mod guard;
 pub mod ir;
 pub mod limits;
@@ -59,6 +61,9 @@ pub struct CompileOptions {
     /// differ from the whole product's in the last bit: turn it off for results bitwise equal
     /// to an untiled run (the eager executor's, or a plan compiled before).
     pub tile_updates: bool,
+    /// Whether elementwise chains are fused into one op each (`fusion`; on by default, or as
+    /// `KILN_FUSE=0` says). Fused results are bitwise the unfused ones on the CPU.
+    pub fuse: bool,
 }
 
 impl Default for CompileOptions {
@@ -68,6 +73,7 @@ impl Default for CompileOptions {
             devices: vec![DeviceSpec::new(0, "device 0")],
             guard_bytes: guard::default_bytes(),
             tile_updates: true,
+            fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -90,6 +96,12 @@ impl CompileOptions {
     /// `KILN_GUARD` says.
     pub fn with_guard(mut self, on: bool) -> Self {
         self.guard_bytes = if on { guard::GUARD_BYTES } else { 0 };
+        self
+    }
+
+    /// Fusion on or off, whatever `KILN_FUSE` says.
+    pub fn with_fusion(mut self, on: bool) -> Self {
+        self.fuse = on;
         self
     }
 
@@ -157,8 +169,13 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
+    let fused = if options.fuse { fusion::fuse(&mut graph)? } else { fusion::FusionFigures::default() };
     let devices = devices_used(&graph, options)?;
-    let variants = search_tiled(graph, &devices, options)?;
+    let mut variants = search_tiled(graph, &devices, options)?;
+    for (_, plan) in &mut variants {
+        plan.memory.fused_groups = fused.groups;
+        plan.memory.fused_ops = fused.ops;
+    }
     let Err(oom) = limits::check(&variants[0].1) else {
         return Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least"));
     };
@@ -175,6 +192,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         match limits::check(&outcome.plan) {
             Ok(()) => {
                 let mut plan = outcome.plan;
+                plan.memory.fused_groups = fused.groups;
+                plan.memory.fused_ops = fused.ops;
                 if !outcome.figures.recomputed.is_empty() {
                     plan.memory.remat = Some(outcome.figures);
                 }

@@ -148,6 +148,12 @@ pub struct MemoryFigures {
     /// 0 where the untiled graph planned smaller.
     #[serde(default)]
     pub tiled_updates: usize,
+    /// Fused ops in the plan's graph and the elementwise ops they replaced (`fusion`; set on the
+    /// totals).
+    #[serde(default)]
+    pub fused_groups: usize,
+    #[serde(default)]
+    pub fused_ops: usize,
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
     pub remat: Option<crate::remat::RematFigures>,

@@ -8,8 +8,9 @@
 //! and `NAME.expect` (the CPU kernel's output, or for effects `NAME.expectN`, operand N after the
 //! update): what a GPU check or an NVRTC compile check needs.
 
+use kiln_compiler::ir::fused::{Inst, Ref};
 use kiln_compiler::ir::{
-    BinaryOp, DType, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
+    BinaryOp, DType, Fused, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
 };
 use kiln_kernels::KernelError;
 use kiln_kernels::cpu;
@@ -510,7 +511,67 @@ fn random_cases() -> Vec<Case> {
         let pad = Op::Pad { axis, before: r.pick(3), after: r.pick(3) };
         push(&mut v, format!("rand_pad_{i}"), pad, &[dims]);
     }
+    for i in 0..40 {
+        let (op, shapes) = random_fused(&mut r);
+        push(&mut v, format!("rand_fused_{i}"), op, &shapes);
+    }
     v
+}
+
+/// A random fused elementwise program (`ir::fused`) over 1 to 4 operands that broadcast to its
+/// shape, with 1 to 12 instructions, every operand read.
+fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
+    let rank = 1 + r.pick(3);
+    let out: Vec<usize> = (0..rank).map(|_| 1 + r.pick(7)).collect();
+    let k = 1 + r.pick(4);
+    let shapes: Vec<Vec<usize>> = (0..k).map(|_| r.operand(&out)).collect();
+    let unary = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Relu,
+        UnaryOp::Sigmoid,
+        UnaryOp::Tanh,
+        UnaryOp::Square,
+        UnaryOp::Gelu,
+    ];
+    let binary = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Maximum,
+        BinaryOp::Greater,
+        BinaryOp::ReluGrad,
+        BinaryOp::SigmoidGrad,
+        BinaryOp::TanhGrad,
+        BinaryOp::GeluGrad,
+    ];
+    let mut insts: Vec<Inst> = Vec::new();
+    let pick_ref = |r: &mut Rng, n: usize| {
+        let j = r.pick(k + n);
+        if j < k { Ref::Operand(j as u32) } else { Ref::Value((j - k) as u32) }
+    };
+    for _ in 0..1 + r.pick(8) {
+        let n = insts.len();
+        let (a, b, c) = (pick_ref(r, n), pick_ref(r, n), pick_ref(r, n));
+        insts.push(match r.pick(4) {
+            0 => Inst::Unary(unary[r.pick(unary.len())], a),
+            1 => Inst::Binary(binary[r.pick(binary.len())], a, b),
+            2 => Inst::Scalar(
+                if r.pick(2) == 0 { ScalarOp::Add } else { ScalarOp::Mul },
+                -1.5 + r.pick(7) as f32 * 0.5,
+                a,
+            ),
+            _ => Inst::Select(a, b, c),
+        });
+    }
+    for j in 0..k {
+        let read = insts.iter().flat_map(|i| i.refs()).any(|x| x == Ref::Operand(j as u32));
+        if !read {
+            let last = Ref::Value(insts.len() as u32 - 1);
+            insts.push(Inst::Binary(BinaryOp::Add, last, Ref::Operand(j as u32)));
+        }
+    }
+    (Op::Fused(Fused { shape: Shape::from(out.as_slice()), insts }), shapes)
 }
 
 /// Cases too large to run on the CPU: generated and compiled only (64-bit indices, big grids).
@@ -661,8 +722,10 @@ fn every_op_generates_valid_launches() {
 
 #[test]
 fn every_computing_op_is_covered() {
-    let names: std::collections::HashSet<&str> = cases().iter().map(|c| c.op.name()).collect();
+    let names: std::collections::HashSet<&str> =
+        cases().iter().chain(random_cases().iter()).map(|c| c.op.name()).collect();
     for n in [
+        "fused",
         "fill",
         "neg",
         "abs",

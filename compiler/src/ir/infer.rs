@@ -81,6 +81,26 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             broadcast(shape(0), shape(1)).map(|s| (s, d))
         }
+        Op::Fused(f) => {
+            let all: Vec<usize> = (0..operands.len()).collect();
+            let d = same_dtype(&all)?;
+            if let Err(e) = f.check(operands.len()) {
+                return err(e, "fused ops are made by kiln's fusion pass: compile the graph again");
+            }
+            if let Some(i) =
+                (0..operands.len()).find(|&i| Shape::broadcast(shape(i), &f.shape).as_ref() != Some(&f.shape))
+            {
+                return err(
+                    format!(
+                        "operand {i} of shape {} does not broadcast to the fused shape {}",
+                        shape(i),
+                        f.shape
+                    ),
+                    "every operand of a fused op broadcasts to its output",
+                );
+            }
+            Ok((f.shape.clone(), d))
+        }
         Op::Select => {
             let d = same_dtype(&[1, 2])?;
             let ab = broadcast(shape(1), shape(2))?;
@@ -375,6 +395,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
         Op::Select => 3..=3,
+        Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS,
         Op::Concat { .. } => 1..=usize::MAX,
         Op::ApplySgd { momentum, .. } if *momentum != 0.0 => 3..=3,
         Op::ApplySgd { .. } => 2..=2,

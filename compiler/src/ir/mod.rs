@@ -2,6 +2,7 @@
 
 mod dtype;
 mod dump;
+pub mod fused;
 mod graph;
 mod infer;
 mod op;
@@ -9,6 +10,7 @@ mod shape;
 
 pub use dtype::DType;
 pub use dump::dump;
+pub use fused::Fused;
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{

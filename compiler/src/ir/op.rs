@@ -257,6 +257,9 @@ pub enum Op {
     },
     /// where(cond != 0, a, b), operands (cond, a, b).
     Select,
+    /// A fused elementwise group (`ir::fused`): a program of elementwise instructions over the
+    /// operands, each broadcast to the program's shape. Formed by the fusion pass.
+    Fused(super::Fused),
 
     // ---- linear algebra
     /// Batched matrix product over the last two axes, batch axes broadcast.
@@ -390,7 +393,9 @@ impl Op {
     pub fn class(&self) -> OpClass {
         match self {
             Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
-            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select => OpClass::Elementwise,
+            Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select | Op::Fused(_) => {
+                OpClass::Elementwise
+            }
             Op::Reshape { .. } => OpClass::View,
             Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => OpClass::Effect,
             _ => OpClass::Compute,
@@ -425,6 +430,7 @@ impl Op {
             | Op::Pad { .. }
             | Op::Gather
             | Op::AssignAdd { .. } => n(output),
+            Op::Fused(f) => f.insts.len() as u64 * n(output),
             Op::MatMul { transpose_a, .. } => {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
                 2 * n(output) * k
@@ -522,6 +528,7 @@ impl Op {
                 ScalarOp::Equal => "equal_scalar",
             },
             Op::Select => "select",
+            Op::Fused(_) => "fused",
             Op::MatMul { .. } => "matmul",
             Op::Reshape { .. } => "reshape",
             Op::Permute { .. } => "permute",
@@ -634,6 +641,9 @@ impl Op {
             }
             Op::AssignAdd { value } => {
                 let _ = write!(s, "[{value}]");
+            }
+            Op::Fused(f) => {
+                let _ = write!(s, "[{}]", f.text());
             }
             _ => {}
         }

@@ -12,9 +12,8 @@
 //! with stride 0 or 1, so four loop shapes cover everything.
 
 use super::broadcast::{Strided, broadcast_strides};
-use super::math::{flag, gelu, gelu_derivative, max_nan, min_nan, relu, sigmoid, sign};
+use super::math::{with_binary, with_scalar, with_unary};
 use super::par::{SendPtr, par_ranges};
-use super::vmath;
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
 use std::slice;
@@ -124,23 +123,7 @@ pub(crate) fn unary(op: UnaryOp, name: &str, x: &Shape) -> Box<dyn CpuKernel> {
 #[inline(always)]
 unsafe fn unary_run(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
     // SAFETY: forwarded contract.
-    unsafe {
-        match op {
-            UnaryOp::Neg => map1(x, o, n, |v| -v),
-            UnaryOp::Abs => map1(x, o, n, f32::abs),
-            UnaryOp::Sign => map1(x, o, n, sign),
-            UnaryOp::Relu => map1(x, o, n, relu),
-            UnaryOp::Sigmoid => map1(x, o, n, sigmoid),
-            UnaryOp::Tanh => map1(x, o, n, vmath::tanh),
-            UnaryOp::Gelu => map1(x, o, n, gelu),
-            UnaryOp::Exp => map1(x, o, n, vmath::exp),
-            UnaryOp::Log => map1(x, o, n, vmath::ln),
-            UnaryOp::Sqrt => map1(x, o, n, f32::sqrt),
-            UnaryOp::Rsqrt => map1(x, o, n, |v| 1.0 / v.sqrt()),
-            UnaryOp::Square => map1(x, o, n, |v| v * v),
-            UnaryOp::Reciprocal => map1(x, o, n, |v| 1.0 / v),
-        }
-    }
+    with_unary!(op, |f| unsafe { map1(x, o, n, f) })
 }
 
 /// `unary_run` compiled for AVX2: the same scalar code, which the compiler vectorises 8 wide
@@ -203,27 +186,7 @@ pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, x: &Shape) -> Box<dyn Cpu
 #[inline(always)]
 unsafe fn scalar_run(op: ScalarOp, c: f32, x: *const f32, o: *mut f32, n: usize) {
     // SAFETY: forwarded contract.
-    unsafe {
-        match op {
-            ScalarOp::Add => map1(x, o, n, |v| v + c),
-            ScalarOp::Mul => map1(x, o, n, |v| v * c),
-            ScalarOp::RSub => map1(x, o, n, |v| c - v),
-            ScalarOp::RDiv => map1(x, o, n, |v| c / v),
-            ScalarOp::Pow if c == 2.0 => map1(x, o, n, |v| v * v),
-            ScalarOp::Pow if c == 1.0 => map1(x, o, n, |v| v),
-            ScalarOp::Pow if c == 0.5 => map1(x, o, n, f32::sqrt),
-            ScalarOp::Pow if c == -1.0 => map1(x, o, n, |v| 1.0 / v),
-            ScalarOp::Pow if c == 0.0 => map1(x, o, n, |_| 1.0),
-            ScalarOp::Pow => map1(x, o, n, |v| v.powf(c)),
-            ScalarOp::Max => map1(x, o, n, |v| max_nan(v, c)),
-            ScalarOp::Min => map1(x, o, n, |v| min_nan(v, c)),
-            ScalarOp::Greater => map1(x, o, n, |v| flag(v > c)),
-            ScalarOp::GreaterEqual => map1(x, o, n, |v| flag(v >= c)),
-            ScalarOp::Less => map1(x, o, n, |v| flag(v < c)),
-            ScalarOp::LessEqual => map1(x, o, n, |v| flag(v <= c)),
-            ScalarOp::Equal => map1(x, o, n, |v| flag(v == c)),
-        }
-    }
+    with_scalar!(op, c, |f| unsafe { map1(x, o, n, f) })
 }
 
 impl CpuKernel for Scalar {
@@ -281,29 +244,8 @@ impl Binary {
 
 impl CpuKernel for Binary {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (i, o) = (inputs, output);
         // SAFETY: run's contract, forwarded.
-        unsafe {
-            match self.op {
-                BinaryOp::Add => self.go(i, o, |x, y| x + y),
-                BinaryOp::Sub => self.go(i, o, |x, y| x - y),
-                BinaryOp::Mul => self.go(i, o, |x, y| x * y),
-                BinaryOp::Div => self.go(i, o, |x, y| x / y),
-                BinaryOp::Pow => self.go(i, o, f32::powf),
-                BinaryOp::Maximum => self.go(i, o, max_nan),
-                BinaryOp::Minimum => self.go(i, o, min_nan),
-                BinaryOp::Greater => self.go(i, o, |x, y| flag(x > y)),
-                BinaryOp::GreaterEqual => self.go(i, o, |x, y| flag(x >= y)),
-                BinaryOp::Less => self.go(i, o, |x, y| flag(x < y)),
-                BinaryOp::LessEqual => self.go(i, o, |x, y| flag(x <= y)),
-                BinaryOp::Equal => self.go(i, o, |x, y| flag(x == y)),
-                BinaryOp::NotEqual => self.go(i, o, |x, y| flag(x != y)),
-                BinaryOp::ReluGrad => self.go(i, o, |x, dy| if x > 0.0 { dy } else { 0.0 }),
-                BinaryOp::GeluGrad => self.go(i, o, |x, dy| dy * gelu_derivative(x)),
-                BinaryOp::SigmoidGrad => self.go(i, o, |y, dy| dy * y * (1.0 - y)),
-                BinaryOp::TanhGrad => self.go(i, o, |y, dy| dy * (1.0 - y * y)),
-            }
-        }
+        with_binary!(self.op, |f| unsafe { self.go(inputs, output, f) })
     }
 
     fn describe(&self) -> String {

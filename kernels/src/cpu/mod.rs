@@ -9,6 +9,7 @@
 //!
 //! Modules, one job each:
 //! - `elementwise`: unary, binary, scalar and select ops, in place when the planner aliases.
+//! - `fused`: fused elementwise groups, one chunked pass over the output.
 //! - `broadcast`: strided loop nests (broadcasting, permutation) shared by the kernels.
 //! - `layout`: fill, copy, permute, broadcast_to, concat, slice, pad.
 //! - `reduce`, `softmax`: reductions and the normalisers along an axis.
@@ -26,6 +27,7 @@
 mod broadcast;
 mod conv;
 mod elementwise;
+mod fused;
 mod gather;
 mod layout;
 mod math;
@@ -47,7 +49,7 @@ pub trait CpuKernel: Send + Sync {
     /// # Safety
     /// Every pointer is valid for its tensor's bytes (numel * dtype size) and 4-byte aligned (arena
     /// offsets are 256-aligned). Buffers do not overlap, EXCEPT: for elementwise ops
-    /// (`op.class() == OpClass::Elementwise`: Unary, Binary, Scalar, Select) the output may be the very
+    /// (`op.class() == OpClass::Elementwise`: Unary, Binary, Scalar, Select, Fused) the output may be the very
     /// same buffer as one input whose shape equals the output shape (in-place execution). Effect ops
     /// (ApplySgd, ApplyAdam, AssignAdd) write their mutated operands (`Op::mutated_operands`) in place.
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8);
@@ -91,6 +93,7 @@ pub fn prepare(
         Op::Binary(b) => elementwise::binary(*b, name, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
+        Op::Fused(f) => fused::fused(f, &s, out)?,
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(s[0], s[1], *transpose_a, *transpose_b, out)
         }

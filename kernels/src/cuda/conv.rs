@@ -97,6 +97,7 @@ fn zeros(name: &str, head: String, describe: String, out: &Shape) -> CudaKernel 
         max_operand: out.numel(),
         expr: "0.0f".into(),
         in_place: false,
+        ..Default::default()
     }
     .generate();
     k.describe = format!("{describe} (empty contraction: zeros)");

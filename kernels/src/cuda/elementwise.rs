@@ -18,12 +18,14 @@ use super::codegen::{
 };
 use super::codegen::{idx_type, linear, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
-use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
+use kiln_compiler::ir::fused::{Inst, Ref};
+use kiln_compiler::ir::{BinaryOp, Fused, ScalarOp, Shape, UnaryOp};
 
 /// Operand value names in the op expressions.
 const NAMES: [&str; 3] = ["a", "b", "c"];
 
 /// A one-thread-per-element kernel over a contiguous output.
+#[derive(Default)]
 pub(crate) struct Map<'a> {
     /// Function name, e.g. "kiln_add".
     pub name: &'a str,
@@ -37,6 +39,10 @@ pub(crate) struct Map<'a> {
     pub max_operand: usize,
     /// The output value as an expression of the operand values a, b, c.
     pub expr: String,
+    /// Statements before `expr` (`const float v0 = ...;`), for fused groups; usually empty.
+    pub lets: Vec<String>,
+    /// The operand values' names where not a, b, c (fused groups take more operands).
+    pub names: Vec<String>,
     /// Whether the output may alias an operand (elementwise ops): no `__restrict__`.
     pub in_place: bool,
 }
@@ -49,16 +55,23 @@ impl Map<'_> {
         let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
         let ty = idx_type(numel.max(self.max_operand));
         let vector = numel.is_multiple_of(4) && numel >= 4 && access.iter().all(|&a| a != Access::Strided);
-        let names: Vec<&str> = NAMES[..k].to_vec();
+        let names: Vec<&str> = if self.names.is_empty() {
+            NAMES[..k].to_vec()
+        } else {
+            self.names.iter().map(String::as_str).collect()
+        };
 
         let mut c = Code::new();
         c.line(self.header);
-        let prelude = math::prelude(&self.expr);
+        let prelude = math::prelude(&format!("{}\n{}", self.lets.join("\n"), self.expr));
         if !prelude.is_empty() {
             c.line(prelude);
         }
         let args: Vec<String> = names.iter().map(|n| format!("float {n}")).collect();
         c.line(format!("__device__ __forceinline__ float kiln_op({}) {{", args.join(", ")));
+        for l in &self.lets {
+            c.line(l);
+        }
         c.line(format!("return {};", self.expr));
         c.line("}");
         c.blank();
@@ -160,6 +173,7 @@ pub(crate) fn unary(op: UnaryOp, name: &str, label: &str, x: &Shape) -> CudaKern
         max_operand: x.numel(),
         expr: math::unary(op, "a"),
         in_place: true,
+        ..Default::default()
     }
     .generate()
 }
@@ -174,6 +188,7 @@ pub(crate) fn binary(op: BinaryOp, name: &str, label: &str, a: &Shape, b: &Shape
         max_operand: max_numel(&[a, b, out]),
         expr: math::binary(op, "a", "b"),
         in_place: true,
+        ..Default::default()
     }
     .generate()
 }
@@ -188,6 +203,7 @@ pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape) -
         max_operand: x.numel(),
         expr: math::scalar(op, c, "a"),
         in_place: true,
+        ..Default::default()
     }
     .generate()
 }
@@ -202,6 +218,44 @@ pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) 
         strides: strides_of(&[c, a, b], out),
         max_operand: max_numel(&[c, a, b, out]),
         expr: "a != 0.0f ? b : c".into(),
+        in_place: true,
+        ..Default::default()
+    }
+    .generate()
+}
+
+/// A fused elementwise group (`ir::fused`): the same one-thread-per-element kernel, whose
+/// per-element function computes the program's instructions in registers (`const float vJ`),
+/// operands named x0, x1, ... Each instruction is its op's expression (`math`), whose top-level
+/// products are `__fmul_rn`: NVRTC never contracts a product of one instruction with a sum of the
+/// next into an FMA, so every instruction rounds as the unfused op does.
+pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Shape) -> CudaKernel {
+    let names: Vec<String> = (0..operands.len()).map(|j| format!("x{j}")).collect();
+    let value = |r: Ref| match r {
+        Ref::Operand(i) => format!("x{i}"),
+        Ref::Value(v) => format!("v{v}"),
+    };
+    let exprs: Vec<String> = program
+        .insts
+        .iter()
+        .map(|inst| match *inst {
+            Inst::Unary(op, a) => math::unary(op, &value(a)),
+            Inst::Binary(op, a, b) => math::binary(op, &value(a), &value(b)),
+            Inst::Scalar(op, c, a) => math::scalar(op, c, &value(a)),
+            Inst::Select(w, a, b) => format!("{} != 0.0f ? {} : {}", value(w), value(a), value(b)),
+        })
+        .collect();
+    let (last, lets) = exprs.split_last().expect("a fused program has an instruction (checked by infer)");
+    Map {
+        name: "kiln_fused",
+        header: header(label, operands, Some(out)),
+        describe: format!("fused({} ops) {}", program.insts.len(), shape_text(out)),
+        out: out.dims(),
+        strides: strides_of(operands, out),
+        max_operand: max_numel(&[operands, &[out]].concat()),
+        expr: last.clone(),
+        lets: lets.iter().enumerate().map(|(j, e)| format!("const float v{j} = {e};")).collect(),
+        names,
         in_place: true,
     }
     .generate()

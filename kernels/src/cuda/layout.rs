@@ -28,6 +28,7 @@ pub(crate) fn fill(label: &str, value: f32, out: &Shape) -> CudaKernel {
         max_operand: out.numel(),
         expr: flt(value),
         in_place: false,
+        ..Default::default()
     }
     .generate()
 }
@@ -42,6 +43,7 @@ pub(crate) fn copy(label: &str, x: &Shape) -> CudaKernel {
         max_operand: x.numel(),
         expr: "a".into(),
         in_place: false,
+        ..Default::default()
     }
     .generate()
 }
@@ -56,6 +58,7 @@ pub(crate) fn broadcast_to(label: &str, x: &Shape, out: &Shape) -> CudaKernel {
         max_operand: out.numel(),
         expr: "a".into(),
         in_place: false,
+        ..Default::default()
     }
     .generate()
 }
@@ -89,6 +92,7 @@ pub(crate) fn permute(label: &str, x: &Shape, perm: &[usize], out: &Shape) -> Cu
         max_operand: x.numel(),
         expr: "a".into(),
         in_place: false,
+        ..Default::default()
     }
     .generate()
 }
@@ -369,6 +373,7 @@ pub(crate) fn pad(
             max_operand: out.numel(),
             expr: "0.0f".into(),
             in_place: false,
+            ..Default::default()
         }
         .generate();
         k.describe = format!("{describe} (zeros)");

@@ -3,7 +3,9 @@
 //! The expressions follow the CPU definitions operation for operation, so that the GPU rounds the
 //! same way: no reassociation, and no fused multiply-add where the CPU rounds the product first.
 //! NVRTC contracts `a * b + c` into an FMA by default (`--fmad=true`); wherever a product feeds
-//! an addition, the product is written `__fmul_rn(a, b)`, which the compiler never fuses. With
+//! an addition, the product is written `__fmul_rn(a, b)`, which the compiler never fuses; so is
+//! every expression's top-level product, since in a fused group (`elementwise::fused`) the next
+//! instruction may add to it. With
 //! IEEE division and square root (NVRTC's defaults without fast-math), the arithmetic ops are then
 //! bitwise equal to the CPU's; `expf`, `logf`, `tanhf`, `erff` and `powf` come from CUDA's math
 //! library, within 1-2 ulp of glibc's.
@@ -41,7 +43,7 @@ pub(crate) fn prelude(uses: &str) -> String {
         out.push_str(&format!(
             "// standard normal CDF\n\
              __device__ __forceinline__ float kiln_normal_cdf(float x) {{\n    \
-             return 0.5f * (1.0f + erff(x * {}));\n}}\n",
+             return __fmul_rn(0.5f, 1.0f + erff(x * {}));\n}}\n",
             flt(FRAC_1_SQRT_2)
         ));
     }
@@ -49,7 +51,7 @@ pub(crate) fn prelude(uses: &str) -> String {
         out.push_str(
             "// exact GELU: x * Phi(x)\n\
              __device__ __forceinline__ float kiln_gelu(float x) {\n    \
-             return x * kiln_normal_cdf(x);\n}\n",
+             return __fmul_rn(x, kiln_normal_cdf(x));\n}\n",
         );
     }
     if needs("kiln_gelu_grad") {
@@ -78,7 +80,7 @@ pub(crate) fn unary(op: UnaryOp, x: &str) -> String {
         UnaryOp::Log => format!("logf({x})"),
         UnaryOp::Sqrt => format!("sqrtf({x})"),
         UnaryOp::Rsqrt => format!("1.0f / sqrtf({x})"),
-        UnaryOp::Square => format!("{x} * {x}"),
+        UnaryOp::Square => format!("__fmul_rn({x}, {x})"),
         UnaryOp::Reciprocal => format!("1.0f / {x}"),
     }
 }
@@ -92,7 +94,7 @@ pub(crate) fn binary(op: BinaryOp, a: &str, b: &str) -> String {
     match op {
         BinaryOp::Add => format!("{a} + {b}"),
         BinaryOp::Sub => format!("{a} - {b}"),
-        BinaryOp::Mul => format!("{a} * {b}"),
+        BinaryOp::Mul => format!("__fmul_rn({a}, {b})"),
         BinaryOp::Div => format!("{a} / {b}"),
         BinaryOp::Pow => format!("powf({a}, {b})"),
         BinaryOp::Maximum => format!("kiln_max_nan({a}, {b})"),
@@ -104,9 +106,9 @@ pub(crate) fn binary(op: BinaryOp, a: &str, b: &str) -> String {
         BinaryOp::Equal => flag(format!("{a} == {b}")),
         BinaryOp::NotEqual => flag(format!("{a} != {b}")),
         BinaryOp::ReluGrad => format!("({a} > 0.0f ? {b} : 0.0f)"),
-        BinaryOp::GeluGrad => format!("{b} * kiln_gelu_grad({a})"),
-        BinaryOp::SigmoidGrad => format!("{b} * {a} * (1.0f - {a})"),
-        BinaryOp::TanhGrad => format!("{b} * (1.0f - __fmul_rn({a}, {a}))"),
+        BinaryOp::GeluGrad => format!("__fmul_rn({b}, kiln_gelu_grad({a}))"),
+        BinaryOp::SigmoidGrad => format!("__fmul_rn(__fmul_rn({b}, {a}), 1.0f - {a})"),
+        BinaryOp::TanhGrad => format!("__fmul_rn({b}, 1.0f - __fmul_rn({a}, {a}))"),
     }
 }
 
@@ -115,10 +117,10 @@ pub(crate) fn scalar(op: ScalarOp, c: f32, x: &str) -> String {
     let k = flt(c);
     match op {
         ScalarOp::Add => format!("{x} + {k}"),
-        ScalarOp::Mul => format!("{x} * {k}"),
+        ScalarOp::Mul => format!("__fmul_rn({x}, {k})"),
         ScalarOp::RSub => format!("{k} - {x}"),
         ScalarOp::RDiv => format!("{k} / {x}"),
-        ScalarOp::Pow if c == 2.0 => format!("{x} * {x}"),
+        ScalarOp::Pow if c == 2.0 => format!("__fmul_rn({x}, {x})"),
         ScalarOp::Pow if c == 1.0 => x.to_string(),
         ScalarOp::Pow if c == 0.5 => format!("sqrtf({x})"),
         ScalarOp::Pow if c == -1.0 => format!("1.0f / {x}"),

@@ -65,6 +65,7 @@ pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out:
             max_operand: out.numel(),
             expr: "0.0f".into(),
             in_place: false,
+            ..Default::default()
         }
         .generate();
         kernel.describe = format!("{describe} (K = 0: zeros)");

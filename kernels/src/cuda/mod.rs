@@ -35,7 +35,8 @@
 //! Modules, one job each:
 //! - `codegen`: source builder, float literals, index types, grids, strided loop nests.
 //! - `math`: device scalar functions and each elementwise op's expression.
-//! - `elementwise`: unary, binary, scalar, select, and the strided map the layout ops share.
+//! - `elementwise`: unary, binary, scalar, select, fused groups, and the strided map the layout
+//!   ops share.
 //! - `layout`: fill, copy, permute (tiled transposes), broadcast_to, concat, slice, pad.
 //! - `reduce`, `softmax`: reductions and the normalisers along an axis.
 //! - `gemm`: the tiled, register-blocked GEMM; `matmul` and `conv` build on it.
@@ -120,6 +121,7 @@ pub fn generate(
         Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
+        Op::Fused(f) => elementwise::fused(l, f, &s, out),
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out)
         }

@@ -155,6 +155,7 @@ pub(crate) fn reduce(
             max_operand: x.numel(),
             expr,
             in_place: false,
+            ..Default::default()
         }
         .generate();
         k.describe = format!("{describe} (elementwise)");

@@ -1,0 +1,286 @@
+//! Fusion: chains of elementwise ops become one `Op::Fused` (`ir::fused`), so that the values
+//! inside a chain are never materialised: the planner sees fewer and smaller buffers and each
+//! backend runs one kernel (the CPU one loop over cache-sized chunks, CUDA one generated kernel)
+//! where there were several.
+//!
+//! The pass is greedy from the consumers back, as XLA's producer-consumer fusion is: every
+//! elementwise op not yet fused roots a group, and an elementwise operand joins the group when
+//! every reader of its value is already in the group (so the value is needed nowhere else and
+//! nothing is computed twice), it has the root's element count (so no instruction runs more often
+//! than unfused), it is not a graph output, has no control edges, lives on the root's device, and
+//! the group stays within the kernels' limits (`ir::fused`: 8 operands, 64 instructions, 16
+//! chunk slots). A `BroadcastTo` read only by the group joins as no instruction at all: the fused
+//! op reads its operand with broadcast strides, and the broadcast tensor is never made. A value that the backward pass saves (a sigmoid's output read by its gradient)
+//! has readers outside the group and stays materialised, so autodiff's choice of saved values is
+//! kept. A group of one op stays that op.
+//!
+//! Fused results are bitwise the unfused ones on the CPU: each instruction is the op it replaces,
+//! computed by the same scalar function (`kiln_kernels::cpu` has one definition per op).
+//!
+//! Runs in `compile` after the default passes and before the schedule search; the eager executor
+//! (`optimize`) never fuses, as eager frameworks do not.
+//!
+//! Measured on the zoo's training steps (`cargo bench --bench memory`, plan steps unfused ->
+//! fused): see the README's fusion table.
+
+use crate::error::{CompileError, Result};
+use crate::ir::fused::{Inst, MAX_FUSED_INSTS, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Ref};
+use crate::ir::{Fused, Graph, Node, NodeId, Op, OpClass, Shape};
+use petgraph::algo::toposort;
+use std::collections::{HashMap, HashSet};
+
+/// What fusion did to a graph.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FusionFigures {
+    /// Fused ops made.
+    pub groups: usize,
+    /// Ops they replaced.
+    pub ops: usize,
+}
+
+/// Fuses the graph's elementwise chains in place.
+pub fn fuse(graph: &mut Graph) -> Result<FusionFigures> {
+    let order = toposort(graph.petgraph(), None)
+        .map_err(|c| CompileError::Internal(format!("fusion: the graph has a cycle at {:?}", c.node_id())))?;
+    let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
+    let mut taken: HashSet<NodeId> = HashSet::new();
+    let mut groups: Vec<Vec<NodeId>> = Vec::new();
+    for &root in order.iter().rev() {
+        if taken.contains(&root) || !fusable(graph.node(root)) {
+            continue;
+        }
+        let members = grow(graph, root, &outputs, &taken, &position);
+        if members.len() > 1 {
+            taken.extend(members.iter().copied());
+            groups.push(members);
+        }
+    }
+    let mut figures = FusionFigures::default();
+    for members in groups {
+        figures.groups += 1;
+        figures.ops += members.len();
+        replace(graph, &members)?;
+    }
+    Ok(figures)
+}
+
+/// Ops that can be instructions of a fused program.
+fn fusable(node: &Node) -> bool {
+    matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
+}
+
+/// The group rooted at `root`, members in topological order (the root last).
+fn grow(
+    graph: &Graph,
+    root: NodeId,
+    outputs: &HashSet<NodeId>,
+    taken: &HashSet<NodeId>,
+    position: &HashMap<NodeId, usize>,
+) -> Vec<NodeId> {
+    let r = graph.node(root);
+    let mut members: Vec<NodeId> = vec![root];
+    let mut set: HashSet<NodeId> = HashSet::from([root]);
+    // Until nothing joins: an operand may qualify only once all its readers are in.
+    loop {
+        let mut joined = false;
+        let candidates: Vec<NodeId> = {
+            let mut c: Vec<NodeId> =
+                members.iter().flat_map(|&m| graph.operands(m)).filter(|o| !set.contains(o)).collect();
+            c.sort_unstable_by_key(|n| std::cmp::Reverse(position[n]));
+            c.dedup();
+            c
+        };
+        for p in candidates {
+            let node = graph.node(p);
+            // A broadcast joins when its operand broadcasts to the root's shape directly.
+            let broadcast = matches!(node.op, Op::BroadcastTo { .. })
+                && graph.operands(p).first().is_some_and(|&x| {
+                    Shape::broadcast(&graph.node(x).shape, &r.shape).as_ref() == Some(&r.shape)
+                });
+            let qualifies = (fusable(node) || broadcast)
+                && !taken.contains(&p)
+                && !outputs.contains(&p)
+                && node.device == r.device
+                && node.dtype == r.dtype
+                && node.shape.numel() == r.shape.numel()
+                && graph.control_predecessors(p).is_empty()
+                && graph.successors(p).all(|s| set.contains(&s))
+                && graph.users(p).iter().all(|u| set.contains(u));
+            if !qualifies {
+                continue;
+            }
+            let mut trial = members.clone();
+            trial.push(p);
+            trial.sort_unstable_by_key(|n| position[n]);
+            let (program, operands) = program(graph, &trial, &r.shape);
+            if operands.len() > MAX_FUSED_OPERANDS
+                || program.insts.len() > MAX_FUSED_INSTS
+                || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
+            {
+                continue;
+            }
+            members = trial;
+            set.insert(p);
+            joined = true;
+        }
+        if !joined {
+            break;
+        }
+    }
+    members.sort_unstable_by_key(|n| position[n]);
+    members
+}
+
+/// The program of `members` (in topological order, the root last) and its operands: the values
+/// members read from outside the group, in order of first use. A `BroadcastTo` member is no
+/// instruction: its readers read its operand, which the fused op broadcasts anyway.
+fn program(graph: &Graph, members: &[NodeId], shape: &Shape) -> (Fused, Vec<NodeId>) {
+    let mut value: HashMap<NodeId, Ref> = HashMap::new();
+    let mut operands: Vec<NodeId> = Vec::new();
+    let mut insts = Vec::with_capacity(members.len());
+    for &m in members {
+        let refs: Vec<Ref> = graph
+            .operands(m)
+            .into_iter()
+            .map(|o| match value.get(&o) {
+                Some(&r) => r,
+                None => {
+                    let i = operands.iter().position(|&x| x == o).unwrap_or_else(|| {
+                        operands.push(o);
+                        operands.len() - 1
+                    });
+                    Ref::Operand(i as u32)
+                }
+            })
+            .collect();
+        let inst = match graph.node(m).op {
+            Op::BroadcastTo { .. } => {
+                value.insert(m, refs[0]);
+                continue;
+            }
+            Op::Unary(u) => Inst::Unary(u, refs[0]),
+            Op::Binary(b) => Inst::Binary(b, refs[0], refs[1]),
+            Op::Scalar { op, value } => Inst::Scalar(op, value, refs[0]),
+            Op::Select => Inst::Select(refs[0], refs[1], refs[2]),
+            ref op => unreachable!("fusion grows groups of elementwise ops only, not {}", op.name()),
+        };
+        value.insert(m, Ref::Value(insts.len() as u32));
+        insts.push(inst);
+    }
+    (Fused { shape: shape.clone(), insts }, operands)
+}
+
+/// Replaces the group by one fused node in the root's place: it takes the root's readers,
+/// control edges, name and origin.
+fn replace(graph: &mut Graph, members: &[NodeId]) -> Result<()> {
+    let root = *members.last().expect("a group has a root");
+    let r = graph.node(root).clone();
+    let (program, operands) = program(graph, members, &r.shape);
+    debug_assert_eq!(program.check(operands.len()), Ok(()));
+    debug_assert_eq!(OpClass::Elementwise, Op::Fused(program.clone()).class());
+    let fused = graph.add(Node { op: Op::Fused(program), ..r }, &operands);
+    graph.replace_uses(root, fused);
+    // Every reader now reads the fused node: what follows the root is ordered by control edges.
+    let before = graph.control_predecessors(root);
+    let after: Vec<NodeId> = graph.successors(root).collect();
+    for b in before {
+        graph.add_control(b, fused);
+    }
+    for a in after {
+        graph.add_control(fused, a);
+    }
+    for &m in members {
+        graph.remove(m);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Init;
+    use crate::passes;
+    use crate::trace::Tracer;
+
+    fn fused_ops(g: &Graph) -> Vec<(Fused, usize)> {
+        g.node_ids()
+            .filter_map(|n| match &g.node(n).op {
+                Op::Fused(f) => Some((f.clone(), g.operands(n).len())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_chain_becomes_one_op_and_shared_values_stay() {
+        let t = Tracer::new("chain");
+        let x = t.input("x", [4, 8]);
+        let b = t.param("b", [8], Init::Zeros);
+        let h = (&x + &b).sigmoid(); // read by the reduction too: it stays a tensor
+        let y = (&h * 2.0 + 1.0).tanh();
+        let z = &h - &y;
+        t.output("z", &z);
+        t.output("total", &h.sum(vec![0, 1], false));
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        let before = g.len();
+        let figures = fuse(&mut g).unwrap();
+        // sigmoid(x + b), then z = h - tanh(h * 2 + 1): two groups of 2 and 4 ops.
+        assert_eq!(figures, FusionFigures { groups: 2, ops: 6 });
+        assert_eq!(g.len(), before - 6 + 2);
+        let ops = fused_ops(&g);
+        let texts: Vec<String> = ops.iter().map(|(f, _)| f.text()).collect();
+        assert!(texts.contains(&"v0 = add(x0, x1); v1 = sigmoid(v0)".to_string()), "{texts:?}");
+        assert!(
+            texts.contains(
+                &"v0 = mul_scalar[2](x0); v1 = add_scalar[1](v0); v2 = tanh(v1); v3 = sub(x0, v2)"
+                    .to_string()
+            ),
+            "{texts:?}"
+        );
+        for (f, operands) in &ops {
+            assert_eq!(f.check(*operands), Ok(()));
+        }
+    }
+
+    #[test]
+    fn outputs_broadcasts_and_smaller_values() {
+        let t = Tracer::new("edges");
+        let x = t.input("x", [4, 8]);
+        let s = t.input("s", [4, 1]);
+        let scaled = (&s * 3.0).exp(); // [4, 1]: fewer elements than the root, so not fused with it
+        let wide = scaled.broadcast_to([4, 8]); // read by the root only: joins as no instruction
+        let a = (&x * &wide).relu();
+        t.output("a", &a);
+        let out = (&x + 1.0).named("kept");
+        t.output("kept", &out); // an output is never an inner value
+        t.output("k2", &(&out * 2.0));
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        fuse(&mut g).unwrap();
+        let texts: Vec<String> = fused_ops(&g).iter().map(|(f, _)| f.text()).collect();
+        assert!(texts.contains(&"v0 = mul(x1, x0); v1 = relu(v0)".to_string()), "{texts:?}");
+        assert!(texts.contains(&"v0 = mul_scalar[3](x0); v1 = exp(v0)".to_string()), "{texts:?}");
+        assert!(!g.node_ids().any(|n| matches!(g.node(n).op, Op::BroadcastTo { .. })));
+        assert!(g.node_ids().any(|n| matches!(g.node(n).op, Op::Scalar { value, .. } if value == 1.0)));
+    }
+
+    #[test]
+    fn limits_split_long_chains() {
+        let t = Tracer::new("long");
+        let x = t.input("x", [16]);
+        let mut y = x.clone();
+        for _ in 0..150 {
+            y = (&y * 1.5).tanh();
+        }
+        t.output("y", &y);
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        fuse(&mut g).unwrap();
+        let ops = fused_ops(&g);
+        assert!(ops.len() >= 5, "300 ops in groups of at most {MAX_FUSED_INSTS}");
+        assert_eq!(ops.iter().map(|(f, _)| f.insts.len()).sum::<usize>(), 300);
+        assert!(ops.iter().all(|(f, n)| f.check(*n).is_ok()));
+    }
+}

@@ -1,0 +1,266 @@
+//! A fused elementwise group: one op whose meaning is a small program of elementwise
+//! instructions over its operands, computed element by element of the output.
+//!
+//! Semantics (what both backends implement): every operand is broadcast to the group's output
+//! shape (NumPy rules, aligned at the right); for each output element the instructions run in
+//! order, each reading operands (at that element's broadcast position) or earlier instructions'
+//! values; the last instruction's value is the output element. Because every operand is read at
+//! the output element's own position, a fused op may write its output over an operand of the
+//! output's shape (in place), as a single elementwise op may.
+//!
+//! The fusion pass (`crate::fusion`) forms groups only of values with the output's element count,
+//! so that no instruction is computed more often than it would be unfused, and the results are the
+//! very bits of the unfused ops (each instruction is the op it replaces, on the same operands).
+//!
+//! `registers` assigns every instruction a slot of the CPU kernel's chunk buffers (operands first,
+//! then values, a slot reused once its value is dead): the CPU backend evaluates a group over
+//! chunks of the output, one vectorised loop per instruction, with every intermediate in cache.
+
+use super::{BinaryOp, ScalarOp, Shape, UnaryOp};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write;
+
+/// The most operands a fused op takes (the CPU kernel walks them with fixed-size stride arrays).
+pub const MAX_FUSED_OPERANDS: usize = 8;
+/// The most instructions in one fused op.
+pub const MAX_FUSED_INSTS: usize = 64;
+/// The most chunk slots a fused op's program may need at once (`Fused::registers`).
+pub const MAX_FUSED_SLOTS: usize = 16;
+
+/// What an instruction reads: operand `i` of the fused op, or the value of instruction `i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Ref {
+    Operand(u32),
+    Value(u32),
+}
+
+/// One elementwise op inside a fused group, with the same meaning as the op of that name.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Inst {
+    Unary(UnaryOp, Ref),
+    Binary(BinaryOp, Ref, Ref),
+    Scalar(ScalarOp, f32, Ref),
+    /// where(cond != 0, a, b), refs (cond, a, b).
+    Select(Ref, Ref, Ref),
+}
+
+impl Inst {
+    /// The refs the instruction reads, in operand order.
+    pub fn refs(&self) -> Vec<Ref> {
+        match *self {
+            Inst::Unary(_, a) | Inst::Scalar(_, _, a) => vec![a],
+            Inst::Binary(_, a, b) => vec![a, b],
+            Inst::Select(c, a, b) => vec![c, a, b],
+        }
+    }
+
+    /// The op the instruction stands for.
+    pub fn op(&self) -> super::Op {
+        match *self {
+            Inst::Unary(u, _) => super::Op::Unary(u),
+            Inst::Binary(b, _, _) => super::Op::Binary(b),
+            Inst::Scalar(op, value, _) => super::Op::Scalar { op, value },
+            Inst::Select(..) => super::Op::Select,
+        }
+    }
+}
+
+/// Where an instruction's value goes in the CPU kernel's chunk buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dest {
+    Slot(usize),
+    /// The last instruction writes the output.
+    Output,
+}
+
+/// The slot plan of a program: operand `i` is loaded into slot `i`; `dest[j]` is where
+/// instruction `j` writes and `reads[j]` the slots it reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registers {
+    pub dest: Vec<Dest>,
+    pub reads: Vec<Vec<usize>>,
+    /// Slots in use at the widest point.
+    pub slots: usize,
+}
+
+/// The program of a fused group (`Op::Fused`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fused {
+    /// The output's shape; every operand broadcasts to it.
+    pub shape: Shape,
+    pub insts: Vec<Inst>,
+}
+
+impl Fused {
+    /// Checks the program against `operands` operands: at least one instruction, every ref to
+    /// an operand that exists or an earlier instruction, every operand read, the limits above
+    /// kept. The error says what is wrong.
+    pub fn check(&self, operands: usize) -> Result<(), String> {
+        if self.insts.is_empty() {
+            return Err("the fused program has no instruction".into());
+        }
+        if self.insts.len() > MAX_FUSED_INSTS {
+            return Err(format!("{} instructions, above the limit of {MAX_FUSED_INSTS}", self.insts.len()));
+        }
+        if operands > MAX_FUSED_OPERANDS {
+            return Err(format!("{operands} operands, above the limit of {MAX_FUSED_OPERANDS}"));
+        }
+        let mut read = vec![false; operands];
+        for (j, inst) in self.insts.iter().enumerate() {
+            for r in inst.refs() {
+                match r {
+                    Ref::Operand(i) if (i as usize) < operands => read[i as usize] = true,
+                    Ref::Value(v) if (v as usize) < j => {}
+                    r => return Err(format!("instruction {j} reads {r:?}, which does not exist before it")),
+                }
+            }
+        }
+        if let Some(i) = read.iter().position(|r| !r) {
+            return Err(format!("operand {i} is never read"));
+        }
+        let slots = self.registers(operands).slots;
+        if slots > MAX_FUSED_SLOTS {
+            return Err(format!(
+                "the program needs {slots} slots at once, above the limit of {MAX_FUSED_SLOTS}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The slot plan: every operand loaded first (slots `0..operands`), each value in a free slot
+    /// distinct from the slots its instruction reads (so that every instruction is a loop over
+    /// disjoint buffers), a slot freed after the last read of what it holds; the last
+    /// instruction writes the output. Refs must be valid (`check`).
+    pub fn registers(&self, operands: usize) -> Registers {
+        let n = self.insts.len();
+        // Last instruction reading each operand and each value.
+        let mut last_op = vec![0usize; operands];
+        let mut last_val = vec![0usize; n];
+        for (j, inst) in self.insts.iter().enumerate() {
+            for r in inst.refs() {
+                match r {
+                    Ref::Operand(i) => last_op[i as usize] = j,
+                    Ref::Value(v) => last_val[v as usize] = j,
+                }
+            }
+        }
+        let mut free: Vec<usize> = Vec::new();
+        let mut used = operands;
+        let mut slot_of_val = vec![usize::MAX; n];
+        let mut dest = Vec::with_capacity(n);
+        let mut reads = Vec::with_capacity(n);
+        for (j, inst) in self.insts.iter().enumerate() {
+            let refs = inst.refs();
+            reads.push(
+                refs.iter()
+                    .map(|r| match *r {
+                        Ref::Operand(i) => i as usize,
+                        Ref::Value(v) => slot_of_val[v as usize],
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            if j + 1 == n {
+                dest.push(Dest::Output);
+            } else {
+                let slot = free.pop().unwrap_or_else(|| {
+                    used += 1;
+                    used - 1
+                });
+                slot_of_val[j] = slot;
+                dest.push(Dest::Slot(slot));
+            }
+            // Free what this instruction read last (after choosing its slot: never in place).
+            for r in refs {
+                let (last, slot) = match r {
+                    Ref::Operand(i) => (last_op[i as usize], i as usize),
+                    Ref::Value(v) => (last_val[v as usize], slot_of_val[v as usize]),
+                };
+                if last == j && !free.contains(&slot) {
+                    free.push(slot);
+                }
+            }
+            // A value nobody reads frees its slot at once.
+            if let Dest::Slot(s) = dest[j]
+                && last_val[j] == 0
+                && !free.contains(&s)
+            {
+                free.push(s);
+            }
+        }
+        Registers { dest, reads, slots: used }
+    }
+
+    /// The program as dumps print it: `v0 = sigmoid_grad(x0, x1); v1 = mul(v0, x2)`.
+    pub fn text(&self) -> String {
+        let name = |r: &Ref| match r {
+            Ref::Operand(i) => format!("x{i}"),
+            Ref::Value(v) => format!("v{v}"),
+        };
+        let mut s = String::new();
+        for (j, inst) in self.insts.iter().enumerate() {
+            if j > 0 {
+                s.push_str("; ");
+            }
+            let args: Vec<String> = inst.refs().iter().map(name).collect();
+            let _ = write!(s, "v{j} = {}", inst.op().name());
+            if let Inst::Scalar(_, c, _) = inst {
+                let _ = write!(s, "[{c}]");
+            }
+            let _ = write!(s, "({})", args.join(", "));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain() -> Fused {
+        // v0 = x0 * x1; v1 = relu(v0); v2 = v1 + x2; v3 = v2 * v0
+        Fused {
+            shape: Shape::new(vec![4]),
+            insts: vec![
+                Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1)),
+                Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+                Inst::Binary(BinaryOp::Add, Ref::Value(1), Ref::Operand(2)),
+                Inst::Binary(BinaryOp::Mul, Ref::Value(2), Ref::Value(0)),
+            ],
+        }
+    }
+
+    #[test]
+    fn registers_never_write_a_slot_they_read_and_reuse_dead_ones() {
+        let f = chain();
+        assert_eq!(f.check(3), Ok(()));
+        let r = f.registers(3);
+        for (j, d) in r.dest.iter().enumerate() {
+            if let Dest::Slot(s) = d {
+                assert!(!r.reads[j].contains(s), "instruction {j} writes a slot it reads");
+            }
+        }
+        assert_eq!(r.dest[3], Dest::Output);
+        // x0 and x1 die at v0, so v1 reuses one of their slots: 3 operands + v0 = 4 slots at most.
+        assert_eq!(r.slots, 4);
+        assert_eq!(r.reads[3], vec![slot(&r, 2), slot(&r, 0)]);
+    }
+
+    fn slot(r: &Registers, j: usize) -> usize {
+        match r.dest[j] {
+            Dest::Slot(s) => s,
+            Dest::Output => usize::MAX,
+        }
+    }
+
+    #[test]
+    fn check_refuses_bad_programs() {
+        let mut f = chain();
+        assert!(f.check(4).unwrap_err().contains("operand 3 is never read"));
+        f.insts[1] = Inst::Unary(UnaryOp::Relu, Ref::Value(1));
+        assert!(f.check(3).unwrap_err().contains("does not exist"));
+        f.insts.clear();
+        assert!(f.check(0).is_err());
+        assert!(chain().check(9).is_err());
+        assert_eq!(chain().text(), "v0 = mul(x0, x1); v1 = relu(v0); v2 = add(v1, x2); v3 = mul(v2, v0)");
+    }
+}

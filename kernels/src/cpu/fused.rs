@@ -1,0 +1,225 @@
+//! Fused elementwise groups (`ir::fused`): one pass over the output in chunks of `CHUNK`
+//! elements. Per chunk, every operand is loaded into a slot of a stack buffer (a copy, a
+//! broadcast fill or a strided gather), then each instruction is one loop over the chunk from
+//! slots to a slot, the last one into the output. The slots stay in L1 (16 slots of 256 floats:
+//! 16 KiB), so a chain of n ops reads its operands and writes its output once instead of making
+//! n - 1 intermediate tensors; each instruction's loop is the scalar function of its op
+//! (`math::with_unary` and friends), inlined and vectorised, so the results are bitwise those of
+//! the unfused kernels. The chunk evaluation is also compiled for AVX2 and picked at run time,
+//! as the unary kernels are (no FMA: the same bits).
+//!
+//! In place: the output may be the buffer of an operand of the output's shape. That operand is
+//! read at the output's own offsets, and every chunk's operands are loaded before the chunk's
+//! output is written, so each element is read before it is overwritten.
+
+use super::broadcast::{Strided, broadcast_strides};
+use super::math::{with_binary, with_scalar, with_unary};
+use super::par::{SendPtr, par_ranges};
+use super::{CpuKernel, shape_text};
+use crate::KernelError;
+use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
+use kiln_compiler::ir::{Fused, Shape};
+use std::slice;
+
+/// Output elements per chunk.
+const CHUNK: usize = 256;
+
+pub(crate) struct FusedKernel {
+    insts: Vec<Inst>,
+    regs: Registers,
+    operands: usize,
+    walk: Strided<MAX_FUSED_OPERANDS>,
+    inner: [isize; MAX_FUSED_OPERANDS],
+    desc: String,
+}
+
+/// The kernel of `program` over `operands` (checked by `ir::infer`: valid refs, at most
+/// `MAX_FUSED_OPERANDS` operands broadcasting to `out`, at most `MAX_FUSED_SLOTS` slots).
+pub(crate) fn fused(
+    program: &Fused,
+    operands: &[&Shape],
+    out: &Shape,
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let k = operands.len();
+    let regs = program.registers(k);
+    // The loops below borrow an instruction's destination slot mutably beside the slots it
+    // reads: checked here rather than trusted.
+    let disjoint = regs.dest.iter().zip(&regs.reads).all(|(d, r)| match d {
+        Dest::Slot(s) => *s < MAX_FUSED_SLOTS && !r.contains(s),
+        Dest::Output => true,
+    });
+    let last_writes_output = regs.dest.iter().rposition(|d| *d == Dest::Output) == Some(regs.dest.len() - 1)
+        && regs.dest.iter().filter(|d| **d == Dest::Output).count() == 1;
+    if k > MAX_FUSED_OPERANDS
+        || regs.slots > MAX_FUSED_SLOTS
+        || !disjoint
+        || !last_writes_output
+        || regs.reads.iter().flatten().any(|&s| s >= MAX_FUSED_SLOTS)
+    {
+        return Err(KernelError::Shape {
+            op: format!("fused[{}]", program.text()),
+            message: format!(
+                "the program needs {} slots over {k} operands, beyond the CPU kernel's limits",
+                regs.slots
+            ),
+        });
+    }
+    let zeros = vec![0isize; out.rank()];
+    let strides: Vec<Vec<isize>> = (0..MAX_FUSED_OPERANDS)
+        .map(|j| operands.get(j).map_or_else(|| zeros.clone(), |s| broadcast_strides(s.dims(), out.dims())))
+        .collect();
+    let walk = Strided::new(out.dims(), std::array::from_fn(|j| strides[j].as_slice()));
+    let inner = walk.inner_strides();
+    let shapes: Vec<String> = operands.iter().map(|s| shape_text(s)).collect();
+    let desc = format!("fused({} ops) {} <- {}", program.insts.len(), shape_text(out), shapes.join(" "));
+    Ok(Box::new(FusedKernel { insts: program.insts.clone(), regs, operands: k, walk, inner, desc }))
+}
+
+type Slots = [[f32; CHUNK]; MAX_FUSED_SLOTS];
+
+/// d[i] = f(sources at i) for one instruction over a chunk.
+#[inline(always)]
+fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3]) {
+    let [a, b, c] = src;
+    match *inst {
+        Inst::Unary(op, _) => with_unary!(op, |f| {
+            for (o, &x) in d.iter_mut().zip(a) {
+                *o = f(x);
+            }
+        }),
+        Inst::Scalar(op, value, _) => with_scalar!(op, value, |f| {
+            for (o, &x) in d.iter_mut().zip(a) {
+                *o = f(x);
+            }
+        }),
+        Inst::Binary(op, _, _) => with_binary!(op, |f| {
+            for ((o, &x), &y) in d.iter_mut().zip(a).zip(b) {
+                *o = f(x, y);
+            }
+        }),
+        Inst::Select(..) => {
+            for (((o, &w), &x), &y) in d.iter_mut().zip(a).zip(b).zip(c) {
+                *o = if w != 0.0 { x } else { y };
+            }
+        }
+    }
+}
+
+impl FusedKernel {
+    /// One chunk of `m <= CHUNK` output elements at `out`, operand j read from `ins[j]` with
+    /// stride `inner[j]`.
+    ///
+    /// # Safety
+    /// `ins[j]` is valid for the `m` elements read with its stride and `out` for `m` writes; an
+    /// operand overlapping `out` is read with stride 1 at `out` itself.
+    #[inline(always)]
+    unsafe fn chunk(
+        &self,
+        slots: &mut Slots,
+        ins: &[*const f32; MAX_FUSED_OPERANDS],
+        out: *mut f32,
+        m: usize,
+    ) {
+        for j in 0..self.operands {
+            let slot = &mut slots[j][..m];
+            // SAFETY: per the contract; the slot is stack memory, disjoint from every operand.
+            unsafe {
+                match self.inner[j] {
+                    1 => std::ptr::copy_nonoverlapping(ins[j], slot.as_mut_ptr(), m),
+                    0 => slot.fill(*ins[j]),
+                    s => slot.iter_mut().enumerate().for_each(|(i, v)| *v = *ins[j].offset(i as isize * s)),
+                }
+            }
+        }
+        let base = slots.as_mut_ptr();
+        for (j, inst) in self.insts.iter().enumerate() {
+            let reads = &self.regs.reads[j];
+            // SAFETY: slot indices are below MAX_FUSED_SLOTS and no instruction writes a slot it
+            // reads (both checked in `fused`), so the shared borrows of the read slots and the
+            // mutable borrow of the destination never overlap. The output is written only by the
+            // last instruction, after every operand of this chunk was copied into the slots, and
+            // `out` is valid for `m` writes.
+            unsafe {
+                let src = |i: usize| -> &[f32] {
+                    match reads.get(i) {
+                        Some(&s) => slice::from_raw_parts((*base.add(s)).as_ptr(), m),
+                        None => &[],
+                    }
+                };
+                let srcs = [src(0), src(1), src(2)];
+                let d: &mut [f32] = match self.regs.dest[j] {
+                    Dest::Slot(s) => slice::from_raw_parts_mut((*base.add(s)).as_mut_ptr(), m),
+                    Dest::Output => slice::from_raw_parts_mut(out, m),
+                };
+                eval(inst, d, srcs);
+            }
+        }
+    }
+
+    /// `chunk` compiled for AVX2.
+    ///
+    /// # Safety
+    /// As `chunk`, and the CPU supports AVX2 (checked by the caller).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn chunk_avx2(
+        &self,
+        slots: &mut Slots,
+        ins: &[*const f32; MAX_FUSED_OPERANDS],
+        out: *mut f32,
+        m: usize,
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { self.chunk(slots, ins, out, m) }
+    }
+}
+
+impl CpuKernel for FusedKernel {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let ins: [SendPtr<f32>; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
+            SendPtr::new(inputs.get(j).map_or(std::ptr::null_mut(), |&p| p as *mut f32))
+        });
+        let o = SendPtr::new(output as *mut f32);
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::arch::is_x86_feature_detected!("avx2");
+        par_ranges(self.walk.numel(), self.insts.len(), |s, e| {
+            let mut slots: Slots = [[0.0; CHUNK]; MAX_FUSED_SLOTS];
+            self.walk.for_each_run(s, e, &mut |oo, offs, n| {
+                let mut done = 0;
+                while done < n {
+                    let m = (n - done).min(CHUNK);
+                    let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
+                        if j < self.operands {
+                            // SAFETY: the walk stays inside every operand (strides from their
+                            // shapes); `done` elements of this run were consumed already.
+                            unsafe {
+                                ins[j].get().offset(offs[j] + done as isize * self.inner[j]) as *const f32
+                            }
+                        } else {
+                            std::ptr::null()
+                        }
+                    });
+                    // SAFETY: run's contract: operands hold their shapes' elements and the output
+                    // its own; an operand that is the output has the output's shape (the plan is
+                    // validated), so it is read with stride 1 at the output's offsets; threads
+                    // write disjoint output ranges.
+                    unsafe {
+                        let out = o.get().add(oo + done);
+                        #[cfg(target_arch = "x86_64")]
+                        if avx2 {
+                            self.chunk_avx2(&mut slots, &at, out, m);
+                            done += m;
+                            continue;
+                        }
+                        self.chunk(&mut slots, &at, out, m);
+                    }
+                    done += m;
+                }
+            });
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}

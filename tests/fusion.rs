@@ -1,0 +1,152 @@
+//! Fusion (`kiln_compiler::fusion`): fused plans have fewer steps and no larger arenas, and
+//! training with them computes the very bits the unfused plans compute, on every zoo model and on
+//! random elementwise graphs.
+
+use kiln::compiler::Plan;
+use kiln::compiler::ir::{Op, Shape};
+use kiln::compiler::step::train_step_graph;
+use kiln::prelude::*;
+use kiln::runtime::{Backend, CpuBackend, HostTensor};
+use kiln::zoo;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+fn options(fuse: bool) -> CompileOptions {
+    // Tiling is a schedule choice that can differ between the two graphs; off, so that the same
+    // products are computed and results can be compared bit for bit.
+    CompileOptions { tile_updates: false, ..CompileOptions::default() }.with_fusion(fuse)
+}
+
+/// Every output of `steps` calls and every variable after them.
+fn run(plan: &Plan, feeds: &[(&str, &HostTensor)], steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut backend = CpuBackend::new(2);
+    let id = backend.load(plan.clone()).unwrap();
+    let mut outs = Vec::new();
+    for _ in 0..steps {
+        let mut out = backend.call(id, feeds).unwrap();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        outs.extend(out.into_iter().map(|(_, t)| t.data().to_vec()));
+    }
+    (outs, plan.variables.iter().map(|v| backend.read_variable(&v.key).unwrap().data().to_vec()).collect())
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter().map(|t| t.iter().map(|x| x.to_bits()).collect()).collect()
+}
+
+#[test]
+fn every_zoo_step_is_fused_and_trains_bit_for_bit_as_unfused() {
+    for m in zoo::all() {
+        let m = m.with_batch(4);
+        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let fused = compile(graph.clone(), &options(true)).unwrap();
+        let plain = compile(graph, &options(false)).unwrap();
+        let name = m.name;
+        assert!(fused.memory.fused_groups > 0, "{name}: nothing fused");
+        assert_eq!(plain.memory.fused_groups, 0);
+        assert_eq!(
+            fused.steps.len() + fused.memory.fused_ops - fused.memory.fused_groups,
+            plain.steps.len(),
+            "{name}: every fused op stands for the steps it replaced"
+        );
+        assert!(fused.steps.iter().any(|s| matches!(s.op, Op::Fused(_))));
+        assert!(fused.render().contains("fused[v0 = "), "{name}: the dump shows the groups");
+        let (x, y) = m.batch_data(7).unwrap();
+        let feeds = [("x", &x), ("y", &y)];
+        let (a, va) = run(&fused, &feeds, 3);
+        let (b, vb) = run(&plain, &feeds, 3);
+        assert_eq!(bits(&a), bits(&b), "{name}: outputs differ");
+        assert_eq!(bits(&va), bits(&vb), "{name}: variables differ");
+    }
+}
+
+#[test]
+fn fused_zoo_arenas_are_no_larger() {
+    for m in zoo::all() {
+        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let fused = compile(graph.clone(), &CompileOptions::default()).unwrap();
+        let plain = compile(graph, &CompileOptions::default().with_fusion(false)).unwrap();
+        assert!(
+            fused.memory.planned_total_bytes() <= plain.memory.planned_total_bytes(),
+            "{}: fused {} > unfused {}",
+            m.name,
+            fused.memory.planned_total_bytes(),
+            plain.memory.planned_total_bytes()
+        );
+        assert!(
+            fused.memory.naive_bytes < plain.memory.naive_bytes,
+            "{}: fused values are never made",
+            m.name
+        );
+    }
+}
+
+/// Random chains of elementwise ops over operands of broadcasting shapes, some values read
+/// several times, some outputs in the middle of chains: fused and unfused plans give the same
+/// bits.
+#[test]
+fn random_elementwise_graphs_fuse_to_the_same_bits() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut fused_somewhere = 0;
+    for case in 0..120 {
+        let t = Tracer::new("random");
+        let rank = rng.random_range(1..=3);
+        let full: Vec<usize> = (0..rank).map(|_| rng.random_range(1..=9)).collect();
+        let mut feeds: Vec<(String, HostTensor)> = Vec::new();
+        let mut pool: Vec<Tensor> = Vec::new();
+        for i in 0..rng.random_range(1..=4) {
+            // An operand of the full shape, or one with some axes of size 1 or dropped.
+            let mut dims = full.clone();
+            if rng.random_range(0..2) == 0 {
+                for d in dims.iter_mut() {
+                    if rng.random_range(0..2) == 0 {
+                        *d = 1;
+                    }
+                }
+            }
+            let drop = rng.random_range(0..=dims.len().min(1));
+            let dims = dims[drop..].to_vec();
+            let name = format!("x{i}");
+            let shape = Shape::new(dims);
+            feeds.push((
+                name.clone(),
+                HostTensor::from_fn(shape.clone(), |_| rng.random::<f32>() * 4.0 - 2.0).unwrap(),
+            ));
+            pool.push(t.input(&name, shape));
+        }
+        let mut outputs = 0;
+        for _ in 0..rng.random_range(2..=12) {
+            let a = pool[rng.random_range(0..pool.len())].clone();
+            let b = pool[rng.random_range(0..pool.len())].clone();
+            let v = match rng.random_range(0..12) {
+                0 => &a + &b,
+                1 => &a * &b,
+                2 => &a - &b,
+                3 => a.sigmoid(),
+                4 => a.tanh(),
+                5 => a.relu(),
+                6 => &a * 0.5 + 1.0,
+                7 => a.maximum(&b),
+                8 => a.gt(&b).select(&a, &b),
+                9 => a.exp(),
+                10 => a.square(),
+                _ => a.abs().sqrt(),
+            };
+            if rng.random_range(0..5) == 0 {
+                t.output(&format!("mid{outputs}"), &v);
+                outputs += 1;
+            }
+            pool.push(v);
+        }
+        t.output("y", pool.last().unwrap());
+        let graph = t.finish().unwrap();
+        let fused = compile(graph.clone(), &options(true)).unwrap();
+        let plain = compile(graph, &options(false)).unwrap();
+        fused_somewhere += usize::from(fused.memory.fused_groups > 0);
+        let feeds: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let (a, _) = run(&fused, &feeds, 1);
+        let (b, _) = run(&plain, &feeds, 1);
+        assert_eq!(bits(&a), bits(&b), "case {case}: {}", fused.render());
+    }
+    assert!(fused_somewhere >= 60, "only {fused_somewhere} of 120 graphs had a group");
+}
