@@ -1,8 +1,8 @@
 //! Fused elementwise groups (`ir::fused`): one pass over the output in chunks of `CHUNK`
 //! elements. Per chunk, every operand is loaded into a slot of a stack buffer (a copy, a
 //! broadcast fill or a strided gather), then each instruction is one loop over the chunk from
-//! slots to a slot, the last one into the output. The slots stay in L1 (16 slots of 256 floats:
-//! 16 KiB), so a chain of n ops reads its operands and writes its output once instead of making
+//! slots to a slot, the last one into the output. The slots stay in L1 (at most 16 slots of 256
+//! floats: 16 KiB, zeroed only as far as the program and the tensor need), so a chain of n ops reads its operands and writes its output once instead of making
 //! n - 1 intermediate tensors; each instruction's loop is the scalar function of its op
 //! (`math::with_unary` and friends), inlined and vectorised, so the results are bitwise those of
 //! the unfused kernels. The chunk evaluation is also compiled for AVX2 and picked at run time,
@@ -19,6 +19,7 @@ use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
 use kiln_compiler::ir::{Fused, Shape};
+use std::mem::MaybeUninit;
 use std::slice;
 
 /// Output elements per chunk.
@@ -45,7 +46,7 @@ pub(crate) fn fused(
     // The loops below borrow an instruction's destination slot mutably beside the slots it
     // reads: checked here rather than trusted.
     let disjoint = regs.dest.iter().zip(&regs.reads).all(|(d, r)| match d {
-        Dest::Slot(s) => *s < MAX_FUSED_SLOTS && !r.contains(s),
+        Dest::Slot(s) => *s < regs.slots && !r.contains(s),
         Dest::Output => true,
     });
     let last_writes_output = regs.dest.iter().rposition(|d| *d == Dest::Output) == Some(regs.dest.len() - 1)
@@ -54,7 +55,7 @@ pub(crate) fn fused(
         || regs.slots > MAX_FUSED_SLOTS
         || !disjoint
         || !last_writes_output
-        || regs.reads.iter().flatten().any(|&s| s >= MAX_FUSED_SLOTS)
+        || regs.reads.iter().flatten().any(|&s| s >= regs.slots)
     {
         return Err(KernelError::Shape {
             op: format!("fused[{}]", program.text()),
@@ -74,8 +75,6 @@ pub(crate) fn fused(
     let desc = format!("fused({} ops) {} <- {}", program.insts.len(), shape_text(out), shapes.join(" "));
     Ok(Box::new(FusedKernel { insts: program.insts.clone(), regs, operands: k, walk, inner, desc }))
 }
-
-type Slots = [[f32; CHUNK]; MAX_FUSED_SLOTS];
 
 /// d[i] = f(sources at i) for one instruction over a chunk.
 #[inline(always)]
@@ -106,22 +105,24 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3]) {
 }
 
 impl FusedKernel {
-    /// One chunk of `m <= CHUNK` output elements at `out`, operand j read from `ins[j]` with
-    /// stride `inner[j]`.
+    /// One chunk of `m` output elements at `out`, operand j read from `ins[j]` with stride
+    /// `inner[j]`; slot s is `slots[s * stride..][..m]`.
     ///
     /// # Safety
     /// `ins[j]` is valid for the `m` elements read with its stride and `out` for `m` writes; an
-    /// operand overlapping `out` is read with stride 1 at `out` itself.
+    /// operand overlapping `out` is read with stride 1 at `out` itself; `m <= stride` and `slots`
+    /// holds `self.regs.slots * stride` elements.
     #[inline(always)]
     unsafe fn chunk(
         &self,
-        slots: &mut Slots,
+        slots: &mut [f32],
+        stride: usize,
         ins: &[*const f32; MAX_FUSED_OPERANDS],
         out: *mut f32,
         m: usize,
     ) {
         for j in 0..self.operands {
-            let slot = &mut slots[j][..m];
+            let slot = &mut slots[j * stride..j * stride + m];
             // SAFETY: per the contract; the slot is stack memory, disjoint from every operand.
             unsafe {
                 match self.inner[j] {
@@ -134,21 +135,22 @@ impl FusedKernel {
         let base = slots.as_mut_ptr();
         for (j, inst) in self.insts.iter().enumerate() {
             let reads = &self.regs.reads[j];
-            // SAFETY: slot indices are below MAX_FUSED_SLOTS and no instruction writes a slot it
-            // reads (both checked in `fused`), so the shared borrows of the read slots and the
-            // mutable borrow of the destination never overlap. The output is written only by the
-            // last instruction, after every operand of this chunk was copied into the slots, and
-            // `out` is valid for `m` writes.
+            // SAFETY: slot indices are below `regs.slots` (checked in `fused`), whose slots of
+            // `stride >= m` elements `slots` holds, and no instruction writes a slot it reads
+            // (checked in `fused`), so the shared borrows of the read slots and the mutable
+            // borrow of the destination never overlap. The output is written only by the last
+            // instruction, after every operand of this chunk was copied into the slots, and `out`
+            // is valid for `m` writes.
             unsafe {
                 let src = |i: usize| -> &[f32] {
                     match reads.get(i) {
-                        Some(&s) => slice::from_raw_parts((*base.add(s)).as_ptr(), m),
+                        Some(&s) => slice::from_raw_parts(base.add(s * stride), m),
                         None => &[],
                     }
                 };
                 let srcs = [src(0), src(1), src(2)];
                 let d: &mut [f32] = match self.regs.dest[j] {
-                    Dest::Slot(s) => slice::from_raw_parts_mut((*base.add(s)).as_mut_ptr(), m),
+                    Dest::Slot(s) => slice::from_raw_parts_mut(base.add(s * stride), m),
                     Dest::Output => slice::from_raw_parts_mut(out, m),
                 };
                 eval(inst, d, srcs);
@@ -164,13 +166,14 @@ impl FusedKernel {
     #[target_feature(enable = "avx2")]
     unsafe fn chunk_avx2(
         &self,
-        slots: &mut Slots,
+        slots: &mut [f32],
+        stride: usize,
         ins: &[*const f32; MAX_FUSED_OPERANDS],
         out: *mut f32,
         m: usize,
     ) {
         // SAFETY: forwarded contract.
-        unsafe { self.chunk(slots, ins, out, m) }
+        unsafe { self.chunk(slots, stride, ins, out, m) }
     }
 }
 
@@ -183,11 +186,22 @@ impl CpuKernel for FusedKernel {
         #[cfg(target_arch = "x86_64")]
         let avx2 = std::arch::is_x86_feature_detected!("avx2");
         par_ranges(self.walk.numel(), self.insts.len(), |s, e| {
-            let mut slots: Slots = [[0.0; CHUNK]; MAX_FUSED_SLOTS];
+            // Only the slots the program uses, each as long as the longest chunk: a small
+            // tensor's kernel zeroes a few hundred floats, not the whole 16 KiB.
+            let stride = CHUNK.min(e - s);
+            let mut store = [MaybeUninit::<f32>::uninit(); CHUNK * MAX_FUSED_SLOTS];
+            let len = self.regs.slots * stride;
+            // SAFETY: `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in `fused`, stride <=
+            // CHUNK); the prefix is zeroed before the slice over it is made.
+            let slots = unsafe {
+                let p = store.as_mut_ptr() as *mut f32;
+                std::ptr::write_bytes(p, 0, len);
+                slice::from_raw_parts_mut(p, len)
+            };
             self.walk.for_each_run(s, e, &mut |oo, offs, n| {
                 let mut done = 0;
                 while done < n {
-                    let m = (n - done).min(CHUNK);
+                    let m = (n - done).min(stride);
                     let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
                         if j < self.operands {
                             // SAFETY: the walk stays inside every operand (strides from their
@@ -207,11 +221,11 @@ impl CpuKernel for FusedKernel {
                         let out = o.get().add(oo + done);
                         #[cfg(target_arch = "x86_64")]
                         if avx2 {
-                            self.chunk_avx2(&mut slots, &at, out, m);
+                            self.chunk_avx2(slots, stride, &at, out, m);
                             done += m;
                             continue;
                         }
-                        self.chunk(&mut slots, &at, out, m);
+                        self.chunk(slots, stride, &at, out, m);
                     }
                     done += m;
                 }
