@@ -82,8 +82,8 @@ fn fused_zoo_arenas_are_no_larger() {
 }
 
 /// Random chains of elementwise ops over operands of broadcasting shapes, some values read
-/// several times, some outputs in the middle of chains: fused and unfused plans give the same
-/// bits.
+/// several times, some outputs in the middle of chains, some reduced: fused and unfused plans
+/// give the same bits.
 #[test]
 fn random_elementwise_graphs_fuse_to_the_same_bits() {
     let mut rng = StdRng::seed_from_u64(11);
@@ -134,6 +134,18 @@ fn random_elementwise_graphs_fuse_to_the_same_bits() {
             };
             if rng.random_range(0..5) == 0 {
                 t.output(&format!("mid{outputs}"), &v);
+                outputs += 1;
+            }
+            // Reductions of chains: fused with the chain as their prologue when they read it alone.
+            if v.rank() > 0 && rng.random_range(0..4) == 0 {
+                let axis = rng.random_range(0..v.rank()) as isize;
+                let keep = rng.random_range(0..2) == 0;
+                let r = match rng.random_range(0..3) {
+                    0 => v.sum(vec![axis], keep),
+                    1 => v.mean(vec![axis], keep),
+                    _ => v.max(vec![axis], keep),
+                };
+                t.output(&format!("reduced{outputs}"), &r);
                 outputs += 1;
             }
             pool.push(v);

@@ -25,7 +25,7 @@
 
 use crate::error::{CompileError, Result};
 use crate::ir::fused::{Inst, MAX_FUSED_INSTS, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Ref};
-use crate::ir::{Fused, Graph, Node, NodeId, Op, OpClass, Shape};
+use crate::ir::{Fused, FusedReduce, Graph, Node, NodeId, Op, Shape};
 use petgraph::algo::toposort;
 use std::collections::{HashMap, HashSet};
 
@@ -38,6 +38,13 @@ pub struct FusionFigures {
     pub ops: usize,
 }
 
+/// A group: elementwise members in topological order and, when the group ends in a
+/// reduction, that reduction (the group's root); otherwise the last member is the root.
+struct Group {
+    members: Vec<NodeId>,
+    reduce: Option<NodeId>,
+}
+
 /// Fuses the graph's elementwise chains in place.
 pub fn fuse(graph: &mut Graph) -> Result<FusionFigures> {
     let order = toposort(graph.petgraph(), None)
@@ -45,22 +52,42 @@ pub fn fuse(graph: &mut Graph) -> Result<FusionFigures> {
     let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
     let mut taken: HashSet<NodeId> = HashSet::new();
-    let mut groups: Vec<Vec<NodeId>> = Vec::new();
+    let mut groups: Vec<Group> = Vec::new();
     for &root in order.iter().rev() {
-        if taken.contains(&root) || !fusable(graph.node(root)) {
+        if taken.contains(&root) {
             continue;
         }
-        let members = grow(graph, root, &outputs, &taken, &position);
-        if members.len() > 1 {
-            taken.extend(members.iter().copied());
-            groups.push(members);
-        }
+        let group = if matches!(graph.node(root).op, Op::Reduce { .. }) {
+            // A reduction takes its operand's chain as a prologue when it is the only reader.
+            let tip = graph.operands(root)[0];
+            let node = graph.node(tip);
+            let alone = fusable(node)
+                && !taken.contains(&tip)
+                && !outputs.contains(&tip)
+                && node.device == graph.node(root).device
+                && graph.control_predecessors(tip).is_empty()
+                && graph.successors(tip).all(|s| s == root);
+            if !alone {
+                continue;
+            }
+            Group { members: grow(graph, tip, Some(root), &outputs, &taken, &position), reduce: Some(root) }
+        } else if fusable(graph.node(root)) {
+            let members = grow(graph, root, None, &outputs, &taken, &position);
+            if members.len() < 2 {
+                continue;
+            }
+            Group { members, reduce: None }
+        } else {
+            continue;
+        };
+        taken.extend(group.members.iter().copied().chain(group.reduce));
+        groups.push(group);
     }
     let mut figures = FusionFigures::default();
-    for members in groups {
+    for group in groups {
         figures.groups += 1;
-        figures.ops += members.len();
-        replace(graph, &members)?;
+        figures.ops += group.members.len() + usize::from(group.reduce.is_some());
+        replace(graph, &group)?;
     }
     Ok(figures)
 }
@@ -70,10 +97,13 @@ fn fusable(node: &Node) -> bool {
     matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
 }
 
-/// The group rooted at `root`, members in topological order (the root last).
+/// The elementwise members of the group whose last value is `root`, in topological order (the
+/// root last); `reduce`, when given, is the reduction that reads the root and counts as a member
+/// when the readers of a candidate are checked.
 fn grow(
     graph: &Graph,
     root: NodeId,
+    reduce: Option<NodeId>,
     outputs: &HashSet<NodeId>,
     taken: &HashSet<NodeId>,
     position: &HashMap<NodeId, usize>,
@@ -81,6 +111,7 @@ fn grow(
     let r = graph.node(root);
     let mut members: Vec<NodeId> = vec![root];
     let mut set: HashSet<NodeId> = HashSet::from([root]);
+    set.extend(reduce);
     // Until nothing joins: an operand may qualify only once all its readers are in.
     loop {
         let mut joined = false;
@@ -113,7 +144,7 @@ fn grow(
             let mut trial = members.clone();
             trial.push(p);
             trial.sort_unstable_by_key(|n| position[n]);
-            let (program, operands) = program(graph, &trial, &r.shape);
+            let (program, operands) = program(graph, &trial, &r.shape, None);
             if operands.len() > MAX_FUSED_OPERANDS
                 || program.insts.len() > MAX_FUSED_INSTS
                 || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
@@ -135,7 +166,12 @@ fn grow(
 /// The program of `members` (in topological order, the root last) and its operands: the values
 /// members read from outside the group, in order of first use. A `BroadcastTo` member is no
 /// instruction: its readers read its operand, which the fused op broadcasts anyway.
-fn program(graph: &Graph, members: &[NodeId], shape: &Shape) -> (Fused, Vec<NodeId>) {
+fn program(
+    graph: &Graph,
+    members: &[NodeId],
+    shape: &Shape,
+    reduce: Option<FusedReduce>,
+) -> (Fused, Vec<NodeId>) {
     let mut value: HashMap<NodeId, Ref> = HashMap::new();
     let mut operands: Vec<NodeId> = Vec::new();
     let mut insts = Vec::with_capacity(members.len());
@@ -168,17 +204,24 @@ fn program(graph: &Graph, members: &[NodeId], shape: &Shape) -> (Fused, Vec<Node
         value.insert(m, Ref::Value(insts.len() as u32));
         insts.push(inst);
     }
-    (Fused { shape: shape.clone(), insts }, operands)
+    (Fused { shape: shape.clone(), insts, reduce }, operands)
 }
 
 /// Replaces the group by one fused node in the root's place: it takes the root's readers,
 /// control edges, name and origin.
-fn replace(graph: &mut Graph, members: &[NodeId]) -> Result<()> {
-    let root = *members.last().expect("a group has a root");
+fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
+    let members = &group.members;
+    let tip = *members.last().expect("a group has an elementwise member");
+    let root = group.reduce.unwrap_or(tip);
     let r = graph.node(root).clone();
-    let (program, operands) = program(graph, members, &r.shape);
+    let reduce = match &r.op {
+        Op::Reduce { op, axes, keepdims } if group.reduce.is_some() => {
+            Some(FusedReduce { op: *op, axes: axes.clone(), keepdims: *keepdims })
+        }
+        _ => None,
+    };
+    let (program, operands) = program(graph, members, &graph.node(tip).shape.clone(), reduce);
     debug_assert_eq!(program.check(operands.len()), Ok(()));
-    debug_assert_eq!(OpClass::Elementwise, Op::Fused(program.clone()).class());
     let fused = graph.add(Node { op: Op::Fused(program), ..r }, &operands);
     graph.replace_uses(root, fused);
     // Every reader now reads the fused node: what follows the root is ordered by control edges.
@@ -190,7 +233,7 @@ fn replace(graph: &mut Graph, members: &[NodeId]) -> Result<()> {
     for a in after {
         graph.add_control(fused, a);
     }
-    for &m in members {
+    for &m in members.iter().chain(&group.reduce) {
         graph.remove(m);
     }
     Ok(())
@@ -264,6 +307,34 @@ mod tests {
         assert!(texts.contains(&"v0 = mul_scalar[3](x0); v1 = exp(v0)".to_string()), "{texts:?}");
         assert!(!g.node_ids().any(|n| matches!(g.node(n).op, Op::BroadcastTo { .. })));
         assert!(g.node_ids().any(|n| matches!(g.node(n).op, Op::Scalar { value, .. } if value == 1.0)));
+    }
+
+    #[test]
+    fn a_reduction_takes_the_chain_it_alone_reads() {
+        // The cross-entropy pattern: -sum(y * log_softmax(z)) keeps no [.., vocab] product.
+        let t = Tracer::new("ce");
+        let z = t.input("z", [4, 10]);
+        let y = t.input("y", [4, 10]);
+        let loss = (&y * &z.log_softmax(-1)).sum(vec![-1], false).mean(vec![0], false);
+        t.output("loss", &-loss);
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        fuse(&mut g).unwrap();
+        let reducing: Vec<Fused> =
+            fused_ops(&g).into_iter().map(|(f, _)| f).filter(|f| f.reduce.is_some()).collect();
+        assert_eq!(reducing.len(), 1, "{:?}", fused_ops(&g));
+        assert_eq!(reducing[0].text(), "v0 = mul(x0, x1); reduce_sum[1](v0)");
+        assert!(!g.node_ids().any(|n| matches!(g.node(n).op, Op::Binary(_))));
+        // A chain read by something else too stays unfused with the reduction.
+        let t = Tracer::new("shared");
+        let x = t.input("x", [4, 10]);
+        let e = x.exp();
+        t.output("s", &e.sum(vec![-1], false));
+        t.output("e2", &(&e * 2.0));
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        fuse(&mut g).unwrap();
+        assert!(fused_ops(&g).iter().all(|(f, _)| f.reduce.is_none()));
     }
 
     #[test]

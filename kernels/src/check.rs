@@ -67,9 +67,15 @@ pub(crate) fn empty_case(op: &Op, inputs: &[&Shape], output: &Shape) -> Empty {
     if matches!(op, Op::Concat { .. } | Op::Gather) || inputs.iter().all(|s| s.numel() > 0) {
         return Empty::Compute;
     }
-    Empty::Fill(match op {
-        Op::Reduce { op: kiln_compiler::ir::ReduceOp::Mean, .. } => f32::NAN,
-        Op::Reduce { op: kiln_compiler::ir::ReduceOp::Max, .. } => f32::NEG_INFINITY,
+    // A fused reduction's value over no elements is its reduction's.
+    let reduce = match op {
+        Op::Reduce { op, .. } => Some(*op),
+        Op::Fused(f) => f.reduce.as_ref().map(|r| r.op),
+        _ => None,
+    };
+    Empty::Fill(match reduce {
+        Some(kiln_compiler::ir::ReduceOp::Mean) => f32::NAN,
+        Some(kiln_compiler::ir::ReduceOp::Max) => f32::NEG_INFINITY,
         _ => 0.0,
     })
 }

@@ -8,7 +8,7 @@
 //! and `NAME.expect` (the CPU kernel's output, or for effects `NAME.expectN`, operand N after the
 //! update): what a GPU check or an NVRTC compile check needs.
 
-use kiln_compiler::ir::fused::{Inst, Ref};
+use kiln_compiler::ir::fused::{FusedReduce, Inst, Ref};
 use kiln_compiler::ir::{
     BinaryOp, DType, Fused, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
 };
@@ -511,7 +511,7 @@ fn random_cases() -> Vec<Case> {
         let pad = Op::Pad { axis, before: r.pick(3), after: r.pick(3) };
         push(&mut v, format!("rand_pad_{i}"), pad, &[dims]);
     }
-    for i in 0..40 {
+    for i in 0..60 {
         let (op, shapes) = random_fused(&mut r);
         push(&mut v, format!("rand_fused_{i}"), op, &shapes);
     }
@@ -519,7 +519,7 @@ fn random_cases() -> Vec<Case> {
 }
 
 /// A random fused elementwise program (`ir::fused`) over 1 to 4 operands that broadcast to its
-/// shape, with 1 to 12 instructions, every operand read.
+/// shape, with 1 to 12 instructions, every operand read, half of them reduced.
 fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
     let rank = 1 + r.pick(3);
     let out: Vec<usize> = (0..rank).map(|_| 1 + r.pick(7)).collect();
@@ -571,7 +571,16 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
             insts.push(Inst::Binary(BinaryOp::Add, last, Ref::Operand(j as u32)));
         }
     }
-    (Op::Fused(Fused { shape: Shape::from(out.as_slice()), insts }), shapes)
+    // Half of them reduce their values: a reduction with an elementwise prologue.
+    let reduce = (r.pick(2) == 0).then(|| {
+        let mut axes: Vec<usize> = (0..rank).filter(|_| r.pick(2) == 0).collect();
+        if axes.is_empty() {
+            axes.push(rank - 1);
+        }
+        let op = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max][r.pick(3)];
+        FusedReduce { op, axes, keepdims: r.pick(2) == 0 }
+    });
+    (Op::Fused(Fused { shape: Shape::from(out.as_slice()), insts, reduce }), shapes)
 }
 
 /// Cases too large to run on the CPU: generated and compiled only (64-bit indices, big grids).

@@ -16,7 +16,7 @@
 //! then values, a slot reused once its value is dead): the CPU backend evaluates a group over
 //! chunks of the output, one vectorised loop per instruction, with every intermediate in cache.
 
-use super::{BinaryOp, ScalarOp, Shape, UnaryOp};
+use super::{BinaryOp, ReduceOp, ScalarOp, Shape, UnaryOp};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -83,12 +83,32 @@ pub struct Registers {
     pub slots: usize,
 }
 
+/// A reduction applied to a fused program's values (`Op::Reduce`'s attributes): the group is
+/// then a reduction with an elementwise prologue, and its values are never stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FusedReduce {
+    pub op: ReduceOp,
+    pub axes: Vec<usize>,
+    pub keepdims: bool,
+}
+
 /// The program of a fused group (`Op::Fused`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fused {
-    /// The output's shape; every operand broadcasts to it.
+    /// The shape the program computes over; every operand broadcasts to it. Without a
+    /// reduction it is the output's shape.
     pub shape: Shape,
     pub insts: Vec<Inst>,
+    /// A reduction of the program's values, whose result is the output.
+    #[serde(default)]
+    pub reduce: Option<FusedReduce>,
+}
+
+impl FusedReduce {
+    /// The `Op::Reduce` it stands for.
+    pub fn op(&self) -> super::Op {
+        super::Op::Reduce { op: self.op, axes: self.axes.clone(), keepdims: self.keepdims }
+    }
 }
 
 impl Fused {
@@ -208,6 +228,9 @@ impl Fused {
             }
             let _ = write!(s, "({})", args.join(", "));
         }
+        if let Some(r) = &self.reduce {
+            let _ = write!(s, "; {}{:?}(v{})", r.op().name(), r.axes, self.insts.len().saturating_sub(1));
+        }
         s
     }
 }
@@ -220,6 +243,7 @@ mod tests {
         // v0 = x0 * x1; v1 = relu(v0); v2 = v1 + x2; v3 = v2 * v0
         Fused {
             shape: Shape::new(vec![4]),
+            reduce: None,
             insts: vec![
                 Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1)),
                 Inst::Unary(UnaryOp::Relu, Ref::Value(0)),

@@ -99,7 +99,10 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                     "every operand of a fused op broadcasts to its output",
                 );
             }
-            Ok((f.shape.clone(), d))
+            match &f.reduce {
+                None => Ok((f.shape.clone(), d)),
+                Some(r) => infer_type(&r.op(), &[(&f.shape, d)]),
+            }
         }
         Op::Select => {
             let d = same_dtype(&[1, 2])?;

@@ -393,6 +393,8 @@ impl Op {
     pub fn class(&self) -> OpClass {
         match self {
             Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
+            // A fused reduction writes fewer elements than it reads: never in place.
+            Op::Fused(f) if f.reduce.is_some() => OpClass::Compute,
             Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select | Op::Fused(_) => {
                 OpClass::Elementwise
             }
@@ -430,7 +432,7 @@ impl Op {
             | Op::Pad { .. }
             | Op::Gather
             | Op::AssignAdd { .. } => n(output),
-            Op::Fused(f) => f.insts.len() as u64 * n(output),
+            Op::Fused(f) => (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape),
             Op::MatMul { transpose_a, .. } => {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
                 2 * n(output) * k

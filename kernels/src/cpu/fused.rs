@@ -18,7 +18,7 @@ use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
-use kiln_compiler::ir::{Fused, Shape};
+use kiln_compiler::ir::{Fused, FusedReduce, Shape};
 use std::mem::MaybeUninit;
 use std::slice;
 
@@ -34,13 +34,18 @@ pub(crate) struct FusedKernel {
     desc: String,
 }
 
-/// The kernel of `program` over `operands` (checked by `ir::infer`: valid refs, at most
-/// `MAX_FUSED_OPERANDS` operands broadcasting to `out`, at most `MAX_FUSED_SLOTS` slots).
+/// The kernel of `program` (without a reduction) over `operands` (checked by `ir::infer`: valid
+/// refs, at most `MAX_FUSED_OPERANDS` operands broadcasting to `out`, at most `MAX_FUSED_SLOTS`
+/// slots).
 pub(crate) fn fused(
     program: &Fused,
     operands: &[&Shape],
     out: &Shape,
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
+    Ok(Box::new(fused_kernel(program, operands, out)?))
+}
+
+fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<FusedKernel, KernelError> {
     let k = operands.len();
     let regs = program.registers(k);
     // The loops below borrow an instruction's destination slot mutably beside the slots it
@@ -73,7 +78,7 @@ pub(crate) fn fused(
     let inner = walk.inner_strides();
     let shapes: Vec<String> = operands.iter().map(|s| shape_text(s)).collect();
     let desc = format!("fused({} ops) {} <- {}", program.insts.len(), shape_text(out), shapes.join(" "));
-    Ok(Box::new(FusedKernel { insts: program.insts.clone(), regs, operands: k, walk, inner, desc }))
+    Ok(FusedKernel { insts: program.insts.clone(), regs, operands: k, walk, inner, desc })
 }
 
 /// d[i] = f(sources at i) for one instruction over a chunk.
@@ -177,60 +182,136 @@ impl FusedKernel {
     }
 }
 
-impl CpuKernel for FusedKernel {
-    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let ins: [SendPtr<f32>; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
-            SendPtr::new(inputs.get(j).map_or(std::ptr::null_mut(), |&p| p as *mut f32))
-        });
-        let o = SendPtr::new(output as *mut f32);
+impl FusedKernel {
+    /// The program's values at positions `s..e` of its shape, written to `out[..e - s]`.
+    ///
+    /// # Safety
+    /// `ins[j]` points at operand j (for j < operands), holding its shape's elements; `out` is
+    /// valid for `e - s` writes and overlaps an operand only where that operand has the program's
+    /// shape and `out` is its element `s` (in place).
+    unsafe fn eval_range(&self, ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS], s: usize, e: usize, out: *mut f32) {
         #[cfg(target_arch = "x86_64")]
         let avx2 = std::arch::is_x86_feature_detected!("avx2");
-        par_ranges(self.walk.numel(), self.insts.len(), |s, e| {
-            // Only the slots the program uses, each as long as the longest chunk: a small
-            // tensor's kernel zeroes a few hundred floats, not the whole 16 KiB.
-            let stride = CHUNK.min(e - s);
-            let mut store = [MaybeUninit::<f32>::uninit(); CHUNK * MAX_FUSED_SLOTS];
-            let len = self.regs.slots * stride;
-            // SAFETY: `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in `fused`, stride <=
-            // CHUNK); the prefix is zeroed before the slice over it is made.
-            let slots = unsafe {
-                let p = store.as_mut_ptr() as *mut f32;
-                std::ptr::write_bytes(p, 0, len);
-                slice::from_raw_parts_mut(p, len)
-            };
-            self.walk.for_each_run(s, e, &mut |oo, offs, n| {
-                let mut done = 0;
-                while done < n {
-                    let m = (n - done).min(stride);
-                    let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
-                        if j < self.operands {
-                            // SAFETY: the walk stays inside every operand (strides from their
-                            // shapes); `done` elements of this run were consumed already.
-                            unsafe {
-                                ins[j].get().offset(offs[j] + done as isize * self.inner[j]) as *const f32
-                            }
-                        } else {
-                            std::ptr::null()
-                        }
-                    });
-                    // SAFETY: run's contract: operands hold their shapes' elements and the output
-                    // its own; an operand that is the output has the output's shape (the plan is
-                    // validated), so it is read with stride 1 at the output's offsets; threads
-                    // write disjoint output ranges.
-                    unsafe {
-                        let out = o.get().add(oo + done);
-                        #[cfg(target_arch = "x86_64")]
-                        if avx2 {
-                            self.chunk_avx2(slots, stride, &at, out, m);
-                            done += m;
-                            continue;
-                        }
-                        self.chunk(slots, stride, &at, out, m);
+        // Only the slots the program uses, each as long as the longest chunk: a small tensor's
+        // kernel zeroes a few hundred floats, not the whole 16 KiB.
+        let stride = CHUNK.min(e - s);
+        let mut store = [MaybeUninit::<f32>::uninit(); CHUNK * MAX_FUSED_SLOTS];
+        let len = self.regs.slots * stride;
+        // SAFETY: `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in `fused`, stride <= CHUNK);
+        // the prefix is zeroed before the slice over it is made.
+        let slots = unsafe {
+            let p = store.as_mut_ptr() as *mut f32;
+            std::ptr::write_bytes(p, 0, len);
+            slice::from_raw_parts_mut(p, len)
+        };
+        self.walk.for_each_run(s, e, &mut |oo, offs, n| {
+            let mut done = 0;
+            while done < n {
+                let m = (n - done).min(stride);
+                let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
+                    if j < self.operands {
+                        // SAFETY: the walk stays inside every operand (strides from their
+                        // shapes); `done` elements of this run were consumed already.
+                        unsafe { ins[j].get().offset(offs[j] + done as isize * self.inner[j]) as *const f32 }
+                    } else {
+                        std::ptr::null()
                     }
-                    done += m;
+                });
+                // SAFETY: the contract above; position oo + done is out's element oo + done - s.
+                unsafe {
+                    let out = out.add(oo + done - s);
+                    #[cfg(target_arch = "x86_64")]
+                    if avx2 {
+                        self.chunk_avx2(slots, stride, &at, out, m);
+                        done += m;
+                        continue;
+                    }
+                    self.chunk(slots, stride, &at, out, m);
                 }
-            });
+                done += m;
+            }
         });
+    }
+}
+
+fn operand_ptrs(inputs: &[*mut u8]) -> [SendPtr<f32>; MAX_FUSED_OPERANDS] {
+    std::array::from_fn(|j| SendPtr::new(inputs.get(j).map_or(std::ptr::null_mut(), |&p| p as *mut f32)))
+}
+
+impl CpuKernel for FusedKernel {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let ins = operand_ptrs(inputs);
+        let o = SendPtr::new(output as *mut f32);
+        par_ranges(self.walk.numel(), self.insts.len(), |s, e| {
+            // SAFETY: run's contract: operands hold their shapes' elements and the output its
+            // own; an operand that is the output has the output's shape (the plan is
+            // validated), so it is read with stride 1 at the output's offsets; threads write
+            // disjoint output ranges.
+            unsafe { self.eval_range(&ins, s, e, o.get().add(s)) }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+/// A reduction whose input is a fused program's values (`Fused::reduce`): the reduction kernel
+/// (`reduce`) with the program as its source, evaluated a chunk at a time into a stack buffer
+/// just before the chunk is summed. The chunks and their order are the reduction's own, so the
+/// result is bitwise the unfused program followed by the unfused reduction.
+pub(crate) struct FusedReduceKernel {
+    program: FusedKernel,
+    reduce: super::reduce::Reduce,
+    desc: String,
+}
+
+/// The program's values as a reduction's input.
+struct Prologue<'a> {
+    program: &'a FusedKernel,
+    ins: [SendPtr<f32>; MAX_FUSED_OPERANDS],
+}
+
+impl super::reduce::Source for Prologue<'_> {
+    #[inline]
+    fn with<T>(&self, off: usize, len: usize, f: impl FnOnce(&[f32]) -> T) -> T {
+        let mut buf = [MaybeUninit::<f32>::uninit(); super::reduce::SOURCE_MAX];
+        let len = len.min(super::reduce::SOURCE_MAX);
+        let p = buf.as_mut_ptr() as *mut f32;
+        // SAFETY: the reduction asks for at most SOURCE_MAX elements inside the program's shape
+        // (offsets from that shape), and `Prologue` is made from `run`'s operand pointers; the
+        // buffer is stack memory disjoint from every operand, fully written by `eval_range`
+        // before the slice over it is made.
+        unsafe {
+            self.program.eval_range(&self.ins, off, off + len, p);
+            f(slice::from_raw_parts(p, len))
+        }
+    }
+}
+
+pub(crate) fn fused_reduce(
+    program: &Fused,
+    reduce: &FusedReduce,
+    operands: &[&Shape],
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let shape = program.shape.clone();
+    let elementwise = Fused { reduce: None, ..program.clone() };
+    let program = fused_kernel(&elementwise, operands, &shape)?;
+    let name = reduce.op().name();
+    let desc = format!("{name}{:?} of {}", reduce.axes, program.desc);
+    Ok(Box::new(FusedReduceKernel {
+        program,
+        reduce: super::reduce::prepare(reduce.op, name, &shape, &reduce.axes),
+        desc,
+    }))
+}
+
+impl CpuKernel for FusedReduceKernel {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let source = Prologue { program: &self.program, ins: operand_ptrs(inputs) };
+        // SAFETY: run's contract: the operands hold their shapes' elements, the output the
+        // reduction's; the reduction reads its source only inside the program's shape.
+        unsafe { self.reduce.run_from(&source, output as *mut f32) }
     }
 
     fn describe(&self) -> String {

@@ -36,10 +36,6 @@ impl<T> SendPtr<T> {
         SendPtr(p)
     }
 
-    pub(crate) fn from_const(p: *const T) -> Self {
-        SendPtr(p as *mut T)
-    }
-
     /// The pointer (a method, so that closures capture the whole `SendPtr`, not its field).
     #[inline(always)]
     pub(crate) fn get(self) -> *mut T {

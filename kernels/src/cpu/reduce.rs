@@ -23,6 +23,30 @@ use std::slice;
 
 /// Elements per chunk of a row sum.
 const ROW_CHUNK: usize = 4096;
+/// The most elements a reduction asks of its `Source` at once (a row chunk; a column tile is
+/// smaller).
+pub(crate) const SOURCE_MAX: usize = ROW_CHUNK;
+
+/// Where a reduction's input elements come from: memory, or a fused elementwise program
+/// evaluated on demand (`fused::FusedReduceKernel`). The reduction asks for at most
+/// `SOURCE_MAX` contiguous elements at a time, always the same pieces in the same order, so the
+/// result does not depend on the source.
+pub(crate) trait Source: Sync {
+    /// `f` of the `len` input elements from offset `off` (row-major in the input's shape).
+    fn with<T>(&self, off: usize, len: usize, f: impl FnOnce(&[f32]) -> T) -> T;
+}
+
+/// The input as it is in memory.
+struct Memory(SendPtr<f32>);
+
+impl Source for Memory {
+    #[inline(always)]
+    fn with<T>(&self, off: usize, len: usize, f: impl FnOnce(&[f32]) -> T) -> T {
+        // SAFETY: the reduction asks only for elements inside its input (offsets from its
+        // shape), which `run`'s contract makes valid.
+        f(unsafe { slice::from_raw_parts(self.0.get().add(off), len) })
+    }
+}
 /// Outputs computed together along a kept innermost axis.
 const TILE: usize = 64;
 /// Chunk partial results computed in parallel per batch (the stack array of partials).
@@ -112,22 +136,25 @@ fn row_chunk<R: Reducer>(p: &[f32]) -> R::Acc {
     acc
 }
 
-/// A contiguous row, in `ROW_CHUNK` chunks combined in order.
+/// A contiguous row of `len` elements from `off`, in `ROW_CHUNK` chunks combined in order.
 #[inline]
-fn row<R: Reducer>(p: &[f32]) -> R::Acc {
-    p.chunks(ROW_CHUNK).fold(R::ZERO, |acc, c| R::combine(acc, row_chunk::<R>(c)))
+fn row<R: Reducer>(src: &impl Source, off: usize, len: usize) -> R::Acc {
+    (0..len)
+        .step_by(ROW_CHUNK)
+        .fold(R::ZERO, |acc, c| R::combine(acc, src.with(off + c, ROW_CHUNK.min(len - c), row_chunk::<R>)))
 }
 
 /// `row`, with the chunks computed on the rayon pool: the same result.
-fn row_parallel<R: Reducer>(p: &[f32]) -> R::Acc {
+fn row_parallel<R: Reducer>(src: &impl Source, off: usize, len: usize) -> R::Acc {
+    let chunks = len.div_ceil(ROW_CHUNK);
     let mut acc = R::ZERO;
-    for batch in p.chunks(ROW_CHUNK * PAR_BATCH) {
+    for b0 in (0..chunks).step_by(PAR_BATCH) {
         let mut partial = [R::ZERO; PAR_BATCH];
-        let n = batch.len().div_ceil(ROW_CHUNK);
-        partial[..n]
-            .par_iter_mut()
-            .zip(batch.par_chunks(ROW_CHUNK))
-            .for_each(|(s, c)| *s = row_chunk::<R>(c));
+        let n = PAR_BATCH.min(chunks - b0);
+        partial[..n].par_iter_mut().enumerate().for_each(|(j, s)| {
+            let c = (b0 + j) * ROW_CHUNK;
+            *s = src.with(off + c, ROW_CHUNK.min(len - c), row_chunk::<R>);
+        });
         for &s in &partial[..n] {
             acc = R::combine(acc, s);
         }
@@ -168,7 +195,7 @@ enum Kind {
     Columns { len: usize, chunk: usize },
 }
 
-struct Reduce {
+pub(crate) struct Reduce {
     op: ReduceOp,
     kind: Kind,
     /// Kept groups (extent, input stride), outer first, excluding a kept innermost group.
@@ -182,6 +209,11 @@ struct Reduce {
 }
 
 pub(crate) fn reduce(op: ReduceOp, name: &str, x: &Shape, axes: &[usize]) -> Box<dyn CpuKernel> {
+    Box::new(prepare(op, name, x, axes))
+}
+
+/// The reduction of `x` over `axes`, with its loops laid out.
+pub(crate) fn prepare(op: ReduceOp, name: &str, x: &Shape, axes: &[usize]) -> Reduce {
     // Merge adjacent axes of one kind, dropping size-1 axes.
     let mut groups: Vec<(usize, bool)> = Vec::new();
     for (i, &d) in x.dims().iter().enumerate() {
@@ -215,30 +247,44 @@ pub(crate) fn reduce(op: ReduceOp, name: &str, x: &Shape, axes: &[usize]) -> Box
         None => Kind::Copy,
     };
     let desc = format!("{name}{axes:?} {}", shape_text(x));
-    Box::new(Reduce { op, kind, kept, reduced, outputs, count, desc })
+    Reduce { op, kind, kept, reduced, outputs, count, desc }
 }
 
 impl Reduce {
+    /// The reduction of what `src` holds into `o`.
+    ///
     /// # Safety
-    /// `x` holds the input, `o` the output.
-    unsafe fn run_with<R: Reducer>(&self, x: *const f32, o: *mut f32) {
-        let (x, o) = (SendPtr::from_const(x), SendPtr::new(o));
+    /// `src` gives the input's elements, `o` holds the output.
+    pub(crate) unsafe fn run_from(&self, src: &impl Source, o: *mut f32) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match self.op {
+                ReduceOp::Sum => self.run_with::<Sum>(src, o),
+                ReduceOp::Mean => self.run_with::<Mean>(src, o),
+                ReduceOp::Max => self.run_with::<Max>(src, o),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As `run_from`.
+    unsafe fn run_with<R: Reducer>(&self, src: &impl Source, o: *mut f32) {
+        let o = SendPtr::new(o);
         let work = self.outputs * self.count;
         match self.kind {
             Kind::Copy => {
                 par_ranges(self.outputs, 1, |s, e| {
                     for i in s..e {
+                        let v = src.with(i, 1, |v| R::finish(R::add(R::ZERO, v[0]), 1));
                         // SAFETY: input and output both hold `outputs` elements.
-                        unsafe { *o.get().add(i) = R::finish(R::add(R::ZERO, *x.get().add(i)), 1) };
+                        unsafe { *o.get().add(i) = v };
                     }
                 });
             }
             Kind::Rows { len } => {
-                // SAFETY: every row lies inside the input (offsets from its shape).
-                let row_at = |off: usize| unsafe { slice::from_raw_parts(x.get().add(off), len) };
                 if self.reduced.is_empty() && self.outputs < 16 && work >= PAR_MIN {
                     for i in 0..self.outputs {
-                        let acc = row_parallel::<R>(row_at(kept_offset(&self.kept, i)));
+                        let acc = row_parallel::<R>(src, kept_offset(&self.kept, i), len);
                         // SAFETY: i < outputs.
                         unsafe { *o.get().add(i) = R::finish(acc, self.count) };
                     }
@@ -248,7 +294,7 @@ impl Reduce {
                     for i in s..e {
                         let mut acc = R::ZERO;
                         for_each_offset(&self.reduced, kept_offset(&self.kept, i), &mut |off| {
-                            acc = R::combine(acc, row::<R>(row_at(off)));
+                            acc = R::combine(acc, row::<R>(src, off, len));
                         });
                         // SAFETY: i < outputs; threads write disjoint outputs.
                         unsafe { *o.get().add(i) = R::finish(acc, self.count) };
@@ -265,11 +311,11 @@ impl Reduce {
                     let mut part = [R::ZERO; TILE];
                     for r in c * chunk..((c + 1) * chunk).min(outer.0) {
                         for_each_offset(rest, base + r * outer.1, &mut |off| {
-                            // SAFETY: a row of w elements inside the input.
-                            let v = unsafe { slice::from_raw_parts(x.get().add(off), w) };
-                            for (a, &v) in part[..w].iter_mut().zip(v) {
-                                *a = R::add(*a, v);
-                            }
+                            src.with(off, w, |v| {
+                                for (a, &v) in part[..w].iter_mut().zip(v) {
+                                    *a = R::add(*a, v);
+                                }
+                            });
                         });
                     }
                     part
@@ -314,15 +360,9 @@ impl Reduce {
 
 impl CpuKernel for Reduce {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (x, o) = (inputs[0] as *const f32, output as *mut f32);
+        let x = Memory(SendPtr::new(inputs[0] as *mut f32));
         // SAFETY: run's contract.
-        unsafe {
-            match self.op {
-                ReduceOp::Sum => self.run_with::<Sum>(x, o),
-                ReduceOp::Mean => self.run_with::<Mean>(x, o),
-                ReduceOp::Max => self.run_with::<Max>(x, o),
-            }
-        }
+        unsafe { self.run_from(&x, output as *mut f32) }
     }
 
     fn describe(&self) -> String {

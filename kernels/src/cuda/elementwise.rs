@@ -229,13 +229,14 @@ pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) 
 /// operands named x0, x1, ... Each instruction is its op's expression (`math`), whose top-level
 /// products are `__fmul_rn`: NVRTC never contracts a product of one instruction with a sum of the
 /// next into an FMA, so every instruction rounds as the unfused op does.
-pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Shape) -> CudaKernel {
-    let names: Vec<String> = (0..operands.len()).map(|j| format!("x{j}")).collect();
+/// The program's instructions as `const float vJ = ...;` lines and the last one's expression,
+/// operands named x0, x1, ...
+fn program_code(program: &Fused) -> (Vec<String>, String) {
     let value = |r: Ref| match r {
         Ref::Operand(i) => format!("x{i}"),
         Ref::Value(v) => format!("v{v}"),
     };
-    let exprs: Vec<String> = program
+    let mut exprs: Vec<String> = program
         .insts
         .iter()
         .map(|inst| match *inst {
@@ -245,7 +246,55 @@ pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Sha
             Inst::Select(w, a, b) => format!("{} != 0.0f ? {} : {}", value(w), value(a), value(b)),
         })
         .collect();
-    let (last, lets) = exprs.split_last().expect("a fused program has an instruction (checked by infer)");
+    let last = exprs.pop().unwrap_or_else(|| "0.0f".into());
+    (exprs.iter().enumerate().map(|(j, e)| format!("const float v{j} = {e};")).collect(), last)
+}
+
+/// A device function `kiln_load(i, in0, ...)`: the fused program's value at linear index `i` of
+/// its shape, each operand read at its broadcast position. A reduction with an elementwise
+/// prologue reads its input through it (`reduce`), so the prologue's values are never stored.
+/// Returns the function's source (with the math helpers it calls).
+/// Helpers already in `defined` (the reduction's own) are not defined again.
+pub(crate) fn load_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str) -> String {
+    let k = operands.len();
+    let strides = strides_of(operands, &program.shape);
+    let nest = Nest::new(program.shape.dims(), &strides);
+    let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
+    let (lets, last) = program_code(program);
+    let mut c = Code::new();
+    let prelude = math::prelude_beside(&format!("{}\n{last}", lets.join("\n")), defined);
+    if !prelude.is_empty() {
+        c.line(prelude);
+    }
+    let ins: Vec<String> = (0..k).map(|j| format!("const float* __restrict__ in{j}")).collect();
+    c.line(format!("__device__ __forceinline__ float kiln_load({ty} i, {}) {{", ins.join(", ")));
+    let used: Vec<bool> = (0..nest.dims.len())
+        .map(|a| (0..k).any(|j| access[j] == Access::Strided && nest.strides[j][a] != 0))
+        .collect();
+    let coords = if access.contains(&Access::Strided) {
+        decompose_some(&mut c, ty, "i", &nest.dims, &used, "c")
+    } else {
+        Vec::new()
+    };
+    for (j, a) in access.iter().enumerate() {
+        let at = match a {
+            Access::Same => "i".to_string(),
+            Access::Scalar => "0".to_string(),
+            Access::Strided => linear(&coords, &nest.strides[j]),
+        };
+        c.line(format!("const float x{j} = in{j}[{at}];"));
+    }
+    for l in lets {
+        c.line(l);
+    }
+    c.line(format!("return {last};"));
+    c.line("}");
+    c.finish()
+}
+
+pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Shape) -> CudaKernel {
+    let names: Vec<String> = (0..operands.len()).map(|j| format!("x{j}")).collect();
+    let (lets, last) = program_code(program);
     Map {
         name: "kiln_fused",
         header: header(label, operands, Some(out)),
@@ -253,10 +302,37 @@ pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Sha
         out: out.dims(),
         strides: strides_of(operands, out),
         max_operand: max_numel(&[operands, &[out]].concat()),
-        expr: last.clone(),
-        lets: lets.iter().enumerate().map(|(j, e)| format!("const float v{j} = {e};")).collect(),
+        expr: last,
+        lets,
         names,
         in_place: true,
+    }
+    .generate()
+}
+
+/// A fused program whose last value, named `v`, becomes the output through `finish` (an
+/// expression of `v`): a fused reduction that reduces nothing (only size-1 axes, or an empty
+/// one), written over the program's shape, whose element count is the output's.
+pub(crate) fn fused_finishing(
+    label: &str,
+    program: &Fused,
+    operands: &[&Shape],
+    out: &Shape,
+    finish: &str,
+) -> CudaKernel {
+    let (mut lets, last) = program_code(program);
+    lets.push(format!("const float v = {last};"));
+    Map {
+        name: "kiln_fused_reduce",
+        header: header(label, operands, Some(out)),
+        describe: format!("fused({} ops) {}", program.insts.len(), shape_text(&program.shape)),
+        out: program.shape.dims(),
+        strides: strides_of(operands, &program.shape),
+        max_operand: max_numel(&[operands, &[&program.shape]].concat()),
+        expr: finish.to_string(),
+        lets,
+        names: (0..operands.len()).map(|j| format!("x{j}")).collect(),
+        in_place: false,
     }
     .generate()
 }

@@ -16,8 +16,16 @@ use std::f32::consts::{FRAC_1_SQRT_2, PI};
 
 /// Definitions of the helper functions an expression calls (and those they call), in order.
 pub(crate) fn prelude(uses: &str) -> String {
+    prelude_beside(uses, "")
+}
+
+/// `prelude`, less the helpers that `defined` (source already in the translation unit) defines.
+pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
     let mut out = String::new();
-    let needs = |name: &str| uses.contains(name);
+    let needs = |name: &str| {
+        let base = name.trim_end_matches('(');
+        uses.contains(name) && !defined.contains(&format!("float {base}("))
+    };
     if needs("kiln_max_nan") {
         out.push_str(
             "// max that propagates NaN (NumPy's maximum)\n\

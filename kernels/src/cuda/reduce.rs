@@ -27,7 +27,7 @@ use super::codegen::{Code, decompose, grid_for, header, idx_type, int, linear, s
 use super::codegen::{dbl, params};
 use super::elementwise::Map;
 use super::{Arg, CudaKernel, Launch, math};
-use kiln_compiler::ir::{ReduceOp, Shape};
+use kiln_compiler::ir::{Fused, FusedReduce, ReduceOp, Shape};
 
 /// Threads per block of the row and column kernels (the row kernel's big variant uses 1024).
 const THREADS: usize = 256;
@@ -119,7 +119,91 @@ fn offset(c: &mut Code, ty: &str, name: &str, var: &str, groups: &[(usize, usize
     c.line(format!("const {ty} {name} = {};", linear(&coords, &strides)));
 }
 
+/// Where a reduction reads its input: operand 0 in memory, or a fused elementwise program over
+/// the operands (`elementwise::load_function`), evaluated as each element is read.
+#[derive(Clone, Copy)]
+pub(crate) enum Input<'a> {
+    Memory,
+    Fused(&'a Fused, &'a [&'a Shape]),
+}
+
+impl Input<'_> {
+    fn operands(&self) -> usize {
+        match self {
+            Input::Memory => 1,
+            Input::Fused(_, operands) => operands.len(),
+        }
+    }
+
+    /// The source lines that define what `read` calls, beside the source `defined` already has.
+    fn definitions(&self, ty: &str, defined: &str) -> String {
+        match self {
+            Input::Memory => String::new(),
+            Input::Fused(program, operands) => {
+                super::elementwise::load_function(program, operands, ty, defined)
+            }
+        }
+    }
+
+    /// The input element at linear index `at`.
+    fn read(&self, at: &str) -> String {
+        match self {
+            Input::Memory => format!("in0[{at}]"),
+            Input::Fused(_, operands) => {
+                let ins: Vec<String> = (0..operands.len()).map(|j| format!("in{j}")).collect();
+                format!("kiln_load({at}, {})", ins.join(", "))
+            }
+        }
+    }
+
+    fn args(&self) -> Vec<Arg> {
+        (0..self.operands()).map(Arg::Input).chain([Arg::Output]).collect()
+    }
+}
+
 pub(crate) fn reduce(
+    op: ReduceOp,
+    name: &str,
+    label: &str,
+    x: &Shape,
+    axes: &[usize],
+    out: &Shape,
+) -> CudaKernel {
+    reduce_from(Input::Memory, op, name, label, x, axes, out)
+}
+
+/// A fused elementwise program (`ir::fused`) followed by its reduction, one kernel: the
+/// reduction below reading its input through the program.
+pub(crate) fn fused_reduce(
+    label: &str,
+    program: &Fused,
+    reduce: &FusedReduce,
+    operands: &[&Shape],
+    out: &Shape,
+) -> CudaKernel {
+    let x = &program.shape;
+    let name = reduce.op().name();
+    let g = groups(x, &reduce.axes);
+    let count: usize = g.reduced.iter().map(|k| k.0).product();
+    if count == 0 || g.reduced.is_empty() {
+        // Nothing is summed: the program's values, finished as the reduction finishes one value
+        // (or none), elementwise over the program's shape, whose element count is the output's.
+        let acc = Acc { op: reduce.op, count };
+        let finish = match (count, reduce.op) {
+            (0, _) => acc.finish(&format!("({})", acc.zero())),
+            (_, ReduceOp::Max) => "v".to_string(),
+            _ => acc.finish("(0.0 + (double)v)"),
+        };
+        let mut k = super::elementwise::fused_finishing(label, program, operands, out, &finish);
+        k.describe = format!("{name}{:?} of {} (elementwise)", reduce.axes, k.describe);
+        return k;
+    }
+    reduce_from(Input::Fused(program, operands), reduce.op, name, label, x, &reduce.axes, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reduce_from(
+    input: Input,
     op: ReduceOp,
     name: &str,
     label: &str,
@@ -132,7 +216,10 @@ pub(crate) fn reduce(
     let count: usize = g.reduced.iter().map(|k| k.0).product();
     let acc = Acc { op, count };
     let describe = format!("{name}{axes:?} {}", shape_text(x));
-    let head = header(label, &[x], Some(out));
+    let head = match input {
+        Input::Memory => header(label, &[x], Some(out)),
+        Input::Fused(_, operands) => header(label, operands, Some(out)),
+    };
     let fname = format!("kiln_{name}");
     if count == 0 || g.reduced.is_empty() {
         // Nothing reduced (every reduced axis has size 1) or nothing to reduce (an empty axis):
@@ -163,9 +250,9 @@ pub(crate) fn reduce(
     }
     let ty = idx_type(x.numel());
     if g.innermost_reduced {
-        rows(&acc, &g, outputs, count, ty, &fname, head, describe)
+        rows(input, &acc, &g, outputs, count, ty, &fname, head, describe)
     } else {
-        columns(&acc, &g, outputs, count, ty, &fname, head, describe)
+        columns(input, &acc, &g, outputs, count, ty, &fname, head, describe)
     }
 }
 
@@ -184,6 +271,7 @@ fn row_slices(outputs: usize, count: usize) -> usize {
 
 #[allow(clippy::too_many_arguments)]
 fn rows(
+    input: Input,
     acc: &Acc,
     g: &Groups,
     outputs: usize,
@@ -201,7 +289,8 @@ fn rows(
     let mut c = Code::new();
     c.line(head);
     c.line(acc.prelude());
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    c.line(input.definitions(ty, &acc.prelude()));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(input.operands(), true, true)));
     if s > 32 {
         c.line(format!("__shared__ {t} partial[{}];", s / 32));
     }
@@ -223,7 +312,7 @@ fn rows(
         c.line(format!("for ({ty} j = slice; j < {}; j += {s}) {{", int(count)));
     }
     offset(&mut c, ty, "off", "j", &g.reduced, "q");
-    c.line(acc.add("acc", "in0[base + off]"));
+    c.line(acc.add("acc", &input.read("base + off")));
     c.line("}");
     c.line("}");
     if s >= 32 {
@@ -258,7 +347,7 @@ fn rows(
             grid: grid_for(blocks_needed, 1),
             block: [threads as u32, 1, 1],
             shared_bytes: 0,
-            args: vec![Arg::Input(0), Arg::Output],
+            args: input.args(),
         }],
         describe: format!("{describe} ({s} threads per output)"),
     }
@@ -273,6 +362,7 @@ fn pow2_floor(v: usize) -> usize {
 
 #[allow(clippy::too_many_arguments)]
 fn columns(
+    input: Input,
     acc: &Acc,
     g: &Groups,
     outputs: usize,
@@ -288,7 +378,8 @@ fn columns(
     let mut c = Code::new();
     c.line(head);
     c.line(acc.prelude());
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    c.line(input.definitions(ty, &acc.prelude()));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(input.operands(), true, true)));
     if s > 1 {
         c.line(format!("__shared__ {t} partial[{s}][32];"));
     }
@@ -307,7 +398,7 @@ fn columns(
         c.line(format!("for ({ty} j = slice; j < {}; j += {s}) {{", int(count)));
     }
     offset(&mut c, ty, "off", "j", &g.reduced, "q");
-    c.line(acc.add("acc", "in0[base + off]"));
+    c.line(acc.add("acc", &input.read("base + off")));
     c.line("}");
     c.line("}");
     if s > 1 {
@@ -338,7 +429,7 @@ fn columns(
             grid: grid_for(groups, 1),
             block: [(32 * s) as u32, 1, 1],
             shared_bytes: 0,
-            args: vec![Arg::Input(0), Arg::Output],
+            args: input.args(),
         }],
         describe: format!("{describe} (32 outputs x {s} slices per block)"),
     }
