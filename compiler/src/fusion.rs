@@ -25,7 +25,7 @@
 
 use crate::error::{CompileError, Result};
 use crate::ir::fused::{Inst, MAX_FUSED_INSTS, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Ref};
-use crate::ir::{Fused, FusedReduce, Graph, Node, NodeId, Op, Shape};
+use crate::ir::{Fused, FusedMatMul, FusedReduce, Graph, Node, NodeId, Op, Shape};
 use petgraph::algo::toposort;
 use std::collections::{HashMap, HashSet};
 
@@ -43,10 +43,38 @@ pub struct FusionFigures {
 struct Group {
     members: Vec<NodeId>,
     reduce: Option<NodeId>,
+    /// A matrix product that only the members read, computed first (the program's operand 0).
+    matmul: Option<NodeId>,
 }
 
 /// Fuses the graph's elementwise chains in place.
-pub fn fuse(graph: &mut Graph) -> Result<FusionFigures> {
+///
+/// A member may be ordered before later ops by control edges (a reader of a variable's old value
+/// runs before the variable's update, `passes::OrderEffects`): the fused op, which reads
+/// everything its members read, takes those edges. Should that ever close a cycle, the graph is
+/// fused again with such members left out.
+///
+/// With `products`, a matrix product read only by a group joins it (a GEMM with an epilogue);
+/// without, products stay apart, which leaves rematerialization the elementwise values to
+/// recompute cheaply (`compile` fuses that way when a limit needs recomputation).
+pub fn fuse(graph: &mut Graph, products: bool) -> Result<FusionFigures> {
+    let mut relaxed = graph.clone();
+    let figures = fuse_with(&mut relaxed, true, products)?;
+    if toposort(relaxed.petgraph(), None).is_ok() {
+        *graph = relaxed;
+        return Ok(figures);
+    }
+    fuse_with(graph, false, products)
+}
+
+/// Readers of `p` are all in `set`, and (unless `ordered_after` allows them) nothing else follows
+/// it by a control edge.
+fn read_only_by(graph: &Graph, p: NodeId, set: &HashSet<NodeId>, ordered_after: bool) -> bool {
+    graph.users(p).iter().all(|u| set.contains(u))
+        && (ordered_after || graph.successors(p).all(|s| set.contains(&s)))
+}
+
+fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<FusionFigures> {
     let order = toposort(graph.petgraph(), None)
         .map_err(|c| CompileError::Internal(format!("fusion: the graph has a cycle at {:?}", c.node_id())))?;
     let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
@@ -66,30 +94,61 @@ pub fn fuse(graph: &mut Graph) -> Result<FusionFigures> {
                 && !outputs.contains(&tip)
                 && node.device == graph.node(root).device
                 && graph.control_predecessors(tip).is_empty()
-                && graph.successors(tip).all(|s| s == root);
+                && read_only_by(graph, tip, &HashSet::from([root]), ordered_after);
             if !alone {
                 continue;
             }
-            Group { members: grow(graph, tip, Some(root), &outputs, &taken, &position), reduce: Some(root) }
+            let members = grow(graph, tip, Some(root), &outputs, &taken, &position, ordered_after);
+            Group { members, reduce: Some(root), matmul: None }
         } else if fusable(graph.node(root)) {
-            let members = grow(graph, root, None, &outputs, &taken, &position);
-            if members.len() < 2 {
+            let members = grow(graph, root, None, &outputs, &taken, &position, ordered_after);
+            let matmul =
+                if products { product(graph, &members, &outputs, &taken, ordered_after) } else { None };
+            if members.len() < 2 && matmul.is_none() {
                 continue;
             }
-            Group { members, reduce: None }
+            Group { members, reduce: None, matmul }
         } else {
             continue;
         };
-        taken.extend(group.members.iter().copied().chain(group.reduce));
+        taken.extend(group.members.iter().copied().chain(group.reduce).chain(group.matmul));
         groups.push(group);
     }
     let mut figures = FusionFigures::default();
     for group in groups {
         figures.groups += 1;
-        figures.ops += group.members.len() + usize::from(group.reduce.is_some());
+        figures.ops +=
+            group.members.len() + usize::from(group.reduce.is_some()) + usize::from(group.matmul.is_some());
         replace(graph, &group)?;
     }
     Ok(figures)
+}
+
+/// A matrix product of the root's shape that only the group reads, with no control edges: the
+/// group becomes the product with an elementwise epilogue (a bias, an activation, a residual).
+fn product(
+    graph: &Graph,
+    members: &[NodeId],
+    outputs: &HashSet<NodeId>,
+    taken: &HashSet<NodeId>,
+    ordered_after: bool,
+) -> Option<NodeId> {
+    let root = graph.node(*members.last()?);
+    let set: HashSet<NodeId> = members.iter().copied().collect();
+    let mut candidates: Vec<NodeId> = members.iter().flat_map(|&m| graph.operands(m)).collect();
+    candidates.dedup();
+    candidates.into_iter().find(|&p| {
+        let node = graph.node(p);
+        matches!(node.op, Op::MatMul { .. })
+            && graph.operands(p).iter().all(|&f| graph.node(f).shape.numel() > 0)
+            && !set.contains(&p)
+            && !taken.contains(&p)
+            && !outputs.contains(&p)
+            && node.device == root.device
+            && node.shape == root.shape
+            && graph.control_predecessors(p).is_empty()
+            && read_only_by(graph, p, &set, ordered_after)
+    })
 }
 
 /// Ops that can be instructions of a fused program.
@@ -107,6 +166,7 @@ fn grow(
     outputs: &HashSet<NodeId>,
     taken: &HashSet<NodeId>,
     position: &HashMap<NodeId, usize>,
+    ordered_after: bool,
 ) -> Vec<NodeId> {
     let r = graph.node(root);
     let mut members: Vec<NodeId> = vec![root];
@@ -136,15 +196,14 @@ fn grow(
                 && node.dtype == r.dtype
                 && node.shape.numel() == r.shape.numel()
                 && graph.control_predecessors(p).is_empty()
-                && graph.successors(p).all(|s| set.contains(&s))
-                && graph.users(p).iter().all(|u| set.contains(u));
+                && read_only_by(graph, p, &set, ordered_after);
             if !qualifies {
                 continue;
             }
             let mut trial = members.clone();
             trial.push(p);
             trial.sort_unstable_by_key(|n| position[n]);
-            let (program, operands) = program(graph, &trial, &r.shape, None);
+            let (program, operands) = program(graph, &trial, &r.shape, None, None);
             if operands.len() > MAX_FUSED_OPERANDS
                 || program.insts.len() > MAX_FUSED_INSTS
                 || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
@@ -171,9 +230,11 @@ fn program(
     members: &[NodeId],
     shape: &Shape,
     reduce: Option<FusedReduce>,
+    product: Option<NodeId>,
 ) -> (Fused, Vec<NodeId>) {
     let mut value: HashMap<NodeId, Ref> = HashMap::new();
-    let mut operands: Vec<NodeId> = Vec::new();
+    // A product is operand 0 whether or not it is read first.
+    let mut operands: Vec<NodeId> = product.into_iter().collect();
     let mut insts = Vec::with_capacity(members.len());
     for &m in members {
         let refs: Vec<Ref> = graph
@@ -204,7 +265,11 @@ fn program(
         value.insert(m, Ref::Value(insts.len() as u32));
         insts.push(inst);
     }
-    (Fused { shape: shape.clone(), insts, reduce }, operands)
+    let matmul = product.and_then(|p| match graph.node(p).op {
+        Op::MatMul { transpose_a, transpose_b } => Some(FusedMatMul { transpose_a, transpose_b }),
+        _ => None,
+    });
+    (Fused { shape: shape.clone(), insts, reduce, matmul }, operands)
 }
 
 /// Replaces the group by one fused node in the root's place: it takes the root's readers,
@@ -220,20 +285,32 @@ fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
         }
         _ => None,
     };
-    let (program, operands) = program(graph, members, &graph.node(tip).shape.clone(), reduce);
+    let (program, mut operands) =
+        program(graph, members, &graph.node(tip).shape.clone(), reduce, group.matmul);
     debug_assert_eq!(program.check(operands.len()), Ok(()));
+    // The product's factors stand in its place.
+    if let Some(p) = group.matmul {
+        let factors = graph.operands(p);
+        operands.splice(0..1, factors);
+    }
     let fused = graph.add(Node { op: Op::Fused(program), ..r }, &operands);
     graph.replace_uses(root, fused);
     // Every reader now reads the fused node: what follows the root is ordered by control edges.
     let before = graph.control_predecessors(root);
-    let after: Vec<NodeId> = graph.successors(root).collect();
+    let mut after: Vec<NodeId> = Vec::new();
+    for &m in members.iter().chain(&group.reduce).chain(&group.matmul) {
+        after.extend(graph.successors(m));
+    }
+    let removed: HashSet<NodeId> =
+        members.iter().chain(&group.reduce).chain(&group.matmul).copied().collect();
+    after.retain(|a| !removed.contains(a) && *a != fused);
     for b in before {
         graph.add_control(b, fused);
     }
     for a in after {
         graph.add_control(fused, a);
     }
-    for &m in members.iter().chain(&group.reduce) {
+    for &m in members.iter().chain(&group.reduce).chain(&group.matmul) {
         graph.remove(m);
     }
     Ok(())
@@ -268,7 +345,7 @@ mod tests {
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
         let before = g.len();
-        let figures = fuse(&mut g).unwrap();
+        let figures = fuse(&mut g, true).unwrap();
         // sigmoid(x + b), then z = h - tanh(h * 2 + 1): two groups of 2 and 4 ops.
         assert_eq!(figures, FusionFigures { groups: 2, ops: 6 });
         assert_eq!(g.len(), before - 6 + 2);
@@ -301,7 +378,7 @@ mod tests {
         t.output("k2", &(&out * 2.0));
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g).unwrap();
+        fuse(&mut g, true).unwrap();
         let texts: Vec<String> = fused_ops(&g).iter().map(|(f, _)| f.text()).collect();
         assert!(texts.contains(&"v0 = mul(x1, x0); v1 = relu(v0)".to_string()), "{texts:?}");
         assert!(texts.contains(&"v0 = mul_scalar[3](x0); v1 = exp(v0)".to_string()), "{texts:?}");
@@ -319,7 +396,7 @@ mod tests {
         t.output("loss", &-loss);
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g).unwrap();
+        fuse(&mut g, true).unwrap();
         let reducing: Vec<Fused> =
             fused_ops(&g).into_iter().map(|(f, _)| f).filter(|f| f.reduce.is_some()).collect();
         assert_eq!(reducing.len(), 1, "{:?}", fused_ops(&g));
@@ -333,7 +410,7 @@ mod tests {
         t.output("e2", &(&e * 2.0));
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g).unwrap();
+        fuse(&mut g, true).unwrap();
         assert!(fused_ops(&g).iter().all(|(f, _)| f.reduce.is_none()));
     }
 
@@ -348,7 +425,7 @@ mod tests {
         t.output("y", &y);
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g).unwrap();
+        fuse(&mut g, true).unwrap();
         let ops = fused_ops(&g);
         assert!(ops.len() >= 5, "300 ops in groups of at most {MAX_FUSED_INSTS}");
         assert_eq!(ops.iter().map(|(f, _)| f.insts.len()).sum::<usize>(), 300);

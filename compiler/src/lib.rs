@@ -169,7 +169,11 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
-    let fused = if options.fuse { fusion::fuse(&mut graph)? } else { fusion::FusionFigures::default() };
+    let unfused = graph.clone();
+    let fuse = |graph: &mut ir::Graph, products: bool| -> Result<fusion::FusionFigures> {
+        if options.fuse { fusion::fuse(graph, products) } else { Ok(fusion::FusionFigures::default()) }
+    };
+    let mut fused = fuse(&mut graph, true)?;
     let devices = devices_used(&graph, options)?;
     let mut variants = search_tiled(graph, &devices, options)?;
     for (_, plan) in &mut variants {
@@ -181,6 +185,13 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     };
     if variants[0].0.effects().is_empty() {
         return Err(CompileError::OutOfMemory(oom));
+    }
+    // Recomputation works on a finer graph: products stay apart from their epilogues, so that
+    // an activation can be recomputed from its pre-activation without redoing the product.
+    if options.fuse && fused.groups > 0 {
+        let mut graph = unfused;
+        fused = fuse(&mut graph, false)?;
+        variants = search_tiled(graph, &devices, options)?;
     }
     // A training step over a limit: recompute values instead of keeping them, in each graph
     // the search planned (tiled updates change what is live, so either may fit), the smaller

@@ -8,7 +8,7 @@
 //! and `NAME.expect` (the CPU kernel's output, or for effects `NAME.expectN`, operand N after the
 //! update): what a GPU check or an NVRTC compile check needs.
 
-use kiln_compiler::ir::fused::{FusedReduce, Inst, Ref};
+use kiln_compiler::ir::fused::{FusedMatMul, FusedReduce, Inst, Ref};
 use kiln_compiler::ir::{
     BinaryOp, DType, Fused, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
 };
@@ -511,7 +511,7 @@ fn random_cases() -> Vec<Case> {
         let pad = Op::Pad { axis, before: r.pick(3), after: r.pick(3) };
         push(&mut v, format!("rand_pad_{i}"), pad, &[dims]);
     }
-    for i in 0..60 {
+    for i in 0..80 {
         let (op, shapes) = random_fused(&mut r);
         push(&mut v, format!("rand_fused_{i}"), op, &shapes);
     }
@@ -580,7 +580,20 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
         let op = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max][r.pick(3)];
         FusedReduce { op, axes, keepdims: r.pick(2) == 0 }
     });
-    (Op::Fused(Fused { shape: Shape::from(out.as_slice()), insts, reduce }), shapes)
+    let mut op = Fused { shape: Shape::from(out.as_slice()), insts, reduce, matmul: None };
+    let mut shapes = shapes;
+    // A quarter without a reduction compute operand 0 as a product first (a matmul epilogue).
+    if op.reduce.is_none() && rank >= 2 && r.pick(2) == 0 {
+        let (m, n) = (out[rank - 2], out[rank - 1]);
+        let k = 1 + r.pick(40);
+        let (ta, tb) = (r.pick(2) == 0, r.pick(2) == 0);
+        let mut a: Vec<usize> = out[..rank - 2].to_vec();
+        a.extend(if ta { [k, m] } else { [m, k] });
+        let b: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
+        op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
+        shapes.splice(0..1, [a, b]);
+    }
+    (Op::Fused(op), shapes)
 }
 
 /// Cases too large to run on the CPU: generated and compiled only (64-bit indices, big grids).

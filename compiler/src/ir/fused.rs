@@ -92,6 +92,22 @@ pub struct FusedReduce {
     pub keepdims: bool,
 }
 
+/// A matrix product whose result is the program's operand 0 (a matmul with an elementwise
+/// epilogue): the fused op's operands are then (a, b, x1, x2, ...), and the program's operand
+/// `i >= 1` is the op's operand `i + 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FusedMatMul {
+    pub transpose_a: bool,
+    pub transpose_b: bool,
+}
+
+impl FusedMatMul {
+    /// The `Op::MatMul` it stands for.
+    pub fn op(&self) -> super::Op {
+        super::Op::MatMul { transpose_a: self.transpose_a, transpose_b: self.transpose_b }
+    }
+}
+
 /// The program of a fused group (`Op::Fused`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fused {
@@ -102,6 +118,9 @@ pub struct Fused {
     /// A reduction of the program's values, whose result is the output.
     #[serde(default)]
     pub reduce: Option<FusedReduce>,
+    /// A matrix product computed first, the program's operand 0 (`FusedMatMul`).
+    #[serde(default)]
+    pub matmul: Option<FusedMatMul>,
 }
 
 impl FusedReduce {
@@ -112,6 +131,12 @@ impl FusedReduce {
 }
 
 impl Fused {
+    /// How many operands the program reads, for an op of `op_operands` operands: the product
+    /// stands for the op's first two.
+    pub fn program_operands(&self, op_operands: usize) -> usize {
+        if self.matmul.is_some() { op_operands.saturating_sub(1) } else { op_operands }
+    }
+
     /// Checks the program against `operands` operands: at least one instruction, every ref to
     /// an operand that exists or an earlier instruction, every operand read, the limits above
     /// kept. The error says what is wrong.
@@ -217,6 +242,9 @@ impl Fused {
             Ref::Value(v) => format!("v{v}"),
         };
         let mut s = String::new();
+        if let Some(m) = &self.matmul {
+            let _ = write!(s, "x0 = {}(a, b); ", m.op().label());
+        }
         for (j, inst) in self.insts.iter().enumerate() {
             if j > 0 {
                 s.push_str("; ");
@@ -244,6 +272,7 @@ mod tests {
         Fused {
             shape: Shape::new(vec![4]),
             reduce: None,
+            matmul: None,
             insts: vec![
                 Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1)),
                 Inst::Unary(UnaryOp::Relu, Ref::Value(0)),

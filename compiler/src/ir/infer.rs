@@ -84,11 +84,38 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         Op::Fused(f) => {
             let all: Vec<usize> = (0..operands.len()).collect();
             let d = same_dtype(&all)?;
-            if let Err(e) = f.check(operands.len()) {
+            // With a product first, operands 0 and 1 are its factors and the program's operand
+            // 0 is the product.
+            let first = match &f.matmul {
+                None => 0,
+                Some(m) => {
+                    if operands.len() < 2 || f.reduce.is_some() {
+                        return err(
+                            "a fused product needs its two factors first and no reduction",
+                            "fused ops are made by kiln's fusion pass: compile the graph again",
+                        );
+                    }
+                    if shape(0).numel() == 0 || shape(1).numel() == 0 {
+                        return err(
+                            "a fused product's factors are empty",
+                            "empty products are not fused: compile the graph again",
+                        );
+                    }
+                    let (product, _) = infer_type(&m.op(), &operands[..2])?;
+                    if product != f.shape {
+                        return err(
+                            format!("the product is {product} but the fused shape is {}", f.shape),
+                            "the program of a fused product runs over the product's shape",
+                        );
+                    }
+                    2
+                }
+            };
+            if let Err(e) = f.check(f.program_operands(operands.len())) {
                 return err(e, "fused ops are made by kiln's fusion pass: compile the graph again");
             }
-            if let Some(i) =
-                (0..operands.len()).find(|&i| Shape::broadcast(shape(i), &f.shape).as_ref() != Some(&f.shape))
+            if let Some(i) = (first..operands.len())
+                .find(|&i| Shape::broadcast(shape(i), &f.shape).as_ref() != Some(&f.shape))
             {
                 return err(
                     format!(
@@ -398,7 +425,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
         Op::Select => 3..=3,
-        Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS,
+        Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,
         Op::ApplySgd { momentum, .. } if *momentum != 0.0 => 3..=3,
         Op::ApplySgd { .. } => 2..=2,

@@ -10,7 +10,7 @@ mod shape;
 
 pub use dtype::DType;
 pub use dump::dump;
-pub use fused::{Fused, FusedReduce};
+pub use fused::{Fused, FusedMatMul, FusedReduce};
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{

@@ -393,8 +393,9 @@ impl Op {
     pub fn class(&self) -> OpClass {
         match self {
             Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
-            // A fused reduction writes fewer elements than it reads: never in place.
-            Op::Fused(f) if f.reduce.is_some() => OpClass::Compute,
+            // A fused reduction writes fewer elements than it reads, and a fused product writes
+            // its output before the epilogue reads the other operands: never in place.
+            Op::Fused(f) if f.reduce.is_some() || f.matmul.is_some() => OpClass::Compute,
             Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select | Op::Fused(_) => {
                 OpClass::Elementwise
             }
@@ -432,7 +433,11 @@ impl Op {
             | Op::Pad { .. }
             | Op::Gather
             | Op::AssignAdd { .. } => n(output),
-            Op::Fused(f) => (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape),
+            Op::Fused(f) => {
+                let product =
+                    f.matmul.map_or(0, |m| m.op().flops(&operands[..operands.len().min(2)], &f.shape));
+                product + (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape)
+            }
             Op::MatMul { transpose_a, .. } => {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
                 2 * n(output) * k

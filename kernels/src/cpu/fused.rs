@@ -18,7 +18,7 @@ use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
-use kiln_compiler::ir::{Fused, FusedReduce, Shape};
+use kiln_compiler::ir::{Fused, FusedMatMul, FusedReduce, Shape};
 use std::mem::MaybeUninit;
 use std::slice;
 
@@ -312,6 +312,52 @@ impl CpuKernel for FusedReduceKernel {
         // SAFETY: run's contract: the operands hold their shapes' elements, the output the
         // reduction's; the reduction reads its source only inside the program's shape.
         unsafe { self.reduce.run_from(&source, output as *mut f32) }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+/// A matrix product with an elementwise epilogue (`Fused::matmul`): the product is written to
+/// the output by the matmul kernel, then the program runs over the output in place, reading it as
+/// its operand 0 (the product) and the op's other operands beside it. Each element goes through
+/// the same arithmetic as unfused, so the bits are the unfused ones.
+pub(crate) struct FusedMatMulKernel {
+    product: Box<dyn CpuKernel>,
+    epilogue: FusedKernel,
+    desc: String,
+}
+
+pub(crate) fn fused_matmul(
+    program: &Fused,
+    matmul: &FusedMatMul,
+    operands: &[&Shape],
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let shape = &program.shape;
+    let product =
+        super::matmul::matmul(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
+    let mut epilogue_operands: Vec<&Shape> = vec![shape];
+    epilogue_operands.extend_from_slice(&operands[2..]);
+    let epilogue = fused_kernel(&Fused { matmul: None, ..program.clone() }, &epilogue_operands, shape)?;
+    let desc = format!("{} then {}", product.describe(), epilogue.desc);
+    Ok(Box::new(FusedMatMulKernel { product, epilogue, desc }))
+}
+
+impl CpuKernel for FusedMatMulKernel {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+        epilogue_inputs[0] = output;
+        let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
+        epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
+        // SAFETY: run's contract: the factors and the output are valid and disjoint (a fused
+        // product is never planned in place), so the product kernel's contract holds; the
+        // epilogue then reads the output as its operand 0, which has the output's shape, in
+        // place (the elementwise contract), and the other operands are the op's own.
+        unsafe {
+            self.product.run(&inputs[..2], output);
+            self.epilogue.run(&epilogue_inputs[..=extra], output);
+        }
     }
 
     fn describe(&self) -> String {

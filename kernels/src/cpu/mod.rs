@@ -93,9 +93,10 @@ pub fn prepare(
         Op::Binary(b) => elementwise::binary(*b, name, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
-        Op::Fused(f) => match &f.reduce {
-            None => fused::fused(f, &s, out)?,
-            Some(r) => fused::fused_reduce(f, r, &s)?,
+        Op::Fused(f) => match (&f.reduce, &f.matmul) {
+            (_, Some(m)) => fused::fused_matmul(f, m, &s)?,
+            (Some(r), None) => fused::fused_reduce(f, r, &s)?,
+            (None, None) => fused::fused(f, &s, out)?,
         },
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(s[0], s[1], *transpose_a, *transpose_b, out)

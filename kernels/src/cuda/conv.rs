@@ -136,6 +136,7 @@ pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: 
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
+        epilogue: None,
     };
     finish(head, gemm, describe)
 }
@@ -203,6 +204,7 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
+        epilogue: None,
     };
     finish(head, gemm, describe)
 }
@@ -238,6 +240,7 @@ pub(crate) fn backprop_filter(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
+        epilogue: None,
     };
     finish(head, gemm, describe)
 }

@@ -250,39 +250,56 @@ fn program_code(program: &Fused) -> (Vec<String>, String) {
     (exprs.iter().enumerate().map(|(j, e)| format!("const float v{j} = {e};")).collect(), last)
 }
 
-/// A device function `kiln_load(i, in0, ...)`: the fused program's value at linear index `i` of
-/// its shape, each operand read at its broadcast position. A reduction with an elementwise
+/// A device function `kiln_load(i, p0, p1, ...)`: the fused program's value at linear index `i`
+/// of its shape, each operand read at its broadcast position. A reduction with an elementwise
 /// prologue reads its input through it (`reduce`), so the prologue's values are never stored.
-/// Returns the function's source (with the math helpers it calls).
 /// Helpers already in `defined` (the reduction's own) are not defined again.
 pub(crate) fn load_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str) -> String {
+    value_function(program, operands, ty, defined, false)
+}
+
+/// A device function `kiln_epilogue(x0, i, p1, p2, ...)`: the fused program's value at linear
+/// index `i` of its shape given its operand 0's value there (a product just computed), the other
+/// operands read at their broadcast positions. A GEMM applies it as it stores (`gemm`).
+pub(crate) fn epilogue_function(program: &Fused, operands: &[&Shape], ty: &str) -> String {
+    value_function(program, operands, ty, "", true)
+}
+
+fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str, epilogue: bool) -> String {
     let k = operands.len();
+    let first = usize::from(epilogue);
     let strides = strides_of(operands, &program.shape);
     let nest = Nest::new(program.shape.dims(), &strides);
-    let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
+    let access: Vec<Access> = (0..k).map(|j| if j < first { Access::Same } else { nest.access(j) }).collect();
     let (lets, last) = program_code(program);
     let mut c = Code::new();
     let prelude = math::prelude_beside(&format!("{}\n{last}", lets.join("\n")), defined);
     if !prelude.is_empty() {
         c.line(prelude);
     }
-    let ins: Vec<String> = (0..k).map(|j| format!("const float* __restrict__ in{j}")).collect();
-    c.line(format!("__device__ __forceinline__ float kiln_load({ty} i, {}) {{", ins.join(", ")));
+    let mut params: Vec<String> = Vec::new();
+    if epilogue {
+        params.push("float x0".into());
+    }
+    params.push(format!("{ty} i"));
+    params.extend((first..k).map(|j| format!("const float* __restrict__ p{j}")));
+    let name = if epilogue { "kiln_epilogue" } else { "kiln_load" };
+    c.line(format!("__device__ __forceinline__ float {name}({}) {{", params.join(", ")));
     let used: Vec<bool> = (0..nest.dims.len())
-        .map(|a| (0..k).any(|j| access[j] == Access::Strided && nest.strides[j][a] != 0))
+        .map(|a| (first..k).any(|j| access[j] == Access::Strided && nest.strides[j][a] != 0))
         .collect();
     let coords = if access.contains(&Access::Strided) {
         decompose_some(&mut c, ty, "i", &nest.dims, &used, "c")
     } else {
         Vec::new()
     };
-    for (j, a) in access.iter().enumerate() {
+    for (j, a) in access.iter().enumerate().skip(first) {
         let at = match a {
             Access::Same => "i".to_string(),
             Access::Scalar => "0".to_string(),
             Access::Strided => linear(&coords, &nest.strides[j]),
         };
-        c.line(format!("const float x{j} = in{j}[{at}];"));
+        c.line(format!("const float x{j} = p{j}[{at}];"));
     }
     for l in lets {
         c.line(l);

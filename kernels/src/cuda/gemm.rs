@@ -204,12 +204,25 @@ pub(crate) struct Gemm {
     pub ty: &'static str,
     /// Which launch arguments the two operand pointers are.
     pub args: [Arg; 2],
+    /// An elementwise epilogue applied to every product as it is stored (a fused matmul).
+    pub epilogue: Option<Epilogue>,
+}
+
+/// What a GEMM applies to its products as it stores them: `kiln_epilogue(value, i, e0, ...)`
+/// (`elementwise::epilogue_function`), `i` the element's index in the whole output, `eJ` the
+/// launch arguments `extra[J]`.
+pub(crate) struct Epilogue {
+    pub definition: String,
+    pub extra: Vec<Arg>,
 }
 
 impl Gemm {
     /// Appends the kernel to `c`; returns its launch and a description of the tiling.
     pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
         assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
+        if let Some(e) = &self.epilogue {
+            c.line(&e.definition);
+        }
         match plan(self.m, self.n, self.k, self.batch) {
             Plan::Tiled(t) => self.tiled(c, t),
             Plan::KParallel { tm, tn } => self.k_parallel(c, tm, tn),
@@ -260,7 +273,33 @@ impl Gemm {
             grid: [u32::try_from(blocks).expect("fewer than 2^32 blocks"), 1, 1],
             block: [threads as u32, 1, 1],
             shared_bytes: 0,
-            args: vec![self.args[0], self.args[1], Arg::Output],
+            args: self.args.iter().copied().chain(self.extra()).chain([Arg::Output]).collect(),
+        }
+    }
+
+    fn extra(&self) -> Vec<Arg> {
+        self.epilogue.as_ref().map_or_else(Vec::new, |e| e.extra.clone())
+    }
+
+    /// The kernel's parameters: the factors, the epilogue's operands, the output.
+    fn params(&self) -> String {
+        let extra: String =
+            (0..self.extra().len()).map(|j| format!(", const float* __restrict__ e{j}")).collect();
+        format!(
+            "const float* __restrict__ in0, const float* __restrict__ in1{extra}, float* __restrict__ out"
+        )
+    }
+
+    /// Stores `value` as output element (gm, gn) of this block's matrix `o`, through the
+    /// epilogue if there is one.
+    fn store(&self, value: &str) -> String {
+        let at = format!("gm * {} + gn", int(self.n));
+        match &self.epilogue {
+            None => format!("o[{at}] = {value};"),
+            Some(e) => {
+                let extra: String = (0..e.extra.len()).map(|j| format!(", e{j}")).collect();
+                format!("o[{at}] = kiln_epilogue({value}, ({})(o - out) + {at}{extra});", self.ty)
+            }
         }
     }
 
@@ -271,8 +310,8 @@ impl Gemm {
         let warps = KPAR_THREADS / 32;
         let name = &self.name;
         c.line(format!(
-            "extern \"C\" __global__ void __launch_bounds__({KPAR_THREADS}) {name}(const float* __restrict__ in0, \
-             const float* __restrict__ in1, float* __restrict__ out) {{"
+            "extern \"C\" __global__ void __launch_bounds__({KPAR_THREADS}) {name}({}) {{",
+            self.params()
         ));
         c.line(format!("// {tm}x{tn} outputs per block, K split over {KPAR_THREADS} threads"));
         c.line(format!("__shared__ float partial[{warps}][{}];", tm * tn));
@@ -325,12 +364,7 @@ impl Gemm {
         c.line("float s = partial[0][t];");
         c.line(format!("for (int w = 1; w < {warps}; ++w) s += partial[w][t];"));
         c.line(format!("const {ty} gm = m0 + t / {tn}, gn = n0 + t % {tn};"));
-        c.line(format!(
-            "if (gm < {} && gn < {}) o[gm * {} + gn] = s;",
-            int(self.m),
-            int(self.n),
-            int(self.n)
-        ));
+        c.line(format!("if (gm < {} && gn < {}) {}", int(self.m), int(self.n), self.store("s")));
         c.line("}");
         c.line("}");
         let blocks = self.batch * self.m.div_ceil(tm) * self.n.div_ceil(tn);
@@ -377,9 +411,9 @@ impl Gemm {
         }
 
         c.line(format!(
-            "extern \"C\" __global__ void __launch_bounds__({}) {name}(const float* __restrict__ in0, \
-             const float* __restrict__ in1, float* __restrict__ out) {{",
-            t.threads()
+            "extern \"C\" __global__ void __launch_bounds__({}) {name}({}) {{",
+            t.threads(),
+            self.params()
         ));
         c.line(format!(
             "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads",
@@ -486,7 +520,7 @@ impl Gemm {
         c.line("#pragma unroll");
         c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
         c.line(format!("const {ty} gn = n0 + tx + j * 16;"));
-        c.line(format!("if (gn < {}) o[gm * {} + gn] = acc[i][j];", int(self.n), int(self.n)));
+        c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]")));
         c.line("}");
         c.line("}");
         c.line("}");

@@ -9,9 +9,9 @@
 
 use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
-use super::gemm::{Gemm, Operand};
+use super::gemm::{Epilogue, Gemm, Operand};
 use super::{Arg, CudaKernel};
-use kiln_compiler::ir::{Rows, Shape};
+use kiln_compiler::ir::{Fused, FusedMatMul, Rows, Shape};
 
 /// The element offset of operand batch matrices for output batch `bz`: sum over the output's
 /// batch axes of coordinate x (operand batch stride), times the matrix size.
@@ -43,6 +43,39 @@ fn batch_offset(operand: &[usize], out: &[usize], size: usize) -> String {
 }
 
 pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> CudaKernel {
+    product(label, a, b, ta, tb, out, None)
+}
+
+/// A product with an elementwise epilogue (`Fused::matmul`): the GEMM applies the program to
+/// every product as it stores it, reading the op's other operands (`extra`, from operand 2 on)
+/// beside it.
+pub(crate) fn fused_matmul(
+    label: &str,
+    program: &Fused,
+    m: &FusedMatMul,
+    operands: &[&Shape],
+    out: &Shape,
+) -> CudaKernel {
+    product(
+        label,
+        operands[0],
+        operands[1],
+        m.transpose_a,
+        m.transpose_b,
+        out,
+        Some((program, &operands[2..])),
+    )
+}
+
+fn product(
+    label: &str,
+    a: &Shape,
+    b: &Shape,
+    ta: bool,
+    tb: bool,
+    out: &Shape,
+    epilogue: Option<(&Fused, &[&Shape])>,
+) -> CudaKernel {
     let r = out.rank();
     let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
     let k = if ta { a.back(2) } else { a.back(1) };
@@ -54,7 +87,9 @@ pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out:
     let batch_text = if batch > 1 { format!("{batch}x") } else { String::new() };
     let describe =
         format!("matmul {batch_text}{m}x{k}x{n} ({}{} @ {}{})", shape_text(a), t(ta), shape_text(b), t(tb));
-    let head = header(label, &[a, b], Some(out));
+    let mut all = vec![a, b];
+    all.extend(epilogue.map_or(&[][..], |(_, extra)| extra));
+    let head = header(label, &all, Some(out));
     if k == 0 {
         let mut kernel = Map {
             name: "kiln_matmul",
@@ -71,7 +106,7 @@ pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out:
         kernel.describe = format!("{describe} (K = 0: zeros)");
         return kernel;
     }
-    let ty = idx_type(a.numel().max(b.numel()).max(out.numel()));
+    let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
     let fold = b_batch.iter().product::<usize>() == 1 && a_batch.iter().product::<usize>() == batch && !ta;
     let (gm, gbatch) = if fold { (m * batch, 1) } else { (m, batch) };
     let a_load = if ta {
@@ -99,6 +134,14 @@ pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out:
         b: Operand { k_contiguous: tb, load: b_load, batch_offset: b_off },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
+        epilogue: epilogue.map(|(program, extra)| {
+            let mut shapes = vec![out];
+            shapes.extend_from_slice(extra);
+            Epilogue {
+                definition: super::elementwise::epilogue_function(program, &shapes, ty),
+                extra: (2..2 + extra.len()).map(Arg::Input).collect(),
+            }
+        }),
     };
     let mut c = Code::new();
     c.line(head);
@@ -139,6 +182,7 @@ pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &S
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
+        epilogue: None,
     };
     let mut c = Code::new();
     c.line(header(label, &[a, b], Some(out)));

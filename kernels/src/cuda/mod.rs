@@ -121,9 +121,10 @@ pub fn generate(
         Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
-        Op::Fused(f) => match &f.reduce {
-            None => elementwise::fused(l, f, &s, out),
-            Some(r) => reduce::fused_reduce(l, f, r, &s, out),
+        Op::Fused(f) => match (&f.reduce, &f.matmul) {
+            (_, Some(m)) => matmul::fused_matmul(l, f, m, &s, out),
+            (Some(r), None) => reduce::fused_reduce(l, f, r, &s, out),
+            (None, None) => elementwise::fused(l, f, &s, out),
         },
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out)
