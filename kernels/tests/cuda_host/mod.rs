@@ -57,6 +57,7 @@ pub fn tolerance(op: &Op) -> f32 {
         | Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::GatherGrad { .. } => 1e-4,
+        Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => 1e-4,
         _ => 1e-5,
     }
 }
