@@ -73,6 +73,14 @@ pub fn run(cases: Vec<HostCase>) -> Result<Vec<HostResult>, String> {
     let compiled = start.elapsed().as_secs_f64();
     let mut results = Vec::with_capacity(cases.len());
     for (c, functions) in cases.iter().zip(functions) {
+        if functions.len() != c.kernel.launches.len() {
+            return Err(format!(
+                "{}: {} functions for {} launches",
+                c.name,
+                functions.len(),
+                c.kernel.launches.len()
+            ));
+        }
         let mut operands = c.operands.clone();
         let mut output = vec![f32::NAN; c.output_len];
         for (l, f) in c.kernel.launches.iter().zip(&functions) {

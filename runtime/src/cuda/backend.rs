@@ -95,9 +95,10 @@ struct Books {
 type Shared = Arc<Mutex<Books>>;
 
 /// Per (physical device, logical device name): the books, while a backend holds them.
-fn registry() -> MutexGuard<'static, HashMap<(String, String), Weak<Mutex<Books>>>> {
-    static MAP: std::sync::OnceLock<Mutex<HashMap<(String, String), Weak<Mutex<Books>>>>> =
-        std::sync::OnceLock::new();
+type Registry = HashMap<(String, String), Weak<Mutex<Books>>>;
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static MAP: std::sync::OnceLock<Mutex<Registry>> = std::sync::OnceLock::new();
     MAP.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -287,7 +288,8 @@ impl CudaBackend {
                     }
                     None => None,
                 };
-                let books = Arc::new(Mutex::new(Books { account: Account::new(budget, self.tracker.clone()), pool }));
+                let books =
+                    Arc::new(Mutex::new(Books { account: Account::new(budget, self.tracker.clone()), pool }));
                 registry.insert(key, Arc::downgrade(&books));
                 books
             }
@@ -424,7 +426,8 @@ impl CudaBackend {
         // the plan's sizes, each buffer inside its region and no two live ones overlapping;
         // the kernel was generated for exactly these shapes and argument order.
         let launched = unsafe { self.driver.launch(&l.function, &l.launch, &l.args) };
-        let result = launched.and_then(|_| if self.sync_every_launch { self.driver.synchronize() } else { Ok(()) });
+        let result =
+            launched.and_then(|_| if self.sync_every_launch { self.driver.synchronize() } else { Ok(()) });
         result.map_err(|e| self.step_error(p, l, e))
     }
 
@@ -448,11 +451,7 @@ impl CudaBackend {
                 RuntimeError::Cuda(m) => m,
                 other => other.to_string(),
             },
-            if self.sync_every_launch {
-                String::new()
-            } else {
-                format!(" [{}]", self.driver.versions())
-            }
+            if self.sync_every_launch { String::new() } else { format!(" [{}]", self.driver.versions()) }
         ))
     }
 

@@ -189,8 +189,12 @@ impl Driver for CudaDriver {
                     Some(m) => m.clone(),
                     None => {
                         let loaded = match &*image {
-                            Image::Cubin(bytes) => self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes.clone())),
-                            Image::Ptx(ptx) => self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.as_str())),
+                            Image::Cubin(bytes) => {
+                                self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes.clone()))
+                            }
+                            Image::Ptx(ptx) => {
+                                self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.as_str()))
+                            }
                         };
                         let m = loaded.map_err(|e| {
                             RuntimeError::Cuda(format!(

@@ -66,7 +66,11 @@ pub struct CudaEager {
 
 impl CudaEager {
     pub fn new(backend: &CudaBackend) -> Self {
-        CudaEager { name: backend.describe_short(), driver: backend.driver().clone(), kernels: HashMap::new() }
+        CudaEager {
+            name: backend.describe_short(),
+            driver: backend.driver().clone(),
+            kernels: HashMap::new(),
+        }
     }
 
     fn kernel(&mut self, op: &Op, types: &[(&Shape, DType)], out: (&Shape, DType)) -> Result<Arc<Loaded>> {

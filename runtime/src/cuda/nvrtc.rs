@@ -289,7 +289,8 @@ fn cubin(source: &str, sm: &str) -> std::result::Result<Vec<u8>, String> {
             let sized = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result();
             let mut bytes = vec![0u8; size];
             // SAFETY: `bytes` holds the `size` bytes nvrtcGetCUBIN writes.
-            let got = sized.and_then(|_| unsafe { sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast()) }.result());
+            let got =
+                sized.and_then(|_| unsafe { sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast()) }.result());
             match got {
                 Ok(()) if size > 0 => Ok(bytes),
                 Ok(()) => Err(format!("NVRTC made no cubin for {sm}")),

@@ -197,12 +197,24 @@ pub fn probe() -> CudaProbe {
         Ok(Some(memory)) => {
             let devices = super::emulator::host::available()
                 .map(|_| vec![super::emulator::device_info(memory)])
-                .map_err(|e| format!("KILN_CUDA_EMULATE=1, but the emulated device cannot build kernels: {e}"));
-            return CudaProbe { nvrtc: Err("not used by the emulated device".into()), devices, emulated: true, driver_version: None };
+                .map_err(|e| {
+                    format!("KILN_CUDA_EMULATE=1, but the emulated device cannot build kernels: {e}")
+                });
+            return CudaProbe {
+                nvrtc: Err("not used by the emulated device".into()),
+                devices,
+                emulated: true,
+                driver_version: None,
+            };
         }
         Ok(None) => {}
         Err(e) => {
-            return CudaProbe { nvrtc: Err(e.clone()), devices: Err(e), emulated: true, driver_version: None };
+            return CudaProbe {
+                nvrtc: Err(e.clone()),
+                devices: Err(e),
+                emulated: true,
+                driver_version: None,
+            };
         }
     }
     static PROBE: OnceLock<CudaProbe> = OnceLock::new();

@@ -14,8 +14,8 @@ use std::ffi::c_void;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The header mapping CUDA's built-ins onto host threads.
 pub const HEADER: &str = include_str!("cuda_host.h");
@@ -124,7 +124,8 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 /// A name for a temporary file in `dir` that no other write (thread or process) uses.
 pub fn unique_temp(dir: &Path, stem: &str, ext: &str) -> PathBuf {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let thread =
+        format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
     dir.join(format!("{stem}.{}.{thread}.{n}.{ext}", std::process::id()))
 }
 
@@ -146,8 +147,11 @@ fn build_unit(cache: &Path, source: &str) -> Result<PathBuf, String> {
     let header = unique_temp(cache, &key, "h");
     let cpp = unique_temp(cache, &key, "cpp");
     let tmp = unique_temp(cache, &key, "so");
-    let written = std::fs::write(&cpp, source.replace("#include \"cuda_host.h\"", &format!("#include \"{}\"", header.display())))
-        .and_then(|_| std::fs::write(&header, HEADER));
+    let written = std::fs::write(
+        &cpp,
+        source.replace("#include \"cuda_host.h\"", &format!("#include \"{}\"", header.display())),
+    )
+    .and_then(|_| std::fs::write(&header, HEADER));
     written.map_err(|e| format!("writing {}: {e}", cpp.display()))?;
     let out = Command::new(compiler())
         .args(FLAGS)
@@ -169,7 +173,11 @@ fn build_unit(cache: &Path, source: &str) -> Result<PathBuf, String> {
 
 /// Compiles `kernels` into at most `units` libraries under `cache` (built in parallel, or found
 /// there) and returns, per kernel, one function per launch.
-pub fn compile(kernels: &[&CudaKernel], cache: &Path, units: usize) -> Result<Vec<Vec<HostFunction>>, String> {
+pub fn compile(
+    kernels: &[&CudaKernel],
+    cache: &Path,
+    units: usize,
+) -> Result<Vec<Vec<HostFunction>>, String> {
     std::fs::create_dir_all(cache).map_err(|e| format!("creating {}: {e}", cache.display()))?;
     let indexed: Vec<(usize, &CudaKernel)> = kernels.iter().copied().enumerate().collect();
     let per = indexed.len().div_ceil(units.max(1)).max(1);
@@ -177,14 +185,19 @@ pub fn compile(kernels: &[&CudaKernel], cache: &Path, units: usize) -> Result<Ve
     let built: Vec<Result<PathBuf, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> =
             chunks.iter().map(|chunk| scope.spawn(move || build_unit(cache, &unit(chunk)))).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("compiler thread panicked".into()))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("compiler thread panicked".into())))
+            .collect()
     });
     let mut out: Vec<Vec<HostFunction>> = vec![Vec::new(); kernels.len()];
     for (chunk, path) in chunks.iter().zip(built) {
         let path = path?;
         // SAFETY: the library was built from generated kernels and the header; loading it runs
         // no initialisers beyond the C++ statics of those.
-        let lib = Arc::new(unsafe { libloading::Library::new(&path) }.map_err(|e| format!("{}: {e}", path.display()))?);
+        let lib = Arc::new(
+            unsafe { libloading::Library::new(&path) }.map_err(|e| format!("{}: {e}", path.display()))?,
+        );
         for &(i, k) in chunk.iter() {
             for (j, l) in k.launches.iter().enumerate() {
                 let symbol = format!("kiln_k{i}_launch_{j}");

@@ -66,7 +66,9 @@ pub fn emulation() -> std::result::Result<Option<usize>, String> {
     }
     match std::env::var("KILN_CUDA_EMULATE_MEMORY") {
         Ok(v) => match crate::devices::parse_bytes(&v) {
-            Ok(0) => Err("KILN_CUDA_EMULATE_MEMORY=0: the emulated device needs memory; give e.g. 256MiB".into()),
+            Ok(0) => {
+                Err("KILN_CUDA_EMULATE_MEMORY=0: the emulated device needs memory; give e.g. 256MiB".into())
+            }
             Ok(m) => Ok(Some(m)),
             Err(e) => Err(format!("KILN_CUDA_EMULATE_MEMORY: {e}")),
         },
@@ -170,7 +172,8 @@ impl EmulatedDevice {
     }
 
     fn on(ledger: Arc<Ledger>) -> std::result::Result<Arc<Self>, String> {
-        host::available().map_err(|e| format!("the emulated CUDA device compiles kernels for the host: {e}"))?;
+        host::available()
+            .map_err(|e| format!("the emulated CUDA device compiles kernels for the host: {e}"))?;
         fault::install();
         Ok(Arc::new(EmulatedDevice {
             info: device_info(ledger.total),
@@ -287,7 +290,12 @@ impl Driver for EmulatedDevice {
             let mut used = self.ledger.used.lock().unwrap_or_else(|e| e.into_inner());
             let free = self.ledger.total.saturating_sub(self.ledger.context + *used);
             if granular > free {
-                return Err(format!("{} ({} free of {})", oom(), human_bytes(free), human_bytes(self.ledger.total)));
+                return Err(format!(
+                    "{} ({} free of {})",
+                    oom(),
+                    human_bytes(free),
+                    human_bytes(self.ledger.total)
+                ));
             }
             *used += granular;
         }
@@ -309,7 +317,9 @@ impl Driver for EmulatedDevice {
         }
         let map = map as usize;
         // SAFETY: `[map + page, map + page + body)` lies inside the mapping just made.
-        if unsafe { libc::mprotect((map + page) as *mut c_void, body, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+        if unsafe { libc::mprotect((map + page) as *mut c_void, body, libc::PROT_READ | libc::PROT_WRITE) }
+            != 0
+        {
             // SAFETY: the mapping just made, unused.
             unsafe { libc::munmap(map as *mut c_void, map_len) };
             unreserve();
@@ -378,9 +388,8 @@ impl Driver for EmulatedDevice {
         if !missing.is_empty() {
             let batch: Vec<&CudaKernel> = missing.iter().map(|&i| kernels[i]).collect();
             let units = if batch.len() >= 8 { 2 } else { 1 };
-            let built = host::compile(&batch, &self.cache, units).map_err(|e| {
-                RuntimeError::Cuda(format!("building kernels for the emulated device: {e}"))
-            })?;
+            let built = host::compile(&batch, &self.cache, units)
+                .map_err(|e| RuntimeError::Cuda(format!("building kernels for the emulated device: {e}")))?;
             let mut cache = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
             for (&i, functions) in missing.iter().zip(built) {
                 cache.insert(keys[i].clone(), functions);
