@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tests, as CI runs them. Installs NVRTC (CUDA 13.0, from the PyPI package nvidia-cuda-nvrtc)
 # into .nvrtc/ when it is not there yet, so that every CUDA kernel is compiled to PTX in the
-# tests even without a GPU, then runs the whole workspace's tests. Extra arguments go to cargo test.
+# tests even without a GPU, then runs the whole workspace's tests, then the CUDA tests again on the
+# emulated device. Extra arguments go to cargo test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVRTC_VERSION=13.0.88
@@ -11,4 +12,10 @@ if [ ! -f .nvrtc/nvidia/cu13/lib/libnvrtc.so.13 ]; then
     "nvidia-cuda-nvrtc==$NVRTC_VERSION"
 fi
 export KILN_REQUIRE_NVRTC=1
-exec cargo test --workspace "$@"
+cargo test --workspace "$@"
+# The CUDA backend end to end on the emulated device (generated kernels built for the host):
+# the GPU tests, the device policies, the emulator's own tests and the gradients' ::cuda
+# variants, none of which may skip.
+echo "CUDA tests on the emulated device (KILN_CUDA_EMULATE=1)"
+KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gpu --test devices --test emulated "$@"
+KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gradients "$@" -- ::cuda

@@ -223,6 +223,7 @@ fn devices(
     if !config.has_gpu() {
         println!("no CUDA device: {}", kiln::Device::best().1);
     }
+    println!("CUDA: {}", kiln::runtime::cuda::probe().versions());
     let devices = config.build()?;
     if seed {
         let (x, y) = seed::data(42);

@@ -20,8 +20,15 @@ use rand::rngs::StdRng;
 const RTOL: f32 = 2e-4;
 
 fn close(name: &str, what: &str, cpu: &HostTensor, gpu: &HostTensor) {
+    close_at(name, what, cpu, gpu, 1e-3)
+}
+
+/// Weights after Adam steps are compared against at least 0.1: a parameter whose gradient is
+/// rounding noise (attention's key bias, to which softmax is invariant) moves by Adam's
+/// normalised step in whatever direction the noise has, on either backend.
+fn close_at(name: &str, what: &str, cpu: &HostTensor, gpu: &HostTensor, floor: f32) {
     assert_eq!(cpu.shape(), gpu.shape(), "{name}: {what} shape");
-    let scale = cpu.data().iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    let scale = cpu.data().iter().fold(floor, |m, v| m.max(v.abs()));
     let d = cpu.max_abs_diff(gpu);
     assert!(d <= RTOL * scale, "{name}: {what} differs by {d} (scale {scale}, tolerance {})", RTOL * scale);
 }
@@ -148,8 +155,13 @@ fn gpu_every_op_forward_and_backward_matches_cpu() {
 
 #[test]
 fn gpu_every_zoo_training_step_matches_cpu() {
-    let Some(mut gpu) = cuda_backend(3) else { return };
+    if cuda_backend(3).is_none() {
+        return;
+    }
     for m in zoo::all() {
+        let m = common::device_batch(m, 2);
+        // One backend per model: the zoo's models share variable names with other shapes.
+        let Some(mut gpu) = cuda_backend(3) else { return };
         let (x, y) = m.batch_data(2).unwrap();
         let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
         let plan = compile(graph, &CompileOptions::default()).unwrap();
@@ -163,15 +175,20 @@ fn gpu_every_zoo_training_step_matches_cpu() {
             }
         }
         for v in &plan.variables {
-            close(m.name, &v.key, &cpu.read_variable(&v.key).unwrap(), &gpu.read_variable(&v.key).unwrap());
+            let (c, g) = (cpu.read_variable(&v.key).unwrap(), gpu.read_variable(&v.key).unwrap());
+            close_at(m.name, &v.key, &c, &g, 0.1);
         }
     }
 }
 
 #[test]
 fn gpu_steps_allocate_nothing_and_memory_equals_the_plan() {
+    // Alone on its device where it can be (the emulated device): other tests allocate meanwhile.
     let Some(mut gpu) = cuda_backend(0) else { return };
-    let m = zoo::by_name("mlp").unwrap();
+    if common::emulated() {
+        gpu = CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 0).unwrap();
+    }
+    let m = common::device_batch(zoo::by_name("mlp").unwrap(), 2);
     let (x, y) = m.batch_data(1).unwrap();
     let plan =
         compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &CompileOptions::default())
@@ -215,7 +232,7 @@ fn gpu_eager_on_device_regions_matches_the_cpu_plan() {
     use kiln::runtime::eager::EagerExecutor;
     let Some(gpu) = cuda_backend(5) else { return };
     for name in ["seed-mlp", "cnn"] {
-        let m = zoo::by_name(name).unwrap().with_batch(4);
+        let m = common::device_batch(zoo::by_name(name).unwrap().with_batch(4), 2);
         let (x, y) = m.batch_data(3).unwrap();
         let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
         let mut cpu = CpuBackend::new(5);

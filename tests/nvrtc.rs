@@ -114,3 +114,19 @@ fn kernel_list_of_every_zoo_plan() {
     }
     insta::assert_snapshot!(out);
 }
+
+/// The backend loads a cubin for the device's own architecture (no driver JIT, so an NVRTC
+/// newer than the driver works), cached like the PTX.
+#[test]
+fn kernels_compile_to_a_cubin_for_the_device_architecture() {
+    let Some(nvrtc) = compiler() else { return };
+    let source = "extern \"C\" __global__ void kiln_probe(float* out) { out[threadIdx.x] = 2.0f; }";
+    let images = nvrtc.compile_images(&[source, source]).unwrap();
+    match &*images[0] {
+        kiln::runtime::cuda::Image::Cubin(bytes) => {
+            assert_eq!(&bytes[..4], b"\x7fELF", "a cubin is an ELF file")
+        }
+        other => panic!("expected a cubin for sm_90, got {}", other.describe()),
+    }
+    assert_eq!(nvrtc.stats().compiled, 1, "the same source twice compiles once");
+}

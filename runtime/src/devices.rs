@@ -37,6 +37,9 @@ pub struct PhysicalDevice {
     /// The CUDA ordinal for GPUs.
     pub ordinal: usize,
     pub total_bytes: usize,
+    /// What plans, pools and limits may use: the total for the CPU; for a GPU the driver's free
+    /// memory when it was detected, less a headroom for the context and the kernel compiler.
+    pub usable_bytes: usize,
     pub description: String,
 }
 
@@ -70,26 +73,38 @@ fn host_memory() -> usize {
 impl DeviceConfig {
     /// The devices present: the CPU (with the machine's memory) and every CUDA device that works.
     pub fn detect() -> Self {
+        let memory = host_memory();
         let mut physical = vec![PhysicalDevice {
             name: "cpu:0".into(),
             kind: Kind::Cpu,
             ordinal: 0,
-            total_bytes: host_memory(),
+            total_bytes: memory,
+            usable_bytes: memory,
             description: format!("host ({} threads)", rayon::current_num_threads()),
         }];
         let probe = cuda::probe();
-        if probe.nvrtc.is_ok()
+        if probe.usable().is_ok()
             && let Ok(gpus) = &probe.devices
         {
             for g in gpus {
+                // Pools and limits are sized from what is free now, not from the total: the
+                // context, other processes and the compiler hold the rest.
+                let Ok((free, total)) = cuda::driver::open(g.ordinal).and_then(|d| d.mem_info()) else {
+                    continue;
+                };
                 physical.push(PhysicalDevice {
                     name: format!("gpu:{}", g.ordinal),
                     kind: Kind::Gpu,
                     ordinal: g.ordinal,
-                    total_bytes: g.total_bytes,
+                    total_bytes: total,
+                    usable_bytes: free.saturating_sub(cuda::headroom(total)),
                     description: format!(
-                        "{} (sm_{}{})",
-                        g.name, g.compute_capability.0, g.compute_capability.1
+                        "{} (sm_{}{}; {} free; {})",
+                        g.name,
+                        g.compute_capability.0,
+                        g.compute_capability.1,
+                        human_bytes(free),
+                        probe.versions()
                     ),
                 });
             }
@@ -104,6 +119,7 @@ impl DeviceConfig {
             kind: Kind::Cpu,
             ordinal: 0,
             total_bytes,
+            usable_bytes: total_bytes,
             description: "host".into(),
         }])
     }
@@ -203,16 +219,24 @@ impl DeviceConfig {
                 ));
             }
             if let Some(l) = s.limit
-                && l > p.total_bytes
+                && l > p.usable_bytes
             {
+                let usable = if p.usable_bytes == p.total_bytes {
+                    String::new()
+                } else {
+                    format!(
+                        " usable (of {} total: the free memory less the context's and the compiler's headroom)",
+                        human_bytes(p.total_bytes)
+                    )
+                };
                 errors.push(format!(
-                    "{}: the memory limit {} exceeds the device's {}",
+                    "{}: the memory limit {} exceeds the device's {}{usable}",
                     p.name,
                     human_bytes(l),
-                    human_bytes(p.total_bytes)
+                    human_bytes(p.usable_bytes)
                 ));
             }
-            let available = s.limit.unwrap_or(p.total_bytes);
+            let available = s.limit.unwrap_or(p.usable_bytes);
             let kind = p.kind as usize;
             let shares: Vec<Option<usize>> = match &s.logical {
                 Some(limits) => {
@@ -260,7 +284,7 @@ impl DeviceConfig {
                         name,
                         policy,
                         limit: share,
-                        capacity: share.unwrap_or(p.total_bytes),
+                        capacity: share.unwrap_or(p.usable_bytes),
                     },
                 });
             }
@@ -399,7 +423,7 @@ impl Devices {
         let d = self.get(name)?;
         let driver = match d.kind {
             Kind::Cpu => None,
-            Kind::Gpu => cudarc::driver::CudaContext::new(d.ordinal).ok().and_then(|c| c.mem_get_info().ok()),
+            Kind::Gpu => cuda::driver::open(d.ordinal).and_then(|drv| drv.mem_info()).ok(),
         };
         Ok(DeviceMemoryInfo { planned: self.tracker.info(name), driver })
     }

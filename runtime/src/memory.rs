@@ -201,4 +201,12 @@ impl Account {
     pub fn held(&self) -> usize {
         self.held
     }
+
+    /// Gives back `bytes` claimed under growth (their owner freed them), so the limit counts
+    /// only what is held. Pool carvings are not given back: the pool is bump-allocated.
+    pub fn release(&mut self, bytes: usize) {
+        if self.pool.is_none() {
+            self.held = self.held.saturating_sub(bytes);
+        }
+    }
 }

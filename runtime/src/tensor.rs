@@ -129,12 +129,26 @@ impl HostTensor {
         Ok(())
     }
 
-    /// The largest absolute difference to `other` (infinite when shapes differ).
+    /// The largest absolute difference to `other` (infinite when shapes differ). NaN and
+    /// infinities count: a NaN where the other is not NaN, or an infinity where the other is not
+    /// the same infinity, is an infinite difference; two NaNs do not differ.
     pub fn max_abs_diff(&self, other: &HostTensor) -> f32 {
         if self.shape != other.shape {
             return f32::INFINITY;
         }
-        self.data.iter().zip(&other.data).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+        // `element_diff` is never NaN, so `max` drops nothing.
+        self.data.iter().zip(&other.data).map(|(&a, &b)| element_diff(a, b)).fold(0.0, f32::max)
+    }
+}
+
+/// How far apart two elements are: 0 for equal values (infinities of one sign included) and for
+/// two NaNs; infinite where exactly one is NaN or one is infinite and the other is not equal.
+fn element_diff(a: f32, b: f32) -> f32 {
+    match (a.is_nan(), b.is_nan()) {
+        (true, true) => 0.0,
+        (true, false) | (false, true) => f32::INFINITY,
+        _ if a == b => 0.0,
+        _ => (a - b).abs(),
     }
 }
 
@@ -157,4 +171,21 @@ fn alloc_elements(shape: &Shape, what: &str) -> Result<(Vec<f32>, usize)> {
         )
     })?;
     Ok((data, n))
+}
+
+#[cfg(test)]
+mod diff_tests {
+    use super::*;
+
+    #[test]
+    fn max_abs_diff_counts_nan_and_infinities() {
+        let t = |v: Vec<f32>| HostTensor::new(Shape::from([v.len()].as_slice()), v).unwrap();
+        let a = t(vec![1.0, 2.0, 3.0]);
+        assert_eq!(a.max_abs_diff(&t(vec![1.0, 2.5, 3.0])), 0.5);
+        assert_eq!(a.max_abs_diff(&t(vec![1.0, f32::NAN, 3.0])), f32::INFINITY);
+        assert_eq!(t(vec![f32::NAN, 0.0]).max_abs_diff(&t(vec![0.0, 0.0])), f32::INFINITY);
+        assert_eq!(a.max_abs_diff(&t(vec![1.0, f32::INFINITY, 3.0])), f32::INFINITY);
+        assert_eq!(t(vec![f32::INFINITY, f32::NAN]).max_abs_diff(&t(vec![f32::INFINITY, f32::NAN])), 0.0);
+        assert_eq!(t(vec![f32::INFINITY]).max_abs_diff(&t(vec![f32::NEG_INFINITY])), f32::INFINITY);
+    }
 }

@@ -49,6 +49,17 @@ pub fn cuda_backend(seed: u64) -> Option<kiln::runtime::cuda::CudaBackend> {
     }
 }
 
+/// Whether CUDA devices are emulated (`KILN_CUDA_EMULATE=1`): the emulated device runs kernels
+/// on the host, so GPU tests train the zoo at small batches there.
+pub fn emulated() -> bool {
+    kiln::runtime::cuda::probe().emulated
+}
+
+/// `m` at its own batch on a real device, at `small` on the emulated device.
+pub fn device_batch(m: kiln::zoo::ZooModel, small: usize) -> kiln::zoo::ZooModel {
+    if emulated() { m.with_batch(small) } else { m }
+}
+
 /// How a test input is drawn.
 #[derive(Clone, Copy, Debug)]
 pub enum Draw {

@@ -1,13 +1,21 @@
 //! The CUDA backend. Each device of a plan (logical devices of this GPU each get their own) has
-//! a memory budget: with growth, a plan's arena is one `cuMemAlloc` made when the plan first
+//! a memory budget: with growth, a plan's arena is one allocation made when the plan first
 //! runs, its io region and variables allocations made at load; with preallocation, all of them
-//! are carved from one region allocated when the backend starts. Every step's kernels are
-//! generated per shape, compiled by NVRTC (cached) and launched on base + offset pointers, all on
-//! one stream. A training step allocates nothing: `device_allocations` counts every allocation
-//! this backend ever made, so a test can check that it does not move while steps run.
+//! are carved from one region allocated when the first backend of the device starts. Every step's
+//! kernels are generated per shape, compiled (cached) and launched on base + offset pointers, in
+//! order. A training step allocates nothing: `device_allocations` counts every allocation this
+//! backend ever made, so a test can check that it does not move while steps run.
+//!
+//! The device is reached only through `Driver` (cudarc's, or the emulated device). The books of
+//! a logical device (its limit, what it holds, its preallocated pool) are kept once per physical
+//! device in the process and shared by every backend on it, so two backends on one GPU never
+//! each believe they own it. Pools are sized from the driver's free memory less a headroom for
+//! the context and the compiler (`driver::headroom`). `KILN_CUDA_SYNC=1` synchronises after
+//! every launch, so that a failing kernel is named (step, op, shapes, kernel) where it fails.
 
-use super::nvrtc::{CompileStats, NvrtcCompiler};
-use super::probe::{self, DeviceInfo};
+use super::driver::{self, Driver, Function};
+use super::nvrtc::CompileStats;
+use super::probe::DeviceInfo;
 use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input, io_slot, no_program, output_slot};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
@@ -15,24 +23,28 @@ use crate::init::initial_values;
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::new_region;
 use crate::tensor::HostTensor;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-};
 use kiln_compiler::Plan;
+use kiln_compiler::device::human_bytes;
 use kiln_compiler::ir::Shape;
 use kiln_compiler::plan::{Storage, VariableSpec};
-use kiln_kernels::cuda::{self, Arg, CudaKernel};
+use kiln_kernels::cuda::{self, Arg, CudaKernel, Launch};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::Cuda(format!("{what}: {e:?}"))
-}
-
-/// Device memory: an allocation of its own, or a piece of a preallocated pool.
+/// Device memory: an allocation of its own (freed on drop), or a piece of a preallocated pool.
 struct DeviceMem {
     ptr: u64,
-    _owned: Option<CudaSlice<u8>>,
+    owner: Option<Arc<dyn Driver>>,
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if let Some(d) = &self.owner {
+            // SAFETY: `ptr` came from `d.alloc` and this is its only owner; everything that
+            // used it (programs, variables) is dropped with the backend that held it.
+            unsafe { d.free(self.ptr) };
+        }
+    }
 }
 
 /// Where a kernel argument points, resolved to an address once the arenas exist.
@@ -44,12 +56,14 @@ enum Loc {
 }
 
 struct BoundLaunch {
-    function: CudaFunction,
-    config: LaunchConfig,
+    function: Function,
+    launch: Launch,
     locs: Vec<Loc>,
     args: Vec<u64>,
     /// The plan step this launch belongs to (a step may take several launches).
     step: usize,
+    /// The kernel's description ("matmul 32x100x10 ...").
+    kernel: String,
 }
 
 struct Program {
@@ -72,16 +86,42 @@ struct Variable {
     ptr: u64,
 }
 
-struct GpuDevice {
+/// The books of one logical device, shared by every backend on its physical device.
+struct Books {
     account: Account,
     pool: Option<DeviceMem>,
 }
 
+type Shared = Arc<Mutex<Books>>;
+
+/// Per (physical device, logical device name): the books, while a backend holds them.
+type Registry = HashMap<(String, String), Weak<Mutex<Books>>>;
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static MAP: std::sync::OnceLock<Mutex<Registry>> = std::sync::OnceLock::new();
+    MAP.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn budget_name(books: &Shared) -> String {
+    books.lock().unwrap_or_else(|e| e.into_inner()).account.budget.name.clone()
+}
+
+struct GpuDevice {
+    name: String,
+    books: Shared,
+    /// What this backend claimed under growth: released from the shared books when it drops.
+    grown: usize,
+}
+
+impl GpuDevice {
+    fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 pub struct CudaBackend {
     info: DeviceInfo,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    compiler: Arc<NvrtcCompiler>,
+    driver: Arc<dyn Driver>,
     seed: u64,
     devices: Vec<GpuDevice>,
     tracker: Tracker,
@@ -90,9 +130,22 @@ pub struct CudaBackend {
     /// the variables a loaded plan declared first.
     variable_regions: Vec<DeviceMem>,
     programs: Vec<Program>,
-    modules: HashMap<String, Arc<CudaModule>>,
     device_allocations: u64,
     device_allocated_bytes: usize,
+    /// Synchronise after every launch and name the step that failed (`KILN_CUDA_SYNC=1`).
+    sync_every_launch: bool,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Programs and variable regions free their memory as the fields drop; the shared books
+        // forget what this backend grew.
+        for d in &self.devices {
+            if d.grown > 0 {
+                d.books().account.release(d.grown);
+            }
+        }
+    }
 }
 
 /// Generates the CUDA kernels of every step of `plan` (no device needed): what the backend
@@ -116,8 +169,15 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
 
 impl CudaBackend {
     /// The backend of CUDA device `ordinal` with growing, unlimited memory, or why there is none.
+    /// Under `KILN_CUDA_EMULATE=1` it is the emulated device.
     pub fn new(ordinal: usize, seed: u64) -> Result<Self> {
         Self::with_budgets(ordinal, seed, vec![], Tracker::default())
+    }
+
+    /// A backend on an emulated device of its own with `memory` bytes (whatever the environment).
+    pub fn emulated(memory: usize, seed: u64) -> Result<Self> {
+        let device = super::emulator::EmulatedDevice::new(memory).map_err(RuntimeError::Cuda)?;
+        Self::with_driver(device, seed, vec![], Tracker::default())
     }
 
     /// The backend of CUDA device `ordinal` whose (logical) devices have these budgets.
@@ -127,33 +187,28 @@ impl CudaBackend {
         budgets: Vec<DeviceBudget>,
         tracker: Tracker,
     ) -> Result<Self> {
-        let found = probe::probe();
-        found.usable().map_err(RuntimeError::Cuda)?;
-        let devices = found.devices.map_err(RuntimeError::Cuda)?;
-        let info = devices
-            .into_iter()
-            .find(|d| d.ordinal == ordinal)
-            .ok_or_else(|| RuntimeError::Cuda(format!("no CUDA device {ordinal}")))?;
-        let ctx = CudaContext::new(ordinal).map_err(driver("creating the context"))?;
-        // One stream runs every step in order: cudarc's per-buffer event tracking is not needed.
-        // SAFETY: called before any allocation or launch on this context.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
-        let compiler = Arc::new(NvrtcCompiler::new(info.compute_capability)?);
+        Self::with_driver(driver::open(ordinal)?, seed, budgets, tracker)
+    }
+
+    /// The backend of the device behind `driver` whose (logical) devices have these budgets.
+    pub fn with_driver(
+        driver: Arc<dyn Driver>,
+        seed: u64,
+        budgets: Vec<DeviceBudget>,
+        tracker: Tracker,
+    ) -> Result<Self> {
         let mut backend = CudaBackend {
-            info,
-            ctx,
-            stream,
-            compiler,
+            info: driver.info().clone(),
+            driver,
             seed,
             devices: Vec::new(),
             tracker,
             variables: HashMap::new(),
             variable_regions: Vec::new(),
             programs: Vec::new(),
-            modules: HashMap::new(),
             device_allocations: 0,
             device_allocated_bytes: 0,
+            sync_every_launch: std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"),
         };
         for b in budgets {
             backend.add_device(b)?;
@@ -161,17 +216,92 @@ impl CudaBackend {
         Ok(backend)
     }
 
+    /// Synchronise after every launch, so that a failing kernel is reported at its step (the
+    /// step, its op and shapes, and the kernel) instead of at the next copy. `KILN_CUDA_SYNC=1`
+    /// turns it on for every backend.
+    pub fn set_sync_every_launch(&mut self, on: bool) {
+        self.sync_every_launch = on;
+    }
+
+    /// The driver: cudarc's or the emulated device.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// Waits for every queued launch; reports a failed one.
+    pub fn synchronize(&self) -> Result<()> {
+        self.driver.synchronize()
+    }
+
+    /// What the driver can still give for pools and plans: free memory less the headroom.
+    fn usable(&self) -> Result<(usize, String)> {
+        let (free, total) = self.driver.mem_info()?;
+        let headroom = driver::headroom(total);
+        Ok((
+            free.saturating_sub(headroom),
+            format!(
+                "the driver reports {} free of {}, less a {} headroom for the context and the kernel compiler",
+                human_bytes(free),
+                human_bytes(total),
+                human_bytes(headroom)
+            ),
+        ))
+    }
+
     fn add_device(&mut self, budget: DeviceBudget) -> Result<usize> {
-        let pool = match budget.pool_bytes() {
-            Some(bytes) => Some(self.alloc(bytes)?),
-            None => None,
+        let key = (self.driver.id(), budget.name.clone());
+        let mut registry = registry();
+        let books = match registry.get(&key).and_then(Weak::upgrade) {
+            Some(books) => {
+                let held = books.lock().unwrap_or_else(|e| e.into_inner()).account.budget.clone();
+                if held != budget {
+                    return Err(RuntimeError::invalid(
+                        format!(
+                            "{} of {} is already in use in this process with another budget ({}, limit {}); \
+                             a second backend with {} (limit {}) would count the device twice",
+                            budget.name,
+                            self.describe_short(),
+                            held.policy.describe(),
+                            held.limit.map_or("none".into(), human_bytes),
+                            budget.policy.describe(),
+                            budget.limit.map_or("none".into(), human_bytes)
+                        ),
+                        "take every backend of a device from one `Devices`, or drop the first backend before configuring the device anew",
+                    ));
+                }
+                books
+            }
+            None => {
+                let pool = match budget.pool_bytes() {
+                    Some(bytes) => {
+                        let (usable, why) = self.usable()?;
+                        if bytes > usable {
+                            return Err(RuntimeError::OutOfMemory {
+                                device: budget.name.clone(),
+                                bytes,
+                                what: format!("the preallocated pool ({})", budget.policy.describe()),
+                                detail: format!(" on {}: {why}", self.describe_short()),
+                                help: "preallocate a smaller fraction or limit, use memory growth, or free the device (another process may hold it)".into(),
+                            });
+                        }
+                        Some(self.alloc(bytes)?)
+                    }
+                    None => None,
+                };
+                let books =
+                    Arc::new(Mutex::new(Books { account: Account::new(budget, self.tracker.clone()), pool }));
+                registry.insert(key, Arc::downgrade(&books));
+                books
+            }
         };
-        self.devices.push(GpuDevice { account: Account::new(budget, self.tracker.clone()), pool });
+        drop(registry);
+        let name = budget_name(&books);
+        self.devices.push(GpuDevice { name, books, grown: 0 });
         Ok(self.devices.len() - 1)
     }
 
     fn device(&mut self, name: &str) -> Result<usize> {
-        match self.devices.iter().position(|d| d.account.budget.name == name) {
+        match self.devices.iter().position(|d| d.name == name) {
             Some(i) => Ok(i),
             None => self.add_device(DeviceBudget {
                 capacity: self.info.total_bytes,
@@ -191,24 +321,11 @@ impl CudaBackend {
 
     /// The driver's free and total bytes of the device (what nvidia-smi shows).
     pub fn mem_info(&self) -> Result<(usize, usize)> {
-        self.ctx.mem_get_info().map_err(driver("cuMemGetInfo"))
+        self.driver.mem_info()
     }
 
     pub fn compile_stats(&self) -> CompileStats {
-        self.compiler.stats()
-    }
-
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
-    /// The NVRTC compiler and its caches, shared with the eager executor.
-    pub fn compiler(&self) -> &Arc<NvrtcCompiler> {
-        &self.compiler
+        self.driver.compile_stats()
     }
 
     /// "cuda:0".
@@ -223,39 +340,41 @@ impl CudaBackend {
 
     /// One real device allocation (`cuMemAlloc`), counted.
     fn alloc(&mut self, bytes: usize) -> Result<DeviceMem> {
-        let slice = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| RuntimeError::OutOfMemory {
-            device: format!("cuda:{}", self.info.ordinal),
+        let ptr = self.driver.alloc(bytes.max(1)).map_err(|e| RuntimeError::OutOfMemory {
+            device: self.describe_short(),
             bytes,
             what: "device memory".into(),
-            detail: format!(" (cuMemAlloc: {e})"),
+            detail: format!(" ({e})"),
             help: "use a smaller batch or model, or set a memory limit so the compiler reports the plan's needs first".into(),
         })?;
         self.device_allocations += 1;
         self.device_allocated_bytes += bytes.max(1);
-        let ptr = {
-            let (ptr, _sync) = slice.device_ptr(&self.stream);
-            ptr
-        };
-        Ok(DeviceMem { ptr, _owned: Some(slice) })
+        Ok(DeviceMem { ptr, owner: Some(self.driver.clone()) })
     }
 
     /// Memory for `purpose` on backend device `device`, under its budget.
     fn take(&mut self, device: usize, bytes: usize, purpose: Purpose) -> Result<DeviceMem> {
         // Nothing to hold (an empty io region): no allocation, and no address is ever formed.
         if bytes == 0 {
-            return Ok(DeviceMem { ptr: 0, _owned: None });
+            return Ok(DeviceMem { ptr: 0, owner: None });
         }
+        let books = self.devices[device].books.clone();
+        let mut books = books.lock().unwrap_or_else(|e| e.into_inner());
         // Growth: allocate before claiming, so that a failed allocation leaves the books as they were.
-        if self.devices[device].pool.is_none() {
-            self.devices[device].account.check(bytes)?;
+        if books.pool.is_none() {
+            let rounded = books.account.check(bytes)?;
             let mem = self.alloc(bytes)?;
-            self.devices[device].account.claim(bytes, purpose)?;
+            books.account.claim(bytes, purpose)?;
+            self.devices[device].grown += rounded;
             return Ok(mem);
         }
-        let offset = self.devices[device].account.claim(bytes, purpose)?;
-        match (offset, &self.devices[device].pool) {
-            (Some(offset), Some(pool)) => Ok(DeviceMem { ptr: pool.ptr + offset as u64, _owned: None }),
-            _ => self.alloc(bytes),
+        let offset = books.account.claim(bytes, purpose)?;
+        match (offset, &books.pool) {
+            (Some(offset), Some(pool)) => Ok(DeviceMem { ptr: pool.ptr + offset as u64, owner: None }),
+            _ => {
+                drop(books);
+                self.alloc(bytes)
+            }
         }
     }
 
@@ -288,35 +407,52 @@ impl CudaBackend {
     }
 
     fn htod(&self, dst: u64, data: &[f32]) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
-        // SAFETY: `dst` addresses at least data.len() f32s of device memory this backend holds.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
-            .map_err(driver("copying to the device"))
+        // SAFETY: `dst` addresses at least data.len() f32s of device memory this backend holds
+        // (a validated plan's slot, or a variable's place in its region).
+        unsafe { self.driver.htod(dst, bytemuck::cast_slice(data)) }
     }
 
     fn dtoh(&self, src: u64, n: usize) -> Result<Vec<f32>> {
-        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
         let mut host = vec![0f32; n];
         // SAFETY: `src` addresses at least n f32s of device memory this backend holds.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, src) }
-            .map_err(driver("copying to the host"))?;
+        unsafe { self.driver.dtoh(src, bytemuck::cast_slice_mut(&mut host)) }?;
         Ok(host)
     }
 
-    /// Launches one kernel of a bound program on the stream.
-    fn launch(&self, l: &BoundLaunch) -> Result<()> {
-        let mut builder = self.stream.launch_builder(&l.function);
-        for a in &l.args {
-            builder.arg(a);
-        }
+    /// Launches one kernel of a bound program; with `sync_every_launch`, waits for it.
+    fn launch(&self, p: &Program, l: &BoundLaunch) -> Result<()> {
         // SAFETY: `load` validated the plan (`kiln_compiler::validate`): the arguments are
         // device pointers into the plan's arenas, io regions and variables, allocated with
         // the plan's sizes, each buffer inside its region and no two live ones overlapping;
         // the kernel was generated for exactly these shapes and argument order.
-        unsafe { builder.launch(l.config) }.map_err(driver("launching a kernel"))?;
-        Ok(())
+        let launched = unsafe { self.driver.launch(&l.function, &l.launch, &l.args) };
+        let result =
+            launched.and_then(|_| if self.sync_every_launch { self.driver.synchronize() } else { Ok(()) });
+        result.map_err(|e| self.step_error(p, l, e))
+    }
+
+    /// An error at a launch, naming the step, its op and shapes, and the kernel.
+    fn step_error(&self, p: &Program, l: &BoundLaunch, e: RuntimeError) -> RuntimeError {
+        let step = &p.plan.steps[l.step];
+        let shapes: Vec<String> = step.inputs.iter().map(|&v| p.plan.values[v].shape.to_string()).collect();
+        let out = step.output.map_or("none".into(), |o| p.plan.values[o].shape.to_string());
+        RuntimeError::Cuda(format!(
+            "step {} of plan {:?} (`{}`: op {}, inputs [{}], output {}) failed in kernel `{}` ({}) on {}: {}{}",
+            l.step,
+            p.plan.name,
+            step.label,
+            step.op.name(),
+            shapes.join(", "),
+            out,
+            l.launch.function,
+            l.kernel,
+            self.describe_short(),
+            match e {
+                RuntimeError::Cuda(m) => m,
+                other => other.to_string(),
+            },
+            if self.sync_every_launch { String::new() } else { format!(" [{}]", self.driver.versions()) }
+        ))
     }
 
     /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
@@ -329,7 +465,7 @@ impl CudaBackend {
                 self.htod_bytes(canary_address(p, c)?, g.pattern())?;
             }
             while let Some(l) = launches.next_if(|l| l.step == s) {
-                self.launch(l)?;
+                self.launch(p, l)?;
             }
             for c in g.to_check(s) {
                 let bytes = self.dtoh_bytes(canary_address(p, c)?, c.range.len())?;
@@ -342,33 +478,47 @@ impl CudaBackend {
     }
 
     fn htod_bytes(&self, dst: u64, data: &[u8]) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
         // SAFETY: `dst` addresses at least data.len() bytes of device memory this backend holds.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, data) }
-            .map_err(driver("writing a guard canary"))
+        unsafe { self.driver.htod(dst, data) }
     }
 
     fn dtoh_bytes(&self, src: u64, n: usize) -> Result<Vec<u8>> {
-        self.ctx.bind_to_thread().map_err(driver("binding the context"))?;
-        self.stream.synchronize().map_err(driver("waiting for the stream"))?;
         let mut host = vec![0u8; n];
         // SAFETY: `src` addresses at least n bytes of device memory this backend holds.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, src) }
-            .map_err(driver("reading a guard canary"))?;
+        unsafe { self.driver.dtoh(src, &mut host) }?;
         Ok(host)
     }
 
-    fn module(&mut self, key: &str, ptx: &str) -> Result<Arc<CudaModule>> {
-        if let Some(m) = self.modules.get(key) {
-            return Ok(m.clone());
+    /// Refuses, at load, a plan this device cannot run: an alignment the kernels cannot use, or
+    /// arenas larger than the device or than what it has free.
+    fn check_fits(&self, plan: &Plan, devices: &[usize]) -> Result<()> {
+        if !plan.alignment.is_multiple_of(16) {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "plan {:?}: its slots are aligned to {} bytes, not a multiple of 16: CUDA kernels \
+                     read and write 16-byte vectors and {} hands out 256-byte aligned memory",
+                    plan.name,
+                    plan.alignment,
+                    self.describe_short()
+                ),
+                "compile the plan with an alignment of 16 bytes or more (CompileOptions::alignment; the default is 256)",
+            ));
         }
-        let m = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(driver("loading a compiled kernel (cuModuleLoadData)"))?;
-        self.modules.insert(key.to_string(), m.clone());
-        Ok(m)
+        let (usable, why) = self.usable()?;
+        for (d, dev) in plan.devices.iter().enumerate() {
+            let need = dev.memory.arena_bytes.saturating_add(dev.memory.io_bytes);
+            let pooled = self.devices[devices[d]].books().pool.is_some();
+            if need > self.info.total_bytes || (!pooled && need > usable) {
+                return Err(RuntimeError::OutOfMemory {
+                    device: format!("{} ({})", dev.name, self.describe_short()),
+                    bytes: need,
+                    what: format!("the arena and io region of plan {:?}", plan.name),
+                    detail: format!(": {why}"),
+                    help: "compile with a memory limit for this device (rematerialisation then fits the plan, or the compiler reports what does not), use a smaller batch, or free the device".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Allocates the program's arenas if this is its first run (growth) and resolves every launch
@@ -451,18 +601,17 @@ impl Backend for CudaBackend {
     }
 
     fn report(&self) -> Option<String> {
-        let s = self.compiler.stats();
+        let s = self.driver.compile_stats();
         let (n, bytes) = self.device_allocations();
         Some(format!(
-            "kernels: {} compiled by NVRTC {}.{} for {} in {:.2} s, {} from the memory cache, {} from the disk cache; \
-             {n} device allocations, {bytes} B",
+            "kernels: {} compiled by {} in {:.2} s, {} from the memory cache, {} from the disk cache; \
+             {n} device allocations, {bytes} B; {}",
             s.compiled,
-            self.compiler.version().0,
-            self.compiler.version().1,
-            self.compiler.arch(),
+            self.driver.compiler_description(),
             s.compile_seconds,
             s.from_memory,
-            s.from_disk
+            s.from_disk,
+            self.driver.versions()
         ))
     }
 
@@ -470,18 +619,20 @@ impl Backend for CudaBackend {
         // Every device pointer formed below and at launch relies on what validation establishes.
         RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
+        self.check_fits(&plan, &devices)?;
         let var_ptrs = self.ensure_variables(&plan, &devices)?;
         let kernels = plan_kernels(&plan)?;
-        let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
-        let ptx = self.compiler.compile_all(&sources)?;
+        let refs: Vec<&CudaKernel> = kernels.iter().collect();
+        let functions = self.driver.load(&refs)?;
         let mut ios = Vec::with_capacity(plan.devices.len());
         let mut arenas = Vec::with_capacity(plan.devices.len());
         for (d, dev) in plan.devices.iter().enumerate() {
             ios.push(self.take(devices[d], dev.memory.io_bytes, Purpose::Io)?);
             // Growth: the arena waits for the first run. Preallocation: carved now.
-            arenas.push(match self.devices[devices[d]].pool {
-                Some(_) => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
-                None => None,
+            let pooled = self.devices[devices[d]].books().pool.is_some();
+            arenas.push(match pooled {
+                true => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
+                false => None,
             });
         }
         let loc = |value: usize| -> Loc {
@@ -492,13 +643,8 @@ impl Backend for CudaBackend {
             }
         };
         let mut launches = Vec::new();
-        for (s, ((step, kernel), ptx)) in plan.steps.iter().zip(&kernels).zip(&ptx).enumerate() {
-            let key = self.compiler.key(&kernel.source);
-            let module = self.module(&key, ptx)?;
-            for l in &kernel.launches {
-                let function = module
-                    .load_function(&l.function)
-                    .map_err(driver(&format!("finding kernel function `{}`", l.function)))?;
+        for (s, ((step, kernel), functions)) in plan.steps.iter().zip(&kernels).zip(functions).enumerate() {
+            for (l, function) in kernel.launches.iter().zip(functions) {
                 let locs = l
                     .args
                     .iter()
@@ -512,12 +658,14 @@ impl Backend for CudaBackend {
                         }),
                     })
                     .collect::<Result<Vec<Loc>>>()?;
-                let config = LaunchConfig {
-                    grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
-                    block_dim: (l.block[0], l.block[1], l.block[2]),
-                    shared_mem_bytes: l.shared_bytes,
-                };
-                launches.push(BoundLaunch { function, config, locs, args: Vec::new(), step: s });
+                launches.push(BoundLaunch {
+                    function,
+                    launch: l.clone(),
+                    locs,
+                    args: Vec::new(),
+                    step: s,
+                    kernel: kernel.describe.clone(),
+                });
             }
         }
         self.programs.push(Program {
@@ -557,7 +705,7 @@ impl Backend for CudaBackend {
             return self.run_guarded(p, g);
         }
         for l in &p.launches {
-            self.launch(l)?;
+            self.launch(p, l)?;
         }
         Ok(())
     }

@@ -4,7 +4,12 @@
 //! NVRTC's version, so a second run of the same plans compiles nothing, and a new NVRTC or GPU
 //! never reuses stale PTX (burn/cubecl cache their kernels the same way). The disk cache lives in
 //! `KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`, under `ptx/`; writes go
-//! through a temporary file and a rename, so concurrent runs never read half a file.
+//! through a temporary file (named by process, thread and a counter, so no two writes share one)
+//! and a rename, so concurrent runs and threads never read half a file.
+//!
+//! The backend loads cubins (`compile_images`): machine code for the device's own `sm_XY`, which
+//! the driver loads without its JIT, so an NVRTC newer than the driver works. Where NVRTC cannot
+//! target that architecture, PTX for `compute_XY` is the fallback, left to the driver's JIT.
 
 use super::probe;
 use crate::error::{Result, RuntimeError};
@@ -24,9 +29,28 @@ pub struct CompileStats {
     pub compile_seconds: f64,
 }
 
+/// What the driver loads: a cubin for the device's architecture, or PTX for its JIT.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Image {
+    Cubin(Vec<u8>),
+    Ptx(String),
+}
+
+impl Image {
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Image::Cubin(_) => "cubin",
+            Image::Ptx(_) => "PTX",
+        }
+    }
+}
+
 pub struct NvrtcCompiler {
     /// `compute_90` for an sm_90 device: PTX the driver finishes for the exact chip at load.
     arch: String,
+    /// `sm_90` for an sm_90 device: the cubin's target.
+    sm: String,
+    images: Mutex<HashMap<String, Arc<Image>>>,
     version: (i32, i32),
     disk: Option<PathBuf>,
     memory: Mutex<HashMap<String, Arc<String>>>,
@@ -61,6 +85,8 @@ impl NvrtcCompiler {
         let info = probe::nvrtc().map_err(RuntimeError::Cuda)?;
         Ok(NvrtcCompiler {
             arch: format!("compute_{}{}", compute_capability.0, compute_capability.1),
+            sm: format!("sm_{}{}", compute_capability.0, compute_capability.1),
+            images: Mutex::new(HashMap::new()),
             version: info.version,
             disk: default_cache_dir(),
             memory: Mutex::new(HashMap::new()),
@@ -88,14 +114,90 @@ impl NvrtcCompiler {
 
     /// The cache key of `source` under this compiler's options, architecture and version.
     pub fn key(&self, source: &str) -> String {
+        self.key_for(source, &self.arch)
+    }
+
+    /// The cache key of the image (`compile_images`) of `source`.
+    pub fn image_key(&self, source: &str) -> String {
+        format!("{}-image", self.key_for(source, &self.sm))
+    }
+
+    fn key_for(&self, source: &str, arch: &str) -> String {
         let mut h = Sha256::new();
         h.update(source.as_bytes());
-        for o in options(&self.arch) {
+        for o in options(arch) {
             h.update([0]);
             h.update(o.as_bytes());
         }
-        h.update(format!("\0{}\0nvrtc {}.{}", self.arch, self.version.0, self.version.1).as_bytes());
+        h.update(format!("\0{}\0nvrtc {}.{}", arch, self.version.0, self.version.1).as_bytes());
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// What the backend loads for every source: a cubin for the device's `sm_XY`, or where NVRTC
+    /// cannot make one, PTX for `compute_XY`. Cached in memory and on disk like `compile_all`.
+    pub fn compile_images(&self, sources: &[&str]) -> Result<Vec<Arc<Image>>> {
+        let keys: Vec<String> = sources.iter().map(|s| self.image_key(s)).collect();
+        let mut found: Vec<Option<Arc<Image>>> = Vec::with_capacity(sources.len());
+        let (mut from_memory, mut from_disk) = (0, 0);
+        for key in &keys {
+            if let Some(hit) = self.images.lock().expect("cache lock").get(key).cloned() {
+                from_memory += 1;
+                found.push(Some(hit));
+                continue;
+            }
+            let disk = self.disk.as_ref().and_then(|d| {
+                std::fs::read(d.join(format!("{key}.cubin")))
+                    .ok()
+                    .map(Image::Cubin)
+                    .or_else(|| std::fs::read_to_string(d.join(format!("{key}.ptx"))).ok().map(Image::Ptx))
+            });
+            if let Some(image) = disk {
+                from_disk += 1;
+                let image = Arc::new(image);
+                self.images.lock().expect("cache lock").insert(key.clone(), image.clone());
+                found.push(Some(image));
+            } else {
+                found.push(None);
+            }
+        }
+        let start = Instant::now();
+        let mut misses: Vec<usize> = (0..sources.len()).filter(|&i| found[i].is_none()).collect();
+        misses.sort_by(|a, b| keys[*a].cmp(&keys[*b]));
+        misses.dedup_by_key(|i| keys[*i].clone());
+        let compiled: Vec<(usize, Result<Image>)> =
+            misses.par_iter().map(|&i| (i, self.image_compile(sources[i]))).collect();
+        let compiled_count = compiled.len();
+        for (i, image) in compiled {
+            let image = Arc::new(image?);
+            if let Some(dir) = &self.disk {
+                match &*image {
+                    Image::Cubin(b) => store(dir, &format!("{}.cubin", keys[i]), b),
+                    Image::Ptx(p) => store(dir, &format!("{}.ptx", keys[i]), p.as_bytes()),
+                }
+            }
+            self.images.lock().expect("cache lock").insert(keys[i].clone(), image);
+        }
+        let mut stats = self.stats.lock().expect("stats lock");
+        stats.compiled += compiled_count;
+        stats.from_memory += from_memory;
+        stats.from_disk += from_disk;
+        stats.compile_seconds += start.elapsed().as_secs_f64();
+        drop(stats);
+        let images = self.images.lock().expect("cache lock");
+        Ok(keys.iter().map(|k| images[k].clone()).collect())
+    }
+
+    /// A cubin for `sm_XY`, else PTX for `compute_XY` (the error names both attempts).
+    fn image_compile(&self, source: &str) -> Result<Image> {
+        match cubin(source, &self.sm) {
+            Ok(bytes) => Ok(Image::Cubin(bytes)),
+            Err(why) => self.nvrtc_compile(source).map(Image::Ptx).map_err(|e| {
+                RuntimeError::Cuda(format!(
+                    "{e}\n(a cubin for {} failed first: {why}; NVRTC {}.{})",
+                    self.sm, self.version.0, self.version.1
+                ))
+            }),
+        }
     }
 
     /// PTX for `source`, from the memory cache, the disk cache, or NVRTC.
@@ -129,6 +231,7 @@ impl NvrtcCompiler {
         let start = Instant::now();
         let mut misses: Vec<usize> = (0..sources.len()).filter(|&i| found[i].is_none()).collect();
         // The same source twice compiles once.
+        misses.sort_by(|a, b| keys[*a].cmp(&keys[*b]));
         misses.dedup_by_key(|i| keys[*i].clone());
         let compiled: Vec<(usize, Result<String>)> =
             misses.par_iter().map(|&i| (i, self.nvrtc_compile(sources[i]))).collect();
@@ -136,7 +239,7 @@ impl NvrtcCompiler {
         for (i, ptx) in compiled {
             let ptx = Arc::new(ptx?);
             if let Some(dir) = &self.disk {
-                store(dir, &keys[i], &ptx);
+                store(dir, &format!("{}.ptx", keys[i]), ptx.as_bytes());
             }
             self.memory.lock().expect("cache lock").insert(keys[i].clone(), ptx);
         }
@@ -164,13 +267,59 @@ impl NvrtcCompiler {
     }
 }
 
-fn store(dir: &std::path::Path, key: &str, ptx: &str) {
+/// NVRTC's cubin for `source` on `sm` (e.g. `sm_90`), or NVRTC's log.
+fn cubin(source: &str, sm: &str) -> std::result::Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    let src = std::ffi::CString::new(source).map_err(|_| "the source holds a NUL byte".to_string())?;
+    let prog = result::create_program(&src, None).map_err(|e| format!("{e:?}"))?;
+    let opts = options(sm);
+    // SAFETY: `prog` is a live program; the options are plain strings.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let out = match compiled {
+        Err(e) => {
+            // SAFETY: `prog` is live.
+            let log = unsafe { result::get_program_log(prog) }
+                .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
+                .unwrap_or_default();
+            Err(format!("{e:?}: {}", log.trim_end_matches('\0')))
+        }
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled; nvrtcGetCUBINSize writes one usize.
+            let sized = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result();
+            let mut bytes = vec![0u8; size];
+            // SAFETY: `bytes` holds the `size` bytes nvrtcGetCUBIN writes.
+            let got =
+                sized.and_then(|_| unsafe { sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast()) }.result());
+            match got {
+                Ok(()) if size > 0 => Ok(bytes),
+                Ok(()) => Err(format!("NVRTC made no cubin for {sm}")),
+                Err(e) => Err(format!("nvrtcGetCUBIN: {e:?}")),
+            }
+        }
+    };
+    // SAFETY: destroyed once, not used after.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// The temporary file a cache write goes through: unique per process, thread and write, so two
+/// threads storing the same kernel never write one file at once.
+pub fn temp_path(dir: &std::path::Path, name: &str) -> PathBuf {
+    super::emulator::host::unique_temp(dir, name, "tmp")
+}
+
+fn store(dir: &std::path::Path, name: &str, bytes: &[u8]) {
     // A failed write only costs a recompilation next time.
     if std::fs::create_dir_all(dir).is_err() {
         return;
     }
-    let tmp = dir.join(format!("{key}.{}.tmp", std::process::id()));
-    if std::fs::write(&tmp, ptx).is_ok() {
-        let _ = std::fs::rename(&tmp, dir.join(format!("{key}.ptx")));
+    let tmp = temp_path(dir, name);
+    if std::fs::write(&tmp, bytes).is_ok() {
+        if std::fs::rename(&tmp, dir.join(name)).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    } else {
+        let _ = std::fs::remove_file(&tmp);
     }
 }

@@ -33,6 +33,10 @@ pub struct DeviceInfo {
 pub struct CudaProbe {
     pub nvrtc: Result<NvrtcInfo, String>,
     pub devices: Result<Vec<DeviceInfo>, String>,
+    /// The devices are the emulated device (`KILN_CUDA_EMULATE=1`), which needs no NVRTC.
+    pub emulated: bool,
+    /// The CUDA driver's version, where a driver answered.
+    pub driver_version: Option<(i32, i32)>,
 }
 
 impl CudaProbe {
@@ -40,9 +44,46 @@ impl CudaProbe {
     pub fn usable(&self) -> Result<&DeviceInfo, String> {
         let devices = self.devices.as_ref().map_err(Clone::clone)?;
         let first = devices.first().ok_or_else(|| "the CUDA driver reports no device".to_string())?;
-        self.nvrtc.as_ref().map_err(|e| format!("a CUDA device is present but NVRTC is missing: {e}"))?;
+        if !self.emulated {
+            self.nvrtc.as_ref().map_err(|e| format!("a CUDA device is present but NVRTC is missing: {e}"))?;
+        }
         Ok(first)
     }
+
+    /// "CUDA driver 13.0, NVRTC 13.0" (or what is missing), as `kiln devices` and errors print it.
+    pub fn versions(&self) -> String {
+        if self.emulated {
+            return format!(
+                "emulated CUDA device (KILN_CUDA_EMULATE=1; kernels built by {})",
+                super::emulator::host::compiler()
+            );
+        }
+        let driver = self.driver_version.map_or("none".into(), |(a, b)| format!("{a}.{b}"));
+        let nvrtc = match &self.nvrtc {
+            Ok(n) => format!("{}.{}", n.version.0, n.version.1),
+            Err(_) => "none".into(),
+        };
+        format!("CUDA driver {driver}, NVRTC {nvrtc}")
+    }
+}
+
+/// The CUDA driver's version (cuDriverGetVersion), where the driver loads.
+pub fn driver_version() -> Option<(i32, i32)> {
+    static VERSION: OnceLock<Option<(i32, i32)>> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        std::panic::catch_unwind(|| {
+            // SAFETY: only tries to load the library.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return None;
+            }
+            let mut v = 0;
+            // SAFETY: the driver is loaded; cuDriverGetVersion writes one int.
+            let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+            (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some((v / 1000, (v % 1000) / 10))
+        })
+        .ok()
+        .flatten()
+    })
 }
 
 fn candidates() -> Vec<PathBuf> {
@@ -149,14 +190,39 @@ fn devices() -> Result<Vec<DeviceInfo>, String> {
     Ok(out)
 }
 
-/// Probes the driver, the devices and NVRTC once per process; never panics.
+/// Probes the driver, the devices and NVRTC once per process; never panics. Under
+/// `KILN_CUDA_EMULATE=1` the one device is the emulated device (`super::emulator`).
 pub fn probe() -> CudaProbe {
+    match super::emulator::emulation() {
+        Ok(Some(memory)) => {
+            let devices = super::emulator::host::available()
+                .map(|_| vec![super::emulator::device_info(memory)])
+                .map_err(|e| {
+                    format!("KILN_CUDA_EMULATE=1, but the emulated device cannot build kernels: {e}")
+                });
+            return CudaProbe {
+                nvrtc: Err("not used by the emulated device".into()),
+                devices,
+                emulated: true,
+                driver_version: None,
+            };
+        }
+        Ok(None) => {}
+        Err(e) => {
+            return CudaProbe {
+                nvrtc: Err(e.clone()),
+                devices: Err(e),
+                emulated: true,
+                driver_version: None,
+            };
+        }
+    }
     static PROBE: OnceLock<CudaProbe> = OnceLock::new();
     PROBE
         .get_or_init(|| {
             let devices = std::panic::catch_unwind(devices)
                 .unwrap_or_else(|_| Err("probing the CUDA driver panicked".into()));
-            CudaProbe { nvrtc: nvrtc(), devices }
+            CudaProbe { nvrtc: nvrtc(), devices, emulated: false, driver_version: driver_version() }
         })
         .clone()
 }

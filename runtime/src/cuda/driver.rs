@@ -1,0 +1,259 @@
+//! The driver seam: everything the CUDA backend and the CUDA eager executor ask of a device, in
+//! one small trait. Two implementations: `CudaDriver` (cudarc, NVRTC-compiled cubins with PTX as
+//! the fallback, cached on disk) and `emulator::EmulatedDevice` (the same generated CUDA C built
+//! for the host, host memory with guarded allocations). Budgets, policies, arena binding, io
+//! copies, statistics and the eager allocators sit above it and are the same code for both.
+//!
+//! `open` picks the emulated device wherever a CUDA device is asked for when `KILN_CUDA_EMULATE=1`
+//! (or `emulator::emulate_in_process` was called).
+
+use super::emulator;
+use super::nvrtc::{CompileStats, Image, NvrtcCompiler};
+use super::probe::{self, DeviceInfo};
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use kiln_kernels::cuda::{CudaKernel, Launch};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A loaded kernel function, ready to launch on the driver that loaded it.
+#[derive(Clone, Debug)]
+pub enum Function {
+    Cuda(CudaFunction),
+    Host(emulator::HostFunction),
+}
+
+/// What the CUDA backend and eager executor need from a device.
+pub trait Driver: Send + Sync {
+    /// Identifies the physical device within the process: backends of one id share its books.
+    fn id(&self) -> String;
+    fn info(&self) -> &DeviceInfo;
+    /// The driver's and the compiler's versions, for reports and errors.
+    fn versions(&self) -> String;
+    /// (free, total) bytes, as cuMemGetInfo reports them.
+    fn mem_info(&self) -> Result<(usize, usize)>;
+    /// A zeroed allocation of `bytes` (at least 1), 256-byte aligned; the error says why not.
+    fn alloc(&self, bytes: usize) -> std::result::Result<u64, String>;
+    /// Frees an allocation.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc` of this driver, is freed once, and no launch or copy uses it after.
+    unsafe fn free(&self, ptr: u64);
+    /// Copies host bytes to device memory (after the stream's earlier work).
+    ///
+    /// # Safety
+    /// `[dst, dst + src.len())` lies inside one allocation of this driver.
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<()>;
+    /// Copies device memory to the host (after the stream's earlier work).
+    ///
+    /// # Safety
+    /// `[src, src + dst.len())` lies inside one allocation of this driver.
+    unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+    /// Compiles (or finds in a cache) and loads `kernels`: per kernel, one function per launch.
+    fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>>;
+    /// Queues one launch of `f` with `launch`'s geometry and these pointer arguments.
+    ///
+    /// # Safety
+    /// Every argument is an address inside an allocation of this driver holding what the kernel
+    /// reads and writes for the shapes it was generated for.
+    unsafe fn launch(&self, f: &Function, launch: &Launch, args: &[u64]) -> Result<()>;
+    /// Waits for everything queued; reports a failed launch.
+    fn synchronize(&self) -> Result<()>;
+    fn compile_stats(&self) -> CompileStats;
+    /// "NVRTC 13.0 (cubin for sm_90)" or "host C++ (c++)".
+    fn compiler_description(&self) -> String;
+}
+
+/// The bytes a preallocated pool leaves free for the context's growth, NVRTC and module loads:
+/// 1/64 of the device, between 64 MiB and 1 GiB, and never over 1/16 of it.
+pub fn headroom(total: usize) -> usize {
+    (total / 64).clamp(64 << 20, 1 << 30).min(total / 16)
+}
+
+/// The driver of CUDA device `ordinal`: the emulated device when emulation is on, else cudarc's.
+pub fn open(ordinal: usize) -> Result<Arc<dyn Driver>> {
+    if let Some(memory) = emulator::emulation().map_err(RuntimeError::Cuda)? {
+        if ordinal != 0 {
+            return Err(RuntimeError::Cuda(format!(
+                "no CUDA device {ordinal}: the emulated device (KILN_CUDA_EMULATE=1) is device 0"
+            )));
+        }
+        return Ok(emulator::EmulatedDevice::shared(memory).map_err(RuntimeError::Cuda)?);
+    }
+    Ok(Arc::new(CudaDriver::new(ordinal)?))
+}
+
+fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Cuda(format!("{what}: {e:?}"))
+}
+
+/// cudarc's driver: one context and one stream per backend, kernels compiled by NVRTC.
+pub struct CudaDriver {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    compiler: NvrtcCompiler,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+}
+
+impl CudaDriver {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let found = probe::probe();
+        found.usable().map_err(RuntimeError::Cuda)?;
+        let devices = found.devices.map_err(RuntimeError::Cuda)?;
+        let info = devices
+            .into_iter()
+            .find(|d| d.ordinal == ordinal)
+            .ok_or_else(|| RuntimeError::Cuda(format!("no CUDA device {ordinal}")))?;
+        let ctx = CudaContext::new(ordinal).map_err(err("creating the context"))?;
+        // One stream runs every step in order: cudarc's per-buffer event tracking is not needed.
+        // SAFETY: called before any allocation or launch on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let compiler = NvrtcCompiler::new(info.compute_capability)?;
+        Ok(CudaDriver { info, ctx, stream, compiler, modules: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn compiler(&self) -> &NvrtcCompiler {
+        &self.compiler
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(err("binding the context"))
+    }
+}
+
+impl Driver for CudaDriver {
+    fn id(&self) -> String {
+        format!("cuda:{}", self.info.ordinal)
+    }
+
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn versions(&self) -> String {
+        let driver = probe::driver_version().map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
+        let (a, b) = self.compiler.version();
+        format!("CUDA driver {driver}, NVRTC {a}.{b}")
+    }
+
+    fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(err("cuMemGetInfo"))
+    }
+
+    fn alloc(&self, bytes: usize) -> std::result::Result<u64, String> {
+        self.bind().map_err(|e| e.to_string())?;
+        // SAFETY: a plain allocation in the bound context.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| format!("cuMemAlloc: {e:?}"))?;
+        // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes.
+        if let Err(e) = unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, bytes.max(1)) } {
+            // SAFETY: freed once, never used.
+            let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
+            return Err(format!("cuMemsetD8: {e:?}"));
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        if self.bind().is_ok() && self.stream.synchronize().is_ok() {
+            // SAFETY: the caller guarantees `ptr` came from `alloc` and is freed once.
+            let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
+        }
+    }
+
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(err("waiting for the stream"))?;
+        // SAFETY: the caller guarantees the destination range lies in one allocation.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }.map_err(err("copying to the device"))
+    }
+
+    unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(err("waiting for the stream"))?;
+        // SAFETY: the caller guarantees the source range lies in one allocation.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }.map_err(err("copying to the host"))
+    }
+
+    fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>> {
+        let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
+        let images = self.compiler.compile_images(&sources)?;
+        let mut out = Vec::with_capacity(kernels.len());
+        for (k, image) in kernels.iter().zip(images) {
+            let key = self.compiler.image_key(&k.source);
+            let module = {
+                let mut modules = self.modules.lock().expect("module cache lock");
+                match modules.get(&key) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let loaded = match &*image {
+                            Image::Cubin(bytes) => {
+                                self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes.clone()))
+                            }
+                            Image::Ptx(ptx) => {
+                                self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.as_str()))
+                            }
+                        };
+                        let m = loaded.map_err(|e| {
+                            RuntimeError::Cuda(format!(
+                                "loading the compiled kernel `{}` ({}, cuModuleLoadData): {e:?}; {}",
+                                k.describe,
+                                image.describe(),
+                                self.versions()
+                            ))
+                        })?;
+                        modules.insert(key, m.clone());
+                        m
+                    }
+                }
+            };
+            let functions = k
+                .launches
+                .iter()
+                .map(|l| {
+                    module
+                        .load_function(&l.function)
+                        .map(Function::Cuda)
+                        .map_err(err(&format!("finding kernel function `{}`", l.function)))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.push(functions);
+        }
+        Ok(out)
+    }
+
+    unsafe fn launch(&self, f: &Function, launch: &Launch, args: &[u64]) -> Result<()> {
+        let Function::Cuda(f) = f else {
+            return Err(RuntimeError::Cuda("a host function launched on a CUDA device".into()));
+        };
+        let config = LaunchConfig {
+            grid_dim: (launch.grid[0], launch.grid[1], launch.grid[2]),
+            block_dim: (launch.block[0], launch.block[1], launch.block[2]),
+            shared_mem_bytes: launch.shared_bytes,
+        };
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            builder.arg(a);
+        }
+        // SAFETY: the caller guarantees every argument addresses memory sized for the kernel.
+        unsafe { builder.launch(config) }.map_err(err("launching a kernel"))?;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(err("waiting for the stream"))
+    }
+
+    fn compile_stats(&self) -> CompileStats {
+        self.compiler.stats()
+    }
+
+    fn compiler_description(&self) -> String {
+        let (a, b) = self.compiler.version();
+        let (major, minor) = self.info.compute_capability;
+        format!("NVRTC {a}.{b} (cubin for sm_{major}{minor}, PTX where NVRTC cannot)")
+    }
+}

@@ -1,0 +1,324 @@
+// kiln's host runtime for generated CUDA C: the built-ins a kernel uses, mapped onto host threads,
+// so that the emulated CUDA device (kiln_runtime::cuda::emulator) and the kernel tests can compile
+// every generated kernel with the system C++ compiler and launch it with its grid and block on
+// host memory.
+//
+// On x86-64 a block's threads are fibers on the calling thread (a small context switch below):
+// each runs until it waits at __syncthreads (resumed when every live thread of the block waits
+// there) or at a warp shuffle (resumed when every live lane of its warp does); blocks run one
+// after another (so __shared__ arrays, mapped to function statics, are the block's own).
+// Elsewhere a block runs as blockDim host threads at once with real barriers. Kernels that never
+// synchronise run their threads one after another (`launch_serial`). What it cannot see: timing, memory coalescing, bank conflicts, occupancy,
+// register pressure, and races that this schedule happens to order (blocks never overlap here).
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+namespace kiln_host {
+struct Warp {
+    std::unique_ptr<std::barrier<>> bar;
+    unsigned char slot[32][8];
+};
+inline dim3 grid_dim, block_dim;
+inline thread_local dim3 thread_idx, block_idx;
+inline thread_local std::barrier<>* block_barrier;
+inline thread_local Warp* warp;
+inline thread_local unsigned lane;
+}  // namespace kiln_host
+
+#define threadIdx (kiln_host::thread_idx)
+#define blockIdx (kiln_host::block_idx)
+#define blockDim (kiln_host::block_dim)
+#define gridDim (kiln_host::grid_dim)
+
+#if defined(__x86_64__)
+#define KILN_HOST_FIBERS 1
+#include <cstdio>
+#include <cstdlib>
+// kiln_host_switch(save, to): saves the callee-saved registers, MXCSR and the x87 control word on
+// the current stack, stores its pointer in *save, and resumes the stack `to` saved the same way.
+// kiln_host_entry starts a fiber: its stack is prepared with the fiber in r12.
+asm(R"(
+    .text
+    .p2align 4
+    .globl kiln_host_switch
+    .hidden kiln_host_switch
+    .type kiln_host_switch, @function
+kiln_host_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size kiln_host_switch, .-kiln_host_switch
+    .globl kiln_host_entry
+    .hidden kiln_host_entry
+    .type kiln_host_entry, @function
+kiln_host_entry:
+    movq %r12, %rdi
+    call kiln_host_fiber_main
+    ud2
+    .size kiln_host_entry, .-kiln_host_entry
+)");
+extern "C" void kiln_host_switch(void** save, void* to);
+extern "C" void kiln_host_entry();
+
+namespace kiln_host {
+enum State : int { READY, WAIT_BLOCK, WAIT_WARP, DONE };
+struct Fiber {
+    void* sp;
+    State state;
+    unsigned tid;
+};
+inline thread_local void* scheduler_sp;
+inline thread_local Fiber* current;
+inline thread_local void (*fiber_body)(void**);
+inline thread_local void** fiber_args;
+inline void wait(State s) {
+    current->state = s;
+    kiln_host_switch(&current->sp, scheduler_sp);
+}
+}  // namespace kiln_host
+
+// Defined once per translation unit (each unit is a library of its own); called from kiln_host_entry.
+extern "C" __attribute__((used, visibility("hidden"))) void kiln_host_fiber_main(kiln_host::Fiber* f) {
+    kiln_host::fiber_body(kiln_host::fiber_args);
+    f->state = kiln_host::DONE;
+    kiln_host_switch(&f->sp, kiln_host::scheduler_sp);
+    std::abort();  // a finished fiber is never resumed
+}
+
+inline void __syncthreads() { kiln_host::wait(kiln_host::WAIT_BLOCK); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int d) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
+    kiln_host::Warp* w = kiln_host::warp;
+    std::memcpy(w->slot[kiln_host::lane], &v, sizeof(T));
+    kiln_host::wait(kiln_host::WAIT_WARP);
+    T r;
+    std::memcpy(&r, w->slot[(kiln_host::lane ^ (unsigned)d) & 31u], sizeof(T));
+    kiln_host::wait(kiln_host::WAIT_WARP);
+    return r;
+}
+#else
+inline void __syncthreads() { kiln_host::block_barrier->arrive_and_wait(); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int d) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
+    kiln_host::Warp* w = kiln_host::warp;
+    std::memcpy(w->slot[kiln_host::lane], &v, sizeof(T));
+    w->bar->arrive_and_wait();
+    T r;
+    std::memcpy(&r, w->slot[(kiln_host::lane ^ (unsigned)d) & 31u], sizeof(T));
+    w->bar->arrive_and_wait();
+    return r;
+}
+#endif
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+// Compiled with -ffp-contract=off: a product is rounded before any sum, as __fmul_rn promises.
+inline float __fmul_rn(float a, float b) { return a * b; }
+
+template <class T>
+inline T atomicAdd(T* p, T v) {
+    return std::atomic_ref<T>(*p).fetch_add(v);
+}
+
+namespace kiln_host {
+#if KILN_HOST_FIBERS
+// Runs `body` for every thread of every block of `grid` x `block`: a block's threads are fibers
+// on this thread (stacks kept per host thread), scheduled until every one has returned.
+inline void launch(dim3 grid, dim3 block, void (*body)(void**), void** args) {
+    constexpr std::size_t STACK = 128 * 1024;
+    static thread_local std::vector<std::unique_ptr<char[]>> stacks;
+    grid_dim = grid;
+    block_dim = block;
+    fiber_body = body;
+    fiber_args = args;
+    const unsigned n = block.x * block.y * block.z;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    const unsigned nwarps = (n + 31) / 32;
+    while (stacks.size() < n) stacks.emplace_back(new char[STACK]);
+    std::vector<Fiber> fibers(n);
+    std::vector<Warp> warps(nwarps);
+    for (unsigned b = 0; b < blocks; ++b) {
+        block_idx = dim3{b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)};
+        for (unsigned t = 0; t < n; ++t) {
+            // The stack as kiln_host_switch leaves it: MXCSR and control word, r15..rbp, then
+            // the return address kiln_host_entry (with the fiber in r12).
+            auto top = (reinterpret_cast<std::uintptr_t>(stacks[t].get()) + STACK) & ~std::uintptr_t(15);
+            auto* w = reinterpret_cast<std::uint64_t*>(top);
+            w[-1] = reinterpret_cast<std::uint64_t>(&kiln_host_entry);
+            w[-2] = 0;                                       // rbp
+            w[-3] = 0;                                       // rbx
+            w[-4] = reinterpret_cast<std::uint64_t>(&fibers[t]);  // r12
+            w[-5] = 0;                                       // r13
+            w[-6] = 0;                                       // r14
+            w[-7] = 0;                                       // r15
+            w[-8] = 0x1F80ull | (0x037Full << 32);           // MXCSR, x87 control word
+            fibers[t] = Fiber{&w[-8], READY, t};
+        }
+        unsigned done = 0;
+        while (done < n) {
+            for (unsigned t = 0; t < n; ++t) {
+                if (fibers[t].state != READY) continue;
+                thread_idx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                warp = &warps[t / 32];
+                lane = t % 32;
+                current = &fibers[t];
+                kiln_host_switch(&scheduler_sp, fibers[t].sp);
+                if (fibers[t].state == DONE) ++done;
+            }
+            // Release every warp whose live lanes all wait at a shuffle, else the block once
+            // every live thread waits at __syncthreads.
+            bool released = false;
+            for (unsigned w = 0; w < nwarps; ++w) {
+                const unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n;
+                bool all = true, any = false;
+                for (unsigned t = lo; t < hi; ++t) {
+                    if (fibers[t].state == DONE) continue;
+                    any = true;
+                    all = all && fibers[t].state == WAIT_WARP;
+                }
+                if (any && all) {
+                    for (unsigned t = lo; t < hi; ++t)
+                        if (fibers[t].state == WAIT_WARP) fibers[t].state = READY;
+                    released = true;
+                }
+            }
+            if (released || done == n) continue;
+            bool all = true;
+            for (unsigned t = 0; t < n; ++t) all = all && (fibers[t].state == DONE || fibers[t].state == WAIT_BLOCK);
+            if (!all) {
+                std::fprintf(stderr, "kiln host CUDA: threads of a block wait at different barriers (a deadlock on a GPU)\n");
+                std::abort();
+            }
+            for (unsigned t = 0; t < n; ++t)
+                if (fibers[t].state == WAIT_BLOCK) fibers[t].state = READY;
+        }
+    }
+}
+#else
+// Runs `body` for every thread of every block of `grid` x `block`: blockDim host threads, each
+// running its thread of every block in turn; a barrier between blocks (whose completion makes
+// the next block's barriers) keeps one block's __shared__ statics from the next.
+inline void launch(dim3 grid, dim3 block, void (*body)(void**), void** args) {
+    grid_dim = grid;
+    block_dim = block;
+    const unsigned n = block.x * block.y * block.z;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<Warp> warps((n + 31) / 32);
+    auto fresh = [&]() noexcept {
+        bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)n);
+        for (unsigned w = 0; w < warps.size(); ++w) {
+            const unsigned size = (w + 1) * 32 <= n ? 32 : n - w * 32;
+            warps[w].bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)size);
+        }
+    };
+    fresh();
+    std::barrier block_end((std::ptrdiff_t)n, fresh);
+    std::vector<std::thread> threads;
+    threads.reserve(n);
+    for (unsigned t = 0; t < n; ++t) {
+        threads.emplace_back([&, t] {
+            thread_idx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            warp = &warps[t / 32];
+            lane = t % 32;
+            for (unsigned b = 0; b < blocks; ++b) {
+                block_idx = dim3{b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)};
+                block_barrier = bar.get();
+                body(args);
+                // A thread that is done no longer holds the others at a barrier.
+                warp->bar->arrive_and_drop();
+                block_barrier->arrive_and_drop();
+                block_end.arrive_and_wait();
+            }
+        });
+    }
+    for (auto& th : threads) th.join();
+}
+#endif
+
+// For kernels that never synchronise a block (no __syncthreads, no warp shuffle): every thread of
+// every block in turn on the calling thread. With no barrier in the kernel, one thread running to
+// completion before the next starts is a schedule CUDA allows.
+inline void launch_serial(dim3 grid, dim3 block, void (*body)(void**), void** args) {
+    grid_dim = grid;
+    block_dim = block;
+    const unsigned n = block.x * block.y * block.z;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    for (unsigned b = 0; b < blocks; ++b) {
+        block_idx = dim3{b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)};
+        for (unsigned t = 0; t < n; ++t) {
+            thread_idx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+            lane = t % 32;
+            body(args);
+        }
+    }
+}
+
+template <class... P, std::size_t... I>
+void call(void (*f)(P...), void** args, std::index_sequence<I...>) {
+    f(static_cast<P>(args[I])...);
+}
+
+// Calls kernel `f` with its pointer parameters taken from `args`, in order.
+template <class... P>
+void call(void (*f)(P...), void** args) {
+    call(f, args, std::index_sequence_for<P...>{});
+}
+}  // namespace kiln_host
