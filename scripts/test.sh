@@ -14,8 +14,9 @@ fi
 export KILN_REQUIRE_NVRTC=1
 cargo test --workspace "$@"
 # The CUDA backend end to end on the emulated device (generated kernels built for the host):
-# the GPU tests, the device policies, the emulator's own tests and the gradients' ::cuda
-# variants, none of which may skip.
+# the GPU tests, the device policies and the gradients' ::cuda variants, none of which may skip
+# (the emulator's own tests, tests/emulated.rs, ran above: they start the emulated device
+# themselves).
 echo "CUDA tests on the emulated device (KILN_CUDA_EMULATE=1)"
-KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gpu --test devices --test emulated "$@"
+KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gpu --test devices "$@"
 KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gradients "$@" -- ::cuda
