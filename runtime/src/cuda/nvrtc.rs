@@ -137,45 +137,58 @@ impl NvrtcCompiler {
     /// cannot make one, PTX for `compute_XY`. Cached in memory and on disk like `compile_all`.
     pub fn compile_images(&self, sources: &[&str]) -> Result<Vec<Arc<Image>>> {
         let keys: Vec<String> = sources.iter().map(|s| self.image_key(s)).collect();
-        let mut found: Vec<Option<Arc<Image>>> = Vec::with_capacity(sources.len());
-        let (mut from_memory, mut from_disk) = (0, 0);
-        for key in &keys {
-            if let Some(hit) = self.images.lock().expect("cache lock").get(key).cloned() {
-                from_memory += 1;
-                found.push(Some(hit));
-                continue;
-            }
-            let disk = self.disk.as_ref().and_then(|d| {
-                std::fs::read(d.join(format!("{key}.cubin")))
+        self.cached(
+            &keys,
+            &self.images,
+            |dir, key| {
+                std::fs::read(dir.join(format!("{key}.cubin")))
                     .ok()
                     .map(Image::Cubin)
-                    .or_else(|| std::fs::read_to_string(d.join(format!("{key}.ptx"))).ok().map(Image::Ptx))
-            });
-            if let Some(image) = disk {
+                    .or_else(|| std::fs::read_to_string(dir.join(format!("{key}.ptx"))).ok().map(Image::Ptx))
+            },
+            |i| self.image_compile(sources[i]),
+            |dir, key, image| match image {
+                Image::Cubin(b) => store(dir, &format!("{key}.cubin"), b),
+                Image::Ptx(p) => store(dir, &format!("{key}.ptx"), p.as_bytes()),
+            },
+        )
+    }
+
+    /// The value of every key: from `table` (memory), else `read` from the disk cache, else
+    /// `make` (the misses in parallel, the same key once) and `write` to the disk cache; the
+    /// statistics count each.
+    fn cached<T: Send + Sync>(
+        &self,
+        keys: &[String],
+        table: &Mutex<HashMap<String, Arc<T>>>,
+        read: impl Fn(&std::path::Path, &str) -> Option<T>,
+        make: impl Fn(usize) -> Result<T> + Sync,
+        write: impl Fn(&std::path::Path, &str, &T),
+    ) -> Result<Vec<Arc<T>>> {
+        let (mut from_memory, mut from_disk) = (0, 0);
+        let mut misses: Vec<usize> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if table.lock().expect("cache lock").contains_key(key) {
+                from_memory += 1;
+            } else if let Some(value) = self.disk.as_ref().and_then(|d| read(d, key)) {
                 from_disk += 1;
-                let image = Arc::new(image);
-                self.images.lock().expect("cache lock").insert(key.clone(), image.clone());
-                found.push(Some(image));
+                table.lock().expect("cache lock").insert(key.clone(), Arc::new(value));
             } else {
-                found.push(None);
+                misses.push(i);
             }
         }
         let start = Instant::now();
-        let mut misses: Vec<usize> = (0..sources.len()).filter(|&i| found[i].is_none()).collect();
+        // The same source twice compiles once.
         misses.sort_by(|a, b| keys[*a].cmp(&keys[*b]));
         misses.dedup_by_key(|i| keys[*i].clone());
-        let compiled: Vec<(usize, Result<Image>)> =
-            misses.par_iter().map(|&i| (i, self.image_compile(sources[i]))).collect();
+        let compiled: Vec<(usize, Result<T>)> = misses.par_iter().map(|&i| (i, make(i))).collect();
         let compiled_count = compiled.len();
-        for (i, image) in compiled {
-            let image = Arc::new(image?);
+        for (i, value) in compiled {
+            let value = value?;
             if let Some(dir) = &self.disk {
-                match &*image {
-                    Image::Cubin(b) => store(dir, &format!("{}.cubin", keys[i]), b),
-                    Image::Ptx(p) => store(dir, &format!("{}.ptx", keys[i]), p.as_bytes()),
-                }
+                write(dir, &keys[i], &value);
             }
-            self.images.lock().expect("cache lock").insert(keys[i].clone(), image);
+            table.lock().expect("cache lock").insert(keys[i].clone(), Arc::new(value));
         }
         let mut stats = self.stats.lock().expect("stats lock");
         stats.compiled += compiled_count;
@@ -183,8 +196,8 @@ impl NvrtcCompiler {
         stats.from_disk += from_disk;
         stats.compile_seconds += start.elapsed().as_secs_f64();
         drop(stats);
-        let images = self.images.lock().expect("cache lock");
-        Ok(keys.iter().map(|k| images[k].clone()).collect())
+        let table = table.lock().expect("cache lock");
+        Ok(keys.iter().map(|k| table[k].clone()).collect())
     }
 
     /// A cubin for `sm_XY`, else PTX for `compute_XY` (the error names both attempts).
@@ -208,49 +221,13 @@ impl NvrtcCompiler {
     /// PTX for every source; the misses are compiled in parallel.
     pub fn compile_all(&self, sources: &[&str]) -> Result<Vec<Arc<String>>> {
         let keys: Vec<String> = sources.iter().map(|s| self.key(s)).collect();
-        let mut found: Vec<Option<Arc<String>>> = Vec::with_capacity(sources.len());
-        let (mut from_memory, mut from_disk) = (0, 0);
-        for key in &keys {
-            let hit = self.memory.lock().expect("cache lock").get(key).cloned();
-            if hit.is_some() {
-                from_memory += 1;
-                found.push(hit);
-                continue;
-            }
-            let disk =
-                self.disk.as_ref().and_then(|d| std::fs::read_to_string(d.join(format!("{key}.ptx"))).ok());
-            if let Some(ptx) = disk {
-                from_disk += 1;
-                let ptx = Arc::new(ptx);
-                self.memory.lock().expect("cache lock").insert(key.clone(), ptx.clone());
-                found.push(Some(ptx));
-            } else {
-                found.push(None);
-            }
-        }
-        let start = Instant::now();
-        let mut misses: Vec<usize> = (0..sources.len()).filter(|&i| found[i].is_none()).collect();
-        // The same source twice compiles once.
-        misses.sort_by(|a, b| keys[*a].cmp(&keys[*b]));
-        misses.dedup_by_key(|i| keys[*i].clone());
-        let compiled: Vec<(usize, Result<String>)> =
-            misses.par_iter().map(|&i| (i, self.nvrtc_compile(sources[i]))).collect();
-        let compiled_count = compiled.len();
-        for (i, ptx) in compiled {
-            let ptx = Arc::new(ptx?);
-            if let Some(dir) = &self.disk {
-                store(dir, &format!("{}.ptx", keys[i]), ptx.as_bytes());
-            }
-            self.memory.lock().expect("cache lock").insert(keys[i].clone(), ptx);
-        }
-        let mut stats = self.stats.lock().expect("stats lock");
-        stats.compiled += compiled_count;
-        stats.from_memory += from_memory;
-        stats.from_disk += from_disk;
-        stats.compile_seconds += start.elapsed().as_secs_f64();
-        drop(stats);
-        let memory = self.memory.lock().expect("cache lock");
-        Ok(keys.iter().map(|k| memory[k].clone()).collect())
+        self.cached(
+            &keys,
+            &self.memory,
+            |dir, key| std::fs::read_to_string(dir.join(format!("{key}.ptx"))).ok(),
+            |i| self.nvrtc_compile(sources[i]),
+            |dir, key, ptx| store(dir, &format!("{key}.ptx"), ptx.as_bytes()),
+        )
     }
 
     fn nvrtc_compile(&self, source: &str) -> Result<String> {
