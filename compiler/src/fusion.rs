@@ -45,6 +45,16 @@ struct Group {
     reduce: Option<NodeId>,
     /// A matrix product that only the members read, computed first (the program's operand 0).
     matmul: Option<NodeId>,
+    /// After a reduction: elementwise members applied to its result, in topological order (the
+    /// last is then the group's root).
+    after: Vec<NodeId>,
+}
+
+impl Group {
+    /// Every node the group replaces.
+    fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.members.iter().copied().chain(self.reduce).chain(self.matmul).chain(self.after.iter().copied())
+    }
 }
 
 /// Fuses the graph's elementwise chains in place.
@@ -86,42 +96,101 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<F
             continue;
         }
         let group = if matches!(graph.node(root).op, Op::Reduce { .. }) {
-            // A reduction takes its operand's chain as a prologue when it is the only reader.
-            let tip = graph.operands(root)[0];
-            let node = graph.node(tip);
-            let alone = fusable(node)
-                && !taken.contains(&tip)
-                && !outputs.contains(&tip)
-                && node.device == graph.node(root).device
-                && graph.control_predecessors(tip).is_empty()
-                && read_only_by(graph, tip, &HashSet::from([root]), ordered_after);
-            if !alone {
+            let Some(members) = prologue(graph, root, &outputs, &taken, &position, ordered_after) else {
                 continue;
-            }
-            let members = grow(graph, tip, Some(root), &outputs, &taken, &position, ordered_after);
-            Group { members, reduce: Some(root), matmul: None }
+            };
+            Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
         } else if fusable(graph.node(root)) {
             let members = grow(graph, root, None, &outputs, &taken, &position, ordered_after);
             let matmul =
                 if products { product(graph, &members, &outputs, &taken, ordered_after) } else { None };
-            if members.len() < 2 && matmul.is_none() {
-                continue;
+            // A reduction only these members read, with its prologue, ahead of them.
+            let head = if matmul.is_none() {
+                reduction(graph, &members, &outputs, &taken, ordered_after).and_then(|r| {
+                    let before = prologue(graph, r, &outputs, &taken, &position, ordered_after)?;
+                    Some(Group { members: before, reduce: Some(r), matmul: None, after: members.clone() })
+                })
+            } else {
+                None
+            };
+            match head {
+                Some(g) if operand_count(graph, &g) <= MAX_FUSED_OPERANDS => g,
+                _ if members.len() < 2 && matmul.is_none() => continue,
+                _ => Group { members, reduce: None, matmul, after: Vec::new() },
             }
-            Group { members, reduce: None, matmul }
         } else {
             continue;
         };
-        taken.extend(group.members.iter().copied().chain(group.reduce).chain(group.matmul));
+        taken.extend(group.nodes());
         groups.push(group);
     }
     let mut figures = FusionFigures::default();
     for group in groups {
         figures.groups += 1;
-        figures.ops +=
-            group.members.len() + usize::from(group.reduce.is_some()) + usize::from(group.matmul.is_some());
+        figures.ops += group.nodes().count();
         replace(graph, &group)?;
     }
     Ok(figures)
+}
+
+/// The elementwise chain that reduction `r` alone reads, grown from its operand, if that
+/// operand can be an instruction.
+fn prologue(
+    graph: &Graph,
+    r: NodeId,
+    outputs: &HashSet<NodeId>,
+    taken: &HashSet<NodeId>,
+    position: &HashMap<NodeId, usize>,
+    ordered_after: bool,
+) -> Option<Vec<NodeId>> {
+    let tip = graph.operands(r)[0];
+    let node = graph.node(tip);
+    let alone = fusable(node)
+        && !taken.contains(&tip)
+        && !outputs.contains(&tip)
+        && node.device == graph.node(r).device
+        && graph.control_predecessors(tip).is_empty()
+        && read_only_by(graph, tip, &HashSet::from([r]), ordered_after);
+    alone.then(|| grow(graph, tip, Some(r), outputs, taken, position, ordered_after))
+}
+
+/// A reduction of the root's shape that only the group reads and that sums over a non-empty
+/// axis longer than 1: the group becomes its epilogue (layer norm's `rsqrt(var + eps)`).
+fn reduction(
+    graph: &Graph,
+    members: &[NodeId],
+    outputs: &HashSet<NodeId>,
+    taken: &HashSet<NodeId>,
+    ordered_after: bool,
+) -> Option<NodeId> {
+    let root = graph.node(*members.last()?);
+    let set: HashSet<NodeId> = members.iter().copied().collect();
+    let mut candidates: Vec<NodeId> = members.iter().flat_map(|&m| graph.operands(m)).collect();
+    candidates.dedup();
+    candidates.into_iter().find(|&p| {
+        let node = graph.node(p);
+        let Op::Reduce { axes, .. } = &node.op else { return false };
+        let input = &graph.node(graph.operands(p)[0]).shape;
+        input.numel() > 0
+            && root.shape.numel() > 0
+            && axes.iter().any(|&a| input.dims().get(a) > Some(&1))
+            && !set.contains(&p)
+            && !taken.contains(&p)
+            && !outputs.contains(&p)
+            && node.device == root.device
+            && node.shape == root.shape
+            && graph.control_predecessors(p).is_empty()
+            && read_only_by(graph, p, &set, ordered_after)
+    })
+}
+
+/// The operands a group's fused op takes.
+fn operand_count(graph: &Graph, group: &Group) -> usize {
+    let tip = *group.members.last().expect("a prologue");
+    let shape = graph.node(tip).shape.clone();
+    let before = program(graph, &group.members, &shape, None, None).1.len();
+    let after = group.reduce.map_or(0, |r| program(graph, &group.after, &shape, None, Some(r)).1.len() - 1);
+    before + after
 }
 
 /// A matrix product of the root's shape that only the group reads, with no control edges: the
@@ -269,7 +338,10 @@ fn program(
         Op::MatMul { transpose_a, transpose_b } => Some(FusedMatMul { transpose_a, transpose_b }),
         _ => None,
     });
-    (Fused { shape: shape.clone(), insts, reduce, matmul }, operands)
+    (
+        Fused { shape: shape.clone(), insts, reduce, matmul, epilogue: Vec::new(), epilogue_operands: 0 },
+        operands,
+    )
 }
 
 /// Replaces the group by one fused node in the root's place: it takes the root's readers,
@@ -277,32 +349,35 @@ fn program(
 fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
     let members = &group.members;
     let tip = *members.last().expect("a group has an elementwise member");
-    let root = group.reduce.unwrap_or(tip);
+    let root = group.after.last().copied().or(group.reduce).unwrap_or(tip);
     let r = graph.node(root).clone();
-    let reduce = match &r.op {
-        Op::Reduce { op, axes, keepdims } if group.reduce.is_some() => {
+    let reduce = group.reduce.and_then(|n| match &graph.node(n).op {
+        Op::Reduce { op, axes, keepdims } => {
             Some(FusedReduce { op: *op, axes: axes.clone(), keepdims: *keepdims })
         }
         _ => None,
-    };
-    let (program, mut operands) =
+    });
+    let (mut program, mut operands) =
         program(graph, members, &graph.node(tip).shape.clone(), reduce, group.matmul);
-    debug_assert_eq!(program.check(operands.len()), Ok(()));
     // The product's factors stand in its place.
     if let Some(p) = group.matmul {
         let factors = graph.operands(p);
         operands.splice(0..1, factors);
     }
+    // An epilogue reads the reduction as its operand 0, then operands of its own, last.
+    if let (Some(red), false) = (group.reduce, group.after.is_empty()) {
+        let (epilogue, extra) = self::program(graph, &group.after, &r.shape, None, Some(red));
+        program.epilogue = epilogue.insts;
+        program.epilogue_operands = extra.len() - 1;
+        operands.extend_from_slice(&extra[1..]);
+    }
     let fused = graph.add(Node { op: Op::Fused(program), ..r }, &operands);
     graph.replace_uses(root, fused);
     // Every reader now reads the fused node: what follows the root is ordered by control edges.
     let before = graph.control_predecessors(root);
-    let mut after: Vec<NodeId> = Vec::new();
-    for &m in members.iter().chain(&group.reduce).chain(&group.matmul) {
-        after.extend(graph.successors(m));
-    }
-    let removed: HashSet<NodeId> =
-        members.iter().chain(&group.reduce).chain(&group.matmul).copied().collect();
+    let removed: HashSet<NodeId> = group.nodes().collect();
+    let mut after: Vec<NodeId> =
+        removed.iter().flat_map(|&m| graph.successors(m).collect::<Vec<_>>()).collect();
     after.retain(|a| !removed.contains(a) && *a != fused);
     for b in before {
         graph.add_control(b, fused);
@@ -310,7 +385,7 @@ fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
     for a in after {
         graph.add_control(fused, a);
     }
-    for &m in members.iter().chain(&group.reduce).chain(&group.matmul) {
+    for m in removed {
         graph.remove(m);
     }
     Ok(())
@@ -412,6 +487,28 @@ mod tests {
         passes::default_pipeline().run(&mut g).unwrap();
         fuse(&mut g, true).unwrap();
         assert!(fused_ops(&g).iter().all(|(f, _)| f.reduce.is_none()));
+    }
+
+    #[test]
+    fn a_reduction_with_prologue_and_epilogue_is_one_op() {
+        // Layer norm's deviation: rsqrt(mean((x - m)^2) + eps), the centred input read twice.
+        let t = Tracer::new("ln");
+        let x = t.input("x", [4, 16]);
+        let centred = &x - &x.mean(vec![-1], true);
+        let rstd = ((&centred * &centred).mean(vec![-1], true) + 1e-5).rsqrt();
+        t.output("y", &(&centred * &rstd));
+        let mut g = t.finish().unwrap();
+        passes::default_pipeline().run(&mut g).unwrap();
+        fuse(&mut g, true).unwrap();
+        let with_epilogue: Vec<Fused> =
+            fused_ops(&g).into_iter().map(|(f, _)| f).filter(|f| !f.epilogue.is_empty()).collect();
+        assert_eq!(with_epilogue.len(), 1, "{:?}", fused_ops(&g));
+        let f = &with_epilogue[0];
+        assert_eq!(
+            f.text(),
+            "v0 = mul(x0, x0); reduce_mean[1](v0); then x0 = the reduction: v0 = add_scalar[0.00001](x0); v1 = rsqrt(v0)"
+        );
+        assert_eq!(f.epilogue_operands, 0);
     }
 
     #[test]

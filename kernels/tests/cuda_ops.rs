@@ -525,6 +525,52 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
     let out: Vec<usize> = (0..rank).map(|_| 1 + r.pick(7)).collect();
     let k = 1 + r.pick(4);
     let shapes: Vec<Vec<usize>> = (0..k).map(|_| r.operand(&out)).collect();
+    let insts = random_program(r, k);
+    // Half of them reduce their values: a reduction with an elementwise prologue.
+    let reduce = (r.pick(2) == 0).then(|| {
+        let mut axes: Vec<usize> = (0..rank).filter(|_| r.pick(2) == 0).collect();
+        if axes.is_empty() {
+            axes.push(rank - 1);
+        }
+        let op = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max][r.pick(3)];
+        FusedReduce { op, axes, keepdims: r.pick(2) == 0 }
+    });
+    let mut op = Fused {
+        shape: Shape::from(out.as_slice()),
+        insts,
+        reduce,
+        matmul: None,
+        epilogue: Vec::new(),
+        epilogue_operands: 0,
+    };
+    let mut shapes = shapes;
+    // Half of the reductions over an axis longer than 1 go on through an epilogue.
+    if let Some(red) = &op.reduce
+        && red.axes.iter().any(|&a| out[a] > 1)
+        && r.pick(2) == 0
+    {
+        let reduced = infer(&red.op(), &[(&op.shape, DType::F32)]).unwrap().0;
+        let extra = r.pick(3);
+        op.epilogue = random_program(r, extra + 1);
+        op.epilogue_operands = extra;
+        shapes.extend((0..extra).map(|_| r.operand(reduced.dims())));
+    }
+    // A quarter without a reduction compute operand 0 as a product first (a matmul epilogue).
+    if op.reduce.is_none() && rank >= 2 && r.pick(2) == 0 {
+        let (m, n) = (out[rank - 2], out[rank - 1]);
+        let k = 1 + r.pick(40);
+        let (ta, tb) = (r.pick(2) == 0, r.pick(2) == 0);
+        let mut a: Vec<usize> = out[..rank - 2].to_vec();
+        a.extend(if ta { [k, m] } else { [m, k] });
+        let b: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
+        op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
+        shapes.splice(0..1, [a, b]);
+    }
+    (Op::Fused(op), shapes)
+}
+
+/// 1 to 12 random elementwise instructions over `k` operands, every operand read.
+fn random_program(r: &mut Rng, k: usize) -> Vec<Inst> {
     let unary = [
         UnaryOp::Neg,
         UnaryOp::Abs,
@@ -571,29 +617,7 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
             insts.push(Inst::Binary(BinaryOp::Add, last, Ref::Operand(j as u32)));
         }
     }
-    // Half of them reduce their values: a reduction with an elementwise prologue.
-    let reduce = (r.pick(2) == 0).then(|| {
-        let mut axes: Vec<usize> = (0..rank).filter(|_| r.pick(2) == 0).collect();
-        if axes.is_empty() {
-            axes.push(rank - 1);
-        }
-        let op = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max][r.pick(3)];
-        FusedReduce { op, axes, keepdims: r.pick(2) == 0 }
-    });
-    let mut op = Fused { shape: Shape::from(out.as_slice()), insts, reduce, matmul: None };
-    let mut shapes = shapes;
-    // A quarter without a reduction compute operand 0 as a product first (a matmul epilogue).
-    if op.reduce.is_none() && rank >= 2 && r.pick(2) == 0 {
-        let (m, n) = (out[rank - 2], out[rank - 1]);
-        let k = 1 + r.pick(40);
-        let (ta, tb) = (r.pick(2) == 0, r.pick(2) == 0);
-        let mut a: Vec<usize> = out[..rank - 2].to_vec();
-        a.extend(if ta { [k, m] } else { [m, k] });
-        let b: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
-        op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
-        shapes.splice(0..1, [a, b]);
-    }
-    (Op::Fused(op), shapes)
+    insts
 }
 
 /// Cases too large to run on the CPU: generated and compiled only (64-bit indices, big grids).

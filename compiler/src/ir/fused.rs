@@ -121,6 +121,14 @@ pub struct Fused {
     /// A matrix product computed first, the program's operand 0 (`FusedMatMul`).
     #[serde(default)]
     pub matmul: Option<FusedMatMul>,
+    /// With a reduction: instructions applied to the reduced values, over the output's shape.
+    /// The epilogue's operand 0 is the reduced value and its operand `j >= 1` the op's operand
+    /// `n - epilogue_operands + j - 1` (the last `epilogue_operands` operands are the
+    /// epilogue's; the program before the reduction reads the others).
+    #[serde(default)]
+    pub epilogue: Vec<Inst>,
+    #[serde(default)]
+    pub epilogue_operands: usize,
 }
 
 impl FusedReduce {
@@ -134,7 +142,21 @@ impl Fused {
     /// How many operands the program reads, for an op of `op_operands` operands: the product
     /// stands for the op's first two.
     pub fn program_operands(&self, op_operands: usize) -> usize {
-        if self.matmul.is_some() { op_operands.saturating_sub(1) } else { op_operands }
+        let own = op_operands.saturating_sub(self.epilogue_operands);
+        if self.matmul.is_some() { own.saturating_sub(1) } else { own }
+    }
+
+    /// The epilogue as a program of its own over `shape` (the output's): operand 0 the reduced
+    /// value, then the epilogue's operands.
+    pub fn epilogue_program(&self, shape: &Shape) -> Fused {
+        Fused {
+            shape: shape.clone(),
+            insts: self.epilogue.clone(),
+            reduce: None,
+            matmul: None,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        }
     }
 
     /// Checks the program against `operands` operands: at least one instruction, every ref to
@@ -259,6 +281,9 @@ impl Fused {
         if let Some(r) = &self.reduce {
             let _ = write!(s, "; {}{:?}(v{})", r.op().name(), r.axes, self.insts.len().saturating_sub(1));
         }
+        if !self.epilogue.is_empty() {
+            let _ = write!(s, "; then x0 = the reduction: {}", self.epilogue_program(&self.shape).text());
+        }
         s
     }
 }
@@ -273,6 +298,8 @@ mod tests {
             shape: Shape::new(vec![4]),
             reduce: None,
             matmul: None,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
             insts: vec![
                 Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1)),
                 Inst::Unary(UnaryOp::Relu, Ref::Value(0)),

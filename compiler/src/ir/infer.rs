@@ -126,10 +126,41 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                     "every operand of a fused op broadcasts to its output",
                 );
             }
-            match &f.reduce {
-                None => Ok((f.shape.clone(), d)),
-                Some(r) => infer_type(&r.op(), &[(&f.shape, d)]),
+            let (out, d) = match &f.reduce {
+                None => (f.shape.clone(), d),
+                Some(r) => infer_type(&r.op(), &[(&f.shape, d)])?,
+            };
+            if f.epilogue.is_empty() && f.epilogue_operands == 0 {
+                return Ok((out, d));
             }
+            // An epilogue: after a reduction that sums something, over non-empty operands.
+            let summed =
+                f.reduce.as_ref().is_some_and(|r| r.axes.iter().any(|&a| f.shape.dims().get(a) > Some(&1)));
+            if !summed || f.matmul.is_some() || operands.iter().any(|(s, _)| s.numel() == 0) {
+                return err(
+                    "a fused epilogue follows a reduction over an axis longer than 1, of non-empty operands",
+                    "fused ops are made by kiln's fusion pass: compile the graph again",
+                );
+            }
+            if let Err(e) = f.epilogue_program(&out).check(f.epilogue_operands + 1) {
+                return err(
+                    format!("epilogue: {e}"),
+                    "fused ops are made by kiln's fusion pass: compile the graph again",
+                );
+            }
+            let extra = operands.len() - f.epilogue_operands;
+            if let Some(i) =
+                (extra..operands.len()).find(|&i| Shape::broadcast(shape(i), &out).as_ref() != Some(&out))
+            {
+                return err(
+                    format!(
+                        "epilogue operand {i} of shape {} does not broadcast to the output {out}",
+                        shape(i)
+                    ),
+                    "every operand of a fused epilogue broadcasts to the output",
+                );
+            }
+            Ok((out, d))
         }
         Op::Select => {
             let d = same_dtype(&[1, 2])?;

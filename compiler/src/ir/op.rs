@@ -436,7 +436,9 @@ impl Op {
             Op::Fused(f) => {
                 let product =
                     f.matmul.map_or(0, |m| m.op().flops(&operands[..operands.len().min(2)], &f.shape));
-                product + (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape)
+                product
+                    + (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape)
+                    + f.epilogue.len() as u64 * n(output)
             }
             Op::MatMul { transpose_a, .. } => {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;

@@ -263,6 +263,8 @@ impl CpuKernel for FusedKernel {
 pub(crate) struct FusedReduceKernel {
     program: FusedKernel,
     reduce: super::reduce::Reduce,
+    /// The epilogue over the output (`Fused::epilogue`), and where its operands start.
+    epilogue: Option<(FusedKernel, usize)>,
     desc: String,
 }
 
@@ -293,25 +295,49 @@ pub(crate) fn fused_reduce(
     program: &Fused,
     reduce: &FusedReduce,
     operands: &[&Shape],
+    out: &Shape,
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
     let shape = program.shape.clone();
-    let elementwise = Fused { reduce: None, ..program.clone() };
-    let program = fused_kernel(&elementwise, operands, &shape)?;
+    let split = operands.len() - program.epilogue_operands;
+    let elementwise = Fused { reduce: None, epilogue: Vec::new(), epilogue_operands: 0, ..program.clone() };
+    let before = fused_kernel(&elementwise, &operands[..split], &shape)?;
     let name = reduce.op().name();
-    let desc = format!("{name}{:?} of {}", reduce.axes, program.desc);
+    let mut desc = format!("{name}{:?} of {}", reduce.axes, before.desc);
+    let epilogue = if program.epilogue.is_empty() {
+        None
+    } else {
+        let mut shapes: Vec<&Shape> = vec![out];
+        shapes.extend_from_slice(&operands[split..]);
+        let after = fused_kernel(&program.epilogue_program(out), &shapes, out)?;
+        desc = format!("{desc} then {}", after.desc);
+        Some((after, split))
+    };
     Ok(Box::new(FusedReduceKernel {
-        program,
+        program: before,
         reduce: super::reduce::prepare(reduce.op, name, &shape, &reduce.axes),
+        epilogue,
         desc,
     }))
 }
 
 impl CpuKernel for FusedReduceKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let source = Prologue { program: &self.program, ins: operand_ptrs(inputs) };
+        let split = self.epilogue.as_ref().map_or(inputs.len(), |e| e.1);
+        let source = Prologue { program: &self.program, ins: operand_ptrs(&inputs[..split]) };
         // SAFETY: run's contract: the operands hold their shapes' elements, the output the
-        // reduction's; the reduction reads its source only inside the program's shape.
-        unsafe { self.reduce.run_from(&source, output as *mut f32) }
+        // reduction's; the reduction reads its source only inside the program's shape. The
+        // epilogue then reads the output as its operand 0, of the output's shape, in place (the
+        // elementwise contract), and the op's last operands beside it.
+        unsafe {
+            self.reduce.run_from(&source, output as *mut f32);
+            if let Some((after, _)) = &self.epilogue {
+                let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+                let extra = (inputs.len() - split).min(MAX_FUSED_OPERANDS - 1);
+                ins[0] = output;
+                ins[1..=extra].copy_from_slice(&inputs[split..split + extra]);
+                after.run(&ins[..=extra], output);
+            }
+        }
     }
 
     fn describe(&self) -> String {

@@ -95,7 +95,7 @@ pub fn prepare(
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul) {
             (_, Some(m)) => fused::fused_matmul(f, m, &s)?,
-            (Some(r), None) => fused::fused_reduce(f, r, &s)?,
+            (Some(r), None) => fused::fused_reduce(f, r, &s, out)?,
             (None, None) => fused::fused(f, &s, out)?,
         },
         Op::MatMul { transpose_a, transpose_b } => {

@@ -261,8 +261,8 @@ pub(crate) fn load_function(program: &Fused, operands: &[&Shape], ty: &str, defi
 /// A device function `kiln_epilogue(x0, i, p1, p2, ...)`: the fused program's value at linear
 /// index `i` of its shape given its operand 0's value there (a product just computed), the other
 /// operands read at their broadcast positions. A GEMM applies it as it stores (`gemm`).
-pub(crate) fn epilogue_function(program: &Fused, operands: &[&Shape], ty: &str) -> String {
-    value_function(program, operands, ty, "", true)
+pub(crate) fn epilogue_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str) -> String {
+    value_function(program, operands, ty, defined, true)
 }
 
 fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str, epilogue: bool) -> String {

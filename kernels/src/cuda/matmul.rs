@@ -138,7 +138,7 @@ fn product(
             let mut shapes = vec![out];
             shapes.extend_from_slice(extra);
             Epilogue {
-                definition: super::elementwise::epilogue_function(program, &shapes, ty),
+                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
                 extra: (2..2 + extra.len()).map(Arg::Input).collect(),
             }
         }),

@@ -124,23 +124,46 @@ fn offset(c: &mut Code, ty: &str, name: &str, var: &str, groups: &[(usize, usize
 #[derive(Clone, Copy)]
 pub(crate) enum Input<'a> {
     Memory,
-    Fused(&'a Fused, &'a [&'a Shape]),
+    /// The program, every operand of the op, and the output's shape (for an epilogue).
+    Fused(&'a Fused, &'a [&'a Shape], &'a Shape),
 }
 
 impl Input<'_> {
     fn operands(&self) -> usize {
         match self {
             Input::Memory => 1,
-            Input::Fused(_, operands) => operands.len(),
+            Input::Fused(_, operands, _) => operands.len(),
         }
     }
 
-    /// The source lines that define what `read` calls, beside the source `defined` already has.
+    /// Where the epilogue's operands start (all operands when there is none).
+    fn split(&self) -> usize {
+        match self {
+            Input::Memory => 1,
+            Input::Fused(program, operands, _) => operands.len() - program.epilogue_operands,
+        }
+    }
+
+    /// The source lines that define what `read` and `store` call, beside the source `defined`
+    /// already has.
     fn definitions(&self, ty: &str, defined: &str) -> String {
         match self {
             Input::Memory => String::new(),
-            Input::Fused(program, operands) => {
-                super::elementwise::load_function(program, operands, ty, defined)
+            Input::Fused(program, operands, out) => {
+                let split = self.split();
+                let load = super::elementwise::load_function(program, &operands[..split], ty, defined);
+                if program.epilogue.is_empty() {
+                    return load;
+                }
+                let mut shapes: Vec<&Shape> = vec![out];
+                shapes.extend_from_slice(&operands[split..]);
+                let epilogue = super::elementwise::epilogue_function(
+                    &program.epilogue_program(out),
+                    &shapes,
+                    ty,
+                    &format!("{defined}\n{load}"),
+                );
+                format!("{load}\n{epilogue}")
             }
         }
     }
@@ -149,10 +172,21 @@ impl Input<'_> {
     fn read(&self, at: &str) -> String {
         match self {
             Input::Memory => format!("in0[{at}]"),
-            Input::Fused(_, operands) => {
-                let ins: Vec<String> = (0..operands.len()).map(|j| format!("in{j}")).collect();
+            Input::Fused(..) => {
+                let ins: Vec<String> = (0..self.split()).map(|j| format!("in{j}")).collect();
                 format!("kiln_load({at}, {})", ins.join(", "))
             }
+        }
+    }
+
+    /// What output `o` stores for its reduced `value`: the value, or the epilogue of it.
+    fn store(&self, value: String) -> String {
+        match self {
+            Input::Fused(program, ..) if !program.epilogue.is_empty() => {
+                let extra: String = (self.split()..self.operands()).map(|j| format!(", in{j}")).collect();
+                format!("kiln_epilogue({value}, o{extra})")
+            }
+            _ => value,
         }
     }
 
@@ -198,7 +232,7 @@ pub(crate) fn fused_reduce(
         k.describe = format!("{name}{:?} of {} (elementwise)", reduce.axes, k.describe);
         return k;
     }
-    reduce_from(Input::Fused(program, operands), reduce.op, name, label, x, &reduce.axes, out)
+    reduce_from(Input::Fused(program, operands, out), reduce.op, name, label, x, &reduce.axes, out)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -218,7 +252,7 @@ fn reduce_from(
     let describe = format!("{name}{axes:?} {}", shape_text(x));
     let head = match input {
         Input::Memory => header(label, &[x], Some(out)),
-        Input::Fused(_, operands) => header(label, operands, Some(out)),
+        Input::Fused(_, operands, _) => header(label, operands, Some(out)),
     };
     let fname = format!("kiln_{name}");
     if count == 0 || g.reduced.is_empty() {
@@ -331,12 +365,16 @@ fn rows(
         c.line(format!("acc = {};", acc.combine("acc", "__shfl_xor_sync(0xffffffffu, acc, d)")));
         c.line("}");
         c.line("}");
-        c.line(format!("if (slice == 0) out[o] = {};", acc.finish("acc")));
+        c.line(format!("if (slice == 0) out[o] = {};", input.store(acc.finish("acc"))));
         c.line("__syncthreads();");
     } else if s == 32 {
-        c.line(format!("if (slice == 0 && o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+        c.line(format!(
+            "if (slice == 0 && o < {}) out[o] = {};",
+            int(outputs),
+            input.store(acc.finish("acc"))
+        ));
     } else {
-        c.line(format!("if (o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+        c.line(format!("if (o < {}) out[o] = {};", int(outputs), input.store(acc.finish("acc"))));
     }
     c.line("}");
     c.line("}");
@@ -414,11 +452,11 @@ fn columns(
         c.line(format!(
             "if (slice == 0 && o < {}) out[o] = {};",
             int(outputs),
-            acc.finish("partial[0][lane]")
+            input.store(acc.finish("partial[0][lane]"))
         ));
         c.line("__syncthreads();");
     } else {
-        c.line(format!("if (o < {}) out[o] = {};", int(outputs), acc.finish("acc")));
+        c.line(format!("if (o < {}) out[o] = {};", int(outputs), input.store(acc.finish("acc"))));
     }
     c.line("}");
     c.line("}");
