@@ -114,8 +114,15 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             if let Err(e) = f.check(f.program_operands(operands.len())) {
                 return err(e, "fused ops are made by kiln's fusion pass: compile the graph again");
             }
-            if let Some(i) = (first..operands.len())
-                .find(|&i| Shape::broadcast(shape(i), &f.shape).as_ref() != Some(&f.shape))
+            if f.epilogue_operands > operands.len() {
+                return err(
+                    format!("{} epilogue operands of {}", f.epilogue_operands, operands.len()),
+                    "fused ops are made by kiln's fusion pass: compile the graph again",
+                );
+            }
+            let own = operands.len() - f.epilogue_operands;
+            if let Some(i) =
+                (first..own).find(|&i| Shape::broadcast(shape(i), &f.shape).as_ref() != Some(&f.shape))
             {
                 return err(
                     format!(
