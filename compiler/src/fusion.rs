@@ -109,11 +109,11 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<F
             Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
         } else if fusable(graph.node(root)) {
             let members = grow(graph, root, None, &outputs, &taken, &position, ordered_after);
-            let matmul =
-                if products { product(graph, &members, &outputs, &taken, ordered_after) } else { None };
+            let scope = Scope { graph, outputs: &outputs, taken: &taken, ordered_after };
+            let matmul = if products { scope.product(&members) } else { None };
             // A reduction only these members read, with its prologue, ahead of them.
             let head = if matmul.is_none() {
-                reduction(graph, &members, &outputs, &taken, ordered_after).and_then(|r| {
+                scope.reduction(&members).and_then(|r| {
                     let before = prologue(graph, r, &outputs, &taken, &position, ordered_after)?;
                     Some(Group { members: before, reduce: Some(r), matmul: None, after: members.clone() })
                 })
@@ -161,36 +161,6 @@ fn prologue(
     alone.then(|| grow(graph, tip, Some(r), outputs, taken, position, ordered_after))
 }
 
-/// A reduction of the root's shape that only the group reads and that sums over a non-empty
-/// axis longer than 1: the group becomes its epilogue (layer norm's `rsqrt(var + eps)`).
-fn reduction(
-    graph: &Graph,
-    members: &[NodeId],
-    outputs: &HashSet<NodeId>,
-    taken: &HashSet<NodeId>,
-    ordered_after: bool,
-) -> Option<NodeId> {
-    let root = graph.node(*members.last()?);
-    let set: HashSet<NodeId> = members.iter().copied().collect();
-    let mut candidates: Vec<NodeId> = members.iter().flat_map(|&m| graph.operands(m)).collect();
-    candidates.dedup();
-    candidates.into_iter().find(|&p| {
-        let node = graph.node(p);
-        let Op::Reduce { axes, .. } = &node.op else { return false };
-        let input = &graph.node(graph.operands(p)[0]).shape;
-        input.numel() > 0
-            && root.shape.numel() > 0
-            && axes.iter().any(|&a| input.dims().get(a) > Some(&1))
-            && !set.contains(&p)
-            && !taken.contains(&p)
-            && !outputs.contains(&p)
-            && node.device == root.device
-            && node.shape == root.shape
-            && graph.control_predecessors(p).is_empty()
-            && read_only_by(graph, p, &set, ordered_after)
-    })
-}
-
 /// The operands a group's fused op takes.
 fn operand_count(graph: &Graph, group: &Group) -> usize {
     let tip = *group.members.last().expect("a prologue");
@@ -200,31 +170,57 @@ fn operand_count(graph: &Graph, group: &Group) -> usize {
     before + after
 }
 
-/// A matrix product of the root's shape that only the group reads, with no control edges: the
-/// group becomes the product with an elementwise epilogue (a bias, an activation, a residual).
-fn product(
-    graph: &Graph,
-    members: &[NodeId],
-    outputs: &HashSet<NodeId>,
-    taken: &HashSet<NodeId>,
+/// The scope a head op is looked for in: the group's members and what no group may take.
+struct Scope<'a> {
+    graph: &'a Graph,
+    outputs: &'a HashSet<NodeId>,
+    taken: &'a HashSet<NodeId>,
     ordered_after: bool,
-) -> Option<NodeId> {
-    let root = graph.node(*members.last()?);
-    let set: HashSet<NodeId> = members.iter().copied().collect();
-    let mut candidates: Vec<NodeId> = members.iter().flat_map(|&m| graph.operands(m)).collect();
-    candidates.dedup();
-    candidates.into_iter().find(|&p| {
-        let node = graph.node(p);
-        matches!(node.op, Op::MatMul { .. })
-            && graph.operands(p).iter().all(|&f| graph.node(f).shape.numel() > 0)
-            && !set.contains(&p)
-            && !taken.contains(&p)
-            && !outputs.contains(&p)
-            && node.device == root.device
-            && node.shape == root.shape
-            && graph.control_predecessors(p).is_empty()
-            && read_only_by(graph, p, &set, ordered_after)
-    })
+}
+
+impl Scope<'_> {
+    /// The first operand of a member that `kind` accepts, of the root's shape and device, read
+    /// only by the members, free, no output, with nothing that must run before it: the op the
+    /// group can start from (a product) or follow (a reduction).
+    fn head(&self, members: &[NodeId], kind: impl Fn(NodeId, &Node) -> bool) -> Option<NodeId> {
+        let g = self.graph;
+        let root = g.node(*members.last()?);
+        let set: HashSet<NodeId> = members.iter().copied().collect();
+        let mut candidates: Vec<NodeId> = members.iter().flat_map(|&m| g.operands(m)).collect();
+        candidates.dedup();
+        candidates.into_iter().find(|&p| {
+            let node = g.node(p);
+            kind(p, node)
+                && !set.contains(&p)
+                && !self.taken.contains(&p)
+                && !self.outputs.contains(&p)
+                && node.device == root.device
+                && node.shape == root.shape
+                && g.control_predecessors(p).is_empty()
+                && read_only_by(g, p, &set, self.ordered_after)
+        })
+    }
+
+    /// A reduction over a non-empty axis longer than 1: the group becomes its epilogue (layer
+    /// norm's `rsqrt(var + eps)`).
+    fn reduction(&self, members: &[NodeId]) -> Option<NodeId> {
+        self.head(members, |p, node| {
+            let Op::Reduce { axes, .. } = &node.op else { return false };
+            let input = &self.graph.node(self.graph.operands(p)[0]).shape;
+            input.numel() > 0
+                && node.shape.numel() > 0
+                && axes.iter().any(|&a| input.dims().get(a) > Some(&1))
+        })
+    }
+
+    /// A matrix product of non-empty factors: the group becomes its GEMM's epilogue (a bias, an
+    /// activation, a residual).
+    fn product(&self, members: &[NodeId]) -> Option<NodeId> {
+        self.head(members, |p, node| {
+            matches!(node.op, Op::MatMul { .. })
+                && self.graph.operands(p).iter().all(|&f| self.graph.node(f).shape.numel() > 0)
+        })
+    }
 }
 
 /// Ops that can be instructions of a fused program.
