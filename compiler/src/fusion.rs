@@ -378,10 +378,15 @@ fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
     graph.replace_uses(root, fused);
     // Every reader now reads the fused node: what follows the root is ordered by control edges.
     let before = graph.control_predecessors(root);
-    let removed: HashSet<NodeId> = group.nodes().collect();
+    // In a fixed order: node ids freed here are reused by later nodes, and orders read ids, so a
+    // hash set's order would make plans differ from run to run.
+    let mut removed: Vec<NodeId> = group.nodes().collect();
+    removed.sort_unstable();
     let mut after: Vec<NodeId> =
         removed.iter().flat_map(|&m| graph.successors(m).collect::<Vec<_>>()).collect();
-    after.retain(|a| !removed.contains(a) && *a != fused);
+    after.sort_unstable();
+    after.dedup();
+    after.retain(|a| removed.binary_search(a).is_err() && *a != fused);
     for b in before {
         graph.add_control(b, fused);
     }
