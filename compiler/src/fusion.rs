@@ -102,19 +102,19 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<F
         if taken.contains(&root) {
             continue;
         }
+        let search = Search { graph, outputs: &outputs, taken: &taken, position: &position, ordered_after };
         let group = if matches!(graph.node(root).op, Op::Reduce { .. }) {
-            let Some(members) = prologue(graph, root, &outputs, &taken, &position, ordered_after) else {
+            let Some(members) = search.prologue(root) else {
                 continue;
             };
             Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
         } else if fusable(graph.node(root)) {
-            let members = grow(graph, root, None, &outputs, &taken, &position, ordered_after);
-            let scope = Scope { graph, outputs: &outputs, taken: &taken, ordered_after };
-            let matmul = if products { scope.product(&members) } else { None };
+            let members = search.grow(root, None);
+            let matmul = if products { search.product(&members) } else { None };
             // A reduction only these members read, with its prologue, ahead of them.
             let head = if matmul.is_none() {
-                scope.reduction(&members).and_then(|r| {
-                    let before = prologue(graph, r, &outputs, &taken, &position, ordered_after)?;
+                search.reduction(&members).and_then(|r| {
+                    let before = search.prologue(r)?;
                     Some(Group { members: before, reduce: Some(r), matmul: None, after: members.clone() })
                 })
             } else {
@@ -140,27 +140,6 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<F
     Ok(figures)
 }
 
-/// The elementwise chain that reduction `r` alone reads, grown from its operand, if that
-/// operand can be an instruction.
-fn prologue(
-    graph: &Graph,
-    r: NodeId,
-    outputs: &HashSet<NodeId>,
-    taken: &HashSet<NodeId>,
-    position: &HashMap<NodeId, usize>,
-    ordered_after: bool,
-) -> Option<Vec<NodeId>> {
-    let tip = graph.operands(r)[0];
-    let node = graph.node(tip);
-    let alone = fusable(node)
-        && !taken.contains(&tip)
-        && !outputs.contains(&tip)
-        && node.device == graph.node(r).device
-        && graph.control_predecessors(tip).is_empty()
-        && read_only_by(graph, tip, &HashSet::from([r]), ordered_after);
-    alone.then(|| grow(graph, tip, Some(r), outputs, taken, position, ordered_after))
-}
-
 /// The operands a group's fused op takes.
 fn operand_count(graph: &Graph, group: &Group) -> usize {
     let tip = *group.members.last().expect("a prologue");
@@ -170,18 +149,95 @@ fn operand_count(graph: &Graph, group: &Group) -> usize {
     before + after
 }
 
-/// The scope a head op is looked for in: the group's members and what no group may take.
-struct Scope<'a> {
+/// Ops that can be instructions of a fused program.
+fn fusable(node: &Node) -> bool {
+    matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
+}
+
+/// What one group is searched in: the graph, its outputs, the nodes earlier groups took, the
+/// topological positions, and whether members may be ordered before other ops.
+struct Search<'a> {
     graph: &'a Graph,
     outputs: &'a HashSet<NodeId>,
     taken: &'a HashSet<NodeId>,
+    position: &'a HashMap<NodeId, usize>,
     ordered_after: bool,
 }
 
-impl Scope<'_> {
-    /// The first operand of a member that `kind` accepts, of the root's shape and device, read
-    /// only by the members, free, no output, with nothing that must run before it: the op the
-    /// group can start from (a product) or follow (a reduction).
+impl Search<'_> {
+    /// Whether `p` may join a group whose nodes are `set`, on `device`: not taken, no output,
+    /// on that device, nothing that must run before it, read only by the group.
+    fn free(&self, p: NodeId, set: &HashSet<NodeId>, device: crate::ir::DeviceId) -> bool {
+        !self.taken.contains(&p)
+            && !self.outputs.contains(&p)
+            && self.graph.node(p).device == device
+            && self.graph.control_predecessors(p).is_empty()
+            && read_only_by(self.graph, p, set, self.ordered_after)
+    }
+
+    /// The elementwise members of the group whose last value is `root`, in topological order
+    /// (the root last); `reduce`, when given, is the reduction that reads the root and counts as
+    /// a member when the readers of a candidate are checked.
+    fn grow(&self, root: NodeId, reduce: Option<NodeId>) -> Vec<NodeId> {
+        let (graph, position) = (self.graph, self.position);
+        let r = graph.node(root);
+        let mut members: Vec<NodeId> = vec![root];
+        let mut set: HashSet<NodeId> = HashSet::from([root]);
+        set.extend(reduce);
+        // Until nothing joins: an operand may qualify only once all its readers are in.
+        loop {
+            let mut joined = false;
+            let mut candidates: Vec<NodeId> =
+                members.iter().flat_map(|&m| graph.operands(m)).filter(|o| !set.contains(o)).collect();
+            candidates.sort_unstable_by_key(|n| std::cmp::Reverse(position[n]));
+            candidates.dedup();
+            for p in candidates {
+                let node = graph.node(p);
+                // A broadcast joins when its operand broadcasts to the root's shape directly.
+                let broadcast = matches!(node.op, Op::BroadcastTo { .. })
+                    && graph.operands(p).first().is_some_and(|&x| {
+                        Shape::broadcast(&graph.node(x).shape, &r.shape).as_ref() == Some(&r.shape)
+                    });
+                let qualifies = (fusable(node) || broadcast)
+                    && node.dtype == r.dtype
+                    && node.shape.numel() == r.shape.numel()
+                    && self.free(p, &set, r.device);
+                if !qualifies {
+                    continue;
+                }
+                let mut trial = members.clone();
+                trial.push(p);
+                trial.sort_unstable_by_key(|n| position[n]);
+                let (program, operands) = program(graph, &trial, &r.shape, None, None);
+                if operands.len() > MAX_FUSED_OPERANDS
+                    || program.insts.len() > MAX_FUSED_INSTS
+                    || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
+                {
+                    continue;
+                }
+                members = trial;
+                set.insert(p);
+                joined = true;
+            }
+            if !joined {
+                break;
+            }
+        }
+        members.sort_unstable_by_key(|n| position[n]);
+        members
+    }
+
+    /// The elementwise chain that reduction `r` alone reads, grown from its operand, if that
+    /// operand can be an instruction.
+    fn prologue(&self, r: NodeId) -> Option<Vec<NodeId>> {
+        let tip = self.graph.operands(r)[0];
+        let alone =
+            fusable(self.graph.node(tip)) && self.free(tip, &HashSet::from([r]), self.graph.node(r).device);
+        alone.then(|| self.grow(tip, Some(r)))
+    }
+
+    /// The first operand of a member that `kind` accepts, of the root's shape and free for the
+    /// group: the op the group can start from (a product) or follow (a reduction).
     fn head(&self, members: &[NodeId], kind: impl Fn(NodeId, &Node) -> bool) -> Option<NodeId> {
         let g = self.graph;
         let root = g.node(*members.last()?);
@@ -190,14 +246,7 @@ impl Scope<'_> {
         candidates.dedup();
         candidates.into_iter().find(|&p| {
             let node = g.node(p);
-            kind(p, node)
-                && !set.contains(&p)
-                && !self.taken.contains(&p)
-                && !self.outputs.contains(&p)
-                && node.device == root.device
-                && node.shape == root.shape
-                && g.control_predecessors(p).is_empty()
-                && read_only_by(g, p, &set, self.ordered_after)
+            kind(p, node) && !set.contains(&p) && node.shape == root.shape && self.free(p, &set, root.device)
         })
     }
 
@@ -221,77 +270,6 @@ impl Scope<'_> {
                 && self.graph.operands(p).iter().all(|&f| self.graph.node(f).shape.numel() > 0)
         })
     }
-}
-
-/// Ops that can be instructions of a fused program.
-fn fusable(node: &Node) -> bool {
-    matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
-}
-
-/// The elementwise members of the group whose last value is `root`, in topological order (the
-/// root last); `reduce`, when given, is the reduction that reads the root and counts as a member
-/// when the readers of a candidate are checked.
-fn grow(
-    graph: &Graph,
-    root: NodeId,
-    reduce: Option<NodeId>,
-    outputs: &HashSet<NodeId>,
-    taken: &HashSet<NodeId>,
-    position: &HashMap<NodeId, usize>,
-    ordered_after: bool,
-) -> Vec<NodeId> {
-    let r = graph.node(root);
-    let mut members: Vec<NodeId> = vec![root];
-    let mut set: HashSet<NodeId> = HashSet::from([root]);
-    set.extend(reduce);
-    // Until nothing joins: an operand may qualify only once all its readers are in.
-    loop {
-        let mut joined = false;
-        let candidates: Vec<NodeId> = {
-            let mut c: Vec<NodeId> =
-                members.iter().flat_map(|&m| graph.operands(m)).filter(|o| !set.contains(o)).collect();
-            c.sort_unstable_by_key(|n| std::cmp::Reverse(position[n]));
-            c.dedup();
-            c
-        };
-        for p in candidates {
-            let node = graph.node(p);
-            // A broadcast joins when its operand broadcasts to the root's shape directly.
-            let broadcast = matches!(node.op, Op::BroadcastTo { .. })
-                && graph.operands(p).first().is_some_and(|&x| {
-                    Shape::broadcast(&graph.node(x).shape, &r.shape).as_ref() == Some(&r.shape)
-                });
-            let qualifies = (fusable(node) || broadcast)
-                && !taken.contains(&p)
-                && !outputs.contains(&p)
-                && node.device == r.device
-                && node.dtype == r.dtype
-                && node.shape.numel() == r.shape.numel()
-                && graph.control_predecessors(p).is_empty()
-                && read_only_by(graph, p, &set, ordered_after);
-            if !qualifies {
-                continue;
-            }
-            let mut trial = members.clone();
-            trial.push(p);
-            trial.sort_unstable_by_key(|n| position[n]);
-            let (program, operands) = program(graph, &trial, &r.shape, None, None);
-            if operands.len() > MAX_FUSED_OPERANDS
-                || program.insts.len() > MAX_FUSED_INSTS
-                || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
-            {
-                continue;
-            }
-            members = trial;
-            set.insert(p);
-            joined = true;
-        }
-        if !joined {
-            break;
-        }
-    }
-    members.sort_unstable_by_key(|n| position[n]);
-    members
 }
 
 /// The program of `members` (in topological order, the root last) and its operands: the values

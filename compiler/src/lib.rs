@@ -169,7 +169,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
-    let unfused = graph.clone();
+    // Kept for recomputation, which only a memory limit asks for.
+    let unfused = options.devices.iter().any(|d| d.memory_limit.is_some()).then(|| graph.clone());
     let fuse = |graph: &mut ir::Graph, products: bool| -> Result<fusion::FusionFigures> {
         if options.fuse { fusion::fuse(graph, products) } else { Ok(fusion::FusionFigures::default()) }
     };
@@ -188,8 +189,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     }
     // Recomputation works on a finer graph: products stay apart from their epilogues, so that
     // an activation can be recomputed from its pre-activation without redoing the product.
-    if options.fuse && fused.groups > 0 {
-        let mut graph = unfused;
+    if let (true, Some(mut graph)) = (fused.groups > 0, unfused) {
         fused = fuse(&mut graph, false)?;
         variants = search_tiled(graph, &devices, options)?;
     }

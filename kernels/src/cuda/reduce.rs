@@ -215,24 +215,16 @@ pub(crate) fn fused_reduce(
     operands: &[&Shape],
     out: &Shape,
 ) -> CudaKernel {
-    let x = &program.shape;
     let name = reduce.op().name();
-    let g = groups(x, &reduce.axes);
-    let count: usize = g.reduced.iter().map(|k| k.0).product();
-    if count == 0 || g.reduced.is_empty() {
-        // Nothing is summed: the program's values, finished as the reduction finishes one value
-        // (or none), elementwise over the program's shape, whose element count is the output's.
-        let acc = Acc { op: reduce.op, count };
-        let finish = match (count, reduce.op) {
-            (0, _) => acc.finish(&format!("({})", acc.zero())),
-            (_, ReduceOp::Max) => "v".to_string(),
-            _ => acc.finish("(0.0 + (double)v)"),
-        };
-        let mut k = super::elementwise::fused_finishing(label, program, operands, out, &finish);
-        k.describe = format!("{name}{:?} of {} (elementwise)", reduce.axes, k.describe);
-        return k;
-    }
-    reduce_from(Input::Fused(program, operands, out), reduce.op, name, label, x, &reduce.axes, out)
+    reduce_from(
+        Input::Fused(program, operands, out),
+        reduce.op,
+        name,
+        label,
+        &program.shape,
+        &reduce.axes,
+        out,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -257,16 +249,24 @@ fn reduce_from(
     let fname = format!("kiln_{name}");
     if count == 0 || g.reduced.is_empty() {
         // Nothing reduced (every reduced axis has size 1) or nothing to reduce (an empty axis):
-        // the CPU's finish(add(zero, x)) or finish(zero), elementwise.
-        let (expr, strides) = if count == 0 {
-            (acc.finish(&format!("({})", acc.zero())), Vec::new())
-        } else {
-            let v = match op {
-                ReduceOp::Max => "a".to_string(),
-                _ => acc.finish("(0.0 + (double)a)"),
-            };
-            (v, vec![super::codegen::broadcast_strides(out.dims(), out.dims())])
+        // the CPU's finish(add(zero, x)) or finish(zero), elementwise, of the input or of a
+        // fused program's values (whose element count is the output's).
+        let single = |v: &str| match (count, op) {
+            (0, _) => acc.finish(&format!("({})", acc.zero())),
+            (_, ReduceOp::Max) => v.to_string(),
+            _ => acc.finish(&format!("(0.0 + (double){v})")),
         };
+        if let Input::Fused(program, operands, _) = input {
+            let mut k = super::elementwise::fused_finishing(label, program, operands, out, &single("v"));
+            k.describe = format!("{describe} of {} (elementwise)", k.describe);
+            return k;
+        }
+        let strides = if count == 0 {
+            Vec::new()
+        } else {
+            vec![super::codegen::broadcast_strides(out.dims(), out.dims())]
+        };
+        let expr = single("a");
         let mut k = Map {
             name: &fname,
             header: head,
