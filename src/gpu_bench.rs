@@ -13,13 +13,18 @@ use kiln_runtime::Backend;
 use kiln_runtime::alloc::{Allocator, BfcAllocator};
 use kiln_runtime::cuda::{CudaBackend, CudaEager, CudaSource, probe};
 use kiln_runtime::eager::EagerExecutor;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use std::time::Instant;
 
 #[derive(serde::Serialize)]
 struct Row {
     model: String,
+    mode: &'static str,
     batch: usize,
+    /// Median device time of one plan call, between CUDA events around its launches.
     graph_step_ms: f64,
+    graph_step_ms_min: f64,
     eager_step_ms: f64,
     launches_per_step: usize,
     arena_bytes: usize,
@@ -29,7 +34,13 @@ struct Row {
     kernels_compiled: usize,
     kernels_from_cache: usize,
     compile_seconds: f64,
+    /// The launches that took most of one profiled call: (step label, kernel, ms).
+    slowest_launches: Vec<(String, String, f64)>,
 }
+
+/// Timed plan calls per model and mode (after `WARMUP` untimed ones).
+const STEPS: usize = 100;
+const WARMUP: usize = 10;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -67,66 +78,13 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
     }
     let mut rows = Vec::new();
     for m in zoo::all() {
-        let mut gpu = CudaBackend::new(0, 1)?;
-        let plan = compile(graph_of(&m, Mode::Train)?, &CompileOptions::default())?;
-        let (x, y) = m.batch_data(1)?;
-        let id = gpu.load(plan.clone())?;
-        // A run consumes its inputs (they live in the arena): feed before each one, untimed.
-        let feed = |gpu: &mut CudaBackend| -> kiln_runtime::Result<()> {
-            gpu.set_input(id, "x", x.shape(), x.data())?;
-            gpu.set_input(id, "y", y.shape(), y.data())?;
-            Ok(())
-        };
-        for _ in 0..5 {
-            feed(&mut gpu)?;
-            gpu.run(id)?;
+        for mode in [Mode::Train, Mode::Forward] {
+            rows.push(measure(&m, mode)?);
         }
-        // Wall time of a run to its completion (the driver seam has no events: the emulated
-        // device has no clock of its own).
-        let mut times = Vec::new();
-        for _ in 0..50 {
-            feed(&mut gpu)?;
-            gpu.synchronize()?;
-            let start = Instant::now();
-            gpu.run(id)?;
-            gpu.synchronize()?;
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        let (free, total) = gpu.mem_info()?;
-        let stats = gpu.compile_stats();
-
-        // Eager: the same step, op by op, through BFC on cuMemAlloc'd regions.
-        let scheduled = kiln_compiler::optimize(graph_of(&m, Mode::Train)?)?;
-        let source = CudaSource::new(&gpu);
-        let mut eager = EagerExecutor::new(BfcAllocator::new(source, total), 1, CudaEager::new(&gpu));
-        let feed = [("x", &x), ("y", &y)];
-        for _ in 0..3 {
-            eager.run(&scheduled.graph, &scheduled.order, &feed)?;
-        }
-        let mut eager_times = Vec::new();
-        for _ in 0..10 {
-            let t = Instant::now();
-            eager.run(&scheduled.graph, &scheduled.order, &feed)?;
-            eager_times.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        let reserved = eager.allocator().stats().peak_reserved;
-        rows.push(Row {
-            model: m.name.to_string(),
-            batch: m.batch,
-            graph_step_ms: median(times),
-            eager_step_ms: median(eager_times),
-            launches_per_step: gpu.launches(id),
-            arena_bytes: plan.memory.arena_bytes,
-            planned_total_bytes: plan.memory.planned_total_bytes(),
-            eager_bfc_peak_reserved_bytes: reserved,
-            driver_used_bytes: total - free,
-            kernels_compiled: stats.compiled,
-            kernels_from_cache: stats.from_memory + stats.from_disk,
-            compile_seconds: stats.compile_seconds,
-        });
     }
     let headers = [
         "model",
+        "mode",
         "batch",
         "graph ms/step",
         "eager ms/step",
@@ -143,6 +101,7 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
         .map(|r| {
             vec![
                 r.model.clone(),
+                r.mode.to_string(),
                 r.batch.to_string(),
                 format!("{:.3}", r.graph_step_ms),
                 format!("{:.3}", r.eager_step_ms),
@@ -158,9 +117,171 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
         .collect();
     println!("device: {}", CudaBackend::new(0, 0)?.describe());
     println!("{}", render_table(&headers, &cells));
+    for r in &rows {
+        let total: f64 = r.slowest_launches.iter().map(|l| l.2).sum();
+        println!("{} {}: slowest launches of one profiled call ({total:.3} ms in these)", r.model, r.mode);
+        for (label, kernel, ms) in &r.slowest_launches {
+            println!("  {ms:8.3} ms  {label}: {kernel}");
+        }
+    }
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("gpu.json"), serde_json::to_string_pretty(&rows)?)?;
     println!("wrote {}", dir.join("gpu.json").display());
+    Ok(Outcome::Ran)
+}
+
+/// One zoo model in one mode on a fresh backend: CUDA-event times of plan calls, the eager
+/// executor's wall time on the same op stream, memory, and a per-launch profile.
+fn measure(m: &zoo::ZooModel, mode: Mode) -> Result<Row, Box<dyn std::error::Error>> {
+    let mut gpu = CudaBackend::new(0, 1)?;
+    let plan = compile(graph_of(m, mode)?, &CompileOptions::default())?;
+    let (x, y) = m.batch_data(1)?;
+    let id = gpu.load(plan.clone())?;
+    let inputs: Vec<(&str, &kiln_runtime::HostTensor)> = match mode {
+        Mode::Train => vec![("x", &x), ("y", &y)],
+        Mode::Forward => vec![("x", &x)],
+    };
+    // A run consumes its inputs (they live in the arena): feed before each one, untimed.
+    let feed = |gpu: &mut CudaBackend| -> kiln_runtime::Result<()> {
+        for (name, t) in &inputs {
+            gpu.set_input(id, name, t.shape(), t.data())?;
+        }
+        Ok(())
+    };
+    for _ in 0..WARMUP {
+        feed(&mut gpu)?;
+        gpu.run(id)?;
+    }
+    let mut times = Vec::with_capacity(STEPS);
+    for _ in 0..STEPS {
+        feed(&mut gpu)?;
+        times.push(gpu.timed_run(id)?);
+    }
+    feed(&mut gpu)?;
+    let mut profile = gpu.profile(id)?;
+    profile.sort_by(|a, b| b.2.total_cmp(&a.2));
+    profile.truncate(8);
+    let (free, total) = gpu.mem_info()?;
+    let stats = gpu.compile_stats();
+
+    // Eager: the same op stream, op by op, through BFC on cuMemAlloc'd regions.
+    let scheduled = kiln_compiler::optimize(graph_of(m, mode)?)?;
+    let source = CudaSource::new(&gpu);
+    let mut eager = EagerExecutor::new(BfcAllocator::new(source, total), 1, CudaEager::new(&gpu));
+    for _ in 0..3 {
+        eager.run(&scheduled.graph, &scheduled.order, &inputs)?;
+    }
+    let mut eager_times = Vec::new();
+    for _ in 0..10 {
+        gpu.synchronize()?;
+        let t = Instant::now();
+        eager.run(&scheduled.graph, &scheduled.order, &inputs)?;
+        gpu.synchronize()?;
+        eager_times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let reserved = eager.allocator().stats().peak_reserved;
+    Ok(Row {
+        model: m.name.to_string(),
+        mode: mode.name(),
+        batch: m.batch,
+        graph_step_ms: median(times.clone()),
+        graph_step_ms_min: times.iter().copied().fold(f64::INFINITY, f64::min),
+        eager_step_ms: median(eager_times),
+        launches_per_step: gpu.launches(id),
+        arena_bytes: plan.memory.arena_bytes,
+        planned_total_bytes: plan.memory.planned_total_bytes(),
+        eager_bfc_peak_reserved_bytes: reserved,
+        driver_used_bytes: total - free,
+        kernels_compiled: stats.compiled,
+        kernels_from_cache: stats.from_memory + stats.from_disk,
+        compile_seconds: stats.compile_seconds,
+        slowest_launches: profile,
+    })
+}
+
+/// One product of the GEMM benchmark.
+#[derive(serde::Serialize)]
+struct GemmRow {
+    m: usize,
+    k: usize,
+    n: usize,
+    ms: f64,
+    tflops: f64,
+    /// ||gpu - cpu|| / ||cpu||, against the CPU backend's product of the same inputs.
+    rel_error: f64,
+    kernel: String,
+}
+
+/// `kiln bench-gemm`: kiln's NVRTC matmul alone, as a one-op plan, at each (m, k, n): the median
+/// of `steps` CUDA-event times, TFLOP/s = 2mkn / time, and the relative error against the CPU
+/// backend. Writes `gemm.json`.
+pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, Box<dyn std::error::Error>> {
+    use kiln_compiler::trace::Tracer;
+    use kiln_runtime::CpuBackend;
+    let p = probe();
+    if let Err(why) = p.usable() {
+        return Ok(Outcome::Skipped(why.to_string()));
+    }
+    let mut rows = Vec::new();
+    for &(m, k, n) in shapes {
+        let t = Tracer::new("gemm");
+        let a = t.input("a", [m, k]);
+        let b = t.input("b", [k, n]);
+        t.output("c", &a.matmul(&b));
+        let plan = compile(t.finish()?, &CompileOptions::default())?;
+        let mut rng = StdRng::seed_from_u64((m * 31 + k * 7 + n) as u64);
+        let mut draw =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+        let (ha, hb) = (draw(m * k), draw(k * n));
+        let mut gpu = CudaBackend::new(0, 0)?;
+        let id = gpu.load(plan.clone())?;
+        let feed = |gpu: &mut CudaBackend| -> kiln_runtime::Result<()> {
+            gpu.set_input(id, "a", &[m, k].into(), &ha)?;
+            gpu.set_input(id, "b", &[k, n].into(), &hb)
+        };
+        for _ in 0..3 {
+            feed(&mut gpu)?;
+            gpu.run(id)?;
+        }
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            feed(&mut gpu)?;
+            times.push(gpu.timed_run(id)?);
+        }
+        let out = gpu.output(id, "c")?;
+        let mut cpu = CpuBackend::new(0);
+        let cid = cpu.load(plan.clone())?;
+        cpu.set_input(cid, "a", &[m, k].into(), &ha)?;
+        cpu.set_input(cid, "b", &[k, n].into(), &hb)?;
+        cpu.run(cid)?;
+        let reference = cpu.output(cid, "c")?;
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (g, c) in out.data().iter().zip(reference.data()) {
+            num += f64::from(g - c).powi(2);
+            den += f64::from(*c).powi(2);
+        }
+        let ms = median(times);
+        feed(&mut gpu)?;
+        let kernel = gpu.profile(id)?.into_iter().map(|(_, k, _)| k).collect::<Vec<_>>().join(" + ");
+        let row = GemmRow {
+            m,
+            k,
+            n,
+            ms,
+            tflops: 2.0 * (m * k * n) as f64 / ms / 1e9,
+            rel_error: (num / den.max(1e-300)).sqrt(),
+            kernel,
+        };
+        println!(
+            "kiln matmul {m}x{k}x{n}: {:.4} ms, {:.2} TFLOP/s, rel. error {:.2e} ({})",
+            row.ms, row.tflops, row.rel_error, row.kernel
+        );
+        rows.push(row);
+    }
+    let dir = output_dir();
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("gemm.json"), serde_json::to_string_pretty(&rows)?)?;
+    println!("wrote {}", dir.join("gemm.json").display());
     Ok(Outcome::Ran)
 }

@@ -46,6 +46,15 @@ enum Command {
     },
     /// The GPU benchmark (as `cargo bench --bench gpu`), for machines with CUDA but no Rust toolchain.
     BenchGpu,
+    /// kiln's NVRTC matmul alone on the GPU at each shape, in TFLOP/s (writes gemm.json).
+    BenchGemm {
+        /// Products M,K,N separated by ';' (default 4096,4096,4096).
+        #[arg(long, default_value = "4096,4096,4096")]
+        shapes: String,
+        /// Timed runs per shape (the median is reported).
+        #[arg(long, default_value_t = 50)]
+        steps: usize,
+    },
     /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
     /// eager column and plans.
     TorchStream {
@@ -89,6 +98,17 @@ fn main() -> ExitCode {
                 return ExitCode::from(EXIT_SKIPPED);
             }
             Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
+        },
+        Command::BenchGemm { shapes, steps } => match parse_shapes(&shapes) {
+            Err(e) => Err(e),
+            Ok(shapes) => match kiln::gpu_bench::gemm(&shapes, steps.max(1)) {
+                Ok(Outcome::Ran) => Ok(()),
+                Ok(skipped) => {
+                    eprintln!("{}", skipped.skip_message().unwrap_or_default());
+                    return ExitCode::from(EXIT_SKIPPED);
+                }
+                Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
+            },
         },
         Command::Devices { limit, growth, fraction, logical, seed } => {
             devices(&limit, &growth, &fraction, &logical, seed)
@@ -266,4 +286,22 @@ fn run_seed(verbose: bool, svg: Option<&Path>) -> kiln::Result<()> {
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// "M,K,N;M,K,N..." as products, each dimension a positive integer.
+fn parse_shapes(text: &str) -> kiln::Result<Vec<(usize, usize, usize)>> {
+    text.split(';')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            let dims: Vec<usize> =
+                s.split(',').filter_map(|d| d.trim().parse().ok()).filter(|&d| d > 0).collect();
+            match dims[..] {
+                [m, k, n] if s.split(',').count() == 3 => Ok((m, k, n)),
+                _ => Err(invalid(
+                    format!("bench-gemm: `{s}` is not a product M,K,N of three positive integers"),
+                    "write --shapes 4096,4096,4096;256,784,1024".into(),
+                )),
+            }
+        })
+        .collect()
 }

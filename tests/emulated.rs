@@ -297,3 +297,42 @@ fn two_cache_writes_never_share_a_temporary_file() {
     assert_ne!(cuda::nvrtc::temp_path(&dir, "k"), cuda::nvrtc::temp_path(&dir, "k"));
     let _: Option<Arc<dyn Driver>> = None;
 }
+
+/// `timed_run` runs a call and times it, `profile` times each launch of one call: both leave the
+/// same results as a plain run, and the profile names every launch.
+#[test]
+fn timed_runs_and_profiles_compute_what_runs_compute() {
+    if !host_compiler() {
+        return;
+    }
+    let plan = train_plan("seed-mlp", 4);
+    let m = zoo::by_name("seed-mlp").unwrap().with_batch(4);
+    let (x, y) = m.batch_data(1).unwrap();
+    let mut outs = Vec::new();
+    for how in 0..3 {
+        let mut gpu = CudaBackend::emulated(256 * MB, 7).unwrap();
+        let id = gpu.load(plan.clone()).unwrap();
+        for _ in 0..2 {
+            gpu.set_input(id, "x", x.shape(), x.data()).unwrap();
+            gpu.set_input(id, "y", y.shape(), y.data()).unwrap();
+            match how {
+                0 => gpu.run(id).unwrap(),
+                1 => assert!(gpu.timed_run(id).unwrap() >= 0.0),
+                _ => {
+                    let profile = gpu.profile(id).unwrap();
+                    assert_eq!(profile.len(), gpu.launches(id));
+                    assert!(
+                        profile
+                            .iter()
+                            .all(|(label, kernel, ms)| !label.is_empty() && !kernel.is_empty() && *ms >= 0.0)
+                    );
+                }
+            }
+        }
+        outs.push(gpu.output(id, "loss").unwrap());
+        // A run without its inputs fed is refused, timed or profiled alike.
+        assert!(gpu.timed_run(id).is_err() && gpu.profile(id).is_err());
+    }
+    assert_eq!(outs[0].data(), outs[1].data());
+    assert_eq!(outs[0].data(), outs[2].data());
+}

@@ -34,7 +34,9 @@
 //! Accumulation is f32 with FMA, in K order within a group or thread: the CPU's `gemm` crate adds
 //! in another order, so results agree to rounding, not bitwise (measured on a host emulation of
 //! the kernels: within 1e-7 of the sum of |terms|, as close to the exact f64 sum as the CPU's).
-//! The tile choice is a model, not a measurement: no GPU was at hand when it was written.
+//! The tile choice is a model, calibrated where it mattered on an H100 (2026-11-25, `kpar_cost`
+//! and `TILED_MEASURED_OVER_MODEL`); with float4 micro-tile reads the tiled kernel ran 4096³ at
+//! 36 TFLOP/s there (cuBLAS: 51.7) and the zoo's products at 0.75-3.9x `torch.matmul`'s rate.
 
 use super::codegen::{Code, int};
 use super::{Arg, Launch};
@@ -45,6 +47,14 @@ const GROUP: usize = 256;
 const SHARED_LIMIT: usize = 48 * 1024;
 /// SMs of the H200.
 const SMS: usize = 132;
+
+/// Whether a micro-tile side of `t` values is read from shared memory as float4s: thread
+/// (tx, ty) then holds rows 64 g + 4 ty + r (r < 4) of its tile, and columns likewise, so that a
+/// warp's 16 threads along a side read 256 consecutive bytes (no bank conflicts) and the output
+/// rows are written in runs of 4. Otherwise rows ty + 16 i, one float at a time.
+fn vector(t: usize) -> bool {
+    t.is_multiple_of(4)
+}
 
 /// One tile configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +97,11 @@ impl Tile {
         GROUP * self.split
     }
 
+    /// Shared-memory reads per k step for a micro-tile side of `t` values.
+    fn reads(&self, t: usize) -> f64 {
+        if vector(t) { (t / 4) as f64 } else { t as f64 }
+    }
+
     /// Registers per thread, estimated.
     fn regs(&self) -> usize {
         self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32
@@ -108,7 +123,7 @@ impl Tile {
         }
         let iters = ktiles.div_ceil(self.split);
         let threads = self.threads();
-        if threads * self.regs() > 65536 || self.shared_floats(1, 1) * 4 > SHARED_LIMIT {
+        if threads * self.regs() > 65536 || self.shared_floats(4, 4) * 4 > SHARED_LIMIT {
             return None;
         }
         let per_sm = (2048 / threads).min(65536 / (threads * self.regs())).max(1);
@@ -116,7 +131,9 @@ impl Tile {
         let resident = tiles.div_ceil(SMS).min(per_sm);
         let util = ((resident * threads / 32) as f64 / 16.0).min(1.0);
         let (tm, tn) = (self.tm as f64, self.tn as f64);
-        let eff = tm * tn / (tm * tn + tm + tn + 4.0);
+        // Per k step: TM·TN FMAs against the shared-memory reads (a float4 per 4 rows or
+        // columns where the micro-tile has them) and the loop's own instructions.
+        let eff = tm * tn / (tm * tn + self.reads(self.tm) + self.reads(self.tn) + 4.0);
         let padded = (tiles * self.bm * self.bn * iters * self.split * self.bk) as f64;
         let compute = padded / (active * 128.0 * eff * util);
         let waves = tiles.div_ceil(SMS * per_sm) as f64;
@@ -144,15 +161,38 @@ pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> (f64, Tile) 
 /// Threads of a K-parallel block.
 const KPAR_THREADS: usize = 1024;
 
-/// Estimated cycles of the K-parallel kernel with TM x TN outputs per block.
+/// Estimated cycles of the K-parallel kernel with TM x TN outputs per block: per wave of
+/// blocks, 14,000 cycles per pass of its 1024 threads over K and 12,000 for the block itself
+/// (the tree over the threads, the launch of 1024 threads). Measured on an H100 (2026-11-25,
+/// `kiln bench-gpu`'s per-launch profile): each thread's loads hit a sector of their own (rows
+/// of A and columns of B are strided in k), so the kernel runs at the L2's rate, far below its
+/// arithmetic: 256x256x1024 took 209 µs (16 waves of one pass), a 3x3 filter gradient over
+/// 64x32x32x32 1.32 ms (3 waves of 64 passes), 256x1024x10 12.7 µs, 64x4096x128 53 µs; this
+/// model gives 210 µs, 1.37 ms, 13 µs and 69 µs. (A first model, counting issue slots, was
+/// 20 times too low and chose this kernel for the transformer's weight gradients.)
 fn kpar_cost(m: usize, n: usize, k: usize, batch: usize, tm: usize, tn: usize) -> f64 {
     let blocks = batch * m.div_ceil(tm) * n.div_ceil(tn);
     let per_sm = 2048 / KPAR_THREADS;
     let waves = blocks.div_ceil(SMS * per_sm) as f64;
-    let iters = k.div_ceil(KPAR_THREADS) as f64;
-    // Per k: TM·TN FMAs, TM + TN loads from L2 (two issue slots each), index math.
-    let per_iter = (tm * tn + 2 * (tm + tn) + 8) as f64;
-    waves * per_sm as f64 * KPAR_THREADS as f64 * iters * per_iter / 128.0 + 2000.0
+    let passes = k.div_ceil(KPAR_THREADS) as f64;
+    waves * (passes * 14_000.0 + 12_000.0)
+}
+
+/// The tiled kernel's measured time over `Tile::cost` on the H100 (2026-11-25): 2.5x at
+/// 256x1024x1024 (47 µs), 2.7x at 1024x256x1024 (34 µs), 1.8x at 4096³ (5.7 ms). Applied when
+/// the tiled kernel is weighed against the K-parallel one, whose model is calibrated.
+const TILED_MEASURED_OVER_MODEL: f64 = 2.5;
+
+/// The tile `KILN_GEMM_TILE` names, if it is one of 16 x 16 threads (BM = 16 TM, BN = 16 TN).
+fn forced_tile() -> Option<Tile> {
+    let v = std::env::var("KILN_GEMM_TILE").ok()?;
+    let d: Vec<usize> = v.split('x').filter_map(|x| x.parse().ok()).collect();
+    match d[..] {
+        [bm, bn, bk, tm, tn] if bm == 16 * tm && bn == 16 * tn && bk > 0 => {
+            Some(Tile { bm, bn, bk, tm, tn, split: 1 })
+        }
+        _ => None,
+    }
 }
 
 /// How a product is computed.
@@ -166,9 +206,17 @@ pub(crate) enum Plan {
 }
 
 /// The cheaper of the tiled kernel and, for K >= 1024, the K-parallel one.
+///
+/// `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x8x8x8`) forces that tile wherever it fits,
+/// for measuring tiles against each other on a device (`kiln bench-gemm`); not for production.
 pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
+    if let Some(t) = forced_tile()
+        && t.cost(m, n, k, batch).is_some()
+    {
+        return Plan::Tiled(t);
+    }
     let (tiled, tile) = choose(m, n, k, batch);
-    let mut best = (tiled, Plan::Tiled(tile));
+    let mut best = (tiled * TILED_MEASURED_OVER_MODEL, Plan::Tiled(tile));
     if k >= KPAR_THREADS {
         for (tm, tn) in [(4, 4), (2, 2), (1, 1)] {
             let c = kpar_cost(m, n, k, batch, tm, tn);
@@ -376,7 +424,11 @@ impl Gemm {
 
     fn tiled(self, c: &mut Code, t: Tile) -> (Launch, String) {
         let ty = self.ty;
-        let (pad_a, pad_b) = (usize::from(self.a.k_contiguous), usize::from(self.b.k_contiguous));
+        let (vec_a, vec_b) = (vector(t.tm), vector(t.tn));
+        // A k-contiguous operand is stored transposed into its tile: a padding column keeps its
+        // stores off one bank; four keep the float4 reads of either tile 16-byte aligned.
+        let pad = if vec_a || vec_b { 4 } else { 1 };
+        let (pad_a, pad_b) = (pad * usize::from(self.a.k_contiguous), pad * usize::from(self.b.k_contiguous));
         let (lda, ldb) = (t.bm + pad_a, t.bn + pad_b);
         let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
         let ktiles = self.k.div_ceil(t.bk);
@@ -419,7 +471,7 @@ impl Gemm {
             "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads",
             t.bm, t.bn, t.bk, t.tm, t.tn, t.split
         ));
-        c.line(format!("__shared__ float smem[{}];", t.shared_floats(pad_a, pad_b)));
+        c.line(format!("__shared__ __align__(16) float smem[{}];", t.shared_floats(pad_a, pad_b)));
         if t.split > 1 {
             c.line(format!("const int t = threadIdx.x % {GROUP};"));
             c.line(format!("const int group = threadIdx.x / {GROUP};"));
@@ -475,10 +527,25 @@ impl Gemm {
         c.line("#pragma unroll");
         c.line(format!("for (int kk = 0; kk < {}; ++kk) {{", t.bk));
         c.line(format!("float av[{}], bv[{}];", t.tm, t.tn));
-        c.line("#pragma unroll");
-        c.line(format!("for (int i = 0; i < {}; ++i) av[i] = As[kk * {lda} + ty + i * 16];", t.tm));
-        c.line("#pragma unroll");
-        c.line(format!("for (int j = 0; j < {}; ++j) bv[j] = Bs[kk * {ldb} + tx + j * 16];", t.tn));
+        for (arr, tile, ld, count, is_vec, idx) in
+            [("av", "As", lda, t.tm, vec_a, "ty"), ("bv", "Bs", ldb, t.tn, vec_b, "tx")]
+        {
+            c.line("#pragma unroll");
+            if is_vec {
+                c.line(format!("for (int g = 0; g < {}; ++g) {{", count / 4));
+                c.line(format!(
+                    "const float4 v = *reinterpret_cast<const float4*>({tile} + kk * {ld} + {idx} * 4 + g * 64);"
+                ));
+                c.line(format!(
+                    "{arr}[4 * g] = v.x; {arr}[4 * g + 1] = v.y; {arr}[4 * g + 2] = v.z; {arr}[4 * g + 3] = v.w;"
+                ));
+                c.line("}");
+            } else {
+                c.line(format!(
+                    "for (int i = 0; i < {count}; ++i) {arr}[i] = {tile}[kk * {ld} + {idx} + i * 16];"
+                ));
+            }
+        }
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
         c.line("#pragma unroll");
@@ -515,11 +582,19 @@ impl Gemm {
         }
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
-        c.line(format!("const {ty} gm = m0 + ty + i * 16;"));
+        c.line(if vec_a {
+            format!("const {ty} gm = m0 + (i / 4) * 64 + ty * 4 + i % 4;")
+        } else {
+            format!("const {ty} gm = m0 + ty + i * 16;")
+        });
         c.line(format!("if (gm < {}) {{", int(self.m)));
         c.line("#pragma unroll");
         c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
-        c.line(format!("const {ty} gn = n0 + tx + j * 16;"));
+        c.line(if vec_b {
+            format!("const {ty} gn = n0 + (j / 4) * 64 + tx * 4 + j % 4;")
+        } else {
+            format!("const {ty} gn = n0 + tx + j * 16;")
+        });
         c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]")));
         c.line("}");
         c.line("}");
@@ -546,10 +621,13 @@ mod tests {
         let long_k = choose(144, 32, 4096, 1).1;
         assert!(long_k.split > 1, "{long_k:?}");
         for t in [small, big, thin, long_k] {
-            assert!(t.threads() <= 1024 && t.shared_floats(1, 1) * 4 <= SHARED_LIMIT);
+            assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
         }
         // A filter gradient: few outputs, the whole batch of positions to contract.
         assert!(matches!(plan(27, 16, 65536, 1), Plan::KParallel { .. }));
         assert!(matches!(plan(1024, 1024, 1024, 1), Plan::Tiled(_)));
+        // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
+        // outputs fill the SMs with tiles.
+        assert!(matches!(plan(256, 256, 1024, 1), Plan::Tiled(_)));
     }
 }

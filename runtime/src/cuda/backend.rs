@@ -13,7 +13,7 @@
 //! the context and the compiler (`driver::headroom`). `KILN_CUDA_SYNC=1` synchronises after
 //! every launch, so that a failing kernel is named (step, op, shapes, kernel) where it fails.
 
-use super::driver::{self, Driver, Function};
+use super::driver::{self, Driver, Function, Recording};
 use super::nvrtc::CompileStats;
 use super::probe::DeviceInfo;
 use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input, io_slot, no_program, output_slot};
@@ -78,6 +78,11 @@ struct Program {
     feeds: Feeds,
     /// Guard mode's canaries, when the plan has them (`crate::guard`).
     guard: Option<Guard>,
+    /// The launches recorded as one CUDA graph at the first run after binding (`None` before,
+    /// and where the driver records none): a run is then one graph launch.
+    recording: Option<Recording>,
+    /// Whether recording was tried since the launches were last bound.
+    recorded: bool,
 }
 
 /// A variable: its spec and its address inside one of the backend's variable regions.
@@ -132,8 +137,12 @@ pub struct CudaBackend {
     programs: Vec<Program>,
     device_allocations: u64,
     device_allocated_bytes: usize,
+    /// The driver's used memory (total - free) when the backend opened, for `report`.
+    used_at_open: usize,
     /// Synchronise after every launch and name the step that failed (`KILN_CUDA_SYNC=1`).
     sync_every_launch: bool,
+    /// Replay each plan's launches as one CUDA graph (off with `KILN_CUDA_GRAPHS=0`).
+    graphs: bool,
 }
 
 impl Drop for CudaBackend {
@@ -208,8 +217,11 @@ impl CudaBackend {
             programs: Vec::new(),
             device_allocations: 0,
             device_allocated_bytes: 0,
+            used_at_open: 0,
             sync_every_launch: std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            graphs: !std::env::var("KILN_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
         };
+        backend.used_at_open = backend.driver.mem_info().map_or(0, |(free, total)| total - free);
         for b in budgets {
             backend.add_device(b)?;
         }
@@ -419,6 +431,36 @@ impl CudaBackend {
         Ok(host)
     }
 
+    /// Runs `program` once (its inputs fed, as `run` asks) and returns the milliseconds the
+    /// device spent on its launches, between two timing events around them (guard mode's copies
+    /// included when the plan has canaries).
+    pub fn timed_run(&mut self, program: ProgramId) -> Result<f64> {
+        let driver = self.driver.clone();
+        driver.synchronize()?;
+        let mut result = Ok(());
+        let ms = driver.time(&mut || {
+            result = Backend::run(self, program);
+            Ok(())
+        })?;
+        result.map(|()| ms)
+    }
+
+    /// One run of `program` with every launch timed on its own (two events around each, which
+    /// adds the events' cost to the total): per launch, its step's label, the kernel's
+    /// description and milliseconds, in launch order. For finding where a step's time goes.
+    pub fn profile(&mut self, program: ProgramId) -> Result<Vec<(String, String, f64)>> {
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
+        self.bind(program)?;
+        let p = self.program(program)?;
+        let mut out = Vec::with_capacity(p.launches.len());
+        for l in &p.launches {
+            let ms = self.driver.time(&mut || self.launch(p, l))?;
+            out.push((p.plan.steps[l.step].label.clone(), l.kernel.clone(), ms));
+        }
+        Ok(out)
+    }
+
     /// Launches one kernel of a bound program; with `sync_every_launch`, waits for it.
     fn launch(&self, p: &Program, l: &BoundLaunch) -> Result<()> {
         // SAFETY: `load` validated the plan (`kiln_compiler::validate`): the arguments are
@@ -603,9 +645,20 @@ impl Backend for CudaBackend {
     fn report(&self) -> Option<String> {
         let s = self.driver.compile_stats();
         let (n, bytes) = self.device_allocations();
+        // The driver's view: its used memory now against when this backend opened (module code
+        // and allocations, each rounded up to the driver's granularity; other processes and
+        // backends on the device move it too).
+        let driver_view = match self.driver.mem_info() {
+            Ok((free, total)) => format!(
+                "; the driver's used memory grew by {} B since the backend opened (allocations at \
+                 the driver's granularity, and loaded kernel code)",
+                (total - free) as i64 - self.used_at_open as i64
+            ),
+            Err(_) => String::new(),
+        };
         Some(format!(
             "kernels: {} compiled by {} in {:.2} s, {} from the memory cache, {} from the disk cache; \
-             {n} device allocations, {bytes} B; {}",
+             {n} device allocations, {bytes} B{driver_view}; {}",
             s.compiled,
             self.driver.compiler_description(),
             s.compile_seconds,
@@ -677,6 +730,8 @@ impl Backend for CudaBackend {
             ios,
             launches,
             bound: false,
+            recording: None,
+            recorded: false,
         });
         Ok(self.programs.len() - 1)
     }
@@ -704,10 +759,38 @@ impl Backend for CudaBackend {
         if let Some(g) = &p.guard {
             return self.run_guarded(p, g);
         }
-        for l in &p.launches {
-            self.launch(p, l)?;
+        if self.sync_every_launch || !self.graphs {
+            return p.launches.iter().try_for_each(|l| self.launch(p, l));
         }
-        Ok(())
+        if !p.recorded {
+            // The first run records its launches (running them, where the driver records
+            // nothing); a failure in a launch is reported as at any run.
+            let recording =
+                self.driver.record(&mut || p.launches.iter().try_for_each(|l| self.launch(p, l)))?;
+            let replay = recording.is_some();
+            let p = self.program_mut(program)?;
+            p.recording = recording;
+            p.recorded = true;
+            if !replay {
+                return Ok(());
+            }
+        }
+        let p = self.program(program)?;
+        match &p.recording {
+            // SAFETY: the recording was made from this program's bound launches, whose
+            // addresses stay in its arenas, io regions and variable regions for as long as it
+            // is loaded (binding happens once; see `bind`), with the invariants `launch` states.
+            Some(r) => unsafe { self.driver.replay(r) }.map_err(|e| {
+                RuntimeError::Cuda(format!(
+                    "replaying plan {:?} ({} launches as one CUDA graph) on {}: {e}; KILN_CUDA_SYNC=1 \
+                     runs the launches one by one and names the failing step",
+                    p.plan.name,
+                    p.launches.len(),
+                    self.describe_short()
+                ))
+            }),
+            None => p.launches.iter().try_for_each(|l| self.launch(p, l)),
+        }
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {

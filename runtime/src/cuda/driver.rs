@@ -23,6 +23,23 @@ pub enum Function {
     Host(emulator::HostFunction),
 }
 
+/// A recorded sequence of launches (an instantiated CUDA graph), replayed with one call.
+pub struct Recording(cudarc::driver::CudaGraph);
+
+// SAFETY: a CUDA graph exec is a handle the driver may use from any thread that binds its
+// context (`replay` binds it); the backend replays a recording only from `run`, under `&mut
+// self`, so it is never launched from two threads at once.
+unsafe impl Send for Recording {}
+// SAFETY: as for Send: shared references reach `replay` only, which the backend calls under
+// `&mut self`.
+unsafe impl Sync for Recording {}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Recording")
+    }
+}
+
 /// What the CUDA backend and eager executor need from a device.
 pub trait Driver: Send + Sync {
     /// Identifies the physical device within the process: backends of one id share its books.
@@ -59,6 +76,20 @@ pub trait Driver: Send + Sync {
     unsafe fn launch(&self, f: &Function, launch: &Launch, args: &[u64]) -> Result<()>;
     /// Waits for everything queued; reports a failed launch.
     fn synchronize(&self) -> Result<()>;
+    /// Records the launches `queue` makes as one replayable graph (CUDA stream capture: nothing
+    /// runs while recording), or `None` where the driver replays nothing (the emulated device),
+    /// in which case `queue` has launched its work as usual.
+    fn record(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<Option<Recording>>;
+    /// Queues one replay of a recording of this driver.
+    ///
+    /// # Safety
+    /// Every address its launches were recorded with still lies in the allocation it lay in
+    /// then, holding what the kernels read and write.
+    unsafe fn replay(&self, recording: &Recording) -> Result<()>;
+    /// Milliseconds the device spent on what `queue` enqueues: two timing events recorded on the
+    /// stream around it (the emulated device, which has no clock of its own: the host's clock
+    /// between two synchronisations). Waits for the work to finish.
+    fn time(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
     fn compile_stats(&self) -> CompileStats;
     /// "NVRTC 13.0 (cubin for sm_90)" or "host C++ (c++)".
     fn compiler_description(&self) -> String;
@@ -109,7 +140,9 @@ impl CudaDriver {
         // One stream runs every step in order: cudarc's per-buffer event tracking is not needed.
         // SAFETY: called before any allocation or launch on this context.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own (graphs cannot be captured on the legacy default stream); it does
+        // not wait for the legacy stream, so copies and fills are queued on it too.
+        let stream = ctx.new_stream().map_err(err("creating a stream"))?;
         let compiler = NvrtcCompiler::new(info.compute_capability)?;
         Ok(CudaDriver { info, ctx, stream, compiler, modules: Mutex::new(HashMap::new()) })
     }
@@ -147,8 +180,12 @@ impl Driver for CudaDriver {
         // SAFETY: a plain allocation in the bound context.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
             .map_err(|e| format!("cuMemAlloc: {e:?}"))?;
-        // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes.
-        if let Err(e) = unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, bytes.max(1)) } {
+        // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes; the fill is
+        // queued on the stream and waited for, so no later launch sees it unfinished.
+        let filled =
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes.max(1), self.stream.cu_stream()) }
+                .and_then(|()| self.stream.synchronize());
+        if let Err(e) = filled {
             // SAFETY: freed once, never used.
             let _ = unsafe { cudarc::driver::result::free_sync(ptr) };
             return Err(format!("cuMemsetD8: {e:?}"));
@@ -166,15 +203,21 @@ impl Driver for CudaDriver {
     unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         self.bind()?;
         self.stream.synchronize().map_err(err("waiting for the stream"))?;
-        // SAFETY: the caller guarantees the destination range lies in one allocation.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(dst, src) }.map_err(err("copying to the device"))
+        // SAFETY: the caller guarantees the destination range lies in one allocation; `src`
+        // outlives the copy, which is waited for before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(err("copying to the device"))?;
+        self.stream.synchronize().map_err(err("copying to the device"))
     }
 
     unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
         self.stream.synchronize().map_err(err("waiting for the stream"))?;
-        // SAFETY: the caller guarantees the source range lies in one allocation.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(dst, src) }.map_err(err("copying to the host"))
+        // SAFETY: the caller guarantees the source range lies in one allocation; `dst` outlives
+        // the copy, which is waited for before returning.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(err("copying to the host"))?;
+        self.stream.synchronize().map_err(err("copying to the host"))
     }
 
     fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>> {
@@ -245,6 +288,37 @@ impl Driver for CudaDriver {
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
         self.stream.synchronize().map_err(err("waiting for the stream"))
+    }
+
+    fn record(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<Option<Recording>> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.bind()?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(err("starting a graph capture"))?;
+        let queued = queue();
+        // The capture ends whatever happened, so that the stream is usable again.
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        queued?;
+        let graph = graph.map_err(err("capturing the launches as a graph"))?;
+        let graph = graph.ok_or_else(|| RuntimeError::Cuda("the graph capture recorded nothing".into()))?;
+        graph.upload().map_err(err("uploading a graph"))?;
+        Ok(Some(Recording(graph)))
+    }
+
+    unsafe fn replay(&self, recording: &Recording) -> Result<()> {
+        recording.0.launch().map_err(err("launching a graph"))
+    }
+
+    fn time(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(timing).map_err(err("creating a timing event"))?;
+        let end = self.ctx.new_event(timing).map_err(err("creating a timing event"))?;
+        start.record(&self.stream).map_err(err("recording a timing event"))?;
+        queue()?;
+        end.record(&self.stream).map_err(err("recording a timing event"))?;
+        let ms = start.elapsed_ms(&end).map_err(err("reading a timing event"))?;
+        Ok(f64::from(ms))
     }
 
     fn compile_stats(&self) -> CompileStats {

@@ -11,7 +11,7 @@ pub mod nvrtc;
 pub mod probe;
 
 pub use backend::{CudaBackend, plan_kernels};
-pub use driver::{Driver, Function, headroom};
+pub use driver::{Driver, Function, Recording, headroom};
 pub use eager::{CudaEager, CudaSource};
 pub use emulator::{EmulatedDevice, emulate_in_process};
 pub use nvrtc::{CompileStats, Image, NvrtcCompiler};

@@ -24,7 +24,7 @@ pub mod host;
 
 pub use host::HostFunction;
 
-use super::driver::{Driver, Function};
+use super::driver::{Driver, Function, Recording};
 use super::nvrtc::CompileStats;
 use super::probe::DeviceInfo;
 use crate::error::{Result, RuntimeError};
@@ -466,6 +466,22 @@ impl Driver for EmulatedDevice {
 
     fn synchronize(&self) -> Result<()> {
         self.sticky()
+    }
+
+    fn record(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<Option<Recording>> {
+        queue().map(|()| None)
+    }
+
+    unsafe fn replay(&self, _: &Recording) -> Result<()> {
+        Err(RuntimeError::Cuda("the emulated device records no graphs to replay".into()))
+    }
+
+    fn time(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.synchronize()?;
+        let start = std::time::Instant::now();
+        queue()?;
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 
     fn compile_stats(&self) -> CompileStats {
