@@ -48,7 +48,8 @@ pub const ASSUMPTIONS: &str = "\
 assumptions:
 - kiln: plan.memory.planned_total_bytes() = parameters + optimizer state (Adam m, v, iteration
   counter) + io region (inputs x, y and the outputs, each in its own aligned slot) + arena (every
-  intermediate, 256-byte aligned slots), from CompileOptions::default().
+  intermediate, 64-byte aligned slots, as XLA:CPU aligns its temporaries), from
+  CompileOptions::default().
 - XLA: jax.jit(..).lower(..).compile().memory_analysis() on jaxlib's CPU backend; total =
   argument + output + temp - alias. Forward: params and x as arguments, no donation. Train: one
   Adam step (Keras semantics, as kiln's) with params, m, v and the counter donated (alias = what

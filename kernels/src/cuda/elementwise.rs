@@ -5,7 +5,7 @@
 //! is merged first (`codegen::Nest`), so each operand is read either at the output's own index,
 //! as a broadcast scalar, or through baked strides after a div/mod decomposition of the index.
 //! When no operand needs strides and the element count is a multiple of 4, the loop runs over
-//! `float4`s: 16-byte loads and stores (arena offsets are 256-byte aligned), scalar operands
+//! `float4`s: 16-byte loads and stores (arena offsets are at least 16-byte aligned: plans with less are refused at load), scalar operands
 //! loaded once per thread.
 //!
 //! In place: the runtime may pass an input's buffer as the output. Elementwise kernels therefore
