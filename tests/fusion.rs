@@ -164,3 +164,50 @@ fn random_elementwise_graphs_fuse_to_the_same_bits() {
     }
     assert!(fused_somewhere >= 60, "only {fused_somewhere} of 120 graphs had a group");
 }
+
+/// A dense layer's backward step writes relu's gradient over the activation it reads
+/// (`Op::may_write_over`): the CPU makes that product in blocks of rows (here 93 of 700
+/// columns, three whole blocks and one of 21), and every block computes the bits of the whole
+/// unfused product.
+#[test]
+fn a_product_written_over_its_epilogue_operand_computes_the_unfused_bits() {
+    use kiln::compiler::autodiff::gradients;
+    for (k, n, transpose) in [(60, 700, true), (1, 700, true), (50, 131, false)] {
+        let t = Tracer::new("dense backward");
+        let x = t.input("x", [300, 200]);
+        let w1 = t.input("w1", [200, n]);
+        let w2 = t.input("w2", if transpose { [k, n] } else { [n, k] });
+        let r = t.input("r", [300, k]);
+        let s = t.input("s", [300, 1]);
+        let h = x.matmul(&w1).relu();
+        let y = if transpose { h.matmul_t(&w2, false, true) } else { h.matmul(&w2) };
+        let loss = (&(&y * &r) * &s).sum(.., false);
+        t.output("loss", &loss);
+        let graph = t.finish().unwrap();
+        let (mut graph, grads) = gradients(graph, loss.id().unwrap(), &[x.id().unwrap()]).unwrap();
+        graph.set_output("dx", grads[0].unwrap());
+        let fused = compile(graph.clone(), &options(true)).unwrap();
+        let plain = compile(graph, &options(false)).unwrap();
+        let written_over =
+            fused.steps.iter().any(|s| matches!(&s.op, Op::Fused(f) if f.matmul.is_some()) && s.in_place);
+        assert!(written_over, "k={k}: no product was planned over its epilogue operand:\n{}", fused.render());
+        let mut rng = StdRng::seed_from_u64(k as u64);
+        let mut draw = |dims: &[usize]| {
+            let shape = Shape::from(dims);
+            let data = (0..shape.numel()).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            HostTensor::new(shape, data).unwrap()
+        };
+        let feeds = [
+            draw(&[300, 200]),
+            draw(&[200, n]),
+            draw(&if transpose { [k, n] } else { [n, k] }),
+            draw(&[300, k]),
+            draw(&[300, 1]),
+        ];
+        let names = ["x", "w1", "w2", "r", "s"];
+        let feeds: Vec<(&str, &HostTensor)> = names.iter().copied().zip(feeds.iter()).collect();
+        let (a, _) = run(&fused, &feeds, 1);
+        let (b, _) = run(&plain, &feeds, 1);
+        assert_eq!(bits(&a), bits(&b), "k={k}: outputs differ");
+    }
+}

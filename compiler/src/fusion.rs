@@ -71,10 +71,22 @@ impl Group {
 /// everything its members read, takes those edges. Should that ever close a cycle, the graph is
 /// fused again with such members left out.
 ///
-/// With `products`, a matrix product read only by a group joins it (a GEMM with an epilogue);
-/// without, products stay apart, which leaves rematerialization the elementwise values to
-/// recompute cheaply (`compile` fuses that way when a limit needs recomputation).
-pub fn fuse(graph: &mut Graph, products: bool) -> Result<FusionFigures> {
+/// Which matrix products may join a group as its GEMM (`products` of `fuse`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Products {
+    /// Every product read only by a group joins it (a GEMM with an epilogue).
+    All,
+    /// Only a product whose group also reads a computed value of the group's shape (a backward
+    /// step: relu's gradient of the activation): the epilogue then may write over that value
+    /// (`Op::may_write_over`). Forward products (bias and activation over the product) stay
+    /// apart, so that rematerialization can recompute an activation from its pre-activation
+    /// without redoing the GEMM (`compile` fuses this way when a limit needs recomputation).
+    OverValues,
+}
+
+/// With `products`, a matrix product read only by a group joins it (a GEMM with an epilogue),
+/// each or as `Products` says.
+pub fn fuse(graph: &mut Graph, products: Products) -> Result<FusionFigures> {
     let mut relaxed = graph.clone();
     let figures = fuse_with(&mut relaxed, true, products)?;
     if toposort(relaxed.petgraph(), None).is_ok() {
@@ -84,6 +96,19 @@ pub fn fuse(graph: &mut Graph, products: bool) -> Result<FusionFigures> {
     fuse_with(graph, false, products)
 }
 
+/// Whether `members` read, from outside the group and besides the product `p`, a computed value
+/// (no variable or input) of the group's shape.
+fn reads_a_value_of_its_shape(graph: &Graph, members: &[NodeId], p: NodeId) -> bool {
+    let shape = &graph.node(p).shape;
+    members.iter().flat_map(|&m| graph.operands(m)).any(|o| {
+        let node = graph.node(o);
+        o != p
+            && !members.contains(&o)
+            && node.shape == *shape
+            && !matches!(node.op, Op::Variable { .. } | Op::Input { .. })
+    })
+}
+
 /// Readers of `p` are all in `set`, and (unless `ordered_after` allows them) nothing else follows
 /// it by a control edge.
 fn read_only_by(graph: &Graph, p: NodeId, set: &HashSet<NodeId>, ordered_after: bool) -> bool {
@@ -91,7 +116,7 @@ fn read_only_by(graph: &Graph, p: NodeId, set: &HashSet<NodeId>, ordered_after: 
         && (ordered_after || graph.successors(p).all(|s| set.contains(&s)))
 }
 
-fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<FusionFigures> {
+fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Result<FusionFigures> {
     let order = toposort(graph.petgraph(), None)
         .map_err(|c| CompileError::Internal(format!("fusion: the graph has a cycle at {:?}", c.node_id())))?;
     let position: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
@@ -110,7 +135,10 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: bool) -> Result<F
             Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
         } else if fusable(graph.node(root)) {
             let members = search.grow(root, None);
-            let matmul = if products { search.product(&members) } else { None };
+            let matmul = search.product(&members).filter(|&p| match products {
+                Products::All => true,
+                Products::OverValues => reads_a_value_of_its_shape(graph, &members, p),
+            });
             // A reduction only these members read, with its prologue, ahead of them.
             let head = if matmul.is_none() {
                 search.reduction(&members).and_then(|r| {
@@ -406,7 +434,7 @@ mod tests {
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
         let before = g.len();
-        let figures = fuse(&mut g, true).unwrap();
+        let figures = fuse(&mut g, Products::All).unwrap();
         // sigmoid(x + b), then z = h - tanh(h * 2 + 1): two groups of 2 and 4 ops.
         assert_eq!(figures, FusionFigures { groups: 2, ops: 6 });
         assert_eq!(g.len(), before - 6 + 2);
@@ -439,7 +467,7 @@ mod tests {
         t.output("k2", &(&out * 2.0));
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g, true).unwrap();
+        fuse(&mut g, Products::All).unwrap();
         let texts: Vec<String> = fused_ops(&g).iter().map(|(f, _)| f.text()).collect();
         assert!(texts.contains(&"v0 = mul(x1, x0); v1 = relu(v0)".to_string()), "{texts:?}");
         assert!(texts.contains(&"v0 = mul_scalar[3](x0); v1 = exp(v0)".to_string()), "{texts:?}");
@@ -457,7 +485,7 @@ mod tests {
         t.output("loss", &-loss);
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g, true).unwrap();
+        fuse(&mut g, Products::All).unwrap();
         let reducing: Vec<Fused> =
             fused_ops(&g).into_iter().map(|(f, _)| f).filter(|f| f.reduce.is_some()).collect();
         assert_eq!(reducing.len(), 1, "{:?}", fused_ops(&g));
@@ -471,7 +499,7 @@ mod tests {
         t.output("e2", &(&e * 2.0));
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g, true).unwrap();
+        fuse(&mut g, Products::All).unwrap();
         assert!(fused_ops(&g).iter().all(|(f, _)| f.reduce.is_none()));
     }
 
@@ -485,7 +513,7 @@ mod tests {
         t.output("y", &(&centred * &rstd));
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g, true).unwrap();
+        fuse(&mut g, Products::All).unwrap();
         let with_epilogue: Vec<Fused> =
             fused_ops(&g).into_iter().map(|(f, _)| f).filter(|f| !f.epilogue.is_empty()).collect();
         assert_eq!(with_epilogue.len(), 1, "{:?}", fused_ops(&g));
@@ -508,7 +536,7 @@ mod tests {
         t.output("y", &y);
         let mut g = t.finish().unwrap();
         passes::default_pipeline().run(&mut g).unwrap();
-        fuse(&mut g, true).unwrap();
+        fuse(&mut g, Products::All).unwrap();
         let ops = fused_ops(&g);
         assert!(ops.len() >= 5, "300 ops in groups of at most {MAX_FUSED_INSTS}");
         assert_eq!(ops.iter().map(|(f, _)| f.insts.len()).sum::<usize>(), 300);

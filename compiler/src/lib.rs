@@ -175,10 +175,10 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     passes::default_pipeline().run(&mut graph)?;
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = options.devices.iter().any(|d| d.memory_limit.is_some()).then(|| graph.clone());
-    let fuse = |graph: &mut ir::Graph, products: bool| -> Result<fusion::FusionFigures> {
+    let fuse = |graph: &mut ir::Graph, products: fusion::Products| -> Result<fusion::FusionFigures> {
         if options.fuse { fusion::fuse(graph, products) } else { Ok(fusion::FusionFigures::default()) }
     };
-    let mut fused = fuse(&mut graph, true)?;
+    let mut fused = fuse(&mut graph, fusion::Products::All)?;
     let devices = devices_used(&graph, options)?;
     let mut variants = search_tiled(graph, &devices, options)?;
     for (_, plan) in &mut variants {
@@ -191,10 +191,11 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     if variants[0].0.effects().is_empty() {
         return Err(CompileError::OutOfMemory(oom));
     }
-    // Recomputation works on a finer graph: products stay apart from their epilogues, so that
-    // an activation can be recomputed from its pre-activation without redoing the product.
+    // Recomputation works on a finer graph: forward products stay apart from their epilogues,
+    // so that an activation can be recomputed from its pre-activation without redoing the
+    // product; backward ones keep theirs (written over the activation they read).
     if let (true, Some(mut graph)) = (fused.groups > 0, unfused) {
-        fused = fuse(&mut graph, false)?;
+        fused = fuse(&mut graph, fusion::Products::OverValues)?;
         variants = search_tiled(graph, &devices, options)?;
     }
     // A training step over a limit: recompute values instead of keeping them, in each graph

@@ -146,20 +146,26 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
     Ok(live)
 }
 
-/// An arena buffer of an operand of elementwise `n` (step `s`) with `n`'s shape and dtype whose
-/// last reader is `n`.
+/// An arena buffer of an operand of `n` (step `s`) with `n`'s shape and dtype whose last reader
+/// is `n`, which `n` may write over (`Op::may_write_over`, for every operand read from it).
 fn in_place_target(graph: &Graph, live: &Liveness, n: NodeId, s: usize) -> Option<usize> {
     let node = graph.node(n);
-    if node.op.class() != OpClass::Elementwise {
-        return None;
-    }
-    graph.operands(n).into_iter().find_map(|o| {
-        let b = *live.buffer_of.get(&o)?;
+    let operands = graph.operands(n);
+    let buffer = |o: NodeId| live.buffer_of.get(&o).copied();
+    operands.iter().enumerate().find_map(|(i, &o)| {
+        let b = buffer(o)?;
         let buf = &live.buffers[b];
         let fits = graph.node(o).shape == node.shape && graph.node(o).dtype == node.dtype;
         // Not into an output (it lives to the end) or a variable; an input may be overwritten
         // once read, since every run is fed anew.
         let reusable = matches!(buf.class, StorageClass::Arena | StorageClass::Input(_));
-        (fits && reusable && buf.end == s).then_some(b)
+        // Every operand read from that buffer (the same value twice, or a view of it) must be
+        // one the op may write over.
+        let allowed = operands
+            .iter()
+            .enumerate()
+            .filter(|&(_, &p)| buffer(p) == Some(b))
+            .all(|(j, _)| node.op.may_write_over(j, &node.shape));
+        (fits && reusable && allowed && buf.end == s && node.op.may_write_over(i, &node.shape)).then_some(b)
     })
 }

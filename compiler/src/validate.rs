@@ -165,24 +165,27 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
     Ok(())
 }
 
-/// Kernels may not read a buffer they write, except an elementwise op in place over an operand
-/// of its own shape; updates write their variables in place and nothing else.
+/// Kernels may not read a buffer they write, except in place over operands the op may write
+/// over (`Op::may_write_over`: elementwise operands, a fused product's epilogue operands) of its
+/// own element count; updates write their variables in place and nothing else.
 fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
     let step = &plan.steps[s];
     let buffer = |v: usize| plan.values[v].buffer;
     if let Some(o) = step.output {
         let out = buffer(o);
-        let aliased: Vec<usize> = step.inputs.iter().copied().filter(|&v| buffer(v) == out).collect();
+        let aliased: Vec<(usize, usize)> =
+            step.inputs.iter().copied().enumerate().filter(|&(_, v)| buffer(v) == out).collect();
         // In place, every operand read from the output's buffer has the output's element count:
         // with broadcasting to the output's shape that means the same flat index, so each element
         // is read before it is overwritten (`x * x`, `x * x.reshape(..)`).
-        let numel = plan.values[o].shape.numel();
+        let shape = &plan.values[o].shape;
         let ok = if aliased.is_empty() {
             !step.in_place
         } else {
             step.in_place
-                && step.op.class() == OpClass::Elementwise
-                && aliased.iter().all(|&v| plan.values[v].shape.numel() == numel)
+                && aliased.iter().all(|&(i, v)| {
+                    step.op.may_write_over(i, shape) && plan.values[v].shape.numel() == shape.numel()
+                })
         };
         if !ok {
             return Err(format!(

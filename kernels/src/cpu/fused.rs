@@ -352,7 +352,122 @@ impl CpuKernel for FusedReduceKernel {
 pub(crate) struct FusedMatMulKernel {
     product: Box<dyn CpuKernel>,
     epilogue: FusedKernel,
+    /// The path for a run that writes over an epilogue operand (`Op::may_write_over`); `None`
+    /// where the op may not (a product that is not 2-D or whose first factor is transposed).
+    rows: Option<RowBlocks>,
     desc: String,
+}
+
+/// Output elements in a row block's tile: 256 KiB, about what the GEMM's own packing buffers
+/// take. The tile is the kernel's, outside the arena, like them.
+const TILE_FLOATS: usize = 1 << 16;
+
+/// A 2-D fused product that writes over an operand of its epilogue: the output is made in
+/// blocks of rows, each block's product into the tile, then the epilogue from the tile and the
+/// block's rows of every operand into the block's rows of the output. Every operand row a block
+/// reads belongs to that block, so the rows written are never read again. The product of a
+/// block is the same GEMM on fewer rows of the first factor: its sums run over k in the same
+/// order, and `tests/fusion.rs` holds the fused plans bitwise to the unfused ones.
+struct RowBlocks {
+    m: usize,
+    n: usize,
+    k: usize,
+    block: usize,
+    gemm: super::matmul::Gemm,
+    parallel: bool,
+    /// Epilogue kernels for a whole block and for the last, shorter one.
+    whole: FusedKernel,
+    tail: Option<FusedKernel>,
+    /// Per epilogue operand (after the product): its elements per output row when it has one
+    /// row per output row, `None` when it is broadcast along the rows.
+    row_elements: Vec<Option<usize>>,
+    tile: std::sync::Mutex<Vec<f32>>,
+}
+
+impl RowBlocks {
+    fn new(program: &Fused, matmul: &FusedMatMul, operands: &[&Shape]) -> Result<Option<Self>, KernelError> {
+        let shape = &program.shape;
+        if matmul.transpose_a || shape.rank() != 2 || operands[0].rank() != 2 || operands[1].rank() != 2 {
+            return Ok(None);
+        }
+        let (m, n) = (shape.dims()[0], shape.dims()[1]);
+        let k = operands[0].dims()[1];
+        let block = (TILE_FLOATS / n.max(1)).clamp(1, m.max(1));
+        let row_elements: Vec<Option<usize>> = operands[2..]
+            .iter()
+            .map(|s| {
+                let d = s.dims();
+                let rows = if d.len() == 2 { d[0] } else { 1 };
+                (rows == m && m > 1).then(|| d.last().copied().unwrap_or(1))
+            })
+            .collect();
+        let epilogue_for = |rows: usize| -> Result<FusedKernel, KernelError> {
+            let out = Shape::from([rows, n].as_slice());
+            let shapes: Vec<Shape> = operands[2..]
+                .iter()
+                .zip(&row_elements)
+                .map(|(s, r)| match r {
+                    Some(cols) => Shape::from([rows, *cols].as_slice()),
+                    None => (*s).clone(),
+                })
+                .collect();
+            let mut all: Vec<&Shape> = vec![&out];
+            all.extend(shapes.iter());
+            fused_kernel(&Fused { matmul: None, shape: out.clone(), ..program.clone() }, &all, &out)
+        };
+        let tail = m % block;
+        let sb = if matmul.transpose_b { (1, k as isize) } else { (n as isize, 1) };
+        let gemm = super::matmul::Gemm { m: block, n, k, a: (k as isize, 1), b: sb, out_rs: n as isize };
+        Ok(Some(RowBlocks {
+            m,
+            n,
+            k,
+            block,
+            gemm,
+            parallel: block * n * k >= super::matmul::SERIAL_MACS,
+            whole: epilogue_for(block)?,
+            tail: if tail > 0 { Some(epilogue_for(tail)?) } else { None },
+            row_elements,
+            tile: std::sync::Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// # Safety
+    /// `inputs` are the op's operands (factors first), valid for their shapes; `output` is valid
+    /// for m x n floats and overlaps no factor (`Op::may_write_over` never allows it).
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let mut tile = self.tile.lock().unwrap_or_else(|e| e.into_inner());
+        tile.resize(self.block * self.n, 0.0);
+        let (a, b) = (inputs[0] as *const f32, inputs[1] as *const f32);
+        let extra = inputs.len() - 2;
+        let mut r0 = 0;
+        while r0 < self.m {
+            let rows = self.block.min(self.m - r0);
+            let gemm = super::matmul::Gemm { m: rows, ..self.gemm };
+            let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+            ins[0] = tile.as_mut_ptr() as *mut u8;
+            for (j, r) in self.row_elements.iter().enumerate() {
+                let base = inputs[2 + j] as *mut f32;
+                // SAFETY: an operand with one row per output row holds m rows of `cols`.
+                ins[1 + j] = match r {
+                    Some(cols) => unsafe { base.add(r0 * cols) as *mut u8 },
+                    None => base as *mut u8,
+                };
+            }
+            let kernel =
+                if rows == self.block { &self.whole } else { self.tail.as_ref().unwrap_or(&self.whole) };
+            // SAFETY: the block's rows of the first factor (contiguous, untransposed) and the
+            // second factor are valid; the tile holds block x n floats and is the kernel's own.
+            // The epilogue reads the tile and this block's rows of each operand and writes this
+            // block's rows of the output, each element read before it is written (the
+            // elementwise contract), rows no later block reads.
+            unsafe {
+                gemm.run(a.add(r0 * self.k), b, tile.as_mut_ptr(), false, self.parallel);
+                kernel.run(&ins[..=extra], (output as *mut f32).add(r0 * self.n) as *mut u8);
+            }
+            r0 += rows;
+        }
+    }
 }
 
 pub(crate) fn fused_matmul(
@@ -367,7 +482,8 @@ pub(crate) fn fused_matmul(
     epilogue_operands.extend_from_slice(&operands[2..]);
     let epilogue = fused_kernel(&Fused { matmul: None, ..program.clone() }, &epilogue_operands, shape)?;
     let desc = format!("{} then {}", product.describe(), epilogue.desc);
-    Ok(Box::new(FusedMatMulKernel { product, epilogue, desc }))
+    let rows = RowBlocks::new(program, matmul, operands)?;
+    Ok(Box::new(FusedMatMulKernel { product, epilogue, rows, desc }))
 }
 
 impl CpuKernel for FusedMatMulKernel {
@@ -376,10 +492,17 @@ impl CpuKernel for FusedMatMulKernel {
         epilogue_inputs[0] = output;
         let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
         epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
-        // SAFETY: run's contract: the factors and the output are valid and disjoint (a fused
-        // product is never planned in place), so the product kernel's contract holds; the
-        // epilogue then reads the output as its operand 0, which has the output's shape, in
-        // place (the elementwise contract), and the other operands are the op's own.
+        if let Some(rows) = &self.rows
+            && inputs[2..].contains(&output)
+        {
+            // SAFETY: run's contract; the output overlaps an epilogue operand only, planned so
+            // by `Op::may_write_over`, which allows it only where `rows` exists.
+            return unsafe { rows.run(inputs, output) };
+        }
+        // SAFETY: run's contract: the factors and the output are valid and disjoint (a product
+        // never writes over its factors), so the product kernel's contract holds; the epilogue
+        // then reads the output as its operand 0, which has the output's shape, in place (the
+        // elementwise contract), and the other operands are the op's own.
         unsafe {
             self.product.run(&inputs[..2], output);
             self.epilogue.run(&epilogue_inputs[..=extra], output);

@@ -18,7 +18,7 @@ use kiln_compiler::ir::{Rows, Shape};
 use rayon::prelude::*;
 
 /// Products (all batches together) below this many multiply-adds stay on the calling thread.
-const SERIAL_MACS: usize = 1 << 17;
+pub(crate) const SERIAL_MACS: usize = 1 << 17;
 /// Batches of at most this many multiply-adds each run one per rayon task.
 const TASK_MACS: usize = 1 << 22;
 

@@ -329,13 +329,14 @@ impl Gemm {
         self.epilogue.as_ref().map_or_else(Vec::new, |e| e.extra.clone())
     }
 
-    /// The kernel's parameters: the factors, the epilogue's operands, the output.
+    /// The kernel's parameters: the factors, the epilogue's operands, the output. The output
+    /// may be an epilogue operand's memory (`Op::may_write_over`: each element's operands are
+    /// read by the thread that then stores it), so neither is `__restrict__` when there is an
+    /// epilogue; the factors never alias the output.
     fn params(&self) -> String {
-        let extra: String =
-            (0..self.extra().len()).map(|j| format!(", const float* __restrict__ e{j}")).collect();
-        format!(
-            "const float* __restrict__ in0, const float* __restrict__ in1{extra}, float* __restrict__ out"
-        )
+        let extra: String = (0..self.extra().len()).map(|j| format!(", const float* e{j}")).collect();
+        let out = if self.epilogue.is_some() { "float* out" } else { "float* __restrict__ out" };
+        format!("const float* __restrict__ in0, const float* __restrict__ in1{extra}, {out}")
     }
 
     /// Stores `value` as output element (gm, gn) of this block's matrix `o`, through the
