@@ -9,6 +9,7 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod devices;

@@ -6,6 +6,7 @@
 //! shares every variable with the first.
 
 use crate::backend::{Backend, ProgramId};
+use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -16,7 +17,8 @@ use kiln_compiler::{CompileOptions, Plan, compile};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug)]
@@ -108,6 +110,72 @@ impl Trainer {
         predict.sort_unstable();
         ids.extend(predict);
         ids.into_iter().filter_map(|id| self.backend.plan(id).ok()).collect()
+    }
+
+    /// The variables every loaded plan declares (parameters, optimizer state, counters), by key.
+    fn variables(&self) -> BTreeMap<String, Shape> {
+        self.plans()
+            .into_iter()
+            .flat_map(|p| p.variables.iter())
+            .map(|v| (v.key.clone(), v.shape.clone()))
+            .collect()
+    }
+
+    /// Writes every variable the trainer holds (parameters, optimizer state and the iteration
+    /// counter: everything a resumed run needs) to `path` as safetensors
+    /// (`crate::checkpoint`). The trainer holds variables once a plan is compiled: train a step
+    /// or call `train_program` first.
+    #[track_caller]
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let variables = self.variables();
+        if variables.is_empty() {
+            return Err(RuntimeError::invalid(
+                "Trainer::save: the trainer holds no variables yet",
+                "train a step (or call `train_program(x_shape, y_shape)`) before saving",
+            ));
+        }
+        let values = variables
+            .keys()
+            .map(|k| Ok((k.clone(), self.backend.read_variable(k)?)))
+            .collect::<Result<Vec<_>>>()?;
+        checkpoint::save(path.as_ref(), &values)
+    }
+
+    /// Sets every variable from the checkpoint at `path` (written by `save`): training then
+    /// continues where the saved run was, with the same losses bit for bit on the CPU. The file
+    /// must hold exactly the variables the trainer's plans declare, with their shapes; any
+    /// difference is an error listing them all, and nothing is written then. Compile the
+    /// training step first (`train_program(x_shape, y_shape)`), so that the optimizer's state
+    /// exists to be loaded.
+    #[track_caller]
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let variables = self.variables();
+        if variables.is_empty() {
+            return Err(RuntimeError::invalid(
+                format!("Trainer::load({}): the trainer holds no variables yet", path.display()),
+                "call `train_program(x_shape, y_shape)` first, so that the model's variables and the \
+                 optimizer's state exist to be loaded",
+            ));
+        }
+        let file = checkpoint::read(path)?;
+        let differences = file.differences(&variables);
+        if !differences.is_empty() {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "Trainer::load({}): the checkpoint does not fit the model ({} difference{}):\n    {}",
+                    path.display(),
+                    differences.len(),
+                    if differences.len() == 1 { "" } else { "s" },
+                    differences.join("\n    ")
+                ),
+                "load a checkpoint saved from this model, with the same optimizer and layer sizes",
+            ));
+        }
+        for (key, value) in &file.tensors {
+            self.backend.write_variable(key, value)?;
+        }
+        Ok(())
     }
 
     /// The training-step program for these shapes, compiled on first use.

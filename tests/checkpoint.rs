@@ -1,0 +1,120 @@
+//! Checkpoints (`kiln::runtime::checkpoint`, `Trainer::save` / `load`): a resumed run trains on
+//! with the very losses of the run it was saved from, the file is plain safetensors, and a file
+//! that does not fit the model is refused with every difference named, before anything changes.
+
+use kiln::prelude::*;
+use kiln::runtime::checkpoint;
+use kiln::zoo;
+use std::path::PathBuf;
+
+fn batch(seed: u64) -> (HostTensor, HostTensor) {
+    zoo::by_name("seed-mlp").unwrap().batch_data(seed).unwrap()
+}
+
+fn trainer(seed: u64) -> Trainer {
+    Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(seed).unwrap())
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-checkpoint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn bits(t: &HostTensor) -> Vec<u32> {
+    t.data().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn a_resumed_run_continues_bit_for_bit() {
+    let (x, y) = batch(3);
+    let mut a = trainer(1);
+    for _ in 0..3 {
+        a.train_step(&x, &y).unwrap();
+    }
+    let path = temp("resume.safetensors");
+    a.save(&path).unwrap();
+    let expected: Vec<u32> = (0..4).map(|_| a.train_step(&x, &y).unwrap().loss.to_bits()).collect();
+
+    // Another initialisation, then the checkpoint: the same next losses and variables.
+    let mut b = trainer(99);
+    b.train_program(x.shape(), y.shape()).unwrap();
+    b.load(&path).unwrap();
+    let resumed: Vec<u32> = (0..4).map(|_| b.train_step(&x, &y).unwrap().loss.to_bits()).collect();
+    assert_eq!(resumed, expected);
+    for v in &a.plans()[0].variables {
+        let (va, vb) =
+            (a.backend().read_variable(&v.key).unwrap(), b.backend().read_variable(&v.key).unwrap());
+        assert_eq!(bits(&va), bits(&vb), "{}", v.key);
+    }
+}
+
+#[test]
+fn the_file_is_safetensors_named_by_variable_keys() {
+    let (x, y) = batch(4);
+    let mut t = trainer(2);
+    t.train_step(&x, &y).unwrap();
+    let path = temp("names.safetensors");
+    t.save(&path).unwrap();
+    let file = checkpoint::read(&path).unwrap();
+    let kernel = &file.tensors["dense/kernel"];
+    assert_eq!(kernel.shape().dims(), [100, 10]);
+    assert_eq!(bits(kernel), bits(&t.backend().read_variable("dense/kernel").unwrap()));
+    assert!(file.tensors.contains_key("optimizer/dense/kernel/m"));
+    assert!(file.tensors.contains_key("optimizer/iterations"));
+    assert_eq!(file.tensors.len(), t.plans()[0].variables.len());
+}
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_with_every_difference() {
+    let (x, y) = batch(5);
+    let mut seed = trainer(3);
+    seed.train_step(&x, &y).unwrap();
+    let path = temp("seed.safetensors");
+    seed.save(&path).unwrap();
+
+    // Wider hidden layer and SGD with momentum: other shapes, other optimizer state.
+    let wider = Sequential::new()
+        .add(Dense::new(16).activation(Activation::Relu))
+        .add(Dense::new(1).activation(Activation::Sigmoid));
+    let config = TrainConfig {
+        loss: Loss::BinaryCrossEntropy,
+        optimizer: Sgd::new(0.1).momentum(0.9).into(),
+        metrics: vec![],
+    };
+    let mut other = Trainer::new(wider, config, Device::cpu().backend(0).unwrap());
+    other.train_program(x.shape(), y.shape()).unwrap();
+    let before = other.backend().read_variable("dense/kernel").unwrap();
+    let e = other.load(&path).unwrap_err().to_string();
+    assert!(e.contains("does not fit the model"), "{e}");
+    assert!(e.contains("`dense/kernel` is [100, 10] in the file, [100, 16] in the model"), "{e}");
+    assert!(e.contains("`optimizer/dense/kernel/m` is in the file but not in the model"), "{e}");
+    assert!(e.contains("`optimizer/dense/kernel/velocity` ([100, 16]) is missing from the file"), "{e}");
+    let after = other.backend().read_variable("dense/kernel").unwrap();
+    assert_eq!(bits(&before), bits(&after), "a refused checkpoint changed nothing");
+}
+
+#[test]
+fn loading_without_variables_or_from_a_bad_file_is_an_error() {
+    let mut t = trainer(4);
+    let path = temp("early.safetensors");
+    let e = t.save(&path).unwrap_err().to_string();
+    assert!(e.contains("holds no variables yet"), "{e}");
+    let e = t.load(&path).unwrap_err().to_string();
+    assert!(e.contains("train_program"), "{e}");
+    let (x, y) = batch(6);
+    t.train_program(x.shape(), y.shape()).unwrap();
+    let e = t.load(temp("absent.safetensors")).unwrap_err().to_string();
+    assert!(e.contains("cannot read the checkpoint"), "{e}");
+    let junk = temp("junk.safetensors");
+    std::fs::write(&junk, b"not a checkpoint at all").unwrap();
+    let e = t.load(&junk).unwrap_err().to_string();
+    assert!(e.contains("is not a safetensors file"), "{e}");
+    // A file of another dtype: named, not read as f32.
+    let f64s = temp("f64.safetensors");
+    let data = vec![0u8; 8 * 1000];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![100, 10], &data).unwrap();
+    safetensors::serialize_to_file([("dense/kernel", view)], None, &f64s).unwrap();
+    let e = t.load(&f64s).unwrap_err().to_string();
+    assert!(e.contains("`dense/kernel` is F64 in the file; kiln's variables are F32"), "{e}");
+}
