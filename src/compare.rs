@@ -133,16 +133,51 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
         )));
     }
     let graph = graph_of(m, mode)?;
-    let start = Instant::now();
-    let plan = compile(graph.clone(), &CompileOptions::default())?;
-    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
-
     let (x, y) = m.batch_data(1)?;
-    let scheduled = optimize(graph)?;
     let feed: Vec<(&str, &HostTensor)> = match mode {
         Mode::Forward => vec![("x", &x)],
         Mode::Train => vec![("x", &x), ("y", &y)],
     };
+    compare_graph(m.name, graph, &feed, execute)
+}
+
+/// Random inputs for every input of `graph` (uniform in [0, 1): valid ids for an embedding, as
+/// ids are floor-ed), seeded: what `compare_graph` needs to execute a model it knows nothing of.
+pub fn feeds_for(graph: &Graph, seed: u64) -> Result<Vec<(String, HostTensor)>> {
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+    graph
+        .inputs()
+        .into_iter()
+        .map(|n| {
+            let node = graph.node(n);
+            let name = match &node.op {
+                kiln_compiler::ir::Op::Input { name, .. } => name.clone(),
+                _ => unreachable!("Graph::inputs lists input nodes"),
+            };
+            let data =
+                (0..node.shape.numel()).map(|_| rand::RngExt::random_range(&mut rng, 0.0f32..1.0)).collect();
+            Ok((name, HostTensor::new(node.shape.clone(), data)?))
+        })
+        .collect()
+}
+
+/// `compare` for any traced graph (a user's own model, not only the zoo's): plans it and runs it
+/// eagerly under every allocator, fed with `feed` (every input of the graph; `feeds_for` makes
+/// random ones). A graph with updates is a training step, else a forward pass; the batch is the
+/// first input's leading dimension.
+pub fn compare_graph(
+    name: &str,
+    graph: Graph,
+    feed: &[(&str, &HostTensor)],
+    execute: bool,
+) -> Result<Comparison> {
+    let mode = if graph.effects().is_empty() { Mode::Forward } else { Mode::Train };
+    let batch =
+        graph.inputs().first().and_then(|&n| graph.node(n).shape.dims().first().copied()).unwrap_or(1);
+    let start = Instant::now();
+    let plan = compile(graph.clone(), &CompileOptions::default())?;
+    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+    let scheduled = optimize(graph)?;
     let eager_with = |alloc: Box<dyn Allocator>,
                       extras: FrameworkExtras,
                       execute: bool|
@@ -156,7 +191,7 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
         let mut frag: f64 = 0.0;
         let mut last = None;
         for _ in 0..EAGER_CALLS {
-            let run = ex.run(&scheduled.graph, &scheduled.order, &feed)?;
+            let run = ex.run(&scheduled.graph, &scheduled.order, feed)?;
             frag = frag.max(run.fragmentation_at_peak);
             last = Some(run);
         }
@@ -183,9 +218,9 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
 
     let mem = &plan.memory;
     Ok(Comparison {
-        model: m.name.to_string(),
+        model: name.to_string(),
         mode,
-        batch: m.batch,
+        batch,
         naive_bytes: mem.naive_bytes,
         lower_bound_bytes: mem.lower_bound_bytes,
         arena_bytes: mem.arena_bytes,
