@@ -203,3 +203,12 @@ fn avg_pool_gradient_does_not_read_the_pooled_input() {
     assert!(g.node_ids().any(|n| matches!(g.node(n).op, Op::AvgPool2dGrad { .. })));
     assert!(!g.node_ids().any(|n| matches!(g.node(n).op, Op::Pool2dGrad { kind: PoolKind::Avg, .. })));
 }
+
+// ---- composed layers and activations
+grad_test!(gelu_tanh, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].gelu_tanh());
+grad_test!(rms_norm, [([3, 8], Draw::Normal)], [0], |x: &[Tensor]| {
+    kiln::compiler::nn::RmsNorm::new().forward(&x[0])
+});
+grad_test!(layer_norm_without_affine, [([3, 8], Draw::Normal)], [0], |x: &[Tensor]| {
+    kiln::compiler::nn::LayerNorm::new().center(false).scale(false).epsilon(1e-5).forward(&x[0])
+});

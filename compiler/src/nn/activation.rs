@@ -7,7 +7,10 @@ pub enum Activation {
     Relu,
     Sigmoid,
     Tanh,
+    /// Exact GELU, x·Φ(x) (Keras's and PyTorch's default).
     Gelu,
+    /// GELU's tanh approximation (JAX's default): `Tensor::gelu_tanh`.
+    GeluTanh,
     /// Softmax over the last axis.
     Softmax,
 }
@@ -21,6 +24,7 @@ impl Activation {
             Activation::Sigmoid => x.sigmoid(),
             Activation::Tanh => x.tanh(),
             Activation::Gelu => x.gelu(),
+            Activation::GeluTanh => x.gelu_tanh(),
             Activation::Softmax => x.softmax(-1),
         }
     }

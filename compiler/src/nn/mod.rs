@@ -17,7 +17,7 @@ pub use attention::MultiHeadAttention;
 pub use conv::{Conv2D, Flatten, Pool2D};
 pub use dense::Dense;
 pub use embedding::Embedding;
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, RmsNorm};
 pub use residual::Residual;
 pub use sequential::Sequential;
 

@@ -101,6 +101,15 @@ impl Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Minimum, Some(ScalarOp::Min))
     }
 
+    /// The tanh approximation of GELU, JAX's default (`jax.nn.gelu(approximate=True)`) and
+    /// PyTorch's `GELU(approximate="tanh")`: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))),
+    /// composed from the DSL's ops (fusion makes it one kernel, autodiff differentiates it).
+    #[track_caller]
+    pub fn gelu_tanh(&self) -> Tensor {
+        let inner = (self + &(self.square() * self).mul(0.044715)).mul((2.0 / std::f32::consts::PI).sqrt());
+        (self * &(inner.tanh() + 1.0)).mul(0.5)
+    }
+
     /// Limits every element to `[low, high]` (the gradient passes inside the range, as Keras's clip).
     #[track_caller]
     pub fn clamp(&self, low: f32, high: f32) -> Tensor {

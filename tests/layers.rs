@@ -1,0 +1,73 @@
+//! The normalisation layers' options and the tanh GELU, by value: what each framework's layer of
+//! that name computes.
+
+use kiln::compiler::nn::{LayerNorm, RmsNorm};
+use kiln::prelude::*;
+
+fn run(name: &str, x: &HostTensor, f: impl Fn(&Tensor) -> Tensor) -> (HostTensor, usize) {
+    let t = Tracer::new(name);
+    let input = t.input("x", x.shape().clone());
+    t.output("y", &f(&input));
+    let plan = compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
+    let variables = plan.variables.len();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    let out = cpu.call(id, &[("x", x)]).unwrap();
+    (out.into_iter().next().unwrap().1, variables)
+}
+
+fn rows() -> HostTensor {
+    HostTensor::new(
+        Shape::from([3, 5].as_slice()),
+        vec![1.0, -2.0, 0.5, 3.0, -0.25, 10.0, 11.0, 12.0, 13.0, 14.0, -1.0, 0.0, 1.0, 0.0, -1.0],
+    )
+    .unwrap()
+}
+
+#[test]
+fn rms_norm_scales_each_row_to_unit_mean_square() {
+    let x = rows();
+    let (y, variables) = run("rms", &x, |x| RmsNorm::new().forward(x));
+    assert_eq!(variables, 1, "gamma only");
+    for (xr, yr) in x.data().chunks(5).zip(y.data().chunks(5)) {
+        let ms: f64 = xr.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / 5.0;
+        for (a, b) in xr.iter().zip(yr) {
+            let want = f64::from(*a) / (ms + 1e-6).sqrt();
+            assert!((f64::from(*b) - want).abs() < 1e-5, "{b} vs {want}");
+        }
+    }
+    let (_, none) = run("rms plain", &x, |x| RmsNorm::new().scale(false).forward(x));
+    assert_eq!(none, 0);
+}
+
+#[test]
+fn layer_norm_options_declare_only_what_they_learn() {
+    let x = rows();
+    for (center, scale, expected) in [(true, true, 2), (true, false, 1), (false, true, 1), (false, false, 0)]
+    {
+        let (y, variables) =
+            run("ln", &x, |x| LayerNorm::new().center(center).scale(scale).epsilon(1e-5).forward(x));
+        assert_eq!(variables, expected, "center {center}, scale {scale}");
+        // gamma 1 and beta 0 at initialisation: every row has mean 0 and variance ~1.
+        for yr in y.data().chunks(5) {
+            let mean: f32 = yr.iter().sum::<f32>() / 5.0;
+            let var: f32 = yr.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / 5.0;
+            assert!(mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3, "mean {mean}, var {var}");
+        }
+    }
+}
+
+#[test]
+fn tanh_gelu_is_jaxs_approximation() {
+    let x = rows();
+    let (y, _) = run("gelu_tanh", &x, |x| x.gelu_tanh());
+    let (exact, _) = run("gelu", &x, |x| x.gelu());
+    for ((a, b), e) in x.data().iter().zip(y.data()).zip(exact.data()) {
+        let a = f64::from(*a);
+        let want =
+            0.5 * a * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (a + 0.044715 * a.powi(3))).tanh());
+        assert!((f64::from(*b) - want).abs() < 1e-5, "gelu_tanh({a}) = {b}, want {want}");
+        // Within the approximation's known error of the exact GELU.
+        assert!((b - e).abs() < 1e-3);
+    }
+}
