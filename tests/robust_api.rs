@@ -861,7 +861,8 @@ impl Session {
             }
             Call::Loss(k, a, b) => {
                 let loss = [Loss::BinaryCrossEntropy, Loss::SoftmaxCrossEntropy, Loss::MeanSquaredError]
-                    [k as usize % 3];
+                    [k as usize % 3]
+                    .clone();
                 loss.apply(&self.get(a), &self.get(b))
             }
             Call::Metric(k, a, b) => {
@@ -1201,7 +1202,8 @@ fn sequential(specs: &[LayerSpec]) -> Sequential {
 fn config(c: &ModelCase) -> TrainConfig {
     TrainConfig {
         loss: [Loss::BinaryCrossEntropy, Loss::SoftmaxCrossEntropy, Loss::MeanSquaredError]
-            [c.loss as usize % 3],
+            [c.loss as usize % 3]
+            .clone(),
         optimizer: optimizer(&c.optimizer),
         metrics: c
             .metrics

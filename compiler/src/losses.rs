@@ -6,31 +6,82 @@ use crate::trace::Tensor;
 /// Keras's `backend.epsilon()`: the clamp of probabilities in binary cross-entropy.
 pub const EPSILON: f32 = 1e-7;
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Loss {
     /// On probabilities (a sigmoid output), clamped to [ε, 1-ε] as Keras does.
     BinaryCrossEntropy,
     /// On logits with one-hot (or soft) labels over the last axis; stable through log_softmax.
     SoftmaxCrossEntropy,
     MeanSquaredError,
+    /// Any scalar the user computes from the model's output and the targets with the DSL's ops
+    /// (`Loss::custom`): the training step differentiates it as it does the built-in ones.
+    Custom(CustomLoss),
+}
+
+/// The closure of a custom loss: (prediction, targets) -> scalar.
+type LossFn = dyn Fn(&Tensor, &Tensor) -> Tensor + Send + Sync;
+
+/// A loss written as a closure of the model's output and the targets.
+#[derive(Clone)]
+pub struct CustomLoss {
+    name: String,
+    f: std::sync::Arc<LossFn>,
+}
+
+impl std::fmt::Debug for CustomLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CustomLoss({:?})", self.name)
+    }
+}
+
+/// Two custom losses are equal when they are the same closure.
+impl PartialEq for CustomLoss {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && std::sync::Arc::ptr_eq(&self.f, &other.f)
+    }
 }
 
 impl Loss {
-    pub fn name(self) -> &'static str {
+    /// A loss computed by `f(prediction, targets)`, which must return a scalar (reduce with
+    /// `mean` or `sum`), e.g. a Huber loss:
+    /// `Loss::custom("huber", |p, y| { let d = (p - y).abs(); d.minimum(1.0).square().mul(0.5).add(&(d - 1.0).relu()).mean(.., false) })`.
+    pub fn custom(
+        name: impl Into<String>,
+        f: impl Fn(&Tensor, &Tensor) -> Tensor + Send + Sync + 'static,
+    ) -> Self {
+        Loss::Custom(CustomLoss { name: name.into(), f: std::sync::Arc::new(f) })
+    }
+
+    pub fn name(&self) -> &str {
         match self {
             Loss::BinaryCrossEntropy => "binary_crossentropy",
             Loss::SoftmaxCrossEntropy => "softmax_crossentropy",
             Loss::MeanSquaredError => "mean_squared_error",
+            Loss::Custom(c) => &c.name,
         }
     }
 
-    /// The scalar loss of `pred` against `target`.
+    /// The scalar loss of `pred` against `target`. A custom loss that is not a scalar is an
+    /// error naming the loss and the shape it returned.
     #[track_caller]
-    pub fn apply(self, pred: &Tensor, target: &Tensor) -> Tensor {
+    pub fn apply(&self, pred: &Tensor, target: &Tensor) -> Tensor {
         match self {
             Loss::BinaryCrossEntropy => binary_crossentropy(pred, target),
             Loss::SoftmaxCrossEntropy => softmax_crossentropy(pred, target),
             Loss::MeanSquaredError => mean_squared_error(pred, target),
+            Loss::Custom(c) => {
+                let loss = (c.f)(pred, target);
+                if loss.shape().numel() == 1 && loss.shape().rank() <= 1 {
+                    loss.reshape(crate::ir::Shape::scalar())
+                } else {
+                    pred.tracer().report(
+                        "loss",
+                        format!("the custom loss `{}` returned {}, not a scalar", c.name, loss.shape()),
+                        &[&loss],
+                        "reduce it to one value, e.g. with `.mean(.., false)` or `.sum(.., false)`",
+                    )
+                }
+            }
         }
     }
 }
