@@ -71,3 +71,25 @@ fn a_mistake_in_fit_names_the_callers_line() {
     assert!(e.contains("tests/training.rs:"), "{e}");
     assert!(e.contains("[32, 1]") && e.contains("[32]"), "{e}");
 }
+
+#[test]
+fn evaluate_averages_over_batches_and_changes_nothing() {
+    let (x, y) = zoo::two_spirals(100, 0.05, 2).unwrap();
+    let config = TrainConfig {
+        loss: Loss::BinaryCrossEntropy,
+        optimizer: Adam::new(0.01).into(),
+        metrics: vec![Metric::BinaryAccuracy],
+    };
+    let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0).unwrap());
+    trainer.fit(&x, &y, &FitOptions { epochs: 3, verbose: false, ..Default::default() }).unwrap();
+    let before = trainer.predict(&x).unwrap();
+    // 400 rows: 12 batches of 32 and one of 16, weighted by rows; or one batch of all of them.
+    let batched = trainer.evaluate(&x, &y, 32).unwrap();
+    let whole = trainer.evaluate(&x, &y, 400).unwrap();
+    assert!((batched.loss - whole.loss).abs() < 1e-5 * whole.loss.abs().max(1.0), "{batched:?} {whole:?}");
+    let (a, b) = (batched.metric("accuracy").unwrap(), whole.metric("accuracy").unwrap());
+    assert!((a - b).abs() < 1e-5, "{a} {b}");
+    assert_eq!(trainer.evaluate(&x, &y, 32).unwrap(), batched, "evaluation updates nothing");
+    assert_eq!(trainer.predict(&x).unwrap().data(), before.data());
+    assert!(trainer.evaluate(&x, &y, 0).is_err());
+}

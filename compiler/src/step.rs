@@ -19,6 +19,28 @@ pub fn forward_graph(model: &dyn Layer, x_shape: &Shape) -> Result<Graph> {
     t.finish()
 }
 
+/// The graph of an evaluation on inputs `x` and targets `y`: the training step's `loss` and
+/// metrics outputs, without gradients or updates (Keras's `evaluate`).
+#[track_caller]
+pub fn evaluate_graph(
+    model: &dyn Layer,
+    x_shape: &Shape,
+    y_shape: &Shape,
+    cfg: &TrainConfig,
+) -> Result<Graph> {
+    let t = Tracer::new(format!("evaluate{x_shape}"));
+    let x = t.input("x", x_shape.clone());
+    let pred = model.forward(&x);
+    let previous = t.set_device(pred.device());
+    let y = t.input("y", y_shape.clone());
+    t.output("loss", &cfg.loss.apply(&pred, &y));
+    for m in &cfg.metrics {
+        t.output(m.name(), &m.apply(&pred, &y));
+    }
+    t.set_device(previous);
+    t.finish()
+}
+
 /// What a training step computes besides the model.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {

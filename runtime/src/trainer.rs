@@ -12,7 +12,7 @@ use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln_compiler::ir::Shape;
 use kiln_compiler::nn::Layer;
-use kiln_compiler::step::{TrainConfig, forward_graph, train_step_graph};
+use kiln_compiler::step::{TrainConfig, evaluate_graph, forward_graph, train_step_graph};
 use kiln_compiler::{CompileOptions, Plan, compile};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -63,6 +63,7 @@ pub struct Trainer {
     options: CompileOptions,
     train_programs: HashMap<(Shape, Shape), ProgramId>,
     predict_programs: HashMap<Shape, ProgramId>,
+    evaluate_programs: HashMap<(Shape, Shape), ProgramId>,
     compile_time: Duration,
 }
 
@@ -75,6 +76,7 @@ impl Trainer {
             options: CompileOptions::default(),
             train_programs: HashMap::new(),
             predict_programs: HashMap::new(),
+            evaluate_programs: HashMap::new(),
             compile_time: Duration::ZERO,
         }
     }
@@ -102,13 +104,17 @@ impl Trainer {
         self.compile_time
     }
 
-    /// Every plan compiled so far: training steps first, then inference, each in order of first use.
+    /// Every plan compiled so far: training steps first, then inference, then evaluation, each in
+    /// order of first use.
     pub fn plans(&self) -> Vec<&Plan> {
         let mut ids: Vec<ProgramId> = self.train_programs.values().copied().collect();
         ids.sort_unstable();
-        let mut predict: Vec<ProgramId> = self.predict_programs.values().copied().collect();
-        predict.sort_unstable();
-        ids.extend(predict);
+        let predict: Vec<ProgramId> = self.predict_programs.values().copied().collect();
+        let evaluate: Vec<ProgramId> = self.evaluate_programs.values().copied().collect();
+        for mut more in [predict, evaluate] {
+            more.sort_unstable();
+            ids.extend(more);
+        }
         ids.into_iter().filter_map(|id| self.backend.plan(id).ok()).collect()
     }
 
@@ -223,6 +229,61 @@ impl Trainer {
         };
         let metrics = self.config.metrics.iter().map(|m| Ok((m.name().to_string(), scalar(m.name())?)));
         Ok(Logs { loss: scalar("loss")?, metrics: metrics.collect::<Result<_>>()? })
+    }
+
+    /// The loss and metrics on `x` and `y` (rows along the first axis) in batches of
+    /// `batch_size` rows, averaged over the rows as `fit` averages an epoch, without updating
+    /// anything (Keras's `evaluate`). One plan per batch shape, compiled on first use.
+    #[track_caller]
+    pub fn evaluate(&mut self, x: &HostTensor, y: &HostTensor, batch_size: usize) -> Result<Logs> {
+        let rows = x.shape().dims().first().copied().unwrap_or(0);
+        if y.shape().dims().first() != Some(&rows) || rows == 0 || batch_size == 0 {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "evaluate got inputs {} and targets {} with batch size {batch_size}",
+                    x.shape(),
+                    y.shape()
+                ),
+                "inputs and targets need the same number of rows (at least one), and the batch size must be positive",
+            ));
+        }
+        let (mut xb, mut yb) = (Vec::new(), Vec::new());
+        let mut sums = Logs { loss: 0.0, metrics: Vec::new() };
+        let order: Vec<usize> = (0..rows).collect();
+        for idx in order.chunks(batch_size) {
+            x.gather_rows_into(idx, &mut xb)?;
+            y.gather_rows_into(idx, &mut yb)?;
+            let (xs, ys) = (with_rows(x.shape(), idx.len()), with_rows(y.shape(), idx.len()));
+            let id = match self.evaluate_programs.get(&(xs.clone(), ys.clone())) {
+                Some(&id) => id,
+                None => {
+                    let start = Instant::now();
+                    let plan =
+                        compile(evaluate_graph(self.model.as_ref(), &xs, &ys, &self.config)?, &self.options)?;
+                    self.compile_time += start.elapsed();
+                    let id = self.backend.load(plan)?;
+                    self.evaluate_programs.insert((xs.clone(), ys.clone()), id);
+                    id
+                }
+            };
+            self.backend.set_input(id, "x", &xs, &xb)?;
+            self.backend.set_input(id, "y", &ys, &yb)?;
+            self.backend.run(id)?;
+            let logs = self.logs(id)?;
+            let w = idx.len() as f32;
+            sums.loss += logs.loss * w;
+            if sums.metrics.is_empty() {
+                sums.metrics = logs.metrics.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
+            }
+            for (acc, (_, v)) in sums.metrics.iter_mut().zip(&logs.metrics) {
+                acc.1 += v * w;
+            }
+        }
+        sums.loss /= rows as f32;
+        for m in &mut sums.metrics {
+            m.1 /= rows as f32;
+        }
+        Ok(sums)
     }
 
     /// The model's output for `x`, computed in one batch.
