@@ -212,3 +212,4 @@ grad_test!(rms_norm, [([3, 8], Draw::Normal)], [0], |x: &[Tensor]| {
 grad_test!(layer_norm_without_affine, [([3, 8], Draw::Normal)], [0], |x: &[Tensor]| {
     kiln::compiler::nn::LayerNorm::new().center(false).scale(false).epsilon(1e-5).forward(&x[0])
 });
+grad_test!(tril, [([2, 3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].tril(0) + x[0].tril(-1));

@@ -71,3 +71,53 @@ fn tanh_gelu_is_jaxs_approximation() {
         assert!((b - e).abs() < 1e-3);
     }
 }
+
+#[test]
+fn iota_tril_and_the_causal_mask() {
+    let x = HostTensor::new(Shape::from([2, 3, 4].as_slice()), (1..=24).map(|v| v as f32).collect()).unwrap();
+    for k in [-1isize, 0, 1] {
+        let (y, _) = run("tril", &x, |x| x.tril(k));
+        for (i, (a, b)) in x.data().iter().zip(y.data()).enumerate() {
+            let (r, c) = ((i / 4) % 3, i % 4);
+            let kept = c as isize - r as isize <= k;
+            assert_eq!(*b, if kept { *a } else { 0.0 }, "k {k} at ({r}, {c})");
+        }
+    }
+    let (mask, _) = run("mask", &x, |x| {
+        let t = x.tracer();
+        // The mask (a constant of the plan) added to nothing: 0 * x keeps an input in the graph.
+        t.causal_mask(4).reshape([1, 4, 4]).broadcast_to([2, 4, 4]).slice(1, 0, 3) + x.mul(0.0)
+    });
+    for (i, v) in mask.data().iter().enumerate() {
+        let (r, c) = ((i / 4) % 3, i % 4);
+        assert_eq!(*v, if c <= r { 1.0 } else { 0.0 });
+    }
+}
+
+#[test]
+fn causal_attention_never_reads_later_positions() {
+    use kiln::compiler::nn::MultiHeadAttention;
+    let (b, s, d) = (2, 5, 8);
+    let base: Vec<f32> = (0..b * s * d).map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0).collect();
+    let mut later = base.clone();
+    // Change only the last position of every sequence.
+    for batch in 0..b {
+        for j in 0..d {
+            later[(batch * s + s - 1) * d + j] += 3.0;
+        }
+    }
+    let attend = |data: Vec<f32>, causal: bool| {
+        let x = HostTensor::new(Shape::from([b, s, d].as_slice()), data).unwrap();
+        run("mha", &x, |x| MultiHeadAttention::new(2).causal(causal).forward(x)).0
+    };
+    let (a, c) = (attend(base.clone(), true), attend(later.clone(), true));
+    for batch in 0..b {
+        for pos in 0..s - 1 {
+            let at = (batch * s + pos) * d;
+            assert_eq!(a.data()[at..at + d], c.data()[at..at + d], "position {pos} read a later one");
+        }
+    }
+    // Without the mask the earlier positions do see the change.
+    let (a, c) = (attend(base, false), attend(later, false));
+    assert_ne!(a.data()[..d], c.data()[..d]);
+}

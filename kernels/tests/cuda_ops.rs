@@ -203,6 +203,9 @@ fn cases() -> Vec<Case> {
     v.push(case("fill_3x5", Op::Fill { value: 0.1, shape: Shape::from([3, 5]) }, &[]));
     v.push(case("fill_scalar", Op::Fill { value: -2.0, shape: Shape::scalar() }, &[]));
     v.push(case("fill_8", Op::Fill { value: f32::NEG_INFINITY, shape: Shape::from([8]) }, &[]));
+    v.push(case("iota_3x5_0", Op::Iota { axis: 0, shape: Shape::from([3, 5]) }, &[]));
+    v.push(case("iota_2x3x7_1", Op::Iota { axis: 1, shape: Shape::from([2, 3, 7]) }, &[]));
+    v.push(case("iota_9_0", Op::Iota { axis: 0, shape: Shape::from([9]) }, &[]));
     v.push(case("copy_7", Op::Copy, &[&[7]]));
     v.push(case("copy_2x4", Op::Copy, &[&[2, 4]]));
     let perm = |p: &[usize]| Op::Permute { perm: p.to_vec() };
@@ -738,6 +741,7 @@ fn check(c: &Case, k: &CudaKernel) {
             | Op::Scalar { .. }
             | Op::Select
             | Op::Fill { .. }
+            | Op::Iota { .. }
             | Op::Copy
             | Op::Pool2d { .. }
     ) || matches!(

@@ -5,6 +5,19 @@ use common::*;
 use kiln_compiler::ir::{Op, Shape};
 
 #[test]
+fn iota_counts_along_its_axis() {
+    for (dims, axis) in
+        [(&[5][..], 0), (&[3, 4][..], 0), (&[3, 4][..], 1), (&[2, 3, 70_001][..], 2), (&[2, 3, 5][..], 1)]
+    {
+        let f = run(&Op::Iota { shape: Shape::from(dims), axis }, &[]);
+        let stride: usize = dims[axis + 1..].iter().product();
+        for (i, v) in f.data.iter().enumerate() {
+            assert_eq!(*v, ((i / stride) % dims[axis]) as f32, "{dims:?} axis {axis} at {i}");
+        }
+    }
+}
+
+#[test]
 fn fill_and_copy() {
     for dims in [&[][..], &[1], &[3, 7], &[70_001]] {
         let f = run(&Op::Fill { value: 2.5, shape: Shape::from(dims) }, &[]);

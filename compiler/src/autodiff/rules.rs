@@ -11,7 +11,7 @@ use crate::trace::Tensor;
 pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
     let one = |t: Tensor| Ok(vec![Some(t)]);
     match op {
-        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } => Ok(vec![]),
+        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } | Op::Iota { .. } => Ok(vec![]),
         Op::Unary(u) => Ok(vec![unary(*u, &x[0], y, g)]),
         Op::Binary(b) => binary(*b, &x[0], &x[1], y, g),
         Op::Scalar { op, value } => Ok(vec![scalar(*op, *value, &x[0], y, g)]),

@@ -66,6 +66,15 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
     match op {
         Op::Input { shape, dtype, .. } | Op::Variable { shape, dtype, .. } => Ok((shape.clone(), *dtype)),
         Op::Fill { shape, .. } => Ok((shape.clone(), DType::F32)),
+        Op::Iota { shape, axis } => {
+            if *axis >= shape.rank() {
+                return err(
+                    format!("iota over axis {axis} of a tensor of shape {shape} (rank {})", shape.rank()),
+                    "count along an axis the shape has",
+                );
+            }
+            Ok((shape.clone(), DType::F32))
+        }
         Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
         Op::Binary(b) => {
             let d = same_dtype(&[0, 1])?;
@@ -438,7 +447,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
 
 fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
     match op {
-        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } => 0..=0,
+        Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } | Op::Iota { .. } => 0..=0,
         Op::Unary(_)
         | Op::Scalar { .. }
         | Op::Reshape { .. }

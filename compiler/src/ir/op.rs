@@ -247,6 +247,12 @@ pub enum Op {
         value: f32,
         shape: Shape,
     },
+    /// A tensor of `shape` whose every element is its index along `axis`, as f32 (exact up to
+    /// 2^24): the source of position ids, triangular and causal masks (`Tensor::tril`).
+    Iota {
+        shape: Shape,
+        axis: usize,
+    },
 
     // ---- elementwise (NumPy broadcasting between operands)
     Unary(UnaryOp),
@@ -443,6 +449,7 @@ impl Op {
         match self {
             Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => 0,
             Op::Fill { .. }
+            | Op::Iota { .. }
             | Op::Unary(_)
             | Op::Binary(_)
             | Op::Scalar { .. }
@@ -510,6 +517,7 @@ impl Op {
             Op::Input { .. } => "input",
             Op::Variable { .. } => "variable",
             Op::Fill { .. } => "fill",
+            Op::Iota { .. } => "iota",
             Op::Unary(u) => match u {
                 UnaryOp::Neg => "neg",
                 UnaryOp::Abs => "abs",
@@ -615,6 +623,9 @@ impl Op {
             }
             Op::Fill { value, .. } => {
                 let _ = write!(s, "[{value}]");
+            }
+            Op::Iota { axis, .. } => {
+                let _ = write!(s, "[axis {axis}]");
             }
             Op::Scalar { value, .. } => {
                 let _ = write!(s, "[{value}]");

@@ -4,14 +4,23 @@ use crate::trace::Tensor;
 /// Multi-head scaled dot-product self-attention over [batch, seq, model] inputs, composed from
 /// the DSL's ops: projections, a split into heads (reshape + permute), softmax(q·kᵀ/√d)·v, a merge
 /// of the heads and an output projection (Keras `MultiHeadAttention` with query = key = value).
+/// With `causal`, a position attends to itself and the positions before it only (a decoder's
+/// self-attention, Keras's `use_causal_mask`): the masked scores get -1e9 before the softmax, so
+/// their weights are exactly 0.
 #[derive(Clone, Debug)]
 pub struct MultiHeadAttention {
     pub heads: usize,
+    pub causal: bool,
 }
 
 impl MultiHeadAttention {
     pub fn new(heads: usize) -> Self {
-        MultiHeadAttention { heads }
+        MultiHeadAttention { heads, causal: false }
+    }
+
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
     }
 }
 
@@ -50,7 +59,11 @@ impl Layer for MultiHeadAttention {
         let project = |name: &str| t.scope(name, || Dense::new(d).forward(x));
         let split = |p: Tensor| p.reshape([b, s, h, dh]).permute(&[0, 2, 1, 3]);
         let (q, k, v) = (split(project("query")), split(project("key")), split(project("value")));
-        let scores = q.matmul_t(&k, false, true) * (1.0 / (dh as f32).sqrt());
+        let mut scores = q.matmul_t(&k, false, true) * (1.0 / (dh as f32).sqrt());
+        if self.causal {
+            // 0 where allowed, -1e9 where masked, broadcast over batch and heads.
+            scores = scores + (t.causal_mask(s) - 1.0).mul(1e9);
+        }
         let context = scores.softmax(-1).matmul(&v);
         let merged = context.permute(&[0, 2, 1, 3]).reshape([b, s, d]);
         t.scope("output", || Dense::new(d).forward(&merged))

@@ -187,6 +187,21 @@ impl Tracer {
         t
     }
 
+    /// A tensor of `shape` whose elements are their index along `axis` (0, 1, 2, ...), as f32.
+    #[track_caller]
+    pub fn iota(&self, shape: impl Into<Shape>, axis: usize) -> Tensor {
+        self.record_at(Op::Iota { shape: shape.into(), axis }, &[], Location::caller())
+    }
+
+    /// The [seq, seq] causal mask: 1.0 where a position may attend (its column is at most its
+    /// row), else 0.0. Built from two iotas and a comparison, recomputed every call (no constant
+    /// folding yet); fusion makes it one kernel.
+    #[track_caller]
+    pub fn causal_mask(&self, seq: usize) -> Tensor {
+        let rows = self.iota([seq, seq], 0);
+        self.iota([seq, seq], 1).le(&rows)
+    }
+
     /// A constant tensor of `shape` filled with `value`.
     #[track_caller]
     pub fn fill(&self, value: f32, shape: impl Into<Shape>) -> Tensor {

@@ -101,6 +101,26 @@ impl Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Minimum, Some(ScalarOp::Min))
     }
 
+    /// The lower triangle of the last two axes: elements with column - row <= `k` kept, the
+    /// others 0 (NumPy's and PyTorch's `tril`; `k = 0` keeps the diagonal).
+    #[track_caller]
+    pub fn tril(&self, k: isize) -> Tensor {
+        let dims = self.dims().to_vec();
+        if dims.len() < 2 {
+            return self.tracer().report(
+                "tril",
+                format!("tril needs a matrix, got {}", self.shape()),
+                &[self],
+                "give it a tensor of rank 2 or more (the last two axes are the matrix)",
+            );
+        }
+        let (r, c) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let t = self.tracer();
+        let rows = t.iota([r, c], 0);
+        let keep = t.iota([r, c], 1).le(&(rows + k as f32));
+        self * &keep
+    }
+
     /// The tanh approximation of GELU, JAX's default (`jax.nn.gelu(approximate=True)`) and
     /// PyTorch's `GELU(approximate="tanh")`: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))),
     /// composed from the DSL's ops (fusion makes it one kernel, autodiff differentiates it).

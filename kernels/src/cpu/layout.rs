@@ -76,6 +76,38 @@ impl CpuKernel for Fill {
     }
 }
 
+struct Iota {
+    n: usize,
+    stride: usize,
+    dim: usize,
+    desc: String,
+}
+
+/// Every element its index along `axis`, as a float.
+pub(crate) fn iota(axis: usize, out: &Shape) -> Box<dyn CpuKernel> {
+    let dims = out.dims();
+    Box::new(Iota {
+        n: out.numel(),
+        stride: dims[axis + 1..].iter().product::<usize>().max(1),
+        dim: dims[axis].max(1),
+        desc: format!("iota[axis {axis}] {}", shape_text(out)),
+    })
+}
+
+impl CpuKernel for Iota {
+    unsafe fn run(&self, _inputs: &[*mut u8], output: *mut u8) {
+        // SAFETY: the output holds n elements.
+        let out = unsafe { std::slice::from_raw_parts_mut(output as *mut f32, self.n) };
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = ((i / self.stride) % self.dim) as f32;
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
 struct Copy {
     n: usize,
     desc: String,

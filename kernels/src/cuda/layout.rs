@@ -33,6 +33,32 @@ pub(crate) fn fill(label: &str, value: f32, out: &Shape) -> CudaKernel {
     .generate()
 }
 
+/// Every element its index along `axis`, as a float.
+pub(crate) fn iota(label: &str, axis: usize, out: &Shape) -> CudaKernel {
+    let n = out.numel();
+    let dims = out.dims();
+    let stride: usize = dims[axis + 1..].iter().product();
+    let ty = idx_type(n);
+    let mut c = Code::new();
+    c.line(header(label, &[], Some(out)));
+    c.line("extern \"C\" __global__ void kiln_iota(float* __restrict__ out) {");
+    c.line(grid_loop(ty, "i", n));
+    c.line(format!("out[i] = (float)((i / {}) % {});", int(stride.max(1)), int(dims[axis].max(1))));
+    c.line("}");
+    c.line("}");
+    CudaKernel {
+        source: c.finish(),
+        launches: vec![Launch {
+            function: "kiln_iota".into(),
+            grid: grid_for(n, BLOCK),
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+            args: vec![Arg::Output],
+        }],
+        describe: format!("iota[axis {axis}] {}", shape_text(out)),
+    }
+}
+
 pub(crate) fn copy(label: &str, x: &Shape) -> CudaKernel {
     Map {
         name: "kiln_copy",
