@@ -13,6 +13,14 @@ pub enum Loss {
     /// On logits with one-hot (or soft) labels over the last axis; stable through log_softmax.
     SoftmaxCrossEntropy,
     MeanSquaredError,
+    /// On logits [.., classes] with integer class ids [..] (or [.., 1]) as targets, stored as
+    /// f32 (exact up to 2^24): log-softmax and the negative log-likelihood of the label, with
+    /// no one-hot tensor fed or materialised (Keras `SparseCategoricalCrossentropy(from_logits
+    /// =True)`, PyTorch `cross_entropy` with class indices). Rows whose label is `ignore_index`
+    /// count for nothing, and the mean is over the other rows (PyTorch's `ignore_index`).
+    SparseSoftmaxCrossEntropy {
+        ignore_index: Option<usize>,
+    },
     /// Any scalar the user computes from the model's output and the targets with the DSL's ops
     /// (`Loss::custom`): the training step differentiates it as it does the built-in ones.
     Custom(CustomLoss),
@@ -57,6 +65,7 @@ impl Loss {
             Loss::BinaryCrossEntropy => "binary_crossentropy",
             Loss::SoftmaxCrossEntropy => "softmax_crossentropy",
             Loss::MeanSquaredError => "mean_squared_error",
+            Loss::SparseSoftmaxCrossEntropy { .. } => "sparse_softmax_crossentropy",
             Loss::Custom(c) => &c.name,
         }
     }
@@ -69,6 +78,9 @@ impl Loss {
             Loss::BinaryCrossEntropy => binary_crossentropy(pred, target),
             Loss::SoftmaxCrossEntropy => softmax_crossentropy(pred, target),
             Loss::MeanSquaredError => mean_squared_error(pred, target),
+            Loss::SparseSoftmaxCrossEntropy { ignore_index } => {
+                sparse_softmax_crossentropy(pred, target, *ignore_index)
+            }
             Loss::Custom(c) => {
                 let loss = (c.f)(pred, target);
                 if loss.shape().numel() == 1 && loss.shape().rank() <= 1 {
@@ -118,6 +130,49 @@ pub fn softmax_crossentropy(logits: &Tensor, labels: &Tensor) -> Tensor {
     }
     let per_example = -(labels * logits.log_softmax(-1)).sum(-1, false);
     per_example.mean(.., false)
+}
+
+/// Sparse softmax cross-entropy (`Loss::SparseSoftmaxCrossEntropy`): the label's column is
+/// picked by comparing a [1, .., classes] iota with the labels, inside the fused reduction, so
+/// the [.., classes] one-hot exists in no buffer.
+#[track_caller]
+pub fn sparse_softmax_crossentropy(logits: &Tensor, labels: &Tensor, ignore_index: Option<usize>) -> Tensor {
+    let dims = logits.dims().to_vec();
+    let Some((&classes, rows)) = dims.split_last() else {
+        return logits.tracer().report(
+            "sparse_softmax_crossentropy",
+            format!("logits {} have no class axis", logits.shape()),
+            &[logits, labels],
+            "give the logits a last axis of classes",
+        );
+    };
+    let l = labels.dims();
+    let labels = if l == rows {
+        let mut with_one = rows.to_vec();
+        with_one.push(1);
+        labels.reshape(with_one)
+    } else if l.len() == dims.len() && l[..l.len() - 1] == *rows && l[l.len() - 1] == 1 {
+        labels.clone()
+    } else {
+        return logits.tracer().report(
+            "sparse_softmax_crossentropy",
+            format!("logits {} and class ids {} do not match", logits.shape(), labels.shape()),
+            &[logits, labels],
+            "give one class id per row of logits: shape [..] or [.., 1] for logits [.., classes]",
+        );
+    };
+    let mut ones = vec![1; rows.len()];
+    ones.push(classes);
+    let class = logits.tracer().iota(ones.clone(), rows.len());
+    let picked = (logits.log_softmax(-1) * class.eq(&labels)).sum(-1, true);
+    match ignore_index {
+        None => -picked.mean(.., false),
+        Some(ignore) => {
+            let counted = labels.ne(ignore as f32);
+            let total = (picked * &counted).sum(.., false);
+            -(total / counted.sum(.., false).maximum(1.0))
+        }
+    }
 }
 
 #[track_caller]
