@@ -95,3 +95,21 @@ fn mismatched_ids_are_an_error() {
     let e = trainer.train_step(&x, &one_hot(&labels)).unwrap_err().to_string();
     assert!(e.contains("logits [8, 10] and class ids [8, 10] do not match"), "{e}");
 }
+
+#[test]
+fn sparse_accuracy_counts_as_the_one_hot_accuracy() {
+    let (x, labels) = data(64);
+    let run = |loss: Loss, metric: Metric, y: &HostTensor| {
+        let config = TrainConfig { loss, optimizer: Adam::new(1e-3).into(), metrics: vec![metric] };
+        let mut trainer = Trainer::new(model(), config, Device::cpu().backend(5).unwrap());
+        trainer.train_step(&x, y).unwrap().metric("accuracy").unwrap()
+    };
+    let sparse = run(
+        Loss::SparseSoftmaxCrossEntropy { ignore_index: None },
+        Metric::SparseCategoricalAccuracy,
+        &ids(&labels),
+    );
+    let dense = run(Loss::SoftmaxCrossEntropy, Metric::CategoricalAccuracy, &one_hot(&labels));
+    assert_eq!(sparse, dense);
+    assert!((0.0..=1.0).contains(&sparse));
+}

@@ -189,6 +189,9 @@ pub enum Metric {
     BinaryAccuracy,
     /// Fraction of rows whose largest logit is at the label's one-hot position.
     CategoricalAccuracy,
+    /// Fraction of rows whose largest logit is at the class id given as the target ([..] or
+    /// [.., 1], f32), the metric beside `Loss::SparseSoftmaxCrossEntropy`.
+    SparseCategoricalAccuracy,
 }
 
 impl Metric {
@@ -196,6 +199,7 @@ impl Metric {
         match self {
             Metric::BinaryAccuracy => "accuracy",
             Metric::CategoricalAccuracy => "accuracy",
+            Metric::SparseCategoricalAccuracy => "accuracy",
         }
     }
 
@@ -206,6 +210,29 @@ impl Metric {
             Metric::CategoricalAccuracy => {
                 let is_max = pred.eq(pred.max(-1, true));
                 (target * is_max).sum(-1, false).mean(.., false)
+            }
+            Metric::SparseCategoricalAccuracy => {
+                let dims = pred.dims().to_vec();
+                let Some((&classes, rows)) = dims.split_last() else {
+                    return pred.tracer().report(
+                        "sparse_categorical_accuracy",
+                        format!("predictions {} have no class axis", pred.shape()),
+                        &[pred, target],
+                        "give the predictions a last axis of classes",
+                    );
+                };
+                let target = if target.dims() == rows {
+                    let mut with_one = rows.to_vec();
+                    with_one.push(1);
+                    target.reshape(with_one)
+                } else {
+                    target.clone()
+                };
+                let mut ones = vec![1; rows.len()];
+                ones.push(classes);
+                let class = pred.tracer().iota(ones, rows.len());
+                let is_max = pred.eq(pred.max(-1, true));
+                (is_max * class.eq(&target)).sum(-1, false).mean(.., false)
             }
         }
     }
