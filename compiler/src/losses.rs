@@ -132,38 +132,46 @@ pub fn softmax_crossentropy(logits: &Tensor, labels: &Tensor) -> Tensor {
     per_example.mean(.., false)
 }
 
-/// Sparse softmax cross-entropy (`Loss::SparseSoftmaxCrossEntropy`): the label's column is
-/// picked by comparing a [1, .., classes] iota with the labels, inside the fused reduction, so
-/// the [.., classes] one-hot exists in no buffer.
+/// For logits [.., classes] and class ids [..] or [.., 1]: the ids as [.., 1] and the
+/// [1, .., classes] row of class indices they are compared with (so that the comparison, and
+/// with it the one-hot, exists only inside a fused group). A mismatch is the error `Err` holds.
 #[track_caller]
-pub fn sparse_softmax_crossentropy(logits: &Tensor, labels: &Tensor, ignore_index: Option<usize>) -> Tensor {
+fn class_ids(op: &str, logits: &Tensor, ids: &Tensor) -> Result<(Tensor, Tensor), Tensor> {
     let dims = logits.dims().to_vec();
+    let fail = |what: String, help: &str| Err(logits.tracer().report(op, what, &[logits, ids], help));
     let Some((&classes, rows)) = dims.split_last() else {
-        return logits.tracer().report(
-            "sparse_softmax_crossentropy",
+        return fail(
             format!("logits {} have no class axis", logits.shape()),
-            &[logits, labels],
             "give the logits a last axis of classes",
         );
     };
-    let l = labels.dims();
-    let labels = if l == rows {
+    let l = ids.dims();
+    let ids = if l == rows {
         let mut with_one = rows.to_vec();
         with_one.push(1);
-        labels.reshape(with_one)
+        ids.reshape(with_one)
     } else if l.len() == dims.len() && l[..l.len() - 1] == *rows && l[l.len() - 1] == 1 {
-        labels.clone()
+        ids.clone()
     } else {
-        return logits.tracer().report(
-            "sparse_softmax_crossentropy",
-            format!("logits {} and class ids {} do not match", logits.shape(), labels.shape()),
-            &[logits, labels],
+        return fail(
+            format!("logits {} and class ids {} do not match", logits.shape(), ids.shape()),
             "give one class id per row of logits: shape [..] or [.., 1] for logits [.., classes]",
         );
     };
     let mut ones = vec![1; rows.len()];
     ones.push(classes);
-    let class = logits.tracer().iota(ones.clone(), rows.len());
+    Ok((ids, logits.tracer().iota(ones, rows.len())))
+}
+
+/// Sparse softmax cross-entropy (`Loss::SparseSoftmaxCrossEntropy`): the label's column is
+/// picked by comparing a [1, .., classes] iota with the labels, inside the fused reduction, so
+/// the [.., classes] one-hot exists in no buffer.
+#[track_caller]
+pub fn sparse_softmax_crossentropy(logits: &Tensor, labels: &Tensor, ignore_index: Option<usize>) -> Tensor {
+    let (labels, class) = match class_ids("sparse_softmax_crossentropy", logits, labels) {
+        Ok(pair) => pair,
+        Err(e) => return e,
+    };
     let picked = (logits.log_softmax(-1) * class.eq(&labels)).sum(-1, true);
     match ignore_index {
         None => -picked.mean(.., false),
@@ -211,29 +219,14 @@ impl Metric {
                 let is_max = pred.eq(pred.max(-1, true));
                 (target * is_max).sum(-1, false).mean(.., false)
             }
-            Metric::SparseCategoricalAccuracy => {
-                let dims = pred.dims().to_vec();
-                let Some((&classes, rows)) = dims.split_last() else {
-                    return pred.tracer().report(
-                        "sparse_categorical_accuracy",
-                        format!("predictions {} have no class axis", pred.shape()),
-                        &[pred, target],
-                        "give the predictions a last axis of classes",
-                    );
-                };
-                let target = if target.dims() == rows {
-                    let mut with_one = rows.to_vec();
-                    with_one.push(1);
-                    target.reshape(with_one)
-                } else {
-                    target.clone()
-                };
-                let mut ones = vec![1; rows.len()];
-                ones.push(classes);
-                let class = pred.tracer().iota(ones, rows.len());
-                let is_max = pred.eq(pred.max(-1, true));
-                (is_max * class.eq(&target)).sum(-1, false).mean(.., false)
-            }
+            Metric::SparseCategoricalAccuracy => match class_ids("sparse_categorical_accuracy", pred, target)
+            {
+                Ok((target, class)) => {
+                    let is_max = pred.eq(pred.max(-1, true));
+                    (is_max * class.eq(&target)).sum(-1, false).mean(.., false)
+                }
+                Err(e) => e,
+            },
         }
     }
 }
