@@ -121,3 +121,13 @@ fn causal_attention_never_reads_later_positions() {
     let (a, c) = (attend(base, false), attend(later, false));
     assert_ne!(a.data()[..d], c.data()[..d]);
 }
+
+#[test]
+fn attention_without_bias_declares_only_the_four_kernels() {
+    use kiln::compiler::nn::MultiHeadAttention;
+    let x = HostTensor::new(Shape::from([1, 3, 8].as_slice()), (0..24).map(|v| v as f32 / 24.0).collect())
+        .unwrap();
+    let (_, with) = run("mha", &x, |x| MultiHeadAttention::new(2).forward(x));
+    let (_, without) = run("mha", &x, |x| MultiHeadAttention::new(2).use_bias(false).forward(x));
+    assert_eq!((with, without), (8, 4));
+}

@@ -6,21 +6,33 @@ use crate::trace::Tensor;
 /// of the heads and an output projection (Keras `MultiHeadAttention` with query = key = value).
 /// With `causal`, a position attends to itself and the positions before it only (a decoder's
 /// self-attention, Keras's `use_causal_mask`): the masked scores get -1e9 before the softmax, so
-/// their weights are exactly 0.
+/// their weights are exactly 0. Without `use_bias` the four projections have no bias (Keras's
+/// `use_bias=False`, PyTorch's `bias=False`).
 #[derive(Clone, Debug)]
 pub struct MultiHeadAttention {
     pub heads: usize,
     pub causal: bool,
+    pub use_bias: bool,
 }
 
 impl MultiHeadAttention {
     pub fn new(heads: usize) -> Self {
-        MultiHeadAttention { heads, causal: false }
+        MultiHeadAttention { heads, causal: false, use_bias: true }
     }
 
     pub fn causal(mut self, causal: bool) -> Self {
         self.causal = causal;
         self
+    }
+
+    pub fn use_bias(mut self, use_bias: bool) -> Self {
+        self.use_bias = use_bias;
+        self
+    }
+
+    fn dense(&self, units: usize) -> Dense {
+        let d = Dense::new(units);
+        if self.use_bias { d } else { d.without_bias() }
     }
 }
 
@@ -56,7 +68,7 @@ impl Layer for MultiHeadAttention {
             );
         }
         let dh = d / h;
-        let project = |name: &str| t.scope(name, || Dense::new(d).forward(x));
+        let project = |name: &str| t.scope(name, || self.dense(d).forward(x));
         let split = |p: Tensor| p.reshape([b, s, h, dh]).permute(&[0, 2, 1, 3]);
         let (q, k, v) = (split(project("query")), split(project("key")), split(project("value")));
         let mut scores = q.matmul_t(&k, false, true) * (1.0 / (dh as f32).sqrt());
@@ -66,7 +78,7 @@ impl Layer for MultiHeadAttention {
         }
         let context = scores.softmax(-1).matmul(&v);
         let merged = context.permute(&[0, 2, 1, 3]).reshape([b, s, d]);
-        t.scope("output", || Dense::new(d).forward(&merged))
+        t.scope("output", || self.dense(d).forward(&merged))
     }
 
     fn kind(&self) -> &'static str {
