@@ -9,10 +9,10 @@ use crate::compare::{Mode, graph_of};
 use crate::report::{bytes, output_dir, render_table};
 use crate::zoo;
 use kiln_compiler::{CompileOptions, compile};
-use kiln_runtime::Backend;
 use kiln_runtime::alloc::{Allocator, BfcAllocator};
 use kiln_runtime::cuda::{CudaBackend, CudaEager, CudaSource, probe};
 use kiln_runtime::eager::EagerExecutor;
+use kiln_runtime::{Backend, HostTensor, ProgramId};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::time::Instant;
@@ -138,27 +138,12 @@ fn measure(m: &zoo::ZooModel, mode: Mode) -> Result<Row, Box<dyn std::error::Err
     let plan = compile(graph_of(m, mode)?, &CompileOptions::default())?;
     let (x, y) = m.batch_data(1)?;
     let id = gpu.load(plan.clone())?;
-    let inputs: Vec<(&str, &kiln_runtime::HostTensor)> = match mode {
+    let inputs: Vec<(&str, &HostTensor)> = match mode {
         Mode::Train => vec![("x", &x), ("y", &y)],
         Mode::Forward => vec![("x", &x)],
     };
-    // A run consumes its inputs (they live in the arena): feed before each one, untimed.
-    let feed = |gpu: &mut CudaBackend| -> kiln_runtime::Result<()> {
-        for (name, t) in &inputs {
-            gpu.set_input(id, name, t.shape(), t.data())?;
-        }
-        Ok(())
-    };
-    for _ in 0..WARMUP {
-        feed(&mut gpu)?;
-        gpu.run(id)?;
-    }
-    let mut times = Vec::with_capacity(STEPS);
-    for _ in 0..STEPS {
-        feed(&mut gpu)?;
-        times.push(gpu.timed_run(id)?);
-    }
-    feed(&mut gpu)?;
+    let times = event_times(&mut gpu, id, &inputs, WARMUP, STEPS)?;
+    feed(&mut gpu, id, &inputs)?;
     let mut profile = gpu.profile(id)?;
     profile.sort_by(|a, b| b.2.total_cmp(&a.2));
     profile.truncate(8);
@@ -200,6 +185,32 @@ fn measure(m: &zoo::ZooModel, mode: Mode) -> Result<Row, Box<dyn std::error::Err
     })
 }
 
+/// Copies `inputs` in: a run consumes its inputs (they live in the arena), so every run is fed,
+/// outside the timed region.
+fn feed(gpu: &mut CudaBackend, id: ProgramId, inputs: &[(&str, &HostTensor)]) -> kiln_runtime::Result<()> {
+    inputs.iter().try_for_each(|(name, t)| gpu.set_input(id, name, t.shape(), t.data()))
+}
+
+/// `warmup` untimed calls, then the CUDA-event times (ms) of `steps` calls.
+fn event_times(
+    gpu: &mut CudaBackend,
+    id: ProgramId,
+    inputs: &[(&str, &HostTensor)],
+    warmup: usize,
+    steps: usize,
+) -> kiln_runtime::Result<Vec<f64>> {
+    for _ in 0..warmup {
+        feed(gpu, id, inputs)?;
+        gpu.run(id)?;
+    }
+    (0..steps)
+        .map(|_| {
+            feed(gpu, id, inputs)?;
+            gpu.timed_run(id)
+        })
+        .collect()
+}
+
 /// One product of the GEMM benchmark.
 #[derive(serde::Serialize)]
 struct GemmRow {
@@ -233,36 +244,23 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
         let mut rng = StdRng::seed_from_u64((m * 31 + k * 7 + n) as u64);
         let mut draw =
             |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
-        let (ha, hb) = (draw(m * k), draw(k * n));
+        let a = HostTensor::new(kiln_compiler::ir::Shape::new([m, k]), draw(m * k))?;
+        let b = HostTensor::new(kiln_compiler::ir::Shape::new([k, n]), draw(k * n))?;
+        let inputs = [("a", &a), ("b", &b)];
         let mut gpu = CudaBackend::new(0, 0)?;
         let id = gpu.load(plan.clone())?;
-        let feed = |gpu: &mut CudaBackend| -> kiln_runtime::Result<()> {
-            gpu.set_input(id, "a", &[m, k].into(), &ha)?;
-            gpu.set_input(id, "b", &[k, n].into(), &hb)
-        };
-        for _ in 0..3 {
-            feed(&mut gpu)?;
-            gpu.run(id)?;
-        }
-        let mut times = Vec::with_capacity(steps);
-        for _ in 0..steps {
-            feed(&mut gpu)?;
-            times.push(gpu.timed_run(id)?);
-        }
+        let ms = median(event_times(&mut gpu, id, &inputs, 3, steps)?);
         let out = gpu.output(id, "c")?;
         let mut cpu = CpuBackend::new(0);
         let cid = cpu.load(plan.clone())?;
-        cpu.set_input(cid, "a", &[m, k].into(), &ha)?;
-        cpu.set_input(cid, "b", &[k, n].into(), &hb)?;
-        cpu.run(cid)?;
-        let reference = cpu.output(cid, "c")?;
+        let reference = cpu.call(cid, &inputs)?.into_iter().find(|(name, _)| name == "c").map(|(_, t)| t);
+        let reference = reference.ok_or("the product's plan has no output `c`")?;
         let (mut num, mut den) = (0.0f64, 0.0f64);
         for (g, c) in out.data().iter().zip(reference.data()) {
             num += f64::from(g - c).powi(2);
             den += f64::from(*c).powi(2);
         }
-        let ms = median(times);
-        feed(&mut gpu)?;
+        feed(&mut gpu, id, &inputs)?;
         let kernel = gpu.profile(id)?.into_iter().map(|(_, k, _)| k).collect::<Vec<_>>().join(" + ");
         let row = GemmRow {
             m,

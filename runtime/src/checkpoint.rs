@@ -21,16 +21,16 @@ const FORMAT: (&str, &str) = ("format", "kiln checkpoint 1");
 
 /// Writes `variables` (name, value) to `path` as safetensors.
 pub fn save(path: &Path, variables: &[(String, HostTensor)]) -> Result<()> {
-    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = variables
+    // The views borrow the tensors' bytes (kiln's targets are little-endian, as safetensors
+    // stores f32): nothing is copied before the file is written.
+    let views = variables
         .iter()
-        .map(|(k, t)| (k.clone(), bytemuck::cast_slice(t.data()).to_vec(), t.shape().dims().to_vec()))
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(k, data, dims)| {
-            TensorView::new(Dtype::F32, dims.clone(), data).map(|v| (k.as_str(), v)).map_err(|e| {
-                RuntimeError::invalid(format!("checkpoint tensor `{k}`: {e}"), "report this as a bug")
-            })
+        .map(|(k, t)| {
+            TensorView::new(Dtype::F32, t.shape().dims().to_vec(), bytemuck::cast_slice(t.data()))
+                .map(|v| (k.as_str(), v))
+                .map_err(|e| {
+                    RuntimeError::invalid(format!("checkpoint tensor `{k}`: {e}"), "report this as a bug")
+                })
         })
         .collect::<Result<Vec<_>>>()?;
     let metadata = HashMap::from([(FORMAT.0.to_string(), FORMAT.1.to_string())]);

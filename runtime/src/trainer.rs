@@ -51,6 +51,45 @@ impl Logs {
     }
 }
 
+/// Logs summed with row weights, averaged over the rows at the end: an epoch's figures in
+/// `fit`, a dataset's in `evaluate` (Keras weights each batch by its rows).
+#[derive(Default)]
+struct RowWeighted {
+    sums: Option<Logs>,
+    rows: usize,
+}
+
+impl RowWeighted {
+    fn add(&mut self, logs: &Logs, rows: usize) {
+        let w = rows as f32;
+        self.rows += rows;
+        match &mut self.sums {
+            None => {
+                self.sums = Some(Logs {
+                    loss: logs.loss * w,
+                    metrics: logs.metrics.iter().map(|(n, v)| (n.clone(), v * w)).collect(),
+                })
+            }
+            Some(s) => {
+                s.loss += logs.loss * w;
+                for (acc, (_, v)) in s.metrics.iter_mut().zip(&logs.metrics) {
+                    acc.1 += v * w;
+                }
+            }
+        }
+    }
+
+    fn mean(self) -> Logs {
+        let mut logs = self.sums.unwrap_or(Logs { loss: 0.0, metrics: vec![] });
+        let rows = self.rows.max(1) as f32;
+        logs.loss /= rows;
+        for m in &mut logs.metrics {
+            m.1 /= rows;
+        }
+        logs
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct History {
     pub epochs: Vec<Logs>,
@@ -248,42 +287,32 @@ impl Trainer {
             ));
         }
         let (mut xb, mut yb) = (Vec::new(), Vec::new());
-        let mut sums = Logs { loss: 0.0, metrics: Vec::new() };
+        let mut sums = RowWeighted::default();
         let order: Vec<usize> = (0..rows).collect();
         for idx in order.chunks(batch_size) {
             x.gather_rows_into(idx, &mut xb)?;
             y.gather_rows_into(idx, &mut yb)?;
             let (xs, ys) = (with_rows(x.shape(), idx.len()), with_rows(y.shape(), idx.len()));
-            let id = match self.evaluate_programs.get(&(xs.clone(), ys.clone())) {
-                Some(&id) => id,
-                None => {
-                    let start = Instant::now();
-                    let plan =
-                        compile(evaluate_graph(self.model.as_ref(), &xs, &ys, &self.config)?, &self.options)?;
-                    self.compile_time += start.elapsed();
-                    let id = self.backend.load(plan)?;
-                    self.evaluate_programs.insert((xs.clone(), ys.clone()), id);
-                    id
-                }
-            };
+            let id = self.evaluate_program(&xs, &ys)?;
             self.backend.set_input(id, "x", &xs, &xb)?;
             self.backend.set_input(id, "y", &ys, &yb)?;
             self.backend.run(id)?;
-            let logs = self.logs(id)?;
-            let w = idx.len() as f32;
-            sums.loss += logs.loss * w;
-            if sums.metrics.is_empty() {
-                sums.metrics = logs.metrics.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
-            }
-            for (acc, (_, v)) in sums.metrics.iter_mut().zip(&logs.metrics) {
-                acc.1 += v * w;
-            }
+            sums.add(&self.logs(id)?, idx.len());
         }
-        sums.loss /= rows as f32;
-        for m in &mut sums.metrics {
-            m.1 /= rows as f32;
+        Ok(sums.mean())
+    }
+
+    #[track_caller]
+    fn evaluate_program(&mut self, x: &Shape, y: &Shape) -> Result<ProgramId> {
+        if let Some(&id) = self.evaluate_programs.get(&(x.clone(), y.clone())) {
+            return Ok(id);
         }
-        Ok(sums)
+        let start = Instant::now();
+        let plan = compile(evaluate_graph(self.model.as_ref(), x, y, &self.config)?, &self.options)?;
+        self.compile_time += start.elapsed();
+        let id = self.backend.load(plan)?;
+        self.evaluate_programs.insert((x.clone(), y.clone()), id);
+        Ok(id)
     }
 
     /// The model's output for `x`, computed in one batch.
@@ -322,7 +351,7 @@ impl Trainer {
                 order.shuffle(&mut rng);
             }
             let bar = progress_bar(batches, epoch, opts);
-            let mut sums: Option<Logs> = None;
+            let mut sums = RowWeighted::default();
             for b in 0..batches {
                 let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(rows)];
                 x.gather_rows_into(idx, &mut xb)?;
@@ -333,29 +362,10 @@ impl Trainer {
                 self.backend.set_input(id, "x", &xs, &xb)?;
                 self.backend.set_input(id, "y", &ys, &yb)?;
                 self.backend.run(id)?;
-                let logs = self.logs(id)?;
-                let w = idx.len() as f32;
-                match &mut sums {
-                    None => {
-                        sums = Some(Logs {
-                            loss: logs.loss * w,
-                            metrics: logs.metrics.iter().map(|(n, v)| (n.clone(), v * w)).collect(),
-                        })
-                    }
-                    Some(s) => {
-                        s.loss += logs.loss * w;
-                        for (acc, (_, v)) in s.metrics.iter_mut().zip(&logs.metrics) {
-                            acc.1 += v * w;
-                        }
-                    }
-                }
+                sums.add(&self.logs(id)?, idx.len());
                 bar.inc(1);
             }
-            let mut logs = sums.unwrap_or(Logs { loss: 0.0, metrics: vec![] });
-            logs.loss /= rows as f32;
-            for m in &mut logs.metrics {
-                m.1 /= rows as f32;
-            }
+            let logs = sums.mean();
             bar.finish_and_clear();
             if opts.verbose {
                 eprintln!("Epoch {}/{} - {}", epoch + 1, opts.epochs, format_logs(&logs));

@@ -369,10 +369,9 @@ const TILE_FLOATS: usize = 1 << 16;
 /// block is the same GEMM on fewer rows of the first factor: its sums run over k in the same
 /// order, and `tests/fusion.rs` holds the fused plans bitwise to the unfused ones.
 struct RowBlocks {
+    /// The output's rows.
     m: usize,
-    n: usize,
-    k: usize,
-    block: usize,
+    /// The product of one whole block: `gemm.m` rows of `gemm.n`, contracting `gemm.k`.
     gemm: super::matmul::Gemm,
     parallel: bool,
     /// Epilogue kernels for a whole block and for the last, shorter one.
@@ -420,9 +419,6 @@ impl RowBlocks {
         let gemm = super::matmul::Gemm { m: block, n, k, a: (k as isize, 1), b: sb, out_rs: n as isize };
         Ok(Some(RowBlocks {
             m,
-            n,
-            k,
-            block,
             gemm,
             parallel: block * n * k >= super::matmul::SERIAL_MACS,
             whole: epilogue_for(block)?,
@@ -437,12 +433,13 @@ impl RowBlocks {
     /// for m x n floats and overlaps no factor (`Op::may_write_over` never allows it).
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let mut tile = self.tile.lock().unwrap_or_else(|e| e.into_inner());
-        tile.resize(self.block * self.n, 0.0);
+        let (block, n, k) = (self.gemm.m, self.gemm.n, self.gemm.k);
+        tile.resize(block * n, 0.0);
         let (a, b) = (inputs[0] as *const f32, inputs[1] as *const f32);
         let extra = inputs.len() - 2;
         let mut r0 = 0;
         while r0 < self.m {
-            let rows = self.block.min(self.m - r0);
+            let rows = block.min(self.m - r0);
             let gemm = super::matmul::Gemm { m: rows, ..self.gemm };
             let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
             ins[0] = tile.as_mut_ptr() as *mut u8;
@@ -454,16 +451,15 @@ impl RowBlocks {
                     None => base as *mut u8,
                 };
             }
-            let kernel =
-                if rows == self.block { &self.whole } else { self.tail.as_ref().unwrap_or(&self.whole) };
+            let kernel = if rows == block { &self.whole } else { self.tail.as_ref().unwrap_or(&self.whole) };
             // SAFETY: the block's rows of the first factor (contiguous, untransposed) and the
             // second factor are valid; the tile holds block x n floats and is the kernel's own.
             // The epilogue reads the tile and this block's rows of each operand and writes this
             // block's rows of the output, each element read before it is written (the
             // elementwise contract), rows no later block reads.
             unsafe {
-                gemm.run(a.add(r0 * self.k), b, tile.as_mut_ptr(), false, self.parallel);
-                kernel.run(&ins[..=extra], (output as *mut f32).add(r0 * self.n) as *mut u8);
+                gemm.run(a.add(r0 * k), b, tile.as_mut_ptr(), false, self.parallel);
+                kernel.run(&ins[..=extra], (output as *mut f32).add(r0 * n) as *mut u8);
             }
             r0 += rows;
         }
