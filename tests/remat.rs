@@ -48,7 +48,9 @@ fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
         validate(&limited).unwrap();
         let r = limited.memory.remat.as_ref().expect("remat figures");
         assert!(!r.recomputed.is_empty() && r.recomputed_ops >= r.recomputed.len() && r.recomputed_flops > 0);
-        assert_eq!(r.bytes_before, free.memory.planned_total_bytes(), "{name}");
+        // Remat starts from the smallest of the graphs the search planned that it can make fit
+        // (the one without a limit, or one whose updates take their gradients otherwise).
+        assert!(r.bytes_before >= free.memory.planned_total_bytes(), "{name}");
         assert_eq!(r.bytes_after, limited.memory.planned_total_bytes(), "{name}");
         assert!(r.bytes_saved() >= free.memory.planned_total_bytes() - limit, "{name}");
         assert!(limited.render().contains("rematerialization:"), "{name}");

@@ -43,6 +43,8 @@ pub struct FusionFigures {
     pub groups: usize,
     /// Ops they replaced.
     pub ops: usize,
+    /// Updates folded with their gradient's product (`product_updates`).
+    pub product_updates: usize,
 }
 
 /// A group: elementwise members in topological order and, when the group ends in a
@@ -436,7 +438,7 @@ mod tests {
         let before = g.len();
         let figures = fuse(&mut g, Products::All).unwrap();
         // sigmoid(x + b), then z = h - tanh(h * 2 + 1): two groups of 2 and 4 ops.
-        assert_eq!(figures, FusionFigures { groups: 2, ops: 6 });
+        assert_eq!(figures, FusionFigures { groups: 2, ops: 6, product_updates: 0 });
         assert_eq!(g.len(), before - 6 + 2);
         let ops = fused_ops(&g);
         let texts: Vec<String> = ops.iter().map(|(f, _)| f.text()).collect();

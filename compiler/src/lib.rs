@@ -5,7 +5,8 @@
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
-//!    then `fusion` — elementwise chains become one fused op each (plans only: eager stays unfused).
+//!    then `product_updates` — an update computes its own weight gradient, never stored — and
+//!    `fusion` — elementwise chains become one fused op each (plans only: eager stays unfused).
 //! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
 //!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
 //!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
@@ -32,6 +33,7 @@ pub mod passes;
 pub mod placement;
 pub mod plan;
 pub mod planner;
+pub mod product_updates;
 pub mod remat;
 pub mod schedule;
 pub mod step;
@@ -180,7 +182,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     };
     let mut fused = fuse(&mut graph, fusion::Products::All)?;
     let devices = devices_used(&graph, options)?;
-    let mut variants = search_tiled(graph, &devices, options)?;
+    let mut variants = search_updates(graph, &devices, options)?;
     for (_, plan) in &mut variants {
         plan.memory.fused_groups = fused.groups;
         plan.memory.fused_ops = fused.ops;
@@ -196,7 +198,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     // product; backward ones keep theirs (written over the activation they read).
     if let (true, Some(mut graph)) = (fused.groups > 0, unfused) {
         fused = fuse(&mut graph, fusion::Products::OverValues)?;
-        variants = search_tiled(graph, &devices, options)?;
+        variants = search_updates(graph, &devices, options)?;
     }
     // A training step over a limit: recompute values instead of keeping them, in each graph
     // the search planned (tiled updates change what is live, so either may fit), the smaller
@@ -226,33 +228,85 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     Err(CompileError::OutOfMemory(failure.unwrap_or(oom)))
 }
 
-/// The schedule search over the graph as it is and, for a training step below
-/// `SEARCH_PLACES_ALL_BELOW` nodes, with its weight-gradient updates tiled (`tiled_updates`):
-/// each graph with its best plan, the smaller planned total first (the graph as it is on a
-/// tie). Every plan's `schedules` lists the orders of both ("+tiled" for the tiled graph's).
-fn search_tiled(
+/// The schedule search over the ways a training step's updates can take their gradients: the
+/// graph as it is, with its weight-gradient updates tiled (`tiled_updates`: a block of rows at a
+/// time) and, with fusion on, with updates that compute their own gradient products
+/// (`product_updates`: never stored). Each graph with its best plan, the smallest planned total
+/// first (the graph as it is on a tie). Which wins depends on the model: a product update keeps
+/// its factors (an activation, a delta) until every reader of the old weight has run, which
+/// can cost more than the gradient on a narrow layer. Every plan's `schedules` lists the orders
+/// of every graph ("+tiled", "+product" for the rewritten ones'). Above
+/// `SEARCH_PLACES_ALL_BELOW` nodes only one graph is planned: with product updates when fusion
+/// is on, else as it is.
+fn search_updates(
     graph: ir::Graph,
     devices: &[DeviceSpec],
     options: &CompileOptions,
 ) -> Result<Vec<(ir::Graph, Plan)>> {
-    let plan = search(&graph, devices, options)?;
-    if !options.tile_updates || graph.len() >= SEARCH_PLACES_ALL_BELOW {
-        return Ok(vec![(graph, plan)]);
+    let folded = |graph: &ir::Graph, selection| -> Result<Option<(ir::Graph, usize)>> {
+        if !options.fuse {
+            return Ok(None);
+        }
+        let mut g = graph.clone();
+        let n = product_updates::fold(&mut g, selection)?;
+        Ok((n > 0).then_some((g, n)))
+    };
+    if graph.len() >= SEARCH_PLACES_ALL_BELOW {
+        return Ok(vec![match folded(&graph, product_updates::Selection::Paying)? {
+            Some((g, n)) => {
+                let mut plan = search(&g, devices, options)?;
+                plan.memory.product_updates = n;
+                (g, plan)
+            }
+            None => {
+                let plan = search(&graph, devices, options)?;
+                (graph, plan)
+            }
+        }]);
     }
-    let Some(tiled) = tiled_updates::tile(&graph, options.alignment)? else { return Ok(vec![(graph, plan)]) };
-    let mut other = search(&tiled.graph, devices, options)?;
-    let mut tried = plan.memory.schedules.clone();
-    tried.extend(other.memory.schedules.iter().map(|(name, total)| (format!("{name}+tiled"), *total)));
-    other.memory.schedule = format!("{}+tiled", other.memory.schedule);
-    other.memory.tiled_updates = tiled.updates;
-    other.memory.schedules = tried.clone();
-    let mut plan = plan;
-    plan.memory.schedules = tried;
-    let mut variants = vec![(graph, plan), (tiled.graph, other)];
-    if variants[1].1.memory.planned_total_bytes() < variants[0].1.memory.planned_total_bytes() {
-        variants.swap(0, 1);
+    let mut graphs: Vec<(&str, ir::Graph, usize, usize)> = Vec::new();
+    if options.tile_updates
+        && let Some(t) = tiled_updates::tile(&graph, options.alignment)?
+    {
+        graphs.push(("+tiled", t.graph, t.updates, 0));
     }
-    Ok(variants)
+    let all = folded(&graph, product_updates::Selection::All)?;
+    let paying = folded(&graph, product_updates::Selection::Paying)?;
+    if let Some((g, n)) = paying
+        && all.as_ref().is_some_and(|(_, every)| *every > n)
+    {
+        // The updates left are tiled where that is allowed.
+        let tiled = if options.tile_updates { tiled_updates::tile(&g, options.alignment)? } else { None };
+        match tiled {
+            Some(t) => graphs.push(("+product+tiled", t.graph, t.updates, n)),
+            None => graphs.push(("+some-product", g, 0, n)),
+        }
+    }
+    if let Some((g, n)) = all {
+        graphs.push(("+product", g, 0, n));
+    }
+    graphs.insert(0, ("", graph, 0, 0));
+    let mut variants = Vec::with_capacity(graphs.len());
+    let mut tried = Vec::new();
+    for (suffix, g, tiled, products) in graphs {
+        let mut plan = search(&g, devices, options)?;
+        // Ranked by the planned total without canaries (what `search` ranked by), so that guard
+        // mode keeps the graph it would keep without.
+        let total = plan.memory.schedules.iter().map(|(_, t)| *t).min().unwrap_or(usize::MAX);
+        tried.extend(plan.memory.schedules.iter().map(|(name, total)| (format!("{name}{suffix}"), *total)));
+        plan.memory.schedule = format!("{}{suffix}", plan.memory.schedule);
+        plan.memory.tiled_updates = tiled;
+        plan.memory.product_updates = products;
+        variants.push((total, g, plan));
+    }
+    variants.sort_by_key(|(total, ..)| *total);
+    Ok(variants
+        .into_iter()
+        .map(|(_, g, mut plan)| {
+            plan.memory.schedules = tried.clone();
+            (g, plan)
+        })
+        .collect())
 }
 
 /// Graphs with more nodes than this rank the candidate orders by their lower bound (the arena
@@ -261,8 +315,22 @@ fn search_tiled(
 pub const SEARCH_PLACES_ALL_BELOW: usize = 20_000;
 
 /// The schedule search: plans the graph in every candidate order and keeps the plan with the
-/// smallest planned total (the first such, program order winning ties).
+/// smallest planned total (the first such, program order winning ties). In guard mode the
+/// order is chosen as without it (canaries would tip the choice and change what runs) and then
+/// planned with the canaries.
 pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &CompileOptions) -> Result<Plan> {
+    if options.guard_bytes > 0 {
+        let chosen = search(graph, devices, &CompileOptions { guard_bytes: 0, ..options.clone() })?;
+        let order = schedule::candidates(graph)?
+            .into_iter()
+            .find(|c| c.name == chosen.memory.schedule)
+            .ok_or_else(|| CompileError::Internal(format!("no schedule named {}", chosen.memory.schedule)))?
+            .order;
+        let mut plan = plan_order(graph, &order, devices, options)?;
+        plan.memory.schedule = chosen.memory.schedule;
+        plan.memory.schedules = chosen.memory.schedules;
+        return Ok(plan);
+    }
     let candidates = schedule::candidates(graph)?;
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {

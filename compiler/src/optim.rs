@@ -128,6 +128,7 @@ impl Optimizer {
                     momentum: o.momentum,
                     nesterov: o.nesterov,
                     rows: None,
+                    product: false,
                 };
                 for (var, key, grad) in updates {
                     // State and update live on the variable's device.
@@ -156,6 +157,7 @@ impl Optimizer {
                     beta2: o.beta_2,
                     epsilon: o.epsilon,
                     rows: None,
+                    product: false,
                 };
                 for (var, key, grad) in updates {
                     effects.push(tracer.on_device(var.device(), || {

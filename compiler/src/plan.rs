@@ -154,6 +154,10 @@ pub struct MemoryFigures {
     pub fused_groups: usize,
     #[serde(default)]
     pub fused_ops: usize,
+    /// Optimizer updates that compute their own gradient product (`product_updates`; set on the
+    /// totals): each replaces two ops, and the gradient is never stored.
+    #[serde(default)]
+    pub product_updates: usize,
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
     pub remat: Option<crate::remat::RematFigures>,

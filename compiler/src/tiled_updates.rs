@@ -25,7 +25,7 @@
 //! peaks are not at a weight gradient).
 
 use crate::error::Result;
-use crate::ir::{Graph, Node, NodeId, Op, Rows, Shape};
+use crate::ir::{Grad, Graph, Node, NodeId, Op, Rows, Shape};
 
 /// A gradient is cut into at most about this many blocks of rows.
 pub const BLOCKS: usize = 4;
@@ -60,7 +60,10 @@ pub fn tile(graph: &Graph, alignment: usize) -> Result<Option<Tiled>> {
 /// The gradient node of `effect` when the update can be tiled.
 fn tileable(graph: &Graph, effect: NodeId) -> Option<NodeId> {
     let node = graph.node(effect);
-    if !matches!(node.op, Op::ApplyAdam { rows: None, .. } | Op::ApplySgd { rows: None, .. }) {
+    if !matches!(
+        node.op,
+        Op::ApplyAdam { rows: None, product: false, .. } | Op::ApplySgd { rows: None, product: false, .. }
+    ) {
         return None;
     }
     let operands = graph.operands(effect);
@@ -101,15 +104,7 @@ fn split(g: &mut Graph, effect: NodeId, grad: NodeId, alignment: usize) {
         let block = Rows { start, len: per_block.min(rows - start) };
         let shape = Shape::new(vec![block.len, cols]);
         let mm = g.add(Node { op: Op::MatMulRows { rows: block }, shape, ..product.clone() }, &ab);
-        let op = match &update.op {
-            Op::ApplyAdam { lr, beta1, beta2, epsilon, .. } => {
-                Op::ApplyAdam { lr: *lr, beta1: *beta1, beta2: *beta2, epsilon: *epsilon, rows: Some(block) }
-            }
-            Op::ApplySgd { lr, momentum, nesterov, .. } => {
-                Op::ApplySgd { lr: *lr, momentum: *momentum, nesterov: *nesterov, rows: Some(block) }
-            }
-            other => other.clone(),
-        };
+        let op = update.op.update_in(Some(block), Grad::Operand);
         let mut reads = operands.clone();
         reads[1] = mm;
         let up = g.add(Node { op, ..update.clone() }, &reads);

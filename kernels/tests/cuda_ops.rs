@@ -346,18 +346,19 @@ fn cases() -> Vec<Case> {
     v.push(case("gather_grad_row3", Op::GatherGrad { vocab: 7 }, &[&[6], &[6, 3]]).with(0, Data::Ids(7)));
     v.push(case("gather_grad_repeat", Op::GatherGrad { vocab: 3 }, &[&[40], &[40, 2]]).with(0, Data::Ids(3)));
     // ---- optimizers
-    let sgd = |lr, momentum, nesterov| Op::ApplySgd { lr, momentum, nesterov, rows: None };
+    let sgd = |lr, momentum, nesterov| Op::ApplySgd { lr, momentum, nesterov, rows: None, product: false };
     v.push(case("sgd_plain", sgd(0.01, 0.0, false), &[&[7], &[7]]));
     v.push(case("sgd_momentum", sgd(0.1, 0.9, false), &[&[3, 4], &[3, 4], &[3, 4]]));
     v.push(case("sgd_nesterov", sgd(0.05, 0.8, true), &[&[5], &[5], &[5]]));
-    let adam = Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None };
+    let adam =
+        Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false };
     v.push(
         case("adam", adam.clone(), &[&[5, 3], &[5, 3], &[5, 3], &[5, 3], &[]])
             .with(3, Data::Uniform(0.0, 1.0))
             .with(4, Data::Const(3.0)),
     );
     v.push(
-        case("adam_first_step", adam, &[&[9], &[9], &[9], &[9], &[1]])
+        case("adam_first_step", adam.clone(), &[&[9], &[9], &[9], &[9], &[1]])
             .with(2, Data::Const(0.0))
             .with(3, Data::Const(0.0))
             .with(4, Data::Const(0.0)),
@@ -370,18 +371,52 @@ fn cases() -> Vec<Case> {
         let op = Op::MatMulRows { rows: Rows { start, len } };
         v.push(case(format!("matmul_rows_{i}"), op, &[&a, &b]));
     }
-    let sgd_rows = |momentum, nesterov, r| Op::ApplySgd { lr: 0.05, momentum, nesterov, rows: r };
+    let sgd_rows =
+        |momentum, nesterov, r| Op::ApplySgd { lr: 0.05, momentum, nesterov, rows: r, product: false };
     v.push(case("sgd_rows", sgd_rows(0.0, false, rows(2, 3)), &[&[6, 4], &[3, 4]]));
     v.push(case("sgd_rows_momentum", sgd_rows(0.9, true, rows(1, 1)), &[&[3, 2, 2], &[1, 2, 2], &[3, 2, 2]]));
     v.push(
         case(
             "adam_rows",
-            Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: rows(5, 4) },
+            Op::ApplyAdam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-7,
+                rows: rows(5, 4),
+                product: false,
+            },
             &[&[9, 3], &[4, 3], &[9, 3], &[9, 3], &[]],
         )
         .with(3, Data::Uniform(0.0, 1.0))
         .with(4, Data::Const(2.0)),
     );
+    // ---- product updates: the gradient aᵀ·b made by the update's own GEMM (tiled and
+    // K-parallel shapes, one tile and many, SGD plain / momentum / Nesterov and Adam)
+    let product = |op: Op| op.update_in(None, kiln_compiler::ir::Grad::Product);
+    v.push(case("sgd_product", product(sgd(0.01, 0.0, false)), &[&[5, 3], &[7, 5], &[7, 3]]));
+    v.push(case(
+        "sgd_product_momentum",
+        product(sgd(0.1, 0.9, false)),
+        &[&[33, 17], &[40, 33], &[40, 17], &[33, 17]],
+    ));
+    v.push(case(
+        "sgd_product_nesterov",
+        product(sgd(0.05, 0.8, true)),
+        &[&[4, 70], &[2, 4], &[2, 70], &[4, 70]],
+    ));
+    let adam_product = product(adam.clone());
+    for (i, (m, r, c)) in [(32, 100, 10), (3, 130, 70), (1500, 6, 5)].into_iter().enumerate() {
+        v.push(
+            case(
+                format!("adam_product_{i}"),
+                adam_product.clone(),
+                &[&[r, c], &[m, r], &[m, c], &[r, c], &[r, c], &[]],
+            )
+            .with(4, Data::Uniform(0.0, 1.0))
+            .with(5, Data::Const(3.0)),
+        );
+    }
     v.push(case("assign_add_counter", Op::AssignAdd { value: 1.0 }, &[&[1]]));
     v.push(case("assign_add_10", Op::AssignAdd { value: -0.25 }, &[&[10]]));
     // ---- empty outputs
@@ -655,7 +690,7 @@ fn large_cases() -> Vec<Case> {
         ),
         case(
             "large_adam",
-            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8, rows: None },
+            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8, rows: None, product: false },
             &[&[big], &[big], &[big], &[big], &[]],
         ),
     ]
@@ -1051,21 +1086,18 @@ fn every_kernel_runs_on_the_host_and_matches_the_cpu() {
         runs.push(cuda_host::HostCase {
             name: c.name.clone(),
             kernel: k,
-            operands: inputs,
+            operands: inputs.clone(),
             output_len: out.len(),
         });
-        references.push((c, after, out));
+        references.push((c, inputs, after, out));
     }
     let ran = runs.len();
     let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
     let results = cuda_host::run(runs).unwrap_or_else(|e| panic!("{e}"));
     let mut failures = Vec::new();
-    for ((name, r), (c, after, out)) in names.iter().zip(&results).zip(&references) {
+    for ((name, r), (c, before, after, out)) in names.iter().zip(&results).zip(&references) {
         let check = if c.op.is_effect() {
-            c.op.mutated_operands().iter().try_for_each(|&i| {
-                cuda_host::close(&r.operands[i], &after[i], cuda_host::tolerance(&c.op))
-                    .map_err(|e| format!("operand {i}: {e}"))
-            })
+            cuda_host::check_effect(&c.op, before, &r.operands, after)
         } else {
             cuda_host::close(&r.output, out, cuda_host::tolerance(&c.op))
         };

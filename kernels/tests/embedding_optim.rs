@@ -44,14 +44,16 @@ fn gather_rows_with_repeats_and_invalid_ids() {
 fn sgd_steps() {
     let var = T::new(&[3], vec![1.0, 2.0, 3.0]);
     let grad = T::new(&[3], vec![0.5, -1.0, 2.0]);
-    let plain =
-        run_effect(&Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None }, &[&var, &grad]);
+    let plain = run_effect(
+        &Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false },
+        &[&var, &grad],
+    );
     assert_close(&plain[0].data, &[0.95, 2.1, 2.8], 1e-7);
     assert_eq!(plain[1], grad);
 
     // v = 0.9·[1, 1, 1] - 0.1·g = [0.85, 1.0, 0.7]; var += v; Nesterov: var += 0.9·v - 0.1·g.
     let vel = T::new(&[3], vec![1.0; 3]);
-    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov, rows: None };
+    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov, rows: None, product: false };
     let m = run_effect(&op(false), &[&var, &grad, &vel]);
     assert_close(&m[2].data, &[0.85, 1.0, 0.7], 1e-7);
     assert_close(&m[0].data, &[1.85, 3.0, 3.7], 1e-7);
@@ -63,7 +65,7 @@ fn sgd_steps() {
 #[test]
 fn adam_steps() {
     let (lr, b1, b2, eps) = (0.01f32, 0.9f32, 0.999f32, 1e-7f32);
-    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps, rows: None };
+    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps, rows: None, product: false };
     let var = T::new(&[2], vec![1.0, -2.0]);
     let grad = T::new(&[2], vec![0.5, -3.0]);
     let zeros = T::new(&[2], vec![0.0; 2]);
@@ -104,8 +106,9 @@ fn tiled_updates_equal_one_update() {
     let state = rand(&[k, n], 14);
     let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
     let iters = T::new(&[], vec![4.0]);
-    let adam = |rows| Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows };
-    let sgd = |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows };
+    let adam =
+        |rows| Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows, product: false };
+    let sgd = |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows, product: false };
     let whole_adam = run_effect(&adam(None), &[&var, &full, &state, &v0, &iters]);
     let whole_sgd = run_effect(&sgd(None), &[&var, &full, &state]);
     let (mut x, mut mm, mut vv) = (var.clone(), state.clone(), v0.clone());
@@ -141,7 +144,7 @@ fn optimizers_on_large_variables() {
     let grad = rand(&[n], 2);
     let vel = rand(&[n], 3);
     let out = run_effect(
-        &Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false, rows: None },
+        &Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false, rows: None, product: false },
         &[&var, &grad, &vel],
     );
     for i in (0..n).step_by(997) {
@@ -197,4 +200,42 @@ fn kernels_describe_themselves() {
     assert!(k.describe().starts_with("matmul 32x100x10"), "{}", k.describe());
     let (k, _) = kernel(&Op::Unary(kiln_compiler::ir::UnaryOp::Relu), &[&rand(&[32, 10], 3)]);
     assert_eq!(k.describe(), "relu 32x10");
+}
+
+/// A product update (`Grad::Product`): the update computes its gradient aᵀ·b block by block and
+/// leaves the variable and its state bitwise as the stored product then the update do, for one
+/// block and for several (a gradient over the 256 KiB tile), short and long contractions.
+#[test]
+fn product_updates_equal_the_product_then_the_update() {
+    use kiln_compiler::ir::Grad;
+    for (case, (m, k, n)) in [(37, 70, 23), (5, 300, 500), (700, 260, 300), (1, 1, 1)].into_iter().enumerate()
+    {
+        let (a, b) = (rand(&[m, k], 21 + case as u64), rand(&[m, n], 31 + case as u64));
+        let full = run(&Op::MatMul { transpose_a: true, transpose_b: false }, &[&a, &b]);
+        let var = rand(&[k, n], 13);
+        let state = rand(&[k, n], 14);
+        let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
+        let iters = T::new(&[], vec![4.0]);
+        let adam =
+            Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false };
+        let want = run_effect(&adam, &[&var, &full, &state, &v0, &iters]);
+        let got = run_effect(&adam.update_in(None, Grad::Product), &[&var, &a, &b, &state, &v0, &iters]);
+        for (w, g) in [(0, 0), (2, 3), (3, 4)] {
+            assert_eq!(got[g].data, want[w].data, "adam {m}x{k}x{n}: operand {w}");
+        }
+        for (momentum, nesterov) in [(0.0, false), (0.9, false), (0.9, true)] {
+            let sgd = Op::ApplySgd { lr: 0.1, momentum, nesterov, rows: None, product: false };
+            let (with, without): (Vec<&T>, Vec<&T>) = if momentum != 0.0 {
+                (vec![&var, &a, &b, &state], vec![&var, &full, &state])
+            } else {
+                (vec![&var, &a, &b], vec![&var, &full])
+            };
+            let want = run_effect(&sgd, &without);
+            let got = run_effect(&sgd.update_in(None, Grad::Product), &with);
+            assert_eq!(got[0].data, want[0].data, "sgd {momentum} {nesterov} {m}x{k}x{n}");
+            if momentum != 0.0 {
+                assert_eq!(got[3].data, want[2].data, "sgd velocity {m}x{k}x{n}");
+            }
+        }
+    }
 }

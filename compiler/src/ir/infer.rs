@@ -1,7 +1,7 @@
 //! Shape and dtype inference: the one place that says which operands an op accepts and what it
 //! produces. The tracer calls it for every op it records; `passes::verify` re-runs it over a graph.
 
-use super::{BinaryOp, DType, Op, Shape, Window2d};
+use super::{BinaryOp, DType, Grad, Op, Shape, Window2d};
 
 /// Why an op rejected its operands; the tracer adds the op, the operand shapes and the caller's line.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -398,7 +398,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((Shape::new(vec![rows.len, b.dims()[1]]), d))
         }
-        Op::ApplySgd { rows, .. } | Op::ApplyAdam { rows, .. } => {
+        Op::ApplySgd { rows, product, .. } | Op::ApplyAdam { rows, product, .. } => {
             let var = shape(0);
             // A tiled update writes a block of rows: its gradient has just those rows.
             let grad_shape = match rows {
@@ -418,11 +418,28 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                     Shape::new(dims)
                 }
             };
+            let grad = op.update_grad().unwrap_or(Grad::Operand);
+            let start = grad.state_start();
             let state: Vec<usize> = match op {
-                Op::ApplyAdam { .. } => vec![2, 3],
-                _ => (2..operands.len()).collect(),
+                Op::ApplyAdam { .. } => vec![start, start + 1],
+                _ => (start..operands.len()).collect(),
             };
-            if shape(1) != &grad_shape {
+            if *product {
+                let (a, b) = (shape(1), shape(2));
+                let fits = a.rank() == 2
+                    && b.rank() == 2
+                    && a.dims()[0] == b.dims()[0]
+                    && a.dims()[0] > 0
+                    && rows.is_none()
+                    && [a.dims()[1], b.dims()[1]] == *grad_shape.dims();
+                if !fits {
+                    return err(
+                        format!("the gradient's factors {a} and {b} do not make aᵀ·b of shape {grad_shape}"),
+                        "a product update takes a[M, R] and b[M, C] (M > 0) for a whole [R, C] variable",
+                    );
+                }
+                same_dtype(&[0, 1, 2])?;
+            } else if shape(1) != &grad_shape {
                 return err(
                     format!("the gradient has shape {} but the update writes {grad_shape}", shape(1)),
                     "the gradient must have the variable's shape (or the updated rows')",
@@ -435,7 +452,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                 );
             }
             if let Op::ApplyAdam { .. } = op
-                && shape(4).numel() != 1
+                && shape(start + 2).numel() != 1
             {
                 return err("the iteration counter must hold one element", "pass the counter variable");
             }
@@ -474,9 +491,11 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         Op::Select => 3..=3,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,
-        Op::ApplySgd { momentum, .. } if *momentum != 0.0 => 3..=3,
-        Op::ApplySgd { .. } => 2..=2,
-        Op::ApplyAdam { .. } => 5..=5,
+        Op::ApplySgd { momentum, product, .. } if *momentum != 0.0 => {
+            3 + usize::from(*product)..=3 + usize::from(*product)
+        }
+        Op::ApplySgd { product, .. } => 2 + usize::from(*product)..=2 + usize::from(*product),
+        Op::ApplyAdam { product, .. } => 5 + usize::from(*product)..=5 + usize::from(*product),
     }
 }
 

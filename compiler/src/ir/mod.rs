@@ -14,6 +14,7 @@ pub use fused::{Fused, FusedMatMul, FusedReduce};
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{
-    BinaryOp, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, UnaryOp, VarRole, Window2d,
+    BinaryOp, Grad, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, UnaryOp, VarRole,
+    Window2d,
 };
 pub use shape::Shape;

@@ -361,16 +361,20 @@ pub enum Op {
 
     // ---- training effects: write their variable operands in place, produce no tensor
     /// (var, grad) or, with momentum, (var, grad, velocity). With `rows`, only those rows of
-    /// the variable (and its state) are updated, from a gradient of just those rows.
+    /// the variable (and its state) are updated, from a gradient of just those rows. With
+    /// `product`, the gradient is the product aᵀ·b of two operands in its place (`Grad`).
     ApplySgd {
         lr: f32,
         momentum: f32,
         nesterov: bool,
         #[serde(default)]
         rows: Option<Rows>,
+        #[serde(default)]
+        product: bool,
     },
     /// (var, grad, m, v, iterations): Keras's Adam, t = iterations + 1. With `rows`, only those
-    /// rows of the variable and its state are updated, from a gradient of just those rows.
+    /// rows of the variable and its state are updated, from a gradient of just those rows. With
+    /// `product`, (var, a, b, m, v, iterations): the gradient is aᵀ·b (`Grad`).
     ApplyAdam {
         lr: f32,
         beta1: f32,
@@ -378,11 +382,34 @@ pub enum Op {
         epsilon: f32,
         #[serde(default)]
         rows: Option<Rows>,
+        #[serde(default)]
+        product: bool,
     },
     /// (var) += value.
     AssignAdd {
         value: f32,
     },
+}
+
+/// Where an optimizer update's gradient comes from (`Op::update_grad`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grad {
+    /// Operand 1 holds it.
+    Operand,
+    /// Operands 1 and 2 are a[M, R] and b[M, C] and the gradient is aᵀ·b, [R, C]: the update's
+    /// kernel computes it block by block and applies each block as it goes, so the gradient is
+    /// never stored (`product_updates`). The state follows from operand 3 on.
+    Product,
+}
+
+impl Grad {
+    /// The first optimizer-state operand (velocity, m).
+    pub fn state_start(self) -> usize {
+        match self {
+            Grad::Operand => 2,
+            Grad::Product => 3,
+        }
+    }
 }
 
 /// Broad classes the passes and the planner reason about.
@@ -495,19 +522,49 @@ impl Op {
             | Op::Pool2dGrad { .. }
             | Op::AvgPool2dGrad { .. }
             | Op::GatherGrad { .. }
-            | Op::ApplySgd { .. }
-            | Op::ApplyAdam { .. } => read(),
+            | Op::ApplySgd { product: false, .. }
+            | Op::ApplyAdam { product: false, .. } => read(),
+            // The gradient's product, 2·R·C·M, then one per variable element per operand read.
+            Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. } => {
+                let m = operand(1).map_or(0, |a| a.dims().first().copied().unwrap_or(1)) as u64;
+                let var = operand(0).map_or(0, n);
+                2 * var * m + var * operands.len() as u64
+            }
         }
     }
 
     /// Operands this op writes in place (effects only).
     pub fn mutated_operands(&self) -> &'static [usize] {
         match self {
-            Op::ApplySgd { momentum, .. } if *momentum != 0.0 => &[0, 2],
+            Op::ApplySgd { momentum, product: false, .. } if *momentum != 0.0 => &[0, 2],
+            Op::ApplySgd { momentum, product: true, .. } if *momentum != 0.0 => &[0, 3],
             Op::ApplySgd { .. } => &[0],
-            Op::ApplyAdam { .. } => &[0, 2, 3],
+            Op::ApplyAdam { product: false, .. } => &[0, 2, 3],
+            Op::ApplyAdam { product: true, .. } => &[0, 3, 4],
             Op::AssignAdd { .. } => &[0],
             _ => &[],
+        }
+    }
+
+    /// This optimizer update writing `rows` from a gradient of the given form (`Grad`); other
+    /// ops unchanged.
+    pub fn update_in(&self, rows: Option<Rows>, grad: Grad) -> Op {
+        let mut op = self.clone();
+        if let Op::ApplySgd { rows: r, product, .. } | Op::ApplyAdam { rows: r, product, .. } = &mut op {
+            *r = rows;
+            *product = grad == Grad::Product;
+        }
+        op
+    }
+
+    /// Where an optimizer update takes its gradient from, and where its state starts; None for
+    /// other ops.
+    pub fn update_grad(&self) -> Option<Grad> {
+        match self {
+            Op::ApplySgd { product, .. } | Op::ApplyAdam { product, .. } => {
+                Some(if *product { Grad::Product } else { Grad::Operand })
+            }
+            _ => None,
         }
     }
 
@@ -668,17 +725,19 @@ impl Op {
             Op::MatMulRows { rows } => {
                 let _ = write!(s, "[rows {}..{}]", rows.start, rows.start.saturating_add(rows.len));
             }
-            Op::ApplySgd { lr, momentum, nesterov, rows } => {
+            Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
                 let _ = write!(s, "[lr {lr}, momentum {momentum}");
                 if *nesterov {
                     s.push_str(", nesterov");
                 }
                 rows_label(&mut s, rows);
+                product_label(&mut s, *product);
                 s.push(']');
             }
-            Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
+            Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
                 let _ = write!(s, "[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}");
                 rows_label(&mut s, rows);
+                product_label(&mut s, *product);
                 s.push(']');
             }
             Op::AssignAdd { value } => {
@@ -690,6 +749,12 @@ impl Op {
             _ => {}
         }
         s
+    }
+}
+
+fn product_label(s: &mut String, product: bool) {
+    if product {
+        s.push_str(", gradient aᵀ·b");
     }
 }
 

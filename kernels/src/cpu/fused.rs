@@ -360,7 +360,7 @@ pub(crate) struct FusedMatMulKernel {
 
 /// Output elements in a row block's tile: 256 KiB, about what the GEMM's own packing buffers
 /// take. The tile is the kernel's, outside the arena, like them.
-const TILE_FLOATS: usize = 1 << 16;
+pub(crate) const TILE_FLOATS: usize = 1 << 16;
 
 /// A 2-D fused product that writes over an operand of its epilogue: the output is made in
 /// blocks of rows, each block's product into the tile, then the epilogue from the tile and the

@@ -120,9 +120,11 @@ pub fn prepare(
         Op::Gather => gather::gather(s[0], s[1]),
         Op::GatherGrad { vocab } => gather::gather_grad(s[0], *vocab, out),
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
-        Op::ApplySgd { lr, momentum, nesterov, rows } => optim::sgd(*lr, *momentum, *nesterov, s[0], *rows),
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
-            optim::adam(*lr, *beta1, *beta2, *epsilon, s[0], *rows)
+        Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
+            optim::sgd(*lr, *momentum, *nesterov, &s, *rows, *product)
+        }
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
+            optim::adam([*lr, *beta1, *beta2, *epsilon], &s, *rows, *product)
         }
         Op::AssignAdd { value } => optim::assign_add(*value, s[0]),
     })

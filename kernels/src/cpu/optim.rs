@@ -9,11 +9,19 @@
 //!
 //! A tiled update (`rows`) writes a block of rows: the variable and its state are read and
 //! written from that block's first element on, the gradient holds just the block.
+//!
+//! A product update (`ir::Grad::Product`) computes its gradient aᵀ·b itself, in blocks of rows
+//! into a tile of at most 256 KiB (as a fused product written over its operand does, `fused`),
+//! and applies each block before making the next: the same GEMM on fewer rows, so the results
+//! are bitwise those of the whole product stored and then applied.
 
+use super::fused::TILE_FLOATS;
+use super::matmul::{Gemm, SERIAL_MACS};
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::{Rows, Shape};
+use kiln_compiler::ir::{Grad, Rows, Shape};
 use std::slice;
+use std::sync::Mutex;
 
 /// # Safety
 /// `p` is valid for `s..e` and no other live reference covers that range.
@@ -23,112 +31,215 @@ unsafe fn part<'a>(p: SendPtr<f32>, s: usize, e: usize) -> &'a mut [f32] {
     unsafe { slice::from_raw_parts_mut(p.get().add(s), e - s) }
 }
 
-struct Sgd {
-    lr: f32,
-    momentum: f32,
-    nesterov: bool,
+/// An update's arithmetic, applied to a run of elements.
+enum Rule {
+    Sgd { lr: f32, momentum: f32, nesterov: bool },
+    Adam { lr: f32, beta1: f32, beta2: f32, epsilon: f32 },
+}
+
+/// Where a run of an update reads and writes: the variable and the state at the run's first
+/// element, the gradient's n elements, and Adam's step size.
+#[derive(Clone, Copy)]
+struct Run {
+    var: SendPtr<f32>,
+    grad: SendPtr<f32>,
+    state: [SendPtr<f32>; 2],
+    alpha: f32,
+}
+
+impl Rule {
+    /// Adam's step size α = lr·√(1-β2^t)/(1-β1^t) for the counter's value (t = counter + 1), in
+    /// f64 as Keras computes it; 0 for SGD.
+    fn alpha(&self, counter: f32) -> f32 {
+        match *self {
+            Rule::Sgd { .. } => 0.0,
+            Rule::Adam { lr, beta1, beta2, .. } => {
+                let (t, b1, b2) = (counter as f64 + 1.0, beta1 as f64, beta2 as f64);
+                (lr as f64 * (1.0 - b2.powf(t)).sqrt() / (1.0 - b1.powf(t))) as f32
+            }
+        }
+    }
+
+    /// # Safety
+    /// `run`'s pointers are valid for `n` elements each (the state ones the rule reads), the
+    /// variable's and the state's distinct from each other and from the gradient's.
+    unsafe fn apply(&self, run: Run, n: usize, parallel: bool) {
+        let body = |s: usize, e: usize| match *self {
+            Rule::Sgd { lr, momentum, nesterov } => {
+                // SAFETY: the contract above; callers take disjoint ranges.
+                let (x, g) = unsafe { (part(run.var, s, e), part(run.grad, s, e)) };
+                if momentum == 0.0 {
+                    x.iter_mut().zip(g.iter()).for_each(|(x, &g)| *x -= lr * g);
+                    return;
+                }
+                // SAFETY: as above (SGD with momentum has its velocity).
+                let v = unsafe { part(run.state[0], s, e) };
+                for ((x, &g), v) in x.iter_mut().zip(g.iter()).zip(v) {
+                    *v = momentum * *v - lr * g;
+                    *x += if nesterov { momentum * *v - lr * g } else { *v };
+                }
+            }
+            Rule::Adam { beta1, beta2, epsilon, .. } => {
+                let (one_b1, one_b2, alpha) = (1.0 - beta1, 1.0 - beta2, run.alpha);
+                // SAFETY: as above (Adam has m and v).
+                let (x, g, m, v) = unsafe {
+                    (
+                        part(run.var, s, e),
+                        part(run.grad, s, e),
+                        part(run.state[0], s, e),
+                        part(run.state[1], s, e),
+                    )
+                };
+                for (((x, &g), m), v) in x.iter_mut().zip(g.iter()).zip(m).zip(v) {
+                    *m += (g - *m) * one_b1;
+                    *v += (g * g - *v) * one_b2;
+                    *x -= alpha * *m / (v.sqrt() + epsilon);
+                }
+            }
+        };
+        let cost = match self {
+            Rule::Sgd { .. } => 3,
+            Rule::Adam { .. } => 6,
+        };
+        if parallel {
+            par_ranges(n, cost, body);
+        } else {
+            body(0, n);
+        }
+    }
+}
+
+/// The gradient of a product update (`ir::Grad::Product`): aᵀ·b for a[M, R], b[M, C], made
+/// `block` rows at a time into the kernel's tile.
+struct Product {
+    /// One whole block's GEMM: block rows of aᵀ (columns of a, read in place) by b.
+    gemm: Gemm,
+    rows: usize,
+    parallel: bool,
+    tile: Mutex<Vec<f32>>,
+}
+
+/// An optimizer update: its rule over `n` elements from element `offset` of the variable (a
+/// tiled update's block), from a stored gradient or one it computes (`product`).
+struct Update {
+    rule: Rule,
     offset: usize,
     n: usize,
+    product: Option<Product>,
+    /// Operand index of the first state tensor (`ir::Grad::state_start`).
+    state_start: usize,
     desc: String,
 }
 
-/// `rows` was checked against `var` by `ir::infer`.
+/// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
 pub(crate) fn sgd(
     lr: f32,
     momentum: f32,
     nesterov: bool,
-    var: &Shape,
+    shapes: &[&Shape],
     rows: Option<Rows>,
+    product: bool,
 ) -> Box<dyn CpuKernel> {
-    let (offset, n, part) = Rows::span(rows, var);
-    let desc = format!(
-        "apply_sgd[lr {lr}, momentum {momentum}{}] {}{part}",
-        if nesterov { ", nesterov" } else { "" },
-        shape_text(var)
-    );
-    Box::new(Sgd { lr, momentum, nesterov, offset, n, desc })
+    let desc = format!("apply_sgd[lr {lr}, momentum {momentum}{}]", if nesterov { ", nesterov" } else { "" });
+    update(Rule::Sgd { lr, momentum, nesterov }, desc, shapes, rows, product)
 }
 
-impl CpuKernel for Sgd {
-    unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
-        // SAFETY (offsets): the variable and its state hold offset + n elements (`rows` checked
-        // against the variable's shape by `ir::infer`); the gradient holds n.
-        let at = |i: usize| SendPtr::new(unsafe { (inputs[i] as *mut f32).add(self.offset) });
-        let (var, grad) = (at(0), SendPtr::new(inputs[1] as *mut f32));
-        let velocity = (self.momentum != 0.0).then(|| at(2));
-        let (lr, mu) = (self.lr, self.momentum);
-        par_ranges(self.n, 3, |s, e| {
-            // SAFETY: var, grad and velocity are distinct buffers of n elements; tasks take
-            // disjoint ranges.
-            let (x, g) = unsafe { (part(var, s, e), part(grad, s, e)) };
-            match velocity {
-                None => x.iter_mut().zip(g.iter()).for_each(|(x, &g)| *x -= lr * g),
-                Some(v) => {
-                    // SAFETY: as above.
-                    let v = unsafe { part(v, s, e) };
-                    for ((x, &g), v) in x.iter_mut().zip(g.iter()).zip(v) {
-                        *v = mu * *v - lr * g;
-                        *x += if self.nesterov { mu * *v - lr * g } else { *v };
-                    }
-                }
-            }
-        });
-    }
-
-    fn describe(&self) -> String {
-        self.desc.clone()
-    }
-}
-
-struct Adam {
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    epsilon: f32,
-    offset: usize,
-    n: usize,
-    desc: String,
-}
-
-/// `rows` was checked against `var` by `ir::infer`.
+/// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
 pub(crate) fn adam(
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    epsilon: f32,
-    var: &Shape,
+    hyper: [f32; 4],
+    shapes: &[&Shape],
     rows: Option<Rows>,
+    product: bool,
 ) -> Box<dyn CpuKernel> {
-    let (offset, n, part) = Rows::span(rows, var);
-    let desc = format!(
-        "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}{part}",
-        shape_text(var)
-    );
-    Box::new(Adam { lr, beta1, beta2, epsilon, offset, n, desc })
+    let [lr, beta1, beta2, epsilon] = hyper;
+    let desc = format!("apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]");
+    update(Rule::Adam { lr, beta1, beta2, epsilon }, desc, shapes, rows, product)
 }
 
-impl CpuKernel for Adam {
+fn update(
+    rule: Rule,
+    name: String,
+    shapes: &[&Shape],
+    rows: Option<Rows>,
+    product: bool,
+) -> Box<dyn CpuKernel> {
+    let var = shapes[0];
+    let (offset, n, part) = Rows::span(rows, var);
+    let grad = if product { Grad::Product } else { Grad::Operand };
+    let product = product.then(|| {
+        let (m, r, c) = (shapes[1].dims()[0], var.dims()[0], var.dims()[1]);
+        let block = (TILE_FLOATS / c.max(1)).clamp(1, r.max(1));
+        Product {
+            gemm: Gemm { m: block, n: c, k: m, a: (1, r as isize), b: (c as isize, 1), out_rs: c as isize },
+            rows: r,
+            // The whole product's threading (`matmul`): the same GEMM calls, on fewer rows.
+            parallel: r * c * m >= SERIAL_MACS,
+            tile: Mutex::new(Vec::new()),
+        }
+    });
+    let from = match &product {
+        Some(p) => format!(
+            " from {}ᵀ @ {} in blocks of {} rows",
+            shape_text(shapes[1]),
+            shape_text(shapes[2]),
+            p.gemm.m
+        ),
+        None => String::new(),
+    };
+    let desc = format!("{name} {}{part}{from}", shape_text(var));
+    Box::new(Update { rule, offset, n, product, state_start: grad.state_start(), desc })
+}
+
+impl CpuKernel for Update {
     unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
         // SAFETY (offsets): the variable and its state hold offset + n elements (`rows` checked
-        // against the variable's shape by `ir::infer`); the gradient holds n.
-        let at = |i: usize| SendPtr::new(unsafe { (inputs[i] as *mut f32).add(self.offset) });
-        let [var, m, v] = [0, 2, 3].map(at);
-        let grad = SendPtr::new(inputs[1] as *mut f32);
-        // SAFETY: the counter holds one element.
-        let t = unsafe { *(inputs[4] as *const f32) } as f64 + 1.0;
-        let (b1, b2) = (self.beta1 as f64, self.beta2 as f64);
-        let alpha = (self.lr as f64 * (1.0 - b2.powf(t)).sqrt() / (1.0 - b1.powf(t))) as f32;
-        let (one_b1, one_b2, eps) = (1.0 - self.beta1, 1.0 - self.beta2, self.epsilon);
-        par_ranges(self.n, 6, |s, e| {
-            // SAFETY: var, grad, m and v are distinct buffers of n elements; tasks take disjoint
-            // ranges.
-            let (x, g, m, v) = unsafe { (part(var, s, e), part(grad, s, e), part(m, s, e), part(v, s, e)) };
-            for (((x, &g), m), v) in x.iter_mut().zip(g.iter()).zip(m).zip(v) {
-                *m += (g - *m) * one_b1;
-                *v += (g * g - *v) * one_b2;
-                *x -= alpha * *m / (v.sqrt() + eps);
+        // against the variable's shape by `ir::infer`); a stored gradient holds n.
+        let at = |i: usize| {
+            SendPtr::new(
+                inputs.get(i).map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(self.offset) }),
+            )
+        };
+        let state = [at(self.state_start), at(self.state_start + 1)];
+        let alpha = match self.rule {
+            // SAFETY: Adam's counter (after m and v) holds one element.
+            Rule::Adam { .. } => self.rule.alpha(unsafe { *(inputs[self.state_start + 2] as *const f32) }),
+            Rule::Sgd { .. } => 0.0,
+        };
+        let var = at(0);
+        let Some(p) = &self.product else {
+            let grad = SendPtr::new(inputs[1] as *mut f32);
+            // SAFETY: var, grad and the state are distinct buffers of n elements from `at`.
+            unsafe { self.rule.apply(Run { var, grad, state, alpha }, self.n, true) };
+            return;
+        };
+        let mut tile = p.tile.lock().unwrap_or_else(|e| e.into_inner());
+        let (block, cols) = (p.gemm.m, p.gemm.n);
+        tile.resize(block * cols, 0.0);
+        let (a, b) = (inputs[1] as *const f32, inputs[2] as *const f32);
+        let mut r0 = 0;
+        while r0 < p.rows {
+            let rows = block.min(p.rows - r0);
+            let gemm = Gemm { m: rows, ..p.gemm };
+            let shift = |x: SendPtr<f32>| {
+                SendPtr::new(if x.get().is_null() { x.get() } else { unsafe { x.get().add(r0 * cols) } })
+            };
+            let run = Run {
+                var: shift(var),
+                grad: SendPtr::new(tile.as_mut_ptr()),
+                state: state.map(shift),
+                alpha,
+            };
+            // SAFETY: columns r0..r0 + rows of a[M, R] (strides (1, R) as rows of aᵀ) and b[M, C]
+            // are valid (`ir::infer` checked the factors against the variable [R, C]); the tile
+            // holds block x C floats and is this kernel's own. The update then runs over this
+            // block's rows x C elements of the variable and state (distinct variables, neither
+            // a factor: `product_updates` folds no update that writes its own factor).
+            unsafe {
+                gemm.run(a.add(r0), b, tile.as_mut_ptr(), false, p.parallel);
+                self.rule.apply(run, rows * cols, p.parallel);
             }
-        });
+            r0 += rows;
+        }
     }
 
     fn describe(&self) -> String {

@@ -18,7 +18,7 @@
 
 use super::codegen::{Code, header, idx_type, int};
 use super::elementwise::Map;
-use super::gemm::{Gemm, Operand};
+use super::gemm::{Gemm, Operand, Sink};
 use super::{Arg, CudaKernel};
 use crate::geometry::Geom;
 use kiln_compiler::ir::{Shape, Window2d};
@@ -136,7 +136,7 @@ pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: 
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        epilogue: None,
+        sink: Sink::Output,
     };
     finish(head, gemm, describe)
 }
@@ -204,7 +204,7 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        epilogue: None,
+        sink: Sink::Output,
     };
     finish(head, gemm, describe)
 }
@@ -240,7 +240,7 @@ pub(crate) fn backprop_filter(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into() },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        epilogue: None,
+        sink: Sink::Output,
     };
     finish(head, gemm, describe)
 }

@@ -252,8 +252,32 @@ pub(crate) struct Gemm {
     pub ty: &'static str,
     /// Which launch arguments the two operand pointers are.
     pub args: [Arg; 2],
-    /// An elementwise epilogue applied to every product as it is stored (a fused matmul).
-    pub epilogue: Option<Epilogue>,
+    /// What becomes of every product.
+    pub sink: Sink,
+}
+
+/// Where a GEMM's products go.
+pub(crate) enum Sink {
+    /// Stored in the output.
+    Output,
+    /// Through an elementwise epilogue into the output (a fused matmul).
+    Epilogue(Epilogue),
+    /// Handed to an in-place update, element by element, and never stored: an optimizer update
+    /// that computes its own gradient (`ir::Grad::Product`). No output argument.
+    Update(Update),
+}
+
+/// An update fed by a GEMM: `definition` declares `kiln_update(value, i, ...)` (`i` the
+/// element's index in the M x N matrix), `params` are the kernel's parameters after the two
+/// factors (the update's operands, pointers for `args`), `prelude` runs once per thread before
+/// the K loop (what the update needs from the step, as Adam's step size from its counter), and
+/// `call` is what follows `value, i` in each call.
+pub(crate) struct Update {
+    pub definition: String,
+    pub params: String,
+    pub args: Vec<Arg>,
+    pub prelude: Vec<String>,
+    pub call: String,
 }
 
 /// What a GEMM applies to its products as it stores them: `kiln_epilogue(value, i, e0, ...)`
@@ -268,8 +292,15 @@ impl Gemm {
     /// Appends the kernel to `c`; returns its launch and a description of the tiling.
     pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
         assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
-        if let Some(e) = &self.epilogue {
-            c.line(&e.definition);
+        match &self.sink {
+            Sink::Output => {}
+            Sink::Epilogue(e) => {
+                c.line(&e.definition);
+            }
+            Sink::Update(u) => {
+                assert_eq!(self.batch, 1, "an update's gradient is one matrix");
+                c.line(&u.definition);
+            }
         }
         match plan(self.m, self.n, self.k, self.batch) {
             Plan::Tiled(t) => self.tiled(c, t),
@@ -308,10 +339,18 @@ impl Gemm {
         if all_bases || self.b.load.contains("base") {
             c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
         }
-        if self.batch > 1 {
-            c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
-        } else {
-            c.line("float* o = out;");
+        match &self.sink {
+            Sink::Update(u) => {
+                for l in &u.prelude {
+                    c.line(l);
+                }
+            }
+            _ if self.batch > 1 => {
+                c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
+            }
+            _ => {
+                c.line("float* o = out;");
+            }
         }
     }
 
@@ -321,34 +360,47 @@ impl Gemm {
             grid: [u32::try_from(blocks).expect("fewer than 2^32 blocks"), 1, 1],
             block: [threads as u32, 1, 1],
             shared_bytes: 0,
-            args: self.args.iter().copied().chain(self.extra()).chain([Arg::Output]).collect(),
+            args: self.args.iter().copied().chain(self.sink_args()).collect(),
         }
     }
 
-    fn extra(&self) -> Vec<Arg> {
-        self.epilogue.as_ref().map_or_else(Vec::new, |e| e.extra.clone())
+    /// The launch arguments after the factors.
+    fn sink_args(&self) -> Vec<Arg> {
+        match &self.sink {
+            Sink::Output => vec![Arg::Output],
+            Sink::Epilogue(e) => e.extra.iter().copied().chain([Arg::Output]).collect(),
+            Sink::Update(u) => u.args.clone(),
+        }
     }
 
-    /// The kernel's parameters: the factors, the epilogue's operands, the output. The output
-    /// may be an epilogue operand's memory (`Op::may_write_over`: each element's operands are
-    /// read by the thread that then stores it), so neither is `__restrict__` when there is an
-    /// epilogue; the factors never alias the output.
+    /// The kernel's parameters: the factors, then the epilogue's operands and the output, or
+    /// the update's operands. The output may be an epilogue operand's memory
+    /// (`Op::may_write_over`: each element's operands are read by the thread that then stores
+    /// it), so neither is `__restrict__` when there is an epilogue; the factors never alias the
+    /// output, nor what an update writes (`product_updates` checks it).
     fn params(&self) -> String {
-        let extra: String = (0..self.extra().len()).map(|j| format!(", const float* e{j}")).collect();
-        let out = if self.epilogue.is_some() { "float* out" } else { "float* __restrict__ out" };
-        format!("const float* __restrict__ in0, const float* __restrict__ in1{extra}, {out}")
+        let factors = "const float* __restrict__ in0, const float* __restrict__ in1";
+        match &self.sink {
+            Sink::Output => format!("{factors}, float* __restrict__ out"),
+            Sink::Epilogue(e) => {
+                let extra: String = (0..e.extra.len()).map(|j| format!(", const float* e{j}")).collect();
+                format!("{factors}{extra}, float* out")
+            }
+            Sink::Update(u) => format!("{factors}, {}", u.params),
+        }
     }
 
     /// Stores `value` as output element (gm, gn) of this block's matrix `o`, through the
-    /// epilogue if there is one.
+    /// epilogue if there is one, or applies it as the update's gradient element.
     fn store(&self, value: &str) -> String {
         let at = format!("gm * {} + gn", int(self.n));
-        match &self.epilogue {
-            None => format!("o[{at}] = {value};"),
-            Some(e) => {
+        match &self.sink {
+            Sink::Output => format!("o[{at}] = {value};"),
+            Sink::Epilogue(e) => {
                 let extra: String = (0..e.extra.len()).map(|j| format!(", e{j}")).collect();
                 format!("o[{at}] = kiln_epilogue({value}, ({})(o - out) + {at}{extra});", self.ty)
             }
+            Sink::Update(u) => format!("kiln_update({value}, {at}, {});", u.call),
         }
     }
 

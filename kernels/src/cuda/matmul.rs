@@ -9,7 +9,7 @@
 
 use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
-use super::gemm::{Epilogue, Gemm, Operand};
+use super::gemm::{Epilogue, Gemm, Operand, Sink};
 use super::{Arg, CudaKernel};
 use kiln_compiler::ir::{Fused, FusedMatMul, Rows, Shape};
 
@@ -134,13 +134,13 @@ fn product(
         b: Operand { k_contiguous: tb, load: b_load, batch_offset: b_off },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        epilogue: epilogue.map(|(program, extra)| {
+        sink: epilogue.map_or(Sink::Output, |(program, extra)| {
             let mut shapes = vec![out];
             shapes.extend_from_slice(extra);
-            Epilogue {
+            Sink::Epilogue(Epilogue {
                 definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
                 extra: (2..2 + extra.len()).map(Arg::Input).collect(),
-            }
+            })
         }),
     };
     let mut c = Code::new();
@@ -182,7 +182,7 @@ pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &S
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        epilogue: None,
+        sink: Sink::Output,
     };
     let mut c = Code::new();
     c.line(header(label, &[a, b], Some(out)));

@@ -148,11 +148,11 @@ pub fn generate(
         Op::Gather => gather::gather(l, s[0], s[1], out),
         Op::GatherGrad { vocab } => gather::gather_grad(l, s[0], s[1], *vocab, out),
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),
-        Op::ApplySgd { lr, momentum, nesterov, rows } => {
-            optim::sgd(l, *lr, *momentum, *nesterov, s[0], *rows, &s)
+        Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
+            optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s)
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows } => {
-            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], s[0], *rows, &s)
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
+            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], *rows, *product, &s)
         }
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
     })

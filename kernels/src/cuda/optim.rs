@@ -13,10 +13,16 @@
 //! state's pointers to the block's first element and updates as many elements as the gradient
 //! (just the block) holds.
 //!
+//! A product update (`ir::Grad::Product`) is the tiled GEMM of its gradient aᵀ·b whose store is
+//! the update's arithmetic (`gemm::Sink::Update`): each thread applies the products it would
+//! have stored, so the gradient is never in memory; Adam's step size is computed once per
+//! thread before the K loop. One definition of each rule's arithmetic serves both kernels.
+//!
 //! Products that feed a sum are `__fmul_rn` (never fused), so the f32 updates are bitwise the
 //! CPU's; α can differ from the CPU's in its last bit where CUDA's `pow` and glibc's do.
 
 use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
+use super::gemm::{Gemm, Operand, Sink, Update};
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::{Rows, Shape};
 
@@ -39,102 +45,217 @@ fn launch(function: &str, work: usize, inputs: usize) -> Launch {
     }
 }
 
+/// An update's code around one element: `setup` once per thread (Adam's step size from the
+/// counter), `constants` (literals), `body` applying gradient `g` to element `i` of `var` and
+/// the state (`state`, by parameter name); `counter` when the op reads an iteration counter.
+struct Rule {
+    name: &'static str,
+    setup: Vec<String>,
+    constants: Vec<String>,
+    body: Vec<String>,
+    state: Vec<&'static str>,
+    counter: bool,
+    describe: String,
+}
+
+fn sgd_rule(lr: f32, momentum: f32, nesterov: bool) -> Rule {
+    let with_velocity = momentum != 0.0;
+    let mut constants = vec![format!("const float lr = {};", flt(lr))];
+    let mut body = Vec::new();
+    if with_velocity {
+        constants.push(format!("const float momentum = {};", flt(momentum)));
+        body.push("const float vi = __fmul_rn(momentum, velocity[i]) - __fmul_rn(lr, g);".to_string());
+        body.push("velocity[i] = vi;".into());
+        body.push(if nesterov {
+            "var[i] = var[i] + (__fmul_rn(momentum, vi) - __fmul_rn(lr, g));".into()
+        } else {
+            "var[i] = var[i] + vi;".into()
+        });
+    } else {
+        body.push("var[i] = var[i] - __fmul_rn(lr, g);".into());
+    }
+    Rule {
+        name: "sgd",
+        setup: Vec::new(),
+        constants,
+        body,
+        state: if with_velocity { vec!["velocity"] } else { Vec::new() },
+        counter: false,
+        describe: format!(
+            "apply_sgd[lr {lr}, momentum {momentum}{}]",
+            if nesterov { ", nesterov" } else { "" }
+        ),
+    }
+}
+
+/// `hyper` is (lr, beta1, beta2, epsilon).
+fn adam_rule(hyper: [f32; 4]) -> Rule {
+    let [lr, beta1, beta2, epsilon] = hyper;
+    Rule {
+        name: "adam",
+        setup: vec![
+            "const double kiln_t = (double)iterations[0] + 1.0;".into(),
+            format!(
+                "const float alpha = (float)({} * sqrt(1.0 - pow({}, kiln_t)) / (1.0 - pow({}, kiln_t)));",
+                dbl(lr as f64),
+                dbl(beta2 as f64),
+                dbl(beta1 as f64)
+            ),
+        ],
+        constants: vec![
+            format!("const float one_minus_beta1 = {};", flt(1.0 - beta1)),
+            format!("const float one_minus_beta2 = {};", flt(1.0 - beta2)),
+            format!("const float epsilon = {};", flt(epsilon)),
+        ],
+        body: vec![
+            "const float mi = m[i] + __fmul_rn(g - m[i], one_minus_beta1);".into(),
+            "const float vi = v[i] + __fmul_rn(__fmul_rn(g, g) - v[i], one_minus_beta2);".into(),
+            "m[i] = mi;".into(),
+            "v[i] = vi;".into(),
+            "var[i] = var[i] - __fmul_rn(alpha, mi) / (sqrtf(vi) + epsilon);".into(),
+        ],
+        state: vec!["m", "v"],
+        counter: true,
+        describe: format!("apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]"),
+    }
+}
+
+impl Rule {
+    /// The variable's parameter, the stored gradient's (with `grad`), the state's and, with a
+    /// counter, the counter's.
+    fn params(&self, grad: bool) -> String {
+        let mut p = vec!["float* __restrict__ var".to_string()];
+        if grad {
+            p.push("const float* __restrict__ grad".into());
+        }
+        p.extend(self.state.iter().map(|n| format!("float* __restrict__ {n}")));
+        if self.counter {
+            p.push("const float* __restrict__ iterations".into());
+        }
+        p.join(", ")
+    }
+
+    /// The kernel over a stored gradient (operand 1), `n` elements from `offset` (a tiled
+    /// update's block).
+    fn kernel(self, label: &str, var: &Shape, rows: Option<Rows>, shapes: &[&Shape]) -> CudaKernel {
+        let (offset, n, part) = Rows::span(rows, var);
+        let ty = idx_type(var.numel());
+        let function = format!("kiln_apply_{}", self.name);
+        let mut c = Code::new();
+        c.line(header(label, shapes, None));
+        c.line(format!("extern \"C\" __global__ void {function}({}) {{", self.params(true)));
+        for l in self.setup.iter().chain(&self.constants) {
+            c.line(l);
+        }
+        let mut moved = vec!["var"];
+        moved.extend(&self.state);
+        shift(&mut c, &moved, offset);
+        c.line(grid_loop(ty, "i", n));
+        c.line("const float g = grad[i];");
+        for l in &self.body {
+            c.line(l);
+        }
+        c.line("}");
+        c.line("}");
+        let inputs = 2 + self.state.len() + usize::from(self.counter);
+        CudaKernel {
+            source: c.finish(),
+            launches: vec![launch(&function, n, inputs)],
+            describe: format!("{} {}{part}", self.describe, shape_text(var)),
+        }
+    }
+
+    /// The kernel that computes the gradient aᵀ·b (a[M, R] = operand 1, b[M, C] = operand 2)
+    /// with the tiled GEMM and applies each product as it would store it: the gradient is
+    /// never in memory. The state follows from operand 3.
+    fn product_kernel(self, label: &str, shapes: &[&Shape]) -> CudaKernel {
+        let (var, a, b) = (shapes[0], shapes[1], shapes[2]);
+        let (m, r, cols) = (a.dims()[0], var.dims()[0], var.dims()[1]);
+        let ty = idx_type(shapes.iter().map(|s| s.numel()).max().unwrap_or(0));
+        let mut names = vec!["var"];
+        names.extend(&self.state);
+        let with_alpha = !self.setup.is_empty();
+        let mut definition = format!(
+            "__device__ __forceinline__ void kiln_update(float g, {ty} i{}, {}) {{\n",
+            if with_alpha { ", float alpha" } else { "" },
+            names.iter().map(|n| format!("float* __restrict__ {n}")).collect::<Vec<_>>().join(", ")
+        );
+        for l in self.constants.iter().chain(&self.body) {
+            definition.push_str(l);
+            definition.push('\n');
+        }
+        definition.push('}');
+        let call = if with_alpha { format!("alpha, {}", names.join(", ")) } else { names.join(", ") };
+        let mut args = vec![Arg::Input(0)];
+        args.extend((3..3 + self.state.len() + usize::from(self.counter)).map(Arg::Input));
+        let gemm = Gemm {
+            name: format!("kiln_apply_{}_product", self.name),
+            m: r,
+            n: cols,
+            k: m,
+            batch: 1,
+            a: Operand {
+                k_contiguous: false,
+                load: format!("v = src[gk * {} + gr];", int(r)),
+                batch_offset: "0".into(),
+            },
+            b: Operand {
+                k_contiguous: false,
+                load: format!("v = src[gk * {} + gr];", int(cols)),
+                batch_offset: "0".into(),
+            },
+            ty,
+            args: [Arg::Input(1), Arg::Input(2)],
+            sink: Sink::Update(Update {
+                definition,
+                params: self.params(false),
+                args,
+                prelude: self.setup.clone(),
+                call,
+            }),
+        };
+        let mut c = Code::new();
+        c.line(header(label, shapes, None));
+        let (launch, tiling) = gemm.generate(&mut c);
+        CudaKernel {
+            source: c.finish(),
+            launches: vec![launch],
+            describe: format!(
+                "{} {} from {}ᵀ @ {} ({tiling})",
+                self.describe,
+                shape_text(var),
+                shape_text(a),
+                shape_text(b)
+            ),
+        }
+    }
+}
+
+/// The update's kernel: over a stored gradient, or computing it (`product`; checked against
+/// the variable by `ir::infer`, as `rows` is).
+fn update(rule: Rule, label: &str, rows: Option<Rows>, product: bool, shapes: &[&Shape]) -> CudaKernel {
+    if product { rule.product_kernel(label, shapes) } else { rule.kernel(label, shapes[0], rows, shapes) }
+}
+
 pub(crate) fn sgd(
     label: &str,
-    lr: f32,
-    momentum: f32,
-    nesterov: bool,
-    var: &Shape,
+    (lr, momentum, nesterov): (f32, f32, bool),
     rows: Option<Rows>,
+    product: bool,
     shapes: &[&Shape],
 ) -> CudaKernel {
-    let (offset, n, part) = Rows::span(rows, var);
-    let ty = idx_type(var.numel());
-    let with_velocity = momentum != 0.0;
-    let mut c = Code::new();
-    c.line(header(label, shapes, None));
-    let mut p = vec!["float* __restrict__ var", "const float* __restrict__ grad"];
-    if with_velocity {
-        p.push("float* __restrict__ velocity");
-    }
-    c.line(format!("extern \"C\" __global__ void kiln_apply_sgd({}) {{", p.join(", ")));
-    c.line(format!("const float lr = {};", flt(lr)));
-    if with_velocity {
-        c.line(format!("const float momentum = {};", flt(momentum)));
-    }
-    shift(&mut c, if with_velocity { &["var", "velocity"] } else { &["var"] }, offset);
-    c.line(grid_loop(ty, "i", n));
-    c.line("const float g = grad[i];");
-    if with_velocity {
-        c.line("const float v = __fmul_rn(momentum, velocity[i]) - __fmul_rn(lr, g);");
-        c.line("velocity[i] = v;");
-        if nesterov {
-            c.line("var[i] = var[i] + (__fmul_rn(momentum, v) - __fmul_rn(lr, g));");
-        } else {
-            c.line("var[i] = var[i] + v;");
-        }
-    } else {
-        c.line("var[i] = var[i] - __fmul_rn(lr, g);");
-    }
-    c.line("}");
-    c.line("}");
-    let describe = format!(
-        "apply_sgd[lr {lr}, momentum {momentum}{}] {}{part}",
-        if nesterov { ", nesterov" } else { "" },
-        shape_text(var)
-    );
-    CudaKernel {
-        source: c.finish(),
-        launches: vec![launch("kiln_apply_sgd", n, if with_velocity { 3 } else { 2 })],
-        describe,
-    }
+    update(sgd_rule(lr, momentum, nesterov), label, rows, product, shapes)
 }
 
 /// `hyper` is (lr, beta1, beta2, epsilon).
 pub(crate) fn adam(
     label: &str,
     hyper: [f32; 4],
-    var: &Shape,
     rows: Option<Rows>,
+    product: bool,
     shapes: &[&Shape],
 ) -> CudaKernel {
-    let [lr, beta1, beta2, epsilon] = hyper;
-    let (offset, n, part) = Rows::span(rows, var);
-    let ty = idx_type(var.numel());
-    let mut c = Code::new();
-    c.line(header(label, shapes, None));
-    c.line(
-        "extern \"C\" __global__ void kiln_apply_adam(float* __restrict__ var, const float* __restrict__ grad, \
-         float* __restrict__ m, float* __restrict__ v, const float* __restrict__ iterations) {",
-    );
-    c.line("const double t = (double)iterations[0] + 1.0;");
-    c.line(format!(
-        "const float alpha = (float)({} * sqrt(1.0 - pow({}, t)) / (1.0 - pow({}, t)));",
-        dbl(lr as f64),
-        dbl(beta2 as f64),
-        dbl(beta1 as f64)
-    ));
-    c.line(format!("const float one_minus_beta1 = {};", flt(1.0 - beta1)));
-    c.line(format!("const float one_minus_beta2 = {};", flt(1.0 - beta2)));
-    c.line(format!("const float epsilon = {};", flt(epsilon)));
-    shift(&mut c, &["var", "m", "v"], offset);
-    c.line(grid_loop(ty, "i", n));
-    c.line("const float g = grad[i];");
-    c.line("const float mi = m[i] + __fmul_rn(g - m[i], one_minus_beta1);");
-    c.line("const float vi = v[i] + __fmul_rn(__fmul_rn(g, g) - v[i], one_minus_beta2);");
-    c.line("m[i] = mi;");
-    c.line("v[i] = vi;");
-    c.line("var[i] = var[i] - __fmul_rn(alpha, mi) / (sqrtf(vi) + epsilon);");
-    c.line("}");
-    c.line("}");
-    CudaKernel {
-        source: c.finish(),
-        launches: vec![launch("kiln_apply_adam", n, 5)],
-        describe: format!(
-            "apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}] {}{part}",
-            shape_text(var)
-        ),
-    }
+    update(adam_rule(hyper), label, rows, product, shapes)
 }
 
 pub(crate) fn assign_add(label: &str, value: f32, var: &Shape) -> CudaKernel {

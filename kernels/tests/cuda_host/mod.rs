@@ -56,8 +56,47 @@ pub fn tolerance(op: &Op) -> f32 {
         | Op::LogSoftmax { .. }
         | Op::GatherGrad { .. } => 1e-4,
         Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => 1e-4,
+        Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. } => 1e-4,
         _ => 1e-5,
     }
+}
+
+/// Whether an effect's operands after the host run (`got`) match the CPU's (`want`), from the
+/// operands both started with (`before`): each mutated operand within `tolerance`, except a
+/// product Adam update's. Its gradient is a product summed in another order, and Adam divides
+/// each gradient element by its own magnitude: the moments are compared against their largest
+/// magnitude (the product's error is relative to the sum of |terms|), and each weight element
+/// within 1e-4 of itself plus up to two steps (2α) scaled by how uncertain its first moment is
+/// (1e-4 of the largest moment over its own): a gradient that is rounding noise moves the weight
+/// by a whole normalised step in whatever direction the noise has.
+pub fn check_effect(op: &Op, before: &[Vec<f32>], got: &[Vec<f32>], want: &[Vec<f32>]) -> Result<(), String> {
+    let Op::ApplyAdam { lr, beta1, beta2, product: true, .. } = *op else {
+        let tol = tolerance(op);
+        return op
+            .mutated_operands()
+            .iter()
+            .try_for_each(|&i| close(&got[i], &want[i], tol).map_err(|e| format!("operand {i}: {e}")));
+    };
+    let largest = |x: &[f32]| x.iter().fold(f32::MIN_POSITIVE, |a, v| a.max(v.abs()));
+    for i in [3, 4] {
+        let scale = largest(&want[i]);
+        if let Some(j) = (0..want[i].len()).find(|&j| (got[i][j] - want[i][j]).abs() > 1e-4 * scale) {
+            return Err(format!(
+                "operand {i} element {j}: {} on the host, {} on the CPU",
+                got[i][j], want[i][j]
+            ));
+        }
+    }
+    let t = before[5][0] as f64 + 1.0;
+    let alpha = (lr as f64 * (1.0 - (beta2 as f64).powf(t)).sqrt() / (1.0 - (beta1 as f64).powf(t))) as f32;
+    let m_tol = 1e-4 * largest(&want[3]);
+    for (j, ((&g, &w), &m)) in got[0].iter().zip(&want[0]).zip(&want[3]).enumerate() {
+        let tol = 1e-4 * w.abs().max(1.0) + 2.0 * alpha * (m_tol / m.abs().max(1e-30)).min(1.0);
+        if (g - w).abs() > tol {
+            return Err(format!("operand 0 element {j}: {g} on the host, {w} on the CPU (tolerance {tol})"));
+        }
+    }
+    Ok(())
 }
 
 /// Whether a C++20 compiler is present (CI has one; the test says so where not).
