@@ -217,6 +217,38 @@ impl Graph {
         }
     }
 
+    /// Makes `node` read `operands`, in order. Edges from sources it already reads are kept, with
+    /// their operand index updated, so that a source with many readers (an optimizer's
+    /// iteration counter, read by every update) is never walked; edges from sources it no
+    /// longer reads are removed.
+    pub fn set_operands(&mut self, node: NodeId, operands: &[NodeId]) {
+        let existing: Vec<(petgraph::stable_graph::EdgeIndex, NodeId)> = self
+            .g
+            .edges_directed(node, Direction::Incoming)
+            .filter(|e| matches!(e.weight(), Edge::Operand(_)))
+            .map(|e| (e.id(), e.source()))
+            .collect();
+        let mut kept = vec![false; existing.len()];
+        for (i, &o) in operands.iter().enumerate() {
+            match (0..existing.len()).find(|&j| !kept[j] && existing[j].1 == o) {
+                Some(j) => {
+                    kept[j] = true;
+                    if let Some(w) = self.g.edge_weight_mut(existing[j].0) {
+                        *w = Edge::Operand(i as u32);
+                    }
+                }
+                None => {
+                    self.g.add_edge(o, node, Edge::Operand(i as u32));
+                }
+            }
+        }
+        for (j, &(e, _)) in existing.iter().enumerate() {
+            if !kept[j] {
+                self.g.remove_edge(e);
+            }
+        }
+    }
+
     pub fn remove(&mut self, id: NodeId) -> Option<Node> {
         self.outputs.retain(|(_, o)| *o != id);
         self.g.remove_node(id)
@@ -272,5 +304,32 @@ impl Graph {
 
     pub fn petgraph(&self) -> &StableDiGraph<Node, Edge> {
         &self.g
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_operands_keeps_reorders_adds_and_drops_edges() {
+        let mut g = Graph::new("g");
+        let s = Shape::new([2]);
+        let node = |name: &str| Node {
+            op: Op::Input { name: name.into(), shape: s.clone(), dtype: DType::F32 },
+            shape: s.clone(),
+            dtype: DType::F32,
+            device: DeviceId(0),
+            name: None,
+            origin: None,
+        };
+        let [x, y, z, w] = ["x", "y", "z", "w"].map(|n| g.add(node(n), &[]));
+        let sum = g.add(Node { op: Op::Concat { axis: 0 }, ..node("sum") }, &[x, y, z]);
+        g.add_control(w, sum);
+        g.set_operands(sum, &[x, w, z, z]);
+        assert_eq!(g.operands(sum), [x, w, z, z]);
+        assert!(g.users(y).is_empty());
+        assert_eq!(g.users(w), [sum]);
+        assert_eq!(g.control_predecessors(sum), [w], "control edges are left alone");
     }
 }

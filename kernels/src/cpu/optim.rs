@@ -10,16 +10,18 @@
 //! A tiled update (`rows`) writes a block of rows: the variable and its state are read and
 //! written from that block's first element on, the gradient holds just the block.
 //!
-//! A product update (`ir::Grad::Product`) computes its gradient aᵀ·b itself, in blocks of rows
-//! into a tile of at most 256 KiB (as a fused product written over its operand does, `fused`),
-//! and applies each block before making the next: the same GEMM on fewer rows, so the results
-//! are bitwise those of the whole product stored and then applied.
+//! A product update (`ir::Grad::Product`) computes its gradient aᵀ·b itself, in blocks of rows,
+//! each into a tile of at most 256 KiB (as a fused product written over its operand does,
+//! `fused`) and applied from there: the same GEMM on fewer rows, so the results are bitwise
+//! those of the whole product stored and then applied. Blocks run in parallel, one thread and
+//! one tile each.
 
 use super::fused::TILE_FLOATS;
 use super::matmul::{Gemm, SERIAL_MACS};
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{Grad, Rows, Shape};
+use rayon::prelude::*;
 use std::slice;
 use std::sync::Mutex;
 
@@ -116,7 +118,18 @@ struct Product {
     gemm: Gemm,
     rows: usize,
     parallel: bool,
-    tile: Mutex<Vec<f32>>,
+    /// Tiles of `gemm.m` x `gemm.n` floats, one per block being made at once.
+    tiles: Mutex<Vec<Vec<f32>>>,
+}
+
+impl Product {
+    fn take_tile(&self) -> Vec<f32> {
+        self.tiles.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default()
+    }
+
+    fn give_back(&self, tile: Vec<f32>) {
+        self.tiles.lock().unwrap_or_else(|e| e.into_inner()).push(tile);
+    }
 }
 
 /// An optimizer update: its rule over `n` elements from element `offset` of the variable (a
@@ -168,13 +181,19 @@ fn update(
     let grad = if product { Grad::Product } else { Grad::Operand };
     let product = product.then(|| {
         let (m, r, c) = (shapes[1].dims()[0], var.dims()[0], var.dims()[1]);
-        let block = (TILE_FLOATS / c.max(1)).clamp(1, r.max(1));
+        // At most a tile's rows; as many blocks as a multiple of the pool's threads, so that
+        // the blocks made in parallel share the threads evenly.
+        let most = (TILE_FLOATS / c.max(1)).clamp(1, r.max(1));
+        let threads = rayon::current_num_threads().max(1);
+        let blocks = r.div_ceil(most);
+        let blocks = if blocks > 1 { blocks.div_ceil(threads) * threads } else { 1 };
+        let block = r.div_ceil(blocks).clamp(1, most);
         Product {
             gemm: Gemm { m: block, n: c, k: m, a: (1, r as isize), b: (c as isize, 1), out_rs: c as isize },
             rows: r,
             // The whole product's threading (`matmul`): the same GEMM calls, on fewer rows.
             parallel: r * c * m >= SERIAL_MACS,
-            tile: Mutex::new(Vec::new()),
+            tiles: Mutex::new(Vec::new()),
         }
     });
     let from = match &product {
@@ -212,15 +231,17 @@ impl CpuKernel for Update {
             unsafe { self.rule.apply(Run { var, grad, state, alpha }, self.n, true) };
             return;
         };
-        let mut tile = p.tile.lock().unwrap_or_else(|e| e.into_inner());
         let (block, cols) = (p.gemm.m, p.gemm.n);
-        tile.resize(block * cols, 0.0);
-        let (a, b) = (inputs[1] as *const f32, inputs[2] as *const f32);
-        let mut r0 = 0;
-        while r0 < p.rows {
+        let (a, b) = (SendPtr::new(inputs[1] as *mut f32), SendPtr::new(inputs[2] as *mut f32));
+        let blocks = p.rows.div_ceil(block);
+        // Block i: rows i·block.. of the gradient into `tile`, then applied; GEMM and update on
+        // the rayon pool when `parallel`.
+        let one = |i: usize, tile: &mut Vec<f32>, parallel: bool| {
+            let r0 = i * block;
             let rows = block.min(p.rows - r0);
-            let gemm = Gemm { m: rows, ..p.gemm };
+            tile.resize(block * cols, 0.0);
             let shift = |x: SendPtr<f32>| {
+                // SAFETY: r0 < R, so r0 · C is inside the variable and its state.
                 SendPtr::new(if x.get().is_null() { x.get() } else { unsafe { x.get().add(r0 * cols) } })
             };
             let run = Run {
@@ -231,14 +252,29 @@ impl CpuKernel for Update {
             };
             // SAFETY: columns r0..r0 + rows of a[M, R] (strides (1, R) as rows of aᵀ) and b[M, C]
             // are valid (`ir::infer` checked the factors against the variable [R, C]); the tile
-            // holds block x C floats and is this kernel's own. The update then runs over this
-            // block's rows x C elements of the variable and state (distinct variables, neither
-            // a factor: `product_updates` folds no update that writes its own factor).
+            // holds block x C floats and belongs to this block alone. The update then runs over
+            // this block's rows x C elements of the variable and state, which no other block
+            // touches (distinct variables, neither a factor: `product_updates` folds no update
+            // that writes its own factor).
             unsafe {
-                gemm.run(a.add(r0), b, tile.as_mut_ptr(), false, p.parallel);
-                self.rule.apply(run, rows * cols, p.parallel);
+                Gemm { m: rows, ..p.gemm }.run(a.get().add(r0), b.get(), tile.as_mut_ptr(), false, parallel);
+                self.rule.apply(run, rows * cols, parallel);
             }
-            r0 += rows;
+        };
+        if blocks == 1 || !p.parallel {
+            let mut tile = p.take_tile();
+            (0..blocks).for_each(|i| one(i, &mut tile, p.parallel));
+            p.give_back(tile);
+        } else {
+            // Blocks in parallel, each GEMM and update on one thread: a block's GEMM on the
+            // pool would cost as much in hand-offs and repacking as it gains (measured on the
+            // mlp's 784x1024 gradient: 5.3 ms in 13 pooled blocks, against 3.2 ms for the stored
+            // product and update).
+            (0..blocks).into_par_iter().for_each(|i| {
+                let mut tile = p.take_tile();
+                one(i, &mut tile, false);
+                p.give_back(tile);
+            });
         }
     }
 
