@@ -212,3 +212,45 @@ fn a_product_written_over_its_epilogue_operand_computes_the_unfused_bits() {
         assert_eq!(bits(&a), bits(&b), "k={k}: outputs differ");
     }
 }
+
+/// A causal language model with the sparse loss: the causal mask's iotas, the class-index row
+/// and the label mask `ids == iota` are instructions of the fused groups that read them (copied
+/// into each), never buffers, and training computes the unfused bits.
+#[test]
+fn iotas_and_label_masks_fuse_into_their_readers_and_train_the_same_bits() {
+    use kiln::compiler::nn::{Embedding, MultiHeadAttention};
+    let (batch, seq, vocab) = (2, 6, 11);
+    let model = Sequential::new()
+        .add(Embedding::new(vocab, 8))
+        .add(MultiHeadAttention::new(2).causal(true))
+        .add(Dense::new(vocab));
+    let config = TrainConfig {
+        loss: Loss::SparseSoftmaxCrossEntropy { ignore_index: None },
+        optimizer: Adam::new(1e-2).into(),
+        metrics: vec![Metric::SparseCategoricalAccuracy],
+    };
+    let (xs, ys) = (Shape::new([batch, seq]), Shape::new([batch, seq]));
+    let graph = train_step_graph(&model, &xs, &ys, &config).unwrap();
+    let fused = compile(graph.clone(), &options(true)).unwrap();
+    let plain = compile(graph, &options(false)).unwrap();
+    let iotas = |p: &Plan| p.steps.iter().filter(|s| matches!(s.op, Op::Iota { .. })).count();
+    assert!(iotas(&plain) >= 2, "the unfused plan makes its iotas");
+    assert_eq!(iotas(&fused), 0, "every iota is an instruction");
+    let label_masks = fused
+        .steps
+        .iter()
+        .filter(|s| matches!(&s.op, Op::Fused(f) if f.insts.iter().any(|i| matches!(i, kiln::compiler::ir::fused::Inst::Iota(_)))))
+        .count();
+    assert!(label_masks >= 3, "loss, its gradient and the accuracy compare as they go: {label_masks}");
+    assert!(fused.memory.arena_bytes < plain.memory.arena_bytes);
+    let ids = |seed: usize| {
+        HostTensor::new(xs.clone(), (0..batch * seq).map(|i| ((i * 7 + seed) % vocab) as f32).collect())
+            .unwrap()
+    };
+    let (x, y) = (ids(1), ids(4));
+    let feeds = [("x", &x), ("y", &y)];
+    let (a, va) = run(&fused, &feeds, 3);
+    let (b, vb) = run(&plain, &feeds, 3);
+    assert_eq!(bits(&a), bits(&b), "outputs differ");
+    assert_eq!(bits(&va), bits(&vb), "variables differ");
+}

@@ -1,6 +1,7 @@
 //! Sparse softmax cross-entropy: class ids as targets, the one-hot version's losses without its
 //! one-hot tensor, and rows with the ignore index left out.
 
+use kiln::compiler::ir::Op;
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
 
@@ -60,12 +61,14 @@ fn no_one_hot_is_held() {
     };
     let sparse = plan(Loss::SparseSoftmaxCrossEntropy { ignore_index: None }, Shape::new([rows]));
     let dense = plan(Loss::SoftmaxCrossEntropy, Shape::new([rows, 2000]));
-    // All of the one-hot but the [1, vocab] row of class indices it is compared with (a buffer
-    // until iota can join a fused group), and that row's alignment.
+    // All of the one-hot but the ids that replace it as the input: the [1, vocab] row of class
+    // indices and the label mask `ids == iota` are instructions of every fused group that reads
+    // them (the loss's reduction, its gradient's), never buffers.
     let one_hot_bytes = rows * 2000 * 4;
-    let iota_row = (2000 * 4usize).next_multiple_of(64) + 256;
+    let ids_bytes = (rows * 4).next_multiple_of(64);
     let (s, d) = (sparse.memory.arena_bytes, dense.memory.arena_bytes);
-    assert!(s + one_hot_bytes <= d + iota_row, "sparse arena {s} B, one-hot arena {d} B");
+    assert!(s + one_hot_bytes <= d + ids_bytes, "sparse arena {s} B, one-hot arena {d} B");
+    assert!(!sparse.steps.iter().any(|st| matches!(st.op, Op::Iota { .. })), "the class-index row is fused");
 }
 
 #[test]

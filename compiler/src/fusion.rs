@@ -20,6 +20,17 @@
 //! product becomes its GEMM's epilogue's operand 0 (bias, activation). A group of one
 //! elementwise op stays that op.
 //!
+//! Sources join too: an iota or a fill read only by the group is an instruction (`Inst::Iota`,
+//! `Inst::Const`), and so is an elementwise chain of them (`constant_chain`: the causal mask
+//! `(iota_j <= iota_i - 1) * 1e9`), whatever the group's element count, since it reads nothing and
+//! costs a few instructions per element. Before groups are grown, every elementwise reader of a
+//! cheap value (a source, or elementwise over cheap or broadcast operands) gets its own copy
+//! (`split_cheap`), as XLA duplicates cheap producers into their consumers: the sparse
+//! cross-entropy's label mask `ids == iota[1, classes]`, read by the loss and its gradient, was a
+//! [rows, classes] buffer held from the forward pass to the backward; now each group compares as
+//! it goes (a 2,000-class head at 64 rows: arena 1,041,472 -> 1,033,472 B, the one-hot version's
+//! 1,545,216). Copies that meet in one group are one instruction.
+//!
 //! Fused results are bitwise the unfused ones on the CPU: each instruction is the op it replaces,
 //! computed by the same scalar function (`kiln_kernels::cpu` has one definition per op), and a
 //! fused reduction sums the same chunks in the same order.
@@ -89,6 +100,7 @@ pub enum Products {
 /// With `products`, a matrix product read only by a group joins it (a GEMM with an epilogue),
 /// each or as `Products` says.
 pub fn fuse(graph: &mut Graph, products: Products) -> Result<FusionFigures> {
+    split_cheap(graph)?;
     let mut relaxed = graph.clone();
     let figures = fuse_with(&mut relaxed, true, products)?;
     if toposort(relaxed.petgraph(), None).is_ok() {
@@ -137,9 +149,14 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
             Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
         } else if fusable(graph.node(root)) {
             let members = search.grow(root, None);
-            let matmul = search.product(&members).filter(|&p| match products {
-                Products::All => true,
-                Products::OverValues => reads_a_value_of_its_shape(graph, &members, p),
+            // A product's epilogue runs on blocks of rows (CPU), which an iota cannot see.
+            let with_source = members.iter().any(|&m| source(graph.node(m)));
+            let matmul = search.product(&members).filter(|&p| {
+                !with_source
+                    && match products {
+                        Products::All => true,
+                        Products::OverValues => reads_a_value_of_its_shape(graph, &members, p),
+                    }
             });
             // A reduction only these members read, with its prologue, ahead of them.
             let head = if matmul.is_none() {
@@ -182,6 +199,94 @@ fn operand_count(graph: &Graph, group: &Group) -> usize {
 /// Ops that can be instructions of a fused program.
 fn fusable(node: &Node) -> bool {
     matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
+}
+
+/// Ops a group takes in: instructions, and broadcasts (read through broadcast strides).
+fn joins(node: &Node) -> bool {
+    fusable(node) || matches!(node.op, Op::BroadcastTo { .. })
+}
+
+/// Sources that can be instructions of a fused program (`Inst::Iota`, `Inst::Const`): they read
+/// nothing, so computing them once per element of a larger group costs one instruction, not a
+/// repeated computation, and they (and elementwise chains of them, `constant_chain`) may join a
+/// group of any element count they broadcast to.
+fn source(node: &Node) -> bool {
+    matches!(node.op, Op::Iota { .. } | Op::Fill { .. }) && node.dtype == crate::ir::DType::F32
+}
+
+/// Whether `n` is an elementwise function of sources alone (the causal mask
+/// `(iota_j <= iota_i - 1) * 1e9`): a constant that a group of any larger shape it broadcasts to
+/// computes with a few instructions per element instead of reading a buffer.
+fn constant_chain(graph: &Graph, n: NodeId, depth: usize) -> bool {
+    let node = graph.node(n);
+    depth < 8
+        && fusable(node)
+        && node.dtype == crate::ir::DType::F32
+        && graph.operands(n).iter().all(|&o| source(graph.node(o)) || constant_chain(graph, o, depth + 1))
+}
+
+/// Whether source `node` can be an instruction over `shape`: its shape broadcasts to it, and an
+/// iota's axis is as long as the program's axis it lines up with (a length-1 iota axis is a
+/// constant 0, which a coordinate of the program would not be).
+fn source_fits(node: &Node, shape: &Shape) -> bool {
+    if Shape::broadcast(&node.shape, shape).as_ref() != Some(shape) {
+        return false;
+    }
+    match node.op {
+        Op::Iota { axis, .. } => {
+            let at = axis + shape.rank() - node.shape.rank();
+            node.shape.dims().get(axis) == shape.dims().get(at)
+        }
+        _ => true,
+    }
+}
+
+/// Gives every elementwise reader of a cheap value its own copy, so that each reader's group can
+/// compute it instead of reading it. Cheap: a source (fill, iota), or an elementwise op whose
+/// operands are cheap or broadcast (an eighth of its elements or fewer), as XLA duplicates a
+/// cheap producer into several consumers. The sparse cross-entropy's label mask
+/// `equal(iota[1, classes], ids[rows, 1])` is read by the loss and by its gradient: shared, it
+/// was a [rows, classes] buffer (a one-hot, 512 KB on a 2,000-class head at 64 rows) held from
+/// the forward pass to the backward; copied, each fused group compares as it goes. Readers that
+/// are not elementwise keep sharing the original. Copies are made consumers first, so a cheap
+/// value's own cheap operands are split for the copies too.
+fn split_cheap(graph: &mut Graph) -> Result<()> {
+    let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
+    let order = toposort(graph.petgraph(), None)
+        .map_err(|c| CompileError::Internal(format!("fusion: the graph has a cycle at {:?}", c.node_id())))?;
+    let mut cheap: HashSet<NodeId> = HashSet::new();
+    for &n in &order {
+        let node = graph.node(n);
+        let is_cheap = !outputs.contains(&n)
+            && graph.control_predecessors(n).is_empty()
+            && (source(node)
+                || (joins(node)
+                    && graph.operands(n).iter().all(|o| {
+                        cheap.contains(o) || graph.node(*o).shape.numel() * 8 <= node.shape.numel()
+                    })));
+        if is_cheap {
+            cheap.insert(n);
+        }
+    }
+    for &n in order.iter().rev().filter(|n| cheap.contains(n)) {
+        let users = graph.users(n);
+        if users.len() < 2 {
+            continue;
+        }
+        let readers: Vec<NodeId> = users.iter().copied().filter(|&u| joins(graph.node(u))).collect();
+        // The first elementwise reader keeps the original when nothing else reads it.
+        let keep = usize::from(readers.len() == users.len());
+        let operands = graph.operands(n);
+        for &u in &readers[keep.min(readers.len())..] {
+            let copy = graph.add(graph.node(n).clone(), &operands);
+            for (i, o) in graph.operands(u).into_iter().enumerate() {
+                if o == n {
+                    graph.replace_operand(u, i, copy);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What one group is searched in: the graph, its outputs, the nodes earlier groups took, the
@@ -228,9 +333,11 @@ impl Search<'_> {
                     && graph.operands(p).first().is_some_and(|&x| {
                         Shape::broadcast(&graph.node(x).shape, &r.shape).as_ref() == Some(&r.shape)
                     });
-                let qualifies = (fusable(node) || broadcast)
+                let elementwise = (fusable(node) || broadcast)
                     && node.dtype == r.dtype
-                    && node.shape.numel() == r.shape.numel()
+                    && node.shape.numel() == r.shape.numel();
+                let constant = source(node) || constant_chain(graph, p, 0);
+                let qualifies = (elementwise || (constant && source_fits(node, &r.shape)))
                     && self.free(p, &set, r.device);
                 if !qualifies {
                     continue;
@@ -239,7 +346,9 @@ impl Search<'_> {
                 trial.push(p);
                 trial.sort_unstable_by_key(|n| position[n]);
                 let (program, operands) = program(graph, &trial, &r.shape, None, None);
-                if operands.len() > MAX_FUSED_OPERANDS
+                // A group of constants alone is left as it is (for constant folding to take).
+                if operands.is_empty()
+                    || operands.len() > MAX_FUSED_OPERANDS
                     || program.insts.len() > MAX_FUSED_INSTS
                     || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
                 {
@@ -340,8 +449,18 @@ fn program(
             Op::Binary(b) => Inst::Binary(b, refs[0], refs[1]),
             Op::Scalar { op, value } => Inst::Scalar(op, value, refs[0]),
             Op::Select => Inst::Select(refs[0], refs[1], refs[2]),
+            Op::Fill { value, .. } => Inst::Const(value),
+            // Aligned at the right, as the iota broadcasts to the program's shape.
+            Op::Iota { axis, .. } => {
+                Inst::Iota((axis + shape.rank().saturating_sub(graph.node(m).shape.rank())) as u32)
+            }
             ref op => unreachable!("fusion grows groups of elementwise ops only, not {}", op.name()),
         };
+        // Copies of one cheap value (`split_cheap`) that met in one group are one instruction.
+        if let Some(same) = insts.iter().position(|i| *i == inst) {
+            value.insert(m, Ref::Value(same as u32));
+            continue;
+        }
         value.insert(m, Ref::Value(insts.len() as u32));
         insts.push(inst);
     }

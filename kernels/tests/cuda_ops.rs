@@ -563,7 +563,7 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
     let out: Vec<usize> = (0..rank).map(|_| 1 + r.pick(7)).collect();
     let k = 1 + r.pick(4);
     let shapes: Vec<Vec<usize>> = (0..k).map(|_| r.operand(&out)).collect();
-    let insts = random_program(r, k);
+    let insts = random_program(r, k, rank);
     // Half of them reduce their values: a reduction with an elementwise prologue.
     let reduce = (r.pick(2) == 0).then(|| {
         let mut axes: Vec<usize> = (0..rank).filter(|_| r.pick(2) == 0).collect();
@@ -589,7 +589,7 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
     {
         let reduced = infer(&red.op(), &[(&op.shape, DType::F32)]).unwrap().0;
         let extra = r.pick(3);
-        op.epilogue = random_program(r, extra + 1);
+        op.epilogue = random_program(r, extra + 1, reduced.rank());
         op.epilogue_operands = extra;
         shapes.extend((0..extra).map(|_| r.operand(reduced.dims())));
     }
@@ -602,13 +602,20 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
         a.extend(if ta { [k, m] } else { [m, k] });
         let b: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
         op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
+        // A product's epilogue has no iota (`Fused::check`): constants instead.
+        for inst in &mut op.insts {
+            if let Inst::Iota(axis) = *inst {
+                *inst = Inst::Const(axis as f32);
+            }
+        }
         shapes.splice(0..1, [a, b]);
     }
     (Op::Fused(op), shapes)
 }
 
-/// 1 to 12 random elementwise instructions over `k` operands, every operand read.
-fn random_program(r: &mut Rng, k: usize) -> Vec<Inst> {
+/// 1 to 12 random elementwise instructions over `k` operands, every operand read; over a
+/// program of rank `rank` > 0 some are iotas along its axes and constants (fused sources).
+fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
     let unary = [
         UnaryOp::Neg,
         UnaryOp::Abs,
@@ -637,7 +644,9 @@ fn random_program(r: &mut Rng, k: usize) -> Vec<Inst> {
     for _ in 0..1 + r.pick(8) {
         let n = insts.len();
         let (a, b, c) = (pick_ref(r, n), pick_ref(r, n), pick_ref(r, n));
-        insts.push(match r.pick(4) {
+        insts.push(match r.pick(if rank > 0 { 6 } else { 4 }) {
+            4 => Inst::Iota(r.pick(rank) as u32),
+            5 => Inst::Const(-1.0 + r.pick(5) as f32 * 0.75),
             0 => Inst::Unary(unary[r.pick(unary.len())], a),
             1 => Inst::Binary(binary[r.pick(binary.len())], a, b),
             2 => Inst::Scalar(

@@ -42,6 +42,11 @@ pub enum Inst {
     Scalar(ScalarOp, f32, Ref),
     /// where(cond != 0, a, b), refs (cond, a, b).
     Select(Ref, Ref, Ref),
+    /// The element's index along this axis of the program's shape, as f32 (an `Op::Iota` that
+    /// joined the group: no buffer, no operand).
+    Iota(u32),
+    /// A constant (an `Op::Fill` that joined the group).
+    Const(f32),
 }
 
 impl Inst {
@@ -51,6 +56,7 @@ impl Inst {
             Inst::Unary(_, a) | Inst::Scalar(_, _, a) => vec![a],
             Inst::Binary(_, a, b) => vec![a, b],
             Inst::Select(c, a, b) => vec![c, a, b],
+            Inst::Iota(_) | Inst::Const(_) => Vec::new(),
         }
     }
 
@@ -61,6 +67,8 @@ impl Inst {
             Inst::Binary(b, _, _) => super::Op::Binary(b),
             Inst::Scalar(op, value, _) => super::Op::Scalar { op, value },
             Inst::Select(..) => super::Op::Select,
+            Inst::Iota(axis) => super::Op::Iota { shape: Shape::scalar(), axis: axis as usize },
+            Inst::Const(value) => super::Op::Fill { value, shape: Shape::scalar() },
         }
     }
 }
@@ -185,6 +193,17 @@ impl Fused {
         if let Some(i) = read.iter().position(|r| !r) {
             return Err(format!("operand {i} is never read"));
         }
+        for inst in &self.insts {
+            if let Inst::Iota(axis) = inst
+                && *axis as usize >= self.shape.rank()
+            {
+                return Err(format!("iota along axis {axis} of a program of rank {}", self.shape.rank()));
+            }
+        }
+        // A product's epilogue runs on blocks of rows on the CPU, which do not know their row.
+        if self.matmul.is_some() && self.insts.iter().any(|i| matches!(i, Inst::Iota(_))) {
+            return Err("a product's epilogue has no iota".into());
+        }
         let slots = self.registers(operands).slots;
         if slots > MAX_FUSED_SLOTS {
             return Err(format!(
@@ -273,8 +292,14 @@ impl Fused {
             }
             let args: Vec<String> = inst.refs().iter().map(name).collect();
             let _ = write!(s, "v{j} = {}", inst.op().name());
-            if let Inst::Scalar(_, c, _) = inst {
-                let _ = write!(s, "[{c}]");
+            match inst {
+                Inst::Scalar(_, c, _) | Inst::Const(c) => {
+                    let _ = write!(s, "[{c}]");
+                }
+                Inst::Iota(axis) => {
+                    let _ = write!(s, "[axis {axis}]");
+                }
+                _ => {}
             }
             let _ = write!(s, "({})", args.join(", "));
         }

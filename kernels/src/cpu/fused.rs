@@ -27,6 +27,8 @@ const CHUNK: usize = 256;
 
 pub(crate) struct FusedKernel {
     insts: Vec<Inst>,
+    /// Per instruction: for an iota, the stride and length of its axis in the program's shape.
+    axes: Vec<(usize, usize)>,
     regs: Registers,
     operands: usize,
     walk: Strided<MAX_FUSED_OPERANDS>,
@@ -78,14 +80,34 @@ fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<Fus
     let inner = walk.inner_strides();
     let shapes: Vec<String> = operands.iter().map(|s| shape_text(s)).collect();
     let desc = format!("fused({} ops) {} <- {}", program.insts.len(), shape_text(out), shapes.join(" "));
-    Ok(FusedKernel { insts: program.insts.clone(), regs, operands: k, walk, inner, desc })
+    let axes = program
+        .insts
+        .iter()
+        .map(|inst| match *inst {
+            // The axis was checked against the program's rank by `ir::infer`.
+            Inst::Iota(axis) => {
+                let a = (axis as usize).min(out.rank().saturating_sub(1));
+                (out.dims()[a + 1..].iter().product(), out.dims().get(a).copied().unwrap_or(1).max(1))
+            }
+            _ => (1, 1),
+        })
+        .collect();
+    Ok(FusedKernel { insts: program.insts.clone(), axes, regs, operands: k, walk, inner, desc })
 }
 
-/// d[i] = f(sources at i) for one instruction over a chunk.
+/// d[i] = f(sources at i) for one instruction over a chunk whose first element is element
+/// `first` of the program's shape; an iota's axis has `axis` = (stride, length) there.
 #[inline(always)]
-fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3]) {
+fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize, usize)) {
     let [a, b, c] = src;
     match *inst {
+        Inst::Const(value) => d.fill(value),
+        Inst::Iota(_) => {
+            let (stride, len) = axis;
+            for (t, o) in d.iter_mut().enumerate() {
+                *o = ((first + t) / stride % len) as f32;
+            }
+        }
         Inst::Unary(op, _) => with_unary!(op, |f| {
             for (o, &x) in d.iter_mut().zip(a) {
                 *o = f(x);
@@ -125,6 +147,7 @@ impl FusedKernel {
         ins: &[*const f32; MAX_FUSED_OPERANDS],
         out: *mut f32,
         m: usize,
+        first: usize,
     ) {
         for j in 0..self.operands {
             let slot = &mut slots[j * stride..j * stride + m];
@@ -158,7 +181,7 @@ impl FusedKernel {
                     Dest::Slot(s) => slice::from_raw_parts_mut(base.add(s * stride), m),
                     Dest::Output => slice::from_raw_parts_mut(out, m),
                 };
-                eval(inst, d, srcs);
+                eval(inst, d, srcs, first, self.axes[j]);
             }
         }
     }
@@ -176,9 +199,10 @@ impl FusedKernel {
         ins: &[*const f32; MAX_FUSED_OPERANDS],
         out: *mut f32,
         m: usize,
+        first: usize,
     ) {
         // SAFETY: forwarded contract.
-        unsafe { self.chunk(slots, stride, ins, out, m) }
+        unsafe { self.chunk(slots, stride, ins, out, m, first) }
     }
 }
 
@@ -222,11 +246,11 @@ impl FusedKernel {
                     let out = out.add(oo + done - s);
                     #[cfg(target_arch = "x86_64")]
                     if avx2 {
-                        self.chunk_avx2(slots, stride, &at, out, m);
+                        self.chunk_avx2(slots, stride, &at, out, m, oo + done);
                         done += m;
                         continue;
                     }
-                    self.chunk(slots, stride, &at, out, m);
+                    self.chunk(slots, stride, &at, out, m, oo + done);
                 }
                 done += m;
             }

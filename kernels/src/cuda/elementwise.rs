@@ -16,7 +16,7 @@
 use super::codegen::{
     Access, BLOCK, Code, Nest, broadcast_strides, decompose_some, grid_for, grid_loop, header,
 };
-use super::codegen::{idx_type, linear, params, shape_text};
+use super::codegen::{flt, idx_type, int, linear, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::fused::{Inst, Ref};
 use kiln_compiler::ir::{BinaryOp, Fused, ScalarOp, Shape, UnaryOp};
@@ -45,6 +45,8 @@ pub(crate) struct Map<'a> {
     pub names: Vec<String>,
     /// Whether the output may alias an operand (elementwise ops): no `__restrict__`.
     pub in_place: bool,
+    /// Whether the expression reads the element's linear index, as `idx` (a fused iota).
+    pub index: bool,
 }
 
 impl Map<'_> {
@@ -67,7 +69,10 @@ impl Map<'_> {
         if !prelude.is_empty() {
             c.line(prelude);
         }
-        let args: Vec<String> = names.iter().map(|n| format!("float {n}")).collect();
+        let mut args: Vec<String> = names.iter().map(|n| format!("float {n}")).collect();
+        if self.index {
+            args.push(format!("{ty} idx"));
+        }
         c.line(format!("__device__ __forceinline__ float kiln_op({}) {{", args.join(", ")));
         for l in &self.lets {
             c.line(l);
@@ -76,7 +81,14 @@ impl Map<'_> {
         c.line("}");
         c.blank();
         c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(k, true, !self.in_place)));
-        let call = |vals: &[String]| format!("kiln_op({})", vals.join(", "));
+        let index = self.index;
+        let call = |vals: &[String], at: &str| {
+            let mut vals = vals.to_vec();
+            if index {
+                vals.push(at.to_string());
+            }
+            format!("kiln_op({})", vals.join(", "))
+        };
         let work;
         if vector {
             work = numel / 4;
@@ -98,14 +110,14 @@ impl Map<'_> {
                 }
             }
             c.line("float4 r;");
-            for lane in ["x", "y", "z", "w"] {
+            for (l, lane) in ["x", "y", "z", "w"].into_iter().enumerate() {
                 let vals: Vec<String> = (0..k)
                     .map(|j| match access[j] {
                         Access::Same => format!("{}4.{lane}", names[j]),
                         _ => names[j].to_string(),
                     })
                     .collect();
-                c.line(format!("r.{lane} = {};", call(&vals)));
+                c.line(format!("r.{lane} = {};", call(&vals, &format!("i * 4 + {l}"))));
             }
             c.line("outv[i] = r;");
             c.line("}");
@@ -129,7 +141,7 @@ impl Map<'_> {
                 c.line(format!("const float {} = in{j}[{at}];", names[j]));
             }
             let vals: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-            c.line(format!("out[i] = {};", call(&vals)));
+            c.line(format!("out[i] = {};", call(&vals, "i")));
             c.line("}");
         }
         c.line("}");
@@ -230,8 +242,16 @@ pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) 
 /// products are `__fmul_rn`: NVRTC never contracts a product of one instruction with a sum of the
 /// next into an FMA, so every instruction rounds as the unfused op does.
 /// The program's instructions as `const float vJ = ...;` lines and the last one's expression,
-/// operands named x0, x1, ...
-fn program_code(program: &Fused) -> (Vec<String>, String) {
+/// operands named x0, x1, ..., the element's linear index in the program's shape `index` (what
+/// an iota reads).
+fn program_code(program: &Fused, index: &str) -> (Vec<String>, String) {
+    let dims = program.shape.dims();
+    let iota = |axis: u32| {
+        let a = (axis as usize).min(dims.len().saturating_sub(1));
+        let stride: usize = dims.get(a + 1..).map_or(1, |d| d.iter().product());
+        let len = dims.get(a).copied().unwrap_or(1).max(1);
+        format!("(float)(({index} / {}) % {})", int(stride), int(len))
+    };
     let value = |r: Ref| match r {
         Ref::Operand(i) => format!("x{i}"),
         Ref::Value(v) => format!("v{v}"),
@@ -244,6 +264,8 @@ fn program_code(program: &Fused) -> (Vec<String>, String) {
             Inst::Binary(op, a, b) => math::binary(op, &value(a), &value(b)),
             Inst::Scalar(op, c, a) => math::scalar(op, c, &value(a)),
             Inst::Select(w, a, b) => format!("{} != 0.0f ? {} : {}", value(w), value(a), value(b)),
+            Inst::Iota(axis) => iota(axis),
+            Inst::Const(c) => flt(c),
         })
         .collect();
     let last = exprs.pop().unwrap_or_else(|| "0.0f".into());
@@ -271,7 +293,7 @@ fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str,
     let strides = strides_of(operands, &program.shape);
     let nest = Nest::new(program.shape.dims(), &strides);
     let access: Vec<Access> = (0..k).map(|j| if j < first { Access::Same } else { nest.access(j) }).collect();
-    let (lets, last) = program_code(program);
+    let (lets, last) = program_code(program, "i");
     let mut c = Code::new();
     let prelude = math::prelude_beside(&format!("{}\n{last}", lets.join("\n")), defined);
     if !prelude.is_empty() {
@@ -311,7 +333,7 @@ fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str,
 
 pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Shape) -> CudaKernel {
     let names: Vec<String> = (0..operands.len()).map(|j| format!("x{j}")).collect();
-    let (lets, last) = program_code(program);
+    let (lets, last) = program_code(program, "idx");
     Map {
         name: "kiln_fused",
         header: header(label, operands, Some(out)),
@@ -323,6 +345,7 @@ pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Sha
         lets,
         names,
         in_place: true,
+        index: program.insts.iter().any(|i| matches!(i, Inst::Iota(_))),
     }
     .generate()
 }
@@ -337,7 +360,7 @@ pub(crate) fn fused_finishing(
     out: &Shape,
     finish: &str,
 ) -> CudaKernel {
-    let (mut lets, last) = program_code(program);
+    let (mut lets, last) = program_code(program, "idx");
     lets.push(format!("const float v = {last};"));
     Map {
         name: "kiln_fused_reduce",
@@ -350,6 +373,7 @@ pub(crate) fn fused_finishing(
         lets,
         names: (0..operands.len()).map(|j| format!("x{j}")).collect(),
         in_place: false,
+        index: program.insts.iter().any(|i| matches!(i, Inst::Iota(_))),
     }
     .generate()
 }
