@@ -131,3 +131,28 @@ fn attention_without_bias_declares_only_the_four_kernels() {
     let (_, without) = run("mha", &x, |x| MultiHeadAttention::new(2).use_bias(false).forward(x));
     assert_eq!((with, without), (8, 4));
 }
+
+/// A position embedding adds row t of its table to position t of every sequence: identical
+/// inputs at two positions come out different, the same position in two sequences the same;
+/// the table is declared [max_len, d] whatever the sequence, and a sequence longer than it is an
+/// error naming the layer.
+#[test]
+fn position_embeddings_tell_positions_apart() {
+    use kiln::compiler::nn::PositionEmbedding;
+    let x = HostTensor::new(Shape::new([2, 3, 4]), vec![0.5; 24]).unwrap();
+    let (y, variables) = run("positions", &x, |x| PositionEmbedding::new(8).forward(x));
+    assert_eq!(variables, 1);
+    let d = y.data();
+    assert_ne!(&d[0..4], &d[4..8], "positions 0 and 1 differ");
+    assert_eq!(&d[0..12], &d[12..24], "both sequences get the same positions");
+    let t = Tracer::new("too_long");
+    let input = t.input("x", [2, 9, 4]);
+    t.output("y", &Sequential::new().add(PositionEmbedding::new(8)).forward(&input));
+    let e = t.finish().unwrap_err().to_string();
+    assert!(e.contains("position_embedding") && e.contains("9 positions"), "{e}");
+    let t = Tracer::new("declared");
+    let input = t.input("x", [1, 5, 4]);
+    t.output("y", &PositionEmbedding::new(8).forward(&input));
+    let g = t.finish().unwrap();
+    assert!(g.variables().iter().any(|&v| g.node(v).shape == Shape::new([8, 4])));
+}

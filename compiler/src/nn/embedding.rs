@@ -38,3 +38,52 @@ impl Layer for Embedding {
         "embedding"
     }
 }
+
+/// A learned position embedding added to a sequence (GPT-2's `wpe`): `x[.., T, d]` plus the
+/// first T rows of a [max_len, d] table, initialised uniform in [-0.05, 0.05]. Without it a
+/// causal attention stack cannot tell positions apart. A sequence longer than `max_len` is an
+/// error naming the layer.
+#[derive(Clone, Debug)]
+pub struct PositionEmbedding {
+    pub max_len: usize,
+}
+
+impl PositionEmbedding {
+    pub fn new(max_len: usize) -> Self {
+        PositionEmbedding { max_len }
+    }
+}
+
+impl Layer for PositionEmbedding {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let dims = x.shape().dims().to_vec();
+        if dims.len() < 2 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("its input {} has no [positions, features] axes", x.shape()),
+                "feed a sequence [batch, positions, features] (an Embedding's output)",
+            );
+        }
+        let (len, dim) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        if len > self.max_len || self.max_len == 0 {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!(
+                    "PositionEmbedding::new({}) cannot place a sequence of {len} positions",
+                    self.max_len
+                ),
+                "give max_len at least the longest sequence the model sees",
+            );
+        }
+        let table =
+            x.tracer().param("positions", [self.max_len, dim], Init::Uniform { low: -0.05, high: 0.05 });
+        let rows = if len == self.max_len { table } else { table.slice(0, 0, len) };
+        x + &rows
+    }
+
+    fn kind(&self) -> &'static str {
+        "position_embedding"
+    }
+}
