@@ -156,3 +156,46 @@ fn position_embeddings_tell_positions_apart() {
     let g = t.finish().unwrap();
     assert!(g.variables().iter().any(|&v| g.node(v).shape == Shape::new([8, 4])));
 }
+
+/// An embedding tied to its output head: one [vocab, d] table, read by the lookup and,
+/// transposed, by the head; its update sums both uses' gradients, and training lowers the loss.
+#[test]
+fn a_tied_embedding_and_head_share_one_table_and_train() {
+    use kiln::compiler::nn::{Embedding, TiedOutput};
+    let (vocab, dim, rows, seq) = (13, 8, 4, 5);
+    let model = || {
+        Sequential::new()
+            .add(Embedding::new(vocab, dim).tied("wte"))
+            .add(Dense::new(dim).activation(Activation::Tanh))
+            .add(TiedOutput::new("wte", vocab))
+    };
+    let config = TrainConfig {
+        loss: Loss::SparseSoftmaxCrossEntropy { ignore_index: None },
+        optimizer: Adam::new(5e-2).into(),
+        metrics: vec![],
+    };
+    let shape = Shape::new([rows, seq]);
+    let graph = kiln::compiler::step::train_step_graph(&model(), &shape, &shape, &config).unwrap();
+    use kiln::compiler::ir::{Op, VarRole};
+    let tables: Vec<String> = graph
+        .variables()
+        .into_iter()
+        .filter_map(|v| match &graph.node(v).op {
+            Op::Variable { key, role: VarRole::Parameter, shape, .. }
+                if *shape == Shape::new([vocab, dim]) =>
+            {
+                Some(key.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tables, ["wte"], "one table, the parameter `wte` outside any scope");
+    let ids = |k: usize| {
+        HostTensor::new(shape.clone(), (0..rows * seq).map(|i| ((i * 5 + k) % vocab) as f32).collect())
+            .unwrap()
+    };
+    let (x, y) = (ids(0), ids(1));
+    let mut trainer = Trainer::new(model(), config, Device::cpu().backend(3).unwrap());
+    let losses: Vec<f32> = (0..30).map(|_| trainer.train_step(&x, &y).unwrap().loss).collect();
+    assert!(losses[29] < 0.5 * losses[0], "{losses:?}");
+}

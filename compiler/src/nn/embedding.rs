@@ -8,11 +8,20 @@ use crate::trace::Tensor;
 pub struct Embedding {
     pub vocab: usize,
     pub dim: usize,
+    /// The key of a table shared with other layers (`tied`), if any.
+    pub tied: Option<String>,
 }
 
 impl Embedding {
     pub fn new(vocab: usize, dim: usize) -> Self {
-        Embedding { vocab, dim }
+        Embedding { vocab, dim, tied: None }
+    }
+
+    /// The table is the parameter `key` (no scope), shared with every layer that names it: a
+    /// language model's output head reading it transposed (`TiedOutput`), as GPT-2 ties `wte`.
+    pub fn tied(mut self, key: &str) -> Self {
+        self.tied = Some(key.to_string());
+        self
     }
 }
 
@@ -26,11 +35,11 @@ impl Layer for Embedding {
                 "give the table at least one row (vocab) and one column (dim)",
             );
         }
-        let table = ids.tracer().param(
-            "embeddings",
-            [self.vocab, self.dim],
-            Init::Uniform { low: -0.05, high: 0.05 },
-        );
+        let init = Init::Uniform { low: -0.05, high: 0.05 };
+        let table = match &self.tied {
+            Some(key) => ids.tracer().tied_param(key, [self.vocab, self.dim], init),
+            None => ids.tracer().param("embeddings", [self.vocab, self.dim], init),
+        };
         table.gather(ids)
     }
 
@@ -85,5 +94,40 @@ impl Layer for PositionEmbedding {
 
     fn kind(&self) -> &'static str {
         "position_embedding"
+    }
+}
+
+/// An output head that reads a tied embedding table transposed: `x[.., d] @ table[vocab, d]ᵀ`
+/// gives logits over the vocabulary with no weights of its own (GPT-2's head). The table is the
+/// parameter `key` (`Embedding::tied`); declared here first, it is made here.
+#[derive(Clone, Debug)]
+pub struct TiedOutput {
+    pub key: String,
+    pub vocab: usize,
+}
+
+impl TiedOutput {
+    pub fn new(key: &str, vocab: usize) -> Self {
+        TiedOutput { key: key.to_string(), vocab }
+    }
+}
+
+impl Layer for TiedOutput {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let Some(&dim) = x.shape().dims().last() else {
+            return invalid_layer(
+                x,
+                self.kind(),
+                "its input is a scalar".into(),
+                "feed features [.., d] (the last block's output)",
+            );
+        };
+        let table =
+            x.tracer().tied_param(&self.key, [self.vocab, dim], Init::Uniform { low: -0.05, high: 0.05 });
+        x.matmul_t(&table, false, true)
+    }
+
+    fn kind(&self) -> &'static str {
+        "tied_output"
     }
 }

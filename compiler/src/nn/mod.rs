@@ -16,7 +16,7 @@ pub use activation::Activation;
 pub use attention::MultiHeadAttention;
 pub use conv::{Conv2D, Flatten, Pool2D};
 pub use dense::Dense;
-pub use embedding::{Embedding, PositionEmbedding};
+pub use embedding::{Embedding, PositionEmbedding, TiedOutput};
 pub use norm::{LayerNorm, RmsNorm};
 pub use residual::Residual;
 pub use sequential::Sequential;

@@ -120,6 +120,19 @@ impl Tracer {
         self.declare(name, shape.into(), DType::F32, VarRole::Parameter, init, true, Location::caller())
     }
 
+    /// A trainable parameter named `key` whatever the current scopes, shared by every layer
+    /// that declares that key: how an embedding table and the output head that reads it
+    /// transposed are tied (`Embedding::tied`, `TiedOutput`). Its gradient is the sum of every
+    /// use's.
+    #[track_caller]
+    pub fn tied_param(&self, key: &str, shape: impl Into<Shape>, init: Init) -> Tensor {
+        let scopes = std::mem::take(&mut self.state.borrow_mut().scopes);
+        let t =
+            self.declare(key, shape.into(), DType::F32, VarRole::Parameter, init, true, Location::caller());
+        self.state.borrow_mut().scopes = scopes;
+        t
+    }
+
     /// A persistent variable. Declaring the same key twice in one trace is an error (it would
     /// silently share one variable between two layers); `shared_param` ties weights explicitly.
     #[track_caller]
