@@ -150,7 +150,9 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
         } else if fusable(graph.node(root)) {
             let members = search.grow(root, None);
             // A product's epilogue runs on blocks of rows (CPU), which an iota cannot see.
-            let with_source = members.iter().any(|&m| source(graph.node(m)));
+            let with_source = members
+                .iter()
+                .any(|&m| source(graph.node(m)) || matches!(graph.node(m).op, Op::RandomUniform { .. }));
             let matmul = search.product(&members).filter(|&p| {
                 !with_source
                     && match products {
@@ -201,9 +203,10 @@ fn fusable(node: &Node) -> bool {
     matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
 }
 
-/// Ops a group takes in: instructions, and broadcasts (read through broadcast strides).
+/// Ops a group takes in: instructions, broadcasts (read through broadcast strides) and random
+/// values (an instruction where the group has their shape).
 fn joins(node: &Node) -> bool {
-    fusable(node) || matches!(node.op, Op::BroadcastTo { .. })
+    fusable(node) || matches!(node.op, Op::BroadcastTo { .. } | Op::RandomUniform { .. })
 }
 
 /// Sources that can be instructions of a fused program (`Inst::Iota`, `Inst::Const`): they read
@@ -277,8 +280,14 @@ fn split_cheap(graph: &mut Graph) -> Result<()> {
         // The first elementwise reader keeps the original when nothing else reads it.
         let keep = usize::from(readers.len() == users.len());
         let operands = graph.operands(n);
+        // A copy runs before what the original must precede (a random value before its step
+        // counter advances).
+        let later = graph.control_successors(n);
         for &u in &readers[keep.min(readers.len())..] {
             let copy = graph.add(graph.node(n).clone(), &operands);
+            for &s in &later {
+                graph.add_control(copy, s);
+            }
             for (i, o) in graph.operands(u).into_iter().enumerate() {
                 if o == n {
                     graph.replace_operand(u, i, copy);
@@ -337,7 +346,9 @@ impl Search<'_> {
                     && node.dtype == r.dtype
                     && node.shape.numel() == r.shape.numel();
                 let constant = source(node) || constant_chain(graph, p, 0);
-                let qualifies = (elementwise || (constant && source_fits(node, &r.shape)))
+                // Random values are a function of their own index: only at the group's shape.
+                let random = matches!(node.op, Op::RandomUniform { .. }) && node.shape == r.shape;
+                let qualifies = (elementwise || random || (constant && source_fits(node, &r.shape)))
                     && self.free(p, &set, r.device);
                 if !qualifies {
                     continue;
@@ -450,6 +461,7 @@ fn program(
             Op::Scalar { op, value } => Inst::Scalar(op, value, refs[0]),
             Op::Select => Inst::Select(refs[0], refs[1], refs[2]),
             Op::Fill { value, .. } => Inst::Const(value),
+            Op::RandomUniform { seed, .. } => Inst::Uniform(seed, refs[0]),
             // Aligned at the right, as the iota broadcasts to the program's shape.
             Op::Iota { axis, .. } => {
                 Inst::Iota((axis + shape.rank().saturating_sub(graph.node(m).shape.rank())) as u32)

@@ -66,6 +66,7 @@ pub fn train_step_graph(
         ));
     }
     let t = Tracer::new(format!("train{x_shape}"));
+    t.set_training(true);
     let x = t.input("x", x_shape.clone());
     let pred = model.forward(&x);
     // Targets, loss and metrics live where the model's output is computed.

@@ -418,6 +418,14 @@ fn cases() -> Vec<Case> {
         );
     }
     v.push(case("assign_add_counter", Op::AssignAdd { value: 1.0 }, &[&[1]]));
+    for (i, (shape, step)) in
+        [(vec![7usize], 0.0f32), (vec![5, 8], 3.0), (vec![2, 3, 4], 1e9), (vec![9], -2.0)]
+            .into_iter()
+            .enumerate()
+    {
+        let op = Op::RandomUniform { shape: Shape::from(shape.as_slice()), seed: 17 + i as u64 };
+        v.push(case(format!("random_uniform_{i}"), op, &[&[]]).with(0, Data::Const(step)));
+    }
     v.push(case("assign_add_10", Op::AssignAdd { value: -0.25 }, &[&[10]]));
     // ---- empty outputs
     v.push(case("empty_unary", Op::Unary(UnaryOp::Exp), &[&[0, 3]]));
@@ -604,8 +612,8 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
         op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
         // A product's epilogue has no iota (`Fused::check`): constants instead.
         for inst in &mut op.insts {
-            if let Inst::Iota(axis) = *inst {
-                *inst = Inst::Const(axis as f32);
+            if inst.reads_index() {
+                *inst = Inst::Const(0.5);
             }
         }
         shapes.splice(0..1, [a, b]);
@@ -645,6 +653,7 @@ fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
         let n = insts.len();
         let (a, b, c) = (pick_ref(r, n), pick_ref(r, n), pick_ref(r, n));
         insts.push(match r.pick(if rank > 0 { 6 } else { 4 }) {
+            4 if r.pick(2) == 0 => Inst::Uniform(r.pick(1000) as u64, a),
             4 => Inst::Iota(r.pick(rank) as u32),
             5 => Inst::Const(-1.0 + r.pick(5) as f32 * 0.75),
             0 => Inst::Unary(unary[r.pick(unary.len())], a),

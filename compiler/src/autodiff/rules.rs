@@ -12,6 +12,8 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
     let one = |t: Tensor| Ok(vec![Some(t)]);
     match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } | Op::Iota { .. } => Ok(vec![]),
+        // Random values are constants of the step: no gradient reaches the counter.
+        Op::RandomUniform { .. } => Ok(vec![None]),
         Op::Unary(u) => Ok(vec![unary(*u, &x[0], y, g)]),
         Op::Binary(b) => binary(*b, &x[0], &x[1], y, g),
         Op::Scalar { op, value } => Ok(vec![scalar(*op, *value, &x[0], y, g)]),

@@ -47,6 +47,10 @@ pub enum Inst {
     Iota(u32),
     /// A constant (an `Op::Fill` that joined the group).
     Const(f32),
+    /// `Op::RandomUniform`'s value at the element's linear index in the program's shape, for
+    /// this seed and the step read from the ref (only joins a group of its own shape, so the
+    /// index is the one the op would use).
+    Uniform(u64, Ref),
 }
 
 impl Inst {
@@ -57,7 +61,13 @@ impl Inst {
             Inst::Binary(_, a, b) => vec![a, b],
             Inst::Select(c, a, b) => vec![c, a, b],
             Inst::Iota(_) | Inst::Const(_) => Vec::new(),
+            Inst::Uniform(_, step) => vec![step],
         }
+    }
+
+    /// Whether the instruction reads the element's index (iota, random values).
+    pub fn reads_index(&self) -> bool {
+        matches!(self, Inst::Iota(_) | Inst::Uniform(..))
     }
 
     /// The op the instruction stands for.
@@ -69,6 +79,7 @@ impl Inst {
             Inst::Select(..) => super::Op::Select,
             Inst::Iota(axis) => super::Op::Iota { shape: Shape::scalar(), axis: axis as usize },
             Inst::Const(value) => super::Op::Fill { value, shape: Shape::scalar() },
+            Inst::Uniform(seed, _) => super::Op::RandomUniform { shape: Shape::scalar(), seed },
         }
     }
 }
@@ -201,8 +212,8 @@ impl Fused {
             }
         }
         // A product's epilogue runs on blocks of rows on the CPU, which do not know their row.
-        if self.matmul.is_some() && self.insts.iter().any(|i| matches!(i, Inst::Iota(_))) {
-            return Err("a product's epilogue has no iota".into());
+        if self.matmul.is_some() && self.insts.iter().any(|i| i.reads_index()) {
+            return Err("a product's epilogue has no iota or random values".into());
         }
         let slots = self.registers(operands).slots;
         if slots > MAX_FUSED_SLOTS {
@@ -298,6 +309,9 @@ impl Fused {
                 }
                 Inst::Iota(axis) => {
                     let _ = write!(s, "[axis {axis}]");
+                }
+                Inst::Uniform(seed, _) => {
+                    let _ = write!(s, "[seed {seed}]");
                 }
                 _ => {}
             }

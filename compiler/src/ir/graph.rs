@@ -170,6 +170,18 @@ impl Graph {
         v
     }
 
+    /// Nodes that must run after `id` without reading it.
+    pub fn control_successors(&self, id: NodeId) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .filter(|e| *e.weight() == Edge::Control)
+            .map(|e| e.target())
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Every node that must run before `id`: operands and control predecessors.
     pub fn predecessors(&self, id: NodeId) -> impl Iterator<Item = NodeId> + '_ {
         self.g.neighbors_directed(id, Direction::Incoming)

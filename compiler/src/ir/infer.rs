@@ -75,6 +75,15 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((shape.clone(), DType::F32))
         }
+        Op::RandomUniform { shape: out, .. } => {
+            if shape(0).numel() != 1 {
+                return err(
+                    format!("the step operand has shape {}, not one element", shape(0)),
+                    "pass the step counter (a one-element variable)",
+                );
+            }
+            Ok((out.clone(), DType::F32))
+        }
         Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
         Op::Binary(b) => {
             let d = same_dtype(&[0, 1])?;
@@ -466,6 +475,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
     match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } | Op::Iota { .. } => 0..=0,
         Op::Unary(_)
+        | Op::RandomUniform { .. }
         | Op::Scalar { .. }
         | Op::Reshape { .. }
         | Op::Permute { .. }

@@ -15,6 +15,6 @@ pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{
     BinaryOp, Grad, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, UnaryOp, VarRole,
-    Window2d,
+    Window2d, uniform,
 };
 pub use shape::Shape;

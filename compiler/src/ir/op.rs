@@ -253,6 +253,14 @@ pub enum Op {
         shape: Shape,
         axis: usize,
     },
+    /// (step) -> a tensor of `shape` of uniform values in [0, 1), a pure function of `seed`,
+    /// the step counter's value (operand 0, a one-element tensor) and the element's index
+    /// (`uniform`): the same bits on every backend and every run, new ones every step. Dropout's
+    /// generator.
+    RandomUniform {
+        shape: Shape,
+        seed: u64,
+    },
 
     // ---- elementwise (NumPy broadcasting between operands)
     Unary(UnaryOp),
@@ -477,6 +485,7 @@ impl Op {
             Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => 0,
             Op::Fill { .. }
             | Op::Iota { .. }
+            | Op::RandomUniform { .. }
             | Op::Unary(_)
             | Op::Binary(_)
             | Op::Scalar { .. }
@@ -575,6 +584,7 @@ impl Op {
             Op::Variable { .. } => "variable",
             Op::Fill { .. } => "fill",
             Op::Iota { .. } => "iota",
+            Op::RandomUniform { .. } => "random_uniform",
             Op::Unary(u) => match u {
                 UnaryOp::Neg => "neg",
                 UnaryOp::Abs => "abs",
@@ -684,6 +694,9 @@ impl Op {
             Op::Iota { axis, .. } => {
                 let _ = write!(s, "[axis {axis}]");
             }
+            Op::RandomUniform { seed, .. } => {
+                let _ = write!(s, "[seed {seed}]");
+            }
             Op::Scalar { value, .. } => {
                 let _ = write!(s, "[{value}]");
             }
@@ -778,4 +791,20 @@ impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.label())
     }
+}
+
+/// The uniform value in [0, 1) of `Op::RandomUniform` at element `index` for `seed` and step
+/// `step`: SplitMix64's finaliser over the three mixed together, its top 24 bits over 2^24 (so
+/// exactly representable in f32). The step is truncated to an integer, saturating (negative and
+/// NaN are 0). Every backend computes this function (CUDA with 64-bit integer arithmetic, the
+/// same bits).
+pub fn uniform(seed: u64, step: f32, index: u64) -> f32 {
+    let mut x =
+        seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    (x >> 40) as f32 / (1u64 << 24) as f32
 }

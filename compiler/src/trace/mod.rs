@@ -26,6 +26,8 @@ struct TraceState {
     scopes: Vec<String>,
     device: DeviceId,
     variables: HashMap<String, NodeId>,
+    /// Whether the model is traced for a training step (`Dropout` drops only then).
+    training: bool,
 }
 
 /// Records a graph. Cheap to clone: clones share one graph.
@@ -126,9 +128,22 @@ impl Tracer {
     /// use's.
     #[track_caller]
     pub fn tied_param(&self, key: &str, shape: impl Into<Shape>, init: Init) -> Tensor {
+        self.tied_variable(key, shape, DType::F32, VarRole::Parameter, init)
+    }
+
+    /// A variable named `key` whatever the current scopes, one for every declaration of the key
+    /// (`tied_param`; dropout's step counter).
+    #[track_caller]
+    pub fn tied_variable(
+        &self,
+        key: &str,
+        shape: impl Into<Shape>,
+        dtype: DType,
+        role: VarRole,
+        init: Init,
+    ) -> Tensor {
         let scopes = std::mem::take(&mut self.state.borrow_mut().scopes);
-        let t =
-            self.declare(key, shape.into(), DType::F32, VarRole::Parameter, init, true, Location::caller());
+        let t = self.declare(key, shape.into(), dtype, role, init, true, Location::caller());
         self.state.borrow_mut().scopes = scopes;
         t
     }
@@ -198,6 +213,25 @@ impl Tracer {
             self.state.borrow_mut().variables.insert(key, id);
         }
         t
+    }
+
+    /// Whether this trace is a training step's (set by `step::train_step_graph`); layers that
+    /// behave differently at inference (`Dropout`) ask.
+    pub fn training(&self) -> bool {
+        self.state.borrow().training
+    }
+
+    /// Marks the trace as a training step's, or not.
+    pub fn set_training(&self, training: bool) {
+        self.state.borrow_mut().training = training;
+    }
+
+    /// Uniform values in [0, 1) of `shape`, a pure function of `seed`, the one-element `step`
+    /// and each element's index (`ir::uniform`): identical on every backend and run, new each
+    /// step the counter advances.
+    #[track_caller]
+    pub fn random_uniform(&self, shape: impl Into<Shape>, seed: u64, step: &Tensor) -> Tensor {
+        self.record_at(Op::RandomUniform { shape: shape.into(), seed }, &[step], Location::caller())
     }
 
     /// A tensor of `shape` whose elements are their index along `axis` (0, 1, 2, ...), as f32.

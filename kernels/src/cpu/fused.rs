@@ -108,6 +108,11 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
                 *o = ((first + t) / stride % len) as f32;
             }
         }
+        Inst::Uniform(seed, _) => {
+            for (t, (o, &step)) in d.iter_mut().zip(a).enumerate() {
+                *o = kiln_compiler::ir::uniform(seed, step, (first + t) as u64);
+            }
+        }
         Inst::Unary(op, _) => with_unary!(op, |f| {
             for (o, &x) in d.iter_mut().zip(a) {
                 *o = f(x);

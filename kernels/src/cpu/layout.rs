@@ -84,6 +84,40 @@ struct Iota {
 }
 
 /// Every element its index along `axis`, as a float.
+struct RandomUniform {
+    n: usize,
+    seed: u64,
+    desc: String,
+}
+
+/// `Op::RandomUniform`: element i is `ir::uniform(seed, step, i)`.
+pub(crate) fn random_uniform(seed: u64, out: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(RandomUniform {
+        n: out.numel(),
+        seed,
+        desc: format!("random_uniform[seed {seed}] {}", shape_text(out)),
+    })
+}
+
+impl CpuKernel for RandomUniform {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        // SAFETY: the step operand holds one element (`ir::infer`), the output n.
+        let step = unsafe { *(inputs[0] as *const f32) };
+        let out = SendPtr::new(output as *mut f32);
+        par_ranges(self.n, 8, |s, e| {
+            // SAFETY: tasks take disjoint ranges of the output's n elements.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(s), e - s) };
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = kiln_compiler::ir::uniform(self.seed, step, (s + i) as u64);
+            }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
 pub(crate) fn iota(axis: usize, out: &Shape) -> Box<dyn CpuKernel> {
     let dims = out.dims();
     Box::new(Iota {

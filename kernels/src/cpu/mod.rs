@@ -90,6 +90,7 @@ pub fn prepare(
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
         Op::Fill { value, .. } => layout::fill(*value, out),
         Op::Iota { axis, .. } => layout::iota(*axis, out),
+        Op::RandomUniform { seed, .. } => layout::random_uniform(*seed, out),
         Op::Unary(u) => elementwise::unary(*u, name, s[0]),
         Op::Binary(b) => elementwise::binary(*b, name, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),

@@ -220,6 +220,24 @@ pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape) -
     .generate()
 }
 
+/// `Op::RandomUniform`: element i is `kiln_uniform(seed, step, i)` (`ir::uniform`), the step
+/// read from the one-element operand.
+pub(crate) fn random_uniform(label: &str, seed: u64, step: &Shape, out: &Shape) -> CudaKernel {
+    Map {
+        name: "kiln_random_uniform",
+        header: header(label, &[step], Some(out)),
+        describe: format!("random_uniform[seed {seed}] {}", shape_text(out)),
+        out: out.dims(),
+        strides: strides_of(&[step], out),
+        max_operand: out.numel(),
+        expr: format!("kiln_uniform({seed}ull, a, (unsigned long long)idx)"),
+        in_place: false,
+        index: true,
+        ..Default::default()
+    }
+    .generate()
+}
+
 pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) -> CudaKernel {
     // Operands (cond, a, b) are named a, b, c in the expression.
     Map {
@@ -266,6 +284,9 @@ fn program_code(program: &Fused, index: &str) -> (Vec<String>, String) {
             Inst::Select(w, a, b) => format!("{} != 0.0f ? {} : {}", value(w), value(a), value(b)),
             Inst::Iota(axis) => iota(axis),
             Inst::Const(c) => flt(c),
+            Inst::Uniform(seed, step) => {
+                format!("kiln_uniform({seed}ull, {}, (unsigned long long)({index}))", value(step))
+            }
         })
         .collect();
     let last = exprs.pop().unwrap_or_else(|| "0.0f".into());
@@ -345,7 +366,7 @@ pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Sha
         lets,
         names,
         in_place: true,
-        index: program.insts.iter().any(|i| matches!(i, Inst::Iota(_))),
+        index: program.insts.iter().any(Inst::reads_index),
     }
     .generate()
 }
@@ -373,7 +394,7 @@ pub(crate) fn fused_finishing(
         lets,
         names: (0..operands.len()).map(|j| format!("x{j}")).collect(),
         in_place: false,
-        index: program.insts.iter().any(|i| matches!(i, Inst::Iota(_))),
+        index: program.insts.iter().any(Inst::reads_index),
     }
     .generate()
 }

@@ -39,6 +39,17 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
              return (a < b || a != a) ? a : b;\n}\n",
         );
     }
+    if needs("kiln_uniform") {
+        out.push_str(
+            "// ir::uniform: SplitMix64's finaliser over seed, step and index; 24 bits in [0, 1)\n\
+             __device__ __forceinline__ float kiln_uniform(unsigned long long seed, float step, unsigned long long i) {\n    \
+             const unsigned long long s = step > 0.0f ? (step < 18446744073709551616.0f ? (unsigned long long)step : 0xFFFFFFFFFFFFFFFFull) : 0ull;\n    \
+             unsigned long long x = seed ^ (s * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);\n    \
+             x ^= x >> 30;\n    x *= 0xBF58476D1CE4E5B9ull;\n    x ^= x >> 27;\n    \
+             x *= 0x94D049BB133111EBull;\n    x ^= x >> 31;\n    \
+             return (float)(x >> 40) * (1.0f / 16777216.0f);\n}\n",
+        );
+    }
     if needs("kiln_sigmoid") {
         out.push_str(
             "// 1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1\n\

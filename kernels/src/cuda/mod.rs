@@ -118,6 +118,7 @@ pub fn generate(
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
         Op::Fill { value, .. } => layout::fill(l, *value, out),
         Op::Iota { axis, .. } => layout::iota(l, *axis, out),
+        Op::RandomUniform { seed, .. } => elementwise::random_uniform(l, *seed, s[0], out),
         Op::Unary(u) => elementwise::unary(*u, name, l, s[0]),
         Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),

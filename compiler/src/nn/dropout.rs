@@ -1,0 +1,63 @@
+//! Dropout: in a training step, each element is zeroed with probability `rate` and the others
+//! scaled by 1 / (1 - rate) (inverted dropout, as Keras and PyTorch do); at inference (predict,
+//! evaluate) the layer is the identity.
+//!
+//! The mask comes from a deterministic generator in the plan, not the host: `Op::RandomUniform`
+//! of a seed (the layer's scope, hashed) and a step counter (the variable `dropout/step`,
+//! advanced once per training step), so a run is reproducible bit for bit on every backend, and
+//! resuming from a checkpoint resumes the masks. The mask is never stored: the generator is
+//! cheap, so fusion computes it inside the forward group and again inside the gradient's
+//! (`fusion::split_cheap`), where PyTorch keeps a byte per element between the two.
+
+use super::{Layer, invalid_layer};
+use crate::ir::{DType, Init, Op, Shape, VarRole};
+use crate::trace::Tensor;
+
+/// The step counter every dropout layer of a model reads.
+pub const STEP_KEY: &str = "dropout/step";
+
+#[derive(Clone, Debug)]
+pub struct Dropout {
+    pub rate: f32,
+}
+
+impl Dropout {
+    pub fn new(rate: f32) -> Self {
+        Dropout { rate }
+    }
+}
+
+/// FNV-1a of the layer's scope: a seed per layer, the same in every trace of the model.
+fn seed_of(scope: &str) -> u64 {
+    scope.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01B3))
+}
+
+impl Layer for Dropout {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        if !(0.0..1.0).contains(&self.rate) {
+            return invalid_layer(
+                x,
+                self.kind(),
+                format!("Dropout::new({}) is not a rate in [0, 1)", self.rate),
+                "drop a fraction of the elements in [0, 1): 0.1 is common",
+            );
+        }
+        let t = x.tracer();
+        if !t.training() || self.rate == 0.0 {
+            return x.clone();
+        }
+        let first = t.with_graph(|g| g.variable(STEP_KEY).is_none());
+        let step = t.tied_variable(STEP_KEY, Shape::scalar(), DType::F32, VarRole::Counter, Init::Zeros);
+        if first {
+            // Advanced after every reader of this step's value (effects are ordered after their
+            // variable's readers), once per step however many layers drop.
+            step.record(Op::AssignAdd { value: 1.0 }, &[&step]);
+        }
+        let keep = t.random_uniform(x.shape().clone(), seed_of(&t.scope_path()), &step).ge(self.rate);
+        x * &keep * (1.0 / (1.0 - self.rate))
+    }
+
+    fn kind(&self) -> &'static str {
+        "dropout"
+    }
+}
