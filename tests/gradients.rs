@@ -32,6 +32,7 @@ grad_test!(sqrt, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].sqrt());
 grad_test!(rsqrt, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].rsqrt());
 grad_test!(square, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].square());
 grad_test!(reciprocal, [([3, 4], Draw::Positive)], [0], |x: &[Tensor]| x[0].reciprocal());
+grad_test!(erf, [([3, 4], Draw::Normal)], [0], |x: &[Tensor]| x[0].erf());
 
 // ---- binary, with broadcasting both ways
 grad_test!(add, [([3, 4], Draw::Normal), ([4], Draw::Normal)], [0, 1], |x: &[Tensor]| &x[0] + &x[1]);

@@ -199,3 +199,22 @@ fn a_tied_embedding_and_head_share_one_table_and_train() {
     let losses: Vec<f32> = (0..30).map(|_| trainer.train_step(&x, &y).unwrap().loss).collect();
     assert!(losses[29] < 0.5 * losses[0], "{losses:?}");
 }
+
+/// `one_hot`: a 1.0 at each id's class, zeros elsewhere and for ids outside the classes; the
+/// comparison is fused into its reader, so no [rows, classes] tensor is stored for it.
+#[test]
+fn one_hot_rows_of_ids() {
+    let ids = HostTensor::new(Shape::new([2, 3]), vec![0.0, 3.0, 1.0, 2.0, 7.0, -1.0]).unwrap();
+    let (y, _) = run("one_hot", &ids, |x| x.one_hot(4) * 2.0);
+    assert_eq!(y.shape(), &Shape::new([2, 3, 4]));
+    let want: Vec<f32> = [0, 3, 1, 2, 9, 9]
+        .iter()
+        .flat_map(|&c| (0..4).map(move |k| if k == c { 2.0 } else { 0.0 }))
+        .collect();
+    assert_eq!(y.data(), want.as_slice());
+    let t = Tracer::new("one_hot_plan");
+    let x = t.input("x", [2, 3]);
+    t.output("y", &(x.one_hot(4) * 2.0));
+    let plan = compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
+    assert_eq!(plan.steps.len(), 1, "one fused kernel: {}", plan.render());
+}

@@ -68,7 +68,7 @@ fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
     Window2d { size, stride, padding }
 }
 
-const UNARY: [UnaryOp; 13] = [
+const UNARY: [UnaryOp; 14] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Sign,
@@ -82,6 +82,7 @@ const UNARY: [UnaryOp; 13] = [
     UnaryOp::Rsqrt,
     UnaryOp::Square,
     UnaryOp::Reciprocal,
+    UnaryOp::Erf,
 ];
 
 const BINARY: [BinaryOp; 17] = [

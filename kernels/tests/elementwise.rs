@@ -32,10 +32,11 @@ fn unary_ref(op: UnaryOp, x: f64) -> f64 {
         UnaryOp::Rsqrt => 1.0 / x.sqrt(),
         UnaryOp::Square => x * x,
         UnaryOp::Reciprocal => 1.0 / x,
+        UnaryOp::Erf => erf(x),
     }
 }
 
-const UNARY: [UnaryOp; 13] = [
+const UNARY: [UnaryOp; 14] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Sign,
@@ -49,6 +50,7 @@ const UNARY: [UnaryOp; 13] = [
     UnaryOp::Rsqrt,
     UnaryOp::Square,
     UnaryOp::Reciprocal,
+    UnaryOp::Erf,
 ];
 
 /// Inputs inside each op's domain.

@@ -170,6 +170,8 @@ fn unary(u: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Option<Tensor> {
         UnaryOp::Rsqrt => g * y.pow(3.0) * -0.5,
         UnaryOp::Square => g * x * 2.0,
         UnaryOp::Reciprocal => -(g * y.square()),
+        // d/dx erf(x) = 2/√π e^(-x²)
+        UnaryOp::Erf => g * (x.square() * -1.0).exp() * std::f32::consts::FRAC_2_SQRT_PI,
     })
 }
 

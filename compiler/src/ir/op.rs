@@ -99,6 +99,8 @@ pub enum UnaryOp {
     Rsqrt,
     Square,
     Reciprocal,
+    /// The error function, erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (`jax.lax.erf`, `torch.erf`).
+    Erf,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -593,6 +595,7 @@ impl Op {
                 UnaryOp::Sigmoid => "sigmoid",
                 UnaryOp::Tanh => "tanh",
                 UnaryOp::Gelu => "gelu",
+                UnaryOp::Erf => "erf",
                 UnaryOp::Exp => "exp",
                 UnaryOp::Log => "log",
                 UnaryOp::Sqrt => "sqrt",

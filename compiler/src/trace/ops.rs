@@ -45,6 +45,8 @@ impl Tensor {
         /// Exact GELU: x·Φ(x).
         gelu => Gelu,
         exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, square => Square, reciprocal => Reciprocal,
+        /// The error function.
+        erf => Erf,
     }
 
     #[track_caller]
@@ -202,6 +204,25 @@ impl Tensor {
     }
 
     /// A view with another shape (no copy).
+    /// Class ids (f32, any shape) -> [..., classes] rows of 0.0 with a 1.0 at each id: the ids
+    /// compared with an iota over the classes, which fusion computes inside whatever reads the
+    /// result (`fusion`: no one-hot tensor is stored where its readers fuse). An id outside
+    /// [0, classes) gives a row of zeros, as `jax.nn.one_hot` does.
+    #[track_caller]
+    pub fn one_hot(&self, classes: usize) -> Tensor {
+        if classes == 0 {
+            return self.tracer().report(
+                "one_hot",
+                format!("one_hot of {} over 0 classes", self.shape()),
+                &[self],
+                "give at least one class",
+            );
+        }
+        let mut column = self.dims().to_vec();
+        column.push(1);
+        self.reshape(column).eq(&self.tracer().iota([classes], 0))
+    }
+
     #[track_caller]
     pub fn reshape(&self, shape: impl Into<Shape>) -> Tensor {
         self.record(Op::Reshape { shape: shape.into() }, &[self])

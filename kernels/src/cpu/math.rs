@@ -123,6 +123,10 @@ macro_rules! with_unary {
                 let $f = |v: f32| 1.0 / v;
                 $body
             }
+            UnaryOp::Erf => {
+                let $f = libm::erff;
+                $body
+            }
         }
     }};
 }

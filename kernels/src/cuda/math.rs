@@ -101,6 +101,7 @@ pub(crate) fn unary(op: UnaryOp, x: &str) -> String {
         UnaryOp::Rsqrt => format!("1.0f / sqrtf({x})"),
         UnaryOp::Square => format!("__fmul_rn({x}, {x})"),
         UnaryOp::Reciprocal => format!("1.0f / {x}"),
+        UnaryOp::Erf => format!("erff({x})"),
     }
 }
 
