@@ -220,7 +220,7 @@ impl Tensor {
         }
         let mut column = self.dims().to_vec();
         column.push(1);
-        self.reshape(column).eq(&self.tracer().iota([classes], 0))
+        self.reshape(column).eq(self.tracer().iota([classes], 0))
     }
 
     #[track_caller]
