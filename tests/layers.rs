@@ -218,3 +218,42 @@ fn one_hot_rows_of_ids() {
     let plan = compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
     assert_eq!(plan.steps.len(), 1, "one fused kernel: {}", plan.render());
 }
+
+/// A padding mask: no position reads a padded key, so what sits at padded positions never
+/// changes the real positions' outputs; a mask of the wrong shape is an error naming the layer.
+#[test]
+fn padded_keys_are_never_read() {
+    use kiln::compiler::nn::MultiHeadAttention;
+    let (b, s, d) = (2, 5, 8);
+    let keep: Vec<f32> = vec![1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+    let plan = {
+        let t = Tracer::new("padded");
+        let x = t.input("x", [b, s, d]);
+        let mask = t.input("mask", [b, s]);
+        t.output("y", &MultiHeadAttention::new(2).causal(false).attend(&x, Some(&mask)));
+        compile(t.finish().unwrap(), &CompileOptions::default()).unwrap()
+    };
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    let mask = HostTensor::new(Shape::new([b, s]), keep.clone()).unwrap();
+    let mut call = |data: Vec<f32>| {
+        let x = HostTensor::new(Shape::new([b, s, d]), data).unwrap();
+        cpu.call(id, &[("x", &x), ("mask", &mask)]).unwrap().remove(0).1
+    };
+    let base: Vec<f32> = (0..b * s * d).map(|i| ((i * 29 % 13) as f32 - 6.0) / 6.0).collect();
+    let mut padded = base.clone();
+    for pos in 3..5 {
+        for j in 0..d {
+            padded[pos * d + j] -= 5.0;
+        }
+    }
+    let (a, c) = (call(base), call(padded));
+    assert_eq!(a.data()[..3 * d], c.data()[..3 * d], "real positions read padding");
+    assert_eq!(a.data()[s * d..], c.data()[s * d..], "the other sequence is untouched");
+    let t = Tracer::new("bad_mask");
+    let x = t.input("x", [b, s, d]);
+    let mask = t.input("mask", [b, s + 1]);
+    t.output("y", &MultiHeadAttention::new(2).attend(&x, Some(&mask)));
+    let e = t.finish().unwrap_err().to_string();
+    assert!(e.contains("multi_head_attention") && e.contains("padding mask"), "{e}");
+}

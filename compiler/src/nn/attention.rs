@@ -38,6 +38,23 @@ impl MultiHeadAttention {
 
 impl Layer for MultiHeadAttention {
     fn forward(&self, x: &Tensor) -> Tensor {
+        self.attend(x, None)
+    }
+
+    fn kind(&self) -> &'static str {
+        "multi_head_attention"
+    }
+}
+
+impl MultiHeadAttention {
+    /// Self-attention over `x` [batch, seq, model] where `padding`, when given, is [batch, seq]
+    /// with 1.0 at real tokens and 0.0 at padding: no query attends to a padded key (Keras's
+    /// `attention_mask` from a padding mask, PyTorch's `key_padding_mask` inverted). The mask is
+    /// added to the scores as -1e9 where a key is padding, with the causal mask when `causal`;
+    /// a row whose keys are all padding attends uniformly (its softmax sees equal scores). Call
+    /// it from a model's own layer (`impl Layer`), which receives the mask beside its input.
+    #[track_caller]
+    pub fn attend(&self, x: &Tensor, padding: Option<&Tensor>) -> Tensor {
         let t = x.tracer();
         let (b, s, d) = match x.dims() {
             [b, s, d] => (*b, *s, *d),
@@ -76,12 +93,20 @@ impl Layer for MultiHeadAttention {
             // 0 where allowed, -1e9 where masked, broadcast over batch and heads.
             scores = scores + (t.causal_mask(s) - 1.0).mul(1e9);
         }
+        if let Some(keep) = padding {
+            if keep.dims() != [b, s] {
+                return invalid_layer(
+                    x,
+                    self.kind(),
+                    format!("the padding mask has shape {} but the input {}", keep.shape(), x.shape()),
+                    "give a [batch, seq] mask of 1.0 at tokens and 0.0 at padding",
+                );
+            }
+            // Over the keys: [b, 1, 1, s], broadcast over heads and queries.
+            scores = scores + (keep.reshape([b, 1, 1, s]) - 1.0).mul(1e9);
+        }
         let context = scores.softmax(-1).matmul(&v);
         let merged = context.permute(&[0, 2, 1, 3]).reshape([b, s, d]);
         t.scope("output", || self.dense(d).forward(&merged))
-    }
-
-    fn kind(&self) -> &'static str {
-        "multi_head_attention"
     }
 }
