@@ -2,10 +2,11 @@
 //! weight gradient aᵀ·b. The plans that keep them are smaller, and training with them computes
 //! bitwise what the plan without them (unfused, untiled) computes.
 
+mod common;
+
 use kiln::compiler::Plan;
 use kiln::compiler::ir::{DType, DeviceId, Graph, Init, Node, Op, Shape, VarRole};
 use kiln::compiler::losses::Loss;
-use kiln::compiler::nn::{Activation, Dense, Sequential};
 use kiln::compiler::optim::{Adam, Optimizer, Sgd};
 use kiln::compiler::product_updates::{Selection, fold};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
@@ -70,18 +71,8 @@ fn the_mlp_keeps_product_updates_smaller_and_trains_bitwise_the_same() {
 #[test]
 fn random_dense_steps_train_bitwise_with_every_update_folded() {
     let mut rng = StdRng::seed_from_u64(11);
-    let activations = [Activation::Relu, Activation::Tanh, Activation::Gelu, Activation::Sigmoid];
     for case in 0..8 {
-        let depth = rng.random_range(1..=4);
-        let batch = rng.random_range(1..=96);
-        let features = rng.random_range(1..=300);
-        let classes = rng.random_range(2..=9);
-        let mut model = Sequential::new();
-        for _ in 0..depth {
-            let act = activations[rng.random_range(0..activations.len())];
-            model = model.add(Dense::new(rng.random_range(1..=400)).activation(act));
-        }
-        model = model.add(Dense::new(classes));
+        let common::DenseCase { model, depth, batch, features, classes } = common::random_dense(&mut rng);
         let optimizer: Optimizer = match case % 4 {
             0 => Adam::new(1e-3).into(),
             1 => Sgd::new(0.05).momentum(0.9).nesterov().into(),

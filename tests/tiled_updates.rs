@@ -1,10 +1,11 @@
 //! Tiled updates (`kiln_compiler::tiled_updates`): the plan the search keeps, and training with
 //! it computes what the untiled plan computes, up to the GEMM's summation order.
 
+mod common;
+
 use kiln::compiler::Plan;
 use kiln::compiler::ir::Shape;
 use kiln::compiler::losses::Loss;
-use kiln::compiler::nn::{Activation, Dense, Sequential};
 use kiln::compiler::optim::{Adam, Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
 use kiln::prelude::*;
@@ -73,19 +74,9 @@ fn the_mlp_step_is_tiled_smaller_and_trains_the_same() {
 #[test]
 fn random_dense_steps_train_the_same_tiled() {
     let mut rng = StdRng::seed_from_u64(5);
-    let activations = [Activation::Relu, Activation::Tanh, Activation::Gelu, Activation::Sigmoid];
     let mut tiled_kept = 0;
     for case in 0..10 {
-        let depth = rng.random_range(1..=4);
-        let batch = rng.random_range(1..=96);
-        let features = rng.random_range(1..=300);
-        let classes = rng.random_range(2..=9);
-        let mut model = Sequential::new();
-        for _ in 0..depth {
-            let act = activations[rng.random_range(0..activations.len())];
-            model = model.add(Dense::new(rng.random_range(1..=400)).activation(act));
-        }
-        model = model.add(Dense::new(classes));
+        let common::DenseCase { model, depth, batch, features, classes } = common::random_dense(&mut rng);
         let optimizer: Optimizer = match rng.random_range(0..3) {
             0 => Adam::new(1e-3).into(),
             1 => Sgd::new(0.05).momentum(0.9).nesterov().into(),

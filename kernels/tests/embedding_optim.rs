@@ -95,17 +95,32 @@ fn adam_steps() {
     }
 }
 
+/// A weight gradient's factors a[m, k] and b[m, n], their product aᵀ·b, a [k, n] variable, a
+/// first moment, a non-negative second moment and an Adam counter at 4.
+struct Weights {
+    a: T,
+    b: T,
+    full: T,
+    var: T,
+    state: T,
+    v0: T,
+    iters: T,
+}
+
+fn weights(m: usize, k: usize, n: usize, seed: u64) -> Weights {
+    let (a, b) = (rand(&[m, k], seed), rand(&[m, n], seed + 1));
+    let full = run(&Op::MatMul { transpose_a: true, transpose_b: false }, &[&a, &b]);
+    let state = rand(&[k, n], seed + 3);
+    let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
+    Weights { a, b, full, var: rand(&[k, n], seed + 2), state, v0, iters: T::new(&[], vec![4.0]) }
+}
+
 /// A tiled update: each block of rows, computed by `matmul_rows` and applied by a row-block
 /// update, leaves the variable and its state exactly as one update from the whole gradient.
 #[test]
 fn tiled_updates_equal_one_update() {
     let (m, k, n) = (37, 70, 23);
-    let (a, b) = (rand(&[m, k], 11), rand(&[m, n], 12));
-    let full = run(&Op::MatMul { transpose_a: true, transpose_b: false }, &[&a, &b]);
-    let var = rand(&[k, n], 13);
-    let state = rand(&[k, n], 14);
-    let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
-    let iters = T::new(&[], vec![4.0]);
+    let Weights { a, b, full, var, state, v0, iters } = weights(m, k, n, 11);
     let adam =
         |rows| Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows, product: false };
     let sgd = |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows, product: false };
@@ -210,12 +225,7 @@ fn product_updates_equal_the_product_then_the_update() {
     use kiln_compiler::ir::Grad;
     for (case, (m, k, n)) in [(37, 70, 23), (5, 300, 500), (700, 260, 300), (1, 1, 1)].into_iter().enumerate()
     {
-        let (a, b) = (rand(&[m, k], 21 + case as u64), rand(&[m, n], 31 + case as u64));
-        let full = run(&Op::MatMul { transpose_a: true, transpose_b: false }, &[&a, &b]);
-        let var = rand(&[k, n], 13);
-        let state = rand(&[k, n], 14);
-        let v0 = T::new(&[k, n], state.data.iter().map(|x| x.abs()).collect());
-        let iters = T::new(&[], vec![4.0]);
+        let Weights { a, b, full, var, state, v0, iters } = weights(m, k, n, 21 + 10 * case as u64);
         let adam =
             Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false };
         let want = run_effect(&adam, &[&var, &full, &state, &v0, &iters]);

@@ -196,3 +196,28 @@ pub fn check_gradients(
         }
     }
 }
+
+/// A random dense classifier as the update tests draw them: 1-4 hidden layers of 1-400 units,
+/// each with a random activation, and a head over 2-9 classes, with its batch and feature counts.
+pub struct DenseCase {
+    pub model: Sequential,
+    pub depth: usize,
+    pub batch: usize,
+    pub features: usize,
+    pub classes: usize,
+}
+
+pub fn random_dense(rng: &mut StdRng) -> DenseCase {
+    let activations = [Activation::Relu, Activation::Tanh, Activation::Gelu, Activation::Sigmoid];
+    let depth = rng.random_range(1..=4);
+    let batch = rng.random_range(1..=96);
+    let features = rng.random_range(1..=300);
+    let classes = rng.random_range(2..=9);
+    let mut model = Sequential::new();
+    for _ in 0..depth {
+        let act = activations[rng.random_range(0..activations.len())];
+        model = model.add(Dense::new(rng.random_range(1..=400)).activation(act));
+    }
+    model = model.add(Dense::new(classes));
+    DenseCase { model, depth, batch, features, classes }
+}
