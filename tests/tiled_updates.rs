@@ -111,7 +111,6 @@ fn random_dense_steps_train_the_same_tiled() {
 #[test]
 fn the_reference_interpreter_agrees_with_the_tiled_plan() {
     use kiln::compiler::{schedule, tiled_updates};
-    use kiln::runtime::reference::ReferenceInterpreter;
     let m = zoo::by_name("mlp").unwrap().with_batch(16);
     let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
     let scheduled = kiln::compiler::optimize(graph).unwrap();
@@ -119,19 +118,5 @@ fn the_reference_interpreter_agrees_with_the_tiled_plan() {
     let order = schedule::schedule(&tiled.graph).unwrap();
     let plan = compile(tiled.graph.clone(), &untiled()).unwrap();
     let (x, y) = m.batch_data(2).unwrap();
-    let mut reference = ReferenceInterpreter::new(7);
-    let mut backend = CpuBackend::new(7);
-    let id = backend.load(plan.clone()).unwrap();
-    for step in 0..2 {
-        let want = reference.run(&tiled.graph, &order, &[("x", &x), ("y", &y)]).unwrap();
-        let got = backend.call(id, &[("x", &x), ("y", &y)]).unwrap();
-        for (name, t) in &want {
-            let g = &got.iter().find(|(n, _)| n == name).unwrap().1;
-            assert_eq!(g.data(), t.data(), "step {step}: output {name}");
-        }
-    }
-    for v in &plan.variables {
-        let want = reference.read_variable(&v.key, &v.shape).unwrap();
-        assert_eq!(backend.read_variable(&v.key).unwrap().data(), want.data(), "{}", v.key);
-    }
+    common::assert_plan_matches_reference(&tiled.graph, &order, &plan, &[("x", &x), ("y", &y)], 2);
 }

@@ -221,3 +221,31 @@ pub fn random_dense(rng: &mut StdRng) -> DenseCase {
     model = model.add(Dense::new(classes));
     DenseCase { model, depth, batch, features, classes }
 }
+
+/// Runs `graph` in `order` with the reference interpreter (every value in its own buffer) and
+/// its `plan` on the CPU backend for `steps` calls on `feeds`: every output and, after them,
+/// every variable bitwise equal.
+pub fn assert_plan_matches_reference(
+    graph: &kiln::compiler::ir::Graph,
+    order: &[kiln::compiler::ir::NodeId],
+    plan: &Plan,
+    feeds: &[(&str, &HostTensor)],
+    steps: usize,
+) {
+    use kiln::runtime::reference::ReferenceInterpreter;
+    let mut reference = ReferenceInterpreter::new(7);
+    let mut backend = CpuBackend::new(7);
+    let id = backend.load(plan.clone()).unwrap();
+    for step in 0..steps {
+        let want = reference.run(graph, order, feeds).unwrap();
+        let got = backend.call(id, feeds).unwrap();
+        for (name, t) in &want {
+            let g = &got.iter().find(|(n, _)| n == name).unwrap().1;
+            assert_eq!(g.data(), t.data(), "step {step}: output {name}");
+        }
+    }
+    for v in &plan.variables {
+        let want = reference.read_variable(&v.key, &v.shape).unwrap();
+        assert_eq!(backend.read_variable(&v.key).unwrap().data(), want.data(), "{}", v.key);
+    }
+}
