@@ -22,6 +22,7 @@ pub mod device;
 mod error;
 pub mod examples;
 pub mod gpu_bench;
+pub mod onnx;
 pub mod peers;
 pub mod remat;
 pub mod report;

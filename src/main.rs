@@ -63,7 +63,7 @@ enum Command {
     },
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
-        /// A zoo model: seed-mlp, mlp, cnn, transformer.
+        /// A zoo model (seed-mlp, mlp, cnn, transformer) or an ONNX file (forward mode).
         model: String,
         /// forward or train.
         #[arg(long, default_value = "train")]
@@ -77,6 +77,9 @@ enum Command {
         /// Print every step of the plan.
         #[arg(long)]
         steps: bool,
+        /// Size a symbolic dimension of an ONNX model's inputs: NAME=N. Repeatable.
+        #[arg(long, value_name = "NAME=N")]
+        dim: Vec<String>,
     },
 }
 
@@ -88,7 +91,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
-        Command::Memory { model, mode, batch, svg, steps } => {
+        Command::Memory { model, mode, batch, svg, steps, dim } if model.ends_with(".onnx") => {
+            memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps)
+        }
+        Command::Memory { model, mode, batch, svg, steps, .. } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
         }
         Command::BenchGpu => match kiln::gpu_bench::run() {
@@ -200,6 +206,51 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, step
         let title = format!("{} {} (batch {})", m.name, mode.name(), m.batch);
         std::fs::write(path, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
         println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `kiln memory model.onnx`: the imported model's forward pass planned and compared with eager
+/// execution. `--batch N` sizes every input's symbolic first axis, `--dim NAME=N` any symbolic
+/// axis.
+fn memory_onnx(
+    path: &str,
+    mode: &str,
+    batch: Option<usize>,
+    dims: &[String],
+    svg: Option<&Path>,
+    steps: bool,
+) -> kiln::Result<()> {
+    if mode != "forward" {
+        return Err(invalid(
+            format!("--mode {mode} on an ONNX model: only forward passes of imported models are planned yet"),
+            "pass --mode forward (training imported models is not built yet)".into(),
+        ));
+    }
+    let bytes = std::fs::read(path)?;
+    let mut sizes: Vec<(String, usize)> = Vec::new();
+    for d in dims {
+        let parsed = d.split_once('=').and_then(|(n, v)| Some((n.to_string(), v.parse::<usize>().ok()?)));
+        match parsed {
+            Some((n, v)) if v > 0 => sizes.push((n, v)),
+            _ => return Err(invalid(format!("--dim {d}"), "write NAME=N with N at least 1".into())),
+        }
+    }
+    if let Some(b) = batch.filter(|&b| b > 0) {
+        sizes.extend(kiln::onnx::batch_dims(&bytes).into_iter().map(|n| (n, b)));
+    }
+    let imported = kiln::onnx::import(&bytes, &sizes)?;
+    let feeds = kiln::compare::feeds_for(&imported.graph, 1)?;
+    let feed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let row = kiln::compare::compare_graph(path, imported.graph, &feed, true)?;
+    if steps {
+        println!("{}", row.plan.render());
+    }
+    println!("{}", table(std::slice::from_ref(&row)));
+    if let Some(out) = svg {
+        let title = format!("{path} forward (batch {})", row.batch);
+        std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
+        println!("wrote {}", out.display());
     }
     Ok(())
 }

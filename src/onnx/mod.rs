@@ -1,0 +1,520 @@
+//! ONNX in: a model file becomes a kiln graph, so that the models people already have get
+//! planned, checked against device limits and compared with eager execution like traced ones.
+//!
+//! The file is read with `prost` over the schema's messages (`proto`); the graph is then traced
+//! node by node with kiln's DSL, so every op gets the same shape checks, error messages and
+//! autodiff as a hand-written model. Graph inputs that are not initializers become inputs (a
+//! symbolic dimension takes its size from `dims`, by name); float initializers become trainable
+//! parameters (their values are returned beside the graph, for `Backend::write_variable`); integer
+//! initializers and `Constant` nodes feed shape arguments (Reshape's, Unsqueeze's) and are folded
+//! at import.
+//!
+//! This first slice covers dense and attention-style graphs, opsets 7 to 22 of the default
+//! domain: Gemm, MatMul, Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Erf, Exp, Log, Sqrt, Neg,
+//! Abs, Softmax, LogSoftmax, Identity, Dropout (inference), Flatten, Reshape, Transpose,
+//! Unsqueeze, Squeeze, Constant. Anything else is an error naming the op, the node and what is
+//! supported. Not yet: convolutions and pooling, BatchNormalization, integer tensors as values,
+//! external data, the conformance suite of the `onnx` package's test data.
+
+pub mod proto;
+
+use crate::error::{Error, Result};
+use kiln_compiler::CompileError;
+use kiln_compiler::ir::{Graph, Init, Shape};
+use kiln_compiler::trace::{Tensor, Tracer};
+use kiln_runtime::HostTensor;
+use prost::Message;
+use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
+use std::collections::HashMap;
+
+/// The default domain's opsets this importer reads.
+pub const OPSETS: std::ops::RangeInclusive<i64> = 7..=22;
+
+/// The ops the importer maps, for error messages and the README.
+pub const SUPPORTED: &[&str] = &[
+    "Abs",
+    "Add",
+    "Constant",
+    "Div",
+    "Dropout",
+    "Erf",
+    "Exp",
+    "Flatten",
+    "Gemm",
+    "Identity",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "Mul",
+    "Neg",
+    "Pow",
+    "Relu",
+    "Reshape",
+    "Sigmoid",
+    "Softmax",
+    "Sqrt",
+    "Squeeze",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "Unsqueeze",
+];
+
+/// An imported model: its forward graph (inputs and outputs named as in the file), the values
+/// of its parameters by variable key, and its inputs' shapes.
+pub struct Imported {
+    pub graph: Graph,
+    pub weights: Vec<(String, HostTensor)>,
+    pub inputs: Vec<(String, Shape)>,
+    pub opset: i64,
+}
+
+fn invalid(what: impl Into<String>, help: impl Into<String>) -> Error {
+    Error::from(CompileError::invalid(what, help))
+}
+
+fn unsupported(what: impl Into<String>, help: impl Into<String>) -> Error {
+    Error::from(CompileError::unsupported(what, help))
+}
+
+/// Reads an ONNX file; `dims` sizes its symbolic dimensions (`("batch", 32)`).
+pub fn import_file(path: impl AsRef<std::path::Path>, dims: &[(String, usize)]) -> Result<Imported> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| {
+        invalid(format!("cannot read the ONNX file {}: {e}", path.display()), "pass the path of a .onnx file")
+    })?;
+    import(&bytes, dims)
+}
+
+/// Imports an ONNX model from its bytes; `dims` sizes its symbolic dimensions.
+pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
+    let model = ModelProto::decode(bytes).map_err(|e| {
+        invalid(
+            format!("the bytes are not an ONNX model: {e}"),
+            "pass an ONNX file (a serialised ModelProto)",
+        )
+    })?;
+    let opset = model
+        .opset_import
+        .iter()
+        .filter(|o| o.domain.as_deref().unwrap_or("").is_empty() || o.domain.as_deref() == Some("ai.onnx"))
+        .filter_map(|o| o.version)
+        .max()
+        .unwrap_or(1);
+    if !OPSETS.contains(&opset) {
+        return Err(unsupported(
+            format!("the model imports ONNX opset {opset}"),
+            format!(
+                "kiln reads opsets {} to {}; convert the model (onnx.version_converter)",
+                OPSETS.start(),
+                OPSETS.end()
+            ),
+        ));
+    }
+    let graph =
+        model.graph.ok_or_else(|| invalid("the model has no graph", "export the model with its graph"))?;
+    let mut importer = Importer {
+        t: Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into())),
+        values: HashMap::new(),
+        ints: HashMap::new(),
+        weights: Vec::new(),
+        opset,
+    };
+    for init in &graph.initializer {
+        importer.initializer(init)?;
+    }
+    let mut inputs = Vec::new();
+    for input in &graph.input {
+        let name = input.name.clone().unwrap_or_default();
+        if importer.values.contains_key(&name) || importer.ints.contains_key(&name) {
+            continue;
+        }
+        let shape = input_shape(input, dims)?;
+        let x = importer.t.input(&name, shape.clone());
+        importer.values.insert(name.clone(), x);
+        inputs.push((name, shape));
+    }
+    for node in &graph.node {
+        importer.node(node)?;
+    }
+    for output in &graph.output {
+        let name = output.name.clone().unwrap_or_default();
+        let value = importer.tensor(&name, "the graph's outputs")?;
+        importer.t.output(&name, &value);
+    }
+    let Importer { t, weights, .. } = importer;
+    Ok(Imported { graph: t.finish()?, weights, inputs, opset })
+}
+
+/// The symbolic names of the models' inputs' first axes (what `--batch N` sizes).
+pub fn batch_dims(bytes: &[u8]) -> Vec<String> {
+    let Ok(model) = ModelProto::decode(bytes) else { return Vec::new() };
+    let mut names: Vec<String> = model
+        .graph
+        .iter()
+        .flat_map(|g| &g.input)
+        .filter_map(|i| {
+            i.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?.dim.first()?.dim_param.clone()
+        })
+        .filter(|p| !p.is_empty())
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// An input's shape, symbolic dimensions sized from `dims`.
+fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<Shape> {
+    let name = input.name.as_deref().unwrap_or("");
+    let tensor = input.r#type.as_ref().and_then(|t| t.tensor_type.as_ref()).ok_or_else(|| {
+        unsupported(format!("input `{name}` is not a tensor"), "kiln imports tensor inputs only")
+    })?;
+    if tensor.elem_type.unwrap_or(proto::FLOAT) != proto::FLOAT {
+        return Err(unsupported(
+            format!("input `{name}` has element type {} (not float)", tensor.elem_type.unwrap_or(0)),
+            "kiln's tensors are f32 (integer inputs are not supported yet)",
+        ));
+    }
+    let shape = tensor.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or(&[]);
+    let mut out = Vec::with_capacity(shape.len());
+    for (axis, d) in shape.iter().enumerate() {
+        match (d.dim_value, d.dim_param.as_deref()) {
+            (Some(v), _) if v > 0 => out.push(v as usize),
+            (_, Some(p)) if !p.is_empty() => match dims.iter().find(|(n, _)| n == p) {
+                Some(&(_, v)) => out.push(v),
+                None => {
+                    return Err(invalid(
+                        format!(
+                            "input `{name}` axis {axis} is the symbolic dimension `{p}`, which has no size"
+                        ),
+                        format!(
+                            "give it one: --dim {p}=N (or --batch N for the first axis), or `(\"{p}\", N)` in the API"
+                        ),
+                    ));
+                }
+            },
+            _ => {
+                return Err(invalid(
+                    format!("input `{name}` axis {axis} has no size"),
+                    "give the model's inputs fixed or named dimensions",
+                ));
+            }
+        }
+    }
+    Ok(Shape::new(out))
+}
+
+/// A tensor's values as f32 and its shape; integers and doubles converted.
+fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
+    let name = t.name.as_deref().unwrap_or("");
+    if t.data_location == Some(1) {
+        return Err(unsupported(
+            format!("tensor `{name}` keeps its data in an external file"),
+            "save the model with its data inside (onnx.save_model(..., save_as_external_data=False))",
+        ));
+    }
+    let dims: Vec<usize> = t.dims.iter().map(|&d| usize::try_from(d).unwrap_or(0)).collect();
+    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+        invalid(format!("tensor `{name}` has dimensions {dims:?}, too many elements"), "the file is damaged")
+    })?;
+    let raw = t.raw_data.as_deref().unwrap_or(&[]);
+    let values: Vec<f32> = match t.data_type.unwrap_or(0) {
+        proto::FLOAT if !raw.is_empty() => {
+            raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+        proto::FLOAT => t.float_data.clone(),
+        proto::DOUBLE if !raw.is_empty() => raw
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        proto::DOUBLE => t.double_data.iter().map(|&v| v as f32).collect(),
+        proto::INT64 if !raw.is_empty() => raw
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        proto::INT64 => t.int64_data.iter().map(|&v| v as f32).collect(),
+        proto::INT32 if !raw.is_empty() => {
+            raw.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect()
+        }
+        proto::INT32 => t.int32_data.iter().map(|&v| v as f32).collect(),
+        other => {
+            return Err(unsupported(
+                format!("tensor `{name}` has element type {other}"),
+                "kiln reads float, double, int32 and int64 tensors",
+            ));
+        }
+    };
+    if values.len() != n {
+        return Err(invalid(
+            format!("tensor `{name}` of shape {dims:?} holds {} values, not {n}", values.len()),
+            "the file is damaged or truncated",
+        ));
+    }
+    Ok((dims, values))
+}
+
+/// An integer tensor's values (shape arguments).
+fn tensor_ints(t: &TensorProto) -> Result<Vec<i64>> {
+    let raw = t.raw_data.as_deref().unwrap_or(&[]);
+    Ok(match t.data_type.unwrap_or(0) {
+        proto::INT64 if !raw.is_empty() => raw
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+        proto::INT64 => t.int64_data.clone(),
+        proto::INT32 if !raw.is_empty() => {
+            raw.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()
+        }
+        proto::INT32 => t.int32_data.iter().map(|&v| v as i64).collect(),
+        _ => tensor_values(t)?.1.iter().map(|&v| v as i64).collect(),
+    })
+}
+
+fn is_integer(t: &TensorProto) -> bool {
+    matches!(t.data_type, Some(proto::INT64) | Some(proto::INT32))
+}
+
+struct Importer {
+    t: Tracer,
+    values: HashMap<String, Tensor>,
+    /// Integer constants (shape arguments), folded at import.
+    ints: HashMap<String, Vec<i64>>,
+    weights: Vec<(String, HostTensor)>,
+    opset: i64,
+}
+
+impl Importer {
+    /// A float initializer becomes a parameter named after it; an integer one a folded constant.
+    fn initializer(&mut self, init: &TensorProto) -> Result<()> {
+        let name = init.name.clone().unwrap_or_default();
+        if is_integer(init) {
+            self.ints.insert(name, tensor_ints(init)?);
+            return Ok(());
+        }
+        let (dims, values) = tensor_values(init)?;
+        let shape = Shape::new(dims);
+        let p = self.t.param(&name, shape.clone(), Init::Zeros);
+        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
+        self.values.insert(name, p);
+        Ok(())
+    }
+
+    fn tensor(&self, name: &str, user: &str) -> Result<Tensor> {
+        match self.values.get(name) {
+            Some(t) => Ok(t.clone()),
+            None if self.ints.contains_key(name) => Err(unsupported(
+                format!("{user} read the integer tensor `{name}` as a value"),
+                "kiln's tensors are f32; integer tensors are read only as shape arguments",
+            )),
+            None => Err(invalid(
+                format!("{user} read `{name}`, which no input, initializer or earlier node makes"),
+                "the graph must be in topological order with every value defined",
+            )),
+        }
+    }
+
+    fn node(&mut self, node: &NodeProto) -> Result<()> {
+        let op = node.op_type.clone().unwrap_or_default();
+        let who = format!("node `{}` ({op})", node.name.clone().unwrap_or_default());
+        if let Some(d) = node.domain.as_deref().filter(|d| !d.is_empty() && *d != "ai.onnx") {
+            return Err(unsupported(
+                format!("{who} is in the domain `{d}`"),
+                "kiln imports the default ONNX domain",
+            ));
+        }
+        let attr = |name: &str| node.attribute.iter().find(|a| a.name.as_deref() == Some(name));
+        let int_attr = |name: &str, default: i64| attr(name).and_then(|a| a.i).unwrap_or(default);
+        let float_attr = |name: &str, default: f32| attr(name).and_then(|a| a.f).unwrap_or(default);
+        let ints_attr = |name: &str| attr(name).map(|a: &AttributeProto| a.ints.clone());
+        let input = |i: usize| -> Result<Tensor> {
+            let name =
+                node.input.get(i).filter(|n| !n.is_empty()).ok_or_else(|| {
+                    invalid(format!("{who} has no input {i}"), format!("{op} needs input {i}"))
+                })?;
+            self.tensor(name, &who)
+        };
+        let ints_input = |i: usize| -> Result<Vec<i64>> {
+            let name = node.input.get(i).cloned().unwrap_or_default();
+            self.ints.get(&name).cloned().ok_or_else(|| {
+                unsupported(
+                    format!("{who} takes its input {i} (`{name}`) from a computed tensor"),
+                    "kiln folds shape arguments at import: they must be initializers or Constant nodes",
+                )
+            })
+        };
+        let rank_axis = |axis: i64, rank: usize| -> Result<usize> {
+            let a = if axis < 0 { axis + rank as i64 } else { axis };
+            usize::try_from(a).ok().filter(|&a| a < rank.max(1)).ok_or_else(|| {
+                invalid(
+                    format!("{who} names axis {axis} of a rank-{rank} tensor"),
+                    "use an axis the tensor has",
+                )
+            })
+        };
+        let out = match op.as_str() {
+            "Constant" => {
+                let value = attr("value").and_then(|a| a.t.as_ref()).ok_or_else(|| {
+                    unsupported(
+                        format!("{who} has no tensor `value`"),
+                        "kiln reads Constant nodes with a tensor value",
+                    )
+                })?;
+                let name = node.output.first().cloned().unwrap_or_default();
+                if is_integer(value) {
+                    self.ints.insert(name, tensor_ints(value)?);
+                    return Ok(());
+                }
+                let (dims, values) = tensor_values(value)?;
+                match values.first() {
+                    Some(&v) if values.iter().all(|&x| x.to_bits() == v.to_bits()) => self.t.fill(v, dims),
+                    _ => {
+                        let shape = Shape::new(dims);
+                        let p = self.t.param(&name, shape.clone(), Init::Zeros);
+                        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
+                        p
+                    }
+                }
+            }
+            "Gemm" => {
+                let (a, b) = (input(0)?, input(1)?);
+                let (alpha, beta) = (float_attr("alpha", 1.0), float_attr("beta", 1.0));
+                let mut y = a.matmul_t(&b, int_attr("transA", 0) != 0, int_attr("transB", 0) != 0);
+                if alpha != 1.0 {
+                    y = y * alpha;
+                }
+                if node.input.get(2).is_some_and(|n| !n.is_empty()) {
+                    let c = input(2)?;
+                    y = if beta == 1.0 { y + &c } else { y + &(c * beta) };
+                }
+                y
+            }
+            "MatMul" => input(0)?.matmul(&input(1)?),
+            "Add" => input(0)?.add(&input(1)?),
+            "Sub" => input(0)?.sub(&input(1)?),
+            "Mul" => input(0)?.mul(&input(1)?),
+            "Div" => input(0)?.div(&input(1)?),
+            "Pow" => input(0)?.pow(&input(1)?),
+            "Relu" => input(0)?.relu(),
+            "Sigmoid" => input(0)?.sigmoid(),
+            "Tanh" => input(0)?.tanh(),
+            "Erf" => input(0)?.erf(),
+            "Exp" => input(0)?.exp(),
+            "Log" => input(0)?.log(),
+            "Sqrt" => input(0)?.sqrt(),
+            "Neg" => input(0)?.neg(),
+            "Abs" => input(0)?.abs(),
+            "Identity" | "Dropout" => input(0)?,
+            "Softmax" | "LogSoftmax" => {
+                let x = input(0)?;
+                let rank = x.rank();
+                // Before opset 13 the op flattened the axes from `axis` on (default 1): the same
+                // as along the last axis only when that is the last axis.
+                let default = if self.opset < 13 { 1 } else { -1 };
+                let axis = rank_axis(int_attr("axis", default), rank)?;
+                if self.opset < 13 && axis + 1 != rank {
+                    return Err(unsupported(
+                        format!("{who} normalises axes {axis}.. together (opset {} semantics)", self.opset),
+                        "kiln imports this op along the last axis only: export with axis = -1 or opset 13+",
+                    ));
+                }
+                if op == "Softmax" { x.softmax(axis as isize) } else { x.log_softmax(axis as isize) }
+            }
+            "Flatten" => {
+                let x = input(0)?;
+                let d = x.dims().to_vec();
+                let axis = if d.is_empty() { 0 } else { rank_axis(int_attr("axis", 1), d.len() + 1)? };
+                let lead: usize = d[..axis.min(d.len())].iter().product();
+                let rest: usize = d[axis.min(d.len())..].iter().product();
+                x.reshape([lead, rest])
+            }
+            "Reshape" => {
+                let x = input(0)?;
+                let spec = ints_input(1)?;
+                let shape =
+                    reshape_target(x.dims(), &spec, int_attr("allowzero", 0) != 0).map_err(|why| {
+                        invalid(format!("{who}: {why}"), "give a shape with the input's element count")
+                    })?;
+                x.reshape(shape)
+            }
+            "Transpose" => {
+                let x = input(0)?;
+                let rank = x.rank();
+                let perm: Vec<usize> = match ints_attr("perm") {
+                    Some(p) if !p.is_empty() => {
+                        p.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?
+                    }
+                    _ => (0..rank).rev().collect(),
+                };
+                x.permute(&perm)
+            }
+            "Unsqueeze" | "Squeeze" => {
+                let x = input(0)?;
+                let axes = if self.opset >= 13 {
+                    if node.input.len() > 1 { Some(ints_input(1)?) } else { None }
+                } else {
+                    ints_attr("axes")
+                };
+                let mut dims = x.dims().to_vec();
+                if op == "Unsqueeze" {
+                    let axes = axes.unwrap_or_default();
+                    let rank = dims.len() + axes.len();
+                    let mut axes: Vec<usize> =
+                        axes.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?;
+                    axes.sort_unstable();
+                    for a in axes {
+                        dims.insert(a.min(dims.len()), 1);
+                    }
+                } else {
+                    let rank = dims.len();
+                    let axes: Vec<usize> = match axes {
+                        Some(a) => a.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?,
+                        None => (0..rank).filter(|&a| dims[a] == 1).collect(),
+                    };
+                    dims =
+                        dims.iter().enumerate().filter(|(a, _)| !axes.contains(a)).map(|(_, &d)| d).collect();
+                }
+                x.reshape(dims)
+            }
+            other => {
+                return Err(unsupported(
+                    format!("{who}: kiln does not import `{other}` yet"),
+                    format!("supported: {}", SUPPORTED.join(", ")),
+                ));
+            }
+        };
+        let name = node.output.first().cloned().unwrap_or_default();
+        self.values.insert(name, out);
+        Ok(())
+    }
+}
+
+/// Reshape's target: 0 copies the input's axis (unless `allowzero`), one -1 takes the rest.
+fn reshape_target(input: &[usize], spec: &[i64], allowzero: bool) -> std::result::Result<Vec<usize>, String> {
+    let total: usize = input.iter().product();
+    let mut out = Vec::with_capacity(spec.len());
+    let mut infer = None;
+    for (i, &s) in spec.iter().enumerate() {
+        match s {
+            -1 if infer.is_none() => {
+                infer = Some(i);
+                out.push(1);
+            }
+            0 if !allowzero => {
+                out.push(*input.get(i).ok_or_else(|| format!("0 at axis {i} copies no input axis"))?)
+            }
+            s if s >= 0 => out.push(s as usize),
+            s => return Err(format!("the shape {spec:?} has {s} at axis {i}")),
+        }
+    }
+    if let Some(i) = infer {
+        let known = out.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(0);
+        if known == 0 || !total.is_multiple_of(known) {
+            return Err(format!("cannot infer -1 in {spec:?} for {total} elements"));
+        }
+        out[i] = total / known;
+    }
+    if out.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(total) {
+        return Err(format!("the shape {out:?} does not hold the input's {total} elements ({input:?})"));
+    }
+    Ok(out)
+}

@@ -1,0 +1,204 @@
+//! ONNX import (`kiln::onnx`): a model written as ONNX protobuf (built here with the schema's
+//! messages, so no Python is needed) imports into a graph that plans and computes what the file
+//! means; bad files and unsupported ops are errors that say what is wrong, never panics.
+
+use kiln::onnx::proto::*;
+use kiln::onnx::{SUPPORTED, import};
+use kiln::prelude::*;
+use prost::Message;
+
+fn attr_int(name: &str, i: i64) -> AttributeProto {
+    AttributeProto { name: Some(name.into()), i: Some(i), r#type: Some(2), ..Default::default() }
+}
+
+fn tensor(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: dims.to_vec(),
+        data_type: Some(FLOAT),
+        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        ..Default::default()
+    }
+}
+
+fn ints(name: &str, values: &[i64]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: vec![values.len() as i64],
+        data_type: Some(INT64),
+        int64_data: values.to_vec(),
+        ..Default::default()
+    }
+}
+
+fn node(
+    op: &str,
+    name: &str,
+    inputs: &[&str],
+    outputs: &[&str],
+    attribute: Vec<AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        op_type: Some(op.into()),
+        name: Some(name.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        attribute,
+        ..Default::default()
+    }
+}
+
+fn value(name: &str, dims: &[Dimension]) -> ValueInfoProto {
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            tensor_type: Some(TensorType {
+                elem_type: Some(FLOAT),
+                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
+            }),
+        }),
+    }
+}
+
+fn fixed(v: i64) -> Dimension {
+    Dimension { dim_value: Some(v), dim_param: None }
+}
+
+fn named(p: &str) -> Dimension {
+    Dimension { dim_value: None, dim_param: Some(p.into()) }
+}
+
+fn model(
+    nodes: Vec<NodeProto>,
+    initializer: Vec<TensorProto>,
+    input: Vec<ValueInfoProto>,
+    opset: i64,
+) -> Vec<u8> {
+    ModelProto {
+        ir_version: Some(8),
+        producer_name: Some("kiln tests".into()),
+        graph: Some(GraphProto {
+            name: Some("mlp".into()),
+            node: nodes,
+            initializer,
+            input,
+            output: vec![value("probs", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(opset) }],
+    }
+    .encode_to_vec()
+}
+
+const W1: [f32; 12] = [0.5, -1.0, 0.25, 2.0, 1.5, -0.5, 0.0, 1.0, -2.0, 0.75, 1.25, -0.25];
+const B1: [f32; 3] = [0.1, -0.2, 0.3];
+const W2: [f32; 6] = [1.0, -1.0, 0.5, 2.0, -1.5, 0.25];
+
+/// x[N, 4] -> Gemm(W1ᵀ stored [3, 4], transB) + b1 -> Relu -> Reshape [N, 3] (a folded shape) ->
+/// MatMul W2 [3, 2] -> Softmax: the graph an exporter writes for a two-layer MLP.
+fn mlp() -> Vec<u8> {
+    model(
+        vec![
+            node("Gemm", "fc1", &["x", "w1", "b1"], &["h"], vec![attr_int("transB", 1)]),
+            node("Relu", "act", &["h"], &["a"], vec![]),
+            node("Reshape", "keep", &["a", "shape"], &["r"], vec![]),
+            node("MatMul", "fc2", &["r", "w2"], &["logits"], vec![]),
+            node("Softmax", "out", &["logits"], &["probs"], vec![attr_int("axis", -1)]),
+        ],
+        vec![
+            tensor("w1", &[3, 4], &W1),
+            tensor("b1", &[3], &B1),
+            tensor("w2", &[3, 2], &W2),
+            ints("shape", &[0, -1]),
+        ],
+        vec![value("x", &[named("N"), fixed(4)]), value("w1", &[fixed(3), fixed(4)])],
+        17,
+    )
+}
+
+#[test]
+fn an_mlp_imports_plans_and_computes_what_the_file_means() {
+    let imported = import(&mlp(), &[("N".into(), 5)]).unwrap();
+    assert_eq!(imported.inputs, [("x".to_string(), Shape::new([5, 4]))]);
+    assert_eq!(imported.weights.len(), 3, "the float initializers, not the folded shape");
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    for (key, value) in &imported.weights {
+        cpu.write_variable(key, value).unwrap();
+    }
+    let x: Vec<f32> = (0..20).map(|i| (i as f32 - 9.0) / 4.0).collect();
+    let xt = HostTensor::new(Shape::new([5, 4]), x.clone()).unwrap();
+    let probs = cpu.call(id, &[("x", &xt)]).unwrap().remove(0).1;
+    for r in 0..5 {
+        let h: Vec<f32> = (0..3)
+            .map(|j| ((0..4).map(|k| x[r * 4 + k] * W1[j * 4 + k]).sum::<f32>() + B1[j]).max(0.0))
+            .collect();
+        let logits: Vec<f32> = (0..2).map(|c| (0..3).map(|j| h[j] * W2[j * 2 + c]).sum()).collect();
+        let top = logits[0].max(logits[1]);
+        let e: Vec<f32> = logits.iter().map(|l| (l - top).exp()).collect();
+        for c in 0..2 {
+            let want = e[c] / (e[0] + e[1]);
+            let got = probs.data()[r * 2 + c];
+            assert!((got - want).abs() <= 1e-5, "row {r} class {c}: {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn bad_files_and_unsupported_ops_are_errors_that_say_why() {
+    let e = import(b"not a model at all \xff\xff", &[]).err().expect("garbage is refused").to_string();
+    assert!(e.contains("not an ONNX model"), "{e}");
+    let e = import(&mlp(), &[]).err().expect("N has no size").to_string();
+    assert!(e.contains("`N`") && e.contains("--dim N="), "{e}");
+    let lstm = model(
+        vec![node("LSTM", "rnn", &["x"], &["probs"], vec![])],
+        vec![],
+        vec![value("x", &[fixed(2), fixed(3)])],
+        17,
+    );
+    let e = import(&lstm, &[]).err().expect("LSTM is not supported").to_string();
+    assert!(e.contains("node `rnn` (LSTM)") && e.contains("Gemm"), "{e}");
+    let old =
+        model(vec![node("Relu", "r", &["x"], &["probs"], vec![])], vec![], vec![value("x", &[fixed(2)])], 3);
+    let e = import(&old, &[]).err().expect("opset 3").to_string();
+    assert!(e.contains("opset 3"), "{e}");
+    let dangling =
+        model(vec![node("Relu", "r", &["y"], &["probs"], vec![])], vec![], vec![value("x", &[fixed(2)])], 17);
+    let e = import(&dangling, &[]).err().expect("y is undefined").to_string();
+    assert!(e.contains("`y`"), "{e}");
+    assert!(SUPPORTED.contains(&"MatMul"));
+}
+
+/// Every prefix and every single-byte corruption of a valid file imports or fails with an error,
+/// never a panic.
+#[test]
+fn truncated_and_corrupted_files_never_panic() {
+    let bytes = mlp();
+    for cut in 0..bytes.len() {
+        let _ = import(&bytes[..cut], &[("N".into(), 2)]);
+    }
+    for i in 0..bytes.len() {
+        let mut b = bytes.clone();
+        b[i] ^= 0x5A;
+        let _ = import(&b, &[("N".into(), 2)]);
+    }
+}
+
+/// `kiln memory model.onnx --batch N --mode forward` plans the file and prints the table; a
+/// training step of an imported model is refused with what to do.
+#[test]
+fn the_cli_plans_an_onnx_file() {
+    let path = std::env::temp_dir().join(format!("kiln-test-{}.onnx", std::process::id()));
+    std::fs::write(&path, mlp()).unwrap();
+    let run =
+        |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap();
+    let p = path.to_str().unwrap();
+    let out = run(&["memory", p, "--batch", "4", "--mode", "forward"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("forward") && text.contains("planned total"), "{text}");
+    let out = run(&["memory", p, "--mode", "train"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--mode forward"));
+    let _ = std::fs::remove_file(&path);
+}
