@@ -202,3 +202,105 @@ fn the_cli_plans_an_onnx_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--mode forward"));
     let _ = std::fs::remove_file(&path);
 }
+
+fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
+    AttributeProto { name: Some(name.into()), ints: v.to_vec(), r#type: Some(7), ..Default::default() }
+}
+
+/// A small NCHW convnet as exporters write it — Conv (explicit pads, bias), Relu, MaxPool,
+/// BatchNormalization with running statistics, GlobalAveragePool, Flatten — imports into kiln's
+/// NHWC convolutions and computes what loops over the file's layout compute.
+#[test]
+fn a_convnet_in_nchw_computes_what_the_file_means() {
+    let (n, c, h, w, o) = (2usize, 3usize, 6usize, 6usize, 4usize);
+    let wv: Vec<f32> = (0..o * c * 9).map(|i| ((i * 7 % 11) as f32 - 5.0) / 10.0).collect();
+    let bv: Vec<f32> = (0..o).map(|i| i as f32 * 0.1 - 0.15).collect();
+    let (scale, shift, mean, var) = (
+        [1.0f32, 0.5, 2.0, 1.5],
+        [0.1f32, -0.1, 0.0, 0.2],
+        [0.2f32, 0.1, -0.1, 0.0],
+        [1.0f32, 0.25, 4.0, 2.0],
+    );
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        producer_name: None,
+        graph: Some(GraphProto {
+            name: Some("cnn".into()),
+            node: vec![
+                node(
+                    "Conv",
+                    "conv",
+                    &["x", "w", "b"],
+                    &["y"],
+                    vec![attr_ints("kernel_shape", &[3, 3]), attr_ints("pads", &[1, 1, 1, 1])],
+                ),
+                node("Relu", "relu", &["y"], &["r"], vec![]),
+                node(
+                    "MaxPool",
+                    "pool",
+                    &["r"],
+                    &["p"],
+                    vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("strides", &[2, 2])],
+                ),
+                node("BatchNormalization", "bn", &["p", "scale", "shift", "mean", "var"], &["q"], vec![]),
+                node("GlobalAveragePool", "gap", &["q"], &["g"], vec![]),
+                node("Flatten", "flat", &["g"], &["probs"], vec![]),
+            ],
+            initializer: vec![
+                tensor("w", &[o as i64, c as i64, 3, 3], &wv),
+                tensor("b", &[o as i64], &bv),
+                tensor("scale", &[4], &scale),
+                tensor("shift", &[4], &shift),
+                tensor("mean", &[4], &mean),
+                tensor("var", &[4], &var),
+            ],
+            input: vec![value("x", &[named("batch"), fixed(3), fixed(6), fixed(6)])],
+            output: vec![value("probs", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
+    }
+    .encode_to_vec();
+    let imported = import(&bytes, &[("batch".into(), n)]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    for (key, v) in &imported.weights {
+        cpu.write_variable(key, v).unwrap();
+    }
+    let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0).collect();
+    let got = cpu.call(id, &[("x", &HostTensor::new(Shape::new([n, c, h, w]), x.clone()).unwrap())]).unwrap();
+    let got = &got[0].1;
+    assert_eq!(got.shape(), &Shape::new([n, o]));
+    for b in 0..n {
+        for f in 0..o {
+            let conv = |i: usize, j: usize| {
+                let mut s = bv[f];
+                for ch in 0..c {
+                    for di in 0..3 {
+                        for dj in 0..3 {
+                            let (ii, jj) = (i as isize + di as isize - 1, j as isize + dj as isize - 1);
+                            if (0..h as isize).contains(&ii) && (0..w as isize).contains(&jj) {
+                                s += x[((b * c + ch) * h + ii as usize) * w + jj as usize]
+                                    * wv[((f * c + ch) * 3 + di) * 3 + dj];
+                            }
+                        }
+                    }
+                }
+                s.max(0.0)
+            };
+            let mut total = 0.0;
+            for pi in 0..h / 2 {
+                for pj in 0..w / 2 {
+                    let m = [(0, 0), (0, 1), (1, 0), (1, 1)]
+                        .iter()
+                        .map(|&(a, d)| conv(2 * pi + a, 2 * pj + d))
+                        .fold(f32::MIN, f32::max);
+                    total += (m - mean[f]) / (var[f] + 1e-5).sqrt() * scale[f] + shift[f];
+                }
+            }
+            let want = total / ((h / 2) * (w / 2)) as f32;
+            let g = got.data()[b * o + f];
+            assert!((g - want).abs() <= 1e-4 * want.abs().max(1.0), "batch {b} channel {f}: {g} vs {want}");
+        }
+    }
+}

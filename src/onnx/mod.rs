@@ -9,18 +9,22 @@
 //! initializers and `Constant` nodes feed shape arguments (Reshape's, Unsqueeze's) and are folded
 //! at import.
 //!
-//! This first slice covers dense and attention-style graphs, opsets 7 to 22 of the default
-//! domain: Gemm, MatMul, Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Erf, Exp, Log, Sqrt, Neg,
-//! Abs, Softmax, LogSoftmax, Identity, Dropout (inference), Flatten, Reshape, Transpose,
-//! Unsqueeze, Squeeze, Constant. Anything else is an error naming the op, the node and what is
-//! supported. Not yet: convolutions and pooling, BatchNormalization, integer tensors as values,
-//! external data, the conformance suite of the `onnx` package's test data.
+//! This first slice covers dense, attention-style and plain convolutional graphs, opsets 7 to 22
+//! of the default domain: Gemm, MatMul, Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Erf, Exp,
+//! Log, Sqrt, Neg, Abs, Softmax, LogSoftmax, Identity, Dropout (inference), Flatten, Reshape,
+//! Transpose, Unsqueeze, Squeeze, Concat, Constant, Conv (explicit pads, no groups or dilation),
+//! MaxPool and AveragePool (unpadded or SAME-padded), GlobalAveragePool and BatchNormalization
+//! with running statistics. ONNX's NCHW tensors stay NCHW; a convolution or pooling permutes to
+//! kiln's NHWC and back around itself (and the OIHW filter to HWIO), copies a layout pass could
+//! later remove. Anything else is an error naming the op, the node and what is supported. Not
+//! yet: training imported models, LRN, Split/Slice/Gather and shape-driven subgraphs, integer
+//! tensors as values, external data, the conformance suite of the `onnx` package's test data.
 
 pub mod proto;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
-use kiln_compiler::ir::{Graph, Init, Shape};
+use kiln_compiler::ir::{Graph, Init, Padding, Shape};
 use kiln_compiler::trace::{Tensor, Tracer};
 use kiln_runtime::HostTensor;
 use prost::Message;
@@ -475,6 +479,99 @@ impl Importer {
                 }
                 x.reshape(dims)
             }
+            "Conv" => {
+                let (x, w) = (input(0)?, input(1)?);
+                let window = self.window(node, &who, x.rank())?;
+                if int_attr("group", 1) != 1 {
+                    return Err(unsupported(
+                        format!("{who} is a grouped convolution"),
+                        "kiln convolves with group = 1",
+                    ));
+                }
+                // ONNX is NCHW with OIHW filters; kiln's convolution is NHWC with HWIO filters.
+                let mut nhwc = x.permute(&[0, 2, 3, 1]);
+                let [top, left, bottom, right] = window.pads;
+                if top + bottom > 0 {
+                    nhwc = nhwc.pad(1, top, bottom);
+                }
+                if left + right > 0 {
+                    nhwc = nhwc.pad(2, left, right);
+                }
+                let mut y = nhwc.conv2d(&w.permute(&[2, 3, 1, 0]), window.strides, Padding::Valid);
+                if node.input.get(2).is_some_and(|n| !n.is_empty()) {
+                    y = y + &input(2)?;
+                }
+                y.permute(&[0, 3, 1, 2])
+            }
+            "MaxPool" | "AveragePool" => {
+                let x = input(0)?;
+                let window = self.window(node, &who, x.rank())?;
+                let size = window.kernel.ok_or_else(|| {
+                    invalid(format!("{who} has no kernel_shape"), "give the pooling its kernel_shape")
+                })?;
+                // Padded elements are skipped by both (and not counted by kiln's average, as by
+                // ONNX's default count_include_pad = 0); kiln pads only as SAME does.
+                let padding = if window.pads == [0; 4] {
+                    Padding::Valid
+                } else if same_pads(x.dims(), size, window.strides) == Some(window.pads) {
+                    Padding::Same
+                } else {
+                    return Err(unsupported(
+                        format!("{who} pads {:?}, which are not SAME's", window.pads),
+                        "kiln pools unpadded or with SAME padding",
+                    ));
+                };
+                if op == "AveragePool" && int_attr("count_include_pad", 0) != 0 && padding == Padding::Same {
+                    return Err(unsupported(
+                        format!("{who} counts padding in its average"),
+                        "kiln averages over the window's in-bounds elements (count_include_pad = 0)",
+                    ));
+                }
+                let nhwc = x.permute(&[0, 2, 3, 1]);
+                let y = if op == "MaxPool" {
+                    nhwc.max_pool2d(size, window.strides, padding)
+                } else {
+                    nhwc.avg_pool2d(size, window.strides, padding)
+                };
+                y.permute(&[0, 3, 1, 2])
+            }
+            "GlobalAveragePool" => {
+                let x = input(0)?;
+                let axes: Vec<usize> = (2..x.rank()).collect();
+                x.mean(axes.as_slice(), true)
+            }
+            "BatchNormalization" => {
+                if int_attr("training_mode", 0) != 0 || node.output.len() > 1 {
+                    return Err(unsupported(
+                        format!("{who} is in training mode"),
+                        "kiln imports BatchNormalization for inference (running statistics)",
+                    ));
+                }
+                let x = input(0)?;
+                // [C] statistics over NCHW: as [C, 1, 1].
+                let per_channel = |t: Tensor| {
+                    let mut dims = t.dims().to_vec();
+                    dims.extend(std::iter::repeat_n(1, x.rank().saturating_sub(2)));
+                    t.reshape(dims)
+                };
+                let (scale, bias, mean, var) = (
+                    per_channel(input(1)?),
+                    per_channel(input(2)?),
+                    per_channel(input(3)?),
+                    per_channel(input(4)?),
+                );
+                let eps = float_attr("epsilon", 1e-5);
+                (x - &mean) * &(var + eps).rsqrt() * &scale + &bias
+            }
+            "Concat" => {
+                let parts: Vec<Tensor> = (0..node.input.len()).map(input).collect::<Result<_>>()?;
+                let Some((first, rest)) = parts.split_first() else {
+                    return Err(invalid(format!("{who} has no inputs"), "concatenate at least one tensor"));
+                };
+                let axis = rank_axis(int_attr("axis", 0), first.rank())?;
+                let rest: Vec<&Tensor> = rest.iter().collect();
+                first.concat(&rest, axis as isize)
+            }
             other => {
                 return Err(unsupported(
                     format!("{who}: kiln does not import `{other}` yet"),
@@ -486,6 +583,62 @@ impl Importer {
         self.values.insert(name, out);
         Ok(())
     }
+}
+
+/// A convolution's or pooling's spatial attributes (2-D only).
+struct Window {
+    kernel: Option<[usize; 2]>,
+    strides: [usize; 2],
+    /// top, left, bottom, right.
+    pads: [usize; 4],
+}
+
+impl Importer {
+    fn window(&self, node: &NodeProto, who: &str, rank: usize) -> Result<Window> {
+        if rank != 4 {
+            return Err(unsupported(
+                format!("{who} has a rank-{rank} input"),
+                "kiln imports 2-D convolutions and pooling (NCHW)",
+            ));
+        }
+        let attr = |name: &str| node.attribute.iter().find(|a| a.name.as_deref() == Some(name));
+        let pair = |name: &str, default: usize| -> Result<[usize; 2]> {
+            match attr(name).map(|a| a.ints.as_slice()) {
+                None | Some([]) => Ok([default; 2]),
+                Some(&[a, b]) if a > 0 && b > 0 => Ok([a as usize, b as usize]),
+                Some(v) => Err(invalid(format!("{who} has {name} {v:?}"), "give two positive values")),
+            }
+        };
+        if let Some(d) = attr("dilations").map(|a| a.ints.as_slice()).filter(|d| d.iter().any(|&v| v != 1)) {
+            return Err(unsupported(format!("{who} dilates by {d:?}"), "kiln convolves without dilation"));
+        }
+        let auto =
+            attr("auto_pad").and_then(|a| a.s.as_deref()).map(|s| String::from_utf8_lossy(s).into_owned());
+        if auto.as_deref().is_some_and(|a| a != "NOTSET" && a != "VALID") {
+            return Err(unsupported(
+                format!("{who} has auto_pad {}", auto.unwrap_or_default()),
+                "export with explicit pads (auto_pad NOTSET)",
+            ));
+        }
+        let pads = match attr("pads").map(|a| a.ints.as_slice()) {
+            None | Some([]) => [0; 4],
+            Some(&[t, l, b, r]) if [t, l, b, r].iter().all(|&v| v >= 0) => {
+                [t as usize, l as usize, b as usize, r as usize]
+            }
+            Some(v) => return Err(invalid(format!("{who} has pads {v:?}"), "give four non-negative pads")),
+        };
+        let kernel = attr("kernel_shape").map(|_| pair("kernel_shape", 1)).transpose()?;
+        Ok(Window { kernel, strides: pair("strides", 1)?, pads })
+    }
+}
+
+/// The pads (top, left, bottom, right) TensorFlow's SAME gives an NCHW input: total
+/// max((ceil(in / s) - 1)·s + k - in, 0), the extra one on the far side.
+fn same_pads(dims: &[usize], k: [usize; 2], s: [usize; 2]) -> Option<[usize; 4]> {
+    let total = |n: usize, k: usize, s: usize| (n.div_ceil(s).saturating_sub(1) * s + k).saturating_sub(n);
+    let (h, w) = (*dims.get(2)?, *dims.get(3)?);
+    let (th, tw) = (total(h, k[0], s[0]), total(w, k[1], s[1]));
+    Some([th / 2, tw / 2, th - th / 2, tw - tw / 2])
 }
 
 /// Reshape's target: 0 copies the input's axis (unless `allowzero`), one -1 takes the rest.
