@@ -63,7 +63,7 @@ enum Command {
     },
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
-        /// A zoo model (seed-mlp, mlp, cnn, transformer) or an ONNX file (forward mode).
+        /// A zoo model (seed-mlp, mlp, cnn, transformer) or an ONNX file.
         model: String,
         /// forward or train.
         #[arg(long, default_value = "train")]
@@ -210,9 +210,9 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, step
     Ok(())
 }
 
-/// `kiln memory model.onnx`: the imported model's forward pass planned and compared with eager
-/// execution. `--batch N` sizes every input's symbolic first axis, `--dim NAME=N` any symbolic
-/// axis.
+/// `kiln memory model.onnx`: the imported model's forward pass, or a training step of it (MSE
+/// against targets of its output's shape, Adam), planned and compared with eager execution.
+/// `--batch N` sizes every input's symbolic first axis, `--dim NAME=N` any symbolic axis.
 fn memory_onnx(
     path: &str,
     mode: &str,
@@ -221,12 +221,9 @@ fn memory_onnx(
     svg: Option<&Path>,
     steps: bool,
 ) -> kiln::Result<()> {
-    if mode != "forward" {
-        return Err(invalid(
-            format!("--mode {mode} on an ONNX model: only forward passes of imported models are planned yet"),
-            "pass --mode forward (training imported models is not built yet)".into(),
-        ));
-    }
+    let Some(mode) = Mode::parse(mode) else {
+        return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
+    };
     let bytes = std::fs::read(path)?;
     let mut sizes: Vec<(String, usize)> = Vec::new();
     for d in dims {
@@ -240,15 +237,40 @@ fn memory_onnx(
         sizes.extend(kiln::onnx::batch_dims(&bytes).into_iter().map(|n| (n, b)));
     }
     let imported = kiln::onnx::import(&bytes, &sizes)?;
-    let feeds = kiln::compare::feeds_for(&imported.graph, 1)?;
+    let graph = match mode {
+        Mode::Forward => imported.graph,
+        // A training step of the model as a layer, with a mean-squared-error loss against
+        // targets of its output's shape and Adam: what a fine-tuning step holds in memory.
+        Mode::Train => {
+            let x = imported
+                .inputs
+                .first()
+                .map(|(_, s)| s.clone())
+                .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
+            let g = &imported.graph;
+            let y = g
+                .outputs()
+                .first()
+                .map(|&(_, n)| g.node(n).shape.clone())
+                .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
+            let layer = kiln::onnx::OnnxLayer::new(&bytes)?;
+            let config = kiln::prelude::TrainConfig {
+                loss: kiln::prelude::Loss::MeanSquaredError,
+                optimizer: kiln::prelude::Adam::new(1e-3).into(),
+                metrics: vec![],
+            };
+            kiln::compiler::step::train_step_graph(&layer, &x, &y, &config)?
+        }
+    };
+    let feeds = kiln::compare::feeds_for(&graph, 1)?;
     let feed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let row = kiln::compare::compare_graph(path, imported.graph, &feed, true)?;
+    let row = kiln::compare::compare_graph(path, graph, &feed, true)?;
     if steps {
         println!("{}", row.plan.render());
     }
     println!("{}", table(std::slice::from_ref(&row)));
     if let Some(out) = svg {
-        let title = format!("{path} forward (batch {})", row.batch);
+        let title = format!("{path} {} (batch {})", mode.name(), row.batch);
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
         println!("wrote {}", out.display());
     }

@@ -184,8 +184,8 @@ fn truncated_and_corrupted_files_never_panic() {
     }
 }
 
-/// `kiln memory model.onnx --batch N --mode forward` plans the file and prints the table; a
-/// training step of an imported model is refused with what to do.
+/// `kiln memory model.onnx --batch N --mode forward|train` plans the file (or a training step of
+/// it) and prints the table; a symbolic size left unset is an error saying how to set it.
 #[test]
 fn the_cli_plans_an_onnx_file() {
     let path = std::env::temp_dir().join(format!("kiln-test-{}.onnx", std::process::id()));
@@ -197,9 +197,13 @@ fn the_cli_plans_an_onnx_file() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("forward") && text.contains("planned total"), "{text}");
+    let out = run(&["memory", p, "--batch", "4", "--mode", "train"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("train"), "{text}");
     let out = run(&["memory", p, "--mode", "train"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--mode forward"));
+    assert!(!out.status.success(), "the batch has no size");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dim N="));
     let _ = std::fs::remove_file(&path);
 }
 
@@ -303,4 +307,42 @@ fn a_convnet_in_nchw_computes_what_the_file_means() {
             assert!((g - want).abs() <= 1e-4 * want.abs().max(1.0), "batch {b} channel {f}: {g} vs {want}");
         }
     }
+}
+
+/// An imported model trains like a traced one: as a layer (`OnnxLayer`), through autodiff and
+/// Adam, starting from the file's weights, and its loss falls.
+#[test]
+fn an_imported_model_trains_from_its_weights() {
+    use kiln::onnx::OnnxLayer;
+    let layer = OnnxLayer::new(&mlp()).unwrap();
+    let weights = layer.weights.clone();
+    assert_eq!(weights.len(), 3);
+    let config =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Adam::new(5e-2).into(), metrics: vec![] };
+    let mut trainer = Trainer::new(layer, config, Device::cpu().backend(0).unwrap());
+    let x = HostTensor::new(Shape::new([8, 4]), (0..32).map(|i| ((i * 5 % 9) as f32 - 4.0) / 4.0).collect())
+        .unwrap();
+    let mut y = HostTensor::zeros(Shape::new([8, 2])).unwrap();
+    for (r, row) in y.data_mut().chunks_mut(2).enumerate() {
+        row[r % 2] = 1.0;
+    }
+    trainer.train_program(x.shape(), y.shape()).unwrap();
+    for (key, value) in &weights {
+        trainer.backend_mut().write_variable(key, value).unwrap();
+    }
+    assert_eq!(
+        trainer.backend().read_variable("w1").unwrap().data(),
+        weights[0].1.data(),
+        "the file's weights"
+    );
+    let losses: Vec<f32> = (0..40).map(|_| trainer.train_step(&x, &y).unwrap().loss).collect();
+    assert!(losses[39] < 0.5 * losses[0], "{losses:?}");
+    // A model of two inputs is not a layer.
+    let two = model(
+        vec![node("Add", "add", &["a", "b"], &["probs"], vec![])],
+        vec![],
+        vec![value("a", &[fixed(2)]), value("b", &[fixed(2)])],
+        17,
+    );
+    assert!(OnnxLayer::new(&two).err().unwrap().to_string().contains("2 inputs"));
 }

@@ -16,9 +16,14 @@
 //! MaxPool and AveragePool (unpadded or SAME-padded), GlobalAveragePool and BatchNormalization
 //! with running statistics. ONNX's NCHW tensors stay NCHW; a convolution or pooling permutes to
 //! kiln's NHWC and back around itself (and the OIHW filter to HWIO), copies a layout pass could
-//! later remove. Anything else is an error naming the op, the node and what is supported. Not
-//! yet: training imported models, LRN, Split/Slice/Gather and shape-driven subgraphs, integer
-//! tensors as values, external data, the conformance suite of the `onnx` package's test data.
+//! later remove. Anything else is an error naming the op, the node and what is supported.
+//!
+//! A model of one input and one output is also a layer (`OnnxLayer`): each trace replays its
+//! nodes on the layer's input, so it goes through autodiff and trains like a traced model.
+//!
+//! Not yet: LRN, Split/Slice/Gather and shape-driven subgraphs, integer tensors as values,
+//! BatchNormalization in training mode, external data, the conformance suite of the `onnx`
+//! package's test data.
 
 pub mod proto;
 
@@ -92,6 +97,33 @@ pub fn import_file(path: impl AsRef<std::path::Path>, dims: &[(String, usize)]) 
 
 /// Imports an ONNX model from its bytes; `dims` sizes its symbolic dimensions.
 pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
+    let (model, opset) = decode(bytes)?;
+    let graph = model.graph.as_ref().ok_or_else(no_graph)?;
+    let t = Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into()));
+    let mut inputs = Vec::new();
+    let mut feeds = HashMap::new();
+    for input in &graph.input {
+        let name = input.name.clone().unwrap_or_default();
+        if graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str())) {
+            continue;
+        }
+        let shape = input_shape(input, dims)?;
+        feeds.insert(name.clone(), t.input(&name, shape.clone()));
+        inputs.push((name, shape));
+    }
+    let (outputs, weights) = trace(&t, graph, opset, feeds)?;
+    for (name, value) in &outputs {
+        t.output(name, value);
+    }
+    Ok(Imported { graph: t.finish()?, weights, inputs, opset })
+}
+
+fn no_graph() -> Error {
+    invalid("the model has no graph", "export the model with its graph")
+}
+
+/// The model and the default domain's opset, checked.
+fn decode(bytes: &[u8]) -> Result<(ModelProto, i64)> {
     let model = ModelProto::decode(bytes).map_err(|e| {
         invalid(
             format!("the bytes are not an ONNX model: {e}"),
@@ -115,39 +147,101 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
             ),
         ));
     }
-    let graph =
-        model.graph.ok_or_else(|| invalid("the model has no graph", "export the model with its graph"))?;
-    let mut importer = Importer {
-        t: Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into())),
-        values: HashMap::new(),
-        ints: HashMap::new(),
-        weights: Vec::new(),
-        opset,
-    };
+    Ok((model, opset))
+}
+
+/// Named values: a graph's outputs, or its parameters' values.
+type Named<T> = Vec<(String, T)>;
+
+/// Traces `graph`'s nodes into `t` from the given input values: its outputs by name, in the
+/// graph's order, and its parameters' values.
+fn trace(
+    t: &Tracer,
+    graph: &proto::GraphProto,
+    opset: i64,
+    feeds: HashMap<String, Tensor>,
+) -> Result<(Named<Tensor>, Named<HostTensor>)> {
+    let mut importer =
+        Importer { t: t.clone(), values: feeds, ints: HashMap::new(), weights: Vec::new(), opset };
     for init in &graph.initializer {
         importer.initializer(init)?;
-    }
-    let mut inputs = Vec::new();
-    for input in &graph.input {
-        let name = input.name.clone().unwrap_or_default();
-        if importer.values.contains_key(&name) || importer.ints.contains_key(&name) {
-            continue;
-        }
-        let shape = input_shape(input, dims)?;
-        let x = importer.t.input(&name, shape.clone());
-        importer.values.insert(name.clone(), x);
-        inputs.push((name, shape));
     }
     for node in &graph.node {
         importer.node(node)?;
     }
-    for output in &graph.output {
-        let name = output.name.clone().unwrap_or_default();
-        let value = importer.tensor(&name, "the graph's outputs")?;
-        importer.t.output(&name, &value);
+    let outputs = graph
+        .output
+        .iter()
+        .map(|o| {
+            let name = o.name.clone().unwrap_or_default();
+            importer.tensor(&name, "the graph's outputs").map(|v| (name, v))
+        })
+        .collect::<Result<_>>()?;
+    Ok((outputs, importer.weights))
+}
+
+/// An ONNX model as a kiln layer of one input and one output, so that it trains like a traced
+/// model (`Trainer`, `step::train_step_graph`, `compare`): each trace replays the file's nodes
+/// on the layer's input. Its parameters start as the file's initializers only once written with
+/// `Backend::write_variable` from `weights` (the trainer initialises them to zeros first).
+pub struct OnnxLayer {
+    model: ModelProto,
+    opset: i64,
+    /// The file's parameters by variable key.
+    pub weights: Vec<(String, HostTensor)>,
+}
+
+impl OnnxLayer {
+    /// The model of `bytes`, which must have one (non-initializer) input and one output.
+    pub fn new(bytes: &[u8]) -> Result<Self> {
+        let (model, opset) = decode(bytes)?;
+        let graph = model.graph.as_ref().ok_or_else(no_graph)?;
+        let inputs =
+            graph.input.iter().filter(|i| !graph.initializer.iter().any(|t| t.name == i.name)).count();
+        if inputs != 1 || graph.output.len() != 1 {
+            return Err(unsupported(
+                format!("the model has {inputs} inputs and {} outputs", graph.output.len()),
+                "a model trains as a layer with one input and one output; plan others with `import`",
+            ));
+        }
+        let weights = graph
+            .initializer
+            .iter()
+            .filter(|i| !is_integer(i))
+            .map(|i| {
+                let (dims, values) = tensor_values(i)?;
+                Ok((i.name.clone().unwrap_or_default(), HostTensor::new(Shape::new(dims), values)?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(OnnxLayer { model, opset, weights })
     }
-    let Importer { t, weights, .. } = importer;
-    Ok(Imported { graph: t.finish()?, weights, inputs, opset })
+}
+
+impl kiln_compiler::nn::Layer for OnnxLayer {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let t = x.tracer();
+        let Some(graph) = self.model.graph.as_ref() else {
+            return t.report("onnx", "the model has no graph", &[x], "");
+        };
+        let input = graph
+            .input
+            .iter()
+            .find(|i| !graph.initializer.iter().any(|t| t.name == i.name))
+            .and_then(|i| i.name.clone())
+            .unwrap_or_default();
+        let feeds = HashMap::from([(input, x.clone())]);
+        match trace(&t, graph, self.opset, feeds) {
+            Ok((outputs, _)) => match outputs.into_iter().next() {
+                Some((_, y)) => y,
+                None => t.report("onnx", "the model has no output", &[x], "export the model with its output"),
+            },
+            Err(e) => t.report("onnx", e.to_string(), &[x], "see the message"),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        "onnx"
+    }
 }
 
 /// The symbolic names of the models' inputs' first axes (what `--batch N` sizes).
