@@ -236,8 +236,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
 /// its factors (an activation, a delta) until every reader of the old weight has run, which
 /// can cost more than the gradient on a narrow layer. Every plan's `schedules` lists the orders
 /// of every graph ("+tiled", "+product" for the rewritten ones'). Above
-/// `SEARCH_PLACES_ALL_BELOW` nodes only one graph is planned: with product updates when fusion
-/// is on, else as it is.
+/// `SEARCH_PLACES_ALL_BELOW` nodes only one graph is planned: with the product updates that pay
+/// (`Selection::Paying`) when fusion is on, else as it is.
 fn search_updates(
     graph: ir::Graph,
     devices: &[DeviceSpec],

@@ -317,24 +317,13 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
     })?;
     let raw = t.raw_data.as_deref().unwrap_or(&[]);
     let values: Vec<f32> = match t.data_type.unwrap_or(0) {
-        proto::FLOAT if !raw.is_empty() => {
-            raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        }
+        proto::FLOAT if !raw.is_empty() => le(raw, f32::from_le_bytes),
         proto::FLOAT => t.float_data.clone(),
-        proto::DOUBLE if !raw.is_empty() => raw
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        proto::DOUBLE => t.double_data.iter().map(|&v| v as f32).collect(),
-        proto::INT64 if !raw.is_empty() => raw
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        proto::INT64 => t.int64_data.iter().map(|&v| v as f32).collect(),
-        proto::INT32 if !raw.is_empty() => {
-            raw.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect()
+        proto::DOUBLE if !raw.is_empty() => {
+            le(raw, f64::from_le_bytes).into_iter().map(|v| v as f32).collect()
         }
-        proto::INT32 => t.int32_data.iter().map(|&v| v as f32).collect(),
+        proto::DOUBLE => t.double_data.iter().map(|&v| v as f32).collect(),
+        proto::INT64 | proto::INT32 => tensor_ints(t).iter().map(|&v| v as f32).collect(),
         other => {
             return Err(unsupported(
                 format!("tensor `{name}` has element type {other}"),
@@ -351,21 +340,22 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
     Ok((dims, values))
 }
 
-/// An integer tensor's values (shape arguments).
-fn tensor_ints(t: &TensorProto) -> Result<Vec<i64>> {
+/// The elements of little-endian raw data, `N` bytes each (a trailing partial element is
+/// dropped, and the element count then checked by the caller).
+fn le<const N: usize, T>(raw: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+    raw.chunks_exact(N).filter_map(|c| c.try_into().ok()).map(f).collect()
+}
+
+/// An integer tensor's values (shape arguments); empty for other element types.
+fn tensor_ints(t: &TensorProto) -> Vec<i64> {
     let raw = t.raw_data.as_deref().unwrap_or(&[]);
-    Ok(match t.data_type.unwrap_or(0) {
-        proto::INT64 if !raw.is_empty() => raw
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect(),
+    match t.data_type.unwrap_or(0) {
+        proto::INT64 if !raw.is_empty() => le(raw, i64::from_le_bytes),
         proto::INT64 => t.int64_data.clone(),
-        proto::INT32 if !raw.is_empty() => {
-            raw.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()
-        }
+        proto::INT32 if !raw.is_empty() => le(raw, i32::from_le_bytes).into_iter().map(i64::from).collect(),
         proto::INT32 => t.int32_data.iter().map(|&v| v as i64).collect(),
-        _ => tensor_values(t)?.1.iter().map(|&v| v as i64).collect(),
-    })
+        _ => Vec::new(),
+    }
 }
 
 fn is_integer(t: &TensorProto) -> bool {
@@ -386,7 +376,7 @@ impl Importer {
     fn initializer(&mut self, init: &TensorProto) -> Result<()> {
         let name = init.name.clone().unwrap_or_default();
         if is_integer(init) {
-            self.ints.insert(name, tensor_ints(init)?);
+            self.ints.insert(name, tensor_ints(init));
             return Ok(());
         }
         let (dims, values) = tensor_values(init)?;
@@ -459,7 +449,7 @@ impl Importer {
                 })?;
                 let name = node.output.first().cloned().unwrap_or_default();
                 if is_integer(value) {
-                    self.ints.insert(name, tensor_ints(value)?);
+                    self.ints.insert(name, tensor_ints(value));
                     return Ok(());
                 }
                 let (dims, values) = tensor_values(value)?;

@@ -191,7 +191,8 @@ fn update(
         Product {
             gemm: Gemm { m: block, n: c, k: m, a: (1, r as isize), b: (c as isize, 1), out_rs: c as isize },
             rows: r,
-            // The whole product's threading (`matmul`): the same GEMM calls, on fewer rows.
+            // Below the threshold the whole product would run on one thread (`matmul`): so do
+            // the blocks, one after the other; above it they run in parallel (`run`).
             parallel: r * c * m >= SERIAL_MACS,
             tiles: Mutex::new(Vec::new()),
         }
