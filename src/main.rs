@@ -58,8 +58,8 @@ enum Command {
     /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
     /// eager column and plans.
     TorchStream {
-        /// The JSON file the script wrote.
-        file: PathBuf,
+        /// The JSON file the script wrote (default: the recording in benches/data).
+        file: Option<PathBuf>,
     },
     /// Plan a zoo model and compare it with eager execution (TensorFlow's BFC, PyTorch's caching allocator).
     Memory {
@@ -119,7 +119,7 @@ fn main() -> ExitCode {
         Command::Devices { limit, growth, fraction, logical, seed } => {
             devices(&limit, &growth, &fraction, &logical, seed)
         }
-        Command::TorchStream { file } => torch_stream(&file),
+        Command::TorchStream { file } => torch_stream(file.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -130,50 +130,63 @@ fn main() -> ExitCode {
     }
 }
 
-/// PyTorch's real peaks, the replayed stream, kiln's eager caching column and the plan's device
-/// bytes, per recorded zoo training step.
-fn torch_stream(file: &Path) -> kiln::Result<()> {
+/// PyTorch's recorded streams replayed (with its workspaces, kept as by default or taken per
+/// product, and without), its real peaks when
+/// the recording has them, kiln's eager caching column and the plan's device bytes, per recorded
+/// zoo training step.
+fn torch_stream(file: Option<&Path>) -> kiln::Result<()> {
     use kiln::report::{bytes, ratio, render_table};
-    let json = std::fs::read_to_string(file).map_err(|e| {
-        kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(
-            format!("cannot read {}: {e}", file.display()),
-            "pass the JSON file scripts/peers/torch_stream.py wrote",
-        ))
-    })?;
-    let rec = kiln::torch_stream::Recording::parse(&json)?;
+    use kiln::runtime::eager::{FrameworkExtras, WorkspacePolicy};
+    use kiln::torch_stream::{COMMITTED, Recording, replay};
+    let json = match file {
+        None => COMMITTED.to_string(),
+        Some(file) => std::fs::read_to_string(file).map_err(|e| {
+            kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(
+                format!("cannot read {}: {e}", file.display()),
+                "pass the JSON file scripts/peers/torch_stream.py wrote",
+            ))
+        })?,
+    };
+    let rec = Recording::parse(&json)?;
     if let Some(why) = rec.skipped {
         println!("skipped: {why}");
         return Ok(());
     }
     let mut rows = Vec::new();
     for (name, stream) in &rec.models {
-        let replayed = kiln::torch_stream::replay(stream)?;
+        let plain = replay(stream, &FrameworkExtras::default())?;
+        let with = replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent))?;
+        let per_call = replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::PerCall))?;
         let Some(m) = kiln::zoo::by_name(name) else { continue };
         let c = kiln::compare::compare(&m, kiln::compare::Mode::Train, false)?;
         rows.push(vec![
             name.clone(),
-            bytes(stream.max_memory_reserved),
-            bytes(replayed.peak_reserved),
-            bytes(stream.max_memory_allocated),
-            bytes(replayed.peak_in_use),
+            stream.capture.clone().unwrap_or_else(|| "cuda".into()),
+            stream.max_memory_reserved.map_or("-".into(), bytes),
+            bytes(with.peak_reserved),
+            bytes(per_call.peak_reserved),
+            bytes(plain.peak_reserved),
+            bytes(plain.peak_in_use),
+            bytes(c.eager_caching_peak_in_use_bytes),
             bytes(c.eager_caching_peak_reserved_bytes),
-            bytes(c.pytorch_caching_peak_reserved_bytes),
             bytes(c.device_bytes),
-            format!("{:.3}", ratio(c.eager_caching_peak_reserved_bytes, replayed.peak_reserved)),
-            format!("{:.3}", ratio(c.device_bytes, stream.max_memory_reserved)),
+            format!("{:.3}", ratio(c.eager_caching_peak_reserved_bytes, plain.peak_reserved)),
+            format!("{:.3}", ratio(c.device_bytes, with.peak_reserved)),
         ]);
     }
     let headers = [
         "model (train)",
+        "capture",
         "PyTorch reserved",
+        "replayed +ws reserved",
+        "+ws per call",
         "replayed reserved",
-        "PyTorch allocated",
         "replayed in use",
-        "kiln eager caching",
-        "kiln PyTorch column",
+        "kiln eager in use",
+        "kiln eager reserved",
         "kiln device bytes",
         "kiln eager/replayed",
-        "device/PyTorch",
+        "device/replayed+ws",
     ];
     println!("PyTorch {} on {}:", rec.torch.as_deref().unwrap_or("?"), rec.device.as_deref().unwrap_or("?"));
     println!("{}", render_table(&headers, &rows));

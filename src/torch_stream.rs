@@ -2,30 +2,49 @@
 //! of its caching allocator (`kiln_runtime::alloc::CachingAllocator`), beside kiln's own eager
 //! column and the plan's device bytes.
 //!
-//! `scripts/peers/torch_stream.py` records the stream on a CUDA machine (the caching
-//! allocator's trace: every block allocation and free, in order, with PyTorch's real peaks);
-//! `kiln torch-stream FILE` replays it. The replay checks two things at once: the allocator
-//! model against PyTorch's own `max_memory_reserved` on the same stream, and kiln's eager op
-//! stream (`compare`) against PyTorch's op stream through the same model. Frees of blocks made
-//! before recording started (there are none when the script builds the model after starting the
-//! trace) are ignored; the inputs, made before recording, are counted by PyTorch's peaks but not
-//! by the replay (`inputs_bytes` says how much).
+//! `scripts/peers/torch_stream.py` records a stream two ways:
+//! - **cuda**: on a CUDA machine, the caching allocator's own trace (every block allocation and
+//!   free, in order, workspaces included) with PyTorch's real peaks. The replay then checks the
+//!   allocator model against PyTorch's own `max_memory_reserved` on the same stream.
+//! - **dispatch**: anywhere PyTorch installs (no GPU), every storage an ATen op makes below
+//!   autograd, allocated when the op returns and freed when it dies, host-only scalars left out,
+//!   matrix products marked (`products`). That is the op stream a CUDA run allocates, without
+//!   what ops take inside themselves; the replay adds cuBLAS's workspaces at the marks as the
+//!   framework columns do (`FrameworkExtras`). The committed recording
+//!   (`benches/data/torch_stream.json`, PyTorch 2.15 from PyPI) is of this kind, so the memory
+//!   bench shows PyTorch's own op stream beside kiln's eager column on every machine.
+//!
+//! Frees of blocks made before recording started (there are none when the script builds the
+//! model after starting the trace) are ignored; in a cuda capture the inputs, made before
+//! recording, are counted by PyTorch's peaks but not by the replay (`inputs_bytes` says how
+//! much), a dispatch capture has them in the stream.
 
 use crate::error::{Error, Result};
 use kiln_runtime::RuntimeError;
 use kiln_runtime::alloc::{Allocator, AllocatorStats, CachingAllocator, VirtualSource};
+use kiln_runtime::eager::{FrameworkExtras, WorkspacePolicy};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 
 /// One model's recorded stream.
 #[derive(Clone, Debug, Deserialize)]
 pub struct ModelStream {
-    /// (address, +bytes) for an allocation, (address, -bytes) for a free, in order.
+    /// (block id, +bytes) for an allocation, (block id, -bytes) for a free, in order.
     pub events: Vec<(u64, i64)>,
+    /// Where a matrix product ran (dispatch captures): (position in `events`, 1 if in the
+    /// backward pass else 0). A cuBLAS workspace taken there is taken after the product's output
+    /// and before anything else; the backward pass has its own (`FrameworkExtras`).
+    #[serde(default)]
+    pub products: Vec<(usize, u8)>,
     pub max_memory_allocated: usize,
-    pub max_memory_reserved: usize,
+    /// PyTorch's own reserved peak (cuda captures only).
+    #[serde(default)]
+    pub max_memory_reserved: Option<usize>,
     #[serde(default)]
     pub inputs_bytes: usize,
+    /// "cuda" or "dispatch".
+    #[serde(default)]
+    pub capture: Option<String>,
 }
 
 /// What the script wrote: the streams, or why it skipped.
@@ -41,6 +60,11 @@ pub struct Recording {
     pub skipped: Option<String>,
 }
 
+/// The recording in the repository: the zoo's training steps at their default batches, by
+/// dispatch capture (`python3 scripts/peers/torch_stream.py --capture dispatch
+/// benches/data/torch_stream.json` re-records it).
+pub const COMMITTED: &str = include_str!("../benches/data/torch_stream.json");
+
 impl Recording {
     pub fn parse(json: &str) -> Result<Self> {
         serde_json::from_str(json).map_err(|e| {
@@ -50,31 +74,89 @@ impl Recording {
             ))
         })
     }
+
+    /// The committed recording (`COMMITTED`).
+    pub fn committed() -> Result<Self> {
+        Self::parse(COMMITTED)
+    }
 }
 
 /// Replays `stream` through the caching-allocator model (no memory limit) and returns its
-/// statistics (peaks over the whole stream).
-pub fn replay(stream: &ModelStream) -> Result<AllocatorStats> {
+/// statistics (peaks over the whole stream). `extras` adds cuBLAS's workspaces at the
+/// stream's product marks (kept from each thread's first product, or per call; cuBLASLt's kept
+/// from the first product); its other extras are already in a recorded stream (foreach Adam's temporaries are ATen
+/// outputs) or are not PyTorch's. A cuda capture has no marks: its workspaces are in it.
+pub fn replay(stream: &ModelStream, extras: &FrameworkExtras) -> Result<AllocatorStats> {
+    let invalid = |what: String| Error::Runtime(RuntimeError::invalid(what, "record the stream again"));
     let mut allocator = CachingAllocator::new(VirtualSource::new(), None);
+    let take = |allocator: &mut CachingAllocator<VirtualSource>, bytes: usize, i: usize| {
+        allocator.allocate(bytes).map_err(|e| invalid(format!("event {i}: allocating {bytes} bytes: {e}")))
+    };
     let mut blocks: HashMap<u64, u64> = HashMap::new();
-    for (i, &(addr, bytes)) in stream.events.iter().enumerate() {
-        if bytes >= 0 {
-            let block = allocator.allocate(bytes as usize).map_err(|e| {
-                Error::Runtime(RuntimeError::invalid(format!("event {i}: allocating {bytes} bytes: {e}"), ""))
-            })?;
-            if blocks.insert(addr, block.addr).is_some() {
-                return Err(Error::Runtime(RuntimeError::invalid(
-                    format!("event {i}: address {addr:#x} allocated twice without a free"),
-                    "the recording is corrupt: record it again",
-                )));
+    let mut marks = stream.products.iter().copied().peekable();
+    let (mut kept_lt, mut kept) = (false, [false; 2]);
+    for i in 0..=stream.events.len() {
+        while let Some((_, pass)) = marks.next_if(|&(p, _)| p == i) {
+            if !kept_lt && extras.blas_lt_workspace > 0 {
+                kept_lt = true;
+                take(&mut allocator, extras.blas_lt_workspace, i)?;
             }
-        } else if let Some(block) = blocks.remove(&addr) {
-            allocator.deallocate(block).map_err(|e| {
-                Error::Runtime(RuntimeError::invalid(format!("event {i}: freeing {addr:#x}: {e}"), ""))
-            })?;
+            let handle = usize::from(pass != 0 && extras.backward_thread_handle);
+            match extras.blas_workspace {
+                Some(w) if w.policy == WorkspacePolicy::Persistent && !kept[handle] => {
+                    kept[handle] = true;
+                    take(&mut allocator, w.bytes, i)?;
+                }
+                Some(w) if w.policy == WorkspacePolicy::PerCall => {
+                    let b = take(&mut allocator, w.bytes, i)?;
+                    allocator
+                        .deallocate(b.addr)
+                        .map_err(|e| invalid(format!("event {i}: workspace: {e}")))?;
+                }
+                _ => {}
+            }
+        }
+        let Some(&(id, bytes)) = stream.events.get(i) else { break };
+        if bytes >= 0 {
+            let block = take(&mut allocator, bytes as usize, i)?;
+            if blocks.insert(id, block.addr).is_some() {
+                return Err(invalid(format!("event {i}: block {id:#x} allocated twice without a free")));
+            }
+        } else if let Some(block) = blocks.remove(&id) {
+            allocator.deallocate(block).map_err(|e| invalid(format!("event {i}: freeing {id:#x}: {e}")))?;
         }
     }
+    if let Some((p, _)) = marks.next() {
+        return Err(invalid(format!(
+            "a product mark at {p} lies past the stream's {} events",
+            stream.events.len()
+        )));
+    }
     Ok(allocator.stats())
+}
+
+/// The committed recording's figures for one zoo training step (`None` for models it lacks).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Replayed {
+    /// The stream alone: peak bytes in live blocks, and reserved.
+    pub peak_in_use: usize,
+    pub peak_reserved: usize,
+    /// With PyTorch's default workspaces on an H100 (cuBLAS's and cuBLASLt's, kept from the first
+    /// product: `framework` says why that is the default).
+    pub workspace_peak_reserved: usize,
+}
+
+/// Replays the committed recording of zoo model `name` without and with PyTorch's workspaces.
+pub fn committed_figures(name: &str) -> Result<Option<Replayed>> {
+    let rec = Recording::committed()?;
+    let Some(stream) = rec.models.get(name) else { return Ok(None) };
+    let plain = replay(stream, &FrameworkExtras::default())?;
+    let with = replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent))?;
+    Ok(Some(Replayed {
+        peak_in_use: plain.peak_in_use,
+        peak_reserved: plain.peak_reserved,
+        workspace_peak_reserved: with.peak_reserved,
+    }))
 }
 
 #[cfg(test)]
@@ -89,13 +171,49 @@ mod tests {
             [32, -3145728], [48, 3145728], [7, -100]], "max_memory_allocated": 4194304,
             "max_memory_reserved": 23068672}}}"#;
         let r = Recording::parse(json).unwrap();
-        let s = replay(&r.models["m"]).unwrap();
+        let s = replay(&r.models["m"], &FrameworkExtras::default()).unwrap();
         assert_eq!(s.peak_reserved, (2 << 20) + (20 << 20));
-        assert_eq!(s.peak_reserved, r.models["m"].max_memory_reserved);
+        assert_eq!(Some(s.peak_reserved), r.models["m"].max_memory_reserved);
         assert_eq!(s.in_use, (1 << 20) + (3 << 20));
         assert!(Recording::parse("{\"skipped\": \"no CUDA\"}").unwrap().skipped.is_some());
         assert!(Recording::parse("[1, 2]").is_err());
         let twice = r#"{"models": {"m": {"events": [[1, 8], [1, 8]], "max_memory_allocated": 0, "max_memory_reserved": 0}}}"#;
-        assert!(replay(&Recording::parse(twice).unwrap().models["m"]).is_err());
+        assert!(replay(&Recording::parse(twice).unwrap().models["m"], &FrameworkExtras::default()).is_err());
+    }
+
+    #[test]
+    fn workspaces_are_taken_at_the_product_marks() {
+        // A forward product after the first allocation, a backward one after the third event.
+        let json = r#"{"models": {"m": {"events": [[1, 4096], [2, 4096], [1, -4096]],
+            "products": [[1, 0], [3, 1]], "max_memory_allocated": 8192}}}"#;
+        let r = Recording::parse(json).unwrap();
+        let m = &r.models["m"];
+        let plain = replay(m, &FrameworkExtras::default()).unwrap();
+        assert_eq!((plain.peak_in_use, plain.peak_reserved), (8192, 2 << 20));
+        let ws = kiln_runtime::eager::framework::CUBLAS_WORKSPACE_SM90;
+        let lt = kiln_runtime::eager::framework::CUBLASLT_WORKSPACE;
+        let per_call = replay(m, &FrameworkExtras::pytorch(WorkspacePolicy::PerCall)).unwrap();
+        // The per-call workspace is freed at once and cached: both products reuse its segment;
+        // cuBLASLt's 1 MiB lies in the small pool's 2 MiB segment beside the tensors.
+        assert_eq!(per_call.peak_in_use, 4096 + lt + ws, "one block live at each product");
+        assert_eq!(per_call.peak_reserved, (2 << 20) + ws);
+        assert_eq!(per_call.in_use, 4096 + lt);
+        // Kept: one per thread's handle, forward and backward.
+        let kept = replay(m, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent)).unwrap();
+        assert_eq!(kept.in_use, 4096 + lt + 2 * ws);
+        let one_thread = FrameworkExtras {
+            backward_thread_handle: false,
+            ..FrameworkExtras::pytorch(WorkspacePolicy::Persistent)
+        };
+        assert_eq!(replay(m, &one_thread).unwrap().in_use, 4096 + lt + ws);
+        let past =
+            r#"{"models": {"m": {"events": [[1, 8]], "products": [[2, 0]], "max_memory_allocated": 8}}}"#;
+        assert!(replay(&Recording::parse(past).unwrap().models["m"], &FrameworkExtras::default()).is_err());
+        // The committed recording parses and has every zoo model's training step.
+        let committed = Recording::committed().unwrap();
+        for name in ["seed-mlp", "mlp", "cnn", "transformer"] {
+            assert!(committed.models.contains_key(name), "{name}");
+            assert!(committed_figures(name).unwrap().is_some());
+        }
     }
 }

@@ -55,6 +55,8 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["devices", "--logical", "cpu:0=1GB,,2GB"], "it is empty"),
     (&["devices", "--logical", "cpu:0=1GB,-2GB"], "never negative"),
     (&["devices", "--logical", "nope=1GB"], "no physical device `nope`"),
+    (&["torch-stream", "/nonexistent/ts.json"], "cannot read /nonexistent/ts.json"),
+    (&["torch-stream", "Cargo.toml"], "not a torch_stream.py recording"),
 ];
 
 /// Well-formed invocations that must succeed (quickly: no training).
@@ -65,6 +67,7 @@ const ACCEPTED: &[&[&str]] = &[
     &["devices", "--logical", "cpu:0=1.5MiB,4MB,2048KB"],
     &["devices", "--fraction", "cpu:0=0.5"],
     &["memory", "seed-mlp", "--batch", "3", "--mode", "forward"],
+    &["torch-stream"],
 ];
 
 fn run(args: &[&str]) -> (Option<i32>, String) {

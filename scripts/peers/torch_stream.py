@@ -11,11 +11,17 @@ with its size and address, in order, together with PyTorch's real peaks
 kiln replays the stream through its caching-allocator model (`cargo run --release --
 torch-stream FILE`) and sets it beside its own eager column.
 
-Needs PyTorch with CUDA (the accelerator machine has it). Without CUDA it writes
-{"skipped": why} and exits 0: PyTorch's CPU allocator has no trace of its own, and its
-profiler's CPU stream carries oneDNN scratch and host scalars a GPU run does not have.
+Without a CUDA device (or with `--capture dispatch`) the stream is captured on the CPU below
+autograd (`record_dispatch`): every storage an ATen op makes, allocated when the op returns and
+freed when it dies, host-only scalars left out, matrix products marked. That is the op stream a
+CUDA run allocates, less what ops take inside themselves (cuBLAS/cuDNN workspaces, which the
+replay adds as the framework columns do). It was chosen over `torch.profiler`'s CPU memory
+events because those carry oneDNN scratch, reorders and host scalars that a GPU run does not
+have and that cannot be told apart by size. The recording for the committed
+`benches/data/torch_stream.json` is made this way (PyTorch from PyPI, no GPU needed).
 
-usage: torch_stream.py OUT.json [MODEL ...]   (default: seed-mlp mlp cnn transformer)
+usage: torch_stream.py [--capture cuda|dispatch] OUT.json [MODEL ...]
+       (default: cuda where a device is present, else dispatch; models seed-mlp mlp cnn transformer)
 """
 
 import json
@@ -85,7 +91,8 @@ def models(torch, nn):
     }
 
 
-def record(torch, nn, name, spec, dev):
+def record_cuda(torch, nn, name, spec, dev):
+    """The caching allocator's own trace of two training steps on a CUDA device."""
     build, make_x, make_y, loss_fn, lr = spec
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -111,6 +118,7 @@ def record(torch, nn, name, spec, dev):
             elif e["action"] == "free_completed":
                 events.append([e["addr"], -e["size"]])
     result = {
+        "capture": "cuda",
         "events": events,
         "max_memory_allocated": torch.cuda.max_memory_allocated() - base_allocated,
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
@@ -120,31 +128,134 @@ def record(torch, nn, name, spec, dev):
     return result
 
 
+# Matrix products a CUDA build runs through cuBLAS (which takes its workspace around each).
+BLAS_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_addmm_activation"}
+
+
+def record_dispatch(torch, nn, name, spec):
+    """The op stream of two training steps as a CUDA device would allocate it, captured on
+    the CPU below autograd: every storage an ATen op creates (its outputs, what autograd saves,
+    gradients, optimizer state) is an allocation when the op returns, and a free when the
+    storage dies (polled before every op, so a free lands between the same two ops as on a
+    GPU). What a GPU run would not put on the device is left out: the Adam step counters and
+    wrapped scalars (0-dim tensors made inside `optimizer.step`, which stay on the host on
+    CUDA). Allocations inside an op that are not tensors (oneDNN scratch here, cuBLAS and
+    cuDNN workspaces there) are not ATen storages and are not in the stream; `products` marks
+    where each matrix product ran ([position, 1 if in the backward pass]), so a replay can add
+    cuBLAS's workspaces as CUDA takes them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    build, make_x, make_y, loss_fn, lr = spec
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.events, self.products, self.live, self.ids = [], [], {}, 0
+            self.host_scalars = False
+            # On CUDA autograd runs the backward pass on its own device thread, whose cuBLAS
+            # handle has its own workspace: products are marked forward (0) or backward (1).
+            self.backward = 0
+
+        def track(self, t):
+            s = t.untyped_storage()
+            key = s._cdata
+            if key in self.live or s.nbytes() == 0:
+                return
+            self.ids += 1
+            self.live[key] = (StorageWeakRef(s), s.nbytes(), self.ids)
+            self.events.append([self.ids, s.nbytes()])
+
+        def poll(self):
+            for key, (ref, size, i) in list(self.live.items()):
+                if ref.expired():
+                    self.events.append([i, -size])
+                    del self.live[key]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.poll()
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    if self.host_scalars and t.dim() == 0:
+                        continue
+                    self.track(t)
+            if func.overloadpacket.__name__ in BLAS_OPS:
+                self.products.append([len(self.events), self.backward])
+            return out
+
+    rec = Recorder()
+    with rec:
+        model = build()
+        opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
+        for _ in range(2):
+            # A fresh batch per step (kiln's eager calls feed theirs the same way).
+            with torch.utils._python_dispatch._disable_current_modes():
+                x, y = make_x("cpu"), make_y("cpu")
+            rec.poll()
+            rec.track(x)
+            rec.track(y)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            rec.backward = 1
+            loss.backward()
+            rec.backward = 0
+            rec.host_scalars = True
+            opt.step()
+            rec.host_scalars = False
+            del x, y, loss
+        rec.poll()
+    live, peak = 0, 0
+    for _, size in rec.events:
+        live += size
+        peak = max(peak, live)
+    return {
+        "capture": "dispatch",
+        "events": rec.events,
+        "products": rec.products,
+        "max_memory_allocated": peak,
+        "max_memory_reserved": None,
+        "inputs_bytes": 0,
+    }
+
+
 def main():
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    capture = None
+    if "--capture" in args:
+        i = args.index("--capture")
+        capture = args[i + 1] if i + 1 < len(args) else None
+        del args[i : i + 2]
+        if capture not in ("cuda", "dispatch"):
+            print("--capture takes cuda or dispatch", file=sys.stderr)
+            return 2
+    if not args:
         print(__doc__, file=sys.stderr)
         return 2
-    out = sys.argv[1]
-    names = sys.argv[2:] or ["seed-mlp", "mlp", "cnn", "transformer"]
+    out = args[0]
+    names = args[1:] or ["seed-mlp", "mlp", "cnn", "transformer"]
     try:
         import torch
         from torch import nn
     except ImportError as e:
         json.dump({"skipped": f"PyTorch is not installed ({e})"}, open(out, "w"))
         return 0
-    if not torch.cuda.is_available():
+    capture = capture or ("cuda" if torch.cuda.is_available() else "dispatch")
+    if capture == "cuda" and not torch.cuda.is_available():
         json.dump({"skipped": "no CUDA device: the caching allocator's trace needs one"}, open(out, "w"))
         return 0
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     zoo = models(torch, nn)
-    report = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
-        "models": {n: record(torch, nn, n, zoo[n], dev) for n in names if n in zoo},
-    }
-    json.dump(report, open(out, "w"))
-    print(f"wrote {out}: {', '.join(report['models'])} on {report['device']} (torch {report['torch']})")
+    if capture == "cuda":
+        device = torch.cuda.get_device_name()
+        streams = {n: record_cuda(torch, nn, n, zoo[n], torch.device("cuda")) for n in names if n in zoo}
+    else:
+        device = "none (ATen op stream captured on the CPU)"
+        streams = {n: record_dispatch(torch, nn, n, zoo[n]) for n in names if n in zoo}
+    report = {"torch": torch.__version__, "device": device, "capture": capture, "models": streams}
+    with open(out, "w") as f:
+        json.dump(report, f, separators=(",", ":"))
+    print(f"wrote {out}: {', '.join(streams)} by {capture} capture (torch {report['torch']})")
     return 0
 
 

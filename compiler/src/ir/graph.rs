@@ -131,6 +131,20 @@ impl Graph {
         self.g.node_indices()
     }
 
+    /// `roots` and every node they depend on (through operands and control edges).
+    pub fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
+        let mut seen: std::collections::HashSet<NodeId> = roots.iter().copied().collect();
+        let mut stack: Vec<NodeId> = seen.iter().copied().collect();
+        while let Some(n) = stack.pop() {
+            for p in self.predecessors(n) {
+                if seen.insert(p) {
+                    stack.push(p);
+                }
+            }
+        }
+        seen
+    }
+
     /// Operands of `id` in operand order.
     pub fn operands(&self, id: NodeId) -> Vec<NodeId> {
         let mut ops: Vec<(u32, NodeId)> = self

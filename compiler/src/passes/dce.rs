@@ -13,17 +13,10 @@ impl Pass for DeadCode {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<()> {
-        let mut live: HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
-        live.extend(graph.effects());
-        live.extend(graph.inputs());
-        let mut stack: Vec<NodeId> = live.iter().copied().collect();
-        while let Some(n) = stack.pop() {
-            for p in graph.predecessors(n).collect::<Vec<_>>() {
-                if live.insert(p) {
-                    stack.push(p);
-                }
-            }
-        }
+        let mut roots: Vec<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
+        roots.extend(graph.effects());
+        roots.extend(graph.inputs());
+        let live: HashSet<NodeId> = graph.ancestors(&roots);
         let dead: Vec<NodeId> = graph.node_ids().filter(|n| !live.contains(n)).collect();
         for n in dead {
             graph.remove(n);

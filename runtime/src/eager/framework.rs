@@ -2,12 +2,23 @@
 //! columns of the memory bench that name a framework run kiln's eager op stream with these.
 //!
 //! - **PyTorch** (`FrameworkExtras::pytorch`): cuBLAS's workspace comes from the caching
-//!   allocator, 32 MiB on Hopper (`:4096:8`, 8 MiB + 128 KiB before: `:4096:2:16:8`), taken
-//!   around every matrix product by default, or once and kept with
-//!   `TORCH_CUBLAS_WORKSPACE_CACHE=1` (`WorkspacePolicy`); cuBLASLt's 1 MiB workspace is taken
-//!   at the first product and kept. `Adam(foreach=True)`, the default on CUDA, makes one
-//!   temporary per parameter (`_foreach_sqrt` of the second moments) that lives through the
-//!   optimizer step: parameter-sized in all.
+//!   allocator, 32 MiB on Hopper (`:4096:8`, 8 MiB + 128 KiB before: `:4096:2:16:8`), one per
+//!   (handle, stream); handles are per thread, and autograd runs the backward pass of CUDA
+//!   tensors on its own device thread, so a training step holds two: the forward thread's and
+//!   the backward thread's. Both are taken at their thread's first product and kept
+//!   (`WorkspacePolicy::Persistent`, the default), or taken around every product (`PerCall`:
+//!   what PyTorch 2.15's headers describe when its workspace cache is off). cuBLASLt's 1 MiB
+//!   workspace is taken at the first product and kept. `Adam(foreach=True)`, the default on
+//!   CUDA, makes one temporary per parameter (`_foreach_sqrt` of the second moments) that lives
+//!   through the optimizer step: parameter-sized in all.
+//!
+//!   The default is what was measured: PyTorch's own op stream for the zoo's training steps
+//!   (`kiln::torch_stream`) replayed with these workspaces gives PyTorch 2.11's figures on an
+//!   H100 to the byte for the seed-mlp, the first model of its process (`max_memory_allocated`
+//!   68,199,424 = the stream's 41,984 + 2 x 32 MiB + 1 MiB; `max_memory_reserved` 69,206,016 =
+//!   one 2 MiB small-pool segment + 2 x 32 MiB), and for the mlp, measured after it with those
+//!   workspaces already made and subtracted as its baseline, `max_memory_allocated` 38,089,728 =
+//!   the stream's own peak.
 //! - **TensorFlow** (`FrameworkExtras::tensorflow`): cuDNN's convolution scratch comes from the
 //!   BFC allocator around every convolution and convolution gradient. Its size depends on the
 //!   algorithm cuDNN's autotuner picks (up to `TF_CUDNN_WORKSPACE_LIMIT_IN_MB`, 4 GiB); the
@@ -21,9 +32,9 @@ use kiln_compiler::ir::{Op, Shape};
 /// When cuBLAS's workspace is taken from the allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum WorkspacePolicy {
-    /// Around every matrix product, freed after it (PyTorch's default).
+    /// Around every matrix product, freed after it.
     PerCall,
-    /// At the first matrix product, kept (`TORCH_CUBLAS_WORKSPACE_CACHE=1`).
+    /// At the first matrix product, kept (PyTorch's default, as measured: module doc).
     Persistent,
 }
 
@@ -58,6 +69,9 @@ pub struct FrameworkExtras {
     pub blas_workspace: Option<Workspace>,
     /// Taken at the first matrix product and kept.
     pub blas_lt_workspace: usize,
+    /// The backward pass runs on its own thread with its own cuBLAS handle and so its own kept
+    /// workspace (PyTorch's autograd engine on CUDA).
+    pub backward_thread_handle: bool,
     /// One parameter-sized temporary per parameter Adam updates, from the first update of a
     /// call to its last (foreach Adam).
     pub foreach_optimizer_temporaries: bool,
@@ -66,12 +80,13 @@ pub struct FrameworkExtras {
 }
 
 impl FrameworkExtras {
-    /// PyTorch on Hopper with the cuBLAS workspace `policy`: 32 MiB cuBLAS workspace, 1 MiB
-    /// cuBLASLt, foreach Adam.
+    /// PyTorch on Hopper with the cuBLAS workspace `policy`: 32 MiB cuBLAS workspace per
+    /// thread's handle (forward, backward), 1 MiB cuBLASLt, foreach Adam.
     pub fn pytorch(policy: WorkspacePolicy) -> Self {
         FrameworkExtras {
             blas_workspace: Some(Workspace { bytes: CUBLAS_WORKSPACE_SM90, policy }),
             blas_lt_workspace: CUBLASLT_WORKSPACE,
+            backward_thread_handle: true,
             foreach_optimizer_temporaries: true,
             conv_scratch: false,
         }

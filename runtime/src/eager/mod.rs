@@ -67,6 +67,10 @@ pub struct EagerExecutor<A: Allocator> {
     extras: FrameworkExtras,
     /// Workspaces taken once and kept (cuBLASLt's; cuBLAS's when persistent).
     kept: Vec<Block>,
+    /// Whether the kept cuBLAS workspace of the forward (0) and backward (1) thread's handle
+    /// exists, and whether cuBLASLt's does.
+    kept_handles: [bool; 2],
+    kept_lt: bool,
 }
 
 impl<A: Allocator> EagerExecutor<A> {
@@ -81,6 +85,8 @@ impl<A: Allocator> EagerExecutor<A> {
             variables: HashMap::new(),
             extras: FrameworkExtras::default(),
             kept: Vec::new(),
+            kept_handles: [false; 2],
+            kept_lt: false,
         }
     }
 
@@ -172,6 +178,9 @@ impl<A: Allocator> EagerExecutor<A> {
         let effects = order.iter().filter(|&&n| graph.node(n).op.is_effect()).count();
         let mut effects_run = 0;
         let mut foreach_temps: Vec<Block> = Vec::new();
+        // The forward pass: what the outputs (loss, metrics, predictions) are computed from. The
+        // rest of a training step is its backward pass and updates.
+        let forward = graph.ancestors(&graph.outputs().iter().map(|(_, n)| *n).collect::<Vec<_>>());
 
         for &n in order {
             let node = graph.node(n);
@@ -242,7 +251,7 @@ impl<A: Allocator> EagerExecutor<A> {
                     if op.is_effect() && effects_run == 0 && self.extras.foreach_optimizer_temporaries {
                         foreach_temps = self.foreach_temporaries(graph, order)?;
                     }
-                    let scratch = self.scratch_for(op, &types, out_type.0)?;
+                    let scratch = self.scratch_for(op, &types, out_type.0, !forward.contains(&n))?;
                     let ptrs: Vec<u64> = operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
                     self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);
@@ -307,26 +316,30 @@ impl<A: Allocator> EagerExecutor<A> {
     }
 
     /// The workspaces `op` takes for its run and gives back after it (per-call cuBLAS, conv
-    /// scratch); workspaces kept for good are taken at the first product.
+    /// scratch); workspaces kept for good are taken at the first product (cuBLASLt's) and at the
+    /// first product of each thread's cuBLAS handle (`backward`: the op is in the backward pass,
+    /// which PyTorch runs on its autograd thread where the extras say so).
     fn scratch_for(
         &mut self,
         op: &Op,
         types: &[(&Shape, kiln_compiler::ir::DType)],
         out: &Shape,
+        backward: bool,
     ) -> Result<Vec<Block>> {
         let mut taken = Vec::new();
         if framework::is_blas(op) {
-            if self.kept.is_empty() {
-                if self.extras.blas_lt_workspace > 0 {
-                    let b = self.alloc(self.extras.blas_lt_workspace, "cuBLASLt workspace")?;
-                    self.kept.push(b);
-                }
-                if let Some(w) =
-                    self.extras.blas_workspace.filter(|w| w.policy == WorkspacePolicy::Persistent)
-                {
-                    let b = self.alloc(w.bytes, "cuBLAS workspace")?;
-                    self.kept.push(b);
-                }
+            if !self.kept_lt && self.extras.blas_lt_workspace > 0 {
+                self.kept_lt = true;
+                let b = self.alloc(self.extras.blas_lt_workspace, "cuBLASLt workspace")?;
+                self.kept.push(b);
+            }
+            let handle = usize::from(backward && self.extras.backward_thread_handle);
+            if let Some(w) = self.extras.blas_workspace.filter(|w| w.policy == WorkspacePolicy::Persistent)
+                && !self.kept_handles[handle]
+            {
+                self.kept_handles[handle] = true;
+                let b = self.alloc(w.bytes, "cuBLAS workspace")?;
+                self.kept.push(b);
             }
             if let Some(w) = self.extras.blas_workspace.filter(|w| w.policy == WorkspacePolicy::PerCall) {
                 taken.push(self.alloc(w.bytes, "cuBLAS workspace")?);
