@@ -306,28 +306,62 @@ fn run_or_skip(cmd: &mut Command, what: &str) -> std::result::Result<std::proces
     Ok(out)
 }
 
-/// An interpreter that imports jax and jaxlib: `KILN_PEERS_PYTHON`, or the virtual environment
-/// (made and filled on first use; the time it took is printed).
-fn python_with_jax() -> std::result::Result<PathBuf, Skip> {
-    let has_jax = |python: &Path| {
+/// A Python environment a peer needs: the modules it must import, the wheels that provide them,
+/// the variable that may name an interpreter that has them, and the virtual environment made
+/// otherwise.
+struct PythonEnv {
+    what: &'static str,
+    imports: &'static str,
+    pins: &'static [&'static str],
+    variable: &'static str,
+    venv: &'static str,
+}
+
+const JAX_ENV: PythonEnv = PythonEnv {
+    what: "jax and jaxlib",
+    imports: "import jax, jaxlib",
+    pins: &JAX_PINS,
+    variable: PYTHON_ENV,
+    venv: "peers-venv",
+};
+
+/// PyTorch for the speed bench: PyPI's wheel (the CPU-only index is not reachable from the build
+/// machines), which pulls CUDA's libraries (about 5 GB) although only its CPU kernels run.
+pub const TORCH_PINS: [&str; 2] = ["torch==2.15.0", "numpy"];
+
+/// Names an interpreter that already has PyTorch; no virtual environment is made then.
+pub const TORCH_PYTHON_ENV: &str = "KILN_TORCH_PYTHON";
+
+const TORCH_ENV: PythonEnv = PythonEnv {
+    what: "torch",
+    imports: "import torch",
+    pins: &TORCH_PINS,
+    variable: TORCH_PYTHON_ENV,
+    venv: "torch-venv",
+};
+
+/// An interpreter that imports `env`'s modules: the one its variable names, or its virtual
+/// environment under `target/kiln` (made and filled on first use; the time it took is printed).
+fn python_with(env: &PythonEnv) -> std::result::Result<PathBuf, Skip> {
+    let has = |python: &Path| {
         Command::new(python)
-            .args(["-c", "import jax, jaxlib"])
+            .args(["-c", env.imports])
             .env("JAX_PLATFORMS", "cpu")
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    if let Some(python) = std::env::var_os(PYTHON_ENV) {
+    if let Some(python) = std::env::var_os(env.variable) {
         let python = PathBuf::from(python);
-        if has_jax(&python) {
+        if has(&python) {
             return Ok(python);
         }
-        return Err(Skip(format!("{PYTHON_ENV}={} cannot import jax and jaxlib", python.display())));
+        return Err(Skip(format!("{}={} cannot import {}", env.variable, python.display(), env.what)));
     }
-    let venv = venv_dir();
+    let venv = crate::report::output_dir().join(env.venv);
     let python = venv_python(&venv);
     let marker = venv.join("kiln-pins.txt");
-    let pins = JAX_PINS.join(" ");
-    if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == pins) && has_jax(&python) {
+    let pins = env.pins.join(" ");
+    if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == pins) && has(&python) {
         return Ok(python);
     }
     let start = Instant::now();
@@ -341,11 +375,11 @@ fn python_with_jax() -> std::result::Result<PathBuf, Skip> {
         Command::new(&python)
             .args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet"])
             .args(["--retries", "1", "--timeout", "30"])
-            .args(JAX_PINS),
+            .args(env.pins),
         &format!("pip install {pins}"),
     )?;
-    if !has_jax(&python) {
-        return Err(Skip(format!("{} cannot import jax after installing {pins}", python.display())));
+    if !has(&python) {
+        return Err(Skip(format!("{} cannot import {} after installing {pins}", python.display(), env.what)));
     }
     std::fs::write(&marker, &pins).map_err(|e| Skip(format!("cannot write {}: {e}", marker.display())))?;
     eprintln!("peers: installed {pins} in {:.1} s", start.elapsed().as_secs_f64());
@@ -355,7 +389,7 @@ fn python_with_jax() -> std::result::Result<PathBuf, Skip> {
 fn script_error(what: String) -> Error {
     Error::Runtime(RuntimeError::invalid(
         what,
-        "run scripts/peers/xla_memory.py by hand with the same interpreter to see the whole traceback",
+        "run the script by hand with the same interpreter to see the whole traceback",
     ))
 }
 
@@ -363,7 +397,7 @@ fn script_error(what: String) -> Error {
 /// printed, or `Ok(None)` after printing `skipped: <reason>` on stderr where JAX cannot be had.
 /// A script that fails once JAX imports is an error.
 fn run_script(models: &[&str], extra: &[String]) -> Result<Option<Vec<u8>>> {
-    let python = match python_with_jax() {
+    let python = match python_with(&JAX_ENV) {
         Ok(p) => p,
         Err(Skip(why)) => {
             eprintln!("skipped: {why}");
@@ -421,6 +455,54 @@ pub fn xla_step_times(models: &[&str], steps: usize) -> Result<Option<BTreeMap<S
         script_error(format!("{} --time printed no report that parses: {e}", script_path().display()))
     })?;
     Ok(Some(report.models.into_iter().map(|(k, t)| (k, t.train_step_ms)).collect()))
+}
+
+/// PyTorch's CPU step times for `models` (`scripts/peers/torch_speed.py`): milliseconds of each
+/// of `steps` eager training steps, and with `compiled` of as many `torch.compile`d ones, after
+/// warm-up; or `Ok(None)` after printing `skipped: <reason>` where PyTorch cannot be had.
+pub fn torch_step_times(
+    models: &[&str],
+    steps: usize,
+    compiled: bool,
+) -> Result<Option<BTreeMap<String, TorchTimes>>> {
+    #[derive(serde::Deserialize)]
+    struct Report {
+        models: BTreeMap<String, TorchTimes>,
+    }
+    let python = match python_with(&TORCH_ENV) {
+        Ok(p) => p,
+        Err(Skip(why)) => {
+            eprintln!("skipped: {why}");
+            return Ok(None);
+        }
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/torch_speed.py");
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).args(["--models", &models.join(","), "--steps", &steps.to_string()]);
+    if compiled {
+        cmd.arg("--compile");
+    }
+    let out = cmd.output()?;
+    if !out.status.success() {
+        return Err(script_error(format!(
+            "{} {} failed ({}): {}",
+            python.display(),
+            script.display(),
+            out.status,
+            tail(&out.stderr)
+        )));
+    }
+    let report: Report = serde_json::from_slice(&out.stdout)
+        .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
+    Ok(Some(report.models))
+}
+
+/// One model's PyTorch step times in milliseconds.
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+pub struct TorchTimes {
+    pub eager_ms: Vec<f64>,
+    #[serde(default)]
+    pub compile_ms: Vec<f64>,
 }
 
 // ---------------------------------------------------------------- side by side

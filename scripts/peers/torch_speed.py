@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""PyTorch's CPU training-step time for kiln's zoo models, for `cargo bench --bench speed`.
+
+The models are the idiomatic PyTorch twins in torch_stream.py (same shapes, losses and Adam;
+`Adam(foreach=True)`, `zero_grad(set_to_none=True)`), run eagerly and, with `--compile`, with
+`torch.compile` on the model and on `opt.step` (inductor's C++ backend). Each mode runs 3 warm-up
+steps (compilation included there), then STEPS steps each timed by the host clock around
+zero_grad, forward, loss, backward and step. f32 throughout, PyTorch's default thread count.
+
+usage: torch_speed.py --models a,b,... --steps N [--compile]
+prints {"torch": version, "threads": n, "models": {name: {"eager_ms": [...], "compile_ms": [...]}}}
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def time_model(torch, nn, spec, steps, compiled):
+    build, make_x, make_y, loss_fn, lr = spec
+    torch.manual_seed(0)
+    model = build()
+    x, y = make_x("cpu"), make_y("cpu")
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
+    fwd = torch.compile(model) if compiled else model
+    step = torch.compile(opt.step) if compiled else opt.step
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(fwd(x), y)
+        loss.backward()
+        step()
+
+    for _ in range(3):
+        train()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        train()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    import torch
+    from torch import nn
+
+    import torch_stream
+
+    zoo = torch_stream.models(torch, nn)
+    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
+    for name in args.models.split(","):
+        if name not in zoo:
+            print(f"no PyTorch twin of {name}", file=sys.stderr)
+            return 2
+        row = {"eager_ms": time_model(torch, nn, zoo[name], args.steps, False)}
+        if args.compile:
+            row["compile_ms"] = time_model(torch, nn, zoo[name], args.steps, True)
+        out["models"][name] = row
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
