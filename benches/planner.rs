@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     for layers in [60, 120, 600, 1200, 6250] {
         let model = deep_mlp(layers);
-        let graph = train_step_graph(&model, &Shape::from([32, 64]), &Shape::from([32, 1]), &config)?;
+        let graph = train_step_graph(&model, Shape::from([32, 64]), Shape::from([32, 1]), &config)?;
         let nodes = graph.len();
         let repeats = if nodes > 50_000 { 3 } else { 7 };
         let (mut total, mut opt, mut live, mut place) = (vec![], vec![], vec![], vec![]);

@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut programs = Vec::new();
     let mut plan_steps = Vec::new();
     for m in &models {
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config())?;
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
         for fuse in [true, false] {
             let plan = compile(graph.clone(), &CompileOptions::default().with_fusion(fuse))?;
             plan_steps.push(plan.steps.len());

@@ -6,7 +6,8 @@
 //! tokenizer (every byte its own token, 256 of them), 90% of the text to train on and the last
 //! 10% held out. The model: token and position embeddings, `LAYERS` pre-LN blocks of causal
 //! multi-head attention and a tanh-GELU MLP, a final layer norm and a head over the 256 bytes,
-//! trained with the sparse cross-entropy on the ids (no one-hot anywhere) and Adam.
+//! trained with the sparse cross-entropy on the ids (i32 token ids in, no one-hot anywhere) and
+//! Adam.
 //!
 //! It trains for `KILN_GPT_SECONDS` seconds (90 by default) with a progress bar (loss and
 //! tokens/s), evaluates the held-out loss against the unigram baseline (the entropy of the
@@ -15,8 +16,9 @@
 //! bit for bit), and prints the planned-vs-eager memory report of its training step.
 
 use indicatif::{ProgressBar, ProgressStyle};
+use kiln::compiler::ir::DType;
 use kiln::compiler::nn::{Embedding, LayerNorm, MultiHeadAttention, PositionEmbedding, Residual};
-use kiln::compiler::step::train_step_graph;
+use kiln::compiler::step::{InputSpec, train_step_graph};
 use kiln::prelude::*;
 use kiln::runtime::RuntimeError;
 use rand::rngs::StdRng;
@@ -53,13 +55,14 @@ fn config() -> TrainConfig {
     }
 }
 
-/// `rows` windows of `SEQ` ids from `text` at the given offsets, and the windows one byte later.
+/// `rows` windows of `SEQ` ids from `text` at the given offsets, and the windows one byte later:
+/// i32 token ids.
 fn windows(text: &[u8], offsets: &[usize]) -> Result<(HostTensor, HostTensor)> {
-    let take = |shift: usize| -> Vec<f32> {
-        offsets.iter().flat_map(|&o| text[o + shift..o + shift + SEQ].iter().map(|&b| b as f32)).collect()
+    let take = |shift: usize| -> Vec<i32> {
+        offsets.iter().flat_map(|&o| text[o + shift..o + shift + SEQ].iter().map(|&b| i32::from(b))).collect()
     };
     let shape = Shape::new([offsets.len(), SEQ]);
-    Ok((HostTensor::new(shape.clone(), take(0))?, HostTensor::new(shape, take(1))?))
+    Ok((HostTensor::from_i32(shape.clone(), take(0))?, HostTensor::from_i32(shape, take(1))?))
 }
 
 /// The entropy (nats per byte) of `text`'s byte frequencies: the loss of the best model that
@@ -76,8 +79,8 @@ fn unigram_nats(text: &[u8]) -> f64 {
 fn sample(trainer: &mut Trainer, prompt: &[u8], count: usize, rng: &mut StdRng) -> Result<String> {
     let mut text = prompt.to_vec();
     for _ in 0..count {
-        let window: Vec<f32> = text[text.len() - SEQ..].iter().map(|&b| b as f32).collect();
-        let logits = trainer.predict(&HostTensor::new(Shape::new([1, SEQ]), window)?)?;
+        let window: Vec<i32> = text[text.len() - SEQ..].iter().map(|&b| i32::from(b)).collect();
+        let logits = trainer.predict(&HostTensor::from_i32(Shape::new([1, SEQ]), window)?)?;
         let last = &logits.data()[(SEQ - 1) * VOCAB..SEQ * VOCAB];
         let top = last.iter().fold(f32::MIN, |a, &b| a.max(b));
         let weights: Vec<f64> = last.iter().map(|&l| (((l - top) / 0.8) as f64).exp()).collect();
@@ -175,7 +178,10 @@ fn main() -> Result<()> {
     trainer.save(&checkpoint)?;
     let mut reloaded = Trainer::new(model(), config(), device.backend(2)?);
     let (x, y) = windows(train, &[0])?;
-    reloaded.train_program(x.shape(), y.shape())?;
+    reloaded.train_program(
+        InputSpec::new(x.shape().clone(), x.dtype()),
+        InputSpec::new(y.shape().clone(), y.dtype()),
+    )?;
     reloaded.load(&checkpoint)?;
     let again = reloaded.evaluate(&hx, &hy, 64)?.loss;
     println!(
@@ -186,7 +192,8 @@ fn main() -> Result<()> {
     );
 
     let (bx, by) = windows(train, &(0..BATCH).map(|i| i * SEQ).collect::<Vec<_>>())?;
-    let graph = train_step_graph(&model(), bx.shape(), by.shape(), &config())?;
+    let ids = |t: &HostTensor| InputSpec::new(t.shape().clone(), DType::I32);
+    let graph = train_step_graph(&model(), ids(&bx), ids(&by), &config())?;
     let row = kiln::compare::compare_graph("gpt", graph, &[("x", &bx), ("y", &by)], true)?;
     println!(
         "memory of one training step, planned against eager execution:\n{}",

@@ -139,8 +139,8 @@ impl Comparison {
 pub fn graph_of(m: &ZooModel, mode: Mode) -> Result<Graph> {
     let model = m.model();
     Ok(match mode {
-        Mode::Forward => forward_graph(&model, &m.x_shape())?,
-        Mode::Train => train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config())?,
+        Mode::Forward => forward_graph(&model, m.x_shape())?,
+        Mode::Train => train_step_graph(&model, m.x_shape(), m.y_shape(), &m.config())?,
     })
 }
 

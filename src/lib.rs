@@ -45,7 +45,7 @@ pub mod prelude {
     pub use kiln_compiler::nn::{Activation, Dense, Layer, Sequential};
     pub use kiln_compiler::optim::{Adam, Optimizer, Sgd};
     pub use kiln_compiler::placement::{Placed, split_sequential};
-    pub use kiln_compiler::step::TrainConfig;
+    pub use kiln_compiler::step::{InputSpec, TrainConfig};
     pub use kiln_compiler::trace::{Tensor, Tracer};
     pub use kiln_compiler::{CompileOptions, Plan, compile};
     pub use kiln_runtime::devices::{DeviceConfig, Devices, GB, MB};

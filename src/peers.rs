@@ -213,8 +213,8 @@ pub struct KilnFigures {
 pub fn kiln_figures(m: &PeerModel, mode: Mode) -> Result<KilnFigures> {
     let model = m.model();
     let graph = match mode {
-        Mode::Forward => forward_graph(&model, &m.x_shape())?,
-        Mode::Train => train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config())?,
+        Mode::Forward => forward_graph(&model, m.x_shape())?,
+        Mode::Train => train_step_graph(&model, m.x_shape(), m.y_shape(), &m.config())?,
     };
     let plan = compile(graph, &CompileOptions::default())?;
     let f = &plan.memory;

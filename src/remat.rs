@@ -47,7 +47,7 @@ pub struct RematRun {
 /// Compiles `m`'s training step without and with the limit and, when it fits, trains both for
 /// `steps` steps on the same batch.
 pub fn run(m: &ZooModel, fraction: f64, steps: usize) -> Result<RematRun> {
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config())?;
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
     let t = Instant::now();
     let free = compile(graph.clone(), &CompileOptions::device("cpu:0", None))?;
     let free_compile_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -158,7 +158,7 @@ fn median(v: &mut [f64]) -> f64 {
 /// under which `m`'s training step still compiles, with that plan's arena, and the unconstrained
 /// arena; `None` when not even 0.95 fits.
 pub fn smallest_fraction(m: &ZooModel) -> Result<Option<(f64, usize, usize)>> {
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config())?;
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
     let free = compile(graph.clone(), &CompileOptions::device("cpu:0", None))?;
     let mut best = None;
     for i in (1..20).rev() {

@@ -14,7 +14,7 @@ fn a_users_own_training_step_is_compared_with_eager_execution() {
         .add(Dense::new(5));
     let config =
         TrainConfig { loss: Loss::SoftmaxCrossEntropy, optimizer: Adam::new(1e-3).into(), metrics: vec![] };
-    let graph = train_step_graph(&model, &Shape::new([20, 13]), &Shape::new([20, 5]), &config).unwrap();
+    let graph = train_step_graph(&model, Shape::new([20, 13]), Shape::new([20, 5]), &config).unwrap();
     let feeds = feeds_for(&graph, 1).unwrap();
     let feed: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let row = compare_graph("mine", graph, &feed, true).unwrap();

@@ -68,7 +68,7 @@ fn a_plan_over_the_limit_fails_at_compile_time_with_a_report() {
 #[test]
 fn out_of_memory_report() {
     let m = zoo::by_name("mlp").unwrap();
-    let g = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let g = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let e = compile(g, &CompileOptions::device("gpu:0", Some(20 * MB))).unwrap_err();
     insta::assert_snapshot!(e.to_string());
 }

@@ -49,14 +49,14 @@ fn eager_equals_planned_on_every_zoo_model() {
         let m = m.clone().with_batch(if m.name == "transformer" { 1 } else { 2 });
         let (x, y) = m.batch_data(5).unwrap();
         let model = m.model();
-        let fwd = forward_graph(&model, &m.x_shape()).unwrap();
+        let fwd = forward_graph(&model, m.x_shape()).unwrap();
         check(
             &format!("{} forward", m.name),
             fwd,
             &[("x", &x)],
             BfcAllocator::new(HostSource::new(), 1 << 32),
         );
-        let train = train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let train = train_step_graph(&model, m.x_shape(), m.y_shape(), &m.config()).unwrap();
         check(
             &format!("{} train (bfc)", m.name),
             train.clone(),
@@ -76,7 +76,7 @@ fn eager_equals_planned_on_every_zoo_model() {
 fn eager_frees_everything_but_variables() {
     let m = zoo::by_name("seed-mlp").unwrap();
     let (x, y) = m.batch_data(1).unwrap();
-    let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let train = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let s = kiln::compiler::optimize(train).unwrap();
     let mut eager = EagerExecutor::new(BfcAllocator::new(HostSource::new(), 1 << 30), 0, CpuEager);
     let run = eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)]).unwrap();
@@ -98,7 +98,7 @@ fn parameters_at_build_and_optimizer_state_at_the_first_update() {
     use kiln::runtime::eager::Simulated;
     let m = zoo::by_name("mlp").unwrap();
     let (x, y) = m.batch_data(1).unwrap();
-    let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let train = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let s = kiln::compiler::optimize(train).unwrap();
     let bytes = |roles: &[VarRole]| -> usize {
         s.graph
@@ -144,7 +144,7 @@ fn framework_extras_take_what_the_framework_takes() {
     let run = |name: &str, extras: FrameworkExtras, bfc: bool| {
         let m = zoo::by_name(name).unwrap();
         let (x, y) = m.batch_data(1).unwrap();
-        let train = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let train = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let s = kiln::compiler::optimize(train).unwrap();
         let feed = [("x", &x), ("y", &y)];
         if bfc {

@@ -38,7 +38,7 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 fn every_zoo_step_is_fused_and_trains_bit_for_bit_as_unfused() {
     for m in zoo::all() {
         let m = m.with_batch(4);
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let fused = compile(graph.clone(), &options(true)).unwrap();
         let plain = compile(graph, &options(false)).unwrap();
         let name = m.name;
@@ -64,7 +64,7 @@ fn every_zoo_step_is_fused_and_trains_bit_for_bit_as_unfused() {
 #[test]
 fn fused_zoo_arenas_are_no_larger() {
     for m in zoo::all() {
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let fused = compile(graph.clone(), &CompileOptions::default()).unwrap();
         let plain = compile(graph, &CompileOptions::default().with_fusion(false)).unwrap();
         assert!(

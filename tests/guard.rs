@@ -106,7 +106,7 @@ fn a_kernel_writing_past_its_output_is_named() {
 fn guard_mode_changes_no_result() {
     let m = zoo::by_name("seed-mlp").unwrap().with_batch(8);
     let (x, y) = m.batch_data(3).unwrap();
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let run = |guard: bool| {
         let plan = compile(graph.clone(), &CompileOptions::default().with_guard(guard)).unwrap();
         assert_eq!(plan.guard_bytes > 0, guard);
@@ -188,7 +188,7 @@ fn zoo_runs_clean_under_guard(backend: impl Fn() -> Option<Box<dyn Backend>>) {
         let Some(mut backend) = backend() else { return };
         let m = m.clone().with_batch(if m.name == "transformer" { 1 } else { 2 });
         let (x, y) = m.batch_data(4).unwrap();
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let plan = compile(graph, &CompileOptions::default().with_guard(true)).unwrap();
         let id = backend.load(plan).unwrap();
         for call in 0..2 {
@@ -221,7 +221,7 @@ fn guard_overhead() {
     for name in ["seed-mlp", "mlp", "cnn", "transformer"] {
         let m = zoo::by_name(name).unwrap();
         let (x, y) = m.batch_data(1).unwrap();
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let load = |guard: bool| {
             let plan = compile(graph.clone(), &CompileOptions::default().with_guard(guard)).unwrap();
             let mut backend = CpuBackend::new(SEED);

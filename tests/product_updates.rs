@@ -46,7 +46,7 @@ fn assert_same_training(a: &Plan, b: &Plan, feeds: &[(&str, &HostTensor)], steps
 #[test]
 fn the_mlp_keeps_product_updates_smaller_and_trains_bitwise_the_same() {
     let m = zoo::by_name("mlp").unwrap();
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let folded = compile(graph.clone(), &CompileOptions::default()).unwrap();
     let tiled = compile(graph.clone(), &CompileOptions::default().with_fusion(false)).unwrap();
     let unfused = compile(graph, &plain()).unwrap();
@@ -103,7 +103,7 @@ fn random_dense_steps_train_bitwise_with_every_update_folded() {
 fn the_reference_interpreter_agrees_with_the_folded_plan() {
     use kiln::compiler::schedule;
     let m = zoo::by_name("mlp").unwrap().with_batch(16);
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let mut g = kiln::compiler::optimize(graph).unwrap().graph;
     assert_eq!(fold(&mut g, Selection::All).unwrap(), 3);
     let order = schedule::schedule(&g).unwrap();

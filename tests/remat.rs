@@ -39,7 +39,7 @@ fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
     // than half (its input and its result, each a quarter of the arena), so it is held to 0.65.
     for (name, batch, fraction) in [("transformer", 8, 0.5), ("cnn", 16, 0.65)] {
         let m = zoo::by_name(name).unwrap().with_batch(batch);
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let free = compile(graph.clone(), &untiled(None)).unwrap();
         assert!(free.memory.remat.is_none());
         let limit = limit(&free, fraction);
@@ -68,7 +68,7 @@ fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
 fn a_limit_remat_cannot_reach_says_what_it_reached() {
     // The mlp's first weight gradient (784 x 1024) with its operands is more than half its arena.
     let m = zoo::by_name("mlp").unwrap();
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let free = compile(graph.clone(), &untiled(None)).unwrap();
     let e =
         compile(graph, &CompileOptions::device("cpu:0", Some(limit(&free, 0.3)))).unwrap_err().to_string();

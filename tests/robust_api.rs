@@ -1542,7 +1542,7 @@ fn option_errors_name_the_thing_and_the_value() {
     assert!(t.finish().unwrap_err().to_string().contains("not a finite number"));
 
     let dense = Sequential::new().add(Dense::new(4)).add(Dense::new(0));
-    let e = forward_graph(&dense, &Shape::new([2, 3])).unwrap_err().to_string();
+    let e = forward_graph(&dense, Shape::new([2, 3])).unwrap_err().to_string();
     assert!(e.contains("layer `dense_1` (dense)") && e.contains("Dense::new(0)"), "{e}");
 
     let cases: Vec<(Box<dyn Layer>, Vec<usize>, &str)> = vec![
@@ -1563,7 +1563,7 @@ fn option_errors_name_the_thing_and_the_value() {
         (Box::new(LayerNorm::new().epsilon(-1.0)), vec![2, 3], "epsilon is -1"),
     ];
     for (layer, x, expect) in cases {
-        let e = forward_graph(layer.as_ref(), &Shape::new(x)).unwrap_err().to_string();
+        let e = forward_graph(layer.as_ref(), Shape::new(x)).unwrap_err().to_string();
         assert!(e.contains(expect) && e.contains("help:"), "{expect}: {e}");
     }
 
@@ -1574,7 +1574,7 @@ fn option_errors_name_the_thing_and_the_value() {
     let e = t.finish().unwrap_err().to_string();
     assert!(e.contains("layers 1..5 are not a range of its 2 layers"), "{e}");
     let placed = Placed::new(two(), vec![(DeviceId(0), 0..1), (DeviceId(1), 2..2)]);
-    let e = forward_graph(&placed, &Shape::new([2, 3])).unwrap_err().to_string();
+    let e = forward_graph(&placed, Shape::new([2, 3])).unwrap_err().to_string();
     assert!(e.contains("does not start where the previous one ends"), "{e}");
 
     let cfg = |optimizer: Optimizer| TrainConfig { loss: Loss::MeanSquaredError, optimizer, metrics: vec![] };

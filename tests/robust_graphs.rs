@@ -177,13 +177,9 @@ fn random_training_steps_agree_on_every_executor() {
             optimizer,
             metrics: vec![Metric::CategoricalAccuracy],
         };
-        let graph = train_step_graph(
-            &model,
-            &Shape::from([batch, features]),
-            &Shape::from([batch, classes]),
-            &config,
-        )
-        .unwrap();
+        let graph =
+            train_step_graph(&model, Shape::from([batch, features]), Shape::from([batch, classes]), &config)
+                .unwrap();
         let x = HostTensor::from_fn([batch, features], |k| (k % 5) as f32 * 0.3 - 0.6).unwrap();
         let y = HostTensor::from_fn([batch, classes], |k| {
             if k % classes == (k / classes) % classes { 1.0 } else { 0.0 }

@@ -201,7 +201,7 @@ fn mutated_plans_are_rejected_or_run_correctly() {
     for m in zoo::all() {
         let m = m.clone().with_batch(2);
         let (x, y) = m.batch_data(1).unwrap();
-        let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+        let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let plan = compile(graph, &CompileOptions::default()).unwrap();
         let feed = [("x", &x), ("y", &y)];
         let reference = run(plan.clone(), &feed).expect("the compiled plan runs");
@@ -239,7 +239,7 @@ fn mutated_plans_are_rejected_or_run_correctly() {
 #[test]
 fn rejection_says_what_is_wrong() {
     let m = zoo::by_name("seed-mlp").expect("the seed model is in the zoo");
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let plan = compile(graph, &CompileOptions::default()).unwrap();
 
     let mut past = plan.clone();

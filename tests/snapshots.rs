@@ -14,20 +14,20 @@ fn seed() -> kiln::zoo::ZooModel {
 #[test]
 fn seed_forward_graph() {
     let m = seed();
-    insta::assert_snapshot!(dump(&forward_graph(&m.model(), &m.x_shape()).unwrap()));
+    insta::assert_snapshot!(dump(&forward_graph(&m.model(), m.x_shape()).unwrap()));
 }
 
 #[test]
 fn seed_training_graph_after_passes() {
     let m = seed();
-    let g = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let g = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     insta::assert_snapshot!(dump(&optimize(g).unwrap().graph));
 }
 
 #[test]
 fn seed_training_plan() {
     let m = seed();
-    let g = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let g = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     insta::assert_snapshot!(compile(g, &CompileOptions::default()).unwrap().render());
 }
 
@@ -56,7 +56,7 @@ fn shape_error_message() {
 #[test]
 fn loss_shape_error_message() {
     let m = seed();
-    let e = train_step_graph(&m.model(), &m.x_shape(), &kiln::compiler::ir::Shape::from([32]), &m.config())
+    let e = train_step_graph(&m.model(), m.x_shape(), kiln::compiler::ir::Shape::from([32]), &m.config())
         .unwrap_err();
     insta::assert_snapshot!(e.to_string());
 }

@@ -47,7 +47,7 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 #[test]
 fn the_mlp_step_is_tiled_smaller_and_trains_the_same() {
     let m = zoo::by_name("mlp").unwrap();
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let tiled = compile(graph.clone(), &tiled()).unwrap();
     let plain = compile(graph, &untiled()).unwrap();
     assert_eq!(tiled.memory.tiled_updates, 3, "the three dense kernels");
@@ -112,7 +112,7 @@ fn random_dense_steps_train_the_same_tiled() {
 fn the_reference_interpreter_agrees_with_the_tiled_plan() {
     use kiln::compiler::{schedule, tiled_updates};
     let m = zoo::by_name("mlp").unwrap().with_batch(16);
-    let graph = train_step_graph(&m.model(), &m.x_shape(), &m.y_shape(), &m.config()).unwrap();
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let scheduled = kiln::compiler::optimize(graph).unwrap();
     let tiled = tiled_updates::tile(&scheduled.graph, 256).unwrap().expect("the mlp's updates tile");
     let order = schedule::schedule(&tiled.graph).unwrap();

@@ -10,9 +10,9 @@ use kiln::zoo;
 fn every_zoo_model_compiles_for_forward_and_training() {
     for m in zoo::all() {
         let model = m.model();
-        let fwd = forward_graph(&model, &m.x_shape()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        let fwd = forward_graph(&model, m.x_shape()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
         let fwd = compile(fwd, &CompileOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        let train = train_step_graph(&model, &m.x_shape(), &m.y_shape(), &m.config())
+        let train = train_step_graph(&model, m.x_shape(), m.y_shape(), &m.config())
             .unwrap_or_else(|e| panic!("{}: {e}", m.name));
         let train = compile(train, &CompileOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", m.name));
         for plan in [&fwd, &train] {

@@ -160,7 +160,8 @@ fn class_ids(op: &str, logits: &Tensor, ids: &Tensor) -> Result<(Tensor, Tensor)
     };
     let mut ones = vec![1; rows.len()];
     ones.push(classes);
-    Ok((ids, logits.tracer().iota(ones, rows.len())))
+    // Integer ids are compared as f32 (exact below 2^24 classes).
+    Ok((ids.cast(crate::ir::DType::F32), logits.tracer().iota(ones, rows.len())))
 }
 
 /// Sparse softmax cross-entropy (`Loss::SparseSoftmaxCrossEntropy`): the label's column is

@@ -3,17 +3,44 @@
 
 use crate::autodiff;
 use crate::error::{CompileError, Result};
-use crate::ir::{Graph, Op, Shape, VarRole};
+use crate::ir::{DType, Graph, Op, Shape, VarRole};
 use crate::losses::{Loss, Metric};
 use crate::nn::Layer;
 use crate::optim::Optimizer;
 use crate::trace::Tracer;
 
+/// An input's shape and dtype: a `Shape` alone is an f32 input; ids are `InputSpec::new(shape,
+/// DType::I32)` (or i64).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InputSpec {
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl InputSpec {
+    pub fn new(shape: impl Into<Shape>, dtype: DType) -> Self {
+        InputSpec { shape: shape.into(), dtype }
+    }
+}
+
+impl From<Shape> for InputSpec {
+    fn from(shape: Shape) -> Self {
+        InputSpec { shape, dtype: DType::F32 }
+    }
+}
+
+impl From<&Shape> for InputSpec {
+    fn from(shape: &Shape) -> Self {
+        InputSpec { shape: shape.clone(), dtype: DType::F32 }
+    }
+}
+
 /// The graph of `model` applied to an input `x` of `x_shape`; output `y`.
 #[track_caller]
-pub fn forward_graph(model: &dyn Layer, x_shape: &Shape) -> Result<Graph> {
-    let t = Tracer::new(format!("forward{x_shape}"));
-    let x = t.input("x", x_shape.clone());
+pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result<Graph> {
+    let x_spec = x_shape.into();
+    let t = Tracer::new(format!("forward{}", x_spec.shape));
+    let x = t.input_typed("x", x_spec.shape, x_spec.dtype);
     let y = model.forward(&x);
     t.output("y", &y);
     t.finish()
@@ -24,15 +51,16 @@ pub fn forward_graph(model: &dyn Layer, x_shape: &Shape) -> Result<Graph> {
 #[track_caller]
 pub fn evaluate_graph(
     model: &dyn Layer,
-    x_shape: &Shape,
-    y_shape: &Shape,
+    x_shape: impl Into<InputSpec>,
+    y_shape: impl Into<InputSpec>,
     cfg: &TrainConfig,
 ) -> Result<Graph> {
-    let t = Tracer::new(format!("evaluate{x_shape}"));
-    let x = t.input("x", x_shape.clone());
+    let (x_spec, y_spec) = (x_shape.into(), y_shape.into());
+    let t = Tracer::new(format!("evaluate{}", x_spec.shape));
+    let x = t.input_typed("x", x_spec.shape, x_spec.dtype);
     let pred = model.forward(&x);
     let previous = t.set_device(pred.device());
-    let y = t.input("y", y_shape.clone());
+    let y = t.input_typed("y", y_spec.shape, y_spec.dtype);
     t.output("loss", &cfg.loss.apply(&pred, &y));
     for m in &cfg.metrics {
         t.output(m.name(), &m.apply(&pred, &y));
@@ -55,23 +83,24 @@ pub struct TrainConfig {
 #[track_caller]
 pub fn train_step_graph(
     model: &dyn Layer,
-    x_shape: &Shape,
-    y_shape: &Shape,
+    x_shape: impl Into<InputSpec>,
+    y_shape: impl Into<InputSpec>,
     cfg: &TrainConfig,
 ) -> Result<Graph> {
+    let (x_spec, y_spec) = (x_shape.into(), y_shape.into());
     if let Err(why) = cfg.optimizer.check() {
         return Err(CompileError::invalid(
             format!("TrainConfig::optimizer: {why}"),
             "use a positive learning rate, momentum and betas in [0, 1) and a positive epsilon (Keras's defaults: Adam::new(1e-3))",
         ));
     }
-    let t = Tracer::new(format!("train{x_shape}"));
+    let t = Tracer::new(format!("train{}", x_spec.shape));
     t.set_training(true);
-    let x = t.input("x", x_shape.clone());
+    let x = t.input_typed("x", x_spec.shape, x_spec.dtype);
     let pred = model.forward(&x);
     // Targets, loss and metrics live where the model's output is computed.
     let previous = t.set_device(pred.device());
-    let y = t.input("y", y_shape.clone());
+    let y = t.input_typed("y", y_spec.shape, y_spec.dtype);
     let loss = cfg.loss.apply(&pred, &y);
     t.output("loss", &loss);
     for m in &cfg.metrics {

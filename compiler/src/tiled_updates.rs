@@ -137,7 +137,7 @@ mod tests {
             optimizer: Adam::new(0.01).into(),
             metrics: vec![],
         };
-        let mut g = train_step_graph(&model, &Shape::from([16, 40]), &Shape::from([16, 3]), &config).unwrap();
+        let mut g = train_step_graph(&model, Shape::from([16, 40]), Shape::from([16, 3]), &config).unwrap();
         crate::passes::default_pipeline().run(&mut g).unwrap();
         g
     }

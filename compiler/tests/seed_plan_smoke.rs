@@ -13,7 +13,7 @@ fn seed_train_plan() {
         optimizer: Adam::new(0.01).into(),
         metrics: vec![Metric::BinaryAccuracy],
     };
-    let g = train_step_graph(&model, &Shape::from([32, 100]), &Shape::from([32, 1]), &cfg).unwrap();
+    let g = train_step_graph(&model, Shape::from([32, 100]), Shape::from([32, 1]), &cfg).unwrap();
     println!("{}", ir::dump(&g));
     let plan = compile(g, &CompileOptions::default()).unwrap();
     println!("{}", plan.render());

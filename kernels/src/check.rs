@@ -20,12 +20,24 @@ pub(crate) fn check(
         };
         return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
     }
-    let dtypes = inputs.iter().map(|&(_, d)| d).chain([output.1]);
-    if let Some(d) = dtypes.into_iter().find(|&d| d != DType::F32) {
+    // f32 everywhere, but for what moves exact values: a cast's operand and result (f32, i32,
+    // i64, bool) and the ids of a gather or its gradient (f32, i32, i64).
+    let stored = |d: DType| matches!(d, DType::F32 | DType::I32 | DType::I64 | DType::Bool);
+    let allowed = |i: Option<usize>, d: DType| match (op, i) {
+        (Op::Cast { .. }, _) => stored(d),
+        (Op::Gather, Some(1)) | (Op::GatherGrad { .. }, Some(0)) => {
+            matches!(d, DType::F32 | DType::I32 | DType::I64)
+        }
+        _ => d == DType::F32,
+    };
+    let dtypes = inputs.iter().enumerate().map(|(i, &(_, d))| (Some(i), d)).chain([(None, output.1)]);
+    if let Some((_, d)) = dtypes.into_iter().find(|&(i, d)| !allowed(i, d)) {
         return Err(KernelError::Unsupported {
             op: op.label(),
             dtype: d,
-            help: format!("{who} compute in f32 only; declare the model's inputs and variables as f32"),
+            help: format!(
+                "{who} compute in f32 (i32, i64 and bool are cast and index, nothing else); declare the model's inputs and variables as f32 or cast them"
+            ),
         });
     }
     let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");

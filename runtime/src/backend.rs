@@ -4,7 +4,7 @@
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 
 pub type ProgramId = usize;
 
@@ -25,8 +25,27 @@ pub trait Backend {
     /// The plan of a loaded program; an id this backend did not hand out is an error.
     fn plan(&self, program: ProgramId) -> Result<&Plan>;
 
-    /// Copies `data` (of `shape`) into the program's input `name`.
+    /// Copies `data` (of `shape`) into the program's input `name`, an f32 input.
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()>;
+
+    /// Copies `bytes` (elements of `dtype`, little-endian, of `shape`) into input `name`, whose
+    /// dtype must be `dtype`: how i32, i64 and bool inputs are fed.
+    fn set_input_bytes(
+        &mut self,
+        program: ProgramId,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<()>;
+
+    /// Copies `t` into input `name`, whose dtype must be `t`'s.
+    fn set_input_tensor(&mut self, program: ProgramId, name: &str, t: &HostTensor) -> Result<()> {
+        match t.dtype() {
+            DType::F32 => self.set_input(program, name, t.shape(), t.data()),
+            d => self.set_input_bytes(program, name, t.shape(), d, &t.to_bytes()),
+        }
+    }
 
     /// Runs every step of the program once. Inputs live in the arena until their last reader, so
     /// a run consumes them: every input must be fed before each run. Outputs stay readable until
@@ -67,7 +86,7 @@ pub trait Backend {
             ));
         }
         for (name, t) in inputs {
-            self.set_input(program, name, t.shape(), t.data())?;
+            self.set_input_tensor(program, name, t)?;
         }
         self.run(program)?;
         let names: Vec<String> = self.plan(program)?.outputs.iter().map(|b| b.name.clone()).collect();
@@ -75,8 +94,9 @@ pub trait Backend {
     }
 }
 
-/// Checks a fed input against the plan's binding; returns the binding's value index.
-pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize) -> Result<usize> {
+/// Checks a fed input (`len` elements of `dtype`) against the plan's binding; returns the
+/// binding's value index.
+pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize, dtype: DType) -> Result<usize> {
     let Some(b) = plan.input(name) else {
         let known: Vec<&str> = plan.inputs.iter().map(|b| b.name.as_str()).collect();
         return Err(RuntimeError::invalid(
@@ -85,6 +105,22 @@ pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize) -> Result
         ));
     };
     let v = plan.value(b.value);
+    if v.dtype != dtype {
+        let how = match v.dtype {
+            DType::I32 => "HostTensor::from_i32",
+            DType::I64 => "HostTensor::from_i64",
+            DType::Bool => "HostTensor::from_bool",
+            _ => "HostTensor::new (f32)",
+        };
+        return Err(RuntimeError::InputShape {
+            name: name.into(),
+            expected: v.shape.clone(),
+            expected_dtype: v.dtype,
+            got: shape.clone(),
+            dtype,
+            help: format!("feed the dtype the input was declared with: make the tensor with {how}"),
+        });
+    }
     if &v.shape != shape || shape.numel() != len {
         return Err(RuntimeError::InputShape {
             name: name.into(),

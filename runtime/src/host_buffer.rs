@@ -98,4 +98,23 @@ impl HostMem {
         // SAFETY: as above, and &mut self gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr().add(offset) as *mut f32, count) }
     }
+
+    /// `count` bytes at byte `offset`.
+    pub fn bytes(&self, offset: usize, count: usize) -> &[u8] {
+        assert!(
+            offset.checked_add(count).is_some_and(|end| end <= self.len()),
+            "byte view inside the memory"
+        );
+        // SAFETY: in bounds (checked), zero-initialised.
+        unsafe { std::slice::from_raw_parts(self.as_mut_ptr().add(offset), count) }
+    }
+
+    pub fn bytes_mut(&mut self, offset: usize, count: usize) -> &mut [u8] {
+        assert!(
+            offset.checked_add(count).is_some_and(|end| end <= self.len()),
+            "byte view inside the memory"
+        );
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr().add(offset), count) }
+    }
 }

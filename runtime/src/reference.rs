@@ -1,7 +1,7 @@
 //! A plain reference interpreter: the graph run op by op with every value in a buffer of its own.
 //!
-//! No arena, no reuse, no in-place writes, no allocator: each node's value is a fresh `Vec<f32>`
-//! that lives until the call returns, a view (reshape) is a copy, and variables live in a map.
+//! No arena, no reuse, no in-place writes, no allocator: each node's value is a fresh buffer
+//! of its own (8-byte aligned, any dtype) that lives until the call returns, a view (reshape) is a copy, and variables live in a map.
 //! What it checks, run beside the planned and the eager executors on the same graph, is
 //! everything those add on top of the kernels: buffer assignment, lifetimes, reuse, in-place
 //! execution, views and the eager executor's bookkeeping. It runs the same CPU kernels (they are
@@ -11,9 +11,49 @@
 use crate::error::{Result, RuntimeError};
 use crate::init::initial_values;
 use crate::tensor::HostTensor;
-use kiln_compiler::ir::{Graph, NodeId, Op, Shape};
+use kiln_compiler::ir::{DType, Graph, NodeId, Op, Shape};
 use kiln_kernels::cpu;
 use std::collections::HashMap;
+
+/// A value's bytes, in 8-byte words so that every dtype's elements are aligned.
+#[derive(Clone)]
+struct Buf {
+    words: Vec<u64>,
+    bytes: usize,
+}
+
+impl Buf {
+    fn zeroed(bytes: usize) -> Buf {
+        Buf { words: vec![0; bytes.div_ceil(8)], bytes }
+    }
+
+    fn from_bytes(b: &[u8]) -> Buf {
+        let mut buf = Buf::zeroed(b.len());
+        buf.as_bytes_mut().copy_from_slice(b);
+        buf
+    }
+
+    fn from_f32s(v: &[f32]) -> Buf {
+        Buf::from_bytes(bytemuck::cast_slice(v))
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.bytes]
+    }
+
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.bytes;
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
+    }
+
+    fn f32s(&self) -> Vec<f32> {
+        self.as_bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        self.words.as_mut_ptr() as *mut u8
+    }
+}
 
 pub struct ReferenceInterpreter {
     seed: u64,
@@ -40,7 +80,7 @@ impl ReferenceInterpreter {
         order: &[NodeId],
         inputs: &[(&str, &HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>> {
-        let mut values: HashMap<NodeId, Vec<f32>> = HashMap::new();
+        let mut values: HashMap<NodeId, Buf> = HashMap::new();
         for &n in order {
             let node = graph.node(n);
             let operands = graph.operands(n);
@@ -52,13 +92,19 @@ impl ReferenceInterpreter {
                             "feed every input",
                         ));
                     };
-                    if t.shape() != &node.shape {
+                    if t.shape() != &node.shape || t.dtype() != node.dtype {
                         return Err(RuntimeError::invalid(
-                            format!("input `{name}` is {} but the graph expects {}", t.shape(), node.shape),
-                            "feed the shape the graph was traced with",
+                            format!(
+                                "input `{name}` is {}{} but the graph expects {}{}",
+                                t.dtype(),
+                                t.shape(),
+                                node.dtype,
+                                node.shape
+                            ),
+                            "feed the shape and dtype the graph was traced with",
                         ));
                     }
-                    Some(t.data().to_vec())
+                    Some(Buf::from_bytes(&t.to_bytes()))
                 }
                 Op::Variable { key, shape, init, .. } => {
                     let seed = self.seed;
@@ -66,30 +112,30 @@ impl ReferenceInterpreter {
                         .variables
                         .entry(key.clone())
                         .or_insert_with(|| initial_values(*init, shape, seed, key));
-                    Some(v.clone())
+                    Some(Buf::from_f32s(v))
                 }
                 Op::Reshape { .. } => Some(values[&operands[0]].clone()),
                 op => {
                     // Fresh copies of the operands: no kernel sees another value's memory.
-                    let mut ins: Vec<Vec<f32>> = operands.iter().map(|o| values[o].clone()).collect();
+                    let mut ins: Vec<Buf> = operands.iter().map(|o| values[o].clone()).collect();
                     let types: Vec<_> =
                         operands.iter().map(|&o| (&graph.node(o).shape, graph.node(o).dtype)).collect();
                     let scalar = Shape::scalar();
                     let out_type =
                         if op.is_effect() { (&scalar, node.dtype) } else { (&node.shape, node.dtype) };
                     let kernel = cpu::prepare(op, &types, out_type)?;
-                    let ptrs: Vec<*mut u8> = ins.iter_mut().map(|v| v.as_mut_ptr() as *mut u8).collect();
-                    let mut out = vec![0.0f32; if op.is_effect() { 0 } else { node.shape.numel() }];
+                    let ptrs: Vec<*mut u8> = ins.iter_mut().map(Buf::ptr).collect();
+                    let mut out = Buf::zeroed(if op.is_effect() { 0 } else { node.bytes() });
                     if kernel.checks_operands() {
                         // SAFETY: as for `run` below.
                         unsafe { kernel.check_operands(&ptrs) }
                             .map_err(|e| RuntimeError::invalid(format!("`{}`: {e}", op.name()), ""))?;
                     }
-                    let output =
-                        if op.is_effect() { std::ptr::null_mut() } else { out.as_mut_ptr() as *mut u8 };
-                    // SAFETY: every pointer addresses a Vec of exactly its tensor's element count
-                    // (made above from the operand's value, which has its node's shape), the
-                    // output a fresh Vec of the output's element count; no two of them overlap.
+                    let output = if op.is_effect() { std::ptr::null_mut() } else { out.ptr() };
+                    // SAFETY: every pointer addresses an 8-byte aligned buffer of exactly its
+                    // tensor's bytes (made above from the operand's value, which has its node's
+                    // shape and dtype), the output a fresh one of the output's bytes; no two of
+                    // them overlap.
                     unsafe { kernel.run(&ptrs, output) };
                     if op.is_effect() {
                         // Updates wrote their variable operands in place: store them back, and
@@ -97,7 +143,7 @@ impl ReferenceInterpreter {
                         // block of a tiled update reads the rows the previous one wrote).
                         for &i in op.mutated_operands() {
                             if let Op::Variable { key, .. } = &graph.node(operands[i]).op {
-                                self.variables.insert(key.clone(), ins[i].clone());
+                                self.variables.insert(key.clone(), ins[i].f32s());
                                 values.insert(operands[i], ins[i].clone());
                             }
                         }
@@ -115,7 +161,12 @@ impl ReferenceInterpreter {
             .outputs()
             .iter()
             .map(|(name, id)| {
-                Ok((name.clone(), HostTensor::new(graph.node(*id).shape.clone(), values[id].clone())?))
+                let node = graph.node(*id);
+                let t = match node.dtype {
+                    DType::F32 => HostTensor::new(node.shape.clone(), values[id].f32s())?,
+                    d => HostTensor::from_bytes(node.shape.clone(), d, values[id].as_bytes())?,
+                };
+                Ok((name.clone(), t))
             })
             .collect()
     }

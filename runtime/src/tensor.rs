@@ -1,12 +1,16 @@
-//! Host tensors: what users feed in and read out (f32, row-major).
+//! Host tensors: what users feed in and read out (row-major). f32 by default; i32, i64 and bool
+//! tensors (ids, masks: `DType::is_exact`) keep their exact values (`ints`) beside the same
+//! values as f32 (`data`, exact up to 2^24), so that code reading f32s reads them too.
 
 use crate::error::{Result, RuntimeError};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
     shape: Shape,
     data: Vec<f32>,
+    /// The dtype and exact values of an i32, i64 or bool tensor; `None` for f32.
+    exact: Option<(DType, Vec<i64>)>,
 }
 
 impl HostTensor {
@@ -22,7 +26,85 @@ impl HostTensor {
                 "pass exactly one value per element",
             ));
         }
-        Ok(HostTensor { shape, data })
+        Ok(HostTensor { shape, data, exact: None })
+    }
+
+    /// An i32 tensor (token or class ids) of `shape`; an error when the sizes disagree.
+    pub fn from_i32(shape: impl Into<Shape>, values: Vec<i32>) -> Result<Self> {
+        Self::exact(shape.into(), DType::I32, values.into_iter().map(i64::from).collect())
+    }
+
+    /// An i64 tensor of `shape`; an error when the sizes disagree.
+    pub fn from_i64(shape: impl Into<Shape>, values: Vec<i64>) -> Result<Self> {
+        Self::exact(shape.into(), DType::I64, values)
+    }
+
+    /// A bool tensor (a mask) of `shape`; an error when the sizes disagree.
+    pub fn from_bool(shape: impl Into<Shape>, values: Vec<bool>) -> Result<Self> {
+        Self::exact(shape.into(), DType::Bool, values.into_iter().map(i64::from).collect())
+    }
+
+    fn exact(shape: Shape, dtype: DType, values: Vec<i64>) -> Result<Self> {
+        let mut t = HostTensor::new(shape, values.iter().map(|&v| v as f32).collect())?;
+        t.exact = Some((dtype, values));
+        Ok(t)
+    }
+
+    /// The tensor's dtype: f32, or the i32 / i64 / bool it was made as.
+    pub fn dtype(&self) -> DType {
+        self.exact.as_ref().map_or(DType::F32, |(d, _)| *d)
+    }
+
+    /// The exact values of an i32, i64 or bool tensor (bools as 0 and 1); `None` for f32.
+    pub fn ints(&self) -> Option<&[i64]> {
+        self.exact.as_ref().map(|(_, v)| v.as_slice())
+    }
+
+    /// The elements as a device holds them: little-endian, each of the tensor's dtype's size.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match &self.exact {
+            None => self.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Some((DType::I32, v)) => v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
+            Some((DType::Bool, v)) => v.iter().map(|&x| u8::from(x != 0)).collect(),
+            Some((_, v)) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// A tensor of `shape` and `dtype` from the bytes a device holds (`to_bytes`' layout); an
+    /// error when the byte count is not the shape's.
+    pub fn from_bytes(shape: impl Into<Shape>, dtype: DType, bytes: &[u8]) -> Result<Self> {
+        let shape = shape.into();
+        let size = dtype.size_bytes();
+        if shape.checked_numel().and_then(|n| n.checked_mul(size)) != Some(bytes.len()) {
+            return Err(RuntimeError::invalid(
+                format!("{} bytes do not hold {dtype}{shape}", bytes.len()),
+                "read exactly the tensor's bytes",
+            ));
+        }
+        match dtype {
+            DType::I32 => Self::exact(
+                shape,
+                dtype,
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect(),
+            ),
+            DType::I64 => Self::exact(
+                shape,
+                dtype,
+                bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect(),
+            ),
+            DType::Bool => Self::exact(shape, dtype, bytes.iter().map(|&b| i64::from(b != 0)).collect()),
+            DType::F32 => HostTensor::new(
+                shape,
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            ),
+            DType::F16 | DType::BF16 => Err(RuntimeError::invalid(
+                format!("{dtype} tensors are not read back: kiln computes in f32"),
+                "declare the tensor as f32",
+            )),
+        }
     }
 
     /// A tensor of `shape` filled with zeros; an error when its element count overflows or the
@@ -31,11 +113,11 @@ impl HostTensor {
         let shape = shape.into();
         let (mut data, n) = alloc_elements(&shape, "HostTensor::zeros")?;
         data.resize(n, 0.0);
-        Ok(HostTensor { data, shape })
+        Ok(HostTensor { data, shape, exact: None })
     }
 
     pub fn scalar(v: f32) -> Self {
-        HostTensor { shape: Shape::scalar(), data: vec![v] }
+        HostTensor { shape: Shape::scalar(), data: vec![v], exact: None }
     }
 
     /// A tensor of `shape` whose element `i` (row-major) is `f(i)`; an error when its element
@@ -44,7 +126,7 @@ impl HostTensor {
         let shape = shape.into();
         let (mut data, n) = alloc_elements(&shape, "HostTensor::from_fn")?;
         data.extend((0..n).map(f));
-        Ok(HostTensor { data, shape })
+        Ok(HostTensor { data, shape, exact: None })
     }
 
     pub fn shape(&self) -> &Shape {
@@ -55,7 +137,10 @@ impl HostTensor {
         &self.data
     }
 
+    /// The f32 values, to change in place. An i32, i64 or bool tensor becomes an f32 tensor of
+    /// these values (its exact values are dropped).
     pub fn data_mut(&mut self) -> &mut [f32] {
+        self.exact = None;
         &mut self.data
     }
 
@@ -104,7 +189,26 @@ impl HostTensor {
         }
         let mut dims = self.shape.dims().to_vec();
         dims[0] = range.len();
-        Ok(HostTensor { shape: Shape::new(dims), data: self.data[range.start * r..range.end * r].to_vec() })
+        let exact = self.exact.as_ref().map(|(d, v)| (*d, v[range.start * r..range.end * r].to_vec()));
+        Ok(HostTensor {
+            shape: Shape::new(dims),
+            data: self.data[range.start * r..range.end * r].to_vec(),
+            exact,
+        })
+    }
+
+    /// Rows at `indices` along the first axis, as a tensor of this one's dtype; an error naming
+    /// the first index outside the tensor's rows.
+    pub fn select_rows(&self, indices: &[usize]) -> Result<HostTensor> {
+        let mut data = Vec::new();
+        self.gather_rows_into(indices, &mut data)?;
+        let r = self.row_len()?;
+        let mut dims = self.shape.dims().to_vec();
+        dims[0] = indices.len();
+        let exact = self.exact.as_ref().map(|(d, v)| {
+            (*d, indices.iter().flat_map(|&i| v[i * r..(i + 1) * r].iter().copied()).collect())
+        });
+        Ok(HostTensor { shape: Shape::new(dims), data, exact })
     }
 
     /// Rows at `indices` along the first axis, copied into `out` (resized to fit); an error

@@ -10,9 +10,9 @@ use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use kiln_compiler::nn::Layer;
-use kiln_compiler::step::{TrainConfig, evaluate_graph, forward_graph, train_step_graph};
+use kiln_compiler::step::{InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph};
 use kiln_compiler::{CompileOptions, Plan, compile};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -100,9 +100,9 @@ pub struct Trainer {
     config: TrainConfig,
     backend: Box<dyn Backend>,
     options: CompileOptions,
-    train_programs: HashMap<(Shape, Shape), ProgramId>,
-    predict_programs: HashMap<Shape, ProgramId>,
-    evaluate_programs: HashMap<(Shape, Shape), ProgramId>,
+    train_programs: HashMap<(InputSpec, InputSpec), ProgramId>,
+    predict_programs: HashMap<InputSpec, ProgramId>,
+    evaluate_programs: HashMap<(InputSpec, InputSpec), ProgramId>,
     compile_time: Duration,
 }
 
@@ -223,28 +223,30 @@ impl Trainer {
         Ok(())
     }
 
-    /// The training-step program for these shapes, compiled on first use.
+    /// The training-step program for these shapes (f32 inputs, or `InputSpec`s with their
+    /// dtypes), compiled on first use.
     #[track_caller]
-    pub fn train_program(&mut self, x: &Shape, y: &Shape) -> Result<ProgramId> {
+    pub fn train_program(&mut self, x: impl Into<InputSpec>, y: impl Into<InputSpec>) -> Result<ProgramId> {
+        let (x, y) = (x.into(), y.into());
         if let Some(&id) = self.train_programs.get(&(x.clone(), y.clone())) {
             return Ok(id);
         }
         let start = Instant::now();
-        let graph = train_step_graph(self.model.as_ref(), x, y, &self.config)?;
+        let graph = train_step_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?;
         let plan = compile(graph, &self.options)?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
-        self.train_programs.insert((x.clone(), y.clone()), id);
+        self.train_programs.insert((x, y), id);
         Ok(id)
     }
 
     #[track_caller]
-    fn predict_program(&mut self, x: &Shape) -> Result<ProgramId> {
+    fn predict_program(&mut self, x: &InputSpec) -> Result<ProgramId> {
         if let Some(&id) = self.predict_programs.get(x) {
             return Ok(id);
         }
         let start = Instant::now();
-        let plan = compile(forward_graph(self.model.as_ref(), x)?, &self.options)?;
+        let plan = compile(forward_graph(self.model.as_ref(), x.clone())?, &self.options)?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
         self.predict_programs.insert(x.clone(), id);
@@ -254,9 +256,9 @@ impl Trainer {
     /// One optimizer step on a batch.
     #[track_caller]
     pub fn train_step(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
-        let id = self.train_program(x.shape(), y.shape())?;
-        self.backend.set_input(id, "x", x.shape(), x.data())?;
-        self.backend.set_input(id, "y", y.shape(), y.data())?;
+        let id = self.train_program(spec(x), spec(y))?;
+        self.backend.set_input_tensor(id, "x", x)?;
+        self.backend.set_input_tensor(id, "y", y)?;
         self.backend.run(id)?;
         self.logs(id)
     }
@@ -290,25 +292,41 @@ impl Trainer {
         let mut sums = RowWeighted::default();
         let order: Vec<usize> = (0..rows).collect();
         for idx in order.chunks(batch_size) {
-            x.gather_rows_into(idx, &mut xb)?;
-            y.gather_rows_into(idx, &mut yb)?;
-            let (xs, ys) = (with_rows(x.shape(), idx.len()), with_rows(y.shape(), idx.len()));
+            let (xs, ys) = (with_rows(x, idx.len()), with_rows(y, idx.len()));
             let id = self.evaluate_program(&xs, &ys)?;
-            self.backend.set_input(id, "x", &xs, &xb)?;
-            self.backend.set_input(id, "y", &ys, &yb)?;
+            self.feed_rows(id, "x", x, idx, &mut xb)?;
+            self.feed_rows(id, "y", y, idx, &mut yb)?;
             self.backend.run(id)?;
             sums.add(&self.logs(id)?, idx.len());
         }
         Ok(sums.mean())
     }
 
+    /// Feeds rows `idx` of `t` to input `name`: f32 rows through `buffer` (reused, no
+    /// allocation per batch), exact ones as a tensor of their dtype.
+    fn feed_rows(
+        &mut self,
+        id: ProgramId,
+        name: &str,
+        t: &HostTensor,
+        idx: &[usize],
+        buffer: &mut Vec<f32>,
+    ) -> Result<()> {
+        if t.dtype() != DType::F32 {
+            return self.backend.set_input_tensor(id, name, &t.select_rows(idx)?);
+        }
+        t.gather_rows_into(idx, buffer)?;
+        self.backend.set_input(id, name, &with_rows(t, idx.len()).shape, buffer)
+    }
+
     #[track_caller]
-    fn evaluate_program(&mut self, x: &Shape, y: &Shape) -> Result<ProgramId> {
+    fn evaluate_program(&mut self, x: &InputSpec, y: &InputSpec) -> Result<ProgramId> {
         if let Some(&id) = self.evaluate_programs.get(&(x.clone(), y.clone())) {
             return Ok(id);
         }
         let start = Instant::now();
-        let plan = compile(evaluate_graph(self.model.as_ref(), x, y, &self.config)?, &self.options)?;
+        let plan =
+            compile(evaluate_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?, &self.options)?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
         self.evaluate_programs.insert((x.clone(), y.clone()), id);
@@ -318,8 +336,8 @@ impl Trainer {
     /// The model's output for `x`, computed in one batch.
     #[track_caller]
     pub fn predict(&mut self, x: &HostTensor) -> Result<HostTensor> {
-        let id = self.predict_program(x.shape())?;
-        self.backend.set_input(id, "x", x.shape(), x.data())?;
+        let id = self.predict_program(&spec(x))?;
+        self.backend.set_input_tensor(id, "x", x)?;
         self.backend.run(id)?;
         self.backend.output(id, "y")
     }
@@ -354,13 +372,10 @@ impl Trainer {
             let mut sums = RowWeighted::default();
             for b in 0..batches {
                 let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(rows)];
-                x.gather_rows_into(idx, &mut xb)?;
-                y.gather_rows_into(idx, &mut yb)?;
-                let xs = with_rows(x.shape(), idx.len());
-                let ys = with_rows(y.shape(), idx.len());
-                let id = self.train_program(&xs, &ys)?;
-                self.backend.set_input(id, "x", &xs, &xb)?;
-                self.backend.set_input(id, "y", &ys, &yb)?;
+                let (xs, ys) = (with_rows(x, idx.len()), with_rows(y, idx.len()));
+                let id = self.train_program(xs, ys)?;
+                self.feed_rows(id, "x", x, idx, &mut xb)?;
+                self.feed_rows(id, "y", y, idx, &mut yb)?;
                 self.backend.run(id)?;
                 sums.add(&self.logs(id)?, idx.len());
                 bar.inc(1);
@@ -377,12 +392,18 @@ impl Trainer {
 }
 
 /// `shape` with its first axis set to `rows` (`fit` has checked that the rank is at least 1).
-fn with_rows(shape: &Shape, rows: usize) -> Shape {
-    let mut dims = shape.dims().to_vec();
+/// `t`'s shape with `rows` rows, and its dtype.
+fn with_rows(t: &HostTensor, rows: usize) -> InputSpec {
+    let mut dims = t.shape().dims().to_vec();
     if let Some(first) = dims.first_mut() {
         *first = rows;
     }
-    Shape::new(dims)
+    InputSpec::new(Shape::new(dims), t.dtype())
+}
+
+/// `t`'s shape and dtype.
+fn spec(t: &HostTensor) -> InputSpec {
+    InputSpec::new(t.shape().clone(), t.dtype())
 }
 
 pub fn format_logs(logs: &Logs) -> String {

@@ -47,6 +47,9 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         }
         Op::BroadcastTo { .. } => one(sum_to(g, x[0].shape())),
         Op::Copy => one(g.clone()),
+        // Only a float value carries a gradient: back to the operand's dtype, none into ids.
+        Op::Cast { .. } if x[0].dtype().is_float() && y.dtype().is_float() => one(g.cast(x[0].dtype())),
+        Op::Cast { .. } => Ok(vec![None]),
         Op::Concat { axis } => {
             let mut start = 0;
             Ok(x.iter()

@@ -63,6 +63,24 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         }
     };
 
+    // Exact dtypes (ids, masks) are stored, indexed with, cast and viewed, never computed on.
+    let exact_allowed = |i: usize| match op {
+        Op::Cast { .. } | Op::Reshape { .. } => true,
+        Op::Gather => i == 1 && dtype(1) != DType::Bool,
+        Op::GatherGrad { .. } => i == 0 && dtype(0) != DType::Bool,
+        _ => false,
+    };
+    if let Some(i) = (0..operands.len()).find(|&i| dtype(i).is_exact() && !exact_allowed(i)) {
+        let what = if matches!(op, Op::Gather | Op::GatherGrad { .. }) {
+            "ids are i32, i64 or f32 integers; a bool cannot index"
+        } else {
+            "kiln computes in f32; i32, i64 and bool are stored, indexed with and cast"
+        };
+        return err(
+            format!("operand {i} is {}: {what}", dtype(i)),
+            "cast it first: `t.cast(DType::F32)` (a mask of 0.0 / 1.0, ids as exact f32 up to 2^24)",
+        );
+    }
     match op {
         Op::Input { shape, dtype, .. } | Op::Variable { shape, dtype, .. } => Ok((shape.clone(), *dtype)),
         Op::Fill { shape, .. } => Ok((shape.clone(), DType::F32)),
@@ -85,6 +103,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((out.clone(), DType::F32))
         }
         Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
+        Op::Cast { to } => Ok((shape(0).clone(), *to)),
         Op::Binary(b) => {
             let d = same_dtype(&[0, 1])?;
             let grad_op = matches!(
@@ -481,6 +500,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Permute { .. }
         | Op::BroadcastTo { .. }
         | Op::Copy
+        | Op::Cast { .. }
         | Op::Slice { .. }
         | Op::Pad { .. }
         | Op::Reduce { .. }

@@ -303,6 +303,12 @@ pub enum Op {
     },
     /// An identity copy into a buffer of its own.
     Copy,
+    /// Each element converted to `to` (f32, i32, i64, bool): float -> integer truncates toward
+    /// zero (NaN -> 0, out of range saturates, as Rust's `as`), anything -> bool is `!= 0`,
+    /// bool -> number is 0 or 1. Never in place (the sizes may differ).
+    Cast {
+        to: DType,
+    },
     Concat {
         axis: usize,
     },
@@ -495,6 +501,7 @@ impl Op {
             | Op::Permute { .. }
             | Op::BroadcastTo { .. }
             | Op::Copy
+            | Op::Cast { .. }
             | Op::Concat { .. }
             | Op::Slice { .. }
             | Op::Pad { .. }
@@ -643,6 +650,7 @@ impl Op {
             Op::Permute { .. } => "permute",
             Op::BroadcastTo { .. } => "broadcast_to",
             Op::Copy => "copy",
+            Op::Cast { .. } => "cast",
             Op::Concat { .. } => "concat",
             Op::Slice { .. } => "slice",
             Op::Pad { .. } => "pad",
@@ -716,6 +724,9 @@ impl Op {
             }
             Op::Concat { axis } | Op::Softmax { axis } | Op::LogSoftmax { axis } => {
                 let _ = write!(s, "[axis {axis}]");
+            }
+            Op::Cast { to } => {
+                let _ = write!(s, " to {to}");
             }
             Op::Slice { axis, start, len } => {
                 let _ = write!(s, "[axis {axis}, {start}..{}]", start.saturating_add(*len));

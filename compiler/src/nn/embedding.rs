@@ -2,7 +2,7 @@ use super::{Layer, invalid_layer};
 use crate::ir::Init;
 use crate::trace::Tensor;
 
-/// Rows of a [vocab, dim] table looked up by integer ids (stored as f32); Keras `Embedding`,
+/// Rows of a [vocab, dim] table looked up by integer ids (i32, i64, or whole f32s); Keras `Embedding`,
 /// initialised uniform in [-0.05, 0.05].
 #[derive(Clone, Debug)]
 pub struct Embedding {

@@ -92,7 +92,7 @@ impl Tracer {
     #[track_caller]
     pub fn input_typed(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Tensor {
         let loc = Location::caller();
-        if let Err(message) = supported_dtype(dtype) {
+        if let Err(message) = supported_dtype(dtype, true) {
             return self.fail("input", loc, format!("input {name:?}: {message}"), &[], DTYPE_HELP);
         }
         let exists = self.state.borrow().graph.input(name).is_some();
@@ -174,7 +174,7 @@ impl Tracer {
         loc: &'static Location<'static>,
     ) -> Tensor {
         let key = self.scoped(name);
-        if let Err(message) = supported_dtype(dtype) {
+        if let Err(message) = supported_dtype(dtype, false) {
             return self.fail("variable", loc, format!("variable `{key}`: {message}"), &[], DTYPE_HELP);
         }
         if let Err(why) = init.check() {
@@ -448,14 +448,19 @@ impl Tracer {
     }
 }
 
-const DTYPE_HELP: &str =
-    "declare it as f32 (DType::F32); f16 and bf16 are carried by the IR but have no kernels yet";
+const DTYPE_HELP: &str = "declare variables as f32 (DType::F32), inputs as f32, i32, i64 or bool; f16 and \
+     bf16 are carried by the IR but have no kernels yet";
 
-/// kiln's kernels compute in f32: other dtypes are refused where they enter a trace, so that no
-/// plan sizes a buffer for one dtype while a kernel writes another.
-fn supported_dtype(dtype: DType) -> std::result::Result<(), String> {
+/// kiln's kernels compute in f32: other float dtypes are refused where they enter a trace, so
+/// that no plan sizes a buffer for one dtype while a kernel writes another. Inputs may also be
+/// exact (i32, i64, bool: ids and masks, `DType::is_exact`); variables are trained, so f32.
+fn supported_dtype(dtype: DType, input: bool) -> std::result::Result<(), String> {
     match dtype {
         DType::F32 => Ok(()),
+        DType::I32 | DType::I64 | DType::Bool if input => Ok(()),
+        DType::I32 | DType::I64 | DType::Bool => {
+            Err(format!("dtype {dtype} is not supported for a variable: variables are trained, in f32"))
+        }
         DType::F16 | DType::BF16 => Err(format!("dtype {dtype} is not supported: kiln computes in f32")),
     }
 }

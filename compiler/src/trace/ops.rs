@@ -2,7 +2,7 @@
 //! mistake names the user's line.
 
 use super::{IntoAxes, Tensor};
-use crate::ir::{BinaryOp, Op, Padding, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
+use crate::ir::{BinaryOp, DType, Op, Padding, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
 use std::panic::Location;
 
 /// The right-hand side of a binary op: a tensor or an f32 constant.
@@ -220,7 +220,8 @@ impl Tensor {
         }
         let mut column = self.dims().to_vec();
         column.push(1);
-        self.reshape(column).eq(self.tracer().iota([classes], 0))
+        // Integer ids are compared as f32 (exact below 2^24 classes).
+        self.reshape(column).cast(DType::F32).eq(self.tracer().iota([classes], 0))
     }
 
     #[track_caller]
@@ -268,6 +269,17 @@ impl Tensor {
     #[track_caller]
     pub fn copy(&self) -> Tensor {
         self.record(Op::Copy, &[self])
+    }
+
+    /// Each element converted to `to` (`Op::Cast`: f32, i32, i64, bool). Casting to the tensor's
+    /// own dtype is the tensor itself. f32 -> integer truncates toward zero and saturates; any ->
+    /// bool is `!= 0`; bool -> number is 0 or 1. Only float -> float carries a gradient.
+    #[track_caller]
+    pub fn cast(&self, to: DType) -> Tensor {
+        if to == self.dtype {
+            return self.clone();
+        }
+        self.record(Op::Cast { to }, &[self])
     }
 
     #[track_caller]

@@ -1,4 +1,5 @@
-//! Embedding lookup (gather rows of a table by ids held as f32) and its gradient (scatter-add).
+//! Embedding lookup (gather rows of a table by ids, i32, i64 or whole f32s) and its gradient
+//! (scatter-add).
 //!
 //! An id is valid when it is a whole number with 0 <= id < V. On the CPU an invalid id (out of
 //! range, fractional, NaN) is an error before the kernel runs (`check_operands`: the executor
@@ -10,8 +11,79 @@
 
 use super::par::{SendPtr, par_chunks, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use std::slice;
+
+/// How the ids are stored.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Ids {
+    F32,
+    I32,
+    I64,
+}
+
+impl Ids {
+    /// The ids' dtype (the checks admit f32, i32 and i64 only: `ir::infer`).
+    pub(crate) fn of(dtype: DType) -> Ids {
+        match dtype {
+            DType::I32 => Ids::I32,
+            DType::I64 => Ids::I64,
+            _ => Ids::F32,
+        }
+    }
+
+    /// The row id `i` selects in a table of `vocab` rows, if it is valid.
+    /// # Safety
+    /// `p` is valid for `i + 1` ids of this type, aligned for it.
+    #[inline(always)]
+    unsafe fn row(self, p: *const u8, i: usize, vocab: usize) -> Option<usize> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Ids::F32 => row_of(*(p as *const f32).add(i), vocab),
+                Ids::I32 => int_row(i64::from(*(p as *const i32).add(i)), vocab),
+                Ids::I64 => int_row(*(p as *const i64).add(i), vocab),
+            }
+        }
+    }
+
+    /// The first invalid id among `count`, described.
+    /// # Safety
+    /// `p` is valid for `count` ids of this type, aligned for it.
+    unsafe fn first_invalid(self, p: *const u8, count: usize, vocab: usize) -> Option<String> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Ids::F32 => {
+                    first_invalid(p as *const f32, count, vocab).map(|(at, v)| invalid_id(at, v, vocab))
+                }
+                Ids::I32 => {
+                    let ids = slice::from_raw_parts(p as *const i32, count);
+                    ids.iter().position(|&v| int_row(i64::from(v), vocab).is_none()).map(|at| {
+                        format!(
+                            "id {} at position {at} is outside the table (valid ids: 0..{vocab})",
+                            ids[at]
+                        )
+                    })
+                }
+                Ids::I64 => {
+                    let ids = slice::from_raw_parts(p as *const i64, count);
+                    ids.iter().position(|&v| int_row(v, vocab).is_none()).map(|at| {
+                        format!(
+                            "id {} at position {at} is outside the table (valid ids: 0..{vocab})",
+                            ids[at]
+                        )
+                    })
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn int_row(v: i64, vocab: usize) -> Option<usize> {
+    (v >= 0 && (v as u64) < vocab as u64).then_some(v as usize)
+}
 
 /// Columns of the gradient's rows handled by one task.
 const COLUMNS: usize = 64;
@@ -37,16 +109,17 @@ fn row_of(v: f32, vocab: usize) -> Option<usize> {
 }
 
 struct Gather {
+    ids: Ids,
     vocab: usize,
     row: usize,
     count: usize,
     desc: String,
 }
 
-pub(crate) fn gather(table: &Shape, ids: &Shape) -> Box<dyn CpuKernel> {
+pub(crate) fn gather(table: &Shape, ids: &Shape, ids_dtype: DType) -> Box<dyn CpuKernel> {
     let row = table.dims()[1..].iter().product();
-    let desc = format!("gather {} by {}", shape_text(table), shape_text(ids));
-    Box::new(Gather { vocab: table.dims()[0], row, count: ids.numel(), desc })
+    let desc = format!("gather {} by {}{}", shape_text(table), id_note(ids_dtype), shape_text(ids));
+    Box::new(Gather { ids: Ids::of(ids_dtype), vocab: table.dims()[0], row, count: ids.numel(), desc })
 }
 
 impl CpuKernel for Gather {
@@ -55,15 +128,15 @@ impl CpuKernel for Gather {
     }
 
     unsafe fn check_operands(&self, inputs: &[*mut u8]) -> Result<(), String> {
-        // SAFETY: operand 1 (the ids) holds `count` f32s (the caller's contract).
-        match unsafe { first_invalid(inputs[1] as *const f32, self.count, self.vocab) } {
+        // SAFETY: operand 1 (the ids) holds `count` ids of the prepared type (the caller's contract).
+        match unsafe { self.ids.first_invalid(inputs[1], self.count, self.vocab) } {
             None => Ok(()),
-            Some((at, v)) => Err(invalid_id(at, v, self.vocab)),
+            Some(why) => Err(why),
         }
     }
 
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (table, ids) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
+        let (table, ids) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1]));
         let o = SendPtr::new(output as *mut f32);
         let row = self.row;
         par_ranges(self.count, row, |s, e| {
@@ -72,7 +145,7 @@ impl CpuKernel for Gather {
                 // tasks write disjoint output rows.
                 unsafe {
                     let dst = slice::from_raw_parts_mut(o.get().add(i * row), row);
-                    match row_of(*ids.get().add(i), self.vocab) {
+                    match self.ids.row(ids.get(), i, self.vocab) {
                         Some(r) => dst.copy_from_slice(slice::from_raw_parts(table.get().add(r * row), row)),
                         None => dst.fill(0.0),
                     }
@@ -87,16 +160,22 @@ impl CpuKernel for Gather {
 }
 
 struct GatherGrad {
+    ids: Ids,
     vocab: usize,
     row: usize,
     count: usize,
     desc: String,
 }
 
-pub(crate) fn gather_grad(ids: &Shape, vocab: usize, out: &Shape) -> Box<dyn CpuKernel> {
+pub(crate) fn gather_grad(ids: &Shape, ids_dtype: DType, vocab: usize, out: &Shape) -> Box<dyn CpuKernel> {
     let row = out.dims()[1..].iter().product();
-    let desc = format!("gather_grad[vocab {vocab}] {} -> {}", shape_text(ids), shape_text(out));
-    Box::new(GatherGrad { vocab, row, count: ids.numel(), desc })
+    let desc = format!(
+        "gather_grad[vocab {vocab}] {}{} -> {}",
+        id_note(ids_dtype),
+        shape_text(ids),
+        shape_text(out)
+    );
+    Box::new(GatherGrad { ids: Ids::of(ids_dtype), vocab, row, count: ids.numel(), desc })
 }
 
 impl CpuKernel for GatherGrad {
@@ -105,15 +184,15 @@ impl CpuKernel for GatherGrad {
     }
 
     unsafe fn check_operands(&self, inputs: &[*mut u8]) -> Result<(), String> {
-        // SAFETY: operand 0 (the ids) holds `count` f32s (the caller's contract).
-        match unsafe { first_invalid(inputs[0] as *const f32, self.count, self.vocab) } {
+        // SAFETY: operand 0 (the ids) holds `count` ids of the prepared type (the caller's contract).
+        match unsafe { self.ids.first_invalid(inputs[0], self.count, self.vocab) } {
             None => Ok(()),
-            Some((at, v)) => Err(invalid_id(at, v, self.vocab)),
+            Some(why) => Err(why),
         }
     }
 
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (ids, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
+        let (ids, dy) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1] as *mut f32));
         let o = SendPtr::new(output as *mut f32);
         let row = self.row;
         let work = (self.count + self.vocab) * row;
@@ -126,7 +205,7 @@ impl CpuKernel for GatherGrad {
                     slice::from_raw_parts_mut(o.get().add(v * row + c0), w).fill(0.0);
                 }
                 for i in 0..self.count {
-                    if let Some(r) = row_of(*ids.get().add(i), self.vocab) {
+                    if let Some(r) = self.ids.row(ids.get(), i, self.vocab) {
                         let src = slice::from_raw_parts(dy.get().add(i * row + c0), w);
                         let dst = slice::from_raw_parts_mut(o.get().add(r * row + c0), w);
                         dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
@@ -139,4 +218,10 @@ impl CpuKernel for GatherGrad {
     fn describe(&self) -> String {
         self.desc.clone()
     }
+}
+
+/// The ids' dtype in a kernel's description: nothing for f32 ids (the descriptions of f32 plans
+/// stay as they were), else the dtype before the shape.
+pub(crate) fn id_note(dtype: DType) -> String {
+    if dtype == DType::F32 { String::new() } else { dtype.to_string() }
 }

@@ -15,6 +15,7 @@
 //! - `reduce`, `softmax`: reductions and the normalisers along an axis.
 //! - `matmul`, `conv`, `pool`: the GEMM-based ops and pooling.
 //! - `gather`: embedding lookup and its gradient.
+//! - `cast`: conversions between f32, i32, i64 and bool.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
 //! - `math`, `par`: scalar definitions and parallel helpers.
 //!
@@ -25,6 +26,7 @@
 //! `conv`).
 
 mod broadcast;
+pub mod cast;
 mod conv;
 mod elementwise;
 mod fused;
@@ -118,8 +120,9 @@ pub fn prepare(
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, input, window),
-        Op::Gather => gather::gather(s[0], s[1]),
-        Op::GatherGrad { vocab } => gather::gather_grad(s[0], *vocab, out),
+        Op::Gather => gather::gather(s[0], s[1], inputs[1].1),
+        Op::GatherGrad { vocab } => gather::gather_grad(s[0], inputs[0].1, *vocab, out),
+        Op::Cast { to } => cast::cast(s[0], inputs[0].1, *to),
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
         Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
             optim::sgd(*lr, *momentum, *nesterov, &s, *rows, *product)

@@ -43,6 +43,7 @@
 //! - `pool`: pooling and its gradients; `gather`: embedding lookup and its gradient.
 //! - `optim`: the in-place training effects.
 
+mod cast;
 mod codegen;
 mod conv;
 mod elementwise;
@@ -146,8 +147,9 @@ pub fn generate(
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0]),
-        Op::Gather => gather::gather(l, s[0], s[1], out),
-        Op::GatherGrad { vocab } => gather::gather_grad(l, s[0], s[1], *vocab, out),
+        Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out),
+        Op::GatherGrad { vocab } => gather::gather_grad(l, (s[0], inputs[0].1), s[1], *vocab, out),
+        Op::Cast { to } => cast::cast(l, s[0], inputs[0].1, *to),
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),
         Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
             optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s)

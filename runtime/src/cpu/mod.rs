@@ -12,7 +12,7 @@ use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::VariableStore;
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
-use kiln_compiler::ir::{OpClass, Shape};
+use kiln_compiler::ir::{DType, OpClass, Shape};
 use kiln_compiler::plan::Storage;
 use kiln_kernels::cpu::{self, CpuKernel};
 use std::ptr::NonNull;
@@ -370,12 +370,36 @@ impl Backend for CpuBackend {
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let value = check_input(&self.program(program)?.plan, name, shape, data.len())?;
+        let value = check_input(&self.program(program)?.plan, name, shape, data.len(), DType::F32)?;
         // Inputs live in the arena: under growth it is allocated by the first feed.
         self.ensure_arenas(program)?;
         let p = &mut self.programs[program];
         let slot = io_slot(&p.plan, value, name)?;
         slot_mem(p, slot)?.f32s_mut(offset_of(slot), data.len()).copy_from_slice(data);
+        p.feeds.fed(&p.plan, value);
+        Ok(())
+    }
+
+    fn set_input_bytes(
+        &mut self,
+        program: ProgramId,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let len = bytes.len() / dtype.size_bytes().max(1);
+        let value = check_input(&self.program(program)?.plan, name, shape, len, dtype)?;
+        if len * dtype.size_bytes() != bytes.len() {
+            return Err(RuntimeError::invalid(
+                format!("input `{name}`: {} bytes are not whole {dtype} elements", bytes.len()),
+                "pass HostTensor::to_bytes of the tensor",
+            ));
+        }
+        self.ensure_arenas(program)?;
+        let p = &mut self.programs[program];
+        let slot = io_slot(&p.plan, value, name)?;
+        slot_mem(p, slot)?.bytes_mut(offset_of(slot), bytes.len()).copy_from_slice(bytes);
         p.feeds.fed(&p.plan, value);
         Ok(())
     }
@@ -432,6 +456,14 @@ impl Backend for CpuBackend {
                 )
             })?,
         };
+        let dtype = p.plan.value(value).dtype;
+        if dtype != DType::F32 {
+            return HostTensor::from_bytes(
+                shape.clone(),
+                dtype,
+                mem.bytes(offset_of(slot), shape.numel() * dtype.size_bytes()),
+            );
+        }
         HostTensor::new(shape.clone(), mem.f32s(offset_of(slot), shape.numel()).to_vec())
     }
 

@@ -25,7 +25,7 @@ use crate::store::new_region;
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
 use kiln_compiler::device::human_bytes;
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use kiln_compiler::plan::{Storage, VariableSpec};
 use kiln_kernels::cuda::{self, Arg, CudaKernel, Launch};
 use std::collections::HashMap;
@@ -736,11 +736,35 @@ impl Backend for CudaBackend {
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let value = check_input(&self.program(program)?.plan, name, shape, data.len())?;
+        let value = check_input(&self.program(program)?.plan, name, shape, data.len(), DType::F32)?;
         // Inputs live in the arena: under growth it is allocated by the first feed.
         self.bind(program)?;
         let dst = self.io_address(program, value, name)?;
         self.htod(dst, data)?;
+        let p = self.program_mut(program)?;
+        p.feeds.fed(&p.plan, value);
+        Ok(())
+    }
+
+    fn set_input_bytes(
+        &mut self,
+        program: ProgramId,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let len = bytes.len() / dtype.size_bytes().max(1);
+        let value = check_input(&self.program(program)?.plan, name, shape, len, dtype)?;
+        if len * dtype.size_bytes() != bytes.len() {
+            return Err(RuntimeError::invalid(
+                format!("input `{name}`: {} bytes are not whole {dtype} elements", bytes.len()),
+                "pass HostTensor::to_bytes of the tensor",
+            ));
+        }
+        self.bind(program)?;
+        let dst = self.io_address(program, value, name)?;
+        self.htod_bytes(dst, bytes)?;
         let p = self.program_mut(program)?;
         p.feeds.fed(&p.plan, value);
         Ok(())
@@ -792,7 +816,15 @@ impl Backend for CudaBackend {
         let plan = &self.program(program)?.plan;
         let (value, _) = output_slot(plan, name)?;
         let shape = plan.value(value).shape.clone();
+        let dtype = plan.value(value).dtype;
         let src = self.io_address(program, value, name)?;
+        if dtype != DType::F32 {
+            return HostTensor::from_bytes(
+                shape.clone(),
+                dtype,
+                &self.dtoh_bytes(src, shape.numel() * dtype.size_bytes())?,
+            );
+        }
         HostTensor::new(shape.clone(), self.dtoh(src, shape.numel())?)
     }
 

@@ -93,15 +93,15 @@ impl EagerDevice for CudaEager {
         self.name.clone()
     }
 
-    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
-        // SAFETY: `addr` is a live device block of at least data.len() f32s.
-        unsafe { self.driver.htod(addr, bytemuck::cast_slice(data)) }
+    fn write_bytes(&mut self, addr: u64, bytes: &[u8]) -> Result<()> {
+        // SAFETY: `addr` is a live device block of at least bytes.len() bytes.
+        unsafe { self.driver.htod(addr, bytes) }
     }
 
-    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; n];
-        // SAFETY: `addr` is a live device block of at least n f32s.
-        unsafe { self.driver.dtoh(addr, bytemuck::cast_slice_mut(&mut out)) }?;
+    fn read_bytes(&mut self, addr: u64, n: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; n];
+        // SAFETY: `addr` is a live device block of at least n bytes.
+        unsafe { self.driver.dtoh(addr, &mut out) }?;
         Ok(out)
     }
 

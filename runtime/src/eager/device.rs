@@ -7,8 +7,17 @@ use kiln_kernels::cpu;
 
 pub trait EagerDevice {
     fn name(&self) -> String;
-    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()>;
-    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>>;
+    /// Writes `bytes` at `addr` (a live block of at least that many bytes).
+    fn write_bytes(&mut self, addr: u64, bytes: &[u8]) -> Result<()>;
+    /// Reads `n` bytes at `addr` (a live block of at least that many bytes).
+    fn read_bytes(&mut self, addr: u64, n: usize) -> Result<Vec<u8>>;
+    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
+        self.write_bytes(addr, bytemuck::cast_slice(data))
+    }
+    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
+        let bytes = self.read_bytes(addr, n * 4)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
     /// Runs `op` on operands at `inputs` writing its output at `output` (0 for effects).
     fn run_op(
         &mut self,
@@ -32,23 +41,23 @@ impl EagerDevice for CpuEager {
         "cpu".into()
     }
 
-    fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
+    fn write_bytes(&mut self, addr: u64, bytes: &[u8]) -> Result<()> {
         // An empty tensor's block may be no memory at all (address 0): nothing to copy.
-        if data.is_empty() {
+        if bytes.is_empty() {
             return Ok(());
         }
-        // SAFETY: `addr` is a live host block of at least data.len() f32s (HostSource memory),
+        // SAFETY: `addr` is a live host block of at least bytes.len() bytes (HostSource memory),
         // non-null since the allocator hands out real blocks for non-empty tensors.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as usize as *mut f32, data.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as usize as *mut u8, bytes.len()) };
         Ok(())
     }
 
-    fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
+    fn read_bytes(&mut self, addr: u64, n: usize) -> Result<Vec<u8>> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        // SAFETY: as in `write`.
-        Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const f32, n) }.to_vec())
+        // SAFETY: as in `write_bytes`.
+        Ok(unsafe { std::slice::from_raw_parts(addr as usize as *const u8, n) }.to_vec())
     }
 
     fn run_op(
@@ -86,12 +95,12 @@ impl EagerDevice for Simulated {
         "simulated".into()
     }
 
-    fn write(&mut self, _addr: u64, _data: &[f32]) -> Result<()> {
+    fn write_bytes(&mut self, _addr: u64, _bytes: &[u8]) -> Result<()> {
         Ok(())
     }
 
-    fn read(&mut self, _addr: u64, n: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; n])
+    fn read_bytes(&mut self, _addr: u64, n: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; n])
     }
 
     fn run_op(&mut self, _: &Op, _: &[(&Shape, DType)], _: (&Shape, DType), _: &[u64], _: u64) -> Result<()> {

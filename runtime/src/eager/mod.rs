@@ -193,18 +193,18 @@ impl<A: Allocator> EagerExecutor<A> {
                             "feed every input",
                         ));
                     };
-                    if data.shape() != &node.shape {
+                    if data.shape() != &node.shape || data.dtype() != node.dtype {
                         return Err(RuntimeError::InputShape {
                             name: name.clone(),
                             expected: node.shape.clone(),
                             expected_dtype: node.dtype,
                             got: data.shape().clone(),
-                            dtype: node.dtype,
-                            help: "feed the shape the graph was traced with".into(),
+                            dtype: data.dtype(),
+                            help: "feed the shape and dtype the graph was traced with".into(),
                         });
                     }
                     let block = self.alloc(node.bytes(), name)?;
-                    self.device.write(block.addr, data.data())?;
+                    self.device.write_bytes(block.addr, &data.to_bytes())?;
                     // The caller holds its inputs until the call returns: one extra reference.
                     storage_of.insert(n, storage.len());
                     storage.push(Storage { block, refs: 2 });
@@ -296,8 +296,8 @@ impl<A: Allocator> EagerExecutor<A> {
         for (name, id) in graph.outputs() {
             let node = graph.node(*id);
             let block = storage[storage_of[id]].block;
-            let data = self.device.read(block.addr, node.shape.numel())?;
-            result.push((name.clone(), HostTensor::new(node.shape.clone(), data)?));
+            let bytes = self.device.read_bytes(block.addr, node.bytes())?;
+            result.push((name.clone(), HostTensor::from_bytes(node.shape.clone(), node.dtype, &bytes)?));
         }
         for (_, id) in graph.outputs() {
             self.release(&mut storage, storage_of[id])?;

@@ -1,0 +1,84 @@
+//! `cast`: every element converted between f32, i32, i64 and bool, one definition of each
+//! conversion (`convert`), shared by the CUDA kernel's host tests as the reference.
+//!
+//! f32 -> integer truncates toward zero, saturates at the type's range and maps NaN to 0 (Rust's
+//! `as`; the CUDA kernel spells the same rule out, since C++'s cast is undefined there); integer
+//! -> integer keeps the low bits (NumPy's `astype`); anything -> bool is `!= 0` (NaN is true);
+//! bool -> number is 0 or 1; integer -> f32 rounds to nearest.
+
+use super::par::{SendPtr, par_ranges};
+use super::{CpuKernel, shape_text};
+use kiln_compiler::ir::{DType, Shape};
+
+/// One element's value, widened: what every conversion goes through.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    F(f32),
+    I(i64),
+}
+
+/// Reads element `i` of a buffer of `dtype`.
+/// # Safety
+/// `p` is valid for `i + 1` elements of `dtype`, aligned for it.
+#[inline(always)]
+pub unsafe fn read(p: *const u8, i: usize, dtype: DType) -> Scalar {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match dtype {
+            DType::I32 => Scalar::I(i64::from(*(p as *const i32).add(i))),
+            DType::I64 => Scalar::I(*(p as *const i64).add(i)),
+            DType::Bool => Scalar::I(i64::from(*p.add(i) != 0)),
+            _ => Scalar::F(*(p as *const f32).add(i)),
+        }
+    }
+}
+
+/// Writes `v` converted to `dtype` as element `i`.
+/// # Safety
+/// `p` is valid for `i + 1` elements of `dtype`, aligned for it.
+#[inline(always)]
+pub unsafe fn write(p: *mut u8, i: usize, dtype: DType, v: Scalar) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match (dtype, v) {
+            (DType::I32, Scalar::F(f)) => *(p as *mut i32).add(i) = f as i32,
+            (DType::I32, Scalar::I(n)) => *(p as *mut i32).add(i) = n as i32,
+            (DType::I64, Scalar::F(f)) => *(p as *mut i64).add(i) = f as i64,
+            (DType::I64, Scalar::I(n)) => *(p as *mut i64).add(i) = n,
+            (DType::Bool, Scalar::F(f)) => *p.add(i) = u8::from(f != 0.0),
+            (DType::Bool, Scalar::I(n)) => *p.add(i) = u8::from(n != 0),
+            (_, Scalar::F(f)) => *(p as *mut f32).add(i) = f,
+            (_, Scalar::I(n)) => *(p as *mut f32).add(i) = n as f32,
+        }
+    }
+}
+
+struct Cast {
+    from: DType,
+    to: DType,
+    numel: usize,
+    desc: String,
+}
+
+/// The cast of `x` (of `from`) to `to`; the checks admit f32, i32, i64 and bool only.
+pub(crate) fn cast(x: &Shape, from: DType, to: DType) -> Box<dyn CpuKernel> {
+    let desc = format!("cast {from}{} to {to}", shape_text(x));
+    Box::new(Cast { from, to, numel: x.numel(), desc })
+}
+
+impl CpuKernel for Cast {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (x, y) = (SendPtr::new(inputs[0]), SendPtr::new(output));
+        par_ranges(self.numel, 1, |s, e| {
+            for i in s..e {
+                // SAFETY: both buffers hold `numel` elements of their dtypes, aligned (the
+                // caller's contract); tasks write disjoint ranges; a cast never runs in place.
+                unsafe { write(y.get(), i, self.to, read(x.get(), i, self.from)) }
+            }
+        });
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
