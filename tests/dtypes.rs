@@ -197,3 +197,28 @@ fn dtype_mistakes_are_errors_that_name_the_op_and_the_dtypes() {
         b.set_input_bytes(id, "x", &Shape::from([ROWS, SEQ]), DType::I32, &[0u8; 7]).unwrap_err().to_string();
     assert!(e.contains("i32"), "{e}");
 }
+
+/// A bool padding mask masks attention exactly as the same mask in f32.
+#[test]
+fn a_bool_padding_mask_is_the_f32_mask() {
+    use kiln::compiler::nn::MultiHeadAttention;
+    let (b, s, d) = (2, 5, 8);
+    let keep = [true, true, true, false, false, true, true, true, true, false];
+    let run = |dtype: DType| {
+        let t = Tracer::new("padded");
+        let x = t.input("x", [b, s, d]);
+        let mask = t.input_typed("mask", [b, s], dtype);
+        t.output("y", &MultiHeadAttention::new(2).attend(&x, Some(&mask)));
+        let mut cpu = CpuBackend::new(0);
+        let id = cpu.load(compile(t.finish().unwrap(), &CompileOptions::default()).unwrap()).unwrap();
+        let x =
+            HostTensor::new([b, s, d], (0..b * s * d).map(|i| ((i * 29 % 13) as f32 - 6.0) / 6.0).collect())
+                .unwrap();
+        let mask = match dtype {
+            DType::Bool => HostTensor::from_bool([b, s], keep.to_vec()).unwrap(),
+            _ => HostTensor::new([b, s], keep.iter().map(|&k| f32::from(u8::from(k))).collect()).unwrap(),
+        };
+        cpu.call(id, &[("x", &x), ("mask", &mask)]).unwrap().remove(0).1
+    };
+    assert_eq!(run(DType::Bool), run(DType::F32));
+}

@@ -48,7 +48,7 @@ impl Layer for MultiHeadAttention {
 
 impl MultiHeadAttention {
     /// Self-attention over `x` [batch, seq, model] where `padding`, when given, is [batch, seq]
-    /// with 1.0 at real tokens and 0.0 at padding: no query attends to a padded key (Keras's
+    /// with 1.0 (or true, or any nonzero id) at real tokens and 0.0 (false) at padding: no query attends to a padded key (Keras's
     /// `attention_mask` from a padding mask, PyTorch's `key_padding_mask` inverted). The mask is
     /// added to the scores as -1e9 where a key is padding, with the causal mask when `causal`;
     /// a row whose keys are all padding attends uniformly (its softmax sees equal scores). Call
@@ -102,7 +102,9 @@ impl MultiHeadAttention {
                     "give a [batch, seq] mask of 1.0 at tokens and 0.0 at padding",
                 );
             }
-            // Over the keys: [b, 1, 1, s], broadcast over heads and queries.
+            // Over the keys: [b, 1, 1, s], broadcast over heads and queries. A bool or integer
+            // mask (true / nonzero at tokens) is read as 1.0 / 0.0.
+            let keep = keep.cast(crate::ir::DType::F32).ne(0.0);
             scores = scores + (keep.reshape([b, 1, 1, s]) - 1.0).mul(1e9);
         }
         let context = scores.softmax(-1).matmul(&v);
