@@ -18,6 +18,7 @@
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 
 pub mod autodiff;
+pub mod custom;
 pub mod device;
 pub mod error;
 pub mod fusion;

@@ -50,6 +50,31 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         // Only a float value carries a gradient: back to the operand's dtype, none into ids.
         Op::Cast { .. } if x[0].dtype().is_float() && y.dtype().is_float() => one(g.cast(x[0].dtype())),
         Op::Cast { .. } => Ok(vec![None]),
+        Op::Custom { name } => {
+            let def = crate::custom::lookup(name).ok_or_else(|| {
+                CompileError::invalid(
+                    format!("no custom op named `{name}` is registered"),
+                    "register it before differentiating",
+                )
+            })?;
+            match def.gradient(x, y, g) {
+                Some(grads) if grads.len() == x.len() => Ok(grads),
+                Some(grads) => Err(CompileError::invalid(
+                    format!(
+                        "custom op `{name}`'s gradient gave {} gradients for {} operands",
+                        grads.len(),
+                        x.len()
+                    ),
+                    "return one Option<Tensor> per operand (None where there is no gradient)",
+                )),
+                None => Err(CompileError::invalid(
+                    format!(
+                        "custom op `{name}` has no gradient, and the loss depends on its operands through it"
+                    ),
+                    "implement CustomOp::gradient (with the DSL's ops), or keep the op out of what is trained",
+                )),
+            }
+        }
         Op::Concat { axis } => {
             let mut start = 0;
             Ok(x.iter()

@@ -104,6 +104,19 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         }
         Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
         Op::Cast { to } => Ok((shape(0).clone(), *to)),
+        Op::Custom { name } => match crate::custom::lookup(name) {
+            Some(def) => def.infer(operands).map_err(|why| OpError {
+                message: format!("custom op `{name}`: {why}"),
+                help: "give the operands the custom op's definition accepts".into(),
+            }),
+            None => err(
+                format!(
+                    "no custom op named `{name}` is registered (registered: {:?})",
+                    crate::custom::registered()
+                ),
+                "register it with kiln::compiler::custom::register before tracing or compiling",
+            ),
+        },
         Op::Binary(b) => {
             let d = same_dtype(&[0, 1])?;
             let grad_op = matches!(
@@ -521,6 +534,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         Op::Select => 3..=3,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,
+        Op::Custom { .. } => 0..=usize::MAX,
         Op::ApplySgd { momentum, product, .. } if *momentum != 0.0 => {
             3 + usize::from(*product)..=3 + usize::from(*product)
         }

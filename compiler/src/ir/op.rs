@@ -375,6 +375,11 @@ pub enum Op {
         vocab: usize,
     },
 
+    // ---- a user's op, by its registered name (`crate::custom`)
+    Custom {
+        name: String,
+    },
+
     // ---- training effects: write their variable operands in place, produce no tensor
     /// (var, grad) or, with momentum, (var, grad, velocity). With `rows`, only those rows of
     /// the variable (and its state) are updated, from a gradient of just those rows. With
@@ -472,6 +477,7 @@ impl Op {
                     && output.rank() == 2
                     && i >= 2
             }
+            Op::Custom { name } => crate::custom::lookup(name).is_some_and(|c| c.in_place() == Some(i)),
             _ => self.class() == OpClass::Elementwise,
         }
     }
@@ -502,6 +508,7 @@ impl Op {
             | Op::BroadcastTo { .. }
             | Op::Copy
             | Op::Cast { .. }
+            | Op::Custom { .. }
             | Op::Concat { .. }
             | Op::Slice { .. }
             | Op::Pad { .. }
@@ -651,6 +658,7 @@ impl Op {
             Op::BroadcastTo { .. } => "broadcast_to",
             Op::Copy => "copy",
             Op::Cast { .. } => "cast",
+            Op::Custom { .. } => "custom",
             Op::Concat { .. } => "concat",
             Op::Slice { .. } => "slice",
             Op::Pad { .. } => "pad",
@@ -727,6 +735,9 @@ impl Op {
             }
             Op::Cast { to } => {
                 let _ = write!(s, " to {to}");
+            }
+            Op::Custom { name } => {
+                let _ = write!(s, " {name}");
             }
             Op::Slice { axis, start, len } => {
                 let _ = write!(s, "[axis {axis}, {start}..{}]", start.saturating_add(*len));

@@ -249,6 +249,14 @@ impl Tracer {
         self.iota([seq, seq], 1).le(&rows)
     }
 
+    /// The registered custom op `name` (`crate::custom`) applied to `operands`: its shape and
+    /// dtype from the op's `infer`, a refusal (or an unregistered name) an error naming the op,
+    /// the operands and the caller's line.
+    #[track_caller]
+    pub fn custom(&self, name: &str, operands: &[&Tensor]) -> Tensor {
+        self.record_at(Op::Custom { name: name.to_string() }, operands, Location::caller())
+    }
+
     /// A constant tensor of `shape` filled with `value`.
     #[track_caller]
     pub fn fill(&self, value: f32, shape: impl Into<Shape>) -> Tensor {

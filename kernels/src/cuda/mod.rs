@@ -150,6 +150,31 @@ pub fn generate(
         Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out),
         Op::GatherGrad { vocab } => gather::gather_grad(l, (s[0], inputs[0].1), s[1], *vocab, out),
         Op::Cast { to } => cast::cast(l, s[0], inputs[0].1, *to),
+        Op::Custom { name } => {
+            let def = kiln_compiler::custom::lookup(name).ok_or_else(|| KernelError::Unsupported {
+                op: label.clone(),
+                dtype: DType::F32,
+                help: "register the custom op (kiln::compiler::custom::register) in this process before loading the plan".into(),
+            })?;
+            let k = def.cuda(&s, out).ok_or_else(|| KernelError::Unsupported {
+                op: label.clone(),
+                dtype: DType::F32,
+                help: format!(
+                    "custom op `{name}` has no CUDA kernel (CustomOp::cuda): run it on the CPU, or write one"
+                ),
+            })?;
+            CudaKernel {
+                source: format!("{}\n{}", codegen::header(l, &s, Some(out)), k.source),
+                launches: vec![Launch {
+                    function: k.function,
+                    grid: k.grid,
+                    block: k.block,
+                    shared_bytes: 0,
+                    args: (0..s.len()).map(Arg::Input).chain([Arg::Output]).collect(),
+                }],
+                describe: format!("custom {name}"),
+            }
+        }
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),
         Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
             optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s)

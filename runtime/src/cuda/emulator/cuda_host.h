@@ -172,6 +172,9 @@ inline int __float_as_int(float f) {
 }
 // Compiled with -ffp-contract=off: a product is rounded before any sum, as __fmul_rn promises.
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 template <class T>
 inline T atomicAdd(T* p, T v) {
