@@ -86,7 +86,7 @@ impl DeviceConfig {
         if probe.usable().is_ok()
             && let Ok(gpus) = &probe.devices
         {
-            for g in gpus {
+            for g in gpus.iter().filter(|g| crate::visible::is_visible(g.ordinal)) {
                 // Pools and limits are sized from what is free now, not from the total: the
                 // context, other processes and the compiler hold the rest.
                 let Ok((free, total)) = cuda::driver::open(g.ordinal).and_then(|d| d.mem_info()) else {

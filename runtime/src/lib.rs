@@ -23,6 +23,7 @@ pub mod reference;
 pub mod store;
 pub mod tensor;
 pub mod trainer;
+pub mod visible;
 
 pub use backend::{Backend, ProgramId};
 pub use cpu::CpuBackend;

@@ -196,6 +196,7 @@ impl CudaBackend {
         budgets: Vec<DeviceBudget>,
         tracker: Tracker,
     ) -> Result<Self> {
+        crate::visible::open(ordinal)?;
         Self::with_driver(driver::open(ordinal)?, seed, budgets, tracker)
     }
 

@@ -195,8 +195,10 @@ fn devices() -> Result<Vec<DeviceInfo>, String> {
 pub fn probe() -> CudaProbe {
     match super::emulator::emulation() {
         Ok(Some(memory)) => {
+            // The one emulated device is ordinal 0, behind CUDA_VISIBLE_DEVICES as a GPU would be.
+            let shown = crate::visible::cuda_visible_devices_allow_first();
             let devices = super::emulator::host::available()
-                .map(|_| vec![super::emulator::device_info(memory)])
+                .map(|_| if shown { vec![super::emulator::device_info(memory)] } else { vec![] })
                 .map_err(|e| {
                     format!("KILN_CUDA_EMULATE=1, but the emulated device cannot build kernels: {e}")
                 });
