@@ -166,8 +166,8 @@ fn trace(
     for init in &graph.initializer {
         importer.initializer(init)?;
     }
-    for node in &graph.node {
-        importer.node(node)?;
+    for (index, node) in graph.node.iter().enumerate() {
+        importer.node(index, node)?;
     }
     let outputs = graph
         .output
@@ -278,6 +278,12 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
     for (axis, d) in shape.iter().enumerate() {
         match (d.dim_value, d.dim_param.as_deref()) {
             (Some(v), _) if v > 0 => out.push(v as usize),
+            (Some(0), _) => {
+                return Err(unsupported(
+                    format!("input `{name}` axis {axis} has size 0"),
+                    "kiln's tensors have no empty axes",
+                ));
+            }
             (_, Some(p)) if !p.is_empty() => match dims.iter().find(|(n, _)| n == p) {
                 Some(&(_, v)) => out.push(v),
                 None => {
@@ -401,9 +407,12 @@ impl Importer {
         }
     }
 
-    fn node(&mut self, node: &NodeProto) -> Result<()> {
+    fn node(&mut self, index: usize, node: &NodeProto) -> Result<()> {
         let op = node.op_type.clone().unwrap_or_default();
-        let who = format!("node `{}` ({op})", node.name.clone().unwrap_or_default());
+        let who = match node.name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => format!("node `{name}` ({op})"),
+            None => format!("node #{index} ({op})"),
+        };
         if let Some(d) = node.domain.as_deref().filter(|d| !d.is_empty() && *d != "ai.onnx") {
             return Err(unsupported(
                 format!("{who} is in the domain `{d}`"),
@@ -510,7 +519,18 @@ impl Importer {
             "Flatten" => {
                 let x = input(0)?;
                 let d = x.dims().to_vec();
-                let axis = if d.is_empty() { 0 } else { rank_axis(int_attr("axis", 1), d.len() + 1)? };
+                // Flatten's axis runs from -r to r (r itself flattens everything into one row).
+                let a = int_attr("axis", 1);
+                let r = d.len() as i64;
+                // (a + r below 0 stays out of range for rank_axis's own negative step.)
+                let a = if a < 0 && a + r >= 0 {
+                    a + r
+                } else if a < 0 {
+                    -2 * r - 2
+                } else {
+                    a
+                };
+                let axis = rank_axis(a, d.len() + 1)?;
                 let lead: usize = d[..axis.min(d.len())].iter().product();
                 let rest: usize = d[axis.min(d.len())..].iter().product();
                 x.reshape([lead, rest])
@@ -593,6 +613,12 @@ impl Importer {
                 let size = window.kernel.ok_or_else(|| {
                     invalid(format!("{who} has no kernel_shape"), "give the pooling its kernel_shape")
                 })?;
+                if int_attr("ceil_mode", 0) != 0 {
+                    return Err(unsupported(
+                        format!("{who} rounds its output size up (ceil_mode = 1)"),
+                        "kiln pools with ceil_mode = 0",
+                    ));
+                }
                 // Padded elements are skipped by both (and not counted by kiln's average, as by
                 // ONNX's default count_include_pad = 0); kiln pads only as SAME does.
                 let padding = if window.pads == [0; 4] {
