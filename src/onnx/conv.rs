@@ -63,6 +63,14 @@ fn as_2d(x: &Tensor) -> Tensor {
     }
 }
 
+/// `y` [N, C, 1, L] as [N, C, L] (a tensor a failed op poisoned stays as it is).
+fn as_1d(y: &Tensor) -> Tensor {
+    match *y.dims() {
+        [a, b, _, l] => y.reshape([a, b, l]),
+        _ => y.clone(),
+    }
+}
+
 /// The node's window over `input` ([H, W]) for a `kernel` (before dilation).
 fn window(n: &Node, spatial: usize, input: [usize; 2], kernel: [usize; 2]) -> Result<Window> {
     let list = |name: &str, default: usize| -> Result<[usize; 2]> {
@@ -75,7 +83,8 @@ fn window(n: &Node, spatial: usize, input: [usize; 2], kernel: [usize; 2]) -> Re
         }
     };
     let (strides, dilations) = (list("strides", 1)?, list("dilations", 1)?);
-    let effective = [0, 1].map(|a| (kernel[a] - 1) * dilations[a] + 1);
+    let effective =
+        [0, 1].map(|a| kernel[a].saturating_sub(1).saturating_mul(dilations[a]).saturating_add(1));
     let pads = match n.string("auto_pad").as_deref().unwrap_or("NOTSET") {
         "NOTSET" => match n.ints("pads").as_deref() {
             None | Some([]) => [0; 4],
@@ -94,7 +103,11 @@ fn window(n: &Node, spatial: usize, input: [usize; 2], kernel: [usize; 2]) -> Re
             let mut pads = [0; 4];
             for a in 0..2 {
                 let out = input[a].div_ceil(strides[a]);
-                let total = ((out.saturating_sub(1)) * strides[a] + effective[a]).saturating_sub(input[a]);
+                let total = out
+                    .saturating_sub(1)
+                    .saturating_mul(strides[a])
+                    .saturating_add(effective[a])
+                    .saturating_sub(input[a]);
                 let small = total / 2;
                 let (before, after) =
                     if mode == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
@@ -118,18 +131,18 @@ fn dilate(w: &Tensor, dilations: [usize; 2]) -> Tensor {
     let mut w = w.clone();
     for (a, &d) in dilations.iter().enumerate() {
         let axis = 2 + a;
-        let k = w.dims()[axis];
+        let k = w.dims().get(axis).copied().unwrap_or(1);
         if d == 1 || k == 1 {
             continue;
         }
         let mut split = w.dims().to_vec();
         split.insert(axis + 1, 1);
         let mut merged = w.dims().to_vec();
-        merged[axis] = k * d;
+        merged[axis] = k.saturating_mul(d);
         w = w.reshape(split).pad(axis as isize + 1, 0, d - 1).reshape(merged).slice(
             axis as isize,
             0,
-            (k - 1) * d + 1,
+            (k - 1).saturating_mul(d).saturating_add(1),
         );
     }
     w
@@ -182,7 +195,7 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         ));
     };
     let g = groups(n, c, f)?;
-    if cg * g != c {
+    if cg.checked_mul(g) != Some(c) {
         return Err(n.invalid(
             format!("filter {} for {c} channels in {g} groups", w.shape()),
             "the filter's axis 1 is channels / group",
@@ -203,7 +216,7 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         y = y + &imp.tensor(n, 2)?;
     }
     let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { y.reshape([y.dims()[0], y.dims()[1], y.dims()[3]]) } else { y })
+    Ok(if spatial == 1 { as_1d(&y) } else { y })
 }
 
 fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
@@ -224,8 +237,9 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         ));
     }
     // Pads are resolved below (they depend on the output); the rest of the window as for Conv.
-    let mut win = window(n, spatial, [h, wd], [kh, kw])?;
-    let effective = [0, 1].map(|a| (win.kernel[a] - 1) * win.dilations[a] + 1);
+    let win = window(n, spatial, [h, wd], [kh, kw])?;
+    let effective =
+        [0, 1].map(|a| win.kernel[a].saturating_sub(1).saturating_mul(win.dilations[a]).saturating_add(1));
     let pair = |name: &str| -> Result<[usize; 2]> {
         match n.ints(name).as_deref() {
             None | Some([]) => Ok([0; 2]),
@@ -236,7 +250,13 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         }
     };
     let extra = pair("output_padding")?;
-    let full = [0, 1].map(|a| ([h, wd][a] - 1) * win.strides[a] + effective[a] + extra[a]);
+    let full = [0, 1].map(|a| {
+        [h, wd][a]
+            .saturating_sub(1)
+            .saturating_mul(win.strides[a])
+            .saturating_add(effective[a])
+            .saturating_add(extra[a])
+    });
     let auto = n.string("auto_pad").unwrap_or_else(|| "NOTSET".into());
     let target = match n.ints("output_shape").filter(|s| !s.is_empty()) {
         Some(s) if s.len() == spatial && s.iter().all(|&v| v > 0) => {
@@ -245,21 +265,24 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         Some(s) => {
             return Err(n.invalid(format!("output_shape {s:?}"), format!("give {spatial} positive sizes")));
         }
-        None if auto.starts_with("SAME") => Some([0, 1].map(|a| [h, wd][a] * win.strides[a])),
+        None if auto.starts_with("SAME") => Some([0, 1].map(|a| [h, wd][a].saturating_mul(win.strides[a]))),
         None => None,
     };
+    // Signed pads: a negative total (an output_shape past the full result) extends the output
+    // with zeros, split as ONNX's floor division splits it.
+    let mut signed = [0i64; 4];
+    for a in 0..2 {
+        signed[a] = win.pads[a] as i64;
+        signed[a + 2] = win.pads[a + 2] as i64;
+    }
     if let Some(out) = target {
         for a in 0..2 {
-            let Some(total) = full[a].checked_sub(out[a]) else {
-                return Err(n.unsupported(
-                    format!("makes an output of {out:?} beyond the full {full:?}"),
-                    "give an output_shape within the full transposed convolution",
-                ));
-            };
-            let (small, large) = (total / 2, total - total / 2);
-            let (before, after) = if auto == "SAME_UPPER" { (small, large) } else { (large, small) };
-            win.pads[a] = before;
-            win.pads[a + 2] = after;
+            let total = full[a] as i64 - out[a] as i64;
+            let half = total.div_euclid(2);
+            let (before, after) =
+                if auto == "SAME_UPPER" { (half, total - half) } else { (total - half, half) };
+            signed[a] = before;
+            signed[a + 2] = after;
         }
     }
     let gradient_shape = Shape::new([batch, full[0] - extra[0], full[1] - extra[1], fg * g]);
@@ -268,30 +291,36 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     let dy = x4.permute(&[0, 2, 3, 1]);
     let mut y = dy.record(Op::Conv2dBackpropInput { window, input: gradient_shape }, &[&dy, &filter]);
     for a in 0..2 {
-        if extra[a] > 0 {
-            y = y.pad(1 + a as isize, 0, extra[a]);
+        let axis = 1 + a as isize;
+        let (before, after) = (signed[a], signed[a + 2] - extra[a] as i64);
+        let grow = |v: i64| usize::try_from(-v).unwrap_or(0);
+        if grow(before) + grow(after) > 0 {
+            y = y.pad(axis, grow(before), grow(after));
         }
-        let (before, after) = (win.pads[a], win.pads[a + 2]);
-        if before + after > 0 {
-            if before + after >= full[a] {
+        let (crop_b, crop_e) = (before.max(0) as usize, after.max(0) as usize);
+        let len = y.dims().get(1 + a).copied().unwrap_or(0);
+        if crop_b + crop_e > 0 {
+            if crop_b + crop_e >= len {
                 return Err(n.unsupported(
-                    format!("pads {:?} crop the whole output", win.pads),
+                    format!("pads {signed:?} crop the whole output"),
                     "kiln's tensors have no empty axes",
                 ));
             }
-            y = y.slice(1 + a as isize, before, full[a] - before - after);
+            y = y.slice(axis, crop_b, len - crop_b - crop_e);
         }
     }
     if n.has(2) {
         y = y + &imp.tensor(n, 2)?;
     }
     let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { y.reshape([y.dims()[0], y.dims()[1], y.dims()[3]]) } else { y })
+    Ok(if spatial == 1 { as_1d(&y) } else { y })
 }
 
 /// TensorFlow's SAME pads (top, left, bottom, right), the extra one on the far side.
 fn same_pads(input: [usize; 2], k: [usize; 2], s: [usize; 2]) -> [usize; 4] {
-    let total = |n: usize, k: usize, s: usize| (n.div_ceil(s).saturating_sub(1) * s + k).saturating_sub(n);
+    let total = |n: usize, k: usize, s: usize| {
+        n.div_ceil(s).saturating_sub(1).saturating_mul(s).saturating_add(k).saturating_sub(n)
+    };
     let (th, tw) = (total(input[0], k[0], s[0]), total(input[1], k[1], s[1]));
     [th / 2, tw / 2, th - th / 2, tw - tw / 2]
 }
@@ -323,7 +352,7 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     // The extra pad at the far end that ceil_mode's last window reaches.
     let mut extra = [0; 2];
     for a in 0..2 {
-        let padded = input[a] + win.pads[a] + win.pads[a + 2];
+        let padded = input[a].saturating_add(win.pads[a]).saturating_add(win.pads[a + 2]);
         if padded < kernel[a] {
             return Err(n.invalid(
                 format!("a window of {kernel:?} over the padded {padded}"),
@@ -333,10 +362,10 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         let span = padded - kernel[a];
         let mut out = if ceil { span.div_ceil(win.strides[a]) + 1 } else { span / win.strides[a] + 1 };
         // A last window starting past the input and its leading pad is dropped.
-        if ceil && (out - 1) * win.strides[a] >= input[a] + win.pads[a] {
+        if ceil && (out - 1).saturating_mul(win.strides[a]) >= input[a].saturating_add(win.pads[a]) {
             out -= 1;
         }
-        extra[a] = ((out - 1) * win.strides[a] + kernel[a]).saturating_sub(padded);
+        extra[a] = (out - 1).saturating_mul(win.strides[a]).saturating_add(kernel[a]).saturating_sub(padded);
     }
     let nhwc = x4.permute(&[0, 2, 3, 1]);
     let [top, left, bottom, right] = win.pads;
@@ -373,7 +402,15 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         // The window's average of what it counts: the explicit pads too with count_include_pad,
         // never ceil_mode's extra.
         let counted = if include {
-            let mut ones = imp.t.fill(1.0, [1, h + top + bottom, wd + left + right, 1]);
+            let mut ones = imp.t.fill(
+                1.0,
+                [
+                    1,
+                    h.saturating_add(top).saturating_add(bottom),
+                    wd.saturating_add(left).saturating_add(right),
+                    1,
+                ],
+            );
             if extra[0] > 0 {
                 ones = ones.pad(1, 0, extra[0]);
             }
@@ -387,7 +424,7 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         pooled(&pad_all(nhwc, extra)).div(pooled(&counted))
     };
     let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { y.reshape([y.dims()[0], y.dims()[1], y.dims()[3]]) } else { y })
+    Ok(if spatial == 1 { as_1d(&y) } else { y })
 }
 
 fn lrn(imp: &mut Importer, n: &Node) -> Result<Tensor> {

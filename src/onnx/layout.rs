@@ -46,8 +46,9 @@ pub(super) fn broadcast_index(mut i: usize, to: &[usize], from: &[usize]) -> usi
     index
 }
 
+/// The element count of `dims`, saturating.
 fn product(dims: &[usize]) -> usize {
-    dims.iter().product()
+    dims.iter().fold(1usize, |a, &d| a.saturating_mul(d))
 }
 
 /// The elements `ids` along `axis` of a folded tensor.
@@ -57,6 +58,9 @@ fn take_ints(n: &Node, a: &Ints, axis: usize, ids: &[usize]) -> Result<Ints> {
     dims[axis] = ids.len();
     let count = fold_count(n, &dims)?;
     let mut values = Vec::with_capacity(count);
+    if count == 0 {
+        return Ok(Ints::new(dims, values));
+    }
     for o in 0..outer {
         for &i in ids {
             let start = (o * d + i) * inner;
@@ -164,7 +168,7 @@ fn reshaped(n: &Node, v: Value, dims: Vec<usize>) -> Result<Value> {
         Value::Tensor(t) => Value::Tensor(t.reshape(dims)),
         Value::Ids(t) => Value::Ids(t.reshape(dims)),
         Value::Ints(i) => {
-            if product(&dims) != i.values.len() {
+            if dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(i.values.len()) {
                 return Err(
                     n.invalid(format!("cannot reshape {:?} to {dims:?}", i.dims), "keep the element count")
                 );
@@ -237,6 +241,9 @@ fn cast(imp: &mut Importer, n: &Node, v: Value, to: i64, source: &str) -> Result
 /// ONNX's Slice of one axis of length `d`: the indices `start`, `start + step`, ... before `end`
 /// after negative values count from the end and both are clamped.
 fn slice_ids(d: usize, start: i64, end: i64, step: i64) -> Vec<usize> {
+    if d == 0 {
+        return Vec::new();
+    }
     let d = d as i64;
     let norm = |v: i64| if v < 0 { v.saturating_add(d) } else { v };
     let (start, end) = (norm(start), norm(end));
@@ -259,7 +266,8 @@ fn slice_ids(d: usize, start: i64, end: i64, step: i64) -> Vec<usize> {
 
 /// The input's elements `ids` along `axis`, folded or traced.
 fn take_value(imp: &mut Importer, n: &Node, v: Value, axis: usize, ids: &[usize]) -> Result<Value> {
-    if ids.is_empty() {
+    // (A folded tensor may be empty: shape arithmetic slices empty lists.)
+    if ids.is_empty() && !matches!(v, Value::Ints(_)) {
         return Err(n.unsupported("selects no elements", "kiln's tensors have no empty axes"));
     }
     Ok(match v {
@@ -333,7 +341,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
         "Shape" => {
             let dims: Vec<i64> = dims_of(&imp.input(n, 0)?).iter().map(|&d| d as i64).collect();
             let r = dims.len() as i64;
-            let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+            let clamp = |v: i64| (if v < 0 { v.saturating_add(r) } else { v }).clamp(0, r) as usize;
             let (start, end) = (clamp(n.int("start", 0)), clamp(n.int("end", r)));
             Value::Ints(Ints::vector(dims.get(start..end.max(start)).unwrap_or(&[]).to_vec()))
         }
@@ -381,7 +389,11 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                     let span = (limit as i128 - start as i128) as f64 / delta as f64;
                     let count = span.ceil().max(0.0) as usize;
                     fold_count(n, &[count])?;
-                    Value::Ints(Ints::vector((0..count as i64).map(|i| start + i * delta).collect()))
+                    let values: Option<Vec<i64>> =
+                        (0..count as i64).map(|i| i.checked_mul(delta)?.checked_add(start)).collect();
+                    Value::Ints(Ints::vector(
+                        values.ok_or_else(|| n.invalid("overflows", "give a smaller range"))?,
+                    ))
                 }
                 _ => {
                     let consts: Option<Vec<f32>> =
@@ -563,7 +575,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                 return Err(n.invalid("has no positive blocksize", "give a blocksize"));
             }
             let y = if n.op == "DepthToSpace" {
-                if !c.is_multiple_of(b * b) {
+                if b.checked_mul(b).is_none_or(|bb| !c.is_multiple_of(bb)) {
                     return Err(n.invalid(
                         format!("{c} channels for blocksize {b}"),
                         "channels must be a multiple of blocksize²",
@@ -579,7 +591,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                         );
                     }
                 };
-                x.reshape(dims).permute(&perm).reshape([batch, cc, h * b, w * b])
+                x.reshape(dims).permute(&perm).reshape([batch, cc, h.saturating_mul(b), w.saturating_mul(b)])
             } else {
                 if !h.is_multiple_of(b) || !w.is_multiple_of(b) {
                     return Err(n.invalid(
@@ -642,9 +654,12 @@ fn concat_ints(n: &Node, parts: &[&Ints], axis: usize) -> Result<Ints> {
                 "concatenate matching shapes",
             ));
         }
-        dims[axis] += p.dims[axis];
+        dims[axis] = dims[axis].saturating_add(p.dims[axis]);
     }
     let count = fold_count(n, &dims)?;
+    if count == 0 {
+        return Ok(Ints::new(dims, Vec::new()));
+    }
     let (outer, inner) = (product(&dims[..axis]), product(&dims[axis + 1..]));
     let mut values = Vec::with_capacity(count);
     for o in 0..outer {
@@ -710,8 +725,11 @@ fn split(imp: &mut Importer, n: &Node) -> Result<Vec<Value>> {
             } else {
                 parts
             };
-            if k == 0 {
-                return Err(n.invalid("splits into no parts", "give the outputs"));
+            if k == 0 || k != parts {
+                return Err(n.invalid(
+                    format!("splits into {k} parts for {parts} outputs"),
+                    "give one output per part",
+                ));
             }
             let chunk = if n.opset >= 18 { d.div_ceil(k) } else { d / k };
             if n.opset < 18 && !d.is_multiple_of(k) {
@@ -780,7 +798,7 @@ fn pad(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     let mut grow = Vec::new();
     for (k, &axis) in axes.iter().enumerate() {
         let (b, e) = (pads[k], pads[k + axes.len()]);
-        let d = y.dims()[axis] as i64;
+        let d = y.dims().get(axis).copied().unwrap_or(0) as i64;
         let (cb, ce) = ((-b).max(0), (-e).max(0));
         if cb + ce >= d {
             return Err(n.unsupported(
@@ -822,7 +840,10 @@ fn pad(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         });
     }
     for &(axis, b, e) in &grow {
-        let d = y.dims()[axis];
+        let d = y.dims().get(axis).copied().unwrap_or(0);
+        if d == 0 {
+            return Ok(y);
+        }
         if mode == "reflect" && (b >= d.max(2) || e >= d.max(2)) && d > 1 {
             return Err(n.unsupported(
                 format!("reflects {b}+{e} elements of an axis of {d}"),

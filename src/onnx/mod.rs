@@ -320,6 +320,9 @@ impl OnnxLayer {
 impl kiln_compiler::nn::Layer for OnnxLayer {
     fn forward(&self, x: &Tensor) -> Tensor {
         let t = x.tracer();
+        if x.id().is_none() {
+            return x.clone(); // poisoned by an earlier layer, whose error the trace reports
+        }
         let Some(graph) = self.model.graph.as_ref() else {
             return t.report("onnx", "the model has no graph", &[x], "");
         };
@@ -498,7 +501,7 @@ impl Node<'_> {
     /// `axis` (negative counts from the end) of a rank-`rank` tensor.
     pub fn axis(&self, axis: i64, rank: usize) -> Result<usize> {
         let a = if axis < 0 { axis.checked_add(rank as i64) } else { Some(axis) };
-        a.and_then(|a| usize::try_from(a).ok()).filter(|&a| a < rank.max(1)).ok_or_else(|| {
+        a.and_then(|a| usize::try_from(a).ok()).filter(|&a| a < rank).ok_or_else(|| {
             self.invalid(format!("axis {axis} of a rank-{rank} tensor"), "use an axis the tensor has")
         })
     }

@@ -33,8 +33,10 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
             if rb == 1 {
                 dims.pop();
             }
-            if ra == 1 && !dims.is_empty() {
-                dims.remove(dims.len() - if rb == 1 { 1 } else { 2 });
+            if ra == 1
+                && let Some(at) = dims.len().checked_sub(if rb == 1 { 1 } else { 2 })
+            {
+                dims.remove(at);
             }
             if ra == 1 || rb == 1 { y.reshape(dims) } else { y }
         }
