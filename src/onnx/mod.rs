@@ -41,6 +41,7 @@ mod reduce;
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
 use kiln_compiler::ir::{Graph, Init, Shape};
+use kiln_compiler::passes::{DeadCode, Pass};
 use kiln_compiler::trace::{Tensor, Tracer};
 use kiln_runtime::HostTensor;
 use prost::Message;
@@ -196,7 +197,12 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
     for (name, value) in &outputs {
         t.output(name, value);
     }
-    Ok(Imported { graph: t.finish()?, weights, inputs, opset })
+    // Initializers read only as folded arguments (a Pad's constant, a Dropout's ratio) leave
+    // parameters nothing reads: drop them, so that every weight returned is a variable of the graph.
+    let mut graph = t.finish()?;
+    DeadCode.run(&mut graph)?;
+    let weights = weights.into_iter().filter(|(key, _)| graph.variable(key).is_some()).collect();
+    Ok(Imported { graph, weights, inputs, opset })
 }
 
 fn no_graph() -> Error {
