@@ -17,8 +17,8 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
     let y = match n.op {
         "Conv" => conv(imp, n)?,
         "ConvTranspose" => conv_transpose(imp, n)?,
-        "MaxPool" | "AveragePool" => pool(imp, n)?,
-        "GlobalAveragePool" | "GlobalMaxPool" => {
+        "MaxPool" | "AveragePool" | "LpPool" => pool(imp, n)?,
+        "GlobalAveragePool" | "GlobalMaxPool" | "GlobalLpPool" => {
             let x = imp.tensor(n, 0)?;
             if x.rank() < 3 {
                 return Err(
@@ -26,7 +26,14 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                 );
             }
             let axes: Vec<usize> = (2..x.rank()).collect();
-            if n.op == "GlobalAveragePool" { x.mean(axes, true) } else { x.max(axes, true) }
+            match n.op {
+                "GlobalAveragePool" => x.mean(axes, true),
+                "GlobalMaxPool" => x.max(axes, true),
+                _ => {
+                    let p = lp_order(n)?;
+                    x.abs().pow(p).sum(axes, true).pow(1.0 / p)
+                }
+            }
         }
         "LRN" => lrn(imp, n)?,
         _ => return Ok(None),
@@ -386,7 +393,13 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         }
         t
     };
-    let y = if win.pads == [0; 4] && extra == [0, 0] {
+    let y = if n.op == "LpPool" {
+        // (Σ |x|^p)^(1/p) over the window: zero pads add nothing to the sum.
+        let p = lp_order(n)?;
+        let powered = pad_all(nhwc.abs().pow(p), extra);
+        let window = (kernel[0] * kernel[1]) as f32;
+        (powered.avg_pool2d(kernel, win.strides, Padding::Valid) * window).pow(1.0 / p)
+    } else if win.pads == [0; 4] && extra == [0, 0] {
         pooled(&nhwc)
     } else if extra == [0, 0] && win.pads == same_pads(input, kernel, win.strides) && (max || !include) {
         if max {
@@ -425,6 +438,15 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     };
     let y = y.permute(&[0, 3, 1, 2]);
     Ok(if spatial == 1 { as_1d(&y) } else { y })
+}
+
+/// LpPool's p: a positive integer.
+fn lp_order(n: &Node) -> Result<f32> {
+    let p = n.int("p", 2);
+    if !(1..=64).contains(&p) {
+        return Err(n.unsupported(format!("has p = {p}"), "kiln pools with p from 1 to 64"));
+    }
+    Ok(p as f32)
 }
 
 fn lrn(imp: &mut Importer, n: &Node) -> Result<Tensor> {

@@ -62,9 +62,71 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
             };
             if y.dims() == x.dims() { y } else { y.reshape(x.dims().to_vec()) }
         }
+        "NegativeLogLikelihoodLoss" => {
+            let log_prob = imp.tensor(n, 0)?;
+            nll(imp, n, log_prob)?
+        }
+        "SoftmaxCrossEntropyLoss" => {
+            let log_prob = imp.tensor(n, 0)?.log_softmax(1);
+            let loss = nll(imp, n, log_prob.clone())?;
+            return Ok(Some(vec![Value::Tensor(loss), Value::Tensor(log_prob)]));
+        }
         _ => return Ok(None),
     };
     Ok(Some(vec![Value::Tensor(y)]))
+}
+
+/// The negative log-likelihood of `log_prob` [N, C, d...] at the node's integer targets
+/// [N, d...] (input 1), weighted by class (input 2) and skipping `ignore_index`, reduced as
+/// `reduction` says (a weighted mean divides by the weights' sum).
+fn nll(imp: &mut Importer, n: &Node, log_prob: Tensor) -> Result<Tensor> {
+    let target = match imp.input(n, 1)? {
+        super::Value::Ints(i) => imp.ints_tensor(&n.proto.input[1], &i)?,
+        super::Value::Ids(t) | super::Value::Tensor(t) => t,
+    };
+    let d = log_prob.dims().to_vec();
+    let mut expected = d.clone();
+    if d.len() >= 2 {
+        expected.remove(1);
+    }
+    if d.len() < 2 || target.dims() != expected.as_slice() {
+        return Err(n.invalid(
+            format!("targets {} for scores {}", target.shape(), log_prob.shape()),
+            "the targets are [N, d...] for scores [N, C, d...]",
+        ));
+    }
+    let mut column = expected.clone();
+    column.insert(1, 1);
+    let mut classes = vec![1; d.len()];
+    classes[1] = d[1];
+    let hit = target.reshape(column).eq(imp.t.iota(classes.clone(), 1));
+    let zero = imp.t.fill(0.0, []);
+    let picked = hit.select(&log_prob, &zero).sum(1, false);
+    let mut weight = if n.has(2) {
+        Some(hit.select(&imp.tensor(n, 2)?.reshape(classes), &zero).sum(1, false))
+    } else {
+        None
+    };
+    if let Some(ignore) = n.attr("ignore_index").and_then(|a| a.i) {
+        let keep = target.ne(ignore.clamp(-(1 << 24), 1 << 24) as f32);
+        weight = Some(match weight {
+            Some(w) => w * &keep,
+            None => keep,
+        });
+    }
+    let loss = match &weight {
+        Some(w) => picked.mul(w).neg(),
+        None => picked.neg(),
+    };
+    Ok(match n.string("reduction").as_deref().unwrap_or("mean") {
+        "none" => loss,
+        "sum" => loss.sum(.., false),
+        "mean" => match weight {
+            Some(w) => loss.sum(.., false).div(w.sum(.., false)),
+            None => loss.mean(.., false),
+        },
+        other => return Err(n.unsupported(format!("reduction {other:?}"), "reduction is none, sum or mean")),
+    })
 }
 
 /// 1.0 at the first largest element along `axis`, 0.0 elsewhere.
