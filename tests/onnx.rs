@@ -346,3 +346,382 @@ fn an_imported_model_trains_from_its_weights() {
     );
     assert!(OnnxLayer::new(&two).err().unwrap().to_string().contains("2 inputs"));
 }
+
+fn attr_str(name: &str, s: &str) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        s: Some(s.as_bytes().to_vec()),
+        r#type: Some(3),
+        ..Default::default()
+    }
+}
+
+fn attr_float(name: &str, f: f32) -> AttributeProto {
+    AttributeProto { name: Some(name.into()), f: Some(f), r#type: Some(1), ..Default::default() }
+}
+
+fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
+    let mut v = value(name, dims);
+    if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
+        t.elem_type = Some(elem);
+    }
+    v
+}
+
+/// A model of `nodes` whose output is `y`, over the inputs `input` (fixed shapes).
+fn graph(
+    nodes: Vec<NodeProto>,
+    initializer: Vec<TensorProto>,
+    input: Vec<ValueInfoProto>,
+    opset: i64,
+) -> Vec<u8> {
+    ModelProto {
+        ir_version: Some(8),
+        producer_name: Some("kiln tests".into()),
+        graph: Some(GraphProto {
+            name: Some("g".into()),
+            node: nodes,
+            initializer,
+            input,
+            output: vec![value("y", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(opset) }],
+    }
+    .encode_to_vec()
+}
+
+/// Imports `bytes`, plans it and runs it on the CPU with `feeds`: output `y`.
+fn run(bytes: &[u8], feeds: &[(&str, HostTensor)]) -> kiln::Result<HostTensor> {
+    let imported = import(bytes, &[])?;
+    let plan = compile(imported.graph, &CompileOptions::default())?;
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan)?;
+    for (key, v) in &imported.weights {
+        cpu.write_variable(key, v)?;
+    }
+    let feeds: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (*n, t)).collect();
+    let mut out = cpu.call(id, &feeds)?;
+    Ok(out.remove(0).1)
+}
+
+fn close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: {} values for {}", got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{what}: element {i} is {g}, not {w}\n{got:?}");
+    }
+}
+
+/// Grouped (including depthwise), dilated, strided and padded convolutions — none of which the
+/// onnx package's node tests cover — compute what loops over the file's NCHW layout compute.
+#[test]
+fn grouped_and_dilated_convolutions_compute_what_the_file_means() {
+    // (channels, filters, group, dilations, strides, pads [top, left, bottom, right])
+    type Case = (usize, usize, usize, [usize; 2], [usize; 2], [usize; 4]);
+    let cases: [Case; 4] = [
+        (4, 6, 2, [2, 2], [1, 2], [1, 2, 0, 1]),
+        (3, 3, 3, [1, 1], [1, 1], [1, 1, 1, 1]),
+        (2, 4, 1, [2, 3], [2, 1], [0, 0, 0, 0]),
+        (6, 6, 3, [3, 1], [1, 1], [2, 0, 2, 0]),
+    ];
+    let (h, w, k) = (7usize, 8usize, 3usize);
+    for (c, f, g, dil, st, pads) in cases {
+        let cg = c / g;
+        let x: Vec<f32> = (0..c * h * w).map(|i| ((i * 7 % 23) as f32 - 11.0) / 8.0).collect();
+        let wv: Vec<f32> = (0..f * cg * k * k).map(|i| ((i * 5 % 13) as f32 - 6.0) / 6.0).collect();
+        let bv: Vec<f32> = (0..f).map(|i| i as f32 * 0.25 - 0.5).collect();
+        let attrs = vec![
+            attr_int("group", g as i64),
+            attr_ints("dilations", &[dil[0] as i64, dil[1] as i64]),
+            attr_ints("strides", &[st[0] as i64, st[1] as i64]),
+            attr_ints("pads", &pads.map(|p| p as i64)),
+            attr_ints("kernel_shape", &[k as i64, k as i64]),
+        ];
+        let bytes = graph(
+            vec![node("Conv", "conv", &["x", "w", "b"], &["y"], attrs)],
+            vec![tensor("w", &[f as i64, cg as i64, k as i64, k as i64], &wv), tensor("b", &[f as i64], &bv)],
+            vec![value("x", &[fixed(1), fixed(c as i64), fixed(h as i64), fixed(w as i64)])],
+            17,
+        );
+        let y = run(&bytes, &[("x", HostTensor::new(Shape::new([1, c, h, w]), x.clone()).unwrap())]).unwrap();
+        let span = |n: usize, a: usize| (n + pads[a] + pads[a + 2] - ((k - 1) * dil[a] + 1)) / st[a] + 1;
+        let (oh, ow) = (span(h, 0), span(w, 1));
+        assert_eq!(y.shape(), &Shape::new([1, f, oh, ow]), "case {c}/{f}/{g}");
+        let mut want = Vec::new();
+        for fi in 0..f {
+            let group = fi / (f / g);
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut s = bv[fi];
+                    for ci in 0..cg {
+                        for a in 0..k {
+                            for b in 0..k {
+                                let r = (i * st[0] + a * dil[0]) as isize - pads[0] as isize;
+                                let q = (j * st[1] + b * dil[1]) as isize - pads[1] as isize;
+                                if (0..h as isize).contains(&r) && (0..w as isize).contains(&q) {
+                                    let xc = group * cg + ci;
+                                    s += x[(xc * h + r as usize) * w + q as usize]
+                                        * wv[((fi * cg + ci) * k + a) * k + b];
+                                }
+                            }
+                        }
+                    }
+                    want.push(s);
+                }
+            }
+        }
+        close(y.data(), &want, &format!("conv c {c} f {f} group {g} dilations {dil:?}"));
+    }
+}
+
+/// Pad's four modes and negative pads (crops) on a float tensor (the node tests' edge, reflect
+/// and wrap cases are int32): NumPy's `np.pad` results.
+#[test]
+fn pads_of_every_mode() {
+    let x = HostTensor::new(Shape::new([2, 3]), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+    type Case<'a> = (&'a str, [i64; 4], Option<f32>, &'a [f32]);
+    let cases: [Case; 6] = [
+        ("constant", [0, 2, 0, 1], Some(1.5), &[1.5, 1.5, 1., 2., 3., 1.5, 1.5, 1.5, 4., 5., 6., 1.5]),
+        ("constant", [0, -1, 0, 1], None, &[2., 3., 0., 5., 6., 0.]),
+        ("reflect", [0, 2, 0, 1], None, &[3., 2., 1., 2., 3., 2., 6., 5., 4., 5., 6., 5.]),
+        ("edge", [0, 2, 0, 1], None, &[1., 1., 1., 2., 3., 3., 4., 4., 4., 5., 6., 6.]),
+        ("wrap", [0, 2, 0, 1], None, &[2., 3., 1., 2., 3., 1., 5., 6., 4., 5., 6., 4.]),
+        ("edge", [1, 0, 0, -2], None, &[1., 1., 4.]),
+    ];
+    for (mode, pads, constant, want) in cases {
+        let mut inputs = vec!["x", "pads"];
+        let mut init = vec![ints("pads", &pads)];
+        if let Some(c) = constant {
+            inputs.push("c");
+            init.push(tensor("c", &[], &[c]));
+        }
+        let bytes = graph(
+            vec![node("Pad", "pad", &inputs, &["y"], vec![attr_str("mode", mode)])],
+            init,
+            vec![value("x", &[fixed(2), fixed(3)])],
+            18,
+        );
+        let y = run(&bytes, &[("x", x.clone())]).unwrap();
+        close(y.data(), want, &format!("Pad {mode} {pads:?}"));
+    }
+}
+
+/// An embedding as exporters write it: int64 ids (a graph input, fed as f32 whole numbers)
+/// gather rows of a float table; a negative id counts from the end.
+#[test]
+fn an_embedding_gathers_rows_by_integer_ids() {
+    let table: Vec<f32> = (0..20).map(|i| i as f32 * 0.5).collect();
+    let bytes = graph(
+        vec![node("Gather", "embed", &["table", "ids"], &["y"], vec![])],
+        vec![tensor("table", &[5, 4], &table)],
+        vec![typed("ids", INT64, &[fixed(2), fixed(3)])],
+        17,
+    );
+    let ids = HostTensor::new(Shape::new([2, 3]), vec![0.0, 4.0, 2.0, -1.0, 1.0, 1.0]).unwrap();
+    let y = run(&bytes, &[("ids", ids)]).unwrap();
+    assert_eq!(y.shape(), &Shape::new([2, 3, 4]));
+    let want: Vec<f32> =
+        [0usize, 4, 2, 4, 1, 1].iter().flat_map(|&r| table[r * 4..r * 4 + 4].to_vec()).collect();
+    close(y.data(), &want, "embedding");
+    // Ids are not values: arithmetic on them is refused, not computed in f32.
+    let bytes = graph(
+        vec![node("Add", "add", &["ids", "ids"], &["y"], vec![])],
+        vec![],
+        vec![typed("ids", INT64, &[fixed(2)])],
+        17,
+    );
+    let e = import(&bytes, &[]).err().expect("ids are not float values").to_string();
+    assert!(e.contains("node `add` (Add)") && e.contains("integer input `ids`"), "{e}");
+}
+
+/// The shape subgraph an exporter writes before a Reshape — Shape, Gather, Unsqueeze, Concat
+/// with a constant — folds at import: the Reshape gets a constant shape.
+#[test]
+fn shape_subgraphs_fold_at_import() {
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        producer_name: None,
+        graph: Some(GraphProto {
+            name: Some("reshape".into()),
+            node: vec![
+                node("Shape", "shape", &["x"], &["s"], vec![]),
+                node("Gather", "batch", &["s", "zero"], &["n"], vec![]),
+                node("Unsqueeze", "n1", &["n", "axes"], &["n_1"], vec![]),
+                node("Concat", "spec", &["n_1", "rest"], &["target"], vec![attr_int("axis", 0)]),
+                node("Reshape", "flat", &["x", "target"], &["y"], vec![]),
+            ],
+            initializer: vec![
+                TensorProto {
+                    name: Some("zero".into()),
+                    data_type: Some(INT64),
+                    int64_data: vec![0],
+                    ..Default::default()
+                },
+                ints("axes", &[0]),
+                ints("rest", &[-1]),
+            ],
+            input: vec![value("x", &[named("N"), fixed(3), fixed(4)])],
+            output: vec![value("y", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
+    }
+    .encode_to_vec();
+    let imported = import(&bytes, &[("N".into(), 2)]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    let x: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let y = cpu.call(id, &[("x", &HostTensor::new(Shape::new([2, 3, 4]), x.clone()).unwrap())]).unwrap();
+    assert_eq!(y[0].1.shape(), &Shape::new([2, 12]));
+    assert_eq!(y[0].1.data(), x.as_slice());
+}
+
+/// What the importer does not map — an attribute, mode or element type — is an error naming
+/// the node and the op, and saying what is supported; never a different computation.
+#[test]
+fn unsupported_attributes_are_errors_naming_the_node() {
+    let x4 = || vec![value("x", &[fixed(1), fixed(2), fixed(6), fixed(6)])];
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (
+            graph(
+                vec![node(
+                    "MaxPool",
+                    "pool",
+                    &["x"],
+                    &["y"],
+                    vec![attr_ints("kernel_shape", &[2, 2]), attr_ints("dilations", &[2, 2])],
+                )],
+                vec![],
+                x4(),
+                17,
+            ),
+            "node `pool` (MaxPool): dilates by [2, 2]",
+        ),
+        (
+            graph(
+                vec![node("Dropout", "drop", &["x", "ratio", "train"], &["y"], vec![])],
+                vec![
+                    tensor("ratio", &[], &[0.5]),
+                    TensorProto {
+                        name: Some("train".into()),
+                        data_type: Some(BOOL),
+                        int32_data: vec![1],
+                        ..Default::default()
+                    },
+                ],
+                x4(),
+                17,
+            ),
+            "node `drop` (Dropout): drops in training mode",
+        ),
+        (
+            graph(vec![node("Cast", "half", &["x"], &["y"], vec![attr_int("to", 10)])], vec![], x4(), 17),
+            "node `half` (Cast): casts to element type 10",
+        ),
+        (
+            graph(
+                vec![node("Gelu", "g", &["x"], &["y"], vec![attr_str("approximate", "erf")])],
+                vec![],
+                x4(),
+                20,
+            ),
+            "node `g` (Gelu): approximate = \"erf\"",
+        ),
+        (
+            graph(
+                vec![node("Pad", "p", &["x", "pads"], &["y"], vec![attr_str("mode", "mirror")])],
+                vec![ints("pads", &[0, 0, 1, 1, 0, 0, 1, 1])],
+                x4(),
+                18,
+            ),
+            "node `p` (Pad): mode \"mirror\"",
+        ),
+        (
+            graph(
+                vec![node("ReduceMean", "m", &["x", "axes"], &["y"], vec![])],
+                vec![tensor("axes", &[1], &[1.0])],
+                x4(),
+                18,
+            ),
+            "node `m` (ReduceMean): takes its input 1 (`axes`) from a computed tensor",
+        ),
+        (
+            graph(
+                vec![node("Conv", "c3", &["x", "w"], &["y"], vec![])],
+                vec![tensor("w", &[1, 2, 1, 1, 1], &[1.0, 1.0])],
+                vec![value("x", &[fixed(1), fixed(2), fixed(3), fixed(3), fixed(3)])],
+                17,
+            ),
+            "node `c3` (Conv): has a rank-5 input",
+        ),
+        (
+            graph(vec![node("Resize", "up", &["x"], &["y"], vec![])], vec![], x4(), 17),
+            "node `up` (Resize): kiln does not import `Resize` yet",
+        ),
+    ];
+    for (bytes, want) in cases {
+        let e = import(&bytes, &[]).err().unwrap_or_else(|| panic!("{want}: imported"));
+        let text = e.to_string();
+        assert!(text.starts_with("not supported: ") && text.contains(want), "{want}:\n{text}");
+        assert!(text.contains("help: "), "{text}");
+    }
+}
+
+/// A model using many of the mapped ops: every prefix and single-byte corruption imports (and
+/// then plans) or fails with an error, never a panic.
+#[test]
+fn corrupted_models_of_many_ops_never_panic() {
+    let bytes = graph(
+        vec![
+            node(
+                "Conv",
+                "conv",
+                &["x", "w"],
+                &["c"],
+                vec![attr_int("group", 2), attr_ints("dilations", &[2, 1])],
+            ),
+            node("Pad", "pad", &["c", "pads"], &["p"], vec![attr_str("mode", "reflect")]),
+            node("Slice", "slice", &["p", "starts", "ends", "axes", "steps"], &["s"], vec![]),
+            node("Split", "split", &["s"], &["s0", "s1"], vec![attr_int("axis", 1)]),
+            node("Add", "add", &["s0", "s1"], &["a"], vec![]),
+            node(
+                "MaxPool",
+                "pool",
+                &["a"],
+                &["m"],
+                vec![attr_ints("kernel_shape", &[2, 2]), attr_int("ceil_mode", 1)],
+            ),
+            node("LayerNormalization", "ln", &["m", "gamma"], &["l"], vec![attr_float("epsilon", 1e-3)]),
+            node("ReduceMean", "mean", &["l", "raxes"], &["y"], vec![attr_int("keepdims", 0)]),
+        ],
+        vec![
+            tensor("w", &[4, 1, 3, 3], &[0.5; 36]),
+            ints("pads", &[0, 0, 1, 1, 0, 0, 1, 1]),
+            ints("starts", &[-1]),
+            ints("ends", &[i64::MIN]),
+            ints("axes", &[3]),
+            ints("steps", &[-2]),
+            tensor("gamma", &[1], &[2.0]),
+            ints("raxes", &[2, 3]),
+        ],
+        vec![value("x", &[fixed(1), fixed(2), fixed(9), fixed(8)])],
+        18,
+    );
+    let x = HostTensor::new(Shape::new([1, 2, 9, 8]), (0..144).map(|i| (i % 7) as f32).collect()).unwrap();
+    let y = run(&bytes, &[("x", x)]).unwrap();
+    assert_eq!(y.shape(), &Shape::new([1, 2]));
+    let try_all = |b: &[u8]| {
+        if let Ok(imported) = import(b, &[]) {
+            let _ = compile(imported.graph, &CompileOptions::default());
+        }
+    };
+    for cut in 0..bytes.len() {
+        try_all(&bytes[..cut]);
+    }
+    for i in 0..bytes.len() {
+        for flip in [0x01, 0x5A, 0xFF] {
+            let mut b = bytes.clone();
+            b[i] ^= flip;
+            try_all(&b);
+        }
+    }
+}

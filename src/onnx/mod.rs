@@ -5,36 +5,48 @@
 //! node by node with kiln's DSL, so every op gets the same shape checks, error messages and
 //! autodiff as a hand-written model. Graph inputs that are not initializers become inputs (a
 //! symbolic dimension takes its size from `dims`, by name); float initializers become trainable
-//! parameters (their values are returned beside the graph, for `Backend::write_variable`); integer
-//! initializers and `Constant` nodes feed shape arguments (Reshape's, Unsqueeze's) and are folded
-//! at import.
+//! parameters (their values are returned beside the graph, for `Backend::write_variable`).
 //!
-//! This first slice covers dense, attention-style and plain convolutional graphs, opsets 7 to 22
-//! of the default domain: Gemm, MatMul, Add, Sub, Mul, Div, Pow, Relu, Sigmoid, Tanh, Erf, Exp,
-//! Log, Sqrt, Neg, Abs, Softmax, LogSoftmax, Identity, Dropout (inference), Flatten, Reshape,
-//! Transpose, Unsqueeze, Squeeze, Concat, Constant, Conv (explicit pads, no groups or dilation),
-//! MaxPool and AveragePool (unpadded or SAME-padded), GlobalAveragePool and BatchNormalization
-//! with running statistics. ONNX's NCHW tensors stay NCHW; a convolution or pooling permutes to
-//! kiln's NHWC and back around itself (and the OIHW filter to HWIO), copies a layout pass could
-//! later remove. Anything else is an error naming the op, the node and what is supported.
+//! Integer and boolean tensors are not kiln values: integer initializers, `Constant`s and
+//! whatever is computed from them and from static shapes (`Shape`, `Size`, `ConstantOfShape`,
+//! `Range`, integer `Gather`/`Slice`/`Concat`/arithmetic, the subgraphs exporters write around a
+//! `Reshape`) are folded at import (`Ints`); an integer graph input becomes an f32 input holding
+//! whole numbers, readable only as `Gather` indices (an embedding's ids) and through reshapes.
+//! Comparisons and logical ops give 0.0/1.0 tensors, which `Where` selects with.
+//!
+//! The ops are mapped by family: `elementwise` (arithmetic, activations, comparisons, logic),
+//! `layout` (reshapes, slicing, gathering, padding, folded integer tensors), `reduce`
+//! (reductions, softmax), `conv` (convolution, pooling, LRN) and `norm` (batch, layer,
+//! instance and group normalisation). ONNX's NCHW tensors stay NCHW; a convolution or pooling
+//! permutes to kiln's NHWC and back around itself (and the OIHW filter to HWIO), copies a layout
+//! pass could later remove. Where kiln has no op of its own, an ONNX op is composed from the DSL's
+//! (a strided slice is a gather by iota-made ids, a grouped convolution one convolution with a
+//! block-diagonal filter, a padded pooling a masked one), so each gets the DSL's gradients.
+//! Anything else — an op, attribute, mode or dtype outside what is mapped — is an error naming
+//! the op, the node and what is supported, never a different computation.
+//!
+//! `tests/onnx_conformance.rs` runs ONNX's own backend node tests (the `onnx` package's data)
+//! against this importer; `tests/onnx.rs` holds the cases that data lacks.
 //!
 //! A model of one input and one output is also a layer (`OnnxLayer`): each trace replays its
 //! nodes on the layer's input, so it goes through autodiff and trains like a traced model.
-//!
-//! Not yet: LRN, Split/Slice/Gather and shape-driven subgraphs, integer tensors as values,
-//! BatchNormalization in training mode, external data, the conformance suite of the `onnx`
-//! package's test data.
 
+mod conv;
+mod elementwise;
+mod layout;
+mod norm;
 pub mod proto;
+mod reduce;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
-use kiln_compiler::ir::{Graph, Init, Padding, Shape};
+use kiln_compiler::ir::{Graph, Init, Shape};
+use kiln_compiler::passes::{DeadCode, Pass};
 use kiln_compiler::trace::{Tensor, Tracer};
 use kiln_runtime::HostTensor;
 use prost::Message;
 use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// The default domain's opsets this importer reads.
 pub const OPSETS: std::ops::RangeInclusive<i64> = 7..=22;
@@ -43,30 +55,103 @@ pub const OPSETS: std::ops::RangeInclusive<i64> = 7..=22;
 pub const SUPPORTED: &[&str] = &[
     "Abs",
     "Add",
+    "And",
+    "AveragePool",
+    "BatchNormalization",
+    "Cast",
+    "CastLike",
+    "Celu",
+    "Clip",
+    "Concat",
     "Constant",
+    "ConstantOfShape",
+    "Conv",
+    "ConvTranspose",
+    "DepthToSpace",
     "Div",
     "Dropout",
+    "Elu",
+    "Equal",
     "Erf",
     "Exp",
+    "Expand",
+    "EyeLike",
     "Flatten",
+    "Gather",
+    "Gelu",
     "Gemm",
+    "GlobalAveragePool",
+    "GlobalLpPool",
+    "GlobalMaxPool",
+    "Greater",
+    "GreaterOrEqual",
+    "GroupNormalization",
+    "HardSigmoid",
+    "HardSwish",
+    "Hardmax",
     "Identity",
+    "InstanceNormalization",
+    "LRN",
+    "LayerNormalization",
+    "LeakyRelu",
+    "Less",
+    "LessOrEqual",
     "Log",
     "LogSoftmax",
+    "LpPool",
     "MatMul",
+    "Max",
+    "MaxPool",
+    "Mean",
+    "MeanVarianceNormalization",
+    "Min",
+    "Mish",
     "Mul",
     "Neg",
+    "NegativeLogLikelihoodLoss",
+    "Not",
+    "Or",
+    "PRelu",
+    "Pad",
     "Pow",
+    "Range",
+    "Reciprocal",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceMin",
+    "ReduceSum",
+    "ReduceSumSquare",
     "Relu",
     "Reshape",
+    "Selu",
+    "Shape",
+    "Shrink",
     "Sigmoid",
+    "Sign",
+    "Size",
+    "Slice",
     "Softmax",
+    "SoftmaxCrossEntropyLoss",
+    "Softplus",
+    "Softsign",
+    "SpaceToDepth",
+    "Split",
     "Sqrt",
     "Squeeze",
     "Sub",
+    "Sum",
     "Tanh",
+    "ThresholdedRelu",
+    "Tile",
     "Transpose",
+    "Trilu",
     "Unsqueeze",
+    "Where",
+    "Xor",
 ];
 
 /// An imported model: its forward graph (inputs and outputs named as in the file), the values
@@ -107,15 +192,21 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
         if graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str())) {
             continue;
         }
-        let shape = input_shape(input, dims)?;
-        feeds.insert(name.clone(), t.input(&name, shape.clone()));
+        let (shape, integer) = input_shape(input, dims)?;
+        let x = t.input(&name, shape.clone());
+        feeds.insert(name.clone(), if integer { Value::Ids(x) } else { Value::Tensor(x) });
         inputs.push((name, shape));
     }
     let (outputs, weights) = trace(&t, graph, opset, feeds)?;
     for (name, value) in &outputs {
         t.output(name, value);
     }
-    Ok(Imported { graph: t.finish()?, weights, inputs, opset })
+    // Initializers read only as folded arguments (a Pad's constant, a Dropout's ratio) leave
+    // parameters nothing reads: drop them, so that every weight returned is a variable of the graph.
+    let mut graph = t.finish()?;
+    DeadCode.run(&mut graph)?;
+    let weights = weights.into_iter().filter(|(key, _)| graph.variable(key).is_some()).collect();
+    Ok(Imported { graph, weights, inputs, opset })
 }
 
 fn no_graph() -> Error {
@@ -159,22 +250,41 @@ fn trace(
     t: &Tracer,
     graph: &proto::GraphProto,
     opset: i64,
-    feeds: HashMap<String, Tensor>,
+    feeds: HashMap<String, Value>,
 ) -> Result<(Named<Tensor>, Named<HostTensor>)> {
-    let mut importer =
-        Importer { t: t.clone(), values: feeds, ints: HashMap::new(), weights: Vec::new(), opset };
+    let used = graph
+        .node
+        .iter()
+        .flat_map(|n| &n.input)
+        .chain(graph.output.iter().filter_map(|o| o.name.as_ref()))
+        .cloned()
+        .collect();
+    let mut importer = Importer {
+        t: t.clone(),
+        values: feeds,
+        floats: HashMap::new(),
+        converted: HashMap::new(),
+        used,
+        booleans: HashSet::new(),
+        weights: Vec::new(),
+        opset,
+    };
     for init in &graph.initializer {
         importer.initializer(init)?;
     }
-    for node in &graph.node {
-        importer.node(node)?;
+    for (index, node) in graph.node.iter().enumerate() {
+        importer.node(index, node)?;
     }
     let outputs = graph
         .output
         .iter()
         .map(|o| {
             let name = o.name.clone().unwrap_or_default();
-            importer.tensor(&name, "the graph's outputs").map(|v| (name, v))
+            let value = match importer.value(&name, "the graph's outputs")? {
+                Value::Tensor(t) | Value::Ids(t) => t,
+                Value::Ints(ints) => importer.ints_tensor(&name, &ints)?,
+            };
+            Ok((name, value))
         })
         .collect::<Result<_>>()?;
     Ok((outputs, importer.weights))
@@ -220,6 +330,9 @@ impl OnnxLayer {
 impl kiln_compiler::nn::Layer for OnnxLayer {
     fn forward(&self, x: &Tensor) -> Tensor {
         let t = x.tracer();
+        if x.id().is_none() {
+            return x.clone(); // poisoned by an earlier layer, whose error the trace reports
+        }
         let Some(graph) = self.model.graph.as_ref() else {
             return t.report("onnx", "the model has no graph", &[x], "");
         };
@@ -229,7 +342,7 @@ impl kiln_compiler::nn::Layer for OnnxLayer {
             .find(|i| !graph.initializer.iter().any(|t| t.name == i.name))
             .and_then(|i| i.name.clone())
             .unwrap_or_default();
-        let feeds = HashMap::from([(input, x.clone())]);
+        let feeds = HashMap::from([(input, Value::Tensor(x.clone()))]);
         match trace(&t, graph, self.opset, feeds) {
             Ok((outputs, _)) => match outputs.into_iter().next() {
                 Some((_, y)) => y,
@@ -262,22 +375,33 @@ pub fn batch_dims(bytes: &[u8]) -> Vec<String> {
 }
 
 /// An input's shape, symbolic dimensions sized from `dims`.
-fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<Shape> {
+/// An integer input (`true`) holds ids, fed as f32 whole numbers.
+fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<(Shape, bool)> {
     let name = input.name.as_deref().unwrap_or("");
     let tensor = input.r#type.as_ref().and_then(|t| t.tensor_type.as_ref()).ok_or_else(|| {
         unsupported(format!("input `{name}` is not a tensor"), "kiln imports tensor inputs only")
     })?;
-    if tensor.elem_type.unwrap_or(proto::FLOAT) != proto::FLOAT {
-        return Err(unsupported(
-            format!("input `{name}` has element type {} (not float)", tensor.elem_type.unwrap_or(0)),
-            "kiln's tensors are f32 (integer inputs are not supported yet)",
-        ));
-    }
+    let integer = match tensor.elem_type.unwrap_or(proto::FLOAT) {
+        proto::FLOAT => false,
+        proto::INT64 | proto::INT32 => true,
+        other => {
+            return Err(unsupported(
+                format!("input `{name}` has element type {other} (not float, int32 or int64)"),
+                "kiln's tensors are f32; integer inputs are carried as f32 ids",
+            ));
+        }
+    };
     let shape = tensor.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or(&[]);
     let mut out = Vec::with_capacity(shape.len());
     for (axis, d) in shape.iter().enumerate() {
         match (d.dim_value, d.dim_param.as_deref()) {
             (Some(v), _) if v > 0 => out.push(v as usize),
+            (Some(0), _) => {
+                return Err(unsupported(
+                    format!("input `{name}` axis {axis} has size 0"),
+                    "kiln's tensors have no empty axes",
+                ));
+            }
             (_, Some(p)) if !p.is_empty() => match dims.iter().find(|(n, _)| n == p) {
                 Some(&(_, v)) => out.push(v),
                 None => {
@@ -299,7 +423,108 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
             }
         }
     }
-    Ok(Shape::new(out))
+    Ok((Shape::new(out), integer))
+}
+
+/// The most elements a folded integer tensor may hold: shape arguments are small, and a damaged
+/// file must not make the importer allocate without bound.
+const MAX_FOLDED: usize = 1 << 20;
+
+/// A folded integer (or boolean) tensor: a shape argument, axes, indices, a mask.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Ints {
+    pub dims: Vec<usize>,
+    pub values: Vec<i64>,
+}
+
+impl Ints {
+    pub fn new(dims: Vec<usize>, values: Vec<i64>) -> Ints {
+        Ints { dims, values }
+    }
+
+    pub fn vector(values: Vec<i64>) -> Ints {
+        Ints { dims: vec![values.len()], values }
+    }
+
+    pub fn scalar(v: i64) -> Ints {
+        Ints { dims: vec![], values: vec![v] }
+    }
+}
+
+/// What a name in the ONNX graph stands for while importing.
+#[derive(Clone)]
+pub(crate) enum Value {
+    /// An f32 tensor of the trace.
+    Tensor(Tensor),
+    /// An integer tensor folded at import.
+    Ints(Ints),
+    /// An integer graph input carried as an f32 tensor of whole numbers (ids).
+    Ids(Tensor),
+}
+
+/// One node while it is imported: its proto, attributes and a name for messages.
+pub(crate) struct Node<'a> {
+    pub proto: &'a NodeProto,
+    pub op: &'a str,
+    pub who: String,
+    pub opset: i64,
+}
+
+impl Node<'_> {
+    pub fn attr(&self, name: &str) -> Option<&AttributeProto> {
+        self.proto.attribute.iter().find(|a| a.name.as_deref() == Some(name))
+    }
+
+    pub fn int(&self, name: &str, default: i64) -> i64 {
+        self.attr(name).and_then(|a| a.i).unwrap_or(default)
+    }
+
+    pub fn float(&self, name: &str, default: f32) -> f32 {
+        self.attr(name).and_then(|a| a.f).unwrap_or(default)
+    }
+
+    pub fn ints(&self, name: &str) -> Option<Vec<i64>> {
+        self.attr(name).map(|a| a.ints.clone())
+    }
+
+    pub fn string(&self, name: &str) -> Option<String> {
+        self.attr(name).and_then(|a| a.s.as_deref()).map(|s| String::from_utf8_lossy(s).into_owned())
+    }
+
+    /// Whether input `i` is given (an empty name leaves an optional input out).
+    pub fn has(&self, i: usize) -> bool {
+        self.proto.input.get(i).is_some_and(|n| !n.is_empty())
+    }
+
+    pub fn inputs(&self) -> usize {
+        self.proto.input.len()
+    }
+
+    pub fn unsupported(&self, what: impl std::fmt::Display, help: impl Into<String>) -> Error {
+        unsupported(format!("{}: {what}", self.who), help)
+    }
+
+    pub fn invalid(&self, what: impl std::fmt::Display, help: impl Into<String>) -> Error {
+        invalid(format!("{}: {what}", self.who), help)
+    }
+
+    /// `axis` (negative counts from the end) of a rank-`rank` tensor.
+    pub fn axis(&self, axis: i64, rank: usize) -> Result<usize> {
+        let a = if axis < 0 { axis.checked_add(rank as i64) } else { Some(axis) };
+        a.and_then(|a| usize::try_from(a).ok()).filter(|&a| a < rank).ok_or_else(|| {
+            self.invalid(format!("axis {axis} of a rank-{rank} tensor"), "use an axis the tensor has")
+        })
+    }
+
+    /// Several axes, each once, sorted.
+    pub fn axes(&self, axes: &[i64], rank: usize) -> Result<Vec<usize>> {
+        let mut out: Vec<usize> = axes.iter().map(|&a| self.axis(a, rank)).collect::<Result<_>>()?;
+        out.sort_unstable();
+        if out.windows(2).any(|w| w[0] == w[1]) {
+            return Err(self.invalid(format!("axes {axes:?} repeat an axis"), "name each axis once"));
+        }
+        Ok(out)
+    }
 }
 
 /// A tensor's values as f32 and its shape; integers and doubles converted.
@@ -311,7 +536,7 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
             "save the model with its data inside (onnx.save_model(..., save_as_external_data=False))",
         ));
     }
-    let dims: Vec<usize> = t.dims.iter().map(|&d| usize::try_from(d).unwrap_or(0)).collect();
+    let dims = tensor_dims(t)?;
     let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
         invalid(format!("tensor `{name}` has dimensions {dims:?}, too many elements"), "the file is damaged")
     })?;
@@ -323,11 +548,11 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
             le(raw, f64::from_le_bytes).into_iter().map(|v| v as f32).collect()
         }
         proto::DOUBLE => t.double_data.iter().map(|&v| v as f32).collect(),
-        proto::INT64 | proto::INT32 => tensor_ints(t).iter().map(|&v| v as f32).collect(),
+        proto::INT64 | proto::INT32 | proto::BOOL => tensor_ints(t).iter().map(|&v| v as f32).collect(),
         other => {
             return Err(unsupported(
                 format!("tensor `{name}` has element type {other}"),
-                "kiln reads float, double, int32 and int64 tensors",
+                "kiln reads float, double, int32, int64 and bool tensors",
             ));
         }
     };
@@ -340,35 +565,71 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
     Ok((dims, values))
 }
 
+fn tensor_dims(t: &TensorProto) -> Result<Vec<usize>> {
+    t.dims
+        .iter()
+        .map(|&d| {
+            usize::try_from(d).map_err(|_| {
+                invalid(
+                    format!("tensor `{}` has a negative dimension {d}", t.name.as_deref().unwrap_or("")),
+                    "the file is damaged",
+                )
+            })
+        })
+        .collect()
+}
+
 /// The elements of little-endian raw data, `N` bytes each (a trailing partial element is
 /// dropped, and the element count then checked by the caller).
 fn le<const N: usize, T>(raw: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
     raw.chunks_exact(N).filter_map(|c| c.try_into().ok()).map(f).collect()
 }
 
-/// An integer tensor's values (shape arguments); empty for other element types.
+/// An integer or boolean tensor's values; empty for other element types.
 fn tensor_ints(t: &TensorProto) -> Vec<i64> {
     let raw = t.raw_data.as_deref().unwrap_or(&[]);
     match t.data_type.unwrap_or(0) {
         proto::INT64 if !raw.is_empty() => le(raw, i64::from_le_bytes),
         proto::INT64 => t.int64_data.clone(),
         proto::INT32 if !raw.is_empty() => le(raw, i32::from_le_bytes).into_iter().map(i64::from).collect(),
-        proto::INT32 => t.int32_data.iter().map(|&v| v as i64).collect(),
+        proto::BOOL if !raw.is_empty() => raw.iter().map(|&b| i64::from(b != 0)).collect(),
+        proto::INT32 | proto::BOOL => t.int32_data.iter().map(|&v| v as i64).collect(),
         _ => Vec::new(),
     }
 }
 
 fn is_integer(t: &TensorProto) -> bool {
-    matches!(t.data_type, Some(proto::INT64) | Some(proto::INT32))
+    matches!(t.data_type, Some(proto::INT64) | Some(proto::INT32) | Some(proto::BOOL))
 }
 
-struct Importer {
-    t: Tracer,
-    values: HashMap<String, Tensor>,
-    /// Integer constants (shape arguments), folded at import.
-    ints: HashMap<String, Vec<i64>>,
+/// A folded integer tensor from its proto, its element count checked.
+fn folded(t: &TensorProto) -> Result<Ints> {
+    let name = t.name.as_deref().unwrap_or("");
+    let dims = tensor_dims(t)?;
+    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let values = tensor_ints(t);
+    if n != Some(values.len()) {
+        return Err(invalid(
+            format!("integer tensor `{name}` of shape {dims:?} holds {} values", values.len()),
+            "the file is damaged or truncated",
+        ));
+    }
+    Ok(Ints::new(dims, values))
+}
+
+pub(crate) struct Importer {
+    pub t: Tracer,
+    values: HashMap<String, Value>,
+    /// Float constants' values (initializers and `Constant`s), for attributes given as inputs.
+    floats: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    /// Folded integer tensors already made into constant tensors, by name.
+    converted: HashMap<String, Tensor>,
+    /// Names some node or the graph's outputs read.
+    used: HashSet<String>,
+    /// Tensors holding only 0.0 and 1.0 (comparisons', logical ops' results): ONNX bools.
+    booleans: HashSet<String>,
     weights: Vec<(String, HostTensor)>,
-    opset: i64,
+    pub opset: i64,
 }
 
 impl Importer {
@@ -376,357 +637,196 @@ impl Importer {
     fn initializer(&mut self, init: &TensorProto) -> Result<()> {
         let name = init.name.clone().unwrap_or_default();
         if is_integer(init) {
-            self.ints.insert(name, tensor_ints(init));
+            let ints = folded(init)?;
+            self.values.insert(name, Value::Ints(ints));
             return Ok(());
         }
         let (dims, values) = tensor_values(init)?;
-        let shape = Shape::new(dims);
+        let shape = Shape::new(dims.clone());
         let p = self.t.param(&name, shape.clone(), Init::Zeros);
-        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
-        self.values.insert(name, p);
+        self.weights.push((name.clone(), HostTensor::new(shape, values.clone())?));
+        self.floats.insert(name.clone(), (dims, values));
+        self.values.insert(name, Value::Tensor(p));
         Ok(())
     }
 
-    fn tensor(&self, name: &str, user: &str) -> Result<Tensor> {
-        match self.values.get(name) {
-            Some(t) => Ok(t.clone()),
-            None if self.ints.contains_key(name) => Err(unsupported(
-                format!("{user} read the integer tensor `{name}` as a value"),
-                "kiln's tensors are f32; integer tensors are read only as shape arguments",
-            )),
-            None => Err(invalid(
-                format!("{user} read `{name}`, which no input, initializer or earlier node makes"),
+    /// A constant tensor: a fill where every value is the same, else a parameter named `name`
+    /// holding the values.
+    pub fn constant(&mut self, name: &str, dims: Vec<usize>, values: Vec<f32>) -> Result<Tensor> {
+        if let Some(t) = self.converted.get(name) {
+            return Ok(t.clone());
+        }
+        let t = match values.first() {
+            Some(&v) if values.iter().all(|&x| x.to_bits() == v.to_bits()) => self.t.fill(v, dims),
+            _ => {
+                let shape = Shape::new(dims);
+                let p = self.t.param(name, shape.clone(), Init::Zeros);
+                self.weights.push((name.to_string(), HostTensor::new(shape, values)?));
+                p
+            }
+        };
+        self.converted.insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+
+    fn value(&self, name: &str, who: &str) -> Result<Value> {
+        self.values.get(name).cloned().ok_or_else(|| {
+            invalid(
+                format!("{who} reads `{name}`, which no input, initializer or earlier node makes"),
                 "the graph must be in topological order with every value defined",
+            )
+        })
+    }
+
+    /// Input `i` of `n`, whatever it holds.
+    pub fn input(&self, n: &Node, i: usize) -> Result<Value> {
+        let name = n
+            .proto
+            .input
+            .get(i)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| n.invalid(format!("has no input {i}"), format!("{} needs input {i}", n.op)))?;
+        self.value(name, &n.who)
+    }
+
+    /// Input `i` as an f32 tensor: folded integers become a constant; ids are refused (an
+    /// integer tensor's arithmetic is not float arithmetic).
+    pub fn tensor(&mut self, n: &Node, i: usize) -> Result<Tensor> {
+        match self.input(n, i)? {
+            Value::Tensor(t) => Ok(t),
+            Value::Ints(ints) => self.ints_tensor(&n.proto.input[i], &ints),
+            Value::Ids(_) => Err(n.unsupported(
+                format!("reads the integer input `{}` as a value", n.proto.input[i]),
+                "kiln carries integer graph inputs as ids: Gather's indices, through reshapes and Cast",
             )),
         }
     }
 
-    fn node(&mut self, node: &NodeProto) -> Result<()> {
-        let op = node.op_type.clone().unwrap_or_default();
-        let who = format!("node `{}` ({op})", node.name.clone().unwrap_or_default());
-        if let Some(d) = node.domain.as_deref().filter(|d| !d.is_empty() && *d != "ai.onnx") {
+    /// A folded integer tensor as a constant f32 tensor (exact up to 2^24).
+    pub fn ints_tensor(&mut self, name: &str, ints: &Ints) -> Result<Tensor> {
+        if ints.values.iter().any(|v| v.unsigned_abs() > 1 << 24) {
+            return Err(unsupported(
+                format!(
+                    "the integer tensor `{name}` holds values beyond 2^24, which f32 cannot hold exactly"
+                ),
+                "kiln's tensors are f32",
+            ));
+        }
+        let values = ints.values.iter().map(|&v| v as f32).collect();
+        self.constant(name, ints.dims.clone(), values)
+    }
+
+    /// Input `i` as a folded integer tensor.
+    pub fn ints(&self, n: &Node, i: usize) -> Result<Ints> {
+        match self.input(n, i)? {
+            Value::Ints(v) => Ok(v),
+            _ => Err(n.unsupported(
+                format!("takes its input {i} (`{}`) from a computed tensor", n.proto.input[i]),
+                "kiln folds shape, axes and index arguments at import: they must be initializers, \
+                 Constants or computed from them and from static shapes",
+            )),
+        }
+    }
+
+    /// Optional input `i` as a folded integer tensor.
+    pub fn opt_ints(&self, n: &Node, i: usize) -> Result<Option<Ints>> {
+        if n.has(i) { self.ints(n, i).map(Some) } else { Ok(None) }
+    }
+
+    /// A float constant's values, where input `i` is one (an initializer or `Constant`).
+    pub fn float_const(&self, n: &Node, i: usize) -> Option<&(Vec<usize>, Vec<f32>)> {
+        n.proto.input.get(i).and_then(|name| self.floats.get(name))
+    }
+
+    /// Whether `name` is a tensor of ONNX bools (0.0 and 1.0).
+    pub fn is_boolean(&self, name: &str) -> bool {
+        self.booleans.contains(name)
+    }
+
+    /// Whether a value named `name` is read later.
+    fn is_used(&self, name: &str) -> bool {
+        self.used.contains(name)
+    }
+
+    fn node(&mut self, index: usize, proto: &NodeProto) -> Result<()> {
+        let op = proto.op_type.clone().unwrap_or_default();
+        let who = match proto.name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => format!("node `{name}` ({op})"),
+            None => format!("node #{index} ({op})"),
+        };
+        if let Some(d) = proto.domain.as_deref().filter(|d| !d.is_empty() && *d != "ai.onnx") {
             return Err(unsupported(
                 format!("{who} is in the domain `{d}`"),
                 "kiln imports the default ONNX domain",
             ));
         }
-        let attr = |name: &str| node.attribute.iter().find(|a| a.name.as_deref() == Some(name));
-        let int_attr = |name: &str, default: i64| attr(name).and_then(|a| a.i).unwrap_or(default);
-        let float_attr = |name: &str, default: f32| attr(name).and_then(|a| a.f).unwrap_or(default);
-        let ints_attr = |name: &str| attr(name).map(|a: &AttributeProto| a.ints.clone());
-        let input = |i: usize| -> Result<Tensor> {
-            let name =
-                node.input.get(i).filter(|n| !n.is_empty()).ok_or_else(|| {
-                    invalid(format!("{who} has no input {i}"), format!("{op} needs input {i}"))
-                })?;
-            self.tensor(name, &who)
-        };
-        let ints_input = |i: usize| -> Result<Vec<i64>> {
-            let name = node.input.get(i).cloned().unwrap_or_default();
-            self.ints.get(&name).cloned().ok_or_else(|| {
-                unsupported(
-                    format!("{who} takes its input {i} (`{name}`) from a computed tensor"),
-                    "kiln folds shape arguments at import: they must be initializers or Constant nodes",
-                )
-            })
-        };
-        let rank_axis = |axis: i64, rank: usize| -> Result<usize> {
-            let a = if axis < 0 { axis + rank as i64 } else { axis };
-            usize::try_from(a).ok().filter(|&a| a < rank.max(1)).ok_or_else(|| {
-                invalid(
-                    format!("{who} names axis {axis} of a rank-{rank} tensor"),
-                    "use an axis the tensor has",
-                )
-            })
-        };
-        let out = match op.as_str() {
-            "Constant" => {
-                let value = attr("value").and_then(|a| a.t.as_ref()).ok_or_else(|| {
-                    unsupported(
-                        format!("{who} has no tensor `value`"),
-                        "kiln reads Constant nodes with a tensor value",
-                    )
-                })?;
-                let name = node.output.first().cloned().unwrap_or_default();
-                if is_integer(value) {
-                    self.ints.insert(name, tensor_ints(value));
-                    return Ok(());
-                }
-                let (dims, values) = tensor_values(value)?;
-                match values.first() {
-                    Some(&v) if values.iter().all(|&x| x.to_bits() == v.to_bits()) => self.t.fill(v, dims),
-                    _ => {
-                        let shape = Shape::new(dims);
-                        let p = self.t.param(&name, shape.clone(), Init::Zeros);
-                        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
-                        p
-                    }
-                }
-            }
-            "Gemm" => {
-                let (a, b) = (input(0)?, input(1)?);
-                let (alpha, beta) = (float_attr("alpha", 1.0), float_attr("beta", 1.0));
-                let mut y = a.matmul_t(&b, int_attr("transA", 0) != 0, int_attr("transB", 0) != 0);
-                if alpha != 1.0 {
-                    y = y * alpha;
-                }
-                if node.input.get(2).is_some_and(|n| !n.is_empty()) {
-                    let c = input(2)?;
-                    y = if beta == 1.0 { y + &c } else { y + &(c * beta) };
-                }
-                y
-            }
-            "MatMul" => input(0)?.matmul(&input(1)?),
-            "Add" => input(0)?.add(&input(1)?),
-            "Sub" => input(0)?.sub(&input(1)?),
-            "Mul" => input(0)?.mul(&input(1)?),
-            "Div" => input(0)?.div(&input(1)?),
-            "Pow" => input(0)?.pow(&input(1)?),
-            "Relu" => input(0)?.relu(),
-            "Sigmoid" => input(0)?.sigmoid(),
-            "Tanh" => input(0)?.tanh(),
-            "Erf" => input(0)?.erf(),
-            "Exp" => input(0)?.exp(),
-            "Log" => input(0)?.log(),
-            "Sqrt" => input(0)?.sqrt(),
-            "Neg" => input(0)?.neg(),
-            "Abs" => input(0)?.abs(),
-            "Identity" | "Dropout" => input(0)?,
-            "Softmax" | "LogSoftmax" => {
-                let x = input(0)?;
-                let rank = x.rank();
-                // Before opset 13 the op flattened the axes from `axis` on (default 1): the same
-                // as along the last axis only when that is the last axis.
-                let default = if self.opset < 13 { 1 } else { -1 };
-                let axis = rank_axis(int_attr("axis", default), rank)?;
-                if self.opset < 13 && axis + 1 != rank {
-                    return Err(unsupported(
-                        format!("{who} normalises axes {axis}.. together (opset {} semantics)", self.opset),
-                        "kiln imports this op along the last axis only: export with axis = -1 or opset 13+",
-                    ));
-                }
-                if op == "Softmax" { x.softmax(axis as isize) } else { x.log_softmax(axis as isize) }
-            }
-            "Flatten" => {
-                let x = input(0)?;
-                let d = x.dims().to_vec();
-                let axis = if d.is_empty() { 0 } else { rank_axis(int_attr("axis", 1), d.len() + 1)? };
-                let lead: usize = d[..axis.min(d.len())].iter().product();
-                let rest: usize = d[axis.min(d.len())..].iter().product();
-                x.reshape([lead, rest])
-            }
-            "Reshape" => {
-                let x = input(0)?;
-                let spec = ints_input(1)?;
-                let shape =
-                    reshape_target(x.dims(), &spec, int_attr("allowzero", 0) != 0).map_err(|why| {
-                        invalid(format!("{who}: {why}"), "give a shape with the input's element count")
-                    })?;
-                x.reshape(shape)
-            }
-            "Transpose" => {
-                let x = input(0)?;
-                let rank = x.rank();
-                let perm: Vec<usize> = match ints_attr("perm") {
-                    Some(p) if !p.is_empty() => {
-                        p.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?
-                    }
-                    _ => (0..rank).rev().collect(),
-                };
-                x.permute(&perm)
-            }
-            "Unsqueeze" | "Squeeze" => {
-                let x = input(0)?;
-                let axes = if self.opset >= 13 {
-                    if node.input.len() > 1 { Some(ints_input(1)?) } else { None }
+        let n = Node { proto, op: &op, who, opset: self.opset };
+        let before = self.t.error().is_some();
+        let outputs = match op.as_str() {
+            "Constant" => layout::constant(self, &n)?,
+            _ => {
+                if let Some(out) = elementwise::import(self, &n)? {
+                    out
+                } else if let Some(out) = layout::import(self, &n)? {
+                    out
+                } else if let Some(out) = reduce::import(self, &n)? {
+                    out
+                } else if let Some(out) = conv::import(self, &n)? {
+                    out
+                } else if let Some(out) = norm::import(self, &n)? {
+                    out
                 } else {
-                    ints_attr("axes")
-                };
-                let mut dims = x.dims().to_vec();
-                if op == "Unsqueeze" {
-                    let axes = axes.unwrap_or_default();
-                    let rank = dims.len() + axes.len();
-                    let mut axes: Vec<usize> =
-                        axes.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?;
-                    axes.sort_unstable();
-                    for a in axes {
-                        dims.insert(a.min(dims.len()), 1);
-                    }
-                } else {
-                    let rank = dims.len();
-                    let axes: Vec<usize> = match axes {
-                        Some(a) => a.iter().map(|&a| rank_axis(a, rank)).collect::<Result<_>>()?,
-                        None => (0..rank).filter(|&a| dims[a] == 1).collect(),
-                    };
-                    dims =
-                        dims.iter().enumerate().filter(|(a, _)| !axes.contains(a)).map(|(_, &d)| d).collect();
-                }
-                x.reshape(dims)
-            }
-            "Conv" => {
-                let (x, w) = (input(0)?, input(1)?);
-                let window = self.window(node, &who, x.rank())?;
-                if int_attr("group", 1) != 1 {
-                    return Err(unsupported(
-                        format!("{who} is a grouped convolution"),
-                        "kiln convolves with group = 1",
+                    return Err(n.unsupported(
+                        format!("kiln does not import `{op}` yet"),
+                        format!("supported: {}", SUPPORTED.join(", ")),
                     ));
                 }
-                // ONNX is NCHW with OIHW filters; kiln's convolution is NHWC with HWIO filters.
-                let mut nhwc = x.permute(&[0, 2, 3, 1]);
-                let [top, left, bottom, right] = window.pads;
-                if top + bottom > 0 {
-                    nhwc = nhwc.pad(1, top, bottom);
-                }
-                if left + right > 0 {
-                    nhwc = nhwc.pad(2, left, right);
-                }
-                let mut y = nhwc.conv2d(&w.permute(&[2, 3, 1, 0]), window.strides, Padding::Valid);
-                if node.input.get(2).is_some_and(|n| !n.is_empty()) {
-                    y = y + &input(2)?;
-                }
-                y.permute(&[0, 3, 1, 2])
-            }
-            "MaxPool" | "AveragePool" => {
-                let x = input(0)?;
-                let window = self.window(node, &who, x.rank())?;
-                let size = window.kernel.ok_or_else(|| {
-                    invalid(format!("{who} has no kernel_shape"), "give the pooling its kernel_shape")
-                })?;
-                // Padded elements are skipped by both (and not counted by kiln's average, as by
-                // ONNX's default count_include_pad = 0); kiln pads only as SAME does.
-                let padding = if window.pads == [0; 4] {
-                    Padding::Valid
-                } else if same_pads(x.dims(), size, window.strides) == Some(window.pads) {
-                    Padding::Same
-                } else {
-                    return Err(unsupported(
-                        format!("{who} pads {:?}, which are not SAME's", window.pads),
-                        "kiln pools unpadded or with SAME padding",
-                    ));
-                };
-                if op == "AveragePool" && int_attr("count_include_pad", 0) != 0 && padding == Padding::Same {
-                    return Err(unsupported(
-                        format!("{who} counts padding in its average"),
-                        "kiln averages over the window's in-bounds elements (count_include_pad = 0)",
-                    ));
-                }
-                let nhwc = x.permute(&[0, 2, 3, 1]);
-                let y = if op == "MaxPool" {
-                    nhwc.max_pool2d(size, window.strides, padding)
-                } else {
-                    nhwc.avg_pool2d(size, window.strides, padding)
-                };
-                y.permute(&[0, 3, 1, 2])
-            }
-            "GlobalAveragePool" => {
-                let x = input(0)?;
-                let axes: Vec<usize> = (2..x.rank()).collect();
-                x.mean(axes.as_slice(), true)
-            }
-            "BatchNormalization" => {
-                if int_attr("training_mode", 0) != 0 || node.output.len() > 1 {
-                    return Err(unsupported(
-                        format!("{who} is in training mode"),
-                        "kiln imports BatchNormalization for inference (running statistics)",
-                    ));
-                }
-                let x = input(0)?;
-                // [C] statistics over NCHW: as [C, 1, 1].
-                let per_channel = |t: Tensor| {
-                    let mut dims = t.dims().to_vec();
-                    dims.extend(std::iter::repeat_n(1, x.rank().saturating_sub(2)));
-                    t.reshape(dims)
-                };
-                let (scale, bias, mean, var) = (
-                    per_channel(input(1)?),
-                    per_channel(input(2)?),
-                    per_channel(input(3)?),
-                    per_channel(input(4)?),
-                );
-                let eps = float_attr("epsilon", 1e-5);
-                (x - &mean) * &(var + eps).rsqrt() * &scale + &bias
-            }
-            "Concat" => {
-                let parts: Vec<Tensor> = (0..node.input.len()).map(input).collect::<Result<_>>()?;
-                let Some((first, rest)) = parts.split_first() else {
-                    return Err(invalid(format!("{who} has no inputs"), "concatenate at least one tensor"));
-                };
-                let axis = rank_axis(int_attr("axis", 0), first.rank())?;
-                let rest: Vec<&Tensor> = rest.iter().collect();
-                first.concat(&rest, axis as isize)
-            }
-            other => {
-                return Err(unsupported(
-                    format!("{who}: kiln does not import `{other}` yet"),
-                    format!("supported: {}", SUPPORTED.join(", ")),
-                ));
             }
         };
-        let name = node.output.first().cloned().unwrap_or_default();
-        self.values.insert(name, out);
+        // A shape the DSL refused: name the node (the tracer keeps the error too).
+        if let Some(e) = self.t.error().filter(|_| !before) {
+            return Err(invalid(
+                format!("{}: {e}", n.who),
+                "check the node's inputs' shapes against its attributes",
+            ));
+        }
+        let boolean = matches!(
+            op.as_str(),
+            "Equal" | "Less" | "LessOrEqual" | "Greater" | "GreaterOrEqual" | "And" | "Or" | "Xor" | "Not"
+        ) || (op == "Cast" && n.int("to", 0) == i64::from(proto::BOOL));
+        for (i, name) in proto.output.iter().enumerate() {
+            if name.is_empty() {
+                continue;
+            }
+            if boolean {
+                self.booleans.insert(name.clone());
+            }
+            match outputs.get(i) {
+                Some(v) => {
+                    self.values.insert(name.clone(), v.clone());
+                }
+                None if self.is_used(name) => {
+                    return Err(n.unsupported(
+                        format!(
+                            "output {i} (`{name}`) is read, and kiln computes only the first {}",
+                            outputs.len()
+                        ),
+                        format!("export without {op}'s optional output {i}"),
+                    ));
+                }
+                None => {}
+            }
+        }
         Ok(())
     }
 }
 
-/// A convolution's or pooling's spatial attributes (2-D only).
-struct Window {
-    kernel: Option<[usize; 2]>,
-    strides: [usize; 2],
-    /// top, left, bottom, right.
-    pads: [usize; 4],
-}
-
-impl Importer {
-    fn window(&self, node: &NodeProto, who: &str, rank: usize) -> Result<Window> {
-        if rank != 4 {
-            return Err(unsupported(
-                format!("{who} has a rank-{rank} input"),
-                "kiln imports 2-D convolutions and pooling (NCHW)",
-            ));
-        }
-        let attr = |name: &str| node.attribute.iter().find(|a| a.name.as_deref() == Some(name));
-        let pair = |name: &str, default: usize| -> Result<[usize; 2]> {
-            match attr(name).map(|a| a.ints.as_slice()) {
-                None | Some([]) => Ok([default; 2]),
-                Some(&[a, b]) if a > 0 && b > 0 => Ok([a as usize, b as usize]),
-                Some(v) => Err(invalid(format!("{who} has {name} {v:?}"), "give two positive values")),
-            }
-        };
-        if let Some(d) = attr("dilations").map(|a| a.ints.as_slice()).filter(|d| d.iter().any(|&v| v != 1)) {
-            return Err(unsupported(format!("{who} dilates by {d:?}"), "kiln convolves without dilation"));
-        }
-        let auto =
-            attr("auto_pad").and_then(|a| a.s.as_deref()).map(|s| String::from_utf8_lossy(s).into_owned());
-        if auto.as_deref().is_some_and(|a| a != "NOTSET" && a != "VALID") {
-            return Err(unsupported(
-                format!("{who} has auto_pad {}", auto.unwrap_or_default()),
-                "export with explicit pads (auto_pad NOTSET)",
-            ));
-        }
-        let pads = match attr("pads").map(|a| a.ints.as_slice()) {
-            None | Some([]) => [0; 4],
-            Some(&[t, l, b, r]) if [t, l, b, r].iter().all(|&v| v >= 0) => {
-                [t as usize, l as usize, b as usize, r as usize]
-            }
-            Some(v) => return Err(invalid(format!("{who} has pads {v:?}"), "give four non-negative pads")),
-        };
-        let kernel = attr("kernel_shape").map(|_| pair("kernel_shape", 1)).transpose()?;
-        Ok(Window { kernel, strides: pair("strides", 1)?, pads })
-    }
-}
-
-/// The pads (top, left, bottom, right) TensorFlow's SAME gives an NCHW input: total
-/// max((ceil(in / s) - 1)·s + k - in, 0), the extra one on the far side.
-fn same_pads(dims: &[usize], k: [usize; 2], s: [usize; 2]) -> Option<[usize; 4]> {
-    let total = |n: usize, k: usize, s: usize| (n.div_ceil(s).saturating_sub(1) * s + k).saturating_sub(n);
-    let (h, w) = (*dims.get(2)?, *dims.get(3)?);
-    let (th, tw) = (total(h, k[0], s[0]), total(w, k[1], s[1]));
-    Some([th / 2, tw / 2, th - th / 2, tw - tw / 2])
-}
-
 /// Reshape's target: 0 copies the input's axis (unless `allowzero`), one -1 takes the rest.
-fn reshape_target(input: &[usize], spec: &[i64], allowzero: bool) -> std::result::Result<Vec<usize>, String> {
+pub(crate) fn reshape_target(
+    input: &[usize],
+    spec: &[i64],
+    allowzero: bool,
+) -> std::result::Result<Vec<usize>, String> {
     let total: usize = input.iter().product();
     let mut out = Vec::with_capacity(spec.len());
     let mut infer = None;
@@ -739,7 +839,7 @@ fn reshape_target(input: &[usize], spec: &[i64], allowzero: bool) -> std::result
             0 if !allowzero => {
                 out.push(*input.get(i).ok_or_else(|| format!("0 at axis {i} copies no input axis"))?)
             }
-            s if s >= 0 => out.push(s as usize),
+            s if s >= 0 => out.push(usize::try_from(s).map_err(|_| format!("{s} is too large"))?),
             s => return Err(format!("the shape {spec:?} has {s} at axis {i}")),
         }
     }

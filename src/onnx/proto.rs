@@ -104,6 +104,7 @@ pub struct TensorProto {
 pub const FLOAT: i32 = 1;
 pub const INT32: i32 = 6;
 pub const INT64: i32 = 7;
+pub const BOOL: i32 = 9;
 pub const DOUBLE: i32 = 11;
 
 /// `ValueInfoProto`.
