@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::zoo::ZooModel;
-use kiln_compiler::ir::Graph;
+use kiln_compiler::ir::{DType, Graph};
 use kiln_compiler::step::{forward_graph, train_step_graph};
 use kiln_compiler::{CompileOptions, Plan, compile, optimize};
 use kiln_runtime::HostTensor;
@@ -167,8 +167,8 @@ pub fn compare(m: &ZooModel, mode: Mode, execute: bool) -> Result<Comparison> {
     Ok(row)
 }
 
-/// Random inputs for every input of `graph` (uniform in [0, 1): valid ids for an embedding, as
-/// ids are floor-ed), seeded: what `compare_graph` needs to execute a model it knows nothing of.
+/// Random inputs for every input of `graph` (f32 uniform in [0, 1): valid ids for an embedding,
+/// as ids are floor-ed; i32 / i64 ids 0, bool masks true), seeded: what `compare_graph` needs to execute a model it knows nothing of.
 pub fn feeds_for(graph: &Graph, seed: u64) -> Result<Vec<(String, HostTensor)>> {
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
     graph
@@ -180,9 +180,18 @@ pub fn feeds_for(graph: &Graph, seed: u64) -> Result<Vec<(String, HostTensor)>> 
                 kiln_compiler::ir::Op::Input { name, .. } => name.clone(),
                 _ => unreachable!("Graph::inputs lists input nodes"),
             };
-            let data =
-                (0..node.shape.numel()).map(|_| rand::RngExt::random_range(&mut rng, 0.0f32..1.0)).collect();
-            Ok((name, HostTensor::new(node.shape.clone(), data)?))
+            let n = node.shape.numel();
+            // Exact inputs (ids, masks) get id 0 / true: valid for any table.
+            let t = match node.dtype {
+                DType::I32 => HostTensor::from_i32(node.shape.clone(), vec![0; n])?,
+                DType::I64 => HostTensor::from_i64(node.shape.clone(), vec![0; n])?,
+                DType::Bool => HostTensor::from_bool(node.shape.clone(), vec![true; n])?,
+                _ => HostTensor::new(
+                    node.shape.clone(),
+                    (0..n).map(|_| rand::RngExt::random_range(&mut rng, 0.0f32..1.0)).collect(),
+                )?,
+            };
+            Ok((name, t))
         })
         .collect()
 }

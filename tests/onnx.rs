@@ -505,8 +505,8 @@ fn pads_of_every_mode() {
     }
 }
 
-/// An embedding as exporters write it: int64 ids (a graph input, fed as f32 whole numbers)
-/// gather rows of a float table; a negative id counts from the end.
+/// An embedding as exporters write it: int64 ids (a graph input, fed as i64) gather rows of a
+/// float table; a negative id counts from the end.
 #[test]
 fn an_embedding_gathers_rows_by_integer_ids() {
     let table: Vec<f32> = (0..20).map(|i| i as f32 * 0.5).collect();
@@ -516,7 +516,7 @@ fn an_embedding_gathers_rows_by_integer_ids() {
         vec![typed("ids", INT64, &[fixed(2), fixed(3)])],
         17,
     );
-    let ids = HostTensor::new(Shape::new([2, 3]), vec![0.0, 4.0, 2.0, -1.0, 1.0, 1.0]).unwrap();
+    let ids = HostTensor::from_i64(Shape::new([2, 3]), vec![0, 4, 2, -1, 1, 1]).unwrap();
     let y = run(&bytes, &[("ids", ids)]).unwrap();
     assert_eq!(y.shape(), &Shape::new([2, 3, 4]));
     let want: Vec<f32> =

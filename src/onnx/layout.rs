@@ -9,6 +9,7 @@
 use super::elementwise::fold_count;
 use super::{Importer, Ints, Node, Value, reshape_target, tensor_values};
 use crate::error::Result;
+use kiln_compiler::ir::DType;
 use kiln_compiler::trace::Tensor;
 
 /// NumPy broadcasting of two shapes.
@@ -222,7 +223,7 @@ fn cast(imp: &mut Importer, n: &Node, v: Value, to: i64, source: &str) -> Result
             let values = i.values.iter().map(|&v| int_cast(v, to).unwrap_or(v)).collect();
             Value::Ints(Ints::new(i.dims, values))
         }
-        Value::Ids(t) if float_type(to) == Some(true) => Value::Tensor(t),
+        Value::Ids(t) if float_type(to) == Some(true) => Value::Tensor(t.cast(DType::F32)),
         Value::Ids(t) if matches!(to, 6 | 7) => Value::Ids(t),
         Value::Tensor(t) if float_type(to) == Some(true) => Value::Tensor(t),
         Value::Tensor(t) if to == 9 => Value::Tensor(t.ne(0.0)),
@@ -273,7 +274,8 @@ fn take_value(imp: &mut Importer, n: &Node, v: Value, axis: usize, ids: &[usize]
     Ok(match v {
         Value::Ints(i) => Value::Ints(take_ints(n, &i, axis, ids)?),
         Value::Tensor(t) => Value::Tensor(take(imp, n, &t, axis, ids)?),
-        Value::Ids(t) => Value::Ids(take(imp, n, &t, axis, ids)?),
+        // Ids are moved as f32 (exact below 2^24): kiln's layout kernels move f32.
+        Value::Ids(t) => Value::Ids(take(imp, n, &t.cast(DType::F32), axis, ids)?),
     })
 }
 
@@ -699,7 +701,8 @@ fn gather(imp: &mut Importer, n: &Node) -> Result<Value> {
         }
         Value::Ids(ids) | Value::Tensor(ids) => {
             let x = imp.tensor(n, 0)?;
-            // Negative ids count from the end of the axis.
+            // Negative ids count from the end of the axis (in f32: exact below 2^24).
+            let ids = ids.cast(DType::F32);
             let ids = ids.add(&(ids.lt(0.0) * d as f32));
             Ok(Value::Tensor(gather_axis(&x, axis, &ids)))
         }

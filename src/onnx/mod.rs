@@ -7,11 +7,11 @@
 //! symbolic dimension takes its size from `dims`, by name); float initializers become trainable
 //! parameters (their values are returned beside the graph, for `Backend::write_variable`).
 //!
-//! Integer and boolean tensors are not kiln values: integer initializers, `Constant`s and
-//! whatever is computed from them and from static shapes (`Shape`, `Size`, `ConstantOfShape`,
-//! `Range`, integer `Gather`/`Slice`/`Concat`/arithmetic, the subgraphs exporters write around a
-//! `Reshape`) are folded at import (`Ints`); an integer graph input becomes an f32 input holding
-//! whole numbers, readable only as `Gather` indices (an embedding's ids) and through reshapes.
+//! Integer initializers, `Constant`s and whatever is computed from them and from static shapes
+//! (`Shape`, `Size`, `ConstantOfShape`, `Range`, integer `Gather`/`Slice`/`Concat`/arithmetic,
+//! the subgraphs exporters write around a `Reshape`) are folded at import (`Ints`); an integer
+//! graph input becomes an i64 (or i32) input of kiln's, readable as `Gather` indices (an
+//! embedding's ids), through reshapes and `Cast` (kiln stores integers, it computes in f32).
 //! Comparisons and logical ops give 0.0/1.0 tensors, which `Where` selects with.
 //!
 //! The ops are mapped by family: `elementwise` (arithmetic, activations, comparisons, logic),
@@ -40,7 +40,7 @@ mod reduce;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
-use kiln_compiler::ir::{Graph, Init, Shape};
+use kiln_compiler::ir::{DType, Graph, Init, Shape};
 use kiln_compiler::passes::{DeadCode, Pass};
 use kiln_compiler::trace::{Tensor, Tracer};
 use kiln_runtime::HostTensor;
@@ -192,9 +192,9 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
         if graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str())) {
             continue;
         }
-        let (shape, integer) = input_shape(input, dims)?;
-        let x = t.input(&name, shape.clone());
-        feeds.insert(name.clone(), if integer { Value::Ids(x) } else { Value::Tensor(x) });
+        let (shape, dtype) = input_shape(input, dims)?;
+        let x = t.input_typed(&name, shape.clone(), dtype);
+        feeds.insert(name.clone(), if dtype.is_exact() { Value::Ids(x) } else { Value::Tensor(x) });
         inputs.push((name, shape));
     }
     let (outputs, weights) = trace(&t, graph, opset, feeds)?;
@@ -374,20 +374,21 @@ pub fn batch_dims(bytes: &[u8]) -> Vec<String> {
     names
 }
 
-/// An input's shape, symbolic dimensions sized from `dims`.
-/// An integer input (`true`) holds ids, fed as f32 whole numbers.
-fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<(Shape, bool)> {
+/// An input's shape, symbolic dimensions sized from `dims`, and its dtype: f32, or i64 / i32
+/// for an integer input (ids, fed as `HostTensor::from_i64` / `from_i32`).
+fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<(Shape, DType)> {
     let name = input.name.as_deref().unwrap_or("");
     let tensor = input.r#type.as_ref().and_then(|t| t.tensor_type.as_ref()).ok_or_else(|| {
         unsupported(format!("input `{name}` is not a tensor"), "kiln imports tensor inputs only")
     })?;
-    let integer = match tensor.elem_type.unwrap_or(proto::FLOAT) {
-        proto::FLOAT => false,
-        proto::INT64 | proto::INT32 => true,
+    let dtype = match tensor.elem_type.unwrap_or(proto::FLOAT) {
+        proto::FLOAT => DType::F32,
+        proto::INT64 => DType::I64,
+        proto::INT32 => DType::I32,
         other => {
             return Err(unsupported(
                 format!("input `{name}` has element type {other} (not float, int32 or int64)"),
-                "kiln's tensors are f32; integer inputs are carried as f32 ids",
+                "kiln computes in f32 and takes integer inputs as ids",
             ));
         }
     };
@@ -423,7 +424,7 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
             }
         }
     }
-    Ok((Shape::new(out), integer))
+    Ok((Shape::new(out), dtype))
 }
 
 /// The most elements a folded integer tensor may hold: shape arguments are small, and a damaged
@@ -458,7 +459,8 @@ pub(crate) enum Value {
     Tensor(Tensor),
     /// An integer tensor folded at import.
     Ints(Ints),
-    /// An integer graph input carried as an f32 tensor of whole numbers (ids).
+    /// An integer graph input (i64 or i32 ids): gathered with, reshaped and cast, never
+    /// computed on.
     Ids(Tensor),
 }
 
@@ -697,7 +699,7 @@ impl Importer {
             Value::Ints(ints) => self.ints_tensor(&n.proto.input[i], &ints),
             Value::Ids(_) => Err(n.unsupported(
                 format!("reads the integer input `{}` as a value", n.proto.input[i]),
-                "kiln carries integer graph inputs as ids: Gather's indices, through reshapes and Cast",
+                "kiln takes integer graph inputs as ids: Gather's indices, through reshapes and Cast",
             )),
         }
     }
