@@ -19,12 +19,26 @@ impl Device {
 
     /// The first CUDA device when one works (driver, device and NVRTC present), else the CPU;
     /// with the reason for the choice.
+    /// Only visible GPUs count (`kiln_runtime::visible`).
     pub fn best() -> (Self, String) {
         let p = probe();
         match p.usable() {
-            Ok(d) => {
-                let (major, minor) = d.compute_capability;
-                (Device::Cuda(d.ordinal), format!("{} (sm_{major}{minor}) found", d.name))
+            Ok(_) => {
+                let visible =
+                    p.devices.iter().flatten().find(|d| kiln_runtime::visible::is_visible(d.ordinal));
+                match visible {
+                    Some(d) => {
+                        let (major, minor) = d.compute_capability;
+                        (Device::Cuda(d.ordinal), format!("{} (sm_{major}{minor}) found", d.name))
+                    }
+                    None => (
+                        Device::Cpu,
+                        format!(
+                            "no visible CUDA device (visible: {})",
+                            kiln_runtime::visible::visible_description()
+                        ),
+                    ),
+                }
             }
             Err(why) => (Device::Cpu, format!("no CUDA: {why}")),
         }

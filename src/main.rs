@@ -43,6 +43,10 @@ enum Command {
         /// Train the seed model on every logical device first, so the table shows arenas and usage.
         #[arg(long)]
         seed: bool,
+        /// Only these devices are visible (TensorFlow's set_visible_devices): comma-separated
+        /// physical names, e.g. gpu:1 (the CPU is always visible; an empty list hides every GPU).
+        #[arg(long, value_name = "DEVICES")]
+        visible: Option<String>,
     },
     /// The GPU benchmark (as `cargo bench --bench gpu`), for machines with CUDA but no Rust toolchain.
     BenchGpu,
@@ -116,8 +120,8 @@ fn main() -> ExitCode {
                 Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
             },
         },
-        Command::Devices { limit, growth, fraction, logical, seed } => {
-            devices(&limit, &growth, &fraction, &logical, seed)
+        Command::Devices { limit, growth, fraction, logical, seed, visible } => {
+            devices(&limit, &growth, &fraction, &logical, seed, visible.as_deref())
         }
         Command::TorchStream { file } => torch_stream(file.as_deref()),
     };
@@ -296,8 +300,13 @@ fn devices(
     fraction: &[String],
     logical: &[String],
     seed: bool,
+    visible: Option<&str>,
 ) -> kiln::Result<()> {
     use kiln::runtime::devices::{DeviceConfig, parse_bytes};
+    if let Some(v) = visible {
+        let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        kiln::runtime::visible::set_visible_devices(&names)?;
+    }
     let pair = |s: &str| -> kiln::Result<(String, String)> {
         s.split_once('=')
             .map(|(a, b)| (a.to_string(), b.to_string()))

@@ -56,6 +56,8 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["devices", "--logical", "cpu:0=1GB,-2GB"], "never negative"),
     (&["devices", "--logical", "nope=1GB"], "no physical device `nope`"),
     (&["torch-stream", "/nonexistent/ts.json"], "cannot read /nonexistent/ts.json"),
+    (&["devices", "--visible", "gpu:9"], "no physical device `gpu:9`"),
+    (&["devices", "--visible", "cpu:0,cpu:0"], "named twice"),
     (&["torch-stream", "Cargo.toml"], "not a torch_stream.py recording"),
 ];
 

@@ -59,6 +59,18 @@ pub struct DeviceConfig {
     errors: Vec<String>,
 }
 
+/// This process's host memory: resident now and at its peak (`VmRSS`, `VmHWM` of
+/// /proc/self/status), what `psutil.Process().memory_info()` reports; `None` where the file is
+/// not there.
+pub fn process_host_memory() -> Option<(usize, usize)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = |key: &str| -> Option<usize> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse::<usize>().ok().map(|k| k * 1024)
+    };
+    Some((kib("VmRSS:")?, kib("VmHWM:")?))
+}
+
 /// The machine's memory from /proc/meminfo (16 GiB where it cannot be read).
 fn host_memory() -> usize {
     std::fs::read_to_string("/proc/meminfo")
@@ -435,10 +447,11 @@ impl Devices {
         Ok(())
     }
 
-    /// The devices with their policies, limits and usage, as `kiln devices` prints them.
+    /// The devices with their policies, limits and usage, as `kiln devices` prints them, and
+    /// the process's host memory beside them (nvidia-smi and psutil in one place).
     pub fn table(&self) -> String {
         let mut s = String::new();
-        let _ = writeln!(s, "physical devices:");
+        let _ = writeln!(s, "physical devices (visible GPUs: {}):", crate::visible::visible_description());
         for p in &self.physical {
             let _ = writeln!(s, "  {:<6} {:>12}  {}", p.name, human_bytes(p.total_bytes), p.description);
         }
@@ -462,6 +475,14 @@ impl Devices {
                 human_bytes(m.variables),
                 human_bytes(m.current),
                 human_bytes(m.peak)
+            );
+        }
+        if let Some((rss, peak)) = process_host_memory() {
+            let _ = writeln!(
+                s,
+                "process: {} resident on the host (peak {})",
+                human_bytes(rss),
+                human_bytes(peak)
             );
         }
         s
