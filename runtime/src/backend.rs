@@ -39,6 +39,17 @@ pub trait Backend {
         bytes: &[u8],
     ) -> Result<()>;
 
+    /// Marks input `name` fed without copying anything: the caller wrote its bytes where the
+    /// plan keeps it, inside a region it owns (`owned_memory`, `load_into`). Programs whose arena
+    /// the backend allocated refuse it (their inputs must be copied in with `set_input`).
+    fn set_input_in_place(&mut self, program: ProgramId, name: &str) -> Result<()> {
+        let _ = (program, name);
+        Err(RuntimeError::invalid(
+            format!("input `{name}`: this backend's programs are fed by copying"),
+            "use set_input, or load the plan into your own region (load_into)",
+        ))
+    }
+
     /// Copies `t` into input `name`, whose dtype must be `t`'s.
     fn set_input_tensor(&mut self, program: ProgramId, name: &str, t: &HostTensor) -> Result<()> {
         match t.dtype() {

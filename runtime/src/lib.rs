@@ -19,6 +19,7 @@ pub mod guard;
 mod host_buffer;
 pub mod init;
 pub mod memory;
+pub mod owned_memory;
 pub mod reference;
 pub mod store;
 pub mod tensor;

@@ -35,6 +35,8 @@ struct BoundStep {
 
 struct Program {
     plan: Plan,
+    /// The arena lies in the caller's region (`load_into`): inputs may be written there in place.
+    owned_region: bool,
     /// The backend device of each plan device.
     devices: Vec<usize>,
     /// One arena per plan device; `None` until the first run under the growth policy.
@@ -214,6 +216,79 @@ impl CpuBackend {
     }
 
     /// Allocates the program's arenas if this is its first run (growth policy).
+
+    /// Loads `plan` with its arena in `region`, memory the caller owns (`crate::owned_memory`):
+    /// refused before anything is loaded when the plan spans several devices or the region is
+    /// too small or misaligned for it. Inputs and outputs live in the region at
+    /// `owned_memory::io_offset`; write an input there and call `set_input_in_place`, read an
+    /// output there after `run`. The region must outlive the backend (hence `'static`: a leaked
+    /// or static buffer, or a pool that lives as long as the process).
+    pub fn load_into(&mut self, plan: Plan, region: &'static mut [u8]) -> Result<ProgramId> {
+        crate::owned_memory::check_region(&plan, region.as_ptr() as u64, region.len())?;
+        let ptr = std::ptr::NonNull::new(region.as_mut_ptr())
+            .ok_or_else(|| RuntimeError::invalid("the region is a null pointer", ""))?;
+        self.load_with(plan, Some((ptr, region.len())))
+    }
+
+    fn load_with(&mut self, plan: Plan, region: Option<(std::ptr::NonNull<u8>, usize)>) -> Result<ProgramId> {
+        // Everything below (and every pointer `run` forms) relies on what validation establishes.
+        RuntimeError::check_plan(&plan)?;
+        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
+        let backend_devices = &mut self.devices;
+        let slots = self
+            .store
+            .ensure_plan(&plan, |d, bytes| backend_devices[devices[d]].take(bytes, Purpose::Variable))?;
+        let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
+            Storage::Arena { device, offset } => Loc::Arena(device, offset),
+            Storage::Io { device, offset } => Loc::Io(device, offset),
+            Storage::Variable { index } => Loc::Var(slots[index]),
+        };
+        let mut steps = Vec::with_capacity(plan.steps.len());
+        for step in &plan.steps {
+            let ins: Vec<(&Shape, _)> =
+                step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
+            let scalar = Shape::scalar();
+            let out = match step.output {
+                Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
+                None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
+            };
+            let kernel = cpu::prepare(&step.op, &ins, out)?;
+            debug_assert!(step.op.class() != OpClass::View);
+            steps.push(BoundStep {
+                checks: kernel.checks_operands(),
+                kernel,
+                inputs: step.inputs.iter().map(|&v| loc(v)).collect(),
+                output: step.output.map(loc),
+            });
+        }
+        let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
+        let mut ios = Vec::with_capacity(plan.devices.len());
+        let mut arenas = Vec::with_capacity(plan.devices.len());
+        for (d, dev) in plan.devices.iter().enumerate() {
+            let device = &mut self.devices[devices[d]];
+            ios.push(device.take(dev.memory.io_bytes, Purpose::Io)?);
+            // Growth: the arena waits for the first run. Preallocation: carved now.
+            arenas.push(match (region, &device.pool) {
+                // The caller's region: not in the device's budget, never freed by kiln.
+                (Some((ptr, len)), _) => Some(HostMem::Pooled { ptr, len }),
+                (None, Some(_)) => Some(device.take(dev.memory.arena_bytes, Purpose::Arena)?),
+                (None, None) => None,
+            });
+        }
+        self.programs.push(Program {
+            owned_region: region.is_some(),
+            feeds: Feeds::new(&plan),
+            guard: Guard::new(&plan),
+            plan,
+            devices,
+            arenas,
+            ios,
+            steps,
+            scratch: Vec::with_capacity(max_operands),
+        });
+        Ok(self.programs.len() - 1)
+    }
+
     fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
         self.program(program)?;
         for d in 0..self.programs[program].arenas.len() {
@@ -310,59 +385,31 @@ impl Backend for CpuBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
-        // Everything below (and every pointer `run` forms) relies on what validation establishes.
-        RuntimeError::check_plan(&plan)?;
-        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
-        let backend_devices = &mut self.devices;
-        let slots = self
-            .store
-            .ensure_plan(&plan, |d, bytes| backend_devices[devices[d]].take(bytes, Purpose::Variable))?;
-        let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
-            Storage::Arena { device, offset } => Loc::Arena(device, offset),
-            Storage::Io { device, offset } => Loc::Io(device, offset),
-            Storage::Variable { index } => Loc::Var(slots[index]),
-        };
-        let mut steps = Vec::with_capacity(plan.steps.len());
-        for step in &plan.steps {
-            let ins: Vec<(&Shape, _)> =
-                step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
-            let scalar = Shape::scalar();
-            let out = match step.output {
-                Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
-                None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
-            };
-            let kernel = cpu::prepare(&step.op, &ins, out)?;
-            debug_assert!(step.op.class() != OpClass::View);
-            steps.push(BoundStep {
-                checks: kernel.checks_operands(),
-                kernel,
-                inputs: step.inputs.iter().map(|&v| loc(v)).collect(),
-                output: step.output.map(loc),
-            });
+        self.load_with(plan, None)
+    }
+
+    fn set_input_in_place(&mut self, program: ProgramId, name: &str) -> Result<()> {
+        let p = self.program(program)?;
+        if !p.owned_region {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "input `{name}` of plan {:?}: its arena is kiln's, so inputs are copied in",
+                    p.plan.name
+                ),
+                "use set_input, or load the plan into your own region (CpuBackend::load_into)",
+            ));
         }
-        let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
-        let mut ios = Vec::with_capacity(plan.devices.len());
-        let mut arenas = Vec::with_capacity(plan.devices.len());
-        for (d, dev) in plan.devices.iter().enumerate() {
-            let device = &mut self.devices[devices[d]];
-            ios.push(device.take(dev.memory.io_bytes, Purpose::Io)?);
-            // Growth: the arena waits for the first run. Preallocation: carved now.
-            arenas.push(match device.pool {
-                Some(_) => Some(device.take(dev.memory.arena_bytes, Purpose::Arena)?),
-                None => None,
-            });
-        }
-        self.programs.push(Program {
-            feeds: Feeds::new(&plan),
-            guard: Guard::new(&plan),
-            plan,
-            devices,
-            arenas,
-            ios,
-            steps,
-            scratch: Vec::with_capacity(max_operands),
-        });
-        Ok(self.programs.len() - 1)
+        let (value, _) = crate::owned_memory::io_offset(&p.plan, name).and_then(|_| {
+            p.plan.input(name).map(|b| (b.value, ())).ok_or_else(|| {
+                RuntimeError::invalid(
+                    format!("`{name}` is an output of plan {:?}, not an input", p.plan.name),
+                    "",
+                )
+            })
+        })?;
+        let p = &mut self.programs[program];
+        p.feeds.fed(&p.plan, value);
+        Ok(())
     }
 
     fn plan(&self, program: ProgramId) -> Result<&Plan> {

@@ -68,6 +68,8 @@ struct BoundLaunch {
 
 struct Program {
     plan: Plan,
+    /// The arena lies in the caller's region (`load_into`): inputs may be written there in place.
+    owned_region: bool,
     /// The backend device of each plan device.
     devices: Vec<usize>,
     /// One arena per plan device; `None` until the first run under the growth policy.
@@ -561,6 +563,91 @@ impl CudaBackend {
 
     /// Allocates the program's arenas if this is its first run (growth) and resolves every launch
     /// argument to an address.
+    /// Loads `plan` with its arena at device address `ptr` (`len` bytes), memory the caller
+    /// owns (`crate::owned_memory`): refused before anything is loaded when the plan spans several
+    /// devices or the region is too small or misaligned. Inputs and outputs live in the region at
+    /// `owned_memory::io_offset`: write an input there (with the caller's own copy or kernel) and
+    /// call `set_input_in_place`; read an output there after `run`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is device memory of this backend's device that stays allocated, and that
+    /// nothing else writes while the program runs, for as long as the backend lives.
+    pub unsafe fn load_into(&mut self, plan: Plan, ptr: u64, len: usize) -> Result<ProgramId> {
+        crate::owned_memory::check_region(&plan, ptr, len)?;
+        self.load_with(plan, Some((ptr, len)))
+    }
+
+    fn load_with(&mut self, plan: Plan, region: Option<(u64, usize)>) -> Result<ProgramId> {
+        // Every device pointer formed below and at launch relies on what validation establishes.
+        RuntimeError::check_plan(&plan)?;
+        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
+        self.check_fits(&plan, &devices)?;
+        let var_ptrs = self.ensure_variables(&plan, &devices)?;
+        let kernels = plan_kernels(&plan)?;
+        let refs: Vec<&CudaKernel> = kernels.iter().collect();
+        let functions = self.driver.load(&refs)?;
+        let mut ios = Vec::with_capacity(plan.devices.len());
+        let mut arenas = Vec::with_capacity(plan.devices.len());
+        for (d, dev) in plan.devices.iter().enumerate() {
+            ios.push(self.take(devices[d], dev.memory.io_bytes, Purpose::Io)?);
+            // Growth: the arena waits for the first run. Preallocation: carved now.
+            let pooled = self.devices[devices[d]].books().pool.is_some();
+            arenas.push(match (region, pooled) {
+                // The caller's region: not in the device's budget, never freed by kiln.
+                (Some((ptr, _)), _) => Some(DeviceMem { ptr, owner: None }),
+                (None, true) => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
+                (None, false) => None,
+            });
+        }
+        let loc = |value: usize| -> Loc {
+            match plan.buffers[plan.values[value].buffer].storage {
+                Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
+                Storage::Io { device, offset } => Loc::Io(device, offset as u64),
+                Storage::Variable { index } => Loc::Var(var_ptrs[index]),
+            }
+        };
+        let mut launches = Vec::new();
+        for (s, ((step, kernel), functions)) in plan.steps.iter().zip(&kernels).zip(functions).enumerate() {
+            for (l, function) in kernel.launches.iter().zip(functions) {
+                let locs = l
+                    .args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Input(i) => Ok(loc(step.inputs[*i])),
+                        Arg::Output => step.output.map(loc).ok_or_else(|| {
+                            RuntimeError::Cuda(format!(
+                                "kernel `{}` wants an output but `{}` has none",
+                                l.function, step.label
+                            ))
+                        }),
+                    })
+                    .collect::<Result<Vec<Loc>>>()?;
+                launches.push(BoundLaunch {
+                    function,
+                    launch: l.clone(),
+                    locs,
+                    args: Vec::new(),
+                    step: s,
+                    kernel: kernel.describe.clone(),
+                });
+            }
+        }
+        self.programs.push(Program {
+            owned_region: region.is_some(),
+            feeds: Feeds::new(&plan),
+            guard: Guard::new(&plan),
+            plan,
+            devices,
+            arenas,
+            ios,
+            launches,
+            bound: false,
+            recording: None,
+            recorded: false,
+        });
+        Ok(self.programs.len() - 1)
+    }
+
     fn bind(&mut self, program: ProgramId) -> Result<()> {
         if self.program(program)?.bound {
             return Ok(());
@@ -665,71 +752,30 @@ impl Backend for CudaBackend {
     }
 
     fn load(&mut self, plan: Plan) -> Result<ProgramId> {
-        // Every device pointer formed below and at launch relies on what validation establishes.
-        RuntimeError::check_plan(&plan)?;
-        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
-        self.check_fits(&plan, &devices)?;
-        let var_ptrs = self.ensure_variables(&plan, &devices)?;
-        let kernels = plan_kernels(&plan)?;
-        let refs: Vec<&CudaKernel> = kernels.iter().collect();
-        let functions = self.driver.load(&refs)?;
-        let mut ios = Vec::with_capacity(plan.devices.len());
-        let mut arenas = Vec::with_capacity(plan.devices.len());
-        for (d, dev) in plan.devices.iter().enumerate() {
-            ios.push(self.take(devices[d], dev.memory.io_bytes, Purpose::Io)?);
-            // Growth: the arena waits for the first run. Preallocation: carved now.
-            let pooled = self.devices[devices[d]].books().pool.is_some();
-            arenas.push(match pooled {
-                true => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
-                false => None,
-            });
+        self.load_with(plan, None)
+    }
+
+    fn set_input_in_place(&mut self, program: ProgramId, name: &str) -> Result<()> {
+        let p = self.program(program)?;
+        if !p.owned_region {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "input `{name}` of plan {:?}: its arena is kiln's, so inputs are copied in",
+                    p.plan.name
+                ),
+                "use set_input, or load the plan into your own region (CudaBackend::load_into)",
+            ));
         }
-        let loc = |value: usize| -> Loc {
-            match plan.buffers[plan.values[value].buffer].storage {
-                Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
-                Storage::Io { device, offset } => Loc::Io(device, offset as u64),
-                Storage::Variable { index } => Loc::Var(var_ptrs[index]),
-            }
-        };
-        let mut launches = Vec::new();
-        for (s, ((step, kernel), functions)) in plan.steps.iter().zip(&kernels).zip(functions).enumerate() {
-            for (l, function) in kernel.launches.iter().zip(functions) {
-                let locs = l
-                    .args
-                    .iter()
-                    .map(|a| match a {
-                        Arg::Input(i) => Ok(loc(step.inputs[*i])),
-                        Arg::Output => step.output.map(loc).ok_or_else(|| {
-                            RuntimeError::Cuda(format!(
-                                "kernel `{}` wants an output but `{}` has none",
-                                l.function, step.label
-                            ))
-                        }),
-                    })
-                    .collect::<Result<Vec<Loc>>>()?;
-                launches.push(BoundLaunch {
-                    function,
-                    launch: l.clone(),
-                    locs,
-                    args: Vec::new(),
-                    step: s,
-                    kernel: kernel.describe.clone(),
-                });
-            }
-        }
-        self.programs.push(Program {
-            feeds: Feeds::new(&plan),
-            guard: Guard::new(&plan),
-            plan,
-            devices,
-            arenas,
-            ios,
-            launches,
-            bound: false,
-            recording: None,
-            recorded: false,
-        });
-        Ok(self.programs.len() - 1)
+        crate::owned_memory::io_offset(&p.plan, name)?;
+        let value = p.plan.input(name).map(|b| b.value).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!("`{name}` is an output of plan {:?}, not an input", p.plan.name),
+                "",
+            )
+        })?;
+        let p = self.program_mut(program)?;
+        p.feeds.fed(&p.plan, value);
+        Ok(())
     }
 
     fn plan(&self, program: ProgramId) -> Result<&Plan> {
