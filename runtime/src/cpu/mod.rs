@@ -215,8 +215,6 @@ impl CpuBackend {
         self.programs.get_mut(program).ok_or_else(|| no_program(program, loaded))
     }
 
-    /// Allocates the program's arenas if this is its first run (growth policy).
-
     /// Loads `plan` with its arena in `region`, memory the caller owns (`crate::owned_memory`):
     /// refused before anything is loaded when the plan spans several devices or the region is
     /// too small or misaligned for it. Inputs and outputs live in the region at
@@ -289,6 +287,7 @@ impl CpuBackend {
         Ok(self.programs.len() - 1)
     }
 
+    /// Allocates the program's arenas if this is its first run (growth policy).
     fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
         self.program(program)?;
         for d in 0..self.programs[program].arenas.len() {
