@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod devices;
+pub mod dlpack;
 pub mod eager;
 pub mod error;
 pub mod guard;

@@ -125,6 +125,12 @@ impl VariableStore {
         self.slots.iter().map(|s| s.spec.key.as_str())
     }
 
+    /// Where variable `key` lives and its shape.
+    pub fn locate(&self, key: &str) -> Option<(*mut u8, &kiln_compiler::ir::Shape)> {
+        let &i = self.index.get(key)?;
+        Some((self.ptr(i), &self.slots[i].spec.shape))
+    }
+
     pub fn get(&self, key: &str) -> Option<HostTensor> {
         let s = &self.slots[*self.index.get(key)?];
         let data = self.regions[s.region].f32s(s.offset, s.spec.shape.numel());

@@ -287,6 +287,141 @@ impl CpuBackend {
         Ok(self.programs.len() - 1)
     }
 
+    /// `run`, with the operands of the buffers in `bound` read from the caller's memory
+    /// (`run_with`): (buffer index, address).
+    fn run_overriding(&mut self, program: ProgramId, bound: &[(usize, *mut u8)]) -> Result<()> {
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
+        self.ensure_arenas(program)?;
+        let store = &self.store;
+        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
+        let mut scratch = std::mem::take(&mut p.scratch);
+        let guard = p.guard.as_ref();
+        if let Some(g) = guard {
+            fill_canaries(p, g, 0);
+        }
+        for (i, step) in p.steps.iter().enumerate() {
+            scratch.clear();
+            scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
+            for (j, &v) in p.plan.steps[i].inputs.iter().enumerate() {
+                if let Some(&(_, addr)) = bound.iter().find(|(b, _)| *b == p.plan.values[v].buffer) {
+                    scratch[j] = addr;
+                }
+            }
+            let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
+            if step.checks {
+                // SAFETY: as for `run` below.
+                if let Err(e) = unsafe { step.kernel.check_operands(&scratch) } {
+                    p.scratch = scratch;
+                    return Err(crate::backend::operand_error(&p.plan, i, e));
+                }
+            }
+            // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
+            // addresses a buffer of the plan inside its arena, io region or variable, holding
+            // its value's bytes; buffers live at this step do not overlap, and an output shares
+            // an operand's buffer only for an elementwise op in place, which the kernels allow;
+            // every kernel was prepared for exactly these shapes. A bound input (`run_with`)
+            // addresses the caller's contiguous tensor of its value's dtype and shape, which no
+            // step writes (checked there).
+            unsafe { step.kernel.run(&scratch, out) };
+            if let Some(g) = guard
+                && let Err(e) = guard_step(p, g, i)
+            {
+                p.scratch = scratch;
+                return Err(e);
+            }
+        }
+        p.scratch = scratch;
+        Ok(())
+    }
+
+    /// Runs `program` with the inputs in `bound` read in place from DLPack tensors (no copy) and
+    /// the others fed as usual. A bound tensor must be contiguous, on the CPU, aligned, of the
+    /// input's dtype and shape, and an input the plan never writes over (an elementwise op may
+    /// write its result over an input it reads last); otherwise an error says which.
+    pub fn run_with(
+        &mut self,
+        program: ProgramId,
+        bound: &[(&str, &crate::dlpack::Dlpack<'_>)],
+    ) -> Result<()> {
+        let p = self.program(program)?;
+        let mut buffers = Vec::with_capacity(bound.len());
+        for (name, t) in bound {
+            let b = p.plan.input(name).ok_or_else(|| {
+                RuntimeError::invalid(
+                    format!("plan {:?} has no input `{name}`", p.plan.name),
+                    "bind its inputs by name",
+                )
+            })?;
+            let v = p.plan.value(b.value);
+            let (dtype, shape) = t.check_for(crate::dlpack::CPU)?;
+            if dtype != v.dtype || shape != v.shape {
+                return Err(RuntimeError::InputShape {
+                    name: (*name).into(),
+                    expected: v.shape.clone(),
+                    expected_dtype: v.dtype,
+                    got: shape,
+                    dtype,
+                    help: "bind a tensor of the input's dtype and shape".into(),
+                });
+            }
+            let writes =
+                p.plan.steps.iter().filter_map(|s| s.output).any(|o| p.plan.values[o].buffer == v.buffer);
+            if writes {
+                return Err(RuntimeError::invalid(
+                    format!(
+                        "plan {:?} writes over its input `{name}` in place: binding it would change your tensor",
+                        p.plan.name
+                    ),
+                    "feed it by copy (set_input / call)",
+                ));
+            }
+            buffers.push((v.buffer, b.value, t.data_ptr() as *mut u8));
+        }
+        let p = &mut self.programs[program];
+        for &(_, value, _) in &buffers {
+            p.feeds.fed(&p.plan, value);
+        }
+        let bound: Vec<(usize, *mut u8)> = buffers.iter().map(|&(b, _, a)| (b, a)).collect();
+        self.run_overriding(program, &bound)
+    }
+
+    /// Output `name` where the plan left it, as a DLPack tensor (no copy), valid while the view
+    /// lives: it borrows the backend, so the program cannot run again meanwhile.
+    pub fn output_dlpack(&self, program: ProgramId, name: &str) -> Result<crate::dlpack::Dlpack<'_>> {
+        let p = self.program(program)?;
+        let (value, slot) = output_slot(&p.plan, name)?;
+        let v = p.plan.value(value);
+        let base = match slot {
+            Slot::Io { device, offset } => p.ios[device].as_mut_ptr() as u64 + offset as u64,
+            Slot::Arena { device, offset } => match &p.arenas[device] {
+                Some(a) => a.as_mut_ptr() as u64 + offset as u64,
+                None => {
+                    return Err(RuntimeError::invalid(
+                        format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
+                        "run the plan before exporting its outputs",
+                    ));
+                }
+            },
+        };
+        // SAFETY: the output's bytes lie at `base` inside the program's memory, which lives as
+        // long as the backend; the view borrows the backend.
+        unsafe { crate::dlpack::view(base, crate::dlpack::CPU, v.dtype, &v.shape) }
+    }
+
+    /// Variable `key` in its region, as a DLPack tensor (no copy), borrowing the backend.
+    pub fn variable_dlpack(&self, key: &str) -> Result<crate::dlpack::Dlpack<'_>> {
+        let (ptr, shape) = self.store.locate(key).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!("no variable `{key}`"),
+                "variables exist once a plan that declares them is loaded",
+            )
+        })?;
+        // SAFETY: the variable's f32s lie at `ptr` in a region the store keeps for the backend's
+        // life; the view borrows the backend.
+        unsafe { crate::dlpack::view(ptr as u64, crate::dlpack::CPU, DType::F32, shape) }
+    }
+
     /// Allocates the program's arenas if this is its first run (growth policy).
     fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
         self.program(program)?;
@@ -451,42 +586,7 @@ impl Backend for CpuBackend {
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
-        let p = self.program_mut(program)?;
-        p.feeds.consume(&p.plan)?;
-        self.ensure_arenas(program)?;
-        let store = &self.store;
-        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
-        let mut scratch = std::mem::take(&mut p.scratch);
-        let guard = p.guard.as_ref();
-        if let Some(g) = guard {
-            fill_canaries(p, g, 0);
-        }
-        for (i, step) in p.steps.iter().enumerate() {
-            scratch.clear();
-            scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
-            let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
-            if step.checks {
-                // SAFETY: as for `run` below.
-                if let Err(e) = unsafe { step.kernel.check_operands(&scratch) } {
-                    p.scratch = scratch;
-                    return Err(crate::backend::operand_error(&p.plan, i, e));
-                }
-            }
-            // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
-            // addresses a buffer of the plan inside its arena, io region or variable, holding
-            // its value's bytes; buffers live at this step do not overlap, and an output shares
-            // an operand's buffer only for an elementwise op in place, which the kernels allow;
-            // every kernel was prepared for exactly these shapes.
-            unsafe { step.kernel.run(&scratch, out) };
-            if let Some(g) = guard
-                && let Err(e) = guard_step(p, g, i)
-            {
-                p.scratch = scratch;
-                return Err(e);
-            }
-        }
-        p.scratch = scratch;
-        Ok(())
+        self.run_overriding(program, &[])
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {

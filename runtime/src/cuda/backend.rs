@@ -648,6 +648,61 @@ impl CudaBackend {
         Ok(self.programs.len() - 1)
     }
 
+    /// This device as DLPack names it.
+    fn dl_device(&self) -> crate::dlpack::DLDevice {
+        crate::dlpack::DLDevice { device_type: crate::dlpack::KDL_CUDA, device_id: self.info.ordinal as i32 }
+    }
+
+    /// Output `name` where the plan left it on the device, as a DLPack tensor (no copy), valid
+    /// while the view lives: it borrows the backend, so the program cannot run again meanwhile.
+    pub fn output_dlpack(&self, program: ProgramId, name: &str) -> Result<crate::dlpack::Dlpack<'_>> {
+        let plan = &self.program(program)?.plan;
+        let (value, _) = output_slot(plan, name)?;
+        let v = plan.value(value);
+        let addr = self.io_address(program, value, name)?;
+        // SAFETY: the output's bytes lie at `addr` in the program's device memory, which lives
+        // as long as the backend; the view borrows the backend.
+        unsafe { crate::dlpack::view(addr, self.dl_device(), v.dtype, &v.shape) }
+    }
+
+    /// Variable `key` on the device, as a DLPack tensor (no copy), borrowing the backend.
+    pub fn variable_dlpack(&self, key: &str) -> Result<crate::dlpack::Dlpack<'_>> {
+        let v = self.variables.get(key).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!("no variable `{key}`"),
+                "variables exist once a plan that declares them is loaded",
+            )
+        })?;
+        // SAFETY: the variable lives at `v.ptr` in a region the backend keeps for its life.
+        unsafe { crate::dlpack::view(v.ptr, self.dl_device(), v.spec.dtype, &v.spec.shape) }
+    }
+
+    /// Feeds input `name` from a DLPack tensor: one copy on the device from a tensor on this
+    /// device, one host-to-device copy from a CPU tensor (the plan's launches are bound to its
+    /// arena, so the CUDA backend copies where the CPU backend can bind in place, `run_with`).
+    pub fn set_input_dlpack(
+        &mut self,
+        program: ProgramId,
+        name: &str,
+        t: &crate::dlpack::Dlpack<'_>,
+    ) -> Result<()> {
+        if t.device().device_type == crate::dlpack::KDL_CPU {
+            let host = crate::dlpack::host_from_dlpack(t)?;
+            return self.set_input_tensor(program, name, &host);
+        }
+        let (dtype, shape) = t.check_for(self.dl_device())?;
+        let len = shape.numel();
+        let value = check_input(&self.program(program)?.plan, name, &shape, len, dtype)?;
+        self.bind(program)?;
+        let dst = self.io_address(program, value, name)?;
+        // SAFETY: `check_for` established a contiguous tensor of `shape` and `dtype` on this
+        // device; the destination is the input's slot, of exactly those bytes.
+        unsafe { self.driver.dtod(dst, t.data_ptr(), len * dtype.size_bytes()) }?;
+        let p = self.program_mut(program)?;
+        p.feeds.fed(&p.plan, value);
+        Ok(())
+    }
+
     fn bind(&mut self, program: ProgramId) -> Result<()> {
         if self.program(program)?.bound {
             return Ok(());

@@ -66,6 +66,14 @@ pub trait Driver: Send + Sync {
     /// # Safety
     /// `[src, src + dst.len())` lies inside one allocation of this driver.
     unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+    /// Copies `bytes` bytes between device addresses of this device (after the stream's earlier
+    /// work).
+    ///
+    /// # Safety
+    /// `[src, src + bytes)` lies inside device memory of this device (an allocation of this driver
+    /// or another library's on the same device) and `[dst, dst + bytes)` inside one allocation
+    /// of this driver; the two do not overlap.
+    unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
     /// Compiles (or finds in a cache) and loads `kernels`: per kernel, one function per launch.
     fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>>;
     /// Queues one launch of `f` with `launch`'s geometry and these pointer arguments.
@@ -218,6 +226,16 @@ impl Driver for CudaDriver {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
             .map_err(err("copying to the host"))?;
         self.stream.synchronize().map_err(err("copying to the host"))
+    }
+
+    unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(err("waiting for the stream"))?;
+        // SAFETY: the caller guarantees both ranges are device memory of this device, the
+        // destination inside one allocation; the copy is waited for before returning.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(err("copying on the device"))?;
+        self.stream.synchronize().map_err(err("copying on the device"))
     }
 
     fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>> {

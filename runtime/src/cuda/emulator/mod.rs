@@ -364,6 +364,17 @@ impl Driver for EmulatedDevice {
         Ok(())
     }
 
+    unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.sticky()?;
+        let state = self.state();
+        let src = self.check_range(&state, src, bytes, "copying on the device (source)")?;
+        let dst = self.check_range(&state, dst, bytes, "copying on the device")?;
+        // SAFETY: both ranges were just checked to lie inside live allocations of this device;
+        // `copy` allows them to overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
     fn load(&self, kernels: &[&CudaKernel]) -> Result<Vec<Vec<Function>>> {
         let key = |k: &CudaKernel| -> String {
             let mut h = Sha256::new();
