@@ -150,16 +150,55 @@ fn custom_op_mistakes_are_errors_that_name_the_op() {
     let e =
         train_step_graph(&model, Shape::new([2, 3]), Shape::new([2, 4]), &config()).unwrap_err().to_string();
     assert!(e.contains("custom op `doubler` has no gradient"), "{e}");
-    // No CUDA kernel: refused when a CUDA backend loads the plan, naming the op.
+    // No CUDA kernel: refused when a CUDA backend loads the plan, naming the op, before any
+    // variable of the plan is created.
     if cuda::emulator::host::available().is_ok() {
         let t = Tracer::new("double");
         let x = t.input("x", [4]);
-        t.output("y", &t.custom("doubler", &[&x]));
+        let w = t.param("w", [4], Init::Zeros);
+        t.output("y", &t.custom("doubler", &[&(&x + &w)]));
         let plan = compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
         let mut gpu =
             CudaBackend::with_driver(EmulatedDevice::new(GB).unwrap(), 0, vec![], Tracker::default())
                 .unwrap();
         let e = gpu.load(plan).unwrap_err().to_string();
         assert!(e.contains("doubler") && e.contains("no CUDA kernel"), "{e}");
+        assert!(gpu.read_variable("w").is_err(), "nothing half-loaded");
     }
+}
+
+/// A kernel that writes more than its shape function said: a clear error, not a crash.
+struct Liar;
+
+impl CustomOp for Liar {
+    fn name(&self) -> &str {
+        "liar"
+    }
+    fn infer(&self, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+        Ok((Shape::new([2]), operands[0].1))
+    }
+    fn cpu(&self, inputs: &[&[f32]], _: &[&Shape], output: &mut [f32]) {
+        for (i, x) in inputs[0].iter().enumerate() {
+            output[i] = *x; // four elements into an output of two
+        }
+    }
+}
+
+#[test]
+fn a_kernel_that_disagrees_with_its_shape_function_is_an_error() {
+    register(Arc::new(Liar)).ok();
+    let t = Tracer::new("liar");
+    let x = t.input("x", [4]);
+    t.output("y", &(t.custom("liar", &[&x]) + 1.0));
+    let graph = t.finish().unwrap();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(compile(graph.clone(), &CompileOptions::default()).unwrap()).unwrap();
+    let x = HostTensor::new([4], vec![1.0; 4]).unwrap();
+    let e = cpu.call(id, &[("x", &x)]).unwrap_err().to_string();
+    assert!(e.contains("custom op `liar`'s CPU kernel panicked") && e.contains("f32[2]"), "{e}");
+    // The reference interpreter says the same.
+    let s = kiln::compiler::optimize(graph).unwrap();
+    let mut reference = kiln::runtime::reference::ReferenceInterpreter::new(0);
+    let e = reference.run(&s.graph, &s.order, &[("x", &x)]).unwrap_err().to_string();
+    assert!(e.contains("panicked"), "{e}");
 }

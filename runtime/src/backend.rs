@@ -224,12 +224,17 @@ pub fn no_program(program: ProgramId, loaded: usize) -> RuntimeError {
 /// The error for step `step` of `plan` whose operand values its op rejects (a gather id out of
 /// range): names the step, its op and where the operands come from.
 pub fn operand_error(plan: &Plan, step: usize, message: String) -> RuntimeError {
+    step_error(plan, step, message, "feed ids that are whole numbers inside the table (0 <= id < rows)")
+}
+
+/// A step that failed, named with its label, the line that traced it and its operands.
+pub fn step_error(plan: &Plan, step: usize, message: String, help: &str) -> RuntimeError {
     let s = &plan.steps[step];
     let sources: Vec<&str> =
         s.inputs.iter().map(|&v| plan.buffers[plan.values[v].buffer].label.as_str()).collect();
     let at = s.origin.as_ref().map(|o| format!(" (traced at {o})")).unwrap_or_default();
     RuntimeError::invalid(
         format!("step {step} ({}{at}): {message}; its operands are {}", s.label, sources.join(", ")),
-        "feed ids that are whole numbers inside the table (0 <= id < rows)",
+        help,
     )
 }

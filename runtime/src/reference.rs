@@ -137,6 +137,9 @@ impl ReferenceInterpreter {
                     // shape and dtype), the output a fresh one of the output's bytes; no two of
                     // them overlap.
                     unsafe { kernel.run(&ptrs, output) };
+                    if let Some(why) = kernel.take_failure() {
+                        return Err(RuntimeError::invalid(format!("`{}`: {why}", op.name()), ""));
+                    }
                     if op.is_effect() {
                         // Updates wrote their variable operands in place: store them back, and
                         // as the variable's value for what runs later in this call (the next

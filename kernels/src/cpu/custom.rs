@@ -11,7 +11,10 @@ struct Custom {
     def: Arc<dyn CustomOp>,
     shapes: Vec<Shape>,
     out: usize,
+    out_shape: Shape,
     desc: String,
+    /// A panic of the user's kernel in the last run (`take_failure`).
+    failure: std::sync::Mutex<Option<String>>,
 }
 
 pub(crate) fn custom(
@@ -29,7 +32,9 @@ pub(crate) fn custom(
         def,
         shapes: operands.iter().map(|s| (*s).clone()).collect(),
         out: out.numel(),
+        out_shape: out.clone(),
         desc: format!("custom {name} {} -> {}", list.join(", "), shape_text(out)),
+        failure: std::sync::Mutex::new(None),
     }))
 }
 
@@ -45,18 +50,36 @@ impl CpuKernel for Custom {
             .map(|(&p, s)| unsafe { std::slice::from_raw_parts(p as *const f32, s.numel()) })
             .collect();
         let shapes: Vec<&Shape> = self.shapes.iter().collect();
-        if ins.iter().any(|s| std::ptr::eq(s.as_ptr(), output as *const f32)) {
-            // In place: the user's function gets a copy of the operands and writes the output.
-            let copies: Vec<Vec<f32>> = ins.iter().map(|s| s.to_vec()).collect();
-            let refs: Vec<&[f32]> = copies.iter().map(Vec::as_slice).collect();
-            // SAFETY: the output holds `out` f32s and no other slice now refers to it.
-            let out = unsafe { std::slice::from_raw_parts_mut(output as *mut f32, self.out) };
-            self.def.cpu(&refs, &shapes, out);
-            return;
-        }
-        // SAFETY: the output holds `out` f32s and overlaps no operand (checked above).
+        let in_place = ins.iter().any(|s| std::ptr::eq(s.as_ptr(), output as *const f32));
+        // In place: the user's function gets a copy of the operands and writes the output.
+        let copies: Vec<Vec<f32>> =
+            if in_place { ins.iter().map(|s| s.to_vec()).collect() } else { Vec::new() };
+        let refs: Vec<&[f32]> = if in_place { copies.iter().map(Vec::as_slice).collect() } else { ins };
+        // SAFETY: the output holds `out` f32s, and no slice in `refs` refers to it (they are
+        // copies when the op runs in place).
         let out = unsafe { std::slice::from_raw_parts_mut(output as *mut f32, self.out) };
-        self.def.cpu(&ins, &shapes, out);
+        // The user's code may panic (an index past the output `infer` sized, say): caught and
+        // reported as the step's error rather than unwinding through the executor.
+        let run =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.def.cpu(&refs, &shapes, out)));
+        if let Err(p) = run {
+            let why = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".into());
+            *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+                "custom op `{}`'s CPU kernel panicked ({why}); its shape function gave f32{} ({} elements): \
+                 make the kernel write exactly the output `infer` describes",
+                self.def.name(),
+                self.out_shape,
+                self.out
+            ));
+        }
+    }
+
+    fn take_failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     fn describe(&self) -> String {

@@ -70,6 +70,11 @@ pub trait CpuKernel: Send + Sync {
     unsafe fn check_operands(&self, _inputs: &[*mut u8]) -> Result<(), String> {
         Ok(())
     }
+    /// Why the last `run` failed, for kernels that can (a custom op's user code, which may
+    /// panic: caught, and reported here once); executors check it after every run.
+    fn take_failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Prepares a kernel for `op` on operands of the given shapes/dtypes producing `output`. All shape

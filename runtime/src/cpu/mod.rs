@@ -231,6 +231,20 @@ impl CpuBackend {
     fn load_with(&mut self, plan: Plan, region: Option<(std::ptr::NonNull<u8>, usize)>) -> Result<ProgramId> {
         // Everything below (and every pointer `run` forms) relies on what validation establishes.
         RuntimeError::check_plan(&plan)?;
+        // Every kernel first: a plan one cannot run (an unregistered custom op, say) is refused
+        // before any variable is created, so a refused load leaves nothing behind.
+        let mut kernels = Vec::with_capacity(plan.steps.len());
+        for step in &plan.steps {
+            let ins: Vec<(&Shape, _)> =
+                step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
+            let scalar = Shape::scalar();
+            let out = match step.output {
+                Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
+                None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
+            };
+            kernels.push(cpu::prepare(&step.op, &ins, out)?);
+            debug_assert!(step.op.class() != OpClass::View);
+        }
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
         let backend_devices = &mut self.devices;
         let slots = self
@@ -241,24 +255,17 @@ impl CpuBackend {
             Storage::Io { device, offset } => Loc::Io(device, offset),
             Storage::Variable { index } => Loc::Var(slots[index]),
         };
-        let mut steps = Vec::with_capacity(plan.steps.len());
-        for step in &plan.steps {
-            let ins: Vec<(&Shape, _)> =
-                step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
-            let scalar = Shape::scalar();
-            let out = match step.output {
-                Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
-                None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
-            };
-            let kernel = cpu::prepare(&step.op, &ins, out)?;
-            debug_assert!(step.op.class() != OpClass::View);
-            steps.push(BoundStep {
+        let steps: Vec<BoundStep> = plan
+            .steps
+            .iter()
+            .zip(kernels)
+            .map(|(step, kernel)| BoundStep {
                 checks: kernel.checks_operands(),
                 kernel,
                 inputs: step.inputs.iter().map(|&v| loc(v)).collect(),
                 output: step.output.map(loc),
-            });
-        }
+            })
+            .collect();
         let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
         let mut ios = Vec::with_capacity(plan.devices.len());
         let mut arenas = Vec::with_capacity(plan.devices.len());
@@ -324,6 +331,15 @@ impl CpuBackend {
             // addresses the caller's contiguous tensor of its value's dtype and shape, which no
             // step writes (checked there).
             unsafe { step.kernel.run(&scratch, out) };
+            if let Some(why) = step.kernel.take_failure() {
+                p.scratch = scratch;
+                return Err(crate::backend::step_error(
+                    &p.plan,
+                    i,
+                    why,
+                    "fix the custom op's kernel or its shape function",
+                ));
+            }
             if let Some(g) = guard
                 && let Err(e) = guard_step(p, g, i)
             {

@@ -582,10 +582,12 @@ impl CudaBackend {
         RuntimeError::check_plan(&plan)?;
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
         self.check_fits(&plan, &devices)?;
-        let var_ptrs = self.ensure_variables(&plan, &devices)?;
+        // Every kernel first: a plan one cannot run (a custom op without a CUDA kernel, say) is
+        // refused before any variable is created, so a refused load leaves nothing behind.
         let kernels = plan_kernels(&plan)?;
         let refs: Vec<&CudaKernel> = kernels.iter().collect();
         let functions = self.driver.load(&refs)?;
+        let var_ptrs = self.ensure_variables(&plan, &devices)?;
         let mut ios = Vec::with_capacity(plan.devices.len());
         let mut arenas = Vec::with_capacity(plan.devices.len());
         for (d, dev) in plan.devices.iter().enumerate() {

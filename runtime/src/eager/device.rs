@@ -82,7 +82,10 @@ impl EagerDevice for CpuEager {
         // SAFETY: every block is live host memory of its value's size; blocks of live values do
         // not overlap (the allocator hands out disjoint blocks).
         unsafe { kernel.run(&ptrs, output as usize as *mut u8) };
-        Ok(())
+        match kernel.take_failure() {
+            Some(why) => Err(RuntimeError::invalid(format!("eager `{}`: {why}", op.name()), "")),
+            None => Ok(()),
+        }
     }
 }
 
