@@ -301,3 +301,86 @@ fn onnx_node_tests() {
         passed.len()
     );
 }
+
+/// The nine real architectures of `onnx/backend/test/data/light` (AlexNet, DenseNet-121,
+/// Inception v1 and v2, ResNet-50, ShuffleNet, SqueezeNet, VGG-19, ZFNet-512: their weights
+/// replaced by constants), each imported, planned and run on the CPU with the input ONNX's own
+/// runner feeds them (`arange(n) / n`, symbolic axes of size 1), against the reference outputs
+/// beside them: every element within 1e-3 of the output's largest magnitude.
+#[test]
+fn light_models_match_their_reference_outputs() {
+    let Some(root) =
+        std::env::var_os("KILN_ONNX_DATA").map(|d| PathBuf::from(d).join("light")).filter(|d| d.is_dir())
+    else {
+        if std::env::var("KILN_REQUIRE_ONNX_DATA").is_ok_and(|v| v == "1") {
+            panic!("KILN_REQUIRE_ONNX_DATA=1 but there is no light/ model directory");
+        }
+        eprintln!("skipped: no ONNX test data (KILN_ONNX_DATA)");
+        return;
+    };
+    let mut models: Vec<PathBuf> = std::fs::read_dir(&root)
+        .expect("the light model directory reads")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "onnx"))
+        .collect();
+    models.sort();
+    assert_eq!(models.len(), 9, "the nine light models under {}", root.display());
+    let mut failures = Vec::new();
+    for path in &models {
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let bytes = std::fs::read(path).unwrap();
+        let model = ModelProto::decode(bytes.as_slice()).unwrap();
+        let graph = model.graph.as_ref().unwrap();
+        // Symbolic axes of every input take size 1, as ONNX's runner sizes them.
+        let dims: Vec<(String, usize)> = graph
+            .input
+            .iter()
+            .filter_map(|i| i.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref())
+            .flat_map(|s| s.dim.iter().filter_map(|d| d.dim_param.clone().filter(|p| !p.is_empty())))
+            .map(|p| (p, 1))
+            .collect();
+        let start = std::time::Instant::now();
+        let outcome = (|| -> Result<(f32, f32, usize, usize), String> {
+            let imported = import(&bytes, &dims).map_err(|e| format!("import: {e}"))?;
+            let inputs = imported.graph.inputs();
+            let [x_node] = inputs.as_slice() else {
+                return Err(format!("{} graph inputs after import, not one", inputs.len()));
+            };
+            let node = imported.graph.node(*x_node);
+            let kiln::compiler::ir::Op::Input { name: in_name, .. } = &node.op else { unreachable!() };
+            let in_name = in_name.clone();
+            let n = node.shape.numel();
+            let x =
+                HostTensor::new(node.shape.clone(), (0..n).map(|i| (i as f64 / n as f64) as f32).collect())
+                    .unwrap();
+            let plan =
+                compile(imported.graph, &CompileOptions::default()).map_err(|e| format!("compile: {e}"))?;
+            let (arena, bound) = (plan.memory.arena_bytes, plan.memory.lower_bound_bytes);
+            let mut cpu = CpuBackend::new(0);
+            let id = cpu.load(plan).map_err(|e| format!("load: {e}"))?;
+            for (key, value) in &imported.weights {
+                cpu.write_variable(key, value).map_err(|e| e.to_string())?;
+            }
+            let out = cpu.call(id, &[(in_name.as_str(), &x)]).map_err(|e| format!("run: {e}"))?;
+            let want = floats(&read_tensor(&root.join(format!("{name}_output_0.pb")))?);
+            let got = out[0].1.data();
+            if got.len() != want.len() {
+                return Err(format!("{} values for {} expected", got.len(), want.len()));
+            }
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
+            if !(err <= 1e-3 * scale) {
+                return Err(format!("max error {err:e} against the reference's largest magnitude {scale:e}"));
+            }
+            Ok((err, scale, arena, bound))
+        })();
+        match outcome {
+            Ok((err, scale, arena, bound)) => println!(
+                "{name}: matches (max error {err:.2e} of {scale:.2e}); arena {arena} B, lower bound {bound} B, {:.1} s",
+                start.elapsed().as_secs_f64()
+            ),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "light models that do not match:\n{}", failures.join("\n"));
+}
