@@ -74,15 +74,27 @@ fn model(
     input: Vec<ValueInfoProto>,
     opset: i64,
 ) -> Vec<u8> {
+    named_model("mlp", "probs", nodes, initializer, input, opset)
+}
+
+/// A model named `name` of `nodes` whose one output is `output`.
+fn named_model(
+    name: &str,
+    output: &str,
+    nodes: Vec<NodeProto>,
+    initializer: Vec<TensorProto>,
+    input: Vec<ValueInfoProto>,
+    opset: i64,
+) -> Vec<u8> {
     ModelProto {
         ir_version: Some(8),
         producer_name: Some("kiln tests".into()),
         graph: Some(GraphProto {
-            name: Some("mlp".into()),
+            name: Some(name.into()),
             node: nodes,
             initializer,
             input,
-            output: vec![value("probs", &[])],
+            output: vec![value(output, &[])],
         }),
         opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(opset) }],
     }
@@ -375,19 +387,7 @@ fn graph(
     input: Vec<ValueInfoProto>,
     opset: i64,
 ) -> Vec<u8> {
-    ModelProto {
-        ir_version: Some(8),
-        producer_name: Some("kiln tests".into()),
-        graph: Some(GraphProto {
-            name: Some("g".into()),
-            node: nodes,
-            initializer,
-            input,
-            output: vec![value("y", &[])],
-        }),
-        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(opset) }],
-    }
-    .encode_to_vec()
+    named_model("g", "y", nodes, initializer, input, opset)
 }
 
 /// Imports `bytes`, plans it and runs it on the CPU with `feeds`: output `y`.

@@ -369,7 +369,7 @@ fn light_models_match_their_reference_outputs() {
             }
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
             let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
-            if !(err <= 1e-3 * scale) {
+            if err.is_nan() || err > 1e-3 * scale {
                 return Err(format!("max error {err:e} against the reference's largest magnitude {scale:e}"));
             }
             Ok((err, scale, arena, bound))

@@ -105,6 +105,26 @@ pub trait Backend {
     }
 }
 
+/// Checks `bytes` fed to input `name` as elements of `dtype` of `shape` (whole elements, and
+/// what `check_input` checks); returns the binding's value index.
+pub fn check_input_bytes(
+    plan: &Plan,
+    name: &str,
+    shape: &Shape,
+    dtype: DType,
+    bytes: &[u8],
+) -> Result<usize> {
+    let len = bytes.len() / dtype.size_bytes().max(1);
+    let value = check_input(plan, name, shape, len, dtype)?;
+    if len * dtype.size_bytes() != bytes.len() {
+        return Err(RuntimeError::invalid(
+            format!("input `{name}`: {} bytes are not whole {dtype} elements", bytes.len()),
+            "pass HostTensor::to_bytes of the tensor",
+        ));
+    }
+    Ok(value)
+}
+
 /// Checks a fed input (`len` elements of `dtype`) against the plan's binding; returns the
 /// binding's value index.
 pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize, dtype: DType) -> Result<usize> {

@@ -57,3 +57,18 @@ pub fn io_offset(plan: &Plan, name: &str) -> Result<(usize, usize)> {
         )),
     }
 }
+
+/// The value of input `name`, which the caller wrote in place inside its region: refused for a
+/// program whose arena is the backend's (`owned` false), or a name that is no input.
+pub fn in_place_input(plan: &Plan, owned: bool, name: &str) -> Result<usize> {
+    if !owned {
+        return Err(RuntimeError::invalid(
+            format!("input `{name}` of plan {:?}: its arena is kiln's, so inputs are copied in", plan.name),
+            "use set_input, or load the plan into your own region (load_into)",
+        ));
+    }
+    io_offset(plan, name)?;
+    plan.input(name).map(|b| b.value).ok_or_else(|| {
+        RuntimeError::invalid(format!("`{name}` is an output of plan {:?}, not an input", plan.name), "")
+    })
+}

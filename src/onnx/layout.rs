@@ -350,17 +350,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
         "Size" => Value::Ints(Ints::scalar(product(&dims_of(&imp.input(n, 0)?)) as i64)),
         "ConstantOfShape" => {
             let shape = imp.ints(n, 0)?;
-            let dims: Vec<usize> = shape
-                .values
-                .iter()
-                .map(|&d| usize::try_from(d).ok().filter(|&d| d > 0))
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
-                    n.unsupported(
-                        format!("has the shape {:?}", shape.values),
-                        "kiln's tensors have positive sizes",
-                    )
-                })?;
+            let dims = positive_dims(n, &shape.values, "has the shape")?;
             match n.attr("value").and_then(|a| a.t.as_ref()) {
                 Some(t) if super::is_integer(t) => {
                     let v = super::folded(t)?.values.first().copied().unwrap_or(0);
@@ -516,17 +506,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
         "Expand" => {
             let shape = imp.ints(n, 1)?;
             let v = imp.input(n, 0)?;
-            let target: Vec<usize> = shape
-                .values
-                .iter()
-                .map(|&d| usize::try_from(d).ok().filter(|&d| d > 0))
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
-                    n.unsupported(
-                        format!("expands to {:?}", shape.values),
-                        "kiln's tensors have positive sizes",
-                    )
-                })?;
+            let target = positive_dims(n, &shape.values, "expands to")?;
             let dims = broadcast_dims(&dims_of(&v), &target).ok_or_else(|| {
                 n.invalid(
                     format!("{:?} does not broadcast with {target:?}", dims_of(&v)),
@@ -858,4 +838,14 @@ fn pad(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         y = take(imp, n, &y, axis, &ids)?;
     }
     Ok(y)
+}
+
+/// Sizes given as a folded integer tensor, each positive (kiln has no empty axes); else an error
+/// saying what the node `does` with them.
+fn positive_dims(n: &Node, values: &[i64], does: &str) -> Result<Vec<usize>> {
+    values
+        .iter()
+        .map(|&d| usize::try_from(d).ok().filter(|&d| d > 0))
+        .collect::<Option<_>>()
+        .ok_or_else(|| n.unsupported(format!("{does} {values:?}"), "kiln's tensors have positive sizes"))
 }

@@ -16,7 +16,9 @@
 use super::driver::{self, Driver, Function, Recording};
 use super::nvrtc::CompileStats;
 use super::probe::DeviceInfo;
-use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input, io_slot, no_program, output_slot};
+use crate::backend::{
+    Backend, Feeds, ProgramId, Slot, check_input, check_input_bytes, io_slot, no_program, output_slot,
+};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
 use crate::init::initial_values;
@@ -814,22 +816,7 @@ impl Backend for CudaBackend {
 
     fn set_input_in_place(&mut self, program: ProgramId, name: &str) -> Result<()> {
         let p = self.program(program)?;
-        if !p.owned_region {
-            return Err(RuntimeError::invalid(
-                format!(
-                    "input `{name}` of plan {:?}: its arena is kiln's, so inputs are copied in",
-                    p.plan.name
-                ),
-                "use set_input, or load the plan into your own region (CudaBackend::load_into)",
-            ));
-        }
-        crate::owned_memory::io_offset(&p.plan, name)?;
-        let value = p.plan.input(name).map(|b| b.value).ok_or_else(|| {
-            RuntimeError::invalid(
-                format!("`{name}` is an output of plan {:?}, not an input", p.plan.name),
-                "",
-            )
-        })?;
+        let value = crate::owned_memory::in_place_input(&p.plan, p.owned_region, name)?;
         let p = self.program_mut(program)?;
         p.feeds.fed(&p.plan, value);
         Ok(())
@@ -858,14 +845,7 @@ impl Backend for CudaBackend {
         dtype: DType,
         bytes: &[u8],
     ) -> Result<()> {
-        let len = bytes.len() / dtype.size_bytes().max(1);
-        let value = check_input(&self.program(program)?.plan, name, shape, len, dtype)?;
-        if len * dtype.size_bytes() != bytes.len() {
-            return Err(RuntimeError::invalid(
-                format!("input `{name}`: {} bytes are not whole {dtype} elements", bytes.len()),
-                "pass HostTensor::to_bytes of the tensor",
-            ));
-        }
+        let value = check_input_bytes(&self.program(program)?.plan, name, shape, dtype, bytes)?;
         self.bind(program)?;
         let dst = self.io_address(program, value, name)?;
         self.htod_bytes(dst, bytes)?;
