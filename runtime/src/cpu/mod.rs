@@ -4,9 +4,7 @@
 //! carved from one region taken when the backend starts. Every step's kernel is prepared once at
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
-use crate::backend::{
-    Backend, Feeds, ProgramId, Slot, check_input, check_input_bytes, io_slot, no_program, output_slot,
-};
+use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input_bytes, io_slot, no_program, output_slot};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
 use crate::host_buffer::{HostBuffer, HostMem};
@@ -553,14 +551,7 @@ impl Backend for CpuBackend {
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let value = check_input(&self.program(program)?.plan, name, shape, data.len(), DType::F32)?;
-        // Inputs live in the arena: under growth it is allocated by the first feed.
-        self.ensure_arenas(program)?;
-        let p = &mut self.programs[program];
-        let slot = io_slot(&p.plan, value, name)?;
-        slot_mem(p, slot)?.f32s_mut(offset_of(slot), data.len()).copy_from_slice(data);
-        p.feeds.fed(&p.plan, value);
-        Ok(())
+        self.set_input_bytes(program, name, shape, DType::F32, bytemuck::cast_slice(data))
     }
 
     fn set_input_bytes(
@@ -572,6 +563,7 @@ impl Backend for CpuBackend {
         bytes: &[u8],
     ) -> Result<()> {
         let value = check_input_bytes(&self.program(program)?.plan, name, shape, dtype, bytes)?;
+        // Inputs live in the arena: under growth it is allocated by the first feed.
         self.ensure_arenas(program)?;
         let p = &mut self.programs[program];
         let slot = io_slot(&p.plan, value, name)?;

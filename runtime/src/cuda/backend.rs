@@ -827,14 +827,7 @@ impl Backend for CudaBackend {
     }
 
     fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        let value = check_input(&self.program(program)?.plan, name, shape, data.len(), DType::F32)?;
-        // Inputs live in the arena: under growth it is allocated by the first feed.
-        self.bind(program)?;
-        let dst = self.io_address(program, value, name)?;
-        self.htod(dst, data)?;
-        let p = self.program_mut(program)?;
-        p.feeds.fed(&p.plan, value);
-        Ok(())
+        self.set_input_bytes(program, name, shape, DType::F32, bytemuck::cast_slice(data))
     }
 
     fn set_input_bytes(
@@ -846,6 +839,7 @@ impl Backend for CudaBackend {
         bytes: &[u8],
     ) -> Result<()> {
         let value = check_input_bytes(&self.program(program)?.plan, name, shape, dtype, bytes)?;
+        // Inputs live in the arena: under growth it is allocated by the first feed.
         self.bind(program)?;
         let dst = self.io_address(program, value, name)?;
         self.htod_bytes(dst, bytes)?;
