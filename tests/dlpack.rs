@@ -179,4 +179,40 @@ fn the_emulated_cuda_device_exports_in_place_and_imports_by_copy() {
     gpu.run(again).unwrap();
     let z = gpu.output(again, "z").unwrap();
     assert_eq!(z.data(), want.data().iter().map(|v| v * 2.0).collect::<Vec<_>>().as_slice());
+
+    // A tensor another library holds on the device, bound in place (no copy): the steps read it.
+    use kiln::runtime::cuda::Driver;
+    let values: Vec<f32> = (0..8).map(|i| i as f32 - 3.0).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let ptr = device.alloc(bytes.len()).unwrap();
+    unsafe { device.htod(ptr, &bytes).unwrap() };
+    let theirs = foreign(ptr, DLDevice { device_type: KDL_CUDA, device_id: 0 }, &[4, 2]);
+    gpu.run_with(again, &[("x", &theirs)]).unwrap();
+    let z = gpu.output(again, "z").unwrap();
+    assert_eq!(z.data(), values.iter().map(|v| v * 2.0).collect::<Vec<_>>().as_slice());
+    // On the wrong device (the CPU) or of the wrong shape: refused.
+    let host = dlpack_from_host(HostTensor::new([4, 2], values.clone()).unwrap()).unwrap();
+    assert!(gpu.run_with(again, &[("x", &host)]).unwrap_err().to_string().contains("not type 2"));
+    let wrong = foreign(ptr, DLDevice { device_type: KDL_CUDA, device_id: 0 }, &[2, 4]);
+    assert!(gpu.run_with(again, &[("x", &wrong)]).is_err());
+}
+
+/// An f32 tensor another library holds at `ptr` on `device`, described as DLPack (no deleter:
+/// the memory is the test's).
+fn foreign(ptr: u64, device: DLDevice, dims: &[i64]) -> Dlpack<'static> {
+    let shape: &'static mut [i64] = Box::leak(dims.to_vec().into_boxed_slice());
+    let t = Box::new(dlpack::DLManagedTensor {
+        dl_tensor: dlpack::DLTensor {
+            data: ptr as *mut std::ffi::c_void,
+            device,
+            ndim: dims.len() as i32,
+            dtype: dlpack::DLDataType { code: dlpack::KDL_FLOAT, bits: 32, lanes: 1 },
+            shape: shape.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: std::ptr::null_mut(),
+        deleter: None,
+    });
+    unsafe { Dlpack::from_raw(Box::into_raw(t)) }.unwrap()
 }

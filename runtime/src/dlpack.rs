@@ -307,3 +307,42 @@ pub fn host_from_dlpack(t: &Dlpack<'_>) -> Result<HostTensor> {
     let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, n) };
     HostTensor::from_bytes(shape, dtype, bytes)
 }
+
+/// Checks that `t` may stand for input `name` of `plan` in place on `device` (contiguous, on the
+/// device, aligned, of the input's dtype and shape, and an input no step writes over); returns
+/// the input's buffer and value and the tensor's address.
+pub(crate) fn bindable(
+    plan: &kiln_compiler::Plan,
+    name: &str,
+    t: &Dlpack<'_>,
+    device: DLDevice,
+) -> Result<(usize, usize, u64)> {
+    let b = plan.input(name).ok_or_else(|| {
+        RuntimeError::invalid(
+            format!("plan {:?} has no input `{name}`", plan.name),
+            "bind its inputs by name",
+        )
+    })?;
+    let v = plan.value(b.value);
+    let (dtype, shape) = t.check_for(device)?;
+    if dtype != v.dtype || shape != v.shape {
+        return Err(RuntimeError::InputShape {
+            name: name.into(),
+            expected: v.shape.clone(),
+            expected_dtype: v.dtype,
+            got: shape,
+            dtype,
+            help: "bind a tensor of the input's dtype and shape".into(),
+        });
+    }
+    if plan.steps.iter().filter_map(|s| s.output).any(|o| plan.values[o].buffer == v.buffer) {
+        return Err(RuntimeError::invalid(
+            format!(
+                "plan {:?} writes over its input `{name}` in place: binding it would change your tensor",
+                plan.name
+            ),
+            "feed it by copy (set_input / call)",
+        ));
+    }
+    Ok((v.buffer, b.value, t.data_ptr()))
+}

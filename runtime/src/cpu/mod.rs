@@ -361,44 +361,15 @@ impl CpuBackend {
         bound: &[(&str, &crate::dlpack::Dlpack<'_>)],
     ) -> Result<()> {
         let p = self.program(program)?;
-        let mut buffers = Vec::with_capacity(bound.len());
-        for (name, t) in bound {
-            let b = p.plan.input(name).ok_or_else(|| {
-                RuntimeError::invalid(
-                    format!("plan {:?} has no input `{name}`", p.plan.name),
-                    "bind its inputs by name",
-                )
-            })?;
-            let v = p.plan.value(b.value);
-            let (dtype, shape) = t.check_for(crate::dlpack::CPU)?;
-            if dtype != v.dtype || shape != v.shape {
-                return Err(RuntimeError::InputShape {
-                    name: (*name).into(),
-                    expected: v.shape.clone(),
-                    expected_dtype: v.dtype,
-                    got: shape,
-                    dtype,
-                    help: "bind a tensor of the input's dtype and shape".into(),
-                });
-            }
-            let writes =
-                p.plan.steps.iter().filter_map(|s| s.output).any(|o| p.plan.values[o].buffer == v.buffer);
-            if writes {
-                return Err(RuntimeError::invalid(
-                    format!(
-                        "plan {:?} writes over its input `{name}` in place: binding it would change your tensor",
-                        p.plan.name
-                    ),
-                    "feed it by copy (set_input / call)",
-                ));
-            }
-            buffers.push((v.buffer, b.value, t.data_ptr() as *mut u8));
-        }
+        let buffers: Vec<(usize, usize, u64)> = bound
+            .iter()
+            .map(|(name, t)| crate::dlpack::bindable(&p.plan, name, t, crate::dlpack::CPU))
+            .collect::<Result<_>>()?;
         let p = &mut self.programs[program];
         for &(_, value, _) in &buffers {
             p.feeds.fed(&p.plan, value);
         }
-        let bound: Vec<(usize, *mut u8)> = buffers.iter().map(|&(b, _, a)| (b, a)).collect();
+        let bound: Vec<(usize, *mut u8)> = buffers.iter().map(|&(b, _, a)| (b, a as *mut u8)).collect();
         self.run_overriding(program, &bound)
     }
 

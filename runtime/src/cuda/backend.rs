@@ -681,9 +681,52 @@ impl CudaBackend {
         unsafe { crate::dlpack::view(v.ptr, self.dl_device(), v.spec.dtype, &v.spec.shape) }
     }
 
-    /// Feeds input `name` from a DLPack tensor: one copy on the device from a tensor on this
-    /// device, one host-to-device copy from a CPU tensor (the plan's launches are bound to its
-    /// arena, so the CUDA backend copies where the CPU backend can bind in place, `run_with`).
+    /// Runs `program` with the inputs in `bound` read in place from DLPack tensors on this device
+    /// (no copy), the others fed as usual: the launches go one by one with those arguments (not
+    /// as the recorded CUDA graph, which is bound to the arena), and the call waits for them, so
+    /// the tensors may be released when it returns. A bound tensor must be contiguous, on this
+    /// device, aligned, of the input's dtype and shape, and an input the plan never writes over.
+    pub fn run_with(
+        &mut self,
+        program: ProgramId,
+        bound: &[(&str, &crate::dlpack::Dlpack<'_>)],
+    ) -> Result<()> {
+        let device = self.dl_device();
+        let p = self.program(program)?;
+        let buffers: Vec<(usize, usize, u64)> = bound
+            .iter()
+            .map(|(name, t)| crate::dlpack::bindable(&p.plan, name, t, device))
+            .collect::<Result<_>>()?;
+        let p = self.program_mut(program)?;
+        for &(_, value, _) in &buffers {
+            p.feeds.fed(&p.plan, value);
+        }
+        p.feeds.consume(&p.plan)?;
+        self.bind(program)?;
+        let p = self.program(program)?;
+        for l in &p.launches {
+            let mut args = l.args.clone();
+            for (arg, a) in args.iter_mut().zip(&l.launch.args) {
+                if let Arg::Input(i) = a {
+                    let value = p.plan.steps[l.step].inputs[*i];
+                    if let Some(&(_, _, addr)) =
+                        buffers.iter().find(|(b, _, _)| *b == p.plan.values[value].buffer)
+                    {
+                        *arg = addr;
+                    }
+                }
+            }
+            // SAFETY: as in `launch`; a replaced argument addresses the caller's contiguous tensor
+            // of the input's dtype and shape on this device (`bindable`), which no launch writes,
+            // and which outlives the launches (waited for below).
+            unsafe { self.driver.launch(&l.function, &l.launch, &args) }
+                .map_err(|e| self.step_error(p, l, e))?;
+        }
+        self.driver.synchronize()
+    }
+
+    /// Feeds input `name` from a DLPack tensor by copy: on the device from a tensor on this
+    /// device, host to device from a CPU one (`run_with` binds device tensors in place instead).
     pub fn set_input_dlpack(
         &mut self,
         program: ProgramId,
