@@ -45,7 +45,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 /// Φ(x), the standard normal CDF.
 #[inline(always)]
 pub(crate) fn normal_cdf(x: f32) -> f32 {
-    0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2))
+    0.5 * (1.0 + super::vmath::erf(x * FRAC_1_SQRT_2))
 }
 
 /// Exact GELU: x·Φ(x).
@@ -58,7 +58,7 @@ pub(crate) fn gelu(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn gelu_derivative(x: f32) -> f32 {
     let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
-    normal_cdf(x) + x * (-0.5 * x * x).exp() * inv_sqrt_2pi
+    normal_cdf(x) + x * super::vmath::exp(-0.5 * x * x) * inv_sqrt_2pi
 }
 
 /// Evaluates `$body` with `$f` bound to the scalar function of unary op `$op`: the one
@@ -124,7 +124,7 @@ macro_rules! with_unary {
                 $body
             }
             UnaryOp::Erf => {
-                let $f = libm::erff;
+                let $f = vmath::erf;
                 $body
             }
         }
