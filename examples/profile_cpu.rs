@@ -1,5 +1,5 @@
 //! Where a zoo model's training step spends its time on the CPU: the wall time of a call, then
-//! the 15 slowest steps (`CpuBackend::profile`, medians of 10 runs).
+//! the 20 slowest steps (`CpuBackend::profile`, medians of 10 runs).
 //! `cargo run --release --example profile_cpu -- cnn`
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
@@ -27,7 +27,7 @@ fn main() -> Result<()> {
     let total: u64 = rows.iter().map(|r| r.1).sum();
     rows.sort_by_key(|r| std::cmp::Reverse(r.1));
     println!("{name}: {:.2} ms per step, kernels only (medians of 10 runs)", total as f64 / 1e6);
-    for (what, ns) in rows.iter().take(15) {
+    for (what, ns) in rows.iter().take(20) {
         println!("{:8.3} ms  {what}", *ns as f64 / 1e6);
     }
     Ok(())

@@ -30,21 +30,54 @@ pub(crate) fn softmax(x: &Shape, axis: usize, log: bool) -> Box<dyn CpuKernel> {
     Box::new(Softmax { log, outer, n: dims[axis], inner, desc })
 }
 
-/// One contiguous row.
+/// Lanes of the row loops: independent accumulators, so that the compiler vectorises the max
+/// and the sum (in a fixed order: the same bits on every run and thread count).
+const LANES: usize = 8;
+
+/// The largest element (NaN if any is NaN), over `LANES` running maxima.
+fn row_max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = max_nan(*m, v);
+        }
+    }
+    let m = rest.iter().fold(f32::NEG_INFINITY, |m, &v| max_nan(m, v));
+    lanes.iter().fold(m, |a, &b| max_nan(a, b))
+}
+
+/// The sum of `x` in f64, over `LANES` running sums.
+fn row_sum(x: &[f32]) -> f64 {
+    let mut lanes = [0f64; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest: f64 = chunks.remainder().iter().map(|&v| v as f64).sum();
+    for c in chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s += v as f64;
+        }
+    }
+    lanes.iter().sum::<f64>() + rest
+}
+
+/// One contiguous row: e^(x - max) written to the output first (a vectorised pass), summed by
+/// lanes, then rescaled (softmax) or replaced by (x - max) - ln(sum) (log-softmax). Measured on
+/// the transformer's training step (`examples/profile_cpu.rs`): its 8x128x1000 log-softmax 3.84 ->
+/// 1.07 ms and 8x4x128x128 softmax 1.96 -> 0.62 ms (before: one element at a time into one
+/// running f64 sum, which the compiler cannot vectorise).
 fn row(x: &[f32], o: &mut [f32], log: bool) {
-    let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| max_nan(m, v));
+    let m = row_max(x);
+    for (o, &v) in o.iter_mut().zip(x) {
+        *o = super::vmath::exp(v - m);
+    }
+    let sum = row_sum(o);
     if log {
-        let sum: f64 = x.iter().map(|&v| super::vmath::exp(v - m) as f64).sum();
         let lse = sum.ln() as f32;
         for (o, &v) in o.iter_mut().zip(x) {
             *o = (v - m) - lse;
         }
     } else {
-        let mut sum = 0f64;
-        for (o, &v) in o.iter_mut().zip(x) {
-            *o = super::vmath::exp(v - m);
-            sum += *o as f64;
-        }
         let scale = (1.0 / sum) as f32;
         for o in o.iter_mut() {
             *o *= scale;
