@@ -40,23 +40,34 @@ pub(crate) fn custom(
 
 impl CpuKernel for Custom {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        // SAFETY: the caller's contract: operand i holds shapes[i].numel() f32s, the output
-        // `out` f32s, 4-byte aligned. The output overlaps an operand only when the op declared
-        // it may (`in_place`); a mutable slice must not alias a shared one, so the user's
-        // function then gets copies of the operands (below).
-        let ins: Vec<&[f32]> = inputs
-            .iter()
-            .zip(&self.shapes)
-            .map(|(&p, s)| unsafe { std::slice::from_raw_parts(p as *const f32, s.numel()) })
-            .collect();
         let shapes: Vec<&Shape> = self.shapes.iter().collect();
-        let in_place = ins.iter().any(|s| std::ptr::eq(s.as_ptr(), output as *const f32));
-        // In place: the user's function gets a copy of the operands and writes the output.
-        let copies: Vec<Vec<f32>> =
-            if in_place { ins.iter().map(|s| s.to_vec()).collect() } else { Vec::new() };
-        let refs: Vec<&[f32]> = if in_place { copies.iter().map(Vec::as_slice).collect() } else { ins };
-        // SAFETY: the output holds `out` f32s, and no slice in `refs` refers to it (they are
-        // copies when the op runs in place).
+        // The output overlaps an operand only when the op declared it may (`in_place`). A mutable
+        // slice must not coexist with a shared one over the same memory, so the operands are
+        // then copied (through their pointers, before any slice of the output exists).
+        let in_place = inputs.iter().any(|&p| std::ptr::eq(p, output));
+        let copies: Vec<Vec<f32>> = if in_place {
+            inputs
+                .iter()
+                .zip(&self.shapes)
+                // SAFETY: the caller's contract: operand i holds shapes[i].numel() f32s, 4-byte
+                // aligned; no slice of the output exists yet.
+                .map(|(&p, s)| unsafe { std::slice::from_raw_parts(p as *const f32, s.numel()) }.to_vec())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let refs: Vec<&[f32]> = if in_place {
+            copies.iter().map(Vec::as_slice).collect()
+        } else {
+            inputs
+                .iter()
+                .zip(&self.shapes)
+                // SAFETY: as above; these operands do not overlap the output (not in place).
+                .map(|(&p, s)| unsafe { std::slice::from_raw_parts(p as *const f32, s.numel()) })
+                .collect()
+        };
+        // SAFETY: the output holds `out` f32s, 4-byte aligned, and no slice in `refs` refers to
+        // it (copies when the op runs in place).
         let out = unsafe { std::slice::from_raw_parts_mut(output as *mut f32, self.out) };
         // The user's code may panic (an index past the output `infer` sized, say): caught and
         // reported as the step's error rather than unwinding through the executor.
