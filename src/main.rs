@@ -92,6 +92,14 @@ enum Command {
 const EXIT_SKIPPED: u8 = 2;
 
 fn main() -> ExitCode {
+    // A closed pipe (`kiln devices | head`) ends the process quietly, as for other command-line
+    // tools, instead of `println!` panicking on EPIPE: Rust starts programs with SIGPIPE ignored.
+    #[cfg(unix)]
+    // SAFETY: restoring a signal's default disposition at the start of main, before any thread
+    // is spawned, has no precondition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),

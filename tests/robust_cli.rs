@@ -139,3 +139,20 @@ fn bench_gpu_without_a_device_says_skipped_and_fails() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("skipped: no CUDA device ("), "{stderr}");
 }
+
+/// A reader that closes the pipe early (`kiln devices | head -1`) ends kiln quietly, never with
+/// a panic on the broken pipe.
+#[test]
+fn a_closed_stdout_pipe_is_no_panic() {
+    use std::process::Stdio;
+    let mut child = Command::new(KILN)
+        .args(["memory", "seed-mlp", "--mode", "forward"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the kiln binary runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("kiln ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
