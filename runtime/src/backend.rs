@@ -25,8 +25,10 @@ pub trait Backend {
     /// The plan of a loaded program; an id this backend did not hand out is an error.
     fn plan(&self, program: ProgramId) -> Result<&Plan>;
 
-    /// Copies `data` (of `shape`) into the program's input `name`, an f32 input.
-    fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()>;
+    /// Copies `data` (of `shape`) into the program's input `name`, an f32 input: a byte feed of f32.
+    fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
+        self.set_input_bytes(program, name, shape, DType::F32, bytemuck::cast_slice(data))
+    }
 
     /// Copies `bytes` (elements of `dtype`, little-endian, of `shape`) into input `name`, whose
     /// dtype must be `dtype`: how i32, i64 and bool inputs are fed.

@@ -869,10 +869,6 @@ impl Backend for CudaBackend {
         Ok(&self.program(program)?.plan)
     }
 
-    fn set_input(&mut self, program: ProgramId, name: &str, shape: &Shape, data: &[f32]) -> Result<()> {
-        self.set_input_bytes(program, name, shape, DType::F32, bytemuck::cast_slice(data))
-    }
-
     fn set_input_bytes(
         &mut self,
         program: ProgramId,
