@@ -47,29 +47,13 @@ def torch_run(names, steps, warmup, compiled):
     zoo = torch_stream.models(torch, nn)
     out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "models": {}}
     for name in names:
-        build, make_x, make_y, loss_fn, lr = zoo[name]
         row = {}
         for mode in ("train", "forward"):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            x, y = make_x(dev), make_y(dev)
-            model = build().to(dev)
-            opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
-            fwd = torch.compile(model) if compiled else model
-            opt_step = torch.compile(opt.step) if compiled else opt.step
-
-            def train():
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(fwd(x), y)
-                loss.backward()
-                opt_step()
-
-            def forward():
-                with torch.no_grad():
-                    return fwd(x)
-
+            train, forward = torch_stream.training(torch, zoo[name], dev, compiled)
             call = train if mode == "train" else forward
             t0 = time.perf_counter()
             for _ in range(warmup):
@@ -94,7 +78,7 @@ def torch_run(names, steps, warmup, compiled):
             print(f"{'torch.compile' if compiled else 'torch'} {name} {mode}: {row[mode]['step_ms']:.3f} ms, "
                   f"allocated {row[mode]['max_memory_allocated']}, reserved {row[mode]['max_memory_reserved']}",
                   flush=True)
-            del model, opt, fwd, opt_step, x, y
+            del train, forward, call
             if compiled:
                 torch._dynamo.reset()
         out["models"][name] = row

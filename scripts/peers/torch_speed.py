@@ -20,21 +20,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def time_model(torch, nn, spec, steps, compiled):
-    build, make_x, make_y, loss_fn, lr = spec
+def time_model(torch, spec, steps, compiled):
+    import torch_stream
+
     torch.manual_seed(0)
-    model = build()
-    x, y = make_x("cpu"), make_y("cpu")
-    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
-    fwd = torch.compile(model) if compiled else model
-    step = torch.compile(opt.step) if compiled else opt.step
-
-    def train():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(fwd(x), y)
-        loss.backward()
-        step()
-
+    train, _ = torch_stream.training(torch, spec, "cpu", compiled)
     for _ in range(3):
         train()
     times = []
@@ -62,9 +52,9 @@ def main():
         if name not in zoo:
             print(f"no PyTorch twin of {name}", file=sys.stderr)
             return 2
-        row = {"eager_ms": time_model(torch, nn, zoo[name], args.steps, False)}
+        row = {"eager_ms": time_model(torch, zoo[name], args.steps, False)}
         if args.compile:
-            row["compile_ms"] = time_model(torch, nn, zoo[name], args.steps, True)
+            row["compile_ms"] = time_model(torch, zoo[name], args.steps, True)
         out["models"][name] = row
     json.dump(out, sys.stdout)
     return 0

@@ -91,6 +91,31 @@ def models(torch, nn):
     }
 
 
+def training(torch, spec, dev, compiled=False):
+    """The zoo twin `spec` on `dev`, ready to run: its batch (made first), the model, Adam(foreach)
+    and two closures, one training step (zero_grad(set_to_none=True), loss, backward, step) and
+    one forward call under no_grad; with `compiled`, the model and opt.step are torch.compile'd.
+    Shared by the CPU speed bench (torch_speed.py) and the GPU peers script (gpu/peers.py)."""
+    build, make_x, make_y, loss_fn, lr = spec
+    x, y = make_x(dev), make_y(dev)
+    model = build().to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
+    fwd = torch.compile(model) if compiled else model
+    opt_step = torch.compile(opt.step) if compiled else opt.step
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(fwd(x), y)
+        loss.backward()
+        opt_step()
+
+    def forward():
+        with torch.no_grad():
+            return fwd(x)
+
+    return train, forward
+
+
 def record_cuda(torch, nn, name, spec, dev):
     """The caching allocator's own trace of two training steps on a CUDA device."""
     build, make_x, make_y, loss_fn, lr = spec

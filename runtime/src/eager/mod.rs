@@ -179,8 +179,13 @@ impl<A: Allocator> EagerExecutor<A> {
         let mut effects_run = 0;
         let mut foreach_temps: Vec<Block> = Vec::new();
         // The forward pass: what the outputs (loss, metrics, predictions) are computed from. The
-        // rest of a training step is its backward pass and updates.
-        let forward = graph.ancestors(&graph.outputs().iter().map(|(_, n)| *n).collect::<Vec<_>>());
+        // rest of a training step is its backward pass and updates. Only a backward thread's
+        // workspace needs to know which is which.
+        let forward = if self.extras.backward_thread_handle {
+            graph.ancestors(&graph.outputs().iter().map(|(_, n)| *n).collect::<Vec<_>>())
+        } else {
+            std::collections::HashSet::new()
+        };
 
         for &n in order {
             let node = graph.node(n);
@@ -251,7 +256,12 @@ impl<A: Allocator> EagerExecutor<A> {
                     if op.is_effect() && effects_run == 0 && self.extras.foreach_optimizer_temporaries {
                         foreach_temps = self.foreach_temporaries(graph, order)?;
                     }
-                    let scratch = self.scratch_for(op, &types, out_type.0, !forward.contains(&n))?;
+                    let scratch = self.scratch_for(
+                        op,
+                        &types,
+                        out_type.0,
+                        self.extras.backward_thread_handle && !forward.contains(&n),
+                    )?;
                     let ptrs: Vec<u64> = operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
                     self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);
