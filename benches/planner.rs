@@ -60,7 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let s = kiln::compiler::optimize(graph.clone())?;
             opt.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
-            let l = liveness::analyze(&s.graph, &s.order)?;
+            let l = liveness::analyze(&s.graph, &s.order, &kiln::compiler::scratch::Scratch::none())?;
             live.push(t.elapsed().as_secs_f64() * 1e3);
             let intervals: Vec<Interval> = l
                 .buffers

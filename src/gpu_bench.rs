@@ -135,7 +135,7 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
 /// executor's wall time on the same op stream, memory, and a per-launch profile.
 fn measure(m: &zoo::ZooModel, mode: Mode) -> Result<Row, Box<dyn std::error::Error>> {
     let mut gpu = CudaBackend::new(0, 1)?;
-    let plan = compile(graph_of(m, mode)?, &CompileOptions::default())?;
+    let plan = compile(graph_of(m, mode)?, &CompileOptions::default().with_scratch(gpu.scratch_rule()))?;
     let (x, y) = m.batch_data(1)?;
     let id = gpu.load(plan.clone())?;
     let inputs: Vec<(&str, &HostTensor)> = match mode {
@@ -240,14 +240,14 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
         let a = t.input("a", [m, k]);
         let b = t.input("b", [k, n]);
         t.output("c", &a.matmul(&b));
-        let plan = compile(t.finish()?, &CompileOptions::default())?;
+        let mut gpu = CudaBackend::new(0, 0)?;
+        let plan = compile(t.finish()?, &CompileOptions::default().with_scratch(gpu.scratch_rule()))?;
         let mut rng = StdRng::seed_from_u64((m * 31 + k * 7 + n) as u64);
         let mut draw =
             |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
         let a = HostTensor::new(kiln_compiler::ir::Shape::new([m, k]), draw(m * k))?;
         let b = HostTensor::new(kiln_compiler::ir::Shape::new([k, n]), draw(k * n))?;
         let inputs = [("a", &a), ("b", &b)];
-        let mut gpu = CudaBackend::new(0, 0)?;
         let id = gpu.load(plan.clone())?;
         let ms = median(event_times(&mut gpu, id, &inputs, 3, steps)?);
         let out = gpu.output(id, "c")?;

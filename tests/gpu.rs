@@ -64,6 +64,15 @@ fn cases() -> Vec<Case> {
         ("matmul_large", vec![(vec![256, 300], Draw::Normal), (vec![300, 257], Draw::Normal)], |x| {
             x[0].matmul(&x[1])
         }),
+        // Long contractions into few outputs: split-K across blocks with planned scratch.
+        ("matmul_tn_long", vec![(vec![1536, 20], Draw::Normal), (vec![1536, 12], Draw::Normal)], |x| {
+            x[0].matmul_t(&x[1], true, false)
+        }),
+        (
+            "conv_filter_long",
+            vec![(vec![4, 16, 16, 3], Draw::Normal), (vec![3, 3, 3, 8], Draw::Normal)],
+            |x| x[0].conv2d(&x[1], [1, 1], Padding::Same),
+        ),
         ("permute", vec![(vec![5, 33, 17], Draw::Normal)], |x| x[0].permute(&[2, 0, 1]) * 2.0),
         ("transpose_big", vec![(vec![129, 257], Draw::Normal)], |x| x[0].t() * 1.5),
         ("concat_slice_pad", vec![(vec![4, 7], Draw::Normal), (vec![4, 3], Draw::Normal)], |x| {
@@ -162,7 +171,7 @@ fn gpu_every_zoo_training_step_matches_cpu() {
         let Some(mut gpu) = cuda_backend(3) else { return };
         let (x, y) = m.batch_data(2).unwrap();
         let graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
-        let plan = compile(graph, &CompileOptions::default()).unwrap();
+        let plan = compile(graph, &CompileOptions::default().with_scratch(gpu.scratch_rule())).unwrap();
         let mut cpu = CpuBackend::new(3);
         let (c, g) = (cpu.load(plan.clone()).unwrap(), gpu.load(plan.clone()).unwrap());
         let co = cpu.call(c, &[("x", &x), ("y", &y)]).unwrap();
@@ -244,9 +253,8 @@ fn gpu_steps_allocate_nothing_and_memory_equals_the_plan() {
     }
     let m = common::device_batch(zoo::by_name("mlp").unwrap(), 1);
     let (x, y) = m.batch_data(1).unwrap();
-    let plan =
-        compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &CompileOptions::default())
-            .unwrap();
+    let options = CompileOptions::default().with_scratch(gpu.scratch_rule());
+    let plan = compile(kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap(), &options).unwrap();
     let id = gpu.load(plan.clone()).unwrap();
     gpu.call(id, &[("x", &x), ("y", &y)]).unwrap();
     let (count, bytes) = gpu.device_allocations();

@@ -66,7 +66,9 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
     let (mut total, mut seen, mut too_big) = (0, HashSet::new(), Vec::new());
     for m in zoo::all() {
         let m = m.with_batch(1);
-        let plan = compile(graph_of(&m, Mode::Train).unwrap(), &CompileOptions::default()).unwrap();
+        // With the CUDA kernels' scratch (split-K where a contraction is long), as on a device.
+        let options = CompileOptions::default().with_scratch(Some(kiln::kernels::cuda::SCRATCH));
+        let plan = compile(graph_of(&m, Mode::Train).unwrap(), &options).unwrap();
         for (s, (step, k)) in plan.steps.iter().zip(plan_kernels(&plan).unwrap()).enumerate() {
             total += 1;
             let threads: usize = k
@@ -101,6 +103,7 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
                 kernel: k,
                 operands: inputs,
                 output_len: o.len(),
+                scratch_len: step.scratch.map_or(0, |b| plan.buffers[b].bytes / 4),
             });
             references.push((name, step.op.clone(), before, after, o));
         }

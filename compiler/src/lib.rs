@@ -10,7 +10,8 @@
 //! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
 //!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
 //!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
-//! 5. `liveness` — every buffer's lifetime, views and in-place reuse.
+//! 5. `liveness` — every buffer's lifetime, views and in-place reuse, and each step's scratch
+//!    (`scratch`: what the backend's kernel for it asks for, live at that step alone).
 //! 6. `planner` — offsets in one arena, with the lower bound beside it.
 //! 7. `lower` — the result as a `plan::Plan`: plain data that backends execute.
 //! 8. `validate`, `limits` — the plan is checked before anything runs: its invariants, and that
@@ -37,6 +38,7 @@ pub mod planner;
 pub mod product_updates;
 pub mod remat;
 pub mod schedule;
+pub mod scratch;
 pub mod step;
 pub mod tiled_updates;
 pub mod trace;
@@ -71,6 +73,10 @@ pub struct CompileOptions {
     /// Whether elementwise chains are fused into one op each (`fusion`; on by default, or as
     /// `KILN_FUSE=0` says). Fused results are bitwise the unfused ones on the CPU.
     pub fuse: bool,
+    /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
+    /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
+    /// and every kernel reduces within its blocks.
+    pub scratch: Option<scratch::ScratchRule>,
 }
 
 impl Default for CompileOptions {
@@ -81,6 +87,7 @@ impl Default for CompileOptions {
             guard_bytes: guard::default_bytes(),
             tile_updates: true,
             fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
+            scratch: None,
         }
     }
 }
@@ -109,6 +116,12 @@ impl CompileOptions {
     /// Fusion on or off, whatever `KILN_FUSE` says.
     pub fn with_fusion(mut self, on: bool) -> Self {
         self.fuse = on;
+        self
+    }
+
+    /// Steps get the scratch `rule` asks for (`None`: none).
+    pub fn with_scratch(mut self, rule: Option<scratch::ScratchRule>) -> Self {
+        self.scratch = rule;
         self
     }
 
@@ -327,15 +340,17 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
             .find(|c| c.name == chosen.memory.schedule)
             .ok_or_else(|| CompileError::Internal(format!("no schedule named {}", chosen.memory.schedule)))?
             .order;
-        let mut plan = plan_order(graph, &order, devices, options)?;
+        let scratch = scratch::of_graph(graph, options.scratch.as_ref());
+        let mut plan = plan_order(graph, &order, &scratch, devices, options)?;
         plan.memory.schedule = chosen.memory.schedule;
         plan.memory.schedules = chosen.memory.schedules;
         return Ok(plan);
     }
     let candidates = schedule::candidates(graph)?;
+    let scratch = scratch::of_graph(graph, options.scratch.as_ref());
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {
-        let plans = par_map(&candidates, |c| plan_order(graph, &c.order, devices, options));
+        let plans = par_map(&candidates, |c| plan_order(graph, &c.order, &scratch, devices, options));
         let mut best: Option<(Plan, &str)> = None;
         for (c, plan) in candidates.iter().zip(plans) {
             let plan = plan?;
@@ -350,7 +365,7 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         plan
     } else {
         let bounds = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
-            let live = liveness::analyze(graph, &c.order)?;
+            let live = liveness::analyze(graph, &c.order, &scratch)?;
             check_sizes(&live, options.alignment, options.guard_bytes)?;
             let bound = devices
                 .iter()
@@ -406,10 +421,11 @@ fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> 
 fn plan_order(
     graph: &ir::Graph,
     order: &[ir::NodeId],
+    scratch: &scratch::Scratch,
     devices: &[DeviceSpec],
     options: &CompileOptions,
 ) -> Result<Plan> {
-    let live = liveness::analyze(graph, order)?;
+    let live = liveness::analyze(graph, order, scratch)?;
     check_sizes(&live, options.alignment, options.guard_bytes)?;
     plan_live(graph, &live, devices, options)
 }

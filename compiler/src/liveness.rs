@@ -10,10 +10,12 @@
 //! - an elementwise op writes in place into an operand of its own shape whose buffer dies at that
 //!   op (its last reader, views of it included, is this op).
 //!
-//! Steps are the nodes that run a kernel: everything but inputs, variables and views.
+//! Steps are the nodes that run a kernel: everything but inputs, variables and views. A step
+//! whose kernel uses scratch (`crate::scratch`) gets one more buffer, live at that step alone.
 
 use crate::error::{CompileError, Result};
 use crate::ir::{DeviceId, Graph, NodeId, Op, OpClass};
+use crate::scratch::Scratch;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,6 +24,8 @@ pub enum StorageClass {
     Input(String),
     Output(String),
     Variable(String),
+    /// A step's scratch (`crate::scratch`): live at its step only, no value's storage.
+    Scratch,
 }
 
 impl StorageClass {
@@ -53,17 +57,22 @@ pub struct Liveness {
     pub buffer_of: HashMap<NodeId, usize>,
     /// Steps that write into an operand's buffer.
     pub in_place: HashSet<NodeId>,
+    /// The scratch buffer of every step that has one.
+    pub scratch_of: HashMap<NodeId, usize>,
 }
 
 impl Liveness {
     /// Every arena value with its bytes, before any sharing: the "naive" figure (the graph's
-    /// inputs, then every step's value).
+    /// inputs, then every step's value, then every step's scratch).
     pub fn naive_values<'a>(&'a self, graph: &'a Graph) -> impl Iterator<Item = (NodeId, usize)> + 'a {
         let inputs =
             self.buffers.iter().filter(|b| matches!(b.class, StorageClass::Input(_))).map(|b| b.producer);
+        let scratch =
+            self.buffers.iter().filter(|b| b.class == StorageClass::Scratch).map(|b| (b.producer, b.bytes));
         inputs
             .chain(self.steps.iter().copied().filter(move |&n| self.is_arena(n)))
             .map(move |n| (n, graph.node(n).bytes()))
+            .chain(scratch)
     }
 
     fn is_arena(&self, n: NodeId) -> bool {
@@ -71,7 +80,8 @@ impl Liveness {
     }
 }
 
-pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
+/// The buffers of `graph` run in `order`, with each step's scratch as `scratch` gives it.
+pub fn analyze(graph: &Graph, order: &[NodeId], scratch: &Scratch) -> Result<Liveness> {
     let is_step = |n: NodeId| !matches!(graph.node(n).op.class(), OpClass::Source | OpClass::View);
     let steps: Vec<NodeId> = order.iter().copied().filter(|&n| is_step(n)).collect();
     let step_of: HashMap<NodeId, usize> = steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
@@ -104,7 +114,7 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
             producer: n,
         };
         let buffer = match &node.op {
-            _ if node.op.is_effect() => continue,
+            _ if node.op.is_effect() => None,
             Op::Input { name, .. } => {
                 Some(new(StorageClass::Input(name.clone()), 0, reads_until[&n].unwrap_or(0)))
             }
@@ -133,6 +143,20 @@ pub fn analyze(graph: &Graph, order: &[NodeId]) -> Result<Liveness> {
         if let Some(b) = buffer {
             live.buffer_of.insert(n, live.buffers.len());
             live.buffers.push(b);
+        }
+        let bytes = scratch.bytes(n);
+        if bytes > 0
+            && let Some(&s) = step_of.get(&n)
+        {
+            live.scratch_of.insert(n, live.buffers.len());
+            live.buffers.push(BufferLife {
+                bytes,
+                class: StorageClass::Scratch,
+                device: node.device,
+                start: s,
+                end: s,
+                producer: n,
+            });
         }
     }
     for (&n, &b) in &live.buffer_of {

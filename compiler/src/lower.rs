@@ -69,17 +69,22 @@ impl Lowering<'_> {
                 let device = device_index[&b.device.0];
                 let storage = match &b.class {
                     StorageClass::Variable(key) => Storage::Variable { index: var_index[key] },
-                    StorageClass::Arena | StorageClass::Input(_) | StorageClass::Output(_) => {
-                        Storage::Arena { device, offset: arena_offset[&i] }
-                    }
+                    StorageClass::Arena
+                    | StorageClass::Input(_)
+                    | StorageClass::Output(_)
+                    | StorageClass::Scratch => Storage::Arena { device, offset: arena_offset[&i] },
                 };
                 let producer = graph.node(b.producer);
+                let label = match b.class {
+                    StorageClass::Scratch => format!("scratch of {}", producer.describe()),
+                    _ => producer.describe(),
+                };
                 Buffer {
                     bytes: b.bytes,
                     storage,
                     first_step: b.start,
                     last_step: b.end,
-                    label: producer.describe(),
+                    label,
                     origin: producer.origin.map(|o| o.to_string()),
                 }
             })
@@ -110,6 +115,7 @@ impl Lowering<'_> {
                     inputs,
                     output,
                     in_place: live.in_place.contains(&n),
+                    scratch: live.scratch_of.get(&n).copied(),
                     device: device_index[&node.device.0],
                     label: node.describe(),
                     origin: node.origin.map(|o| o.to_string()),

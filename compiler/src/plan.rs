@@ -79,6 +79,10 @@ pub struct Step {
     pub output: Option<usize>,
     /// Whether the output shares an operand's buffer.
     pub in_place: bool,
+    /// The buffer of the step's scratch (`crate::scratch`): arena memory its kernel may use
+    /// during this step only, of that buffer's size; `None` when the kernel uses none.
+    #[serde(default)]
+    pub scratch: Option<usize>,
     /// Index into `plan.devices`.
     pub device: usize,
     pub label: String,
@@ -263,6 +267,12 @@ impl Plan {
                 let _ = write!(s, " -> v{o} {} live {}..{}", value(o), b.first_step, b.last_step);
                 if step.in_place {
                     s.push_str(" in-place");
+                }
+            }
+            if let Some(b) = step.scratch {
+                let buf = &self.buffers[b];
+                if let Storage::Arena { offset, .. } = buf.storage {
+                    let _ = write!(s, " scratch {} B arena@{offset}", buf.bytes);
                 }
             }
             s.push('\n');

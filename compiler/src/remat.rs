@@ -442,7 +442,8 @@ impl Peak {
             return Ok(None);
         };
         let order = order.order;
-        let live = liveness::analyze(g, &order)?;
+        // Scratch buffers hold no value to recompute: the values are what matter here.
+        let live = liveness::analyze(g, &order, &crate::scratch::Scratch::none())?;
         if live.steps.len() != plan.steps.len() || oom.peak_step >= live.steps.len() {
             return Ok(None);
         }

@@ -15,7 +15,9 @@
 //!    elementwise op marked in place over an operand of its own shape; an update's mutated
 //!    variables are distinct from each other and from its other operands;
 //! 4. order: every step reading and writing arena buffers only while they are live, every arena
-//!    buffer written before it is read, every variable read before (never after) its update.
+//!    buffer written before it is read, every variable read before (never after) its update;
+//! 5. scratch: a step's scratch buffer is in the arena of the step's device, live at that step
+//!    alone, and nothing else's storage (no value's, no other step's scratch).
 
 use crate::ir::{self, DType, OpClass};
 use crate::plan::{Plan, Storage};
@@ -28,7 +30,42 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
         validate_io(plan, d)?;
         validate_variable_region(plan, d)?;
     }
-    validate_steps(plan)
+    validate_steps(plan)?;
+    validate_scratch(plan)
+}
+
+fn validate_scratch(plan: &Plan) -> Result<(), String> {
+    let mut owner: Vec<Option<usize>> = vec![None; plan.buffers.len()];
+    for v in &plan.values {
+        owner[v.buffer] = Some(usize::MAX);
+    }
+    for (s, step) in plan.steps.iter().enumerate() {
+        let Some(b) = step.scratch else { continue };
+        let Some(buf) = plan.buffers.get(b) else {
+            return Err(format!(
+                "step {s} ({}) names scratch buffer {b} of {}",
+                step.label,
+                plan.buffers.len()
+            ));
+        };
+        let on_device = matches!(buf.storage, Storage::Arena { device, .. } if device == step.device);
+        if !on_device || buf.first_step != s || buf.last_step != s {
+            return Err(format!(
+                "step {s} ({})'s scratch buffer {b} ({:?}, live {}..{}) must be in the arena of the step's device and live at step {s} alone",
+                step.label, buf.storage, buf.first_step, buf.last_step
+            ));
+        }
+        match owner[b] {
+            None => owner[b] = Some(s),
+            Some(usize::MAX) => {
+                return Err(format!("step {s} ({})'s scratch buffer {b} holds a value", step.label));
+            }
+            Some(other) => {
+                return Err(format!("steps {other} and {s} name the same scratch buffer {b}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn validate_structure(plan: &Plan) -> Result<(), String> {

@@ -14,7 +14,7 @@ use kiln_compiler::ir::{
 };
 use kiln_kernels::KernelError;
 use kiln_kernels::cpu;
-use kiln_kernels::cuda::{Arg, CudaKernel, generate};
+use kiln_kernels::cuda::{Arg, CudaKernel, generate, generate_with_scratch, scratch_bytes};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -38,12 +38,14 @@ struct Case {
     op: Op,
     shapes: Vec<Shape>,
     data: Vec<Data>,
+    /// Generated with the scratch it asks for (`scratch_bytes`) rather than none.
+    scratch: bool,
 }
 
 fn case(name: impl Into<String>, op: Op, shapes: &[&[usize]]) -> Case {
     let shapes: Vec<Shape> = shapes.iter().map(|s| Shape::from(*s)).collect();
     let data = vec![Data::Uniform(-2.0, 2.0); shapes.len()];
-    Case { name: name.into(), op, shapes, data }
+    Case { name: name.into(), op, shapes, data, scratch: false }
 }
 
 impl Case {
@@ -57,10 +59,22 @@ impl Case {
         infer(&self.op, &ops).unwrap_or_else(|e| panic!("{}: {}", self.name, e.message)).0
     }
 
+    /// With the scratch the kernel asks for (split-K across blocks).
+    fn split(mut self) -> Case {
+        self.scratch = true;
+        self
+    }
+
+    fn scratch_bytes(&self) -> usize {
+        let ops: Vec<(&Shape, DType)> = self.shapes.iter().map(|s| (s, DType::F32)).collect();
+        if self.scratch { scratch_bytes(&self.op, &ops, &self.output()) } else { 0 }
+    }
+
     fn generate(&self) -> CudaKernel {
         let ops: Vec<(&Shape, DType)> = self.shapes.iter().map(|s| (s, DType::F32)).collect();
         let out = self.output();
-        generate(&self.op, &ops, (&out, DType::F32)).unwrap_or_else(|e| panic!("{}: {e}", self.name))
+        generate_with_scratch(&self.op, &ops, (&out, DType::F32), self.scratch_bytes())
+            .unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 }
 
@@ -418,6 +432,7 @@ fn cases() -> Vec<Case> {
             .with(5, Data::Const(3.0)),
         );
     }
+    v.extend(split_cases(&adam_product));
     v.push(case("assign_add_counter", Op::AssignAdd { value: 1.0 }, &[&[1]]));
     for (i, (shape, step)) in
         [(vec![7usize], 0.0f32), (vec![5, 8], 3.0), (vec![2, 3, 4], 1e9), (vec![9], -2.0)]
@@ -432,6 +447,95 @@ fn cases() -> Vec<Case> {
     v.push(case("empty_unary", Op::Unary(UnaryOp::Exp), &[&[0, 3]]));
     v.push(case("empty_matmul", mm(false, false), &[&[0, 3], &[3, 4]]));
     v
+}
+
+/// Long contractions into few outputs, generated with the scratch they ask for: split-K across
+/// blocks (a partial kernel, then the sum in split order through the product's sink). Small
+/// enough to run on the host; `split_k_is_chosen_for_long_contractions` checks they split.
+fn split_cases(adam_product: &Op) -> Vec<Case> {
+    let mut v = Vec::new();
+    let mm = |ta, tb| Op::MatMul { transpose_a: ta, transpose_b: tb };
+    // A weight gradient over many rows; K not a multiple of any chunk; a batch of them.
+    v.push(case("split_matmul_t", mm(true, false), &[&[1536, 20], &[1536, 12]]).split());
+    v.push(case("split_matmul_odd_k", mm(true, true), &[&[1999, 9], &[5, 1999]]).split());
+    v.push(case("split_matmul_batched", mm(true, false), &[&[3, 1024, 8], &[3, 1024, 6]]).split());
+    v.push(case("split_matmul_plain", mm(false, false), &[&[6, 3000], &[3000, 7]]).split());
+    // A filter gradient: 3x3 over 4x16x16 positions.
+    let w = win([3, 3], [1, 1], Padding::Same);
+    v.push(
+        case(
+            "split_conv2d_backprop_filter",
+            Op::Conv2dBackpropFilter { window: w },
+            &[&[4, 16, 16, 3], &[4, 16, 16, 8]],
+        )
+        .split(),
+    );
+    // Through an epilogue: relu(aᵀ·b + bias).
+    let f = Fused {
+        shape: Shape::from([16, 10]),
+        insts: vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+        ],
+        reduce: None,
+        matmul: Some(FusedMatMul { transpose_a: true, transpose_b: false }),
+        epilogue: Vec::new(),
+        epilogue_operands: 0,
+    };
+    v.push(case("split_fused_matmul", Op::Fused(f), &[&[2048, 16], &[2048, 10], &[10]]).split());
+    // Column reductions into few outputs: the reduced extent split across blocks.
+    let red = |op, axes: &[usize]| Op::Reduce { op, axes: axes.to_vec(), keepdims: false };
+    v.push(case("split_reduce_sum", red(ReduceOp::Sum, &[0]), &[&[8192, 20]]).split());
+    v.push(
+        case("split_reduce_max", red(ReduceOp::Max, &[0, 1]), &[&[4, 4096, 5]]).with(0, Data::Ties).split(),
+    );
+    v.push(case("split_reduce_mean", red(ReduceOp::Mean, &[0]), &[&[3000, 3, 7]]).split());
+    // A fused bias gradient with an epilogue: relu(sum over rows of x * y) * z.
+    let f = Fused {
+        shape: Shape::from([4096, 33]),
+        insts: vec![Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1))],
+        reduce: Some(FusedReduce { op: ReduceOp::Sum, axes: vec![0], keepdims: false }),
+        matmul: None,
+        epilogue: vec![
+            Inst::Unary(UnaryOp::Relu, Ref::Operand(0)),
+            Inst::Binary(BinaryOp::Mul, Ref::Value(0), Ref::Operand(1)),
+        ],
+        epilogue_operands: 1,
+    };
+    v.push(case("split_fused_reduce", Op::Fused(f), &[&[4096, 33], &[4096, 1], &[33]]).split());
+    // An update that computes its own gradient: Adam's arithmetic in the sum's kernel.
+    v.push(
+        case(
+            "split_adam_product",
+            adam_product.clone(),
+            &[&[12, 10], &[2048, 12], &[2048, 10], &[12, 10], &[12, 10], &[]],
+        )
+        .with(4, Data::Uniform(0.0, 1.0))
+        .with(5, Data::Const(3.0))
+        .split(),
+    );
+    v
+}
+
+#[test]
+fn split_k_is_chosen_for_long_contractions() {
+    let cases = split_cases(
+        &Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false }
+            .update_in(None, kiln_compiler::ir::Grad::Product),
+    );
+    for c in cases {
+        let k = c.generate();
+        assert!(c.scratch_bytes() > 0, "{}: no scratch asked for", c.name);
+        assert_eq!(k.launches.len(), 2, "{}: {}", c.name, k.describe);
+        assert!(k.launches[0].args.contains(&Arg::Scratch) && k.launches[1].args[0] == Arg::Scratch);
+        assert!(k.describe.contains("across"), "{}", k.describe);
+        let threads: u32 =
+            k.launches.iter().map(|l| l.grid.iter().product::<u32>() * l.block.iter().product::<u32>()).sum();
+        assert!(threads <= 1 << 15, "{}: {threads} threads, too many to run on the host", c.name);
+        // Without scratch, the same op runs in one launch and never names any.
+        let plain = Case { scratch: false, ..c }.generate();
+        assert!(plain.launches.iter().all(|l| !l.args.contains(&Arg::Scratch)));
+    }
 }
 
 /// Random geometries (fixed seed): convolutions, pooling, reductions, permutes, broadcasts,
@@ -730,7 +834,9 @@ fn functions(src: &str) -> Vec<(String, usize)> {
         let list = &s[open + 1..close];
         let params: Vec<&str> = list.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
         for p in &params {
-            assert!(p.contains("float*"), "parameter `{p}` of {} is not a float pointer", &s[..open]);
+            // f32 tensors; a reduction's scratch holds f64 partial sums.
+            let pointer = p.contains("float*") || p.contains("double* __restrict__ part");
+            assert!(pointer, "parameter `{p}` of {} is not a float pointer", &s[..open]);
         }
         out.push((s[..open].trim().to_string(), params.len()));
         rest = &s[close..];
@@ -758,6 +864,7 @@ fn check(c: &Case, k: &CudaKernel) {
             match a {
                 Arg::Input(i) => assert!(*i < c.shapes.len(), "{name}: operand {i} does not exist"),
                 Arg::Output => writes_output = true,
+                Arg::Scratch => assert!(c.scratch_bytes() > 0, "{name}: scratch it was not given"),
             }
         }
         let threads: u32 = l.block.iter().product();
@@ -1022,6 +1129,7 @@ fn write_case(dir: &Path, c: &Case, k: &CudaKernel, run: bool) {
             .map(|a| match a {
                 Arg::Input(i) => format!("i{i}"),
                 Arg::Output => "o".into(),
+                Arg::Scratch => format!("s{}", c.scratch_bytes()),
             })
             .collect();
         let _ = writeln!(
@@ -1107,6 +1215,7 @@ fn every_kernel_runs_on_the_host_and_matches_the_cpu() {
             kernel: k,
             operands: inputs.clone(),
             output_len: out.len(),
+            scratch_len: c.scratch_bytes() / 4,
         });
         references.push((c, inputs, after, out));
     }

@@ -170,6 +170,7 @@ fn cuda_casts_and_integer_gathers_match_the_cpu_on_the_host() {
                 kernel,
                 operands: vec![words(&input)],
                 output_len: want.len().div_ceil(4),
+                scratch_len: 0,
             });
             expected.push(want);
         }
@@ -192,6 +193,7 @@ fn cuda_casts_and_integer_gathers_match_the_cpu_on_the_host() {
             kernel,
             operands: vec![words(&encode(&tv, DType::F32)), words(&idv)],
             output_len: want.len() / 4,
+            scratch_len: 0,
         });
         expected.push(want);
         let dy: Vec<f64> = (0..20).map(|i| i as f64 * 0.25).collect();
@@ -207,6 +209,7 @@ fn cuda_casts_and_integer_gathers_match_the_cpu_on_the_host() {
             kernel,
             operands: vec![words(&idv), words(&encode(&dy, DType::F32))],
             output_len: want.len() / 4,
+            scratch_len: 0,
         });
         expected.push(want);
     }

@@ -18,6 +18,13 @@ pub trait Backend {
         None
     }
 
+    /// The scratch this backend's kernels use (`kiln_compiler::scratch`): compile plans for it
+    /// with `CompileOptions::with_scratch(backend.scratch_rule())`. A plan compiled without
+    /// (or with another rule) still runs: a kernel uses at most the scratch its step has.
+    fn scratch_rule(&self) -> Option<kiln_compiler::scratch::ScratchRule> {
+        None
+    }
+
     /// Binds a plan to this device: allocates its arena and io region once, creates the
     /// variables it declares (initialised on first sight), prepares every kernel.
     fn load(&mut self, plan: Plan) -> Result<ProgramId>;

@@ -108,11 +108,12 @@ pub struct Trainer {
 
 impl Trainer {
     pub fn new(model: impl Layer + 'static, config: TrainConfig, backend: Box<dyn Backend>) -> Self {
+        let scratch = backend.scratch_rule();
         Trainer {
             model: Box::new(model),
             config,
             backend,
-            options: CompileOptions::default(),
+            options: CompileOptions::default().with_scratch(scratch),
             train_programs: HashMap::new(),
             predict_programs: HashMap::new(),
             evaluate_programs: HashMap::new(),
@@ -121,8 +122,10 @@ impl Trainer {
     }
 
     /// Compiles with these options: the devices (with their memory limits) plans may use.
+    /// Options without a scratch rule get the backend's (`Backend::scratch_rule`).
     pub fn with_options(mut self, options: CompileOptions) -> Self {
-        self.options = options;
+        let scratch = options.scratch.or(self.backend.scratch_rule());
+        self.options = options.with_scratch(scratch);
         self
     }
 

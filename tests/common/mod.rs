@@ -114,7 +114,9 @@ pub fn run_graph(
     graph: kiln::compiler::ir::Graph,
     inputs: &[(String, HostTensor)],
 ) -> (ProgramId, Vec<(String, HostTensor)>) {
-    let plan = compile(graph, &CompileOptions::default()).expect("compiles");
+    // With the scratch the backend's kernels ask for (split-K on CUDA), as a trainer compiles.
+    let plan =
+        compile(graph, &CompileOptions::default().with_scratch(backend.scratch_rule())).expect("compiles");
     let id = backend.load(plan).expect("loads");
     let feed: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let out = backend.call(id, &feed).expect("runs");

@@ -107,15 +107,35 @@ fn zeros(name: &str, head: String, describe: String, out: &Shape) -> CudaKernel 
 fn finish(head: String, gemm: Gemm, describe: String) -> CudaKernel {
     let mut c = Code::new();
     c.line(head);
-    let (launch, tiling) = gemm.generate(&mut c);
-    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+    let (launches, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches, describe: format!("{describe} ({tiling})") }
 }
 
-pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: &Shape) -> CudaKernel {
+/// The implicit GEMM's (M, N, K) of each convolution kernel.
+pub(crate) fn forward_dims(g: &Geom) -> (usize, usize, usize) {
+    (g.n * g.oh * g.ow, g.f, g.kh * g.kw * g.c)
+}
+
+pub(crate) fn backprop_input_dims(g: &Geom) -> (usize, usize, usize) {
+    (g.n * g.h * g.w, g.c, g.kh * g.kw * g.f)
+}
+
+pub(crate) fn backprop_filter_dims(g: &Geom) -> (usize, usize, usize) {
+    (g.kh * g.kw * g.c, g.f, g.n * g.oh * g.ow)
+}
+
+pub(crate) fn conv2d(
+    label: &str,
+    x: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    out: &Shape,
+    scratch: usize,
+) -> CudaKernel {
     let g = Geom::new(x, window, w.dims()[3]);
     let head = header(label, &[x, w], Some(out));
     let describe = format!("conv2d {}", g.text());
-    let (m, n, k) = (g.n * g.oh * g.ow, g.f, g.kh * g.kw * g.c);
+    let (m, n, k) = forward_dims(&g);
     if k == 0 {
         return zeros("kiln_conv2d", head, describe, out);
     }
@@ -137,6 +157,7 @@ pub(crate) fn conv2d(label: &str, x: &Shape, w: &Shape, window: &Window2d, out: 
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
+        scratch,
     };
     finish(head, gemm, describe)
 }
@@ -147,11 +168,12 @@ pub(crate) fn backprop_input(
     w: &Shape,
     window: &Window2d,
     dx: &Shape,
+    scratch: usize,
 ) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
     let head = header(label, &[dy, w], Some(dx));
     let describe = format!("conv2d_backprop_input {}", g.text());
-    let (m, n, k) = (g.n * g.h * g.w, g.c, g.kh * g.kw * g.f);
+    let (m, n, k) = backprop_input_dims(&g);
     if k == 0 {
         return zeros("kiln_conv2d_backprop_input", head, describe, dx);
     }
@@ -205,6 +227,7 @@ pub(crate) fn backprop_input(
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
+        scratch,
     };
     finish(head, gemm, describe)
 }
@@ -215,11 +238,12 @@ pub(crate) fn backprop_filter(
     dy: &Shape,
     window: &Window2d,
     dw: &Shape,
+    scratch: usize,
 ) -> CudaKernel {
     let g = Geom::new(x, window, dy.dims()[3]);
     let head = header(label, &[x, dy], Some(dw));
     let describe = format!("conv2d_backprop_filter {}", g.text());
-    let (m, n, k) = (g.kh * g.kw * g.c, g.f, g.n * g.oh * g.ow);
+    let (m, n, k) = backprop_filter_dims(&g);
     if k == 0 {
         return zeros("kiln_conv2d_backprop_filter", head, describe, dw);
     }
@@ -241,6 +265,7 @@ pub(crate) fn backprop_filter(
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
+        scratch,
     };
     finish(head, gemm, describe)
 }

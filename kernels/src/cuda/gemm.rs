@@ -25,8 +25,16 @@
 //!   all of its 1024 threads, thread t taking k = t, t + 1024, ... straight from global memory
 //!   (L2), then a warp butterfly and a shared-memory pass in warp order. `plan` picks it when its
 //!   estimated cost is lower than the tiled kernel's.
-//! - Both stay deterministic: kernels get no scratch memory, so a split over blocks would need
-//!   atomics; every output is reduced inside one block, in an order fixed by the shape.
+//! - Split-K across blocks, when the step has scratch (`kiln_compiler::scratch`, planned in the
+//!   arena) and the contraction is long (K >= 4 max(M, N)): `splits` groups of tiled blocks,
+//!   group s over K range [s·chunk, (s + 1)·chunk), write partial tiles to the scratch; a second
+//!   launch adds each output's partials in split order and applies the sink (store, epilogue or
+//!   update). On an H100 (2026-11-25, `kiln bench-gpu`'s profile) the cnn's filter gradients went
+//!   from 1.02 / 0.41 / 0.25 / 0.15 ms to 0.12 / 0.09 / 0.05 / under 0.05 ms (64, 16, 32 and 64
+//!   splits, as the model picks them; the forced 4/8/16/32-split runs bracketed each choice), its
+//!   training step from 2.61 to 1.16 ms.
+//! - Everything stays deterministic: every output is reduced inside one block, or its partials
+//!   are added in a fixed order, in an order fixed by the shape; no atomics.
 //! - Edges: every load is guarded (rows < M or N, k < K; zero outside), every store too, so any
 //!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
 //!   grid dimension limit applies.
@@ -203,13 +211,35 @@ pub(crate) enum Plan {
     /// Few outputs and a long K: each block computes TM x TN outputs with all its 1024 threads
     /// splitting K, then a tree over the threads.
     KParallel { tm: usize, tn: usize },
+    /// Split-K across blocks (needs scratch): `splits` groups of tiled blocks, group `ks` over
+    /// K range [ks·chunk, (ks + 1)·chunk), each writing its partial tile to scratch; a second
+    /// launch adds the partials of every output in group order and stores the sum.
+    SplitK { tile: Tile, splits: usize, chunk: usize },
 }
 
-/// The cheaper of the tiled kernel and, for K >= 1024, the K-parallel one.
+/// The most scratch a split-K product asks for: 4 MiB, and at most 64 partial sums of each
+/// output.
+const MAX_SCRATCH_BYTES: usize = 4 << 20;
+const MAX_SPLITS: usize = 64;
+
+/// A split must be modelled at least this much faster than the best product without one.
+const SPLIT_GAIN: f64 = 0.67;
+
+/// Estimated cycles of adding `splits` partials of `outputs` elements (a memory-bound pass:
+/// about 1,500 bytes a cycle on an H100, and a launch's worth of latency).
+fn split_reduce_cost(splits: usize, outputs: usize) -> f64 {
+    ((splits + 1) * outputs * 4) as f64 / 1500.0 + 3_000.0
+}
+
+/// The cheapest way to compute an M x N x K product repeated `batch` times with at most
+/// `scratch` bytes of scratch: the tiled kernel, for K >= 1024 the K-parallel one, and with
+/// scratch split-K across blocks.
 ///
 /// `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x8x8x8`) forces that tile wherever it fits,
 /// for measuring tiles against each other on a device (`kiln bench-gemm`); not for production.
-pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
+/// `KILN_GEMM_SPLIT=0` turns split-K across blocks off, `KILN_GEMM_SPLIT=N` (a power of two up
+/// to 64) forces N splits wherever the scratch allows (for A/B measurements on a device).
+pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, scratch: usize) -> Plan {
     if let Some(t) = forced_tile()
         && t.cost(m, n, k, batch).is_some()
     {
@@ -225,7 +255,43 @@ pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
             }
         }
     }
+    // Split only a long contraction into few outputs (K at least 4x the longer side), and only
+    // for a clear modelled gain: the scratch is memory, and the model is coarse. Measured on an
+    // H100 (2026-11-25): the cnn's filter gradients (K = 16,384 and 65,536) ran 2.6-4.4x faster
+    // split, the mlp's 256x1024x1024 products (K = 1024) no faster with twice the arena.
+    let outputs = batch.saturating_mul(m).saturating_mul(n);
+    let forced = std::env::var("KILN_GEMM_SPLIT").ok().and_then(|v| v.parse::<usize>().ok());
+    let split_off = forced == Some(0) || (forced.is_none() && k < 4 * m.max(n));
+    let unsplit = best.0;
+    let mut splits = 2;
+    while !split_off && splits <= MAX_SPLITS && splits.saturating_mul(outputs).saturating_mul(4) <= scratch {
+        if forced.is_some_and(|f| f != splits) {
+            splits *= 2;
+            continue;
+        }
+        // Chunks of whole K tiles for every tile the search may pick (BK 8 or 16, up to 4
+        // groups in a block): the last chunk may be short, none is empty.
+        let chunk = k.div_ceil(splits).next_multiple_of(64);
+        let groups = k.div_ceil(chunk);
+        if groups < splits {
+            break;
+        }
+        let (c, t) = choose(m, n, chunk, batch * splits);
+        let c = c * TILED_MEASURED_OVER_MODEL + split_reduce_cost(splits, outputs);
+        if forced == Some(splits) || (c < best.0 && c < SPLIT_GAIN * unsplit) {
+            best = (c, Plan::SplitK { tile: t, splits, chunk });
+        }
+        splits *= 2;
+    }
     best.1
+}
+
+/// The scratch bytes the product's best plan uses with scratch to spare (0: none).
+pub(crate) fn scratch_wanted(m: usize, n: usize, k: usize, batch: usize) -> usize {
+    match plan(m, n, k, batch, MAX_SCRATCH_BYTES) {
+        Plan::SplitK { splits, .. } => splits * batch * m * n * 4,
+        Plan::Tiled(_) | Plan::KParallel { .. } => 0,
+    }
 }
 
 /// How the kernel reads one operand.
@@ -254,6 +320,16 @@ pub(crate) struct Gemm {
     pub args: [Arg; 2],
     /// What becomes of every product.
     pub sink: Sink,
+    /// Bytes of scratch the step has (`Arg::Scratch`; 0: none), for split-K across blocks.
+    pub scratch: usize,
+}
+
+/// Split-K across blocks, as the partial kernel runs it: `splits` groups of blocks, group `ks`
+/// over K from ks·chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KSplit {
+    splits: usize,
+    chunk: usize,
 }
 
 /// Where a GEMM's products go.
@@ -289,8 +365,8 @@ pub(crate) struct Epilogue {
 }
 
 impl Gemm {
-    /// Appends the kernel to `c`; returns its launch and a description of the tiling.
-    pub(crate) fn generate(self, c: &mut Code) -> (Launch, String) {
+    /// Appends the kernel to `c`; returns its launches and a description of the tiling.
+    pub(crate) fn generate(self, c: &mut Code) -> (Vec<Launch>, String) {
         assert!(self.k > 0 && self.m > 0 && self.n > 0, "empty products are filled, not multiplied");
         match &self.sink {
             Sink::Output => {}
@@ -302,23 +378,93 @@ impl Gemm {
                 c.line(&u.definition);
             }
         }
-        match plan(self.m, self.n, self.k, self.batch) {
-            Plan::Tiled(t) => self.tiled(c, t),
-            Plan::KParallel { tm, tn } => self.k_parallel(c, tm, tn),
+        match plan(self.m, self.n, self.k, self.batch, self.scratch) {
+            Plan::Tiled(t) => {
+                let (launch, describe) = self.tiled(c, t, None);
+                (vec![launch], describe)
+            }
+            Plan::KParallel { tm, tn } => {
+                let (launch, describe) = self.k_parallel(c, tm, tn);
+                (vec![launch], describe)
+            }
+            Plan::SplitK { tile, splits, chunk } => {
+                let split = KSplit { splits, chunk };
+                let (partial, describe) = self.tiled(c, tile, Some(split));
+                c.blank();
+                let reduce = self.split_reduce(c, split);
+                (vec![partial, reduce], describe)
+            }
         }
     }
 
-    /// Emits the block -> (batch, m0, n0) mapping and the batch offsets a_base, b_base, o.
-    fn block_origin(&self, c: &mut Code, bm: usize, bn: usize, all_bases: bool) {
+    /// The kernel that adds the partial products of a split-K product (`Arg::Scratch`, one
+    /// batch of M x N matrices per split) in split order and stores each sum through the sink.
+    fn split_reduce(&self, c: &mut Code, split: KSplit) -> Launch {
+        let ty = self.ty;
+        let (mn, total) = (self.m * self.n, self.batch * self.m * self.n);
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {}(const float* __restrict__ part, {}) {{",
+            self.name,
+            self.sink_params()
+        ));
+        c.line(format!("// the sum of {} partial products, in split order", split.splits));
+        if let Sink::Update(u) = &self.sink {
+            for l in &u.prelude {
+                c.line(l);
+            }
+        }
+        c.line(super::codegen::grid_loop(ty, "i", total));
+        c.line("float s = part[i];");
+        c.line(format!(
+            "for (int ks = 1; ks < {}; ++ks) s += part[({ty})ks * {} + i];",
+            split.splits,
+            int(total)
+        ));
+        if self.batch > 1 {
+            c.line(format!("const {ty} r = i % {};", int(mn)));
+            if !matches!(self.sink, Sink::Update(_)) {
+                c.line(format!("float* o = out + (i / {}) * {};", int(mn), int(mn)));
+            }
+        } else {
+            c.line(format!("const {ty} r = i;"));
+            if !matches!(self.sink, Sink::Update(_)) {
+                c.line("float* o = out;");
+            }
+        }
+        c.line(format!("const {ty} gm = r / {n}, gn = r % {n};", n = int(self.n)));
+        c.line(self.store("s", None));
+        c.line("}");
+        c.line("}");
+        Launch {
+            function: self.name.clone(),
+            grid: super::codegen::grid_for(total, 256),
+            block: [256, 1, 1],
+            shared_bytes: 0,
+            args: std::iter::once(Arg::Scratch).chain(self.sink_args()).collect(),
+        }
+    }
+
+    /// Emits the block -> (batch, m0, n0) mapping (with a split, the split `ks` outermost) and
+    /// the batch offsets a_base, b_base, o.
+    fn block_origin(&self, c: &mut Code, bm: usize, bn: usize, all_bases: bool, split: Option<KSplit>) {
         let ty = self.ty;
         let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
         c.line(format!("// block -> (batch, tile row, tile column): {} x {tiles_m} x {tiles_n}", self.batch));
+        let id = if let Some(sp) = split {
+            let per = self.batch * tiles_m * tiles_n;
+            c.line(format!("// split-K across blocks: {} groups of {per} blocks", sp.splits));
+            c.line(format!("const {ty} ks = ({ty})blockIdx.x / {};", int(per)));
+            c.line(format!("const {ty} bid = ({ty})blockIdx.x % {};", int(per)));
+            "bid"
+        } else {
+            "blockIdx.x"
+        };
         if tiles_n > 1 {
-            c.line(format!("const {ty} n0 = (({ty})blockIdx.x % {tiles_n}) * {bn};"));
-            c.line(format!("const {ty} blk = ({ty})blockIdx.x / {tiles_n};"));
+            c.line(format!("const {ty} n0 = (({ty}){id} % {tiles_n}) * {bn};"));
+            c.line(format!("const {ty} blk = ({ty}){id} / {tiles_n};"));
         } else {
             c.line(format!("const {ty} n0 = 0;"));
-            c.line(format!("const {ty} blk = blockIdx.x;"));
+            c.line(format!("const {ty} blk = {id};"));
         }
         match (self.batch > 1, tiles_m > 1) {
             (true, true) => {
@@ -339,8 +485,13 @@ impl Gemm {
         if all_bases || self.b.load.contains("base") {
             c.line(format!("const {ty} b_base = {};", self.b.batch_offset));
         }
-        match &self.sink {
-            Sink::Update(u) => {
+        let bz = if self.batch > 1 { "bz" } else { "0" };
+        match (&self.sink, split) {
+            // The partials of split ks: batch matrix (ks, bz) of the scratch.
+            (_, Some(_)) => {
+                c.line(format!("float* o = out + (ks * {} + {bz}) * {};", self.batch, int(self.m * self.n)));
+            }
+            (Sink::Update(u), None) => {
                 for l in &u.prelude {
                     c.line(l);
                 }
@@ -354,14 +505,22 @@ impl Gemm {
         }
     }
 
-    fn launch(&self, blocks: usize, threads: usize) -> Launch {
+    /// The launch of the product kernel: the factors, then the sink's arguments (with a
+    /// split, the scratch that takes the partials).
+    fn launch(&self, blocks: usize, threads: usize, split: Option<KSplit>) -> Launch {
+        let sink = if split.is_some() { vec![Arg::Scratch] } else { self.sink_args() };
         Launch {
-            function: self.name.clone(),
+            function: self.function(split),
             grid: [u32::try_from(blocks).expect("fewer than 2^32 blocks"), 1, 1],
             block: [threads as u32, 1, 1],
             shared_bytes: 0,
-            args: self.args.iter().copied().chain(self.sink_args()).collect(),
+            args: self.args.iter().copied().chain(sink).collect(),
         }
+    }
+
+    /// The product kernel's name: with a split, the partial kernel's (the sum keeps the name).
+    fn function(&self, split: Option<KSplit>) -> String {
+        if split.is_some() { format!("{}_partial", self.name) } else { self.name.clone() }
     }
 
     /// The launch arguments after the factors.
@@ -378,22 +537,34 @@ impl Gemm {
     /// (`Op::may_write_over`: each element's operands are read by the thread that then stores
     /// it), so neither is `__restrict__` when there is an epilogue; the factors never alias the
     /// output, nor what an update writes (`product_updates` checks it).
-    fn params(&self) -> String {
+    fn params(&self, split: Option<KSplit>) -> String {
         let factors = "const float* __restrict__ in0, const float* __restrict__ in1";
+        if split.is_some() {
+            return format!("{factors}, float* __restrict__ out");
+        }
+        format!("{factors}, {}", self.sink_params())
+    }
+
+    /// The sink's parameters (after the factors, or after the partials of a split).
+    fn sink_params(&self) -> String {
         match &self.sink {
-            Sink::Output => format!("{factors}, float* __restrict__ out"),
+            Sink::Output => "float* __restrict__ out".into(),
             Sink::Epilogue(e) => {
-                let extra: String = (0..e.extra.len()).map(|j| format!(", const float* e{j}")).collect();
-                format!("{factors}{extra}, float* out")
+                let extra: String = (0..e.extra.len()).map(|j| format!("const float* e{j}, ")).collect();
+                format!("{extra}float* out")
             }
-            Sink::Update(u) => format!("{factors}, {}", u.params),
+            Sink::Update(u) => u.params.clone(),
         }
     }
 
     /// Stores `value` as output element (gm, gn) of this block's matrix `o`, through the
-    /// epilogue if there is one, or applies it as the update's gradient element.
-    fn store(&self, value: &str) -> String {
+    /// epilogue if there is one, or applies it as the update's gradient element; with a split,
+    /// stores the partial sum as it is.
+    fn store(&self, value: &str, split: Option<KSplit>) -> String {
         let at = format!("gm * {} + gn", int(self.n));
+        if split.is_some() {
+            return format!("o[{at}] = {value};");
+        }
         match &self.sink {
             Sink::Output => format!("o[{at}] = {value};"),
             Sink::Epilogue(e) => {
@@ -412,12 +583,12 @@ impl Gemm {
         let name = &self.name;
         c.line(format!(
             "extern \"C\" __global__ void __launch_bounds__({KPAR_THREADS}) {name}({}) {{",
-            self.params()
+            self.params(None)
         ));
         c.line(format!("// {tm}x{tn} outputs per block, K split over {KPAR_THREADS} threads"));
         c.line(format!("__shared__ float partial[{warps}][{}];", tm * tn));
         c.line("const int t = threadIdx.x;");
-        self.block_origin(c, tm, tn, false);
+        self.block_origin(c, tm, tn, false, None);
         c.line(format!("float acc[{tm}][{tn}];"));
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {tm}; ++i) {{"));
@@ -465,17 +636,19 @@ impl Gemm {
         c.line("float s = partial[0][t];");
         c.line(format!("for (int w = 1; w < {warps}; ++w) s += partial[w][t];"));
         c.line(format!("const {ty} gm = m0 + t / {tn}, gn = n0 + t % {tn};"));
-        c.line(format!("if (gm < {} && gn < {}) {}", int(self.m), int(self.n), self.store("s")));
+        c.line(format!("if (gm < {} && gn < {}) {}", int(self.m), int(self.n), self.store("s", None)));
         c.line("}");
         c.line("}");
         let blocks = self.batch * self.m.div_ceil(tm) * self.n.div_ceil(tn);
         (
-            self.launch(blocks, KPAR_THREADS),
+            self.launch(blocks, KPAR_THREADS, None),
             format!("K-parallel, {tm}x{tn} outputs per block of {KPAR_THREADS} threads"),
         )
     }
 
-    fn tiled(self, c: &mut Code, t: Tile) -> (Launch, String) {
+    /// The tiled kernel; with a split, the partial kernel of split-K across blocks (K range
+    /// from ks·chunk, partial tiles into the scratch).
+    fn tiled(&self, c: &mut Code, t: Tile, split: Option<KSplit>) -> (Launch, String) {
         let ty = self.ty;
         let (vec_a, vec_b) = (vector(t.tm), vector(t.tn));
         // A k-contiguous operand is stored transposed into its tile: a padding column keeps its
@@ -484,10 +657,10 @@ impl Gemm {
         let (pad_a, pad_b) = (pad * usize::from(self.a.k_contiguous), pad * usize::from(self.b.k_contiguous));
         let (lda, ldb) = (t.bm + pad_a, t.bn + pad_b);
         let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
-        let ktiles = self.k.div_ceil(t.bk);
+        let ktiles = split.map_or(self.k, |sp| sp.chunk).div_ceil(t.bk);
         let iters = ktiles.div_ceil(t.split);
         let (la, lb) = (t.loads_a(), t.loads_b());
-        let name = &self.name;
+        let name = &self.function(split);
 
         for (side, op, rows, br, loads) in
             [("a", &self.a, self.m, t.bm, la), ("b", &self.b, self.n, t.bn, lb)]
@@ -518,7 +691,7 @@ impl Gemm {
         c.line(format!(
             "extern \"C\" __global__ void __launch_bounds__({}) {name}({}) {{",
             t.threads(),
-            self.params()
+            self.params(split)
         ));
         c.line(format!(
             "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads",
@@ -532,8 +705,8 @@ impl Gemm {
             c.line("const int t = threadIdx.x;");
         }
         c.line("const int tx = t % 16, ty = t / 16;");
-        self.block_origin(c, t.bm, t.bn, true);
-        let (a_at, b_at, k_start) = if t.split > 1 {
+        self.block_origin(c, t.bm, t.bn, true, split);
+        let (a_at, b_at, mut k_start) = if t.split > 1 {
             (
                 format!("smem + group * {}", t.bk * lda),
                 format!("smem + {} + group * {}", t.split * t.bk * lda, t.bk * ldb),
@@ -542,6 +715,9 @@ impl Gemm {
         } else {
             ("smem".to_string(), format!("smem + {}", t.bk * lda), "0".to_string())
         };
+        if let Some(sp) = split {
+            k_start = format!("ks * {} + {k_start}", int(sp.chunk));
+        }
         c.line(format!("float* As = {a_at};"));
         c.line(format!("float* Bs = {b_at};"));
         c.line(format!("float acc[{}][{}];", t.tm, t.tn));
@@ -648,14 +824,18 @@ impl Gemm {
         } else {
             format!("const {ty} gn = n0 + tx + j * 16;")
         });
-        c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]")));
+        c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]", split)));
         c.line("}");
         c.line("}");
         c.line("}");
         c.line("}");
-        let launch = self.launch(self.batch * tiles_m * tiles_n, t.threads());
-        let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
-        (launch, format!("tile {}x{}x{}, {}x{} per thread{split}", t.bm, t.bn, t.bk, t.tm, t.tn))
+        let groups = split.map_or(1, |sp| sp.splits);
+        let launch = self.launch(groups * self.batch * tiles_m * tiles_n, t.threads(), split);
+        let in_block = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
+        let across = split.map_or(String::new(), |sp| {
+            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
+        });
+        (launch, format!("tile {}x{}x{}, {}x{} per thread{in_block}{across}", t.bm, t.bn, t.bk, t.tm, t.tn))
     }
 }
 
@@ -677,10 +857,29 @@ mod tests {
             assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
         }
         // A filter gradient: few outputs, the whole batch of positions to contract.
-        assert!(matches!(plan(27, 16, 65536, 1), Plan::KParallel { .. }));
-        assert!(matches!(plan(1024, 1024, 1024, 1), Plan::Tiled(_)));
+        assert!(matches!(plan(27, 16, 65536, 1, 0), Plan::KParallel { .. }));
+        assert!(matches!(plan(1024, 1024, 1024, 1, 0), Plan::Tiled(_)));
         // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
         // outputs fill the SMs with tiles.
-        assert!(matches!(plan(256, 256, 1024, 1), Plan::Tiled(_)));
+        assert!(matches!(plan(256, 256, 1024, 1, 0), Plan::Tiled(_)));
+    }
+
+    #[test]
+    fn long_contractions_split_across_blocks_given_scratch() {
+        // The cnn's filter gradients: a few thousand outputs over 65,536 or 16,384 positions.
+        for (m, n, k) in [(288, 32, 65536), (27, 32, 65536), (288, 64, 16384), (576, 64, 16384)] {
+            let p = plan(m, n, k, 1, MAX_SCRATCH_BYTES);
+            eprintln!("{m}x{n}x{k}: {p:?}");
+            let Plan::SplitK { splits, chunk, tile } = p else { panic!("{m}x{n}x{k}: {p:?}") };
+            assert!(splits * chunk >= k && (splits - 1) * chunk < k, "{p:?}");
+            assert_eq!(chunk % (tile.bk * tile.split), 0, "{p:?}");
+            assert_eq!(scratch_wanted(m, n, k, 1), splits * m * n * 4);
+            // Never more than the scratch given.
+            let less = plan(m, n, k, 1, splits * m * n * 4 - 1);
+            assert!(!matches!(less, Plan::SplitK { splits: s, .. } if s >= splits), "{less:?}");
+        }
+        // Large squares fill the GPU with tiles: no scratch.
+        assert_eq!(scratch_wanted(4096, 4096, 4096, 1), 0);
+        assert_eq!(scratch_wanted(32, 10, 100, 1), 0);
     }
 }

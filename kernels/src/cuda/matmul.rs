@@ -42,8 +42,27 @@ fn batch_offset(operand: &[usize], out: &[usize], size: usize) -> String {
     terms.join(" + ")
 }
 
-pub(crate) fn matmul(label: &str, a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> CudaKernel {
-    product(label, a, b, ta, tb, out, None)
+pub(crate) fn matmul(
+    label: &str,
+    a: &Shape,
+    b: &Shape,
+    (ta, tb): (bool, bool),
+    out: &Shape,
+    scratch: usize,
+) -> CudaKernel {
+    product(label, a, b, (ta, tb), out, None, scratch)
+}
+
+/// The GEMM a product of `a` (transposed with `ta`) and `b` into `out` runs: (M, N, K, batch).
+/// [B, M, K] @ [K, N] without a transposed left operand folds the batch into M.
+pub(crate) fn dims(a: &Shape, b: &Shape, ta: bool, out: &Shape) -> (usize, usize, usize, usize) {
+    let r = out.rank();
+    let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
+    let k = if ta { a.back(2) } else { a.back(1) };
+    let batch: usize = out.dims()[..r - 2].iter().product();
+    let a_batch: usize = a.dims()[..a.rank() - 2].iter().product();
+    let b_batch: usize = b.dims()[..b.rank() - 2].iter().product();
+    if b_batch == 1 && a_batch == batch && !ta { (m * batch, n, k, 1) } else { (m, n, k, batch) }
 }
 
 /// A product with an elementwise epilogue (`Fused::matmul`): the GEMM applies the program to
@@ -55,15 +74,16 @@ pub(crate) fn fused_matmul(
     m: &FusedMatMul,
     operands: &[&Shape],
     out: &Shape,
+    scratch: usize,
 ) -> CudaKernel {
     product(
         label,
         operands[0],
         operands[1],
-        m.transpose_a,
-        m.transpose_b,
+        (m.transpose_a, m.transpose_b),
         out,
         Some((program, &operands[2..])),
+        scratch,
     )
 }
 
@@ -71,10 +91,10 @@ fn product(
     label: &str,
     a: &Shape,
     b: &Shape,
-    ta: bool,
-    tb: bool,
+    (ta, tb): (bool, bool),
     out: &Shape,
     epilogue: Option<(&Fused, &[&Shape])>,
+    scratch: usize,
 ) -> CudaKernel {
     let r = out.rank();
     let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
@@ -107,8 +127,8 @@ fn product(
         return kernel;
     }
     let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
-    let fold = b_batch.iter().product::<usize>() == 1 && a_batch.iter().product::<usize>() == batch && !ta;
-    let (gm, gbatch) = if fold { (m * batch, 1) } else { (m, batch) };
+    let (gm, _, _, gbatch) = dims(a, b, ta, out);
+    let fold = gbatch != batch;
     let a_load = if ta {
         format!("v = src[base + gk * {} + gr];", int(m))
     } else {
@@ -142,17 +162,25 @@ fn product(
                 extra: (2..2 + extra.len()).map(Arg::Input).collect(),
             })
         }),
+        scratch,
     };
     let mut c = Code::new();
     c.line(head);
-    let (launch, tiling) = gemm.generate(&mut c);
-    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+    let (launches, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches, describe: format!("{describe} ({tiling})") }
 }
 
 /// a[:, rows]ᵀ · b for a[M, K], b[M, N] (checked by `ir::infer`): the tiled GEMM of
 /// rows.len x M x N, loading the block of `a`'s columns in place (as a transposed operand, one
 /// column offset added).
-pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &Shape) -> CudaKernel {
+pub(crate) fn matmul_rows(
+    label: &str,
+    a: &Shape,
+    b: &Shape,
+    rows: Rows,
+    out: &Shape,
+    scratch: usize,
+) -> CudaKernel {
     let (m_rows, k) = (a.dims()[0], a.dims()[1]);
     let n = b.dims()[1];
     let describe = format!(
@@ -183,11 +211,12 @@ pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &S
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
+        scratch,
     };
     let mut c = Code::new();
     c.line(header(label, &[a, b], Some(out)));
-    let (launch, tiling) = gemm.generate(&mut c);
-    CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({tiling})") }
+    let (launches, tiling) = gemm.generate(&mut c);
+    CudaKernel { source: c.finish(), launches, describe: format!("{describe} ({tiling})") }
 }
 
 #[cfg(test)]

@@ -59,6 +59,7 @@ mod softmax;
 
 use crate::KernelError;
 use kiln_compiler::ir::{DType, Op, Shape};
+use kiln_compiler::scratch::ScratchRule;
 
 /// A kernel for one plan step: CUDA C source (one translation unit, `extern "C" __global__`
 /// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
@@ -81,11 +82,64 @@ pub struct Launch {
     pub args: Vec<Arg>,
 }
 
-/// Kernel parameters are device pointers, in this order: `Input(i)` = operand i, `Output` = the step's output.
+/// Kernel parameters are device pointers, in this order: `Input(i)` = operand i, `Output` = the
+/// step's output, `Scratch` = the step's scratch (`kiln_compiler::scratch`; only in kernels
+/// generated with scratch, which use at most the bytes they were given).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arg {
     Input(usize),
     Output,
+    Scratch,
+}
+
+/// The scratch the CUDA kernels ask for: a product or convolution whose outputs are too few to
+/// fill the GPU over a long K splits K across blocks (`gemm::Plan::SplitK`), and a column
+/// reduction with few outputs its reduced extent (`reduce`), their partials in scratch. Compile with it (`CompileOptions::with_scratch`) for plans that run on a CUDA device.
+pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_bytes };
+
+/// The scratch bytes the kernel of `op` uses when given enough (`SCRATCH`); 0 for every op but
+/// the GEMM-based ones and reductions, and for invalid or empty operands (whose kernel uses
+/// none).
+pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
+    if crate::check::check(op, inputs, (output, DType::F32), "the CUDA kernels").is_err() {
+        return 0;
+    }
+    let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
+    if !matches!(crate::check::empty_case(op, &s, output), crate::check::Empty::Compute) {
+        return 0;
+    }
+    let window_geom = |x: &Shape, window, filters| crate::geometry::Geom::new(x, window, filters);
+    let (m, n, k, batch) = match op {
+        Op::MatMul { transpose_a, .. } => matmul::dims(s[0], s[1], *transpose_a, output),
+        Op::Fused(f) => match (&f.matmul, &f.reduce) {
+            (Some(mm), _) => matmul::dims(s[0], s[1], mm.transpose_a, output),
+            (None, Some(r)) => return reduce::scratch_wanted(r.op, &f.shape, &r.axes),
+            (None, None) => return 0,
+        },
+        Op::Reduce { op: rop, axes, .. } => return reduce::scratch_wanted(*rop, s[0], axes),
+        Op::MatMulRows { rows } => (rows.len, s[1].dims()[1], s[0].dims()[0], 1),
+        Op::Conv2d { window } => {
+            let (m, n, k) = conv::forward_dims(&window_geom(s[0], window, s[1].dims()[3]));
+            (m, n, k, 1)
+        }
+        Op::Conv2dBackpropInput { window, .. } => {
+            let (m, n, k) = conv::backprop_input_dims(&window_geom(output, window, s[1].dims()[3]));
+            (m, n, k, 1)
+        }
+        Op::Conv2dBackpropFilter { window } => {
+            let (m, n, k) = conv::backprop_filter_dims(&window_geom(s[0], window, s[1].dims()[3]));
+            (m, n, k, 1)
+        }
+        Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. } => {
+            let (m, n, k) = optim::product_dims(&s);
+            (m, n, k, 1)
+        }
+        _ => return 0,
+    };
+    if m == 0 || n == 0 || k == 0 {
+        return 0;
+    }
+    gemm::scratch_wanted(m, n, k, batch)
 }
 
 /// Generates the CUDA kernel of `op` on operands of the given shapes and dtypes producing `output`
@@ -95,6 +149,17 @@ pub fn generate(
     op: &Op,
     inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
+) -> Result<CudaKernel, KernelError> {
+    generate_with_scratch(op, inputs, output, 0)
+}
+
+/// `generate` for a step with `scratch` bytes of scratch (`Arg::Scratch`), of which the kernel
+/// uses at most that many (`scratch_bytes` says how many it would use).
+pub fn generate_with_scratch(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+    scratch: usize,
 ) -> Result<CudaKernel, KernelError> {
     crate::check::check(op, inputs, output, "the CUDA kernels")?;
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
@@ -125,12 +190,12 @@ pub fn generate(
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul) {
-            (_, Some(m)) => matmul::fused_matmul(l, f, m, &s, out),
-            (Some(r), None) => reduce::fused_reduce(l, f, r, &s, out),
+            (_, Some(m)) => matmul::fused_matmul(l, f, m, &s, out, scratch),
+            (Some(r), None) => reduce::fused_reduce(l, f, r, &s, out, scratch),
             (None, None) => elementwise::fused(l, f, &s, out),
         },
         Op::MatMul { transpose_a, transpose_b } => {
-            matmul::matmul(l, s[0], s[1], *transpose_a, *transpose_b, out)
+            matmul::matmul(l, s[0], s[1], (*transpose_a, *transpose_b), out, scratch)
         }
         Op::Permute { perm } => layout::permute(l, s[0], perm, out),
         Op::BroadcastTo { .. } => layout::broadcast_to(l, s[0], out),
@@ -138,12 +203,12 @@ pub fn generate(
         Op::Concat { axis } => layout::concat(l, &s, *axis, out),
         Op::Slice { axis, start, len } => layout::slice(l, s[0], *axis, *start, *len, out),
         Op::Pad { axis, before, after } => layout::pad(l, s[0], *axis, *before, *after, out),
-        Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out),
+        Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out, scratch),
         Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false),
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
-        Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out),
-        Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(l, s[0], s[1], window, out),
-        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out),
+        Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
+        Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(l, s[0], s[1], window, out, scratch),
+        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out, scratch),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0]),
@@ -175,12 +240,12 @@ pub fn generate(
                 describe: format!("custom {name}"),
             }
         }
-        Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out),
+        Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch),
         Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
-            optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s)
+            optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s, scratch)
         }
         Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
-            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], *rows, *product, &s)
+            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], *rows, *product, &s, scratch)
         }
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
     })

@@ -168,9 +168,9 @@ impl Rule {
     /// The kernel that computes the gradient aᵀ·b (a[M, R] = operand 1, b[M, C] = operand 2)
     /// with the tiled GEMM and applies each product as it would store it: the gradient is
     /// never in memory. The state follows from operand 3.
-    fn product_kernel(self, label: &str, shapes: &[&Shape]) -> CudaKernel {
+    fn product_kernel(self, label: &str, shapes: &[&Shape], scratch: usize) -> CudaKernel {
         let (var, a, b) = (shapes[0], shapes[1], shapes[2]);
-        let (m, r, cols) = (a.dims()[0], var.dims()[0], var.dims()[1]);
+        let (r, cols, m) = product_dims(shapes);
         let ty = idx_type(shapes.iter().map(|s| s.numel()).max().unwrap_or(0));
         let mut names = vec!["var"];
         names.extend(&self.state);
@@ -213,13 +213,14 @@ impl Rule {
                 prelude: self.setup.clone(),
                 call,
             }),
+            scratch,
         };
         let mut c = Code::new();
         c.line(header(label, shapes, None));
-        let (launch, tiling) = gemm.generate(&mut c);
+        let (launches, tiling) = gemm.generate(&mut c);
         CudaKernel {
             source: c.finish(),
-            launches: vec![launch],
+            launches,
             describe: format!(
                 "{} {} from {}ᵀ @ {} ({tiling})",
                 self.describe,
@@ -233,8 +234,24 @@ impl Rule {
 
 /// The update's kernel: over a stored gradient, or computing it (`product`; checked against
 /// the variable by `ir::infer`, as `rows` is).
-fn update(rule: Rule, label: &str, rows: Option<Rows>, product: bool, shapes: &[&Shape]) -> CudaKernel {
-    if product { rule.product_kernel(label, shapes) } else { rule.kernel(label, shapes[0], rows, shapes) }
+fn update(
+    rule: Rule,
+    label: &str,
+    rows: Option<Rows>,
+    product: bool,
+    shapes: &[&Shape],
+    scratch: usize,
+) -> CudaKernel {
+    if product {
+        rule.product_kernel(label, shapes, scratch)
+    } else {
+        rule.kernel(label, shapes[0], rows, shapes)
+    }
+}
+
+/// The (M, N, K) of a product update's gradient aᵀ·b (operands 1 and 2).
+pub(crate) fn product_dims(shapes: &[&Shape]) -> (usize, usize, usize) {
+    (shapes[0].dims()[0], shapes[0].dims()[1], shapes[1].dims()[0])
 }
 
 pub(crate) fn sgd(
@@ -243,8 +260,9 @@ pub(crate) fn sgd(
     rows: Option<Rows>,
     product: bool,
     shapes: &[&Shape],
+    scratch: usize,
 ) -> CudaKernel {
-    update(sgd_rule(lr, momentum, nesterov), label, rows, product, shapes)
+    update(sgd_rule(lr, momentum, nesterov), label, rows, product, shapes, scratch)
 }
 
 /// `hyper` is (lr, beta1, beta2, epsilon).
@@ -254,8 +272,9 @@ pub(crate) fn adam(
     rows: Option<Rows>,
     product: bool,
     shapes: &[&Shape],
+    scratch: usize,
 ) -> CudaKernel {
-    update(adam_rule(hyper), label, rows, product, shapes)
+    update(adam_rule(hyper), label, rows, product, shapes, scratch)
 }
 
 pub(crate) fn assign_add(label: &str, value: f32, var: &Shape) -> CudaKernel {

@@ -16,6 +16,8 @@ pub struct HostCase {
     pub kernel: CudaKernel,
     pub operands: Vec<Vec<f32>>,
     pub output_len: usize,
+    /// f32 elements of the step's scratch (`Arg::Scratch`), given NaN-filled: 0 for none.
+    pub scratch_len: usize,
 }
 
 /// What a kernel left: its operands after the run and its output.
@@ -123,6 +125,7 @@ pub fn run(cases: Vec<HostCase>) -> Result<Vec<HostResult>, String> {
         }
         let mut operands = c.operands.clone();
         let mut output = vec![f32::NAN; c.output_len];
+        let mut scratch = vec![f32::NAN; c.scratch_len];
         for (l, f) in c.kernel.launches.iter().zip(&functions) {
             let mut args: Vec<*mut c_void> = l
                 .args
@@ -130,10 +133,11 @@ pub fn run(cases: Vec<HostCase>) -> Result<Vec<HostResult>, String> {
                 .map(|a| match a {
                     Arg::Input(k) => operands[*k].as_mut_ptr() as *mut c_void,
                     Arg::Output => output.as_mut_ptr() as *mut c_void,
+                    Arg::Scratch => scratch.as_mut_ptr() as *mut c_void,
                 })
                 .collect();
             // SAFETY: every argument points to a host buffer of the element count the kernel
-            // was generated for (the case's operand and output shapes).
+            // was generated for (the case's operand and output shapes, the scratch it was given).
             unsafe { f.launch(l.grid, l.block, &mut args) };
         }
         results.push(HostResult { operands, output });

@@ -175,7 +175,10 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
                 Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
                 None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
             };
-            Ok(cuda::generate(&step.op, &ins, out)?)
+            // A step's scratch is its own buffer of this size (validated): the kernel uses at
+            // most that many bytes of it.
+            let scratch = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
+            Ok(cuda::generate_with_scratch(&step.op, &ins, out, scratch)?)
         })
         .collect()
 }
@@ -624,6 +627,13 @@ impl CudaBackend {
                                 l.function, step.label
                             ))
                         }),
+                        Arg::Scratch => match step.scratch.map(|b| plan.buffers[b].storage) {
+                            Some(Storage::Arena { device, offset }) => Ok(Loc::Arena(device, offset as u64)),
+                            _ => Err(RuntimeError::Cuda(format!(
+                                "kernel `{}` wants scratch but `{}` has none",
+                                l.function, step.label
+                            ))),
+                        },
                     })
                     .collect::<Result<Vec<Loc>>>()?;
                 launches.push(BoundLaunch {
@@ -817,6 +827,10 @@ fn canary_address(p: &Program, c: &Canary) -> Result<u64> {
 }
 
 impl Backend for CudaBackend {
+    fn scratch_rule(&self) -> Option<kiln_compiler::scratch::ScratchRule> {
+        Some(cuda::SCRATCH)
+    }
+
     fn describe(&self) -> String {
         let (major, minor) = self.info.compute_capability;
         format!(

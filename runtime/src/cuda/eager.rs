@@ -6,7 +6,7 @@ use super::backend::CudaBackend;
 use super::driver::{Driver, Function};
 use crate::alloc::{AllocError, RegionSource};
 use crate::eager::EagerDevice;
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_kernels::cuda::{self, Arg, Launch};
 use std::collections::HashMap;
@@ -119,10 +119,15 @@ impl EagerDevice for CudaEager {
                 .args
                 .iter()
                 .map(|a| match a {
-                    Arg::Input(i) => inputs[*i],
-                    Arg::Output => output,
+                    Arg::Input(i) => Ok(inputs[*i]),
+                    Arg::Output => Ok(output),
+                    // The eager executor runs kernels generated without scratch.
+                    Arg::Scratch => Err(RuntimeError::Cuda(format!(
+                        "eager kernel `{}` wants scratch, which eager kernels are not given",
+                        launch.function
+                    ))),
                 })
-                .collect();
+                .collect::<Result<_>>()?;
             // SAFETY: device pointers of live blocks sized for this op's shapes.
             unsafe { self.driver.launch(f, launch, &ptrs) }?;
         }
