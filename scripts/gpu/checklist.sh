@@ -5,6 +5,8 @@
 #   bash scripts/gpu/checklist.sh [STAGE ...]     default: every stage, in this order
 #
 # Stages: env tests guard seed policies bench sanitizer peers-torch peers-jax peers-compile gemm
+#         torch-stream (PyTorch's real allocation stream of the zoo's training steps, replayed by
+#         `kiln torch-stream`; the trace is kept as torch_stream.json in the logs)
 # Every stage writes its log under $OUT/r/ (or target/kiln/gpu-run/ without $OUT) and has a time
 # limit; a failing stage is recorded and the next one runs. The logs are tarred into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a summary is printed last.
@@ -26,7 +28,7 @@ bin=$root/.gpu/bin
 summary=$r/summary.txt
 : > "$summary"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(env tests guard seed policies bench sanitizer peers-torch peers-jax peers-compile gemm)
+[ ${#stages[@]} -gt 0 ] || stages=(env tests guard seed policies bench sanitizer peers-torch peers-jax peers-compile gemm torch-stream)
 
 # run NAME LIMIT_S COMMAND...: runs with a time limit, logs to $r/NAME.log, records status and time
 run() {
@@ -75,12 +77,19 @@ for s in "${stages[@]}"; do
       run bench-gpu 420 "$bin/bin-kiln" bench-gpu ;;
     sanitizer)
       # The main job (the seed model), then every op and every zoo training step (tests/gpu.rs).
+      # racecheck instruments every shared-memory access: over the whole test binary it runs
+      # past any limit, so it checks every op's kernels (forward and backward, split-K too).
       for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
         run "sanitizer-$tool-seed" 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
           "$bin/bin-kiln" --quiet
+        filter=""
+        [ "$tool" = racecheck ] && filter=gpu_every_op_forward_and_backward_matches_cpu
         run "sanitizer-$tool-gpu-tests" 400 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
-          "$bin/test-gpu" --test-threads=1
+          "$bin/test-gpu" --test-threads=1 $filter
       done ;;
+    torch-stream)
+      run torch-stream-record 200 python3 scripts/peers/torch_stream.py "$r/torch_stream.json"
+      run torch-stream-replay 60 "$bin/bin-kiln" torch-stream "$r/torch_stream.json" ;;
     peers-torch)
       run peers-torch 300 python3 scripts/gpu/peers.py torch "$r/torch.json" ;;
     peers-compile)
