@@ -715,6 +715,32 @@ fn large_cases() -> Vec<Case> {
     ]
 }
 
+/// The products `kiln bench-gemm` measures (M x K x N: 4096³ and the zoo's): generated and
+/// compiled only (and dumped, for register checks with ptxas).
+fn bench_cases() -> Vec<Case> {
+    let shapes = [
+        (4096, 4096, 4096),
+        (256, 784, 1024),
+        (256, 1024, 1024),
+        (256, 1024, 10),
+        (64, 4096, 128),
+        (1024, 256, 256),
+        (1024, 256, 1024),
+        (1024, 1024, 256),
+        (1024, 256, 1000),
+    ];
+    shapes
+        .into_iter()
+        .map(|(m, k, n)| {
+            case(
+                format!("bench_matmul_{m}x{k}x{n}"),
+                Op::MatMul { transpose_a: false, transpose_b: false },
+                &[&[m, k], &[k, n]],
+            )
+        })
+        .collect()
+}
+
 /// (name, pointer parameter count) of every kernel function the source defines.
 fn functions(src: &str) -> Vec<(String, usize)> {
     let key = "extern \"C\" __global__ void ";
@@ -815,7 +841,7 @@ fn check(c: &Case, k: &CudaKernel) {
 fn every_op_generates_valid_launches() {
     let all = cases();
     let mut names = std::collections::HashSet::new();
-    for c in all.iter().chain(&random_cases()).chain(&large_cases()) {
+    for c in all.iter().chain(&random_cases()).chain(&large_cases()).chain(&bench_cases()) {
         assert!(names.insert(c.name.clone()), "duplicate case {}", c.name);
         let k = c.generate();
         check(c, &k);
@@ -1140,7 +1166,7 @@ fn dump_for_device_checks() {
     for c in cases().into_iter().chain(random_cases()) {
         write_case(dir, &c, &c.generate(), true);
     }
-    for c in large_cases() {
+    for c in large_cases().into_iter().chain(bench_cases()) {
         write_case(dir, &c, &c.generate(), false);
     }
 }

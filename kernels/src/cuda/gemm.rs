@@ -84,6 +84,30 @@ const CANDIDATES: [(usize, usize, usize, usize, usize); 12] = [
     (16, 16, 16, 1, 1),
 ];
 
+/// The fast variant's candidates beyond `CANDIDATES`: a deeper K tile for the 8x8 micro-tile
+/// (half the barriers and loop overhead per FMA; 33 KiB of shared memory double-buffered).
+const FAST_CANDIDATES: [(usize, usize, usize, usize, usize); 1] = [(128, 128, 16, 8, 8)];
+
+/// Which code the tiled kernel is generated as: `KILN_GEMM_VARIANT=base` or `fast` (the default;
+/// any other value is `fast` too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// The kernel measured on 2026-11-25 (36 TFLOP/s at 4096³): element loads from global
+    /// memory, one shared tile, two barriers per K tile, warps of 16 x 2 threads.
+    Base,
+    /// float4 global loads of plain operands, two shared tiles (one barrier per K tile), warps of
+    /// 8 x 4 threads, float4 output stores, 8x8 micro-tiles held to 128 registers.
+    Fast,
+}
+
+/// The variant `KILN_GEMM_VARIANT` names.
+pub(crate) fn variant() -> Variant {
+    match std::env::var("KILN_GEMM_VARIANT").as_deref() {
+        Ok("base") => Variant::Base,
+        _ => Variant::Fast,
+    }
+}
+
 impl Tile {
     fn loads_a(&self) -> usize {
         self.bm * self.bk / GROUP
@@ -102,9 +126,21 @@ impl Tile {
         if vector(t) { (t / 4) as f64 } else { t as f64 }
     }
 
-    /// Registers per thread, estimated.
-    fn regs(&self) -> usize {
-        self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32
+    /// Blocks per SM that the kernel asks the compiler to fit (`__launch_bounds__`' second
+    /// argument): 2 for the fast variant's 8x8, 8x4 and 4x8 micro-tiles without split-K, which
+    /// caps them at 128 registers per thread (ptxas, module doc: 8x8 fits without spills; left
+    /// to itself it gave the 8x4 tiles 80 registers with a few spills); else no request.
+    fn min_blocks(&self, v: Variant) -> usize {
+        if v == Variant::Fast && self.tm * self.tn >= 32 && self.split == 1 { 2 } else { 1 }
+    }
+
+    /// Registers per thread, estimated (or the cap `min_blocks` sets).
+    fn regs(&self, v: Variant) -> usize {
+        let estimate = self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32;
+        match self.min_blocks(v) {
+            1 => estimate,
+            b => estimate.min(65536 / (b * self.threads())),
+        }
     }
 
     /// Shared floats for the tiles (and, with split-K, the partial sums, which reuse them).
@@ -115,7 +151,7 @@ impl Tile {
     }
 
     /// Estimated time in cycles, `None` when the configuration does not fit an SM.
-    fn cost(&self, m: usize, n: usize, k: usize, batch: usize) -> Option<f64> {
+    fn cost(&self, m: usize, n: usize, k: usize, batch: usize, v: Variant) -> Option<f64> {
         let tiles = batch * m.div_ceil(self.bm) * n.div_ceil(self.bn);
         let ktiles = k.div_ceil(self.bk).max(1);
         if self.split > 1 && ktiles < 2 * self.split {
@@ -123,10 +159,11 @@ impl Tile {
         }
         let iters = ktiles.div_ceil(self.split);
         let threads = self.threads();
-        if threads * self.regs() > 65536 || self.shared_floats(4, 4) * 4 > SHARED_LIMIT {
+        let regs = self.regs(v);
+        if threads * regs > 65536 || self.shared_floats(4, 4) * 4 > SHARED_LIMIT {
             return None;
         }
-        let per_sm = (2048 / threads).min(65536 / (threads * self.regs())).max(1);
+        let per_sm = (2048 / threads).min(65536 / (threads * regs)).max(1);
         let active = tiles.min(SMS) as f64;
         let resident = tiles.div_ceil(SMS).min(per_sm);
         let util = ((resident * threads / 32) as f64 / 16.0).min(1.0);
@@ -143,12 +180,13 @@ impl Tile {
 }
 
 /// The cheapest tile for an M x N x K product repeated `batch` times.
-pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> (f64, Tile) {
+pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize, v: Variant) -> (f64, Tile) {
+    let extra: &[_] = if v == Variant::Fast { &FAST_CANDIDATES } else { &[] };
     let mut best: Option<(f64, Tile)> = None;
-    for &(bm, bn, bk, tm, tn) in &CANDIDATES {
+    for &(bm, bn, bk, tm, tn) in CANDIDATES.iter().chain(extra) {
         for split in [1, 2, 4] {
             let t = Tile { bm, bn, bk, tm, tn, split };
-            if let Some(c) = t.cost(m, n, k, batch)
+            if let Some(c) = t.cost(m, n, k, batch, v)
                 && best.is_none_or(|(b, _)| c < b)
             {
                 best = Some((c, t));
@@ -209,13 +247,13 @@ pub(crate) enum Plan {
 ///
 /// `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x8x8x8`) forces that tile wherever it fits,
 /// for measuring tiles against each other on a device (`kiln bench-gemm`); not for production.
-pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize) -> Plan {
+pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, v: Variant) -> Plan {
     if let Some(t) = forced_tile()
-        && t.cost(m, n, k, batch).is_some()
+        && t.cost(m, n, k, batch, v).is_some()
     {
         return Plan::Tiled(t);
     }
-    let (tiled, tile) = choose(m, n, k, batch);
+    let (tiled, tile) = choose(m, n, k, batch, v);
     let mut best = (tiled * TILED_MEASURED_OVER_MODEL, Plan::Tiled(tile));
     if k >= KPAR_THREADS {
         for (tm, tn) in [(4, 4), (2, 2), (1, 1)] {
@@ -237,6 +275,22 @@ pub(crate) struct Operand {
     pub load: String,
     /// The batch offset (elements) of batch `bz`, or "0".
     pub batch_offset: String,
+    /// The operand's layout when it is a plain strided matrix (what `load` reads), so that the
+    /// fast kernel may read it as float4s; `None` for gathers (the convolutions' im2col).
+    pub plain: Option<Plain>,
+}
+
+/// A plain strided matrix: element (r, k) (row of A or column of B, k) of batch `bz` at
+/// `src[base + offset + r * ld + k]` when the operand is k-contiguous, else at
+/// `src[base + offset + k * ld + r]`, `base` the batch offset. The pointer is a slot's start
+/// (16-byte aligned: plans with less are refused at load).
+pub(crate) struct Plain {
+    /// Elements between consecutive rows (k-contiguous) or consecutive k (else).
+    pub ld: usize,
+    /// Elements before the matrix's first element (a block of columns, `matmul_rows`).
+    pub offset: usize,
+    /// Every batch offset is a multiple of this many elements (the matrix's size).
+    pub batch_granule: usize,
 }
 
 /// One GEMM kernel: out[bz] = A[bz] · B[bz] for bz < batch, A = operand 0, B = operand 1.
@@ -302,8 +356,10 @@ impl Gemm {
                 c.line(&u.definition);
             }
         }
-        match plan(self.m, self.n, self.k, self.batch) {
-            Plan::Tiled(t) => self.tiled(c, t),
+        let v = variant();
+        match plan(self.m, self.n, self.k, self.batch, v) {
+            Plan::Tiled(t) if v == Variant::Base => self.tiled(c, t),
+            Plan::Tiled(t) => self.tiled_fast(c, t),
             Plan::KParallel { tm, tn } => self.k_parallel(c, tm, tn),
         }
     }
@@ -657,6 +713,395 @@ impl Gemm {
         let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
         (launch, format!("tile {}x{}x{}, {}x{} per thread{split}", t.bm, t.bn, t.bk, t.tm, t.tn))
     }
+
+    /// The fast variant of the tiled kernel (`Variant::Fast`, see the module doc): the base
+    /// kernel's tiles and arithmetic (each product summed in K order by one thread, split-K
+    /// groups added in group order), with float4 global loads of plain operands, two shared
+    /// stages and one barrier per K tile, warps of 8 x 4 threads and float4 output stores.
+    fn tiled_fast(self, c: &mut Code, t: Tile) -> (Launch, String) {
+        let ty = self.ty;
+        let (vec_a, vec_b) = (vector(t.tm), vector(t.tn));
+        // As in the base kernel: a k-contiguous operand is stored transposed, its tile padded.
+        let pad = if vec_a || vec_b { 4 } else { 1 };
+        let (pad_a, pad_b) = (pad * usize::from(self.a.k_contiguous), pad * usize::from(self.b.k_contiguous));
+        let sides = [
+            Side::new("a", &self.a, self.m, t.bm, t.bm + pad_a, t.bk, "ra"),
+            Side::new("b", &self.b, self.n, t.bn, t.bn + pad_b, t.bk, "rb"),
+        ];
+        // Per K group and stage: A's tile, then B's, each a multiple of 16 bytes.
+        let (tile_a, tile_b) =
+            ((t.bk * sides[0].ld).next_multiple_of(4), (t.bk * sides[1].ld).next_multiple_of(4));
+        let group_floats = tile_a + tile_b;
+        let stage = t.split * group_floats;
+        let stages = if 2 * stage * 4 <= SHARED_LIMIT { 2 } else { 1 };
+        let partials = (t.split - 1) * t.tm * t.tn * GROUP;
+        let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
+        let iters = self.k.div_ceil(t.bk).div_ceil(t.split);
+        let name = &self.name;
+
+        for s in &sides {
+            s.loader(c, name, ty, self.k);
+        }
+
+        let min_blocks = t.min_blocks(Variant::Fast);
+        let bounds =
+            if min_blocks > 1 { format!("{}, {min_blocks}", t.threads()) } else { t.threads().to_string() };
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}({}) {{",
+            self.params()
+        ));
+        c.line(format!(
+            "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads, {stages} shared stage(s)",
+            t.bm, t.bn, t.bk, t.tm, t.tn, t.split
+        ));
+        c.line(format!("__shared__ __align__(16) float smem[{}];", (stages * stage).max(partials)));
+        if t.split > 1 {
+            c.line(format!("const int t = threadIdx.x % {GROUP};"));
+            c.line(format!("const int group = threadIdx.x / {GROUP};"));
+        } else {
+            c.line("const int t = threadIdx.x;");
+        }
+        c.line("// a warp holds 8 x 4 threads: 4 rows of A's and 8 columns of B's micro-tiles");
+        c.line("const int tx = t / 32 % 2 * 8 + t % 8, ty = t / 64 * 4 + t % 32 / 8;");
+        self.block_origin(c, t.bm, t.bn, true);
+        let group_at = if t.split > 1 { format!(" + group * {group_floats}") } else { String::new() };
+        c.line(format!("float* const As0 = smem{group_at};"));
+        c.line(format!("float* const Bs0 = As0 + {tile_a};"));
+        c.line(format!("float acc[{}][{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] = 0.0f;", t.tn));
+        c.line("}");
+        for s in &sides {
+            c.line(format!("{} {}[{}];", s.element(), s.reg, s.loads));
+        }
+        let k_start = if t.split > 1 { format!("({ty})group * {}", t.bk) } else { "0".to_string() };
+        c.line(format!("{ty} k0 = {k_start};"));
+        let load_next = |c: &mut Code| {
+            c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
+            c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+        };
+        load_next(c);
+        sides[0].store(c, "As0");
+        sides[1].store(c, "Bs0");
+        c.line("__syncthreads();");
+        c.line(format!("for (int it = 0; it < {iters}; ++it) {{"));
+        if stages == 2 {
+            c.line(format!("const float* As = As0 + (it % 2) * {stage};"));
+            c.line(format!("const float* Bs = Bs0 + (it % 2) * {stage};"));
+        } else {
+            c.line("const float* As = As0;");
+            c.line("const float* Bs = Bs0;");
+        }
+        if iters > 1 {
+            // With two stages the next tile is fetched and stored unconditionally (after the
+            // last tile the loads are all out of range, so predicated off, and the stores go to
+            // the stage no one reads): ptxas then issues the loads amid the FMAs; behind an
+            // `if`, it sank them to the stores after the FMAs, exposing their latency.
+            c.line("// the next K tile into registers while this one is multiplied");
+            if stages == 1 {
+                c.line(format!("if (it + 1 < {iters}) {{"));
+            } else {
+                c.line("{");
+            }
+            c.line(format!("k0 += {};", t.split * t.bk));
+            load_next(c);
+            c.line("}");
+        }
+        // This thread's first row of A's tile and column of B's: the reads below are at constant
+        // offsets from them.
+        c.line(format!("const float* const Ar = As + ty{};", if vec_a { " * 4" } else { "" }));
+        c.line(format!("const float* const Br = Bs + tx{};", if vec_b { " * 4" } else { "" }));
+        c.line("#pragma unroll");
+        c.line(format!("for (int kk = 0; kk < {}; ++kk) {{", t.bk));
+        c.line(format!("float av[{}], bv[{}];", t.tm, t.tn));
+        for (arr, tile, ld, count, is_vec) in
+            [("av", "Ar", sides[0].ld, t.tm, vec_a), ("bv", "Br", sides[1].ld, t.tn, vec_b)]
+        {
+            c.line("#pragma unroll");
+            if is_vec {
+                c.line(format!("for (int g = 0; g < {}; ++g) {{", count / 4));
+                c.line(format!(
+                    "const float4 v = *reinterpret_cast<const float4*>({tile} + (kk * {ld} + g * 64));"
+                ));
+                c.line(format!(
+                    "{arr}[4 * g] = v.x; {arr}[4 * g + 1] = v.y; {arr}[4 * g + 2] = v.z; {arr}[4 * g + 3] = v.w;"
+                ));
+                c.line("}");
+            } else {
+                c.line(format!("for (int i = 0; i < {count}; ++i) {arr}[i] = {tile}[kk * {ld} + i * 16];"));
+            }
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] += av[i] * bv[j];", t.tn));
+        c.line("}");
+        c.line("}");
+        if iters > 1 {
+            if stages == 2 {
+                c.line("// the next tile into the other stage: its last readers passed the barrier below");
+                c.line("{");
+                c.line(format!("float* const An = As0 + (1 - it % 2) * {stage};"));
+                c.line(format!("float* const Bn = Bs0 + (1 - it % 2) * {stage};"));
+                sides[0].store(c, "An");
+                sides[1].store(c, "Bn");
+                c.line("}");
+                c.line("__syncthreads();");
+            } else {
+                c.line("__syncthreads();");
+                c.line(format!("if (it + 1 < {iters}) {{"));
+                sides[0].store(c, "As0");
+                sides[1].store(c, "Bs0");
+                c.line("__syncthreads();");
+                c.line("}");
+            }
+        } else {
+            c.line("__syncthreads();");
+        }
+        c.line("}");
+        let micro = t.tm * t.tn;
+        if t.split > 1 {
+            c.line("// add the other K groups' partial tiles to group 0's, in group order");
+            c.line("if (group > 0) {");
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+            c.line("__syncthreads();");
+            c.line("if (group > 0) return;");
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+        }
+        // Plain output rows of a multiple of 4 floats take float4 stores (the output is a slot:
+        // 16-byte aligned; each batch matrix M·N floats); an epilogue or update stays per element.
+        let vec_out = matches!(self.sink, Sink::Output) && vec_b && self.n.is_multiple_of(4);
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line(if vec_a {
+            format!("const {ty} gm = m0 + (i / 4) * 64 + ty * 4 + i % 4;")
+        } else {
+            format!("const {ty} gm = m0 + ty + i * 16;")
+        });
+        c.line(format!("if (gm < {}) {{", int(self.m)));
+        c.line("#pragma unroll");
+        if vec_out {
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.tn / 4));
+            c.line(format!("const {ty} gn = n0 + g * 64 + tx * 4;"));
+            c.line(format!(
+                "if (gn < {}) *reinterpret_cast<float4*>(o + gm * {} + gn) = \
+                 make_float4(acc[i][4 * g], acc[i][4 * g + 1], acc[i][4 * g + 2], acc[i][4 * g + 3]);",
+                int(self.n),
+                int(self.n)
+            ));
+            c.line("}");
+        } else {
+            c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
+            c.line(if vec_b {
+                format!("const {ty} gn = n0 + (j / 4) * 64 + tx * 4 + j % 4;")
+            } else {
+                format!("const {ty} gn = n0 + tx + j * 16;")
+            });
+            c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]")));
+            c.line("}");
+        }
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        let launch = self.launch(self.batch * tiles_m * tiles_n, t.threads());
+        let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
+        let vectors = match (sides[0].vector, sides[1].vector) {
+            (true, true) => ", float4 loads of A and B",
+            (true, false) => ", float4 loads of A",
+            (false, true) => ", float4 loads of B",
+            (false, false) => "",
+        };
+        (
+            launch,
+            format!(
+                "tile {}x{}x{}, {}x{} per thread{split}{vectors}, {stages} shared stage{}",
+                t.bm,
+                t.bn,
+                t.bk,
+                t.tm,
+                t.tn,
+                if stages > 1 { "s" } else { "" }
+            ),
+        )
+    }
+}
+
+/// One operand of the fast tiled kernel: how its tile is read from global memory (float4s or
+/// elements) and stored into shared memory.
+struct Side<'a> {
+    /// "a" or "b".
+    name: &'static str,
+    op: &'a Operand,
+    /// M or N.
+    rows: usize,
+    /// BM or BN.
+    br: usize,
+    /// The shared tile's leading dimension (floats per k).
+    ld: usize,
+    bk: usize,
+    /// Whether the tile is read as float4s (`Side::vector_loads`).
+    vector: bool,
+    /// float4s or floats per tile, and per thread (the last round of threads may have none).
+    total: usize,
+    loads: usize,
+    /// The registers that hold a thread's share of the next tile.
+    reg: &'static str,
+}
+
+impl<'a> Side<'a> {
+    fn new(
+        name: &'static str,
+        op: &'a Operand,
+        rows: usize,
+        br: usize,
+        ld: usize,
+        bk: usize,
+        reg: &'static str,
+    ) -> Self {
+        let vector = Self::vector_loads(op, br, bk);
+        let total = if vector { br * bk / 4 } else { br * bk };
+        Side { name, op, rows, br, ld, bk, vector, total, loads: total.div_ceil(GROUP), reg }
+    }
+
+    /// Whether `op` (tiles of `br` rows by `bk`) is read as float4s: a plain layout whose rows
+    /// (along its contiguous axis) start 16-byte aligned in every batch, and a tile extent along
+    /// that axis that is a multiple of 4. A float4 then starts at a multiple of 4 along the axis;
+    /// one that crosses the operand's edge (the extent not a multiple of 4) is read element by
+    /// element.
+    fn vector_loads(op: &Operand, br: usize, bk: usize) -> bool {
+        let Some(p) = &op.plain else { return false };
+        let extent = if op.k_contiguous { bk } else { br };
+        p.ld.is_multiple_of(4)
+            && p.offset.is_multiple_of(4)
+            && (op.batch_offset == "0" || p.batch_granule.is_multiple_of(4))
+            && extent.is_multiple_of(4)
+    }
+
+    fn element(&self) -> &'static str {
+        if self.vector { "float4" } else { "float" }
+    }
+
+    /// The (row, k) in the tile of thread item `e` (of `total`): for float4s of a k-contiguous
+    /// operand, pairs of threads read 8 consecutive k of a row (a 32-byte sector) and a warp 16
+    /// rows, whose transposed stores then hit 32 banks; along rows, consecutive threads read
+    /// consecutive float4s. Elements as in the base kernel.
+    fn coords(&self) -> (String, String) {
+        let (br, bk) = (self.br, self.bk);
+        match (self.vector, self.op.k_contiguous) {
+            (true, true) if (bk / 4).is_multiple_of(2) => {
+                (format!("e / 2 % {br}"), format!("4 * (e / {} * 2 + e % 2)", 2 * br))
+            }
+            (true, true) => (format!("e / {}", bk / 4), format!("4 * (e % {})", bk / 4)),
+            (true, false) => (format!("4 * (e % {})", br / 4), format!("e / {}", br / 4)),
+            (false, true) => (format!("e / {bk}"), format!("e % {bk}")),
+            (false, false) => (format!("e % {br}"), format!("e / {br}")),
+        }
+    }
+
+    /// `NAME_load_SIDE(src, base, r0, k0, t, dst)`: thread `t`'s share of the tile at rows
+    /// r0.., k0.. into `dst`, zeros outside the operand.
+    fn loader(&self, c: &mut Code, name: &str, ty: &str, k: usize) {
+        let (rr, kk) = self.coords();
+        c.line(format!(
+            "__device__ __forceinline__ void {name}_load_{}(const float* __restrict__ src, const {ty} base, \
+             const {ty} r0, const {ty} k0, const int t, {} (&dst)[{}]) {{",
+            self.name,
+            self.element(),
+            self.loads
+        ));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
+        c.line(format!("const int e = t + i * {GROUP};"));
+        c.line(format!("const {ty} gr = r0 + {rr}, gk = k0 + {kk};"));
+        let some =
+            if self.total.is_multiple_of(GROUP) { String::new() } else { format!("e < {} && ", self.total) };
+        let guard = format!("{some}gr < {} && gk < {}", int(self.rows), int(k));
+        if let (true, Some(p)) = (self.vector, &self.op.plain) {
+            let (at, along, extent) = if self.op.k_contiguous {
+                (format!("gr * {} + gk", int(p.ld)), "gk", k)
+            } else {
+                (format!("gk * {} + gr", int(p.ld)), "gr", self.rows)
+            };
+            let offset = if p.offset > 0 { format!(" + {}", int(p.offset)) } else { String::new() };
+            c.line("float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);");
+            c.line(format!("if ({guard}) {{"));
+            c.line(format!("const float* p = src + base{offset} + {at};"));
+            if extent.is_multiple_of(4) {
+                c.line("x = *reinterpret_cast<const float4*>(p);");
+            } else {
+                c.line(format!("if ({along} + 3 < {}) {{", int(extent)));
+                c.line("x = *reinterpret_cast<const float4*>(p);");
+                c.line("} else {");
+                c.line("x.x = p[0];");
+                c.line(format!("if ({along} + 1 < {}) x.y = p[1];", int(extent)));
+                c.line(format!("if ({along} + 2 < {}) x.z = p[2];", int(extent)));
+                c.line("}");
+            }
+            c.line("}");
+            c.line("dst[i] = x;");
+        } else {
+            c.line("float v = 0.0f;");
+            c.line(format!("if ({guard}) {{"));
+            c.line(&self.op.load);
+            c.line("}");
+            c.line("dst[i] = v;");
+        }
+        c.line("}");
+        c.line("}");
+        c.blank();
+    }
+
+    /// Stores the registers into the shared tile at `tile` (k-major: k · ld + row).
+    fn store(&self, c: &mut Code, tile: &str) {
+        let (rr, kk) = self.coords();
+        let (ld, reg) = (self.ld, self.reg);
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
+        c.line(format!("const int e = t + i * {GROUP};"));
+        let partial = !self.total.is_multiple_of(GROUP);
+        if partial {
+            c.line(format!("if (e < {}) {{", self.total));
+        }
+        match (self.vector, self.op.k_contiguous) {
+            (true, true) => {
+                c.line(format!("float* const d = {tile} + ({kk}) * {ld} + {rr};"));
+                c.line(format!(
+                    "d[0] = {reg}[i].x; d[{ld}] = {reg}[i].y; d[{}] = {reg}[i].z; d[{}] = {reg}[i].w;",
+                    2 * ld,
+                    3 * ld
+                ));
+            }
+            (true, false) => {
+                c.line(format!("*reinterpret_cast<float4*>({tile} + ({kk}) * {ld} + {rr}) = {reg}[i];"));
+            }
+            (false, _) => {
+                c.line(format!("{tile}[({kk}) * {ld} + {rr}] = {reg}[i];"));
+            }
+        }
+        if partial {
+            c.line("}");
+        }
+        c.line("}");
+    }
 }
 
 #[cfg(test)]
@@ -665,22 +1110,50 @@ mod tests {
 
     #[test]
     fn tiles_follow_the_shape() {
-        let small = choose(32, 10, 100, 1).1;
-        assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
-        let big = choose(4096, 4096, 4096, 1).1;
-        assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
-        let thin = choose(65536, 16, 27, 1).1;
-        assert!(thin.bn <= 32, "{thin:?}");
-        let long_k = choose(144, 32, 4096, 1).1;
-        assert!(long_k.split > 1, "{long_k:?}");
-        for t in [small, big, thin, long_k] {
-            assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
+        for v in [Variant::Base, Variant::Fast] {
+            let small = choose(32, 10, 100, 1, v).1;
+            assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
+            let big = choose(4096, 4096, 4096, 1, v).1;
+            assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
+            let thin = choose(65536, 16, 27, 1, v).1;
+            assert!(thin.bn <= 32, "{thin:?}");
+            let long_k = choose(144, 32, 4096, 1, v).1;
+            assert!(long_k.split > 1, "{long_k:?}");
+            for t in [small, big, thin, long_k] {
+                assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
+            }
+            // A filter gradient: few outputs, the whole batch of positions to contract.
+            assert!(matches!(plan(27, 16, 65536, 1, v), Plan::KParallel { .. }));
+            assert!(matches!(plan(1024, 1024, 1024, 1, v), Plan::Tiled(_)));
+            // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
+            // outputs fill the SMs with tiles.
+            assert!(matches!(plan(256, 256, 1024, 1, v), Plan::Tiled(_)));
         }
-        // A filter gradient: few outputs, the whole batch of positions to contract.
-        assert!(matches!(plan(27, 16, 65536, 1), Plan::KParallel { .. }));
-        assert!(matches!(plan(1024, 1024, 1024, 1), Plan::Tiled(_)));
-        // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
-        // outputs fill the SMs with tiles.
-        assert!(matches!(plan(256, 256, 1024, 1), Plan::Tiled(_)));
+    }
+
+    /// The zoo's products (M x K x N, as `kiln bench-gemm` names them) keep the base variant's
+    /// plans; big squares move to 8x8 micro-tiles.
+    #[test]
+    fn the_fast_variant_keeps_the_zoo_plans() {
+        let zoo = [
+            (256, 784, 1024),
+            (256, 1024, 1024),
+            (256, 1024, 10),
+            (64, 4096, 128),
+            (1024, 256, 256),
+            (1024, 256, 1024),
+            (1024, 1024, 256),
+            (1024, 256, 1000),
+        ];
+        for (m, k, n) in zoo {
+            let (base, fast) = (plan(m, n, k, 1, Variant::Base), plan(m, n, k, 1, Variant::Fast));
+            eprintln!("{m}x{k}x{n}: base {base:?}, fast {fast:?}");
+            assert_eq!(base, fast, "{m}x{k}x{n}");
+        }
+        for s in [2048, 4096, 8192] {
+            let (base, fast) = (plan(s, s, s, 1, Variant::Base), plan(s, s, s, 1, Variant::Fast));
+            eprintln!("{s}^3: base {base:?}, fast {fast:?}");
+            assert!(matches!(fast, Plan::Tiled(Tile { tm: 8, tn: 8, split: 1, .. })), "{s}^3: {fast:?}");
+        }
     }
 }

@@ -9,7 +9,7 @@
 
 use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
-use super::gemm::{Epilogue, Gemm, Operand, Sink};
+use super::gemm::{Epilogue, Gemm, Operand, Plain, Sink};
 use super::{Arg, CudaKernel};
 use kiln_compiler::ir::{Fused, FusedMatMul, Rows, Shape};
 
@@ -130,8 +130,18 @@ fn product(
         n,
         k,
         batch: gbatch,
-        a: Operand { k_contiguous: !ta, load: a_load, batch_offset: a_off },
-        b: Operand { k_contiguous: tb, load: b_load, batch_offset: b_off },
+        a: Operand {
+            k_contiguous: !ta,
+            load: a_load,
+            batch_offset: a_off,
+            plain: Some(Plain { ld: if ta { m } else { k }, offset: 0, batch_granule: m * k }),
+        },
+        b: Operand {
+            k_contiguous: tb,
+            load: b_load,
+            batch_offset: b_off,
+            plain: Some(Plain { ld: if tb { k } else { n }, offset: 0, batch_granule: k * n }),
+        },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: epilogue.map_or(Sink::Output, |(program, extra)| {
@@ -174,11 +184,13 @@ pub(crate) fn matmul_rows(label: &str, a: &Shape, b: &Shape, rows: Rows, out: &S
             k_contiguous: false,
             load: format!("v = src[gk * {} + {} + gr];", int(k), int(rows.start)),
             batch_offset: "0".into(),
+            plain: Some(Plain { ld: k, offset: rows.start, batch_granule: 0 }),
         },
         b: Operand {
             k_contiguous: false,
             load: format!("v = src[gk * {} + gr];", int(n)),
             batch_offset: "0".into(),
+            plain: Some(Plain { ld: n, offset: 0, batch_granule: 0 }),
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
