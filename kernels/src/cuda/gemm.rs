@@ -739,7 +739,7 @@ impl Gemm {
         let iters = self.k.div_ceil(t.bk).div_ceil(t.split);
         let name = &self.name;
 
-        for s in &sides {
+        for s in sides.iter().filter(|s| !s.vector) {
             s.loader(c, name, ty, self.k);
         }
 
@@ -778,36 +778,57 @@ impl Gemm {
         }
         let k_start = if t.split > 1 { format!("({ty})group * {}", t.bk) } else { "0".to_string() };
         c.line(format!("{ty} k0 = {k_start};"));
+        let at = [("in0", "a_base", "m0"), ("in1", "b_base", "n0")];
+        for (s, &(src, base, r0)) in sides.iter().zip(&at) {
+            if s.vector {
+                s.setup(c, ty, src, base, r0);
+            }
+        }
+        let step = t.split * t.bk;
         let load_next = |c: &mut Code| {
-            c.line(format!("{name}_load_a(in0, a_base, m0, k0, t, ra);"));
-            c.line(format!("{name}_load_b(in1, b_base, n0, k0, t, rb);"));
+            for (s, &(src, base, r0)) in sides.iter().zip(&at) {
+                if s.vector {
+                    s.fetch(c, self.k, step);
+                } else {
+                    c.line(format!("{name}_load_{}({src}, {base}, {r0}, k0, t, {});", s.name, s.reg));
+                }
+            }
         };
         load_next(c);
-        sides[0].store(c, "As0");
-        sides[1].store(c, "Bs0");
-        c.line("__syncthreads();");
+        // Two stages: in iteration `it` each thread stores K tile `it` (in registers) into stage
+        // it % 2, whose last readers (iteration it - 2) all passed the previous barrier, loads
+        // tile it + 1 into the registers, waits at the one barrier, and multiplies tile `it`.
+        // The loads sit in a block of their own (`if`) before the barrier: ptxas keeps them
+        // there, so their latency hides behind the barrier and the whole multiplication. (With
+        // the loads unconditional it sank them after the multiplication, next to the stores
+        // that use them, and their latency showed.) One stage: the base kernel's order, two
+        // barriers per tile.
+        if stages == 1 {
+            sides[0].store(c, "As0");
+            sides[1].store(c, "Bs0");
+            c.line("__syncthreads();");
+        }
         c.line(format!("for (int it = 0; it < {iters}; ++it) {{"));
+        let fetch = |c: &mut Code| {
+            if iters > 1 {
+                c.line("// the next K tile into registers while this one is multiplied");
+                c.line(format!("if (it + 1 < {iters}) {{"));
+                c.line(format!("k0 += {step};"));
+                load_next(c);
+                c.line("}");
+            }
+        };
         if stages == 2 {
-            c.line(format!("const float* As = As0 + (it % 2) * {stage};"));
-            c.line(format!("const float* Bs = Bs0 + (it % 2) * {stage};"));
+            c.line(format!("float* const As = As0 + (it % 2) * {stage};"));
+            c.line(format!("float* const Bs = Bs0 + (it % 2) * {stage};"));
+            sides[0].store(c, "As");
+            sides[1].store(c, "Bs");
+            fetch(c);
+            c.line("__syncthreads();");
         } else {
             c.line("const float* As = As0;");
             c.line("const float* Bs = Bs0;");
-        }
-        if iters > 1 {
-            // With two stages the next tile is fetched and stored unconditionally (after the
-            // last tile the loads are all out of range, so predicated off, and the stores go to
-            // the stage no one reads): ptxas then issues the loads amid the FMAs; behind an
-            // `if`, it sank them to the stores after the FMAs, exposing their latency.
-            c.line("// the next K tile into registers while this one is multiplied");
-            if stages == 1 {
-                c.line(format!("if (it + 1 < {iters}) {{"));
-            } else {
-                c.line("{");
-            }
-            c.line(format!("k0 += {};", t.split * t.bk));
-            load_next(c);
-            c.line("}");
+            fetch(c);
         }
         // This thread's first row of A's tile and column of B's: the reads below are at constant
         // offsets from them.
@@ -839,28 +860,21 @@ impl Gemm {
         c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] += av[i] * bv[j];", t.tn));
         c.line("}");
         c.line("}");
-        if iters > 1 {
-            if stages == 2 {
-                c.line("// the next tile into the other stage: its last readers passed the barrier below");
-                c.line("{");
-                c.line(format!("float* const An = As0 + (1 - it % 2) * {stage};"));
-                c.line(format!("float* const Bn = Bs0 + (1 - it % 2) * {stage};"));
-                sides[0].store(c, "An");
-                sides[1].store(c, "Bn");
-                c.line("}");
-                c.line("__syncthreads();");
-            } else {
-                c.line("__syncthreads();");
+        if stages == 1 {
+            c.line("__syncthreads();");
+            if iters > 1 {
                 c.line(format!("if (it + 1 < {iters}) {{"));
                 sides[0].store(c, "As0");
                 sides[1].store(c, "Bs0");
                 c.line("__syncthreads();");
                 c.line("}");
             }
-        } else {
-            c.line("__syncthreads();");
         }
         c.line("}");
+        if stages == 2 && t.split > 1 {
+            // The partial tiles below reuse the stages.
+            c.line("__syncthreads();");
+        }
         let micro = t.tm * t.tn;
         if t.split > 1 {
             c.line("// add the other K groups' partial tiles to group 0's, in group order");
@@ -1000,33 +1014,32 @@ impl<'a> Side<'a> {
         if self.vector { "float4" } else { "float" }
     }
 
-    /// The (row, k) in the tile of thread item `e` (of `total`): for float4s of a k-contiguous
+    /// The (row, k) in the tile of thread item `e` (of `total`; `e` names it): for float4s of a k-contiguous
     /// operand, pairs of threads read 8 consecutive k of a row (a 32-byte sector) and a warp 16
     /// rows, whose transposed stores then hit 32 banks; along rows, consecutive threads read
     /// consecutive float4s. Elements as in the base kernel.
-    fn coords(&self) -> (String, String) {
+    fn coords(&self, e: &str) -> (String, String) {
         let (br, bk) = (self.br, self.bk);
         match (self.vector, self.op.k_contiguous) {
             (true, true) if (bk / 4).is_multiple_of(2) => {
-                (format!("e / 2 % {br}"), format!("4 * (e / {} * 2 + e % 2)", 2 * br))
+                (format!("{e} / 2 % {br}"), format!("4 * ({e} / {} * 2 + {e} % 2)", 2 * br))
             }
-            (true, true) => (format!("e / {}", bk / 4), format!("4 * (e % {})", bk / 4)),
-            (true, false) => (format!("4 * (e % {})", br / 4), format!("e / {}", br / 4)),
-            (false, true) => (format!("e / {bk}"), format!("e % {bk}")),
-            (false, false) => (format!("e % {br}"), format!("e / {br}")),
+            (true, true) => (format!("{e} / {}", bk / 4), format!("4 * ({e} % {})", bk / 4)),
+            (true, false) => (format!("4 * ({e} % {})", br / 4), format!("{e} / {}", br / 4)),
+            (false, true) => (format!("{e} / {bk}"), format!("{e} % {bk}")),
+            (false, false) => (format!("{e} % {br}"), format!("{e} / {br}")),
         }
     }
 
-    /// `NAME_load_SIDE(src, base, r0, k0, t, dst)`: thread `t`'s share of the tile at rows
-    /// r0.., k0.. into `dst`, zeros outside the operand.
+    /// `NAME_load_SIDE(src, base, r0, k0, t, dst)`: thread `t`'s elements of the tile at rows
+    /// r0.., k0.. into `dst`, zeros outside the operand (the element loader, for operands that
+    /// are not read as float4s).
     fn loader(&self, c: &mut Code, name: &str, ty: &str, k: usize) {
-        let (rr, kk) = self.coords();
+        let (rr, kk) = self.coords("e");
         c.line(format!(
             "__device__ __forceinline__ void {name}_load_{}(const float* __restrict__ src, const {ty} base, \
-             const {ty} r0, const {ty} k0, const int t, {} (&dst)[{}]) {{",
-            self.name,
-            self.element(),
-            self.loads
+             const {ty} r0, const {ty} k0, const int t, float (&dst)[{}]) {{",
+            self.name, self.loads
         ));
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
@@ -1034,45 +1047,77 @@ impl<'a> Side<'a> {
         c.line(format!("const {ty} gr = r0 + {rr}, gk = k0 + {kk};"));
         let some =
             if self.total.is_multiple_of(GROUP) { String::new() } else { format!("e < {} && ", self.total) };
-        let guard = format!("{some}gr < {} && gk < {}", int(self.rows), int(k));
-        if let (true, Some(p)) = (self.vector, &self.op.plain) {
-            let (at, along, extent) = if self.op.k_contiguous {
-                (format!("gr * {} + gk", int(p.ld)), "gk", k)
-            } else {
-                (format!("gk * {} + gr", int(p.ld)), "gr", self.rows)
-            };
-            let offset = if p.offset > 0 { format!(" + {}", int(p.offset)) } else { String::new() };
-            c.line("float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);");
-            c.line(format!("if ({guard}) {{"));
-            c.line(format!("const float* p = src + base{offset} + {at};"));
-            if extent.is_multiple_of(4) {
-                c.line("x = *reinterpret_cast<const float4*>(p);");
-            } else {
-                c.line(format!("if ({along} + 3 < {}) {{", int(extent)));
-                c.line("x = *reinterpret_cast<const float4*>(p);");
-                c.line("} else {");
-                c.line("x.x = p[0];");
-                c.line(format!("if ({along} + 1 < {}) x.y = p[1];", int(extent)));
-                c.line(format!("if ({along} + 2 < {}) x.z = p[2];", int(extent)));
-                c.line("}");
-            }
-            c.line("}");
-            c.line("dst[i] = x;");
-        } else {
-            c.line("float v = 0.0f;");
-            c.line(format!("if ({guard}) {{"));
-            c.line(&self.op.load);
-            c.line("}");
-            c.line("dst[i] = v;");
-        }
+        c.line("float v = 0.0f;");
+        c.line(format!("if ({some}gr < {} && gk < {}) {{", int(self.rows), int(k)));
+        c.line(&self.op.load);
+        c.line("}");
+        c.line("dst[i] = v;");
         c.line("}");
         c.line("}");
         c.blank();
     }
 
+    /// For float4 loads: per float4 `i` of this thread, its row `X_rI`, its k in the tile
+    /// `X_kI`, whether it has one (`X_okI`: in the tile's float4s and a row inside the operand)
+    /// and a pointer `X_pI` to it in the first K tile (`k0`), advanced by `fetch`.
+    fn setup(&self, c: &mut Code, ty: &str, src: &str, base: &str, r0: &str) {
+        let p = self.op.plain.as_ref().expect("float4 loads read a plain operand");
+        let s = self.name;
+        let offset = if p.offset > 0 { format!(" + {}", int(p.offset)) } else { String::new() };
+        for i in 0..self.loads {
+            c.line(format!("const int {s}_e{i} = t + {};", i * GROUP));
+            let (rr, kk) = self.coords(&format!("{s}_e{i}"));
+            c.line(format!("const {ty} {s}_r{i} = {r0} + {rr};"));
+            c.line(format!("const int {s}_k{i} = {kk};"));
+            let some = if self.total.is_multiple_of(GROUP) || (i + 1) * GROUP <= self.total {
+                String::new()
+            } else {
+                format!("{s}_e{i} < {} && ", self.total)
+            };
+            c.line(format!("const bool {s}_ok{i} = {some}{s}_r{i} < {};", int(self.rows)));
+            let at = if self.op.k_contiguous {
+                format!("{s}_r{i} * {} + (k0 + {s}_k{i})", int(p.ld))
+            } else {
+                format!("(k0 + {s}_k{i}) * {} + {s}_r{i}", int(p.ld))
+            };
+            c.line(format!("const float* {s}_p{i} = {src} + {base}{offset} + {at};"));
+        }
+    }
+
+    /// Loads this thread's float4s of the K tile at `k0` into the registers (zeros outside the
+    /// operand; a float4 across its edge element by element) and advances the pointers by
+    /// `step` k.
+    fn fetch(&self, c: &mut Code, k: usize, step: usize) {
+        let p = self.op.plain.as_ref().expect("float4 loads read a plain operand");
+        let (s, reg) = (self.name, self.reg);
+        let advance = if self.op.k_contiguous { step } else { step * p.ld };
+        for i in 0..self.loads {
+            let (along, extent) = if self.op.k_contiguous {
+                (format!("k0 + {s}_k{i}"), k)
+            } else {
+                (format!("{s}_r{i}"), self.rows)
+            };
+            c.line(format!("{reg}[{i}] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);"));
+            c.line(format!("if ({s}_ok{i} && k0 + {s}_k{i} < {}) {{", int(k)));
+            if extent.is_multiple_of(4) {
+                c.line(format!("{reg}[{i}] = *reinterpret_cast<const float4*>({s}_p{i});"));
+            } else {
+                c.line(format!("if ({along} + 3 < {}) {{", int(extent)));
+                c.line(format!("{reg}[{i}] = *reinterpret_cast<const float4*>({s}_p{i});"));
+                c.line("} else {");
+                c.line(format!("{reg}[{i}].x = {s}_p{i}[0];"));
+                c.line(format!("if ({along} + 1 < {}) {reg}[{i}].y = {s}_p{i}[1];", int(extent)));
+                c.line(format!("if ({along} + 2 < {}) {reg}[{i}].z = {s}_p{i}[2];", int(extent)));
+                c.line("}");
+            }
+            c.line("}");
+            c.line(format!("{s}_p{i} += {};", int(advance)));
+        }
+    }
+
     /// Stores the registers into the shared tile at `tile` (k-major: k · ld + row).
     fn store(&self, c: &mut Code, tile: &str) {
-        let (rr, kk) = self.coords();
+        let (rr, kk) = self.coords("e");
         let (ld, reg) = (self.ld, self.reg);
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
