@@ -1,21 +1,23 @@
 //! The GEMM kernels behind matmul and the three convolutions: out[b] (M x N, row-major) =
 //! A[b] (M x K) · B[b] (K x N), where A and B are not matrices in memory but element loaders
 //! (`Operand::load`): strided for matmul (transposes cost nothing), implicit im2col gathers with
-//! zero padding for the convolutions.
+//! zero padding for the convolutions. Matmul's operands (and a product update's) also declare
+//! their plain strided layout (`Operand::plain`), which the fast variant reads as float4s.
 //!
 //! Design (the classic shared-memory + register-blocked SGEMM):
 //! - A block of 256 threads (16 x 16) computes a BM x BN tile of the output, each thread a TM x TN
 //!   micro-tile in registers (rows ty + 16 i, columns tx + 16 j: strided, so that a warp's shared
-//!   reads are conflict-free and its stores to the output coalesced).
-//! - K advances BK at a time through shared memory: each thread loads BM·BK/256 elements of A and
-//!   BN·BK/256 of B, mapped so that consecutive threads read consecutive addresses (along k when
-//!   the operand is contiguous along k, else along rows); a shared tile is padded by one column
-//!   when its stores would otherwise hit one bank. The next tile is fetched into registers while
-//!   the current one is multiplied (register prefetch), which hides most global latency.
+//!   reads are conflict-free and its stores to the output coalesced; 4 rows or columns at a time
+//!   where TM or TN is a multiple of 4, `vector`).
+//! - K advances BK at a time through shared memory: each thread loads its share of the BM x BK
+//!   tile of A and the BK x BN tile of B, mapped so that consecutive threads read consecutive
+//!   addresses (along k when the operand is contiguous along k, else along rows); a k-contiguous
+//!   operand is stored transposed, its tile padded against bank conflicts. The next tile is
+//!   fetched into registers while the current one is multiplied (register prefetch).
 //! - Tiles: from 128x128 (8x8 per thread) down to 16x16 (1x1), chosen per shape by a small cost
 //!   model (`choose`): padded work / (per-SM rate x utilisation), bounded below by the latency of
-//!   the serial K loop. Large square products get 64x64 or 128x128 tiles, thin ones (N = 10)
-//!   16-wide tiles, tiny ones (32x100x10) 16x16.
+//!   the serial K loop. Large square products get 128x128 (fast) or 128x64 (base) tiles, thin
+//!   ones (N = 10) 16-wide tiles, tiny ones (32x100x10) 16x16.
 //! - In-block split-K: when the output has few tiles but K is long (a weight gradient contracts
 //!   over the batch), the block runs S = 2 or 4 groups of 256 threads on interleaved K tiles and
 //!   adds their partial tiles through shared memory in a fixed order.
@@ -31,12 +33,55 @@
 //!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
 //!   grid dimension limit applies.
 //!
+//! Two variants of the tiled kernel, chosen when a kernel is generated:
+//! - `KILN_GEMM_VARIANT=base`: the kernel measured on 2026-11-25 (below): element loads from
+//!   global memory, one shared tile and two barriers per K tile, warps of 16 x 2 threads.
+//! - `KILN_GEMM_VARIANT=fast` (the default; any value but `base`): the same tiles and sums, with
+//!   - float4 global loads of an operand with a plain layout whose rows start 16-byte aligned
+//!     (leading dimension, column offset and batch matrix size multiples of 4; slots are 16-byte
+//!     aligned) along its contiguous axis, through per-thread pointers advanced by BK per tile;
+//!     one row guard per float4, set once, and one k guard per tile; a float4 across the
+//!     operand's edge (`matmul_rows` of a width not a multiple of 4) element by element;
+//!     operands without a plain layout or alignment (convolutions, odd leading dimensions) go
+//!     through the element loader;
+//!   - two shared stages: per K tile, store the registers into this tile's stage, load the next
+//!     tile into registers, one barrier, multiply (within 48 KiB of static shared memory, else
+//!     the base order with one stage);
+//!   - warps of 8 x 4 threads (a warp's float4 reads of A's and B's micro-tile rows are 64 and
+//!     128 consecutive bytes: one shared-memory wavefront each);
+//!   - float4 stores of plain output rows (no epilogue, N a multiple of 4);
+//!   - `__launch_bounds__(256, 2)` for 8x8, 8x4 and 4x8 micro-tiles without split-K (at most
+//!     128 registers: two blocks per SM), which the cost model now assumes: it moves big
+//!     products (2048³ and up, 4096x1024x4096) from 128x64x8 to 128x128x8 tiles and keeps the
+//!     zoo's (test `the_fast_variant_keeps_the_zoo_plans`).
+//!
+//!   Both variants add every product in the same order, so under the same tile their results
+//!   are the same bits (test `gemm_variants`).
+//! - `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x16x8x8`) forces that tile (16 x 16 threads,
+//!   no split-K) wherever it fits, under either variant: for measuring tiles on a device
+//!   (`kiln bench-gemm`), not for production.
+//!
+//! Register use (ptxas of NVRTC 13.0.88 for sm_90 with kiln's options, `--ptxas-options=-v`,
+//! 2026-12): no spills in any of `kiln bench-gemm`'s kernels. 4096³, fast 128x128x8 (8x8):
+//! 127 registers, 16,640 B shared; base 128x64x8 (8x4): 80. The zoo's 64x32x16 split-2 tiles
+//! (4x2): fast 47, base 40; 128x64x8 split-2 (8x4): fast 81, base 64 (512 threads; these shapes
+//! have 128 blocks, one per SM, either way). Forced fast tiles: 128x128x16x8x8 128 registers
+//! without spills (but 46 register moves per K tile), 128x64x8 95, 64x128x8 91, 64x64x16 64.
+//! Left to itself (no minimum of blocks) ptxas gave the fast 8x4 tiles 80 registers and 8 to
+//! 16 bytes of spills. SASS of the 4096³ K loop (cuobjdump): fast, 588 instructions per tile
+//! of which 512 FFMA (87%), 32 LDS.128, the two LDG.128 issued before the barrier; base
+//! 128x64x8, 358 per tile of which 256 FFMA (71%), 6 LDG, 2 barriers. (With the fast kernel's
+//! loads unconditional, or behind the same `if` as their stores, ptxas sank them past the
+//! FMAs to the stores: the latency the prefetch is meant to hide showed.)
+//!
 //! Accumulation is f32 with FMA, in K order within a group or thread: the CPU's `gemm` crate adds
 //! in another order, so results agree to rounding, not bitwise (measured on a host emulation of
 //! the kernels: within 1e-7 of the sum of |terms|, as close to the exact f64 sum as the CPU's).
 //! The tile choice is a model, calibrated where it mattered on an H100 (2026-11-25, `kpar_cost`
-//! and `TILED_MEASURED_OVER_MODEL`); with float4 micro-tile reads the tiled kernel ran 4096³ at
-//! 36 TFLOP/s there (cuBLAS: 51.7) and the zoo's products at 0.75-3.9x `torch.matmul`'s rate.
+//! and `TILED_MEASURED_OVER_MODEL`). Measured there with the base variant: 4096³ at 36 TFLOP/s
+//! (128x64x8; forced 128x128x8: 38.0; cuBLAS: 51.7) and the zoo's products at 0.75-3.9x
+//! `torch.matmul`'s rate. The fast variant is not measured on a device yet: its figures above
+//! are the compiler's, and its results the host emulation's.
 
 use super::codegen::{Code, int};
 use super::{Arg, Launch};
@@ -50,7 +95,8 @@ const SMS: usize = 132;
 
 /// Whether a micro-tile side of `t` values is read from shared memory as float4s: thread
 /// (tx, ty) then holds rows 64 g + 4 ty + r (r < 4) of its tile, and columns likewise, so that a
-/// warp's 16 threads along a side read 256 consecutive bytes (no bank conflicts) and the output
+/// warp's threads along a side read consecutive bytes (no bank conflicts; 16 threads, 256 bytes
+/// in the base variant's warps, 8 threads and 128 bytes for B in the fast one's) and the output
 /// rows are written in runs of 4. Otherwise rows ty + 16 i, one float at a time.
 fn vector(t: usize) -> bool {
     t.is_multiple_of(4)
@@ -83,10 +129,6 @@ const CANDIDATES: [(usize, usize, usize, usize, usize); 12] = [
     (32, 32, 16, 2, 2),
     (16, 16, 16, 1, 1),
 ];
-
-/// The fast variant's candidates beyond `CANDIDATES`: a deeper K tile for the 8x8 micro-tile
-/// (half the barriers and loop overhead per FMA; 33 KiB of shared memory double-buffered).
-const FAST_CANDIDATES: [(usize, usize, usize, usize, usize); 1] = [(128, 128, 16, 8, 8)];
 
 /// Which code the tiled kernel is generated as: `KILN_GEMM_VARIANT=base` or `fast` (the default;
 /// any other value is `fast` too).
@@ -181,9 +223,8 @@ impl Tile {
 
 /// The cheapest tile for an M x N x K product repeated `batch` times.
 pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize, v: Variant) -> (f64, Tile) {
-    let extra: &[_] = if v == Variant::Fast { &FAST_CANDIDATES } else { &[] };
     let mut best: Option<(f64, Tile)> = None;
-    for &(bm, bn, bk, tm, tn) in CANDIDATES.iter().chain(extra) {
+    for &(bm, bn, bk, tm, tn) in &CANDIDATES {
         for split in [1, 2, 4] {
             let t = Tile { bm, bn, bk, tm, tn, split };
             if let Some(c) = t.cost(m, n, k, batch, v)

@@ -1,7 +1,9 @@
 //! Batched matrix products: the tiled GEMM (`gemm`) with strided operand loads.
 //!
 //! A transposed operand is read in place through swapped strides, and the load mapping follows
-//! its contiguous axis. Batch axes broadcast (NumPy rules): each operand's matrix offset is a
+//! its contiguous axis; each operand also declares its plain layout (`gemm::Plain`: leading
+//! dimension, column offset, batch matrix size), so that the fast GEMM reads it as float4s
+//! where the alignment allows. Batch axes broadcast (NumPy rules): each operand's matrix offset is a
 //! baked expression of the batch index (0 for an operand without batch, `bz · size` for a full
 //! batch, a div/mod decomposition when it broadcasts). As on the CPU, [B, M, K] @ [K, N] without
 //! a transposed left operand folds the batch into M: one product of B·M rows, bigger tiles.
