@@ -133,15 +133,17 @@ fn generate_with(c: &Case, variant: &str, tile: Option<&str>) -> CudaKernel {
 #[test]
 fn every_variant_and_forced_tile_matches_the_cpu() {
     // (variant, forced tile): the model's tiles under both variants, then tiles forced: the
-    // fast variant's 8x8 tiles (BK 8 and 16), 8x4 and 4x8 ones, BK 4 and 12 (one float4 or
+    // fast variant's 8x8 tiles (BK 8 and 16; 32, whose two stages would not fit in 48 KiB: one
+    // stage), 8x4 and 4x8 ones, BK 4 and 12 (one float4 or
     // three along k), BK 2 (element loads of a k-contiguous operand), 2x2 (no float4 reads of
     // the micro-tile), and the base kernel's 8x8.
-    let configs: [(&str, Option<&str>); 13] = [
+    let configs: [(&str, Option<&str>); 14] = [
         ("base", None),
         ("fast", None),
         ("fast", Some("128x128x8x8x8")),
         ("fast", Some("64x64x16x4x4")),
         ("fast", Some("128x128x16x8x8")),
+        ("fast", Some("128x128x32x8x8")),
         ("fast", Some("128x64x8x8x4")),
         ("fast", Some("64x128x16x4x8")),
         ("fast", Some("64x64x4x4x4")),
@@ -167,6 +169,8 @@ fn every_variant_and_forced_tile_matches_the_cpu() {
             }
             let fast = variant == "fast" && kernel.describe.contains("tile ");
             assert_eq!(kernel.describe.contains("shared stage"), fast, "{name}: {}", kernel.describe);
+            let one_stage = tile == Some("128x128x32x8x8");
+            assert_eq!(kernel.describe.contains("1 shared stage"), one_stage, "{name}: {}", kernel.describe);
             let (inputs, after, out) = reference(c, 0x9E37_79B9_7F4A_7C15 ^ (i as u64 * 7919));
             runs.push(cuda_host::HostCase {
                 name: name.clone(),
