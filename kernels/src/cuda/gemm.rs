@@ -61,8 +61,9 @@
 //!   no split-K) wherever it fits, under either variant: for measuring tiles on a device
 //!   (`kiln bench-gemm`), not for production.
 //!
-//! Register use (ptxas of NVRTC 13.0.88 for sm_90 with kiln's options, `--ptxas-options=-v`,
-//! 2026-12): no spills in any of `kiln bench-gemm`'s kernels. 4096³, fast 128x128x8 (8x8):
+//! Register use (`scripts/ptxas_info.py`: ptxas of NVRTC 13.0.88 for sm_90 with kiln's options
+//! and `--ptxas-options=-v`, on the kernels `cuda_ops` dumps): no spills in any of
+//! `kiln bench-gemm`'s kernels. 4096³, fast 128x128x8 (8x8):
 //! 127 registers, 16,640 B shared; base 128x64x8 (8x4): 80. The zoo's 64x32x16 split-2 tiles
 //! (4x2): fast 47, base 40; 128x64x8 split-2 (8x4): fast 81, base 64 (512 threads; these shapes
 //! have 128 blocks, one per SM, either way). Forced fast tiles: 128x128x16x8x8 128 registers
