@@ -214,6 +214,44 @@ fn cases() -> Vec<Case> {
     v.push(case("matmul_bcast_t", mm(true, true), &[&[1, 3, 5, 4], &[2, 1, 6, 5]]));
     v.push(case("matmul_b_batch", mm(false, false), &[&[4, 5], &[3, 5, 6]]));
     v.push(case("matmul_k0", mm(false, false), &[&[3, 0], &[0, 4]]));
+    // The fast GEMM's float4 loads (leading dimensions multiples of 4) and their fallbacks:
+    // element loads where a leading dimension is not, element stores where N is not, edges
+    // where M, N or K is not a multiple of the tile; transposed operands, broadcast batches.
+    for (name, ta, tb, a, b) in [
+        ("matmul_vec", false, false, vec![96, 64], vec![64, 136]),
+        ("matmul_vec_ta", true, false, vec![64, 96], vec![64, 136]),
+        ("matmul_vec_tb", false, true, vec![96, 64], vec![136, 64]),
+        ("matmul_vec_ta_tb", true, true, vec![64, 96], vec![136, 64]),
+        ("matmul_vec_k_odd", false, false, vec![96, 66], vec![66, 136]),
+        ("matmul_vec_k_odd_tb", false, true, vec![96, 66], vec![136, 66]),
+        ("matmul_vec_n_odd", false, false, vec![96, 64], vec![64, 130]),
+        ("matmul_vec_m_odd_ta", true, false, vec![64, 98], vec![64, 136]),
+        ("matmul_vec_m_edge", false, false, vec![93, 36], vec![36, 76]),
+        ("matmul_vec_batch_bcast", false, false, vec![2, 1, 20, 12], vec![3, 12, 16]),
+        ("matmul_vec_batch_bcast_t", true, true, vec![1, 3, 12, 20], vec![2, 1, 16, 12]),
+        ("matmul_vec_batch_odd", false, false, vec![3, 5, 6], vec![3, 6, 7]),
+        ("matmul_vec_m1", false, false, vec![1, 8], vec![8, 12]),
+        ("matmul_vec_n1", false, false, vec![12, 8], vec![8, 1]),
+        ("matmul_vec_k1", false, false, vec![12, 1], vec![1, 16]),
+        ("matmul_vec_k1_t", true, true, vec![1, 12], vec![16, 1]),
+        ("matmul_vec_k4", false, false, vec![5, 4], vec![4, 8]),
+        ("matmul_vec_long_k", true, false, vec![600, 64], vec![600, 32]),
+    ] {
+        v.push(case(name, mm(ta, tb), &[&a, &b]));
+    }
+    // A product through an epilogue (bias add, then relu) with float4 operand loads.
+    let bias_relu = Op::Fused(Fused {
+        shape: Shape::from([40, 36]),
+        insts: vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+        ],
+        reduce: None,
+        matmul: Some(FusedMatMul { transpose_a: false, transpose_b: false }),
+        epilogue: Vec::new(),
+        epilogue_operands: 0,
+    });
+    v.push(case("matmul_vec_epilogue", bias_relu, &[&[40, 28], &[28, 36], &[36]]));
     // ---- layout
     v.push(case("fill_3x5", Op::Fill { value: 0.1, shape: Shape::from([3, 5]) }, &[]));
     v.push(case("fill_scalar", Op::Fill { value: -2.0, shape: Shape::scalar() }, &[]));
@@ -386,6 +424,13 @@ fn cases() -> Vec<Case> {
         let op = Op::MatMulRows { rows: Rows { start, len } };
         v.push(case(format!("matmul_rows_{i}"), op, &[&a, &b]));
     }
+    // Blocks of columns read as float4s (start and width multiples of 4), with a partial float4
+    // at the block's edge (30 rows), and read element by element (start 6).
+    for (name, start, len) in
+        [("matmul_rows_vec", 8, 32), ("matmul_rows_vec_edge", 8, 30), ("matmul_rows_odd", 6, 30)]
+    {
+        v.push(case(name, Op::MatMulRows { rows: Rows { start, len } }, &[&[40, 72], &[40, 20]]));
+    }
     let sgd_rows =
         |momentum, nesterov, r| Op::ApplySgd { lr: 0.05, momentum, nesterov, rows: r, product: false };
     v.push(case("sgd_rows", sgd_rows(0.0, false, rows(2, 3)), &[&[6, 4], &[3, 4]]));
@@ -419,6 +464,12 @@ fn cases() -> Vec<Case> {
         "sgd_product_nesterov",
         product(sgd(0.05, 0.8, true)),
         &[&[4, 70], &[2, 4], &[2, 70], &[4, 70]],
+    ));
+    // Both factors read as float4s (R and C multiples of 4), the products stay per element.
+    v.push(case(
+        "sgd_product_vec",
+        product(sgd(0.1, 0.9, false)),
+        &[&[36, 20], &[40, 36], &[40, 20], &[36, 20]],
     ));
     let adam_product = product(adam.clone());
     for (i, (m, r, c)) in [(32, 100, 10), (3, 130, 70), (1500, 6, 5)].into_iter().enumerate() {
@@ -819,6 +870,32 @@ fn large_cases() -> Vec<Case> {
     ]
 }
 
+/// The products `kiln bench-gemm` measures (M x K x N: 4096³ and the zoo's): generated and
+/// compiled only (and dumped, for register checks with ptxas).
+fn bench_cases() -> Vec<Case> {
+    let shapes = [
+        (4096, 4096, 4096),
+        (256, 784, 1024),
+        (256, 1024, 1024),
+        (256, 1024, 10),
+        (64, 4096, 128),
+        (1024, 256, 256),
+        (1024, 256, 1024),
+        (1024, 1024, 256),
+        (1024, 256, 1000),
+    ];
+    shapes
+        .into_iter()
+        .map(|(m, k, n)| {
+            case(
+                format!("bench_matmul_{m}x{k}x{n}"),
+                Op::MatMul { transpose_a: false, transpose_b: false },
+                &[&[m, k], &[k, n]],
+            )
+        })
+        .collect()
+}
+
 /// (name, pointer parameter count) of every kernel function the source defines.
 fn functions(src: &str) -> Vec<(String, usize)> {
     let key = "extern \"C\" __global__ void ";
@@ -922,7 +999,7 @@ fn check(c: &Case, k: &CudaKernel) {
 fn every_op_generates_valid_launches() {
     let all = cases();
     let mut names = std::collections::HashSet::new();
-    for c in all.iter().chain(&random_cases()).chain(&large_cases()) {
+    for c in all.iter().chain(&random_cases()).chain(&large_cases()).chain(&bench_cases()) {
         assert!(names.insert(c.name.clone()), "duplicate case {}", c.name);
         let k = c.generate();
         check(c, &k);
@@ -1249,7 +1326,7 @@ fn dump_for_device_checks() {
     for c in cases().into_iter().chain(random_cases()) {
         write_case(dir, &c, &c.generate(), true);
     }
-    for c in large_cases() {
+    for c in large_cases().into_iter().chain(bench_cases()) {
         write_case(dir, &c, &c.generate(), false);
     }
 }

@@ -1,21 +1,23 @@
 //! The GEMM kernels behind matmul and the three convolutions: out[b] (M x N, row-major) =
 //! A[b] (M x K) · B[b] (K x N), where A and B are not matrices in memory but element loaders
 //! (`Operand::load`): strided for matmul (transposes cost nothing), implicit im2col gathers with
-//! zero padding for the convolutions.
+//! zero padding for the convolutions. Matmul's operands (and a product update's) also declare
+//! their plain strided layout (`Operand::plain`), which the fast variant reads as float4s.
 //!
 //! Design (the classic shared-memory + register-blocked SGEMM):
 //! - A block of 256 threads (16 x 16) computes a BM x BN tile of the output, each thread a TM x TN
 //!   micro-tile in registers (rows ty + 16 i, columns tx + 16 j: strided, so that a warp's shared
-//!   reads are conflict-free and its stores to the output coalesced).
-//! - K advances BK at a time through shared memory: each thread loads BM·BK/256 elements of A and
-//!   BN·BK/256 of B, mapped so that consecutive threads read consecutive addresses (along k when
-//!   the operand is contiguous along k, else along rows); a shared tile is padded by one column
-//!   when its stores would otherwise hit one bank. The next tile is fetched into registers while
-//!   the current one is multiplied (register prefetch), which hides most global latency.
+//!   reads are conflict-free and its stores to the output coalesced; 4 rows or columns at a time
+//!   where TM or TN is a multiple of 4, `vector`).
+//! - K advances BK at a time through shared memory: each thread loads its share of the BM x BK
+//!   tile of A and the BK x BN tile of B, mapped so that consecutive threads read consecutive
+//!   addresses (along k when the operand is contiguous along k, else along rows); a k-contiguous
+//!   operand is stored transposed, its tile padded against bank conflicts. The next tile is
+//!   fetched into registers while the current one is multiplied (register prefetch).
 //! - Tiles: from 128x128 (8x8 per thread) down to 16x16 (1x1), chosen per shape by a small cost
 //!   model (`choose`): padded work / (per-SM rate x utilisation), bounded below by the latency of
-//!   the serial K loop. Large square products get 64x64 or 128x128 tiles, thin ones (N = 10)
-//!   16-wide tiles, tiny ones (32x100x10) 16x16.
+//!   the serial K loop. Large square products get 128x128 (fast) or 128x64 (base) tiles, thin
+//!   ones (N = 10) 16-wide tiles, tiny ones (32x100x10) 16x16.
 //! - In-block split-K: when the output has few tiles but K is long (a weight gradient contracts
 //!   over the batch), the block runs S = 2 or 4 groups of 256 threads on interleaved K tiles and
 //!   adds their partial tiles through shared memory in a fixed order.
@@ -39,12 +41,56 @@
 //!   M, N, K work. Blocks form a 1-D grid (tile column fastest, then tile row, then batch), so no
 //!   grid dimension limit applies.
 //!
+//! Two variants of the tiled kernel, chosen when a kernel is generated:
+//! - `KILN_GEMM_VARIANT=base`: the kernel measured on 2026-11-25 (below): element loads from
+//!   global memory, one shared tile and two barriers per K tile, warps of 16 x 2 threads.
+//! - `KILN_GEMM_VARIANT=fast` (the default; any value but `base`): the same tiles and sums, with
+//!   - float4 global loads of an operand with a plain layout whose rows start 16-byte aligned
+//!     (leading dimension, column offset and batch matrix size multiples of 4; slots are 16-byte
+//!     aligned) along its contiguous axis, through per-thread pointers advanced by BK per tile;
+//!     one row guard per float4, set once, and one k guard per tile; a float4 across the
+//!     operand's edge (`matmul_rows` of a width not a multiple of 4) element by element;
+//!     operands without a plain layout or alignment (convolutions, odd leading dimensions) go
+//!     through the element loader;
+//!   - two shared stages: per K tile, store the registers into this tile's stage, load the next
+//!     tile into registers, one barrier, multiply (within 48 KiB of static shared memory, else
+//!     the base order with one stage);
+//!   - warps of 8 x 4 threads (a warp's float4 reads of A's and B's micro-tile rows are 64 and
+//!     128 consecutive bytes: one shared-memory wavefront each);
+//!   - float4 stores of plain output rows (no epilogue, N a multiple of 4);
+//!   - `__launch_bounds__(256, 2)` for 8x8, 8x4 and 4x8 micro-tiles without split-K (at most
+//!     128 registers: two blocks per SM), which the cost model now assumes: it moves big
+//!     products (2048³ and up, 4096x1024x4096) from 128x64x8 to 128x128x8 tiles and keeps the
+//!     zoo's (test `the_fast_variant_keeps_the_zoo_plans`).
+//!
+//!   Both variants add every product in the same order, so under the same tile their results
+//!   are the same bits (test `gemm_variants`).
+//! - `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x16x8x8`) forces that tile (16 x 16 threads,
+//!   no split-K) wherever it fits, under either variant: for measuring tiles on a device
+//!   (`kiln bench-gemm`), not for production.
+//!
+//! Register use (`scripts/ptxas_info.py`: ptxas of NVRTC 13.0.88 for sm_90 with kiln's options
+//! and `--ptxas-options=-v`, on the kernels `cuda_ops` dumps): no spills in any of
+//! `kiln bench-gemm`'s kernels. 4096³, fast 128x128x8 (8x8):
+//! 127 registers, 16,640 B shared; base 128x64x8 (8x4): 80. The zoo's 64x32x16 split-2 tiles
+//! (4x2): fast 47, base 40; 128x64x8 split-2 (8x4): fast 81, base 64 (512 threads; these shapes
+//! have 128 blocks, one per SM, either way). Forced fast tiles: 128x128x16x8x8 128 registers
+//! without spills (but 46 register moves per K tile), 128x64x8 95, 64x128x8 91, 64x64x16 64.
+//! Left to itself (no minimum of blocks) ptxas gave the fast 8x4 tiles 80 registers and 8 to
+//! 16 bytes of spills. SASS of the 4096³ K loop (cuobjdump): fast, 588 instructions per tile
+//! of which 512 FFMA (87%), 32 LDS.128, the two LDG.128 issued before the barrier; base
+//! 128x64x8, 358 per tile of which 256 FFMA (71%), 6 LDG, 2 barriers. (With the fast kernel's
+//! loads unconditional, or behind the same `if` as their stores, ptxas sank them past the
+//! FMAs to the stores: the latency the prefetch is meant to hide showed.)
+//!
 //! Accumulation is f32 with FMA, in K order within a group or thread: the CPU's `gemm` crate adds
 //! in another order, so results agree to rounding, not bitwise (measured on a host emulation of
 //! the kernels: within 1e-7 of the sum of |terms|, as close to the exact f64 sum as the CPU's).
 //! The tile choice is a model, calibrated where it mattered on an H100 (2026-11-25, `kpar_cost`
-//! and `TILED_MEASURED_OVER_MODEL`); with float4 micro-tile reads the tiled kernel ran 4096³ at
-//! 36 TFLOP/s there (cuBLAS: 51.7) and the zoo's products at 0.75-3.9x `torch.matmul`'s rate.
+//! and `TILED_MEASURED_OVER_MODEL`). Measured there with the base variant: 4096³ at 36 TFLOP/s
+//! (128x64x8; forced 128x128x8: 38.0; cuBLAS: 51.7) and the zoo's products at 0.75-3.9x
+//! `torch.matmul`'s rate. The fast variant is not measured on a device yet: its figures above
+//! are the compiler's, and its results the host emulation's.
 
 use super::codegen::{Code, int};
 use super::{Arg, Launch};
@@ -58,7 +104,8 @@ const SMS: usize = 132;
 
 /// Whether a micro-tile side of `t` values is read from shared memory as float4s: thread
 /// (tx, ty) then holds rows 64 g + 4 ty + r (r < 4) of its tile, and columns likewise, so that a
-/// warp's 16 threads along a side read 256 consecutive bytes (no bank conflicts) and the output
+/// warp's threads along a side read consecutive bytes (no bank conflicts; 16 threads, 256 bytes
+/// in the base variant's warps, 8 threads and 128 bytes for B in the fast one's) and the output
 /// rows are written in runs of 4. Otherwise rows ty + 16 i, one float at a time.
 fn vector(t: usize) -> bool {
     t.is_multiple_of(4)
@@ -92,6 +139,26 @@ const CANDIDATES: [(usize, usize, usize, usize, usize); 12] = [
     (16, 16, 16, 1, 1),
 ];
 
+/// Which code the tiled kernel is generated as: `KILN_GEMM_VARIANT=base` or `fast` (the default;
+/// any other value is `fast` too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// The kernel measured on 2026-11-25 (36 TFLOP/s at 4096³): element loads from global
+    /// memory, one shared tile, two barriers per K tile, warps of 16 x 2 threads.
+    Base,
+    /// float4 global loads of plain operands, two shared tiles (one barrier per K tile), warps of
+    /// 8 x 4 threads, float4 output stores, 8x8 micro-tiles held to 128 registers.
+    Fast,
+}
+
+/// The variant `KILN_GEMM_VARIANT` names.
+pub(crate) fn variant() -> Variant {
+    match std::env::var("KILN_GEMM_VARIANT").as_deref() {
+        Ok("base") => Variant::Base,
+        _ => Variant::Fast,
+    }
+}
+
 impl Tile {
     fn loads_a(&self) -> usize {
         self.bm * self.bk / GROUP
@@ -110,9 +177,21 @@ impl Tile {
         if vector(t) { (t / 4) as f64 } else { t as f64 }
     }
 
-    /// Registers per thread, estimated.
-    fn regs(&self) -> usize {
-        self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32
+    /// Blocks per SM that the kernel asks the compiler to fit (`__launch_bounds__`' second
+    /// argument): 2 for the fast variant's 8x8, 8x4 and 4x8 micro-tiles without split-K, which
+    /// caps them at 128 registers per thread (ptxas, module doc: 8x8 fits without spills; left
+    /// to itself it gave the 8x4 tiles 80 registers with a few spills); else no request.
+    fn min_blocks(&self, v: Variant) -> usize {
+        if v == Variant::Fast && self.tm * self.tn >= 32 && self.split == 1 { 2 } else { 1 }
+    }
+
+    /// Registers per thread, estimated (or the cap `min_blocks` sets).
+    fn regs(&self, v: Variant) -> usize {
+        let estimate = self.tm * self.tn + 2 * (self.tm + self.tn) + self.loads_a() + self.loads_b() + 32;
+        match self.min_blocks(v) {
+            1 => estimate,
+            b => estimate.min(65536 / (b * self.threads())),
+        }
     }
 
     /// Shared floats for the tiles (and, with split-K, the partial sums, which reuse them).
@@ -123,7 +202,7 @@ impl Tile {
     }
 
     /// Estimated time in cycles, `None` when the configuration does not fit an SM.
-    fn cost(&self, m: usize, n: usize, k: usize, batch: usize) -> Option<f64> {
+    fn cost(&self, m: usize, n: usize, k: usize, batch: usize, v: Variant) -> Option<f64> {
         let tiles = batch * m.div_ceil(self.bm) * n.div_ceil(self.bn);
         let ktiles = k.div_ceil(self.bk).max(1);
         if self.split > 1 && ktiles < 2 * self.split {
@@ -131,10 +210,11 @@ impl Tile {
         }
         let iters = ktiles.div_ceil(self.split);
         let threads = self.threads();
-        if threads * self.regs() > 65536 || self.shared_floats(4, 4) * 4 > SHARED_LIMIT {
+        let regs = self.regs(v);
+        if threads * regs > 65536 || self.shared_floats(4, 4) * 4 > SHARED_LIMIT {
             return None;
         }
-        let per_sm = (2048 / threads).min(65536 / (threads * self.regs())).max(1);
+        let per_sm = (2048 / threads).min(65536 / (threads * regs)).max(1);
         let active = tiles.min(SMS) as f64;
         let resident = tiles.div_ceil(SMS).min(per_sm);
         let util = ((resident * threads / 32) as f64 / 16.0).min(1.0);
@@ -151,12 +231,12 @@ impl Tile {
 }
 
 /// The cheapest tile for an M x N x K product repeated `batch` times.
-pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize) -> (f64, Tile) {
+pub(crate) fn choose(m: usize, n: usize, k: usize, batch: usize, v: Variant) -> (f64, Tile) {
     let mut best: Option<(f64, Tile)> = None;
     for &(bm, bn, bk, tm, tn) in &CANDIDATES {
         for split in [1, 2, 4] {
             let t = Tile { bm, bn, bk, tm, tn, split };
-            if let Some(c) = t.cost(m, n, k, batch)
+            if let Some(c) = t.cost(m, n, k, batch, v)
                 && best.is_none_or(|(b, _)| c < b)
             {
                 best = Some((c, t));
@@ -239,13 +319,13 @@ fn split_reduce_cost(splits: usize, outputs: usize) -> f64 {
 /// for measuring tiles against each other on a device (`kiln bench-gemm`); not for production.
 /// `KILN_GEMM_SPLIT=0` turns split-K across blocks off, `KILN_GEMM_SPLIT=N` (a power of two up
 /// to 64) forces N splits wherever the scratch allows (for A/B measurements on a device).
-pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, scratch: usize) -> Plan {
+pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, scratch: usize, v: Variant) -> Plan {
     if let Some(t) = forced_tile()
-        && t.cost(m, n, k, batch).is_some()
+        && t.cost(m, n, k, batch, v).is_some()
     {
         return Plan::Tiled(t);
     }
-    let (tiled, tile) = choose(m, n, k, batch);
+    let (tiled, tile) = choose(m, n, k, batch, v);
     let mut best = (tiled * TILED_MEASURED_OVER_MODEL, Plan::Tiled(tile));
     if k >= KPAR_THREADS {
         for (tm, tn) in [(4, 4), (2, 2), (1, 1)] {
@@ -276,7 +356,7 @@ pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, scratch: usize) -
         if groups < splits {
             break;
         }
-        let (c, t) = choose(m, n, chunk, batch * splits);
+        let (c, t) = choose(m, n, chunk, batch * splits, v);
         let c = c * TILED_MEASURED_OVER_MODEL + split_reduce_cost(splits, outputs);
         if forced == Some(splits) || (c < best.0 && c < SPLIT_GAIN * unsplit) {
             best = (c, Plan::SplitK { tile: t, splits, chunk });
@@ -288,7 +368,7 @@ pub(crate) fn plan(m: usize, n: usize, k: usize, batch: usize, scratch: usize) -
 
 /// The scratch bytes the product's best plan uses with scratch to spare (0: none).
 pub(crate) fn scratch_wanted(m: usize, n: usize, k: usize, batch: usize) -> usize {
-    match plan(m, n, k, batch, MAX_SCRATCH_BYTES) {
+    match plan(m, n, k, batch, MAX_SCRATCH_BYTES, variant()) {
         Plan::SplitK { splits, .. } => splits * batch * m * n * 4,
         Plan::Tiled(_) | Plan::KParallel { .. } => 0,
     }
@@ -303,6 +383,22 @@ pub(crate) struct Operand {
     pub load: String,
     /// The batch offset (elements) of batch `bz`, or "0".
     pub batch_offset: String,
+    /// The operand's layout when it is a plain strided matrix (what `load` reads), so that the
+    /// fast kernel may read it as float4s; `None` for gathers (the convolutions' im2col).
+    pub plain: Option<Plain>,
+}
+
+/// A plain strided matrix: element (r, k) (row of A or column of B, k) of batch `bz` at
+/// `src[base + offset + r * ld + k]` when the operand is k-contiguous, else at
+/// `src[base + offset + k * ld + r]`, `base` the batch offset. The pointer is a slot's start
+/// (16-byte aligned: plans with less are refused at load).
+pub(crate) struct Plain {
+    /// Elements between consecutive rows (k-contiguous) or consecutive k (else).
+    pub ld: usize,
+    /// Elements before the matrix's first element (a block of columns, `matmul_rows`).
+    pub offset: usize,
+    /// Every batch offset is a multiple of this many elements (the matrix's size).
+    pub batch_granule: usize,
 }
 
 /// One GEMM kernel: out[bz] = A[bz] · B[bz] for bz < batch, A = operand 0, B = operand 1.
@@ -378,9 +474,14 @@ impl Gemm {
                 c.line(&u.definition);
             }
         }
-        match plan(self.m, self.n, self.k, self.batch, self.scratch) {
+        let v = variant();
+        let kernel = |g: &Self, c: &mut Code, t: Tile, split: Option<KSplit>| match v {
+            Variant::Base => g.tiled(c, t, split),
+            Variant::Fast => g.tiled_fast(c, t, split),
+        };
+        match plan(self.m, self.n, self.k, self.batch, self.scratch, v) {
             Plan::Tiled(t) => {
-                let (launch, describe) = self.tiled(c, t, None);
+                let (launch, describe) = kernel(&self, c, t, None);
                 (vec![launch], describe)
             }
             Plan::KParallel { tm, tn } => {
@@ -389,7 +490,7 @@ impl Gemm {
             }
             Plan::SplitK { tile, splits, chunk } => {
                 let split = KSplit { splits, chunk };
-                let (partial, describe) = self.tiled(c, tile, Some(split));
+                let (partial, describe) = kernel(&self, c, tile, Some(split));
                 c.blank();
                 let reduce = self.split_reduce(c, split);
                 (vec![partial, reduce], describe)
@@ -837,6 +938,450 @@ impl Gemm {
         });
         (launch, format!("tile {}x{}x{}, {}x{} per thread{in_block}{across}", t.bm, t.bn, t.bk, t.tm, t.tn))
     }
+
+    /// The fast variant of the tiled kernel (`Variant::Fast`, see the module doc): the base
+    /// kernel's tiles and arithmetic (each product summed in K order by one thread, split-K
+    /// groups added in group order), with float4 global loads of plain operands, two shared
+    /// stages and one barrier per K tile, warps of 8 x 4 threads and float4 output stores.
+    /// The fast tiled kernel; with a split, the partial kernel of split-K across blocks, as
+    /// `tiled`'s.
+    fn tiled_fast(&self, c: &mut Code, t: Tile, split: Option<KSplit>) -> (Launch, String) {
+        let ty = self.ty;
+        let (vec_a, vec_b) = (vector(t.tm), vector(t.tn));
+        // As in the base kernel: a k-contiguous operand is stored transposed, its tile padded.
+        let pad = if vec_a || vec_b { 4 } else { 1 };
+        let (pad_a, pad_b) = (pad * usize::from(self.a.k_contiguous), pad * usize::from(self.b.k_contiguous));
+        let sides = [
+            Side::new("a", &self.a, self.m, t.bm, t.bm + pad_a, t.bk, "ra"),
+            Side::new("b", &self.b, self.n, t.bn, t.bn + pad_b, t.bk, "rb"),
+        ];
+        // Per K group and stage: A's tile, then B's, each a multiple of 16 bytes.
+        let (tile_a, tile_b) =
+            ((t.bk * sides[0].ld).next_multiple_of(4), (t.bk * sides[1].ld).next_multiple_of(4));
+        let group_floats = tile_a + tile_b;
+        let stage = t.split * group_floats;
+        let stages = if 2 * stage * 4 <= SHARED_LIMIT { 2 } else { 1 };
+        let partials = (t.split - 1) * t.tm * t.tn * GROUP;
+        let (tiles_m, tiles_n) = (self.m.div_ceil(t.bm), self.n.div_ceil(t.bn));
+        let iters = split.map_or(self.k, |sp| sp.chunk).div_ceil(t.bk).div_ceil(t.split);
+        let name = &self.function(split);
+
+        for s in sides.iter().filter(|s| !s.vector) {
+            s.loader(c, name, ty, self.k);
+        }
+
+        let min_blocks = t.min_blocks(Variant::Fast);
+        let bounds =
+            if min_blocks > 1 { format!("{}, {min_blocks}", t.threads()) } else { t.threads().to_string() };
+        c.line(format!(
+            "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}({}) {{",
+            self.params(split)
+        ));
+        c.line(format!(
+            "// tile {}x{}x{}, {}x{} per thread, {} K group(s) of {GROUP} threads, {stages} shared stage(s)",
+            t.bm, t.bn, t.bk, t.tm, t.tn, t.split
+        ));
+        c.line(format!("__shared__ __align__(16) float smem[{}];", (stages * stage).max(partials)));
+        if t.split > 1 {
+            c.line(format!("const int t = threadIdx.x % {GROUP};"));
+            c.line(format!("const int group = threadIdx.x / {GROUP};"));
+        } else {
+            c.line("const int t = threadIdx.x;");
+        }
+        c.line("// a warp holds 8 x 4 threads: 4 rows of A's and 8 columns of B's micro-tiles");
+        c.line("const int tx = t / 32 % 2 * 8 + t % 8, ty = t / 64 * 4 + t % 32 / 8;");
+        self.block_origin(c, t.bm, t.bn, true, split);
+        let group_at = if t.split > 1 { format!(" + group * {group_floats}") } else { String::new() };
+        c.line(format!("float* const As0 = smem{group_at};"));
+        c.line(format!("float* const Bs0 = As0 + {tile_a};"));
+        c.line(format!("float acc[{}][{}];", t.tm, t.tn));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] = 0.0f;", t.tn));
+        c.line("}");
+        for s in &sides {
+            c.line(format!("{} {}[{}];", s.element(), s.reg, s.loads));
+        }
+        let mut k_start = if t.split > 1 { format!("({ty})group * {}", t.bk) } else { "0".to_string() };
+        if let Some(sp) = split {
+            k_start = format!("ks * {} + {k_start}", int(sp.chunk));
+        }
+        c.line(format!("{ty} k0 = {k_start};"));
+        let at = [("in0", "a_base", "m0"), ("in1", "b_base", "n0")];
+        for (s, &(src, base, r0)) in sides.iter().zip(&at) {
+            if s.vector {
+                s.setup(c, ty, src, base, r0);
+            }
+        }
+        let step = t.split * t.bk;
+        let load_next = |c: &mut Code| {
+            for (s, &(src, base, r0)) in sides.iter().zip(&at) {
+                if s.vector {
+                    s.fetch(c, self.k, step);
+                } else {
+                    c.line(format!("{name}_load_{}({src}, {base}, {r0}, k0, t, {});", s.name, s.reg));
+                }
+            }
+        };
+        load_next(c);
+        // Two stages: in iteration `it` each thread stores K tile `it` (in registers) into stage
+        // it % 2, whose last readers (iteration it - 2) all passed the previous barrier, loads
+        // tile it + 1 into the registers, waits at the one barrier, and multiplies tile `it`.
+        // The loads sit in a block of their own (`if`) before the barrier: ptxas keeps them
+        // there, so their latency hides behind the barrier and the whole multiplication. (With
+        // the loads unconditional it sank them after the multiplication, next to the stores
+        // that use them, and their latency showed.) One stage: the base kernel's order, two
+        // barriers per tile.
+        if stages == 1 {
+            sides[0].store(c, "As0");
+            sides[1].store(c, "Bs0");
+            c.line("__syncthreads();");
+        }
+        c.line(format!("for (int it = 0; it < {iters}; ++it) {{"));
+        let fetch = |c: &mut Code| {
+            if iters > 1 {
+                c.line("// the next K tile into registers while this one is multiplied");
+                c.line(format!("if (it + 1 < {iters}) {{"));
+                c.line(format!("k0 += {step};"));
+                load_next(c);
+                c.line("}");
+            }
+        };
+        if stages == 2 {
+            c.line(format!("float* const As = As0 + (it % 2) * {stage};"));
+            c.line(format!("float* const Bs = Bs0 + (it % 2) * {stage};"));
+            sides[0].store(c, "As");
+            sides[1].store(c, "Bs");
+            fetch(c);
+            c.line("__syncthreads();");
+        } else {
+            c.line("const float* As = As0;");
+            c.line("const float* Bs = Bs0;");
+            fetch(c);
+        }
+        // This thread's first row of A's tile and column of B's: the reads below are at constant
+        // offsets from them.
+        c.line(format!("const float* const Ar = As + ty{};", if vec_a { " * 4" } else { "" }));
+        c.line(format!("const float* const Br = Bs + tx{};", if vec_b { " * 4" } else { "" }));
+        c.line("#pragma unroll");
+        c.line(format!("for (int kk = 0; kk < {}; ++kk) {{", t.bk));
+        c.line(format!("float av[{}], bv[{}];", t.tm, t.tn));
+        for (arr, tile, ld, count, is_vec) in
+            [("av", "Ar", sides[0].ld, t.tm, vec_a), ("bv", "Br", sides[1].ld, t.tn, vec_b)]
+        {
+            c.line("#pragma unroll");
+            if is_vec {
+                c.line(format!("for (int g = 0; g < {}; ++g) {{", count / 4));
+                c.line(format!(
+                    "const float4 v = *reinterpret_cast<const float4*>({tile} + (kk * {ld} + g * 64));"
+                ));
+                c.line(format!(
+                    "{arr}[4 * g] = v.x; {arr}[4 * g + 1] = v.y; {arr}[4 * g + 2] = v.z; {arr}[4 * g + 3] = v.w;"
+                ));
+                c.line("}");
+            } else {
+                c.line(format!("for (int i = 0; i < {count}; ++i) {arr}[i] = {tile}[kk * {ld} + i * 16];"));
+            }
+        }
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line("#pragma unroll");
+        c.line(format!("for (int j = 0; j < {}; ++j) acc[i][j] += av[i] * bv[j];", t.tn));
+        c.line("}");
+        c.line("}");
+        if stages == 1 {
+            c.line("__syncthreads();");
+            if iters > 1 {
+                c.line(format!("if (it + 1 < {iters}) {{"));
+                sides[0].store(c, "As0");
+                sides[1].store(c, "Bs0");
+                c.line("__syncthreads();");
+                c.line("}");
+            }
+        }
+        c.line("}");
+        if stages == 2 && t.split > 1 {
+            // The partial tiles below reuse the stages.
+            c.line("__syncthreads();");
+        }
+        let micro = t.tm * t.tn;
+        if t.split > 1 {
+            c.line("// add the other K groups' partial tiles to group 0's, in group order");
+            c.line("if (group > 0) {");
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+            c.line("__syncthreads();");
+            c.line("if (group > 0) return;");
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
+            c.line("#pragma unroll");
+            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+            c.line("#pragma unroll");
+            c.line(format!(
+                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
+                t.tn, t.tn
+            ));
+            c.line("}");
+            c.line("}");
+        }
+        // Plain output rows of a multiple of 4 floats take float4 stores (the output is a slot:
+        // 16-byte aligned; each batch matrix M·N floats); an epilogue or update stays per element.
+        let vec_out =
+            (split.is_some() || matches!(self.sink, Sink::Output)) && vec_b && self.n.is_multiple_of(4);
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+        c.line(if vec_a {
+            format!("const {ty} gm = m0 + (i / 4) * 64 + ty * 4 + i % 4;")
+        } else {
+            format!("const {ty} gm = m0 + ty + i * 16;")
+        });
+        c.line(format!("if (gm < {}) {{", int(self.m)));
+        c.line("#pragma unroll");
+        if vec_out {
+            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.tn / 4));
+            c.line(format!("const {ty} gn = n0 + g * 64 + tx * 4;"));
+            c.line(format!(
+                "if (gn < {}) *reinterpret_cast<float4*>(o + gm * {} + gn) = \
+                 make_float4(acc[i][4 * g], acc[i][4 * g + 1], acc[i][4 * g + 2], acc[i][4 * g + 3]);",
+                int(self.n),
+                int(self.n)
+            ));
+            c.line("}");
+        } else {
+            c.line(format!("for (int j = 0; j < {}; ++j) {{", t.tn));
+            c.line(if vec_b {
+                format!("const {ty} gn = n0 + (j / 4) * 64 + tx * 4 + j % 4;")
+            } else {
+                format!("const {ty} gn = n0 + tx + j * 16;")
+            });
+            c.line(format!("if (gn < {}) {}", int(self.n), self.store("acc[i][j]", split)));
+            c.line("}");
+        }
+        c.line("}");
+        c.line("}");
+        c.line("}");
+        let groups = split.map_or(1, |sp| sp.splits);
+        let launch = self.launch(groups * self.batch * tiles_m * tiles_n, t.threads(), split);
+        let across = split.map_or(String::new(), |sp| {
+            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
+        });
+        let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
+        let vectors = match (sides[0].vector, sides[1].vector) {
+            (true, true) => ", float4 loads of A and B",
+            (true, false) => ", float4 loads of A",
+            (false, true) => ", float4 loads of B",
+            (false, false) => "",
+        };
+        (
+            launch,
+            format!(
+                "tile {}x{}x{}, {}x{} per thread{split}{vectors}, {stages} shared stage{}{across}",
+                t.bm,
+                t.bn,
+                t.bk,
+                t.tm,
+                t.tn,
+                if stages > 1 { "s" } else { "" }
+            ),
+        )
+    }
+}
+
+/// One operand of the fast tiled kernel: how its tile is read from global memory (float4s or
+/// elements) and stored into shared memory.
+struct Side<'a> {
+    /// "a" or "b".
+    name: &'static str,
+    op: &'a Operand,
+    /// M or N.
+    rows: usize,
+    /// BM or BN.
+    br: usize,
+    /// The shared tile's leading dimension (floats per k).
+    ld: usize,
+    bk: usize,
+    /// Whether the tile is read as float4s (`Side::vector_loads`).
+    vector: bool,
+    /// float4s or floats per tile, and per thread (the last round of threads may have none).
+    total: usize,
+    loads: usize,
+    /// The registers that hold a thread's share of the next tile.
+    reg: &'static str,
+}
+
+impl<'a> Side<'a> {
+    fn new(
+        name: &'static str,
+        op: &'a Operand,
+        rows: usize,
+        br: usize,
+        ld: usize,
+        bk: usize,
+        reg: &'static str,
+    ) -> Self {
+        let vector = Self::vector_loads(op, br, bk);
+        let total = if vector { br * bk / 4 } else { br * bk };
+        Side { name, op, rows, br, ld, bk, vector, total, loads: total.div_ceil(GROUP), reg }
+    }
+
+    /// Whether `op` (tiles of `br` rows by `bk`) is read as float4s: a plain layout whose rows
+    /// (along its contiguous axis) start 16-byte aligned in every batch, and a tile extent along
+    /// that axis that is a multiple of 4. A float4 then starts at a multiple of 4 along the axis;
+    /// one that crosses the operand's edge (the extent not a multiple of 4) is read element by
+    /// element.
+    fn vector_loads(op: &Operand, br: usize, bk: usize) -> bool {
+        let Some(p) = &op.plain else { return false };
+        let extent = if op.k_contiguous { bk } else { br };
+        p.ld.is_multiple_of(4)
+            && p.offset.is_multiple_of(4)
+            && (op.batch_offset == "0" || p.batch_granule.is_multiple_of(4))
+            && extent.is_multiple_of(4)
+    }
+
+    fn element(&self) -> &'static str {
+        if self.vector { "float4" } else { "float" }
+    }
+
+    /// The (row, k) in the tile of thread item `e` (of `total`; `e` names it): for float4s of a k-contiguous
+    /// operand, pairs of threads read 8 consecutive k of a row (a 32-byte sector) and a warp 16
+    /// rows, whose transposed stores then hit 32 banks; along rows, consecutive threads read
+    /// consecutive float4s. Elements as in the base kernel.
+    fn coords(&self, e: &str) -> (String, String) {
+        let (br, bk) = (self.br, self.bk);
+        match (self.vector, self.op.k_contiguous) {
+            (true, true) if (bk / 4).is_multiple_of(2) => {
+                (format!("{e} / 2 % {br}"), format!("4 * ({e} / {} * 2 + {e} % 2)", 2 * br))
+            }
+            (true, true) => (format!("{e} / {}", bk / 4), format!("4 * ({e} % {})", bk / 4)),
+            (true, false) => (format!("4 * ({e} % {})", br / 4), format!("{e} / {}", br / 4)),
+            (false, true) => (format!("{e} / {bk}"), format!("{e} % {bk}")),
+            (false, false) => (format!("{e} % {br}"), format!("{e} / {br}")),
+        }
+    }
+
+    /// `NAME_load_SIDE(src, base, r0, k0, t, dst)`: thread `t`'s elements of the tile at rows
+    /// r0.., k0.. into `dst`, zeros outside the operand (the element loader, for operands that
+    /// are not read as float4s).
+    fn loader(&self, c: &mut Code, name: &str, ty: &str, k: usize) {
+        let (rr, kk) = self.coords("e");
+        c.line(format!(
+            "__device__ __forceinline__ void {name}_load_{}(const float* __restrict__ src, const {ty} base, \
+             const {ty} r0, const {ty} k0, const int t, float (&dst)[{}]) {{",
+            self.name, self.loads
+        ));
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
+        c.line(format!("const int e = t + i * {GROUP};"));
+        c.line(format!("const {ty} gr = r0 + {rr}, gk = k0 + {kk};"));
+        let some =
+            if self.total.is_multiple_of(GROUP) { String::new() } else { format!("e < {} && ", self.total) };
+        c.line("float v = 0.0f;");
+        c.line(format!("if ({some}gr < {} && gk < {}) {{", int(self.rows), int(k)));
+        c.line(&self.op.load);
+        c.line("}");
+        c.line("dst[i] = v;");
+        c.line("}");
+        c.line("}");
+        c.blank();
+    }
+
+    /// For float4 loads: per float4 `i` of this thread, its row `X_rI`, its k in the tile
+    /// `X_kI`, whether it has one (`X_okI`: in the tile's float4s and a row inside the operand)
+    /// and a pointer `X_pI` to it in the first K tile (`k0`), advanced by `fetch`.
+    fn setup(&self, c: &mut Code, ty: &str, src: &str, base: &str, r0: &str) {
+        let p = self.op.plain.as_ref().expect("float4 loads read a plain operand");
+        let s = self.name;
+        let offset = if p.offset > 0 { format!(" + {}", int(p.offset)) } else { String::new() };
+        for i in 0..self.loads {
+            c.line(format!("const int {s}_e{i} = t + {};", i * GROUP));
+            let (rr, kk) = self.coords(&format!("{s}_e{i}"));
+            c.line(format!("const {ty} {s}_r{i} = {r0} + {rr};"));
+            c.line(format!("const int {s}_k{i} = {kk};"));
+            let some = if self.total.is_multiple_of(GROUP) || (i + 1) * GROUP <= self.total {
+                String::new()
+            } else {
+                format!("{s}_e{i} < {} && ", self.total)
+            };
+            c.line(format!("const bool {s}_ok{i} = {some}{s}_r{i} < {};", int(self.rows)));
+            let at = if self.op.k_contiguous {
+                format!("{s}_r{i} * {} + (k0 + {s}_k{i})", int(p.ld))
+            } else {
+                format!("(k0 + {s}_k{i}) * {} + {s}_r{i}", int(p.ld))
+            };
+            c.line(format!("const float* {s}_p{i} = {src} + {base}{offset} + {at};"));
+        }
+    }
+
+    /// Loads this thread's float4s of the K tile at `k0` into the registers (zeros outside the
+    /// operand; a float4 across its edge element by element) and advances the pointers by
+    /// `step` k.
+    fn fetch(&self, c: &mut Code, k: usize, step: usize) {
+        let p = self.op.plain.as_ref().expect("float4 loads read a plain operand");
+        let (s, reg) = (self.name, self.reg);
+        let advance = if self.op.k_contiguous { step } else { step * p.ld };
+        for i in 0..self.loads {
+            let (along, extent) = if self.op.k_contiguous {
+                (format!("k0 + {s}_k{i}"), k)
+            } else {
+                (format!("{s}_r{i}"), self.rows)
+            };
+            c.line(format!("{reg}[{i}] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);"));
+            c.line(format!("if ({s}_ok{i} && k0 + {s}_k{i} < {}) {{", int(k)));
+            if extent.is_multiple_of(4) {
+                c.line(format!("{reg}[{i}] = *reinterpret_cast<const float4*>({s}_p{i});"));
+            } else {
+                c.line(format!("if ({along} + 3 < {}) {{", int(extent)));
+                c.line(format!("{reg}[{i}] = *reinterpret_cast<const float4*>({s}_p{i});"));
+                c.line("} else {");
+                c.line(format!("{reg}[{i}].x = {s}_p{i}[0];"));
+                c.line(format!("if ({along} + 1 < {}) {reg}[{i}].y = {s}_p{i}[1];", int(extent)));
+                c.line(format!("if ({along} + 2 < {}) {reg}[{i}].z = {s}_p{i}[2];", int(extent)));
+                c.line("}");
+            }
+            c.line("}");
+            c.line(format!("{s}_p{i} += {};", int(advance)));
+        }
+    }
+
+    /// Stores the registers into the shared tile at `tile` (k-major: k · ld + row).
+    fn store(&self, c: &mut Code, tile: &str) {
+        let (rr, kk) = self.coords("e");
+        let (ld, reg) = (self.ld, self.reg);
+        c.line("#pragma unroll");
+        c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));
+        c.line(format!("const int e = t + i * {GROUP};"));
+        let partial = !self.total.is_multiple_of(GROUP);
+        if partial {
+            c.line(format!("if (e < {}) {{", self.total));
+        }
+        match (self.vector, self.op.k_contiguous) {
+            (true, true) => {
+                c.line(format!("float* const d = {tile} + ({kk}) * {ld} + {rr};"));
+                c.line(format!(
+                    "d[0] = {reg}[i].x; d[{ld}] = {reg}[i].y; d[{}] = {reg}[i].z; d[{}] = {reg}[i].w;",
+                    2 * ld,
+                    3 * ld
+                ));
+            }
+            (true, false) => {
+                c.line(format!("*reinterpret_cast<float4*>({tile} + ({kk}) * {ld} + {rr}) = {reg}[i];"));
+            }
+            (false, _) => {
+                c.line(format!("{tile}[({kk}) * {ld} + {rr}] = {reg}[i];"));
+            }
+        }
+        if partial {
+            c.line("}");
+        }
+        c.line("}");
+    }
 }
 
 #[cfg(test)]
@@ -845,37 +1390,65 @@ mod tests {
 
     #[test]
     fn tiles_follow_the_shape() {
-        let small = choose(32, 10, 100, 1).1;
-        assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
-        let big = choose(4096, 4096, 4096, 1).1;
-        assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
-        let thin = choose(65536, 16, 27, 1).1;
-        assert!(thin.bn <= 32, "{thin:?}");
-        let long_k = choose(144, 32, 4096, 1).1;
-        assert!(long_k.split > 1, "{long_k:?}");
-        for t in [small, big, thin, long_k] {
-            assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
+        for v in [Variant::Base, Variant::Fast] {
+            let small = choose(32, 10, 100, 1, v).1;
+            assert!(small.bm <= 32 && small.bn <= 32, "{small:?}");
+            let big = choose(4096, 4096, 4096, 1, v).1;
+            assert!(big.bm >= 64 && big.bn >= 64 && big.split == 1, "{big:?}");
+            let thin = choose(65536, 16, 27, 1, v).1;
+            assert!(thin.bn <= 32, "{thin:?}");
+            let long_k = choose(144, 32, 4096, 1, v).1;
+            assert!(long_k.split > 1, "{long_k:?}");
+            for t in [small, big, thin, long_k] {
+                assert!(t.threads() <= 1024 && t.shared_floats(4, 4) * 4 <= SHARED_LIMIT);
+            }
+            // A filter gradient: few outputs, the whole batch of positions to contract.
+            assert!(matches!(plan(27, 16, 65536, 1, 0, v), Plan::KParallel { .. }));
+            assert!(matches!(plan(1024, 1024, 1024, 1, 0, v), Plan::Tiled(_)));
+            // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
+            // outputs fill the SMs with tiles.
+            assert!(matches!(plan(256, 256, 1024, 1, 0, v), Plan::Tiled(_)));
         }
-        // A filter gradient: few outputs, the whole batch of positions to contract.
-        assert!(matches!(plan(27, 16, 65536, 1, 0), Plan::KParallel { .. }));
-        assert!(matches!(plan(1024, 1024, 1024, 1, 0), Plan::Tiled(_)));
-        // A weight gradient over 1024 positions (the transformer's projections): 256 x 256
-        // outputs fill the SMs with tiles.
-        assert!(matches!(plan(256, 256, 1024, 1, 0), Plan::Tiled(_)));
+    }
+
+    /// The zoo's products (M x K x N, as `kiln bench-gemm` names them) keep the base variant's
+    /// plans; big squares move to 8x8 micro-tiles.
+    #[test]
+    fn the_fast_variant_keeps_the_zoo_plans() {
+        let zoo = [
+            (256, 784, 1024),
+            (256, 1024, 1024),
+            (256, 1024, 10),
+            (64, 4096, 128),
+            (1024, 256, 256),
+            (1024, 256, 1024),
+            (1024, 1024, 256),
+            (1024, 256, 1000),
+        ];
+        for (m, k, n) in zoo {
+            let (base, fast) = (plan(m, n, k, 1, 0, Variant::Base), plan(m, n, k, 1, 0, Variant::Fast));
+            eprintln!("{m}x{k}x{n}: base {base:?}, fast {fast:?}");
+            assert_eq!(base, fast, "{m}x{k}x{n}");
+        }
+        for s in [2048, 4096, 8192] {
+            let (base, fast) = (plan(s, s, s, 1, 0, Variant::Base), plan(s, s, s, 1, 0, Variant::Fast));
+            eprintln!("{s}^3: base {base:?}, fast {fast:?}");
+            assert!(matches!(fast, Plan::Tiled(Tile { tm: 8, tn: 8, split: 1, .. })), "{s}^3: {fast:?}");
+        }
     }
 
     #[test]
     fn long_contractions_split_across_blocks_given_scratch() {
         // The cnn's filter gradients: a few thousand outputs over 65,536 or 16,384 positions.
         for (m, n, k) in [(288, 32, 65536), (27, 32, 65536), (288, 64, 16384), (576, 64, 16384)] {
-            let p = plan(m, n, k, 1, MAX_SCRATCH_BYTES);
+            let p = plan(m, n, k, 1, MAX_SCRATCH_BYTES, Variant::Fast);
             eprintln!("{m}x{n}x{k}: {p:?}");
             let Plan::SplitK { splits, chunk, tile } = p else { panic!("{m}x{n}x{k}: {p:?}") };
             assert!(splits * chunk >= k && (splits - 1) * chunk < k, "{p:?}");
             assert_eq!(chunk % (tile.bk * tile.split), 0, "{p:?}");
             assert_eq!(scratch_wanted(m, n, k, 1), splits * m * n * 4);
             // Never more than the scratch given.
-            let less = plan(m, n, k, 1, splits * m * n * 4 - 1);
+            let less = plan(m, n, k, 1, splits * m * n * 4 - 1, Variant::Fast);
             assert!(!matches!(less, Plan::SplitK { splits: s, .. } if s >= splits), "{less:?}");
         }
         // Large squares fill the GPU with tiles: no scratch.

@@ -1,7 +1,9 @@
 //! Batched matrix products: the tiled GEMM (`gemm`) with strided operand loads.
 //!
 //! A transposed operand is read in place through swapped strides, and the load mapping follows
-//! its contiguous axis. Batch axes broadcast (NumPy rules): each operand's matrix offset is a
+//! its contiguous axis; each operand also declares its plain layout (`gemm::Plain`: leading
+//! dimension, column offset, batch matrix size), so that the fast GEMM reads it as float4s
+//! where the alignment allows. Batch axes broadcast (NumPy rules): each operand's matrix offset is a
 //! baked expression of the batch index (0 for an operand without batch, `bz · size` for a full
 //! batch, a div/mod decomposition when it broadcasts). As on the CPU, [B, M, K] @ [K, N] without
 //! a transposed left operand folds the batch into M: one product of B·M rows, bigger tiles.
@@ -9,7 +11,7 @@
 
 use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
-use super::gemm::{Epilogue, Gemm, Operand, Sink};
+use super::gemm::{Epilogue, Gemm, Operand, Plain, Sink};
 use super::{Arg, CudaKernel};
 use kiln_compiler::ir::{Fused, FusedMatMul, Rows, Shape};
 
@@ -150,8 +152,18 @@ fn product(
         n,
         k,
         batch: gbatch,
-        a: Operand { k_contiguous: !ta, load: a_load, batch_offset: a_off },
-        b: Operand { k_contiguous: tb, load: b_load, batch_offset: b_off },
+        a: Operand {
+            k_contiguous: !ta,
+            load: a_load,
+            batch_offset: a_off,
+            plain: Some(Plain { ld: if ta { m } else { k }, offset: 0, batch_granule: m * k }),
+        },
+        b: Operand {
+            k_contiguous: tb,
+            load: b_load,
+            batch_offset: b_off,
+            plain: Some(Plain { ld: if tb { k } else { n }, offset: 0, batch_granule: k * n }),
+        },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: epilogue.map_or(Sink::Output, |(program, extra)| {
@@ -202,11 +214,13 @@ pub(crate) fn matmul_rows(
             k_contiguous: false,
             load: format!("v = src[gk * {} + {} + gr];", int(k), int(rows.start)),
             batch_offset: "0".into(),
+            plain: Some(Plain { ld: k, offset: rows.start, batch_granule: 0 }),
         },
         b: Operand {
             k_contiguous: false,
             load: format!("v = src[gk * {} + gr];", int(n)),
             batch_offset: "0".into(),
+            plain: Some(Plain { ld: n, offset: 0, batch_granule: 0 }),
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],

@@ -22,7 +22,7 @@
 //! CPU's; α can differ from the CPU's in its last bit where CUDA's `pow` and glibc's do.
 
 use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
-use super::gemm::{Gemm, Operand, Sink, Update};
+use super::gemm::{Gemm, Operand, Plain, Sink, Update};
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::{Rows, Shape};
 
@@ -198,11 +198,13 @@ impl Rule {
                 k_contiguous: false,
                 load: format!("v = src[gk * {} + gr];", int(r)),
                 batch_offset: "0".into(),
+                plain: Some(Plain { ld: r, offset: 0, batch_granule: 0 }),
             },
             b: Operand {
                 k_contiguous: false,
                 load: format!("v = src[gk * {} + gr];", int(cols)),
                 batch_offset: "0".into(),
+                plain: Some(Plain { ld: cols, offset: 0, batch_granule: 0 }),
             },
             ty,
             args: [Arg::Input(1), Arg::Input(2)],
