@@ -97,6 +97,14 @@ fn outputs_and_variables_leave_without_a_copy_and_inputs_bind_in_place_on_the_cp
     let e = b.run_with(id, &[("x", &strided)]).unwrap_err().to_string();
     assert!(e.contains("strided"), "{e}");
     assert!(host_from_dlpack(&strided).is_err());
+    // A tensor that starts 4 bytes into an allocation (a slice like `x[1:]`) is not where a slot
+    // could be: the kernels' 16-byte loads would fault on a GPU. Refused, named.
+    let backing = vec![0.5f32; 16];
+    let base = backing.as_ptr() as u64;
+    let shifted = foreign(if base.is_multiple_of(16) { base + 4 } else { base }, dlpack::CPU, &[4, 3]);
+    let e = b.run_with(id, &[("x", &shifted)]).unwrap_err().to_string();
+    assert!(e.contains("16 bytes") && e.contains("`x`"), "{e}");
+    drop(backing);
     // A plan that writes over its input in place refuses to bind it.
     let t = Tracer::new("in_place");
     let x_in = t.input("x", [4, 3]);

@@ -308,8 +308,12 @@ pub fn host_from_dlpack(t: &Dlpack<'_>) -> Result<HostTensor> {
     HostTensor::from_bytes(shape, dtype, bytes)
 }
 
+/// The alignment an input bound in place needs: what the kernels' vector loads assume of a slot.
+pub const BIND_ALIGNMENT: u64 = 16;
+
 /// Checks that `t` may stand for input `name` of `plan` in place on `device` (contiguous, on the
-/// device, aligned, of the input's dtype and shape, and an input no step writes over); returns
+/// device, aligned to `BIND_ALIGNMENT`, of the input's dtype and shape, and an input no step
+/// writes over); returns
 /// the input's buffer and value and the tensor's address.
 pub(crate) fn bindable(
     plan: &kiln_compiler::Plan,
@@ -334,6 +338,17 @@ pub(crate) fn bindable(
             dtype,
             help: "bind a tensor of the input's dtype and shape".into(),
         });
+    }
+    // The kernels read the slots they are given as 16-byte vectors (float4 loads of plain
+    // operands on CUDA, SIMD on the CPU): a bound tensor must sit where a slot could.
+    if !t.data_ptr().is_multiple_of(BIND_ALIGNMENT) {
+        return Err(RuntimeError::invalid(
+            format!(
+                "the DLPack tensor for input `{name}` starts at {:#x}, not at a multiple of {BIND_ALIGNMENT} bytes: kiln's kernels read inputs as {BIND_ALIGNMENT}-byte vectors",
+                t.data_ptr()
+            ),
+            "feed it by copy (set_input_dlpack / call), or bind a tensor that starts its allocation (`.clone()` in PyTorch)",
+        ));
     }
     if plan.steps.iter().filter_map(|s| s.output).any(|o| plan.values[o].buffer == v.buffer) {
         return Err(RuntimeError::invalid(
