@@ -308,4 +308,81 @@ fn every_variant_and_forced_tile_matches_the_cpu() {
     assert_eq!(same, 2 * all.len());
     eprintln!("{ran} GEMM kernels ran on the host");
     assert!(failures.is_empty(), "{} kernels differ from the CPU:\n{}", failures.len(), failures.join("\n"));
+    tf32_products_match_the_cpu_within_tf32_rounding();
+}
+
+/// The TF32 tensor-core kernels (`KILN_TF32=1`), on the host through the header's equivalents of
+/// `cvt.rna.tf32.f32` and `mma.sync.m16n8k8`: every product within 2^-9 of its sum of |terms|
+/// (each operand rounded to 10 mantissa bits, the products summed in f32), and outside that
+/// bound for f32 rounding alone it would be no test: the same kernels with operands that TF32
+/// represents exactly (multiples of 1/8 below 4) must match the CPU to f32 rounding.
+fn tf32_products_match_the_cpu_within_tf32_rounding() {
+    let plain = |c: &Case| matches!(c.op, Op::MatMul { .. } | Op::MatMulRows { .. });
+    let small: Vec<Case> = cases().into_iter().filter(|c| plain(c)).collect();
+    let long: Vec<Case> = split_cases().into_iter().filter(|c| plain(c)).collect();
+    let mut runs = Vec::new();
+    let mut checks = Vec::new();
+    for exact in [false, true] {
+        for (i, c) in small.iter().chain(&long).enumerate() {
+            set("KILN_TF32", Some("1"));
+            let (kernel, scratch) = if i < small.len() {
+                (generate_with(c, "fast", None), 0)
+            } else {
+                generate_split(c, "fast", None)
+            };
+            set("KILN_TF32", None);
+            assert!(kernel.describe.contains("TF32 tensor cores"), "{}: {}", c.name, kernel.describe);
+            assert!(kernel.source.contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));
+            let (mut inputs, _, _) = reference(c, 0x7F32 ^ (i as u64 * 31));
+            if exact {
+                for v in inputs.iter_mut().flatten() {
+                    *v = (*v * 8.0).round() / 8.0;
+                }
+            }
+            let (want, terms) = cpu_with_terms(c, &inputs);
+            runs.push(cuda_host::HostCase {
+                name: format!("{}-tf32{}", c.name, if exact { "-exact" } else { "" }),
+                kernel,
+                operands: inputs,
+                output_len: want.len(),
+                scratch_len: scratch / 4,
+            });
+            checks.push((exact, want, terms));
+        }
+    }
+    if cuda_host::available().is_err() {
+        return;
+    }
+    let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
+    let results = cuda_host::run(runs).unwrap_or_else(|e| panic!("{e}"));
+    let mut failures = Vec::new();
+    for ((name, r), (exact, want, terms)) in names.iter().zip(&results).zip(&checks) {
+        for (j, ((&g, &w), &s)) in r.output.iter().zip(want).zip(terms).enumerate() {
+            let tol = if *exact { 1e-6 * s + 1e-30 } else { s / 512.0 + 1e-30 };
+            if !((g - w).abs() <= tol) {
+                failures
+                    .push(format!("{name} element {j}: {g} on the host, {w} on the CPU (tolerance {tol})"));
+                break;
+            }
+        }
+    }
+    eprintln!("{} TF32 GEMM kernels ran on the host", names.len());
+    assert!(failures.is_empty(), "{} TF32 kernels differ:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The CPU's output of `c` on `inputs`, and its output on their magnitudes (the sum of |terms|
+/// of every product).
+fn cpu_with_terms(c: &Case, inputs: &[Vec<f32>]) -> (Vec<f32>, Vec<f32>) {
+    let ops: Vec<(&Shape, DType)> = c.shapes.iter().map(|s| (s, DType::F32)).collect();
+    let out = output(&c.op, &c.shapes);
+    let kernel = cpu::prepare(&c.op, &ops, (&out, DType::F32)).expect("cpu kernel");
+    let run = |mut bufs: Vec<Vec<f32>>| {
+        let mut o = vec![f32::NAN; out.numel()];
+        let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr() as *mut u8).collect();
+        // SAFETY: buffers sized from the shapes, distinct allocations.
+        unsafe { kernel.run(&ptrs, o.as_mut_ptr() as *mut u8) };
+        o
+    };
+    let abs: Vec<Vec<f32>> = inputs.iter().map(|v| v.iter().map(|x| x.abs()).collect()).collect();
+    (run(inputs.to_vec()), run(abs))
 }

@@ -95,6 +95,8 @@
 use super::codegen::{Code, int};
 use super::{Arg, Launch};
 
+mod tf32;
+
 /// Threads per K group; each block has `split` of them.
 const GROUP: usize = 256;
 /// Shared memory limit of a block without opting in to more.
@@ -475,7 +477,9 @@ impl Gemm {
             }
         }
         let v = variant();
+        let tf32 = super::allow_tf32();
         let kernel = |g: &Self, c: &mut Code, t: Tile, split: Option<KSplit>| match v {
+            _ if tf32 => g.tiled_tf32(c, split),
             Variant::Base => g.tiled(c, t, split),
             Variant::Fast => g.tiled_fast(c, t, split),
         };

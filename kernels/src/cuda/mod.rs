@@ -92,6 +92,27 @@ pub enum Arg {
     Scratch,
 }
 
+/// Whether products run on the tensor cores in TF32 (`gemm::tf32`): 0 unset (then `KILN_TF32=1`
+/// says), 1 off, 2 on.
+static ALLOW_TF32: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Lets every matrix product and convolution generated from now on run on the tensor cores with
+/// TF32 operands (10 mantissa bits, f32 accumulation: about 1e-3 relative to the sum of |terms|),
+/// as PyTorch's `torch.backends.cuda.matmul.allow_tf32` does; off by default, where products are
+/// f32 throughout. `KILN_TF32=1` turns it on for a process that does not call this. Kernels are
+/// generated when a plan loads: set it before loading.
+pub fn set_allow_tf32(on: bool) {
+    ALLOW_TF32.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether products are generated for TF32 tensor cores (`set_allow_tf32`).
+pub fn allow_tf32() -> bool {
+    match ALLOW_TF32.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => std::env::var("KILN_TF32").is_ok_and(|v| v == "1"),
+        v => v == 2,
+    }
+}
+
 /// The scratch the CUDA kernels ask for: a product or convolution whose outputs are too few to
 /// fill the GPU over a long K splits K across blocks (`gemm::Plan::SplitK`), and a column
 /// reduction with few outputs its reduced extent (`reduce`), their partials in scratch. Compile with it (`CompileOptions::with_scratch`) for plans that run on a CUDA device.

@@ -160,6 +160,75 @@ inline T __shfl_xor_sync(unsigned, T v, int d) {
 }
 #endif
 
+// __shfl_sync(mask, v, src): lane `src`'s v (every lane of the warp takes part, as kiln's
+// kernels call it), through the same slots and waits as __shfl_xor_sync.
+#if KILN_HOST_FIBERS
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
+    kiln_host::Warp* w = kiln_host::warp;
+    std::memcpy(w->slot[kiln_host::lane], &v, sizeof(T));
+    kiln_host::wait(kiln_host::WAIT_WARP);
+    T r;
+    std::memcpy(&r, w->slot[(unsigned)src & 31u], sizeof(T));
+    kiln_host::wait(kiln_host::WAIT_WARP);
+    return r;
+}
+#else
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+    static_assert(sizeof(T) <= 8, "a shuffled value fits a slot");
+    kiln_host::Warp* w = kiln_host::warp;
+    std::memcpy(w->slot[kiln_host::lane], &v, sizeof(T));
+    w->bar->arrive_and_wait();
+    T r;
+    std::memcpy(&r, w->slot[(unsigned)src & 31u], sizeof(T));
+    w->bar->arrive_and_wait();
+    return r;
+}
+#endif
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// The TF32 tensor-core path's two device functions (on a GPU, PTX in the generated source):
+// kiln_tf32 rounds to TF32 as cvt.rna.tf32.f32 does (nearest, ties away from zero, 10 mantissa
+// bits kept; NaN and infinity as they are), and kiln_mma_tf32 is mma.sync.aligned.m16n8k8.row.col
+// .f32.tf32.tf32.f32 with d += a·b: lane l holds a = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4],
+// b = B[t][g], B[t+4][g] and d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1] (g = l / 4,
+// t = l % 4). Here every lane gathers its rows and columns through shuffles and adds the eight
+// products in k order with fused multiply-adds; the tensor cores add in an order of their own,
+// so the two agree to rounding, not bitwise.
+inline float kiln_tf32(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    return __uint_as_float(u);
+}
+inline void kiln_mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    const int l = (int)(kiln_host::lane & 31u), g = l / 4, t = l % 4;
+    for (int k = 0; k < 8; ++k) {
+        const int src = k % 4;
+        // A[g][k] and A[g+8][k] are in lane 4g + k%4 (registers 0/1 for k < 4, 2/3 above).
+        const float a_lo = __uint_as_float(__shfl_sync(0xffffffffu, a[k < 4 ? 0 : 2], 4 * g + src));
+        const float a_hi = __uint_as_float(__shfl_sync(0xffffffffu, a[k < 4 ? 1 : 3], 4 * g + src));
+        // B[k][n] is in lane 4n + k%4 (register 0 for k < 4, 1 above).
+        const float b0 = __uint_as_float(__shfl_sync(0xffffffffu, b[k < 4 ? 0 : 1], 4 * (2 * t) + src));
+        const float b1 = __uint_as_float(__shfl_sync(0xffffffffu, b[k < 4 ? 0 : 1], 4 * (2 * t + 1) + src));
+        d[0] = std::fma(a_lo, b0, d[0]);
+        d[1] = std::fma(a_lo, b1, d[1]);
+        d[2] = std::fma(a_hi, b0, d[2]);
+        d[3] = std::fma(a_hi, b1, d[3]);
+    }
+}
+
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);
