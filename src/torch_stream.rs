@@ -14,6 +14,10 @@
 //!   (`benches/data/torch_stream.json`, PyTorch 2.15 from PyPI) is of this kind, so the memory
 //!   bench shows PyTorch's own op stream beside kiln's eager column on every machine.
 //!
+//! `benches/data/torch_stream_h100.json` is a cuda capture of the zoo's training steps on an H100
+//! (PyTorch 2.11, each model from an empty allocator): its replay gives PyTorch's measured
+//! reserved and allocated peaks to the byte on every model (`tests/torch_stream.rs`).
+//!
 //! Frees of blocks made before recording started (there are none when the script builds the
 //! model after starting the trace) are ignored; in a cuda capture the inputs, made before
 //! recording, are counted by PyTorch's peaks but not by the replay (`inputs_bytes` says how

@@ -50,3 +50,20 @@ fn kilns_eager_column_follows_pytorchs_stream_and_the_plan_stays_under_it() {
     let other = zoo::by_name("mlp").unwrap().with_batch(3);
     assert!(compare(&other, Mode::Train, false).unwrap().pytorch_replayed.is_none());
 }
+
+/// PyTorch's own caching-allocator trace on an H100 (`scripts/peers/torch_stream.py` on the GPU,
+/// each model from an empty allocator with its inputs made inside the recording:
+/// `benches/data/torch_stream_h100.json`), replayed through kiln's model of that allocator, gives
+/// PyTorch's measured peaks to the byte on every zoo training step: reserved (segments, with the
+/// cuBLAS and cuDNN workspaces that are in the trace) and in use.
+#[test]
+fn pytorchs_cuda_trace_replays_to_its_measured_peaks_on_every_zoo_model() {
+    let rec = Recording::parse(include_str!("../benches/data/torch_stream_h100.json")).unwrap();
+    assert_eq!(rec.models.len(), 4);
+    for (name, stream) in &rec.models {
+        assert_eq!(stream.capture.as_deref(), Some("cuda"));
+        let s = replay(stream, &FrameworkExtras::default()).unwrap();
+        assert_eq!(Some(s.peak_reserved), stream.max_memory_reserved, "{name}: reserved");
+        assert_eq!(s.peak_in_use, stream.max_memory_allocated, "{name}: in use");
+    }
+}

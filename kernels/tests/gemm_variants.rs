@@ -28,6 +28,22 @@ fn output(op: &Op, shapes: &[Shape]) -> Shape {
     infer(op, &ops).unwrap_or_else(|e| panic!("{op:?}: {}", e.message)).0
 }
 
+/// relu(A·B + bias) over an output of `shape`, A transposed with `ta`: a product with an
+/// epilogue.
+fn bias_relu(shape: [usize; 2], ta: bool) -> Op {
+    Op::Fused(Fused {
+        shape: Shape::from(shape),
+        insts: vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+        ],
+        reduce: None,
+        matmul: Some(FusedMatMul { transpose_a: ta, transpose_b: false }),
+        epilogue: Vec::new(),
+        epilogue_operands: 0,
+    })
+}
+
 /// The products: shapes around one or a few 128 x 128 tiles, K a multiple of 8 but not of 16
 /// (or odd), leading dimensions multiples of 4 or not.
 fn cases() -> Vec<Case> {
@@ -59,18 +75,7 @@ fn cases() -> Vec<Case> {
             vec![vec![72, 200], vec![72, 36]],
         ),
     ];
-    let bias_relu = Op::Fused(Fused {
-        shape: Shape::from([200, 260]),
-        insts: vec![
-            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
-            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
-        ],
-        reduce: None,
-        matmul: Some(FusedMatMul { transpose_a: false, transpose_b: false }),
-        epilogue: Vec::new(),
-        epilogue_operands: 0,
-    });
-    v.push(("epilogue".into(), bias_relu, vec![vec![200, 72], vec![72, 260], vec![260]]));
+    v.push(("epilogue".into(), bias_relu([200, 260], false), vec![vec![200, 72], vec![72, 260], vec![260]]));
     let sgd = Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false };
     let sgd = sgd.update_in(None, Grad::Product);
     v.push(("sgd_product".into(), sgd, vec![vec![136, 132], vec![40, 136], vec![40, 132], vec![136, 132]]));
@@ -92,18 +97,11 @@ fn split_cases() -> Vec<Case> {
         ("split_odd".into(), mm(true, true), vec![vec![1201, 9], vec![7, 1201]]),
         ("split_batch".into(), mm(true, false), vec![vec![2, 1024, 8], vec![2, 1024, 12]]),
     ];
-    let bias_relu = Op::Fused(Fused {
-        shape: Shape::from([16, 12]),
-        insts: vec![
-            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
-            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
-        ],
-        reduce: None,
-        matmul: Some(FusedMatMul { transpose_a: true, transpose_b: false }),
-        epilogue: Vec::new(),
-        epilogue_operands: 0,
-    });
-    v.push(("split_epilogue".into(), bias_relu, vec![vec![1536, 16], vec![1536, 12], vec![12]]));
+    v.push((
+        "split_epilogue".into(),
+        bias_relu([16, 12], true),
+        vec![vec![1536, 16], vec![1536, 12], vec![12]],
+    ));
     let sgd = Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false };
     let sgd = sgd.update_in(None, Grad::Product);
     v.push(("split_sgd".into(), sgd, vec![vec![12, 8], vec![1536, 12], vec![1536, 8], vec![12, 8]]));

@@ -119,12 +119,19 @@ def training(torch, spec, dev, compiled=False):
 def record_cuda(torch, nn, name, spec, dev):
     """The caching allocator's own trace of two training steps on a CUDA device."""
     build, make_x, make_y, loss_fn, lr = spec
+    # Each model from an empty allocator: the cuBLAS workspaces an earlier model's products took
+    # (kept by the handles) released, and the inputs made inside the recording, so that the
+    # replayed stream is everything PyTorch's peaks count.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    x, y = make_x(dev), make_y(dev)
-    torch.cuda.synchronize()
     base_allocated = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    x, y = make_x(dev), make_y(dev)
     model = build().to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-7, foreach=True)
     for _ in range(2):
@@ -147,7 +154,9 @@ def record_cuda(torch, nn, name, spec, dev):
         "events": events,
         "max_memory_allocated": torch.cuda.max_memory_allocated() - base_allocated,
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
-        "inputs_bytes": base_allocated,
+        "inputs_bytes": 0,
+        "allocated_before": base_allocated,
+        "reserved_before": reserved_before,
     }
     del model, opt, x, y
     return result

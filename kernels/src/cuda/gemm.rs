@@ -888,32 +888,7 @@ impl Gemm {
         c.line("}");
         c.line("__syncthreads();");
         c.line("}");
-        let micro = t.tm * t.tn;
-        if t.split > 1 {
-            c.line("// add the other K groups' partial tiles to group 0's, in group order");
-            c.line("if (group > 0) {");
-            c.line("#pragma unroll");
-            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
-            c.line("#pragma unroll");
-            c.line(format!(
-                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
-                t.tn, t.tn
-            ));
-            c.line("}");
-            c.line("}");
-            c.line("__syncthreads();");
-            c.line("if (group > 0) return;");
-            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
-            c.line("#pragma unroll");
-            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
-            c.line("#pragma unroll");
-            c.line(format!(
-                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
-                t.tn, t.tn
-            ));
-            c.line("}");
-            c.line("}");
-        }
+        combine_groups(c, t);
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
         c.line(if vec_a {
@@ -1109,32 +1084,7 @@ impl Gemm {
             // The partial tiles below reuse the stages.
             c.line("__syncthreads();");
         }
-        let micro = t.tm * t.tn;
-        if t.split > 1 {
-            c.line("// add the other K groups' partial tiles to group 0's, in group order");
-            c.line("if (group > 0) {");
-            c.line("#pragma unroll");
-            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
-            c.line("#pragma unroll");
-            c.line(format!(
-                "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
-                t.tn, t.tn
-            ));
-            c.line("}");
-            c.line("}");
-            c.line("__syncthreads();");
-            c.line("if (group > 0) return;");
-            c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
-            c.line("#pragma unroll");
-            c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
-            c.line("#pragma unroll");
-            c.line(format!(
-                "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
-                t.tn, t.tn
-            ));
-            c.line("}");
-            c.line("}");
-        }
+        combine_groups(c, t);
         // Plain output rows of a multiple of 4 floats take float4 stores (the output is a slot:
         // 16-byte aligned; each batch matrix M·N floats); an epilogue or update stays per element.
         let vec_out =
@@ -1196,6 +1146,38 @@ impl Gemm {
             ),
         )
     }
+}
+
+/// In-block split-K: the other K groups' partial tiles (`acc`) added to group 0's through the
+/// shared memory `smem`, in group order; groups other than 0 return.
+fn combine_groups(c: &mut Code, t: Tile) {
+    if t.split == 1 {
+        return;
+    }
+    let micro = t.tm * t.tn;
+    c.line("// add the other K groups' partial tiles to group 0's, in group order");
+    c.line("if (group > 0) {");
+    c.line("#pragma unroll");
+    c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+    c.line("#pragma unroll");
+    c.line(format!(
+        "for (int j = 0; j < {}; ++j) smem[((group - 1) * {micro} + i * {} + j) * {GROUP} + t] = acc[i][j];",
+        t.tn, t.tn
+    ));
+    c.line("}");
+    c.line("}");
+    c.line("__syncthreads();");
+    c.line("if (group > 0) return;");
+    c.line(format!("for (int g = 0; g < {}; ++g) {{", t.split - 1));
+    c.line("#pragma unroll");
+    c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
+    c.line("#pragma unroll");
+    c.line(format!(
+        "for (int j = 0; j < {}; ++j) acc[i][j] += smem[(g * {micro} + i * {} + j) * {GROUP} + t];",
+        t.tn, t.tn
+    ));
+    c.line("}");
+    c.line("}");
 }
 
 /// One operand of the fast tiled kernel: how its tile is read from global memory (float4s or
