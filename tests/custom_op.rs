@@ -1,8 +1,11 @@
 //! Custom ops (`kiln::compiler::custom`): the example's hand-written RMSNorm normalisation trains
-//! and is planned like a built-in op on the CPU and on the emulated CUDA device, its CUDA source
+//! and is planned like a built-in op on the CPU and on the CUDA backend (the emulated device, and
+//! the GPU where there is one), its CUDA source
 //! compiles with NVRTC, and every mistake (an unregistered name, operands its shape function
 //! refuses, a second definition under a taken name, training through an op without a gradient,
 //! loading an op without a CUDA kernel on CUDA) is an error that names the op.
+
+mod common;
 
 use kiln::compiler::custom::{CustomOp, register};
 use kiln::compiler::ir::{DType, Shape};
@@ -53,16 +56,12 @@ fn a_custom_op_trains_and_is_planned_like_a_built_in_op() {
     let dump = plan.render();
     assert!(dump.contains("custom unit_rms_norm"), "{dump}");
     assert_eq!(plan.memory.arena_bytes, plan.memory.lower_bound_bytes);
-    // Its kernel on the emulated CUDA device: the same losses.
-    if let Err(why) = cuda::emulator::host::available() {
-        assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
-        eprintln!("skipped: {why}");
-        return;
-    }
-    let device = EmulatedDevice::new(GB).unwrap();
-    let gpu = losses(Box::new(CudaBackend::with_driver(device, 0, vec![], Tracker::default()).unwrap()));
-    for (a, b) in cpu.iter().zip(&gpu) {
-        assert!((a - b).abs() <= 2e-4 * a.abs().max(1e-2), "{a} on the CPU, {b} emulated");
+    // Its kernel on the emulated CUDA device and on the GPU where there is one: the same losses.
+    for (name, device) in common::cuda_drivers() {
+        let gpu = losses(Box::new(CudaBackend::with_driver(device, 0, vec![], Tracker::default()).unwrap()));
+        for (a, b) in cpu.iter().zip(&gpu) {
+            assert!((a - b).abs() <= 2e-4 * a.abs().max(1e-2), "{a} on the CPU, {b} on {name}");
+        }
     }
 }
 

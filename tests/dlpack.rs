@@ -1,13 +1,15 @@
 //! DLPack in and out (`kiln::runtime::dlpack`): outputs and variables exported without a copy
 //! (the data pointer is the arena's or the variable's), host tensors round-tripped, inputs bound
 //! in place on the CPU (the steps read the caller's tensor: same results, the same pointer), fed
-//! by copy on the emulated CUDA device, and strided, foreign-device, wrongly typed or
+//! by copy on the CUDA backend (the emulated device, and the GPU where there is one), and strided, foreign-device, wrongly typed or
 //! written-over tensors refused with an error that says which.
+
+mod common;
 
 use kiln::compiler::ir::DType;
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
-use kiln::runtime::cuda::{self, CudaBackend, EmulatedDevice};
+use kiln::runtime::cuda::{self, CudaBackend};
 use kiln::runtime::dlpack::{self, CPU, DLDevice, Dlpack, KDL_CUDA, dlpack_from_host, host_from_dlpack};
 use kiln::runtime::memory::Tracker;
 use kiln::zoo;
@@ -138,13 +140,14 @@ fn strided_copy(t: &HostTensor) -> *mut dlpack::DLManagedTensor {
 }
 
 #[test]
-fn the_emulated_cuda_device_exports_in_place_and_imports_by_copy() {
-    if let Err(why) = cuda::emulator::host::available() {
-        assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
-        eprintln!("skipped: {why}");
-        return;
+fn cuda_devices_export_in_place_and_import_by_copy() {
+    for (name, device) in common::cuda_drivers() {
+        eprintln!("on {name}");
+        exports_in_place_and_imports_by_copy(device);
     }
-    let device = EmulatedDevice::new(GB).unwrap();
+}
+
+fn exports_in_place_and_imports_by_copy(device: std::sync::Arc<dyn cuda::Driver>) {
     let mut gpu = CudaBackend::with_driver(device.clone(), 3, vec![], Tracker::default()).unwrap();
     let id = gpu.load(forward()).unwrap();
     let want = gpu.call(id, &[("x", &x())]).unwrap().remove(0).1;
@@ -189,7 +192,6 @@ fn the_emulated_cuda_device_exports_in_place_and_imports_by_copy() {
     assert_eq!(z.data(), want.data().iter().map(|v| v * 2.0).collect::<Vec<_>>().as_slice());
 
     // A tensor another library holds on the device, bound in place (no copy): the steps read it.
-    use kiln::runtime::cuda::Driver;
     let values: Vec<f32> = (0..8).map(|i| i as f32 - 3.0).collect();
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let ptr = device.alloc(bytes.len()).unwrap();

@@ -1,11 +1,13 @@
 //! Memory you own (`kiln::runtime::owned_memory`): a plan's arena placed in the caller's region,
 //! its inputs written and outputs read there in place (nothing copied in or out), on the CPU and
-//! on the emulated CUDA device; a region too small or misaligned, or a plan over two devices, is
+//! on the CUDA backend (the emulated device, and the GPU where there is one); a region too small or misaligned, or a plan over two devices, is
 //! refused before anything is loaded.
+
+mod common;
 
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
-use kiln::runtime::cuda::{self, CudaBackend, Driver, EmulatedDevice};
+use kiln::runtime::cuda::{CudaBackend, Driver};
 use kiln::runtime::memory::Tracker;
 use kiln::runtime::owned_memory::io_offset;
 use kiln::zoo;
@@ -87,19 +89,20 @@ fn a_plan_runs_in_the_callers_host_memory_with_nothing_copied() {
 }
 
 #[test]
-fn a_plan_runs_in_the_callers_device_memory_on_the_emulated_device() {
-    if let Err(why) = cuda::emulator::host::available() {
-        assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
-        eprintln!("skipped: {why}");
-        return;
+fn a_plan_runs_in_the_callers_device_memory_on_every_cuda_device() {
+    for (name, device) in common::cuda_drivers() {
+        eprintln!("on {name}");
+        runs_in_the_callers_device_memory(device);
     }
+}
+
+fn runs_in_the_callers_device_memory(device: std::sync::Arc<dyn Driver>) {
     let m = zoo::by_name("seed-mlp").unwrap();
     let (x, y) = m.batch_data(3).unwrap();
     let mut cpu = CpuBackend::new(5);
     let id = cpu.load(plan()).unwrap();
     let want = cpu.call(id, &[("x", &x), ("y", &y)]).unwrap().into_iter().find(|o| o.0 == "loss").unwrap().1;
 
-    let device = EmulatedDevice::new(GB).unwrap();
     let p = plan();
     let (xo, _) = io_offset(&p, "x").unwrap();
     let (yo, _) = io_offset(&p, "y").unwrap();

@@ -49,6 +49,30 @@ pub fn cuda_backend(seed: u64) -> Option<kiln::runtime::cuda::CudaBackend> {
     }
 }
 
+/// The CUDA drivers a test body that needs the driver itself (memory the caller owns, tensors
+/// another library holds) runs on: the emulated device (where a host C++ compiler is; CI has one)
+/// and the GPU where there is one (with KILN_REQUIRE_GPU=1 a missing GPU fails the test), each
+/// with its name.
+pub fn cuda_drivers() -> Vec<(&'static str, std::sync::Arc<dyn kiln::runtime::cuda::Driver>)> {
+    use kiln::runtime::cuda::{EmulatedDevice, driver::CudaDriver};
+    let mut v: Vec<(&'static str, std::sync::Arc<dyn kiln::runtime::cuda::Driver>)> = Vec::new();
+    match kiln::runtime::cuda::emulator::host::available() {
+        Ok(()) => v.push(("the emulated device", EmulatedDevice::new(GB).unwrap())),
+        Err(why) => {
+            assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
+            eprintln!("skipped the emulated device: {why}");
+        }
+    }
+    match CudaDriver::new(0) {
+        Ok(d) => v.push(("the GPU", std::sync::Arc::new(d))),
+        Err(e) if std::env::var("KILN_REQUIRE_GPU").is_ok_and(|x| x == "1") => {
+            panic!("KILN_REQUIRE_GPU=1 but no CUDA device is usable: {e}")
+        }
+        Err(e) => eprintln!("skipped: no CUDA device ({e})"),
+    }
+    v
+}
+
 /// Whether CUDA devices are emulated (`KILN_CUDA_EMULATE=1`): the emulated device runs kernels
 /// on the host, so GPU tests train the zoo at small batches there.
 pub fn emulated() -> bool {
