@@ -7,7 +7,7 @@
 
 mod common;
 
-use kiln::compiler::custom::{CustomOp, register};
+use kiln::compiler::custom::{CustomCuda, CustomOp, register};
 use kiln::compiler::ir::{DType, Shape};
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
@@ -200,4 +200,133 @@ fn a_kernel_that_disagrees_with_its_shape_function_is_an_error() {
     let mut reference = kiln::runtime::reference::ReferenceInterpreter::new(0);
     let e = reference.run(&s.graph, &s.order, &[("x", &x)]).unwrap_err().to_string();
     assert!(e.contains("panicked"), "{e}");
+}
+
+/// Subtracts each row's mean, the means kept in the op's scratch (one f32 a row): a custom op
+/// that declares scratch.
+struct RowCenter;
+
+impl CustomOp for RowCenter {
+    fn name(&self) -> &str {
+        "row_center"
+    }
+    fn infer(&self, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+        match operands {
+            [(s, DType::F32)] if s.rank() == 2 => Ok(((*s).clone(), DType::F32)),
+            _ => Err("takes one f32 matrix".into()),
+        }
+    }
+    fn scratch(&self, shapes: &[&Shape], _: &Shape) -> usize {
+        shapes[0].dims()[0] * 4
+    }
+    fn cpu(&self, _: &[&[f32]], _: &[&Shape], _: &mut [f32]) {
+        unreachable!("an op with scratch runs through cpu_with_scratch")
+    }
+    fn cpu_with_scratch(&self, inputs: &[&[f32]], shapes: &[&Shape], output: &mut [f32], scratch: &mut [u8]) {
+        let (rows, cols) = (shapes[0].dims()[0], shapes[0].dims()[1]);
+        assert_eq!(scratch.len(), rows * 4, "the scratch the op declared");
+        for r in 0..rows {
+            let mean = inputs[0][r * cols..(r + 1) * cols].iter().sum::<f32>() / cols as f32;
+            scratch[r * 4..r * 4 + 4].copy_from_slice(&mean.to_le_bytes());
+        }
+        for r in 0..rows {
+            let mean = f32::from_le_bytes(scratch[r * 4..r * 4 + 4].try_into().unwrap());
+            for c in 0..cols {
+                output[r * cols + c] = inputs[0][r * cols + c] - mean;
+            }
+        }
+    }
+    fn cuda(&self, shapes: &[&Shape], _: &Shape) -> Option<CustomCuda> {
+        let (rows, cols) = (shapes[0].dims()[0], shapes[0].dims()[1]);
+        // Thread r sums row r in order into scratch[r], then writes the row: the CPU's sums.
+        let source = format!(
+            "extern \"C\" __global__ void row_center(const float* __restrict__ in0, float* __restrict__ out, float* __restrict__ scratch) {{
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= {rows}) return;
+  float s = 0.0f;
+  for (int c = 0; c < {cols}; ++c) s = __fadd_rn(s, in0[r * {cols} + c]);
+  scratch[r] = s / (float){cols};
+  for (int c = 0; c < {cols}; ++c) out[r * {cols} + c] = in0[r * {cols} + c] - scratch[r];
+}}
+"
+        );
+        Some(CustomCuda {
+            source,
+            function: "row_center".into(),
+            grid: [(rows as u32).div_ceil(64), 1, 1],
+            block: [64, 1, 1],
+        })
+    }
+}
+
+#[test]
+fn a_custom_ops_scratch_is_planned_and_given_to_its_kernels() {
+    register(Arc::new(RowCenter)).ok();
+    let graph = || {
+        let t = Tracer::new("center");
+        let x = t.input("x", [37, 5]);
+        t.output("y", &(t.custom("row_center", &[&(&x * 2.0)]) + 1.0));
+        t.finish().unwrap()
+    };
+    let x = HostTensor::from_fn([37, 5], |i| ((i * 7 % 11) as f32 - 5.0) / 3.0).unwrap();
+    let want: Vec<f32> = (0..37)
+        .flat_map(|r| {
+            let row: Vec<f32> = (0..5).map(|c| 2.0 * x.data()[r * 5 + c]).collect();
+            let mean = row.iter().sum::<f32>() / 5.0;
+            row.into_iter().map(move |v| v - mean + 1.0)
+        })
+        .collect();
+    // Planned on every backend, without any backend's rule: a buffer of the step alone.
+    let plan = compile(graph(), &CompileOptions::default()).unwrap();
+    let centers = |s: &kiln::compiler::plan::Step| matches!(&s.op, kiln::compiler::ir::Op::Custom { name } if name == "row_center");
+    let step = plan.steps.iter().position(centers).unwrap();
+    let b = &plan.buffers[plan.steps[step].scratch.expect("the declared scratch")];
+    assert_eq!((b.bytes, b.first_step, b.last_step), (37 * 4, step, step));
+    assert!(plan.render().contains("scratch 148 B"), "{}", plan.render());
+    let close = |got: &[f32], on: &str| {
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} on {on}, {w} expected");
+        }
+    };
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan.clone()).unwrap();
+    close(cpu.call(id, &[("x", &x)]).unwrap()[0].1.data(), "the CPU");
+    // The eager executor takes it from its allocator around the op.
+    let s = kiln::compiler::optimize(graph()).unwrap();
+    let mut eager = kiln::runtime::eager::EagerExecutor::new(
+        kiln::runtime::alloc::BfcAllocator::new(kiln::runtime::alloc::HostSource::new(), 1 << 30),
+        0,
+        kiln::runtime::eager::CpuEager,
+    );
+    let out = eager.run(&s.graph, &s.order, &[("x", &x)]).unwrap();
+    close(out.outputs[0].1.data(), "the CPU eager executor");
+    for (name, device) in common::cuda_drivers() {
+        let mut gpu = CudaBackend::with_driver(device, 0, vec![], Tracker::default()).unwrap();
+        let id = gpu.load(plan.clone()).unwrap();
+        close(gpu.call(id, &[("x", &x)]).unwrap()[0].1.data(), name);
+        // And the CUDA eager executor, the scratch from its allocator on the device.
+        let source = kiln::runtime::cuda::CudaSource::new(&gpu);
+        let mut eager = kiln::runtime::eager::EagerExecutor::new(
+            kiln::runtime::alloc::BfcAllocator::new(source, 1 << 30),
+            0,
+            kiln::runtime::cuda::CudaEager::new(&gpu),
+        );
+        close(eager.run(&s.graph, &s.order, &[("x", &x)]).unwrap().outputs[0].1.data(), name);
+    }
+    // A plan whose step lacks the scratch the op declares is refused by name, on every backend.
+    let mut bad = plan.clone();
+    bad.steps[step].scratch = None;
+    let e = CpuBackend::new(0).load(bad.clone()).unwrap_err().to_string();
+    assert!(
+        e.contains("row_center") && e.contains("declares 148 bytes of scratch but the plan gives it 0"),
+        "{e}"
+    );
+    if let Some((_, device)) = common::cuda_drivers().into_iter().next() {
+        let mut gpu = CudaBackend::with_driver(device, 0, vec![], Tracker::default()).unwrap();
+        let e = gpu.load(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("row_center") && e.contains("declares 148 bytes of scratch but the plan gives it 0"),
+            "{e}"
+        );
+    }
 }

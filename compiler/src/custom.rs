@@ -9,8 +9,11 @@
 //! - `cuda`: CUDA C source and launch geometry as a function of the shapes, following the
 //!   generated kernels' conventions (`extern "C" __global__ void f(const float* in0, ...,
 //!   float* out)`), compiled by NVRTC on a GPU and built for the host on the emulated device;
-//! - optionally `gradient`, written with the DSL's ops (other custom ops included), and
-//!   `in_place`: an operand the output may be written over (the planner then may alias them).
+//! - optionally `gradient`, written with the DSL's ops (other custom ops included),
+//!   `in_place`: an operand the output may be written over (the planner then may alias them),
+//!   and `scratch`: bytes its kernels use during its step only, planned in the arena like any
+//!   buffer (`crate::scratch`) on every backend, and taken from the allocator around the op by
+//!   the eager executors.
 //!
 //! A custom op is opaque to the compiler: fusion stops at it, autodiff calls its gradient, the
 //! planner sizes its output like any op's, and plan dumps, the SVG and the memory report show it
@@ -61,6 +64,33 @@ pub trait CustomOp: Send + Sync {
     fn in_place(&self) -> Option<usize> {
         None
     }
+
+    /// Bytes of scratch the kernels use for these shapes (0: none). The CPU kernel then runs
+    /// through `cpu_with_scratch`, and the CUDA kernel takes a last pointer parameter after
+    /// `out` (`float* scratch`, 16-byte aligned, its contents undefined at entry).
+    fn scratch(&self, shapes: &[&Shape], output: &Shape) -> usize {
+        let _ = (shapes, output);
+        0
+    }
+
+    /// `cpu` with the op's scratch (`scratch` bytes, 16-byte aligned, undefined at entry); the
+    /// default ignores it.
+    fn cpu_with_scratch(&self, inputs: &[&[f32]], shapes: &[&Shape], output: &mut [f32], scratch: &mut [u8]) {
+        let _ = scratch;
+        self.cpu(inputs, shapes, output)
+    }
+}
+
+/// The scratch bytes custom op `op` declares for these operands (0 for every other op, an
+/// unregistered name or shapes it refuses).
+pub fn declared_scratch(op: &crate::ir::Op, operands: &[(&Shape, DType)], output: &Shape) -> usize {
+    let crate::ir::Op::Custom { name } = op else { return 0 };
+    let Some(def) = lookup(name) else { return 0 };
+    if def.infer(operands).is_err() {
+        return 0;
+    }
+    let shapes: Vec<&Shape> = operands.iter().map(|&(s, _)| s).collect();
+    def.scratch(&shapes, output)
 }
 
 fn registry() -> &'static RwLock<HashMap<String, Arc<dyn CustomOp>>> {

@@ -9,8 +9,9 @@
 //! in a fixed order: as deterministic as before, with a planned buffer instead of atomics or a
 //! workspace the backend would allocate behind the plan's back.
 //!
-//! The compiler does not know the kernels, so the bytes come from a `ScratchRule` that the
-//! backend supplies (`CompileOptions::scratch`; `kiln_kernels::cuda::SCRATCH` for the CUDA
+//! A custom op may declare scratch of its own (`CustomOp::scratch`), which every plan gives it.
+//! For the built-in ops the compiler does not know the kernels, so the bytes come from a
+//! `ScratchRule` that the backend supplies (`CompileOptions::scratch`; `kiln_kernels::cuda::SCRATCH` for the CUDA
 //! kernels): a plain function of the op and its shapes. A step with scratch gets a buffer live
 //! at that step alone (`liveness`), named by `plan::Step::scratch`; the kernel is handed its
 //! size and uses at most that (a plan compiled without a rule runs with kernels that use none).
@@ -43,13 +44,16 @@ impl PartialEq for ScratchRule {
     }
 }
 
-/// The scratch bytes of every step of `graph` under `rule` that asks for some.
+/// The scratch bytes of every step of `graph` that asks for some: what `rule` asks for, and on
+/// every backend what a custom op declares (`CustomOp::scratch`), the larger of the two.
 pub fn of_graph(graph: &Graph, rule: Option<&ScratchRule>) -> Scratch {
-    let Some(rule) = rule else { return Scratch::default() };
     let mut bytes = HashMap::new();
     for n in graph.node_ids() {
         let node = graph.node(n);
-        if matches!(node.op.class(), OpClass::Source | OpClass::View) {
+        // Without a rule only custom ops can ask (a 100k-node graph is walked in microseconds).
+        if matches!(node.op.class(), OpClass::Source | OpClass::View)
+            || (rule.is_none() && !matches!(node.op, Op::Custom { .. }))
+        {
             continue;
         }
         let operands: Vec<(&Shape, DType)> = graph
@@ -60,7 +64,8 @@ pub fn of_graph(graph: &Graph, rule: Option<&ScratchRule>) -> Scratch {
                 (&o.shape, o.dtype)
             })
             .collect();
-        let b = (rule.bytes)(&node.op, &operands, &node.shape);
+        let asked = rule.map_or(0, |r| (r.bytes)(&node.op, &operands, &node.shape));
+        let b = asked.max(crate::custom::declared_scratch(&node.op, &operands, &node.shape));
         if b > 0 {
             bytes.insert(n, b);
         }

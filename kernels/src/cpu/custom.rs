@@ -12,6 +12,10 @@ struct Custom {
     shapes: Vec<Shape>,
     out: usize,
     out_shape: Shape,
+    /// The scratch bytes the op declares (`CustomOp::scratch`): the step's planned scratch comes
+    /// as a pointer after the operands; where none comes (the eager and reference executors
+    /// allocate their own, a direct call may not) the kernel takes a buffer of its own.
+    scratch: usize,
     desc: String,
     /// A panic of the user's kernel in the last run (`take_failure`).
     failure: std::sync::Mutex<Option<String>>,
@@ -28,11 +32,13 @@ pub(crate) fn custom(
         help: "register the custom op (kiln::compiler::custom::register) in this process before loading the plan".into(),
     })?;
     let list: Vec<String> = operands.iter().map(|s| shape_text(s)).collect();
+    let scratch = def.scratch(operands, out);
     Ok(Box::new(Custom {
         def,
         shapes: operands.iter().map(|s| (*s).clone()).collect(),
         out: out.numel(),
         out_shape: out.clone(),
+        scratch,
         desc: format!("custom {name} {} -> {}", list.join(", "), shape_text(out)),
         failure: std::sync::Mutex::new(None),
     }))
@@ -41,6 +47,8 @@ pub(crate) fn custom(
 impl CpuKernel for Custom {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let shapes: Vec<&Shape> = self.shapes.iter().collect();
+        // The step's scratch, when the caller passes it after the operands.
+        let (inputs, planned) = inputs.split_at(inputs.len().min(self.shapes.len()));
         // The output overlaps an operand only when the op declared it may (`in_place`). A mutable
         // slice must not coexist with a shared one over the same memory, so the operands are
         // then copied (through their pointers, before any slice of the output exists).
@@ -71,8 +79,23 @@ impl CpuKernel for Custom {
         let out = unsafe { std::slice::from_raw_parts_mut(output as *mut f32, self.out) };
         // The user's code may panic (an index past the output `infer` sized, say): caught and
         // reported as the step's error rather than unwinding through the executor.
-        let run =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.def.cpu(&refs, &shapes, out)));
+        let mut own: Vec<u128> = Vec::new();
+        let scratch: &mut [u8] = match planned.first() {
+            // SAFETY: the caller's contract for a trailing pointer: the step's scratch buffer of
+            // at least `self.scratch` bytes, 16-byte aligned (an arena slot), used by no operand.
+            Some(&p) if self.scratch > 0 => unsafe { std::slice::from_raw_parts_mut(p, self.scratch) },
+            _ => {
+                own.resize(self.scratch.div_ceil(16), 0);
+                &mut bytemuck::cast_slice_mut::<u128, u8>(&mut own)[..self.scratch]
+            }
+        };
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if self.scratch > 0 {
+                self.def.cpu_with_scratch(&refs, &shapes, out, scratch)
+            } else {
+                self.def.cpu(&refs, &shapes, out)
+            }
+        }));
         if let Err(p) = run {
             let why = p
                 .downcast_ref::<String>()

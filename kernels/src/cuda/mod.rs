@@ -155,6 +155,7 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
             let (m, n, k) = optim::product_dims(&s);
             (m, n, k, 1)
         }
+        Op::Custom { .. } => return kiln_compiler::custom::declared_scratch(op, inputs, output),
         _ => return 0,
     };
     if m == 0 || n == 0 || k == 0 {
@@ -249,6 +250,18 @@ pub fn generate_with_scratch(
                     "custom op `{name}` has no CUDA kernel (CustomOp::cuda): run it on the CPU, or write one"
                 ),
             })?;
+            // Declared scratch comes after `out`: the step's planned scratch, at least as large.
+            let declared = def.scratch(&s, out);
+            if declared > scratch {
+                return Err(KernelError::Unsupported {
+                    op: label.clone(),
+                    dtype: DType::F32,
+                    help: format!(
+                        "custom op `{name}` declares {declared} bytes of scratch but the plan gives it {scratch}: compile the plan in a process where the op is registered as it is now"
+                    ),
+                });
+            }
+            let with_scratch = (declared > 0).then_some(Arg::Scratch);
             CudaKernel {
                 source: format!("{}\n{}", codegen::header(l, &s, Some(out)), k.source),
                 launches: vec![Launch {
@@ -256,7 +269,7 @@ pub fn generate_with_scratch(
                     grid: k.grid,
                     block: k.block,
                     shared_bytes: 0,
-                    args: (0..s.len()).map(Arg::Input).chain([Arg::Output]).collect(),
+                    args: (0..s.len()).map(Arg::Input).chain([Arg::Output]).chain(with_scratch).collect(),
                 }],
                 describe: format!("custom {name}"),
             }

@@ -12,7 +12,7 @@ use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::VariableStore;
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
-use kiln_compiler::ir::{DType, OpClass, Shape};
+use kiln_compiler::ir::{DType, Op, OpClass, Shape};
 use kiln_compiler::plan::Storage;
 use kiln_kernels::cpu::{self, CpuKernel};
 use std::ptr::NonNull;
@@ -242,6 +242,19 @@ impl CpuBackend {
                 Some(o) => (&plan.values[o].shape, plan.values[o].dtype),
                 None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
             };
+            // A custom op's kernel uses the scratch it declares: the step must have that much.
+            let declared = kiln_compiler::custom::declared_scratch(&step.op, &ins, out.0);
+            let given = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
+            if declared > given {
+                return Err(RuntimeError::invalid(
+                    format!(
+                        "step `{}` ({}) declares {declared} bytes of scratch but the plan gives it {given}",
+                        step.label,
+                        step.op.label()
+                    ),
+                    "compile the plan in a process where the custom op is registered as it is now",
+                ));
+            }
             kernels.push(cpu::prepare(&step.op, &ins, out)?);
             debug_assert!(step.op.class() != OpClass::View);
         }
@@ -259,14 +272,19 @@ impl CpuBackend {
             .steps
             .iter()
             .zip(kernels)
-            .map(|(step, kernel)| BoundStep {
-                checks: kernel.checks_operands(),
-                kernel,
-                inputs: step.inputs.iter().map(|&v| loc(v)).collect(),
-                output: step.output.map(loc),
+            .map(|(step, kernel)| {
+                let mut inputs: Vec<Loc> = step.inputs.iter().map(|&v| loc(v)).collect();
+                // A custom op's scratch (`CustomOp::scratch`) is passed after its operands; the
+                // built-in CPU kernels use none (the plan's other scratch is the CUDA kernels').
+                if let (Op::Custom { .. }, Some(b)) = (&step.op, step.scratch)
+                    && let Storage::Arena { device, offset } = plan.buffers[b].storage
+                {
+                    inputs.push(Loc::Arena(device, offset));
+                }
+                BoundStep { checks: kernel.checks_operands(), kernel, inputs, output: step.output.map(loc) }
             })
             .collect();
-        let max_operands = plan.steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
+        let max_operands = steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
         let mut ios = Vec::with_capacity(plan.devices.len());
         let mut arenas = Vec::with_capacity(plan.devices.len());
         for (d, dev) in plan.devices.iter().enumerate() {
@@ -327,7 +345,8 @@ impl CpuBackend {
             // addresses a buffer of the plan inside its arena, io region or variable, holding
             // its value's bytes; buffers live at this step do not overlap, and an output shares
             // an operand's buffer only for an elementwise op in place, which the kernels allow;
-            // every kernel was prepared for exactly these shapes. A bound input (`run_with`)
+            // every kernel was prepared for exactly these shapes; a custom op's trailing pointer is
+            // its step's scratch buffer, live at this step alone. A bound input (`run_with`)
             // addresses the caller's contiguous tensor of its value's dtype and shape, which no
             // step writes (checked there).
             unsafe { step.kernel.run(&scratch, out) };

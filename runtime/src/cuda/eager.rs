@@ -79,7 +79,10 @@ impl CudaEager {
         if let Some(k) = self.kernels.get(&key) {
             return Ok(k.clone());
         }
-        let k = cuda::generate(op, types, out)?;
+        // Built-in kernels run without scratch here; a custom op gets what it declares (the
+        // executor allocates it and passes it after the operands).
+        let scratch = kiln_compiler::custom::declared_scratch(op, types, out.0);
+        let k = cuda::generate_with_scratch(op, types, out, scratch)?;
         let functions = self.driver.load(&[&k])?.remove(0);
         let launches = functions.into_iter().zip(k.launches.iter().cloned()).collect();
         let loaded = Arc::new(Loaded { launches });
@@ -121,11 +124,13 @@ impl EagerDevice for CudaEager {
                 .map(|a| match a {
                     Arg::Input(i) => Ok(inputs[*i]),
                     Arg::Output => Ok(output),
-                    // The eager executor runs kernels generated without scratch.
-                    Arg::Scratch => Err(RuntimeError::Cuda(format!(
-                        "eager kernel `{}` wants scratch, which eager kernels are not given",
-                        launch.function
-                    ))),
+                    // Only a custom op's declared scratch, after its operands.
+                    Arg::Scratch => inputs.get(types.len()).copied().ok_or_else(|| {
+                        RuntimeError::Cuda(format!(
+                            "eager kernel `{}` wants scratch, which the executor did not pass",
+                            launch.function
+                        ))
+                    }),
                 })
                 .collect::<Result<_>>()?;
             // SAFETY: device pointers of live blocks sized for this op's shapes.

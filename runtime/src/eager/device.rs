@@ -18,7 +18,8 @@ pub trait EagerDevice {
         let bytes = self.read_bytes(addr, n * 4)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
-    /// Runs `op` on operands at `inputs` writing its output at `output` (0 for effects).
+    /// Runs `op` on operands at `inputs` writing its output at `output` (0 for effects). A
+    /// custom op that declares scratch finds it after its operands in `inputs`.
     fn run_op(
         &mut self,
         op: &Op,

@@ -262,7 +262,14 @@ impl<A: Allocator> EagerExecutor<A> {
                         out_type.0,
                         self.extras.backward_thread_handle && !forward.contains(&n),
                     )?;
-                    let ptrs: Vec<u64> = operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
+                    let mut ptrs: Vec<u64> =
+                        operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
+                    // A custom op's declared scratch: taken from the allocator around the op, as
+                    // frameworks take workspaces, and passed after the operands.
+                    let declared = kiln_compiler::custom::declared_scratch(op, &types, out_type.0);
+                    let custom_scratch =
+                        if declared > 0 { Some(self.alloc(declared, "custom op scratch")?) } else { None };
+                    ptrs.extend(custom_scratch.map(|b| b.addr));
                     self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);
                     let stats = self.allocator.stats();
@@ -271,7 +278,7 @@ impl<A: Allocator> EagerExecutor<A> {
                         peak = (stats.in_use, stats.fragmentation());
                     }
                     step += 1;
-                    for b in scratch {
+                    for b in scratch.into_iter().chain(custom_scratch) {
                         self.allocator.deallocate(b.addr)?;
                     }
                     if op.is_effect() {
