@@ -223,8 +223,12 @@ pub(crate) fn scratch_wanted(op: ReduceOp, x: &Shape, axes: &[usize]) -> usize {
     if count == 0 || g.reduced.is_empty() || g.innermost_reduced {
         return 0;
     }
-    let size = if op == ReduceOp::Max { 4 } else { 8 };
-    column_parts(outputs, count).map_or(0, |(parts, _)| parts * outputs * size)
+    column_parts(outputs, count).map_or(0, |(parts, _)| parts * outputs * partial_bytes(op))
+}
+
+/// Bytes of one partial accumulator in the scratch: f64 for sums and means, f32 for max.
+fn partial_bytes(op: ReduceOp) -> usize {
+    if op == ReduceOp::Max { 4 } else { 8 }
 }
 
 pub(crate) fn reduce(
@@ -320,8 +324,8 @@ fn reduce_from(
     if g.innermost_reduced {
         rows(input, &acc, &g, outputs, count, ty, &fname, head, describe)
     } else {
-        let split = column_parts(outputs, count)
-            .filter(|(parts, _)| parts * outputs * if op == ReduceOp::Max { 4 } else { 8 } <= scratch);
+        let split =
+            column_parts(outputs, count).filter(|(parts, _)| parts * outputs * partial_bytes(op) <= scratch);
         columns(input, &acc, &g, (outputs, count, split), ty, &fname, head, describe)
     }
 }
