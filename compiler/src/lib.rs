@@ -5,8 +5,10 @@
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
-//!    then `product_updates` — an update computes its own weight gradient, never stored — and
-//!    `fusion` — elementwise chains become one fused op each (plans only: eager stays unfused).
+//!    then `product_updates` — an update computes its own weight gradient, never stored —,
+//!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
+//!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
+//!    stays unfused).
 //! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
 //!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
 //!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
@@ -27,6 +29,7 @@ pub mod guard;
 pub mod ir;
 pub mod limits;
 pub mod liveness;
+pub mod log_softmax_split;
 pub mod losses;
 pub mod lower;
 pub mod nn;
@@ -189,6 +192,11 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
+    let split = if options.fuse {
+        log_softmax_split::split(&mut graph)?
+    } else {
+        log_softmax_split::SplitFigures::default()
+    };
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = options.devices.iter().any(|d| d.memory_limit.is_some()).then(|| graph.clone());
     let fuse = |graph: &mut ir::Graph, products: fusion::Products| -> Result<fusion::FusionFigures> {
@@ -200,6 +208,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     for (_, plan) in &mut variants {
         plan.memory.fused_groups = fused.groups;
         plan.memory.fused_ops = fused.ops;
+        plan.memory.log_softmax_splits = split.split;
+        plan.memory.split_added_ops = split.added_ops;
     }
     let Err(oom) = limits::check(&variants[0].1) else {
         return Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least"));
@@ -226,6 +236,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
                 let mut plan = outcome.plan;
                 plan.memory.fused_groups = fused.groups;
                 plan.memory.fused_ops = fused.ops;
+                plan.memory.log_softmax_splits = split.split;
+                plan.memory.split_added_ops = split.added_ops;
                 if !outcome.figures.recomputed.is_empty() {
                     plan.memory.remat = Some(outcome.figures);
                 }

@@ -158,6 +158,13 @@ pub struct MemoryFigures {
     pub fused_groups: usize,
     #[serde(default)]
     pub fused_ops: usize,
+    /// Log-softmaxes split into their row statistics (`log_softmax_split`; set on the totals)
+    /// and the ops that added before fusion (each split removes one op and adds the statistics'
+    /// five and two per reader).
+    #[serde(default)]
+    pub log_softmax_splits: usize,
+    #[serde(default)]
+    pub split_added_ops: usize,
     /// Optimizer updates that compute their own gradient product (`product_updates`; set on the
     /// totals): each replaces two ops, and the gradient is never stored.
     #[serde(default)]

@@ -144,6 +144,23 @@ fn row<R: Reducer>(src: &impl Source, off: usize, len: usize) -> R::Acc {
         .fold(R::ZERO, |acc, c| R::combine(acc, src.with(off + c, ROW_CHUNK.min(len - c), row_chunk::<R>)))
 }
 
+/// A row held as a slice.
+struct Slice<'a>(&'a [f32]);
+
+impl Source for Slice<'_> {
+    #[inline(always)]
+    fn with<T>(&self, off: usize, len: usize, f: impl FnOnce(&[f32]) -> T) -> T {
+        f(&self.0[off..off + len])
+    }
+}
+
+/// The sum of a contiguous row exactly as the `Sum` reduction computes it (the same chunks,
+/// lanes and order, rounded to f32 at the end): the log-softmax kernel's row sum, so that a
+/// log-softmax split into its statistics (`kiln_compiler::log_softmax_split`) computes its bits.
+pub(crate) fn row_sum(x: &[f32]) -> f32 {
+    Sum::finish(row::<Sum>(&Slice(x), 0, x.len()), x.len())
+}
+
 /// `row`, with the chunks computed on the rayon pool: the same result.
 fn row_parallel<R: Reducer>(src: &impl Source, off: usize, len: usize) -> R::Acc {
     let chunks = len.div_ceil(ROW_CHUNK);

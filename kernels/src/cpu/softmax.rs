@@ -71,13 +71,15 @@ fn row(x: &[f32], o: &mut [f32], log: bool) {
     for (o, &v) in o.iter_mut().zip(x) {
         *o = super::vmath::exp(v - m);
     }
-    let sum = row_sum(o);
     if log {
-        let lse = sum.ln() as f32;
+        // The row's log-sum as the reduction and the elementwise `ln` compute it: the split form
+        // of fused plans (`kiln_compiler::log_softmax_split`) gives the same bits.
+        let lse = super::vmath::ln(super::reduce::row_sum(o));
         for (o, &v) in o.iter_mut().zip(x) {
             *o = (v - m) - lse;
         }
     } else {
+        let sum = row_sum(o);
         let scale = (1.0 / sum) as f32;
         for o in o.iter_mut() {
             *o *= scale;
