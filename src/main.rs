@@ -59,6 +59,28 @@ enum Command {
         #[arg(long, default_value_t = 50)]
         steps: usize,
     },
+    /// Train an ONNX model as a layer (MSE against targets of its output's shape, Adam) on random
+    /// data or a batch from a safetensors file, on the best device present, and print its memory
+    /// report.
+    Train {
+        /// The model file (.onnx).
+        model: String,
+        /// Batch size: every input's symbolic first axis.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// Optimizer steps.
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        /// Size a symbolic dimension of the model's inputs: NAME=N. Repeatable.
+        #[arg(long, value_name = "NAME=N")]
+        dim: Vec<String>,
+        /// A safetensors file holding tensors `x` and `y` (one batch) to train on instead of random data.
+        #[arg(long, value_name = "PATH")]
+        data: Option<PathBuf>,
+        /// Train on the CPU even where a GPU is present.
+        #[arg(long)]
+        cpu: bool,
+    },
     /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
     /// eager column and plans.
     TorchStream {
@@ -132,6 +154,9 @@ fn main() -> ExitCode {
             devices(&limit, &growth, &fraction, &logical, seed, visible.as_deref())
         }
         Command::TorchStream { file } => torch_stream(file.as_deref()),
+        Command::Train { model, batch, steps, dim, data, cpu } => {
+            train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -250,17 +275,7 @@ fn memory_onnx(
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
     let bytes = std::fs::read(path)?;
-    let mut sizes: Vec<(String, usize)> = Vec::new();
-    for d in dims {
-        let parsed = d.split_once('=').and_then(|(n, v)| Some((n.to_string(), v.parse::<usize>().ok()?)));
-        match parsed {
-            Some((n, v)) if v > 0 => sizes.push((n, v)),
-            _ => return Err(invalid(format!("--dim {d}"), "write NAME=N with N at least 1".into())),
-        }
-    }
-    if let Some(b) = batch.filter(|&b| b > 0) {
-        sizes.extend(kiln::onnx::batch_dims(&bytes).into_iter().map(|n| (n, b)));
-    }
+    let sizes = kiln::onnx::train::sizes(&bytes, batch, dims)?;
     let imported = kiln::onnx::import(&bytes, &sizes)?;
     let graph = match mode {
         Mode::Forward => imported.graph,
@@ -289,7 +304,9 @@ fn memory_onnx(
     };
     let feeds = kiln::compare::feeds_for(&graph, 1)?;
     let feed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let row = kiln::compare::compare_graph(path, graph, &feed, true)?;
+    // The eager allocators replay the op stream's allocations on virtual memory: the figures
+    // do not depend on values, and a VGG-19 training step at batch 32 is not run on the host.
+    let row = kiln::compare::compare_graph(path, graph, &feed, false)?;
     if steps {
         println!("{}", row.plan.render());
     }
@@ -299,6 +316,41 @@ fn memory_onnx(
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
         println!("wrote {}", out.display());
     }
+    Ok(())
+}
+
+/// `kiln train model.onnx`: the imported model trained as a layer (`kiln::onnx::train`).
+fn train_onnx(
+    path: &str,
+    batch: usize,
+    steps: usize,
+    dims: &[String],
+    data: Option<&Path>,
+    cpu: bool,
+) -> kiln::Result<()> {
+    let bytes = std::fs::read(path)?;
+    let sizes = kiln::onnx::train::sizes(&bytes, Some(batch), dims)?;
+    let data = match data {
+        None => None,
+        Some(file) => {
+            let tensors = kiln::runtime::checkpoint::read(file)?.tensors;
+            let take = |name: &str| {
+                tensors.get(name).cloned().ok_or_else(|| {
+                    invalid(
+                        format!("{} holds no f32 tensor `{name}`", file.display()),
+                        "store the batch as f32 tensors `x` and `y`".into(),
+                    )
+                })
+            };
+            Some((take("x")?, take("y")?))
+        }
+    };
+    let (device, why) = if cpu { (Device::cpu(), "--cpu".to_string()) } else { Device::best() };
+    println!("kiln: training {path} on {device} ({why})");
+    let run = kiln::onnx::train::train(&bytes, &sizes, steps, &device, data, |i, loss| {
+        println!("step {:>4}: loss {loss:.6}", i + 1);
+    })?;
+    print!("{}", kiln::onnx::train::summary(&run));
     Ok(())
 }
 

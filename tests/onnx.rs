@@ -197,7 +197,8 @@ fn truncated_and_corrupted_files_never_panic() {
 }
 
 /// `kiln memory model.onnx --batch N --mode forward|train` plans the file (or a training step of
-/// it) and prints the table; a symbolic size left unset is an error saying how to set it.
+/// it) and prints the table; a symbolic size left unset is an error saying how to set it; `kiln
+/// train` trains it.
 #[test]
 fn the_cli_plans_an_onnx_file() {
     let path = std::env::temp_dir().join(format!("kiln-test-{}.onnx", std::process::id()));
@@ -216,6 +217,16 @@ fn the_cli_plans_an_onnx_file() {
     let out = run(&["memory", p, "--mode", "train"]);
     assert!(!out.status.success(), "the batch has no size");
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dim N="));
+    // `kiln train` trains it from the file's weights and prints the steps and the memory report.
+    let out = run(&["train", p, "--batch", "8", "--steps", "5", "--cpu"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("step    5: loss") && text.contains("memory report"), "{text}");
+    let losses: Vec<f32> =
+        text.lines().filter_map(|l| l.split("loss ").nth(1)?.trim().parse().ok()).collect();
+    assert!(losses.len() == 5 && losses[4] < losses[0], "{losses:?}");
+    let out = run(&["train", p, "--batch", "0", "--cpu"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--batch 0"));
     let _ = std::fs::remove_file(&path);
 }
 
@@ -724,4 +735,70 @@ fn corrupted_models_of_many_ops_never_panic() {
             try_all(&b);
         }
     }
+}
+
+/// A batch-1 export (static first axis, a `Reshape` to `[1, -1]` before its classifier, weights
+/// as `ConstantOfShape` of a stored shape, as ONNX's `light/` models hold them): `--batch N`
+/// (`onnx::STATIC_BATCH`) re-batches it, every row computing what batch 1 computes, and the
+/// weights are parameters initialised to their value (persistent, not filled into the arena).
+#[test]
+fn a_batch_one_export_is_rebatched_and_its_constant_weights_are_parameters() {
+    let bytes = graph(
+        vec![
+            node(
+                "ConstantOfShape",
+                "w_fill",
+                &["w_shape"],
+                &["w"],
+                vec![AttributeProto {
+                    name: Some("value".into()),
+                    t: Some(tensor("", &[1], &[0.25])),
+                    ..Default::default()
+                }],
+            ),
+            node("MatMul", "fc", &["x", "w"], &["h"], vec![]),
+            node("Relu", "act", &["h"], &["a"], vec![]),
+            node("Reshape", "flat", &["a", "flat_shape"], &["r"], vec![]),
+            node("Mul", "scale", &["r", "s"], &["y"], vec![]),
+        ],
+        vec![
+            ints("w_shape", &[4, 3]),
+            ints("flat_shape", &[1, 6]),
+            tensor("s", &[6], &[1., 2., 3., 4., 5., 6.]),
+        ],
+        vec![value("x", &[fixed(1), fixed(2), fixed(4)])],
+        17,
+    );
+    let rows = |x: &[f32]| -> Vec<f32> {
+        // Per row: x[2, 4] . 0.25 -> relu -> [6] * s.
+        (0..6)
+            .map(|i| (x[(i / 3) * 4..(i / 3) * 4 + 4].iter().sum::<f32>() * 0.25).max(0.0) * (i + 1) as f32)
+            .collect()
+    };
+    let imported = import(&bytes, &[(kiln::onnx::STATIC_BATCH.into(), 3)]).unwrap();
+    assert_eq!(imported.inputs, [("x".to_string(), Shape::new([3, 2, 4]))]);
+    let w = imported.graph.variable("w").expect("the ConstantOfShape weight is a variable");
+    assert!(
+        matches!(&imported.graph.node(w).op, kiln::compiler::ir::Op::Variable { init: Init::Constant(v), .. } if *v == 0.25)
+    );
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    assert!(
+        !plan.steps.iter().any(|s| matches!(s.op, kiln::compiler::ir::Op::Fill { .. })),
+        "no weight filled per run"
+    );
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    for (key, v) in &imported.weights {
+        cpu.write_variable(key, v).unwrap();
+    }
+    let x: Vec<f32> = (0..24).map(|i| (i as f32 - 11.0) / 3.0).collect();
+    let got = cpu
+        .call(id, &[("x", &HostTensor::new(Shape::new([3, 2, 4]), x.clone()).unwrap())])
+        .unwrap()
+        .remove(0)
+        .1;
+    let want: Vec<f32> = (0..3).flat_map(|b| rows(&x[b * 8..b * 8 + 8])).collect();
+    close(got.data(), &want, "re-batched");
+    // Without the batch the export keeps its own.
+    assert_eq!(import(&bytes, &[]).unwrap().inputs, [("x".to_string(), Shape::new([1, 2, 4]))]);
 }

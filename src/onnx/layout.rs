@@ -100,7 +100,7 @@ pub(super) fn take(imp: &mut Importer, n: &Node, x: &Tensor, axis: usize, ids: &
         imp.t.iota([ids.len()], 0) * step as f32 + first as f32
     } else {
         let name = format!("{}:ids{axis}", n.proto.output.first().cloned().unwrap_or_default());
-        imp.constant(&name, vec![ids.len()], ids.iter().map(|&i| i as f32).collect())?
+        imp.constant(&name, vec![ids.len()], ids.iter().map(|&i| i as f32).collect(), false)?
     };
     Ok(gather_axis(x, axis, &id_tensor))
 }
@@ -125,13 +125,14 @@ pub(super) fn gather_axis(x: &Tensor, axis: usize, ids: &Tensor) -> Tensor {
 /// `Constant`: a tensor, or one of the scalar and list forms.
 pub(super) fn constant(imp: &mut Importer, n: &Node) -> Result<Vec<Value>> {
     let name = n.proto.output.first().cloned().unwrap_or_default();
+    imp.store(&name);
     if let Some(a) = n.attr("value").and_then(|a| a.t.as_ref()) {
         if super::is_integer(a) {
             return Ok(vec![Value::Ints(super::folded(a)?)]);
         }
         let (dims, values) = tensor_values(a)?;
         imp.floats.insert(name.clone(), (dims.clone(), values.clone()));
-        return Ok(vec![Value::Tensor(imp.constant(&name, dims, values)?)]);
+        return Ok(vec![Value::Tensor(imp.constant(&name, dims, values, true)?)]);
     }
     if let Some(v) = n.attr("value_int").and_then(|a| a.i) {
         return Ok(vec![Value::Ints(Ints::scalar(v))]);
@@ -153,7 +154,7 @@ pub(super) fn constant(imp: &mut Importer, n: &Node) -> Result<Vec<Value>> {
         return Err(n.unsupported("is empty", "kiln's tensors have no empty axes"));
     }
     imp.floats.insert(name.clone(), (dims.clone(), values.clone()));
-    Ok(vec![Value::Tensor(imp.constant(&name, dims, values)?)])
+    Ok(vec![Value::Tensor(imp.constant(&name, dims, values, true)?)])
 }
 
 fn dims_of(v: &Value) -> Vec<usize> {
@@ -357,9 +358,17 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                     let count = fold_count(n, &dims)?;
                     Value::Ints(Ints::new(dims, vec![v; count]))
                 }
+                // Of a shape the file stores, more than one value: model state written compactly
+                // (ONNX's `light/` models hold every weight so), a parameter (`Importer::constant`).
                 Some(t) => {
                     let (_, v) = tensor_values(t)?;
-                    Value::Tensor(imp.t.fill(v.first().copied().unwrap_or(0.0), dims))
+                    let v = v.first().copied().unwrap_or(0.0);
+                    let name = n.proto.output.first().cloned().unwrap_or_default();
+                    if imp.is_stored(&n.proto.input[0]) && product(&dims) > 1 {
+                        Value::Tensor(imp.uniform_weight(&name, dims, v))
+                    } else {
+                        Value::Tensor(imp.t.fill(v, dims))
+                    }
                 }
                 None => Value::Tensor(imp.t.fill(0.0, dims)),
             }
@@ -409,8 +418,15 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
         }
         "Reshape" => {
             let v = imp.input(n, 0)?;
-            let spec =
+            let mut spec =
                 if n.opset >= 5 { imp.ints(n, 1)?.values } else { n.ints("shape").unwrap_or_default() };
+            // A target that carries the exported batch, on a re-batched tensor (`STATIC_BATCH`).
+            if let (Some((from, to)), Some(&first)) = (imp.rebatch, dims_of(&v).first())
+                && first == to
+                && spec.first() == Some(&(from as i64))
+            {
+                spec[0] = to as i64;
+            }
             let dims = reshape_target(&dims_of(&v), &spec, n.int("allowzero", 0) != 0)
                 .map_err(|why| n.invalid(why, "give a shape with the input's element count"))?;
             reshaped(n, v, dims)?

@@ -37,6 +37,7 @@ mod layout;
 mod norm;
 pub mod proto;
 mod reduce;
+pub mod train;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
@@ -47,6 +48,14 @@ use kiln_runtime::HostTensor;
 use prost::Message;
 use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
 use std::collections::{HashMap, HashSet};
+
+/// The `dims` entry that re-batches a model exported with a fixed first axis (`--batch N` on a
+/// batch-1 export): every input's static first axis takes this size, and a `Reshape` whose
+/// target starts with the exported batch, applied to a tensor that starts with the new one,
+/// starts with the new one (the exporter wrote the batch into it: `[1, 2048]` before a
+/// classifier). Other shape arguments that carry the batch (`Expand`, `Tile`,
+/// `ConstantOfShape` targets) are not rewritten: such a model needs a symbolic batch.
+pub const STATIC_BATCH: &str = "<batch>";
 
 /// The default domain's opsets this importer reads.
 pub const OPSETS: std::ops::RangeInclusive<i64> = 7..=22;
@@ -187,17 +196,21 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
     let t = Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into()));
     let mut inputs = Vec::new();
     let mut feeds = HashMap::new();
+    let mut rebatch = None;
     for input in &graph.input {
         let name = input.name.clone().unwrap_or_default();
         if graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str())) {
             continue;
         }
         let (shape, dtype) = input_shape(input, dims)?;
+        if let (Some(from), Some(&to)) = (static_batch(input), shape.dims().first()) {
+            rebatch = rebatch.or((from != to).then_some((from, to)));
+        }
         let x = t.input_typed(&name, shape.clone(), dtype);
         feeds.insert(name.clone(), if dtype.is_exact() { Value::Ids(x) } else { Value::Tensor(x) });
         inputs.push((name, shape));
     }
-    let (outputs, weights) = trace(&t, graph, opset, feeds)?;
+    let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch)?;
     for (name, value) in &outputs {
         t.output(name, value);
     }
@@ -251,6 +264,7 @@ fn trace(
     graph: &proto::GraphProto,
     opset: i64,
     feeds: HashMap<String, Value>,
+    rebatch: Option<(usize, usize)>,
 ) -> Result<(Named<Tensor>, Named<HostTensor>)> {
     let used = graph
         .node
@@ -266,8 +280,10 @@ fn trace(
         converted: HashMap::new(),
         used,
         booleans: HashSet::new(),
+        stored: HashSet::new(),
         weights: Vec::new(),
         opset,
+        rebatch,
     };
     for init in &graph.initializer {
         importer.initializer(init)?;
@@ -314,15 +330,26 @@ impl OnnxLayer {
                 "a model trains as a layer with one input and one output; plan others with `import`",
             ));
         }
-        let weights = graph
-            .initializer
-            .iter()
-            .filter(|i| !is_integer(i))
-            .map(|i| {
-                let (dims, values) = tensor_values(i)?;
-                Ok((i.name.clone().unwrap_or_default(), HostTensor::new(Shape::new(dims), values)?))
-            })
-            .collect::<Result<_>>()?;
+        // Float initializers, and the float `Constant` nodes that become parameters holding
+        // their values (`Importer::constant`; equal values need none: `Init::Constant`).
+        let constants =
+            graph.node.iter().filter(|n| n.op_type.as_deref() == Some("Constant")).filter_map(|n| {
+                let t = n.attribute.iter().find(|a| a.name.as_deref() == Some("value"))?.t.as_ref()?;
+                Some((n.output.first().cloned().unwrap_or_default(), t))
+            });
+        let mut weights = Vec::new();
+        for (name, t) in
+            graph.initializer.iter().map(|i| (i.name.clone().unwrap_or_default(), i)).chain(constants)
+        {
+            if is_integer(t) {
+                continue;
+            }
+            let (dims, values) = tensor_values(t)?;
+            let from_initializer = graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str()));
+            if from_initializer || !uniform(&values) {
+                weights.push((name, HostTensor::new(Shape::new(dims), values)?));
+            }
+        }
         Ok(OnnxLayer { model, opset, weights })
     }
 }
@@ -336,14 +363,15 @@ impl kiln_compiler::nn::Layer for OnnxLayer {
         let Some(graph) = self.model.graph.as_ref() else {
             return t.report("onnx", "the model has no graph", &[x], "");
         };
-        let input = graph
-            .input
-            .iter()
-            .find(|i| !graph.initializer.iter().any(|t| t.name == i.name))
-            .and_then(|i| i.name.clone())
-            .unwrap_or_default();
+        let input = graph.input.iter().find(|i| !graph.initializer.iter().any(|t| t.name == i.name));
+        // A batch-1 export applied to a batch of another size is re-batched (`STATIC_BATCH`).
+        let rebatch = match (input.and_then(static_batch), x.dims().first()) {
+            (Some(from), Some(&to)) if from != to => Some((from, to)),
+            _ => None,
+        };
+        let input = input.and_then(|i| i.name.clone()).unwrap_or_default();
         let feeds = HashMap::from([(input, Value::Tensor(x.clone()))]);
-        match trace(&t, graph, self.opset, feeds) {
+        match trace(&t, graph, self.opset, feeds, rebatch) {
             Ok((outputs, _)) => match outputs.into_iter().next() {
                 Some((_, y)) => y,
                 None => t.report("onnx", "the model has no output", &[x], "export the model with its output"),
@@ -394,8 +422,10 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
     };
     let shape = tensor.shape.as_ref().map(|s| s.dim.as_slice()).unwrap_or(&[]);
     let mut out = Vec::with_capacity(shape.len());
+    let batch = dims.iter().find(|(n, _)| n == STATIC_BATCH).map(|&(_, b)| b);
     for (axis, d) in shape.iter().enumerate() {
         match (d.dim_value, d.dim_param.as_deref()) {
+            (Some(v), _) if v > 0 && axis == 0 && batch.is_some() => out.push(batch.unwrap_or(v as usize)),
             (Some(v), _) if v > 0 => out.push(v as usize),
             (Some(0), _) => {
                 return Err(unsupported(
@@ -425,6 +455,12 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
         }
     }
     Ok((Shape::new(out), dtype))
+}
+
+/// An input's static first axis (what a re-batched model was exported with), if it has one.
+fn static_batch(input: &proto::ValueInfoProto) -> Option<usize> {
+    let d = input.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?.dim.first()?;
+    d.dim_value.filter(|&v| v > 0).map(|v| v as usize)
 }
 
 /// The most elements a folded integer tensor may hold: shape arguments are small, and a damaged
@@ -567,6 +603,11 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
     Ok((dims, values))
 }
 
+/// Whether every value has the same bits.
+fn uniform(values: &[f32]) -> bool {
+    values.first().is_some_and(|v| values.iter().all(|x| x.to_bits() == v.to_bits()))
+}
+
 fn tensor_dims(t: &TensorProto) -> Result<Vec<usize>> {
     t.dims
         .iter()
@@ -630,14 +671,19 @@ pub(crate) struct Importer {
     used: HashSet<String>,
     /// Tensors holding only 0.0 and 1.0 (comparisons', logical ops' results): ONNX bools.
     booleans: HashSet<String>,
+    /// Tensors the file stores (initializers, `Constant` nodes), as opposed to computed ones.
+    stored: HashSet<String>,
     weights: Vec<(String, HostTensor)>,
     pub opset: i64,
+    /// The exported static batch and the batch traced (`STATIC_BATCH`), where they differ.
+    pub rebatch: Option<(usize, usize)>,
 }
 
 impl Importer {
     /// A float initializer becomes a parameter named after it; an integer one a folded constant.
     fn initializer(&mut self, init: &TensorProto) -> Result<()> {
         let name = init.name.clone().unwrap_or_default();
+        self.stored.insert(name.clone());
         if is_integer(init) {
             let ints = folded(init)?;
             self.values.insert(name, Value::Ints(ints));
@@ -653,13 +699,26 @@ impl Importer {
     }
 
     /// A constant tensor: a fill where every value is the same, else a parameter named `name`
-    /// holding the values.
-    pub fn constant(&mut self, name: &str, dims: Vec<usize>, values: Vec<f32>) -> Result<Tensor> {
+    /// holding the values. With `weight` (a float `Constant` node of the file), more than one
+    /// value is a parameter even when they are equal (`Init::Constant`, nothing to write): a
+    /// tensor the file stores as a constant is model state (exporters and ONNX's `light/` models
+    /// hold weights so), persistent rather than recomputed into the arena every step, and
+    /// trained like an initializer.
+    pub fn constant(
+        &mut self,
+        name: &str,
+        dims: Vec<usize>,
+        values: Vec<f32>,
+        weight: bool,
+    ) -> Result<Tensor> {
         if let Some(t) = self.converted.get(name) {
             return Ok(t.clone());
         }
         let t = match values.first() {
-            Some(&v) if values.iter().all(|&x| x.to_bits() == v.to_bits()) => self.t.fill(v, dims),
+            Some(&v) if weight && values.len() > 1 && uniform(&values) => {
+                return Ok(self.uniform_weight(name, dims, v));
+            }
+            Some(&v) if uniform(&values) => self.t.fill(v, dims),
             _ => {
                 let shape = Shape::new(dims);
                 let p = self.t.param(name, shape.clone(), Init::Zeros);
@@ -669,6 +728,27 @@ impl Importer {
         };
         self.converted.insert(name.to_string(), t.clone());
         Ok(t)
+    }
+
+    /// A stored tensor of `dims` whose every value is `v`: a parameter named `name` initialised
+    /// to `v` (nothing to write).
+    pub fn uniform_weight(&mut self, name: &str, dims: Vec<usize>, v: f32) -> Tensor {
+        if let Some(t) = self.converted.get(name) {
+            return t.clone();
+        }
+        let t = self.t.param(name, Shape::new(dims), Init::Constant(v));
+        self.converted.insert(name.to_string(), t.clone());
+        t
+    }
+
+    /// Whether `name` is a tensor the file stores (an initializer or a `Constant`'s output).
+    pub fn is_stored(&self, name: &str) -> bool {
+        self.stored.contains(name)
+    }
+
+    /// Marks `name` as a tensor the file stores.
+    pub fn store(&mut self, name: &str) {
+        self.stored.insert(name.to_string());
     }
 
     fn value(&self, name: &str, who: &str) -> Result<Value> {
@@ -715,7 +795,7 @@ impl Importer {
             ));
         }
         let values = ints.values.iter().map(|&v| v as f32).collect();
-        self.constant(name, ints.dims.clone(), values)
+        self.constant(name, ints.dims.clone(), values, false)
     }
 
     /// Input `i` as a folded integer tensor.

@@ -1,0 +1,169 @@
+//! `kiln train model.onnx`: an imported model trained as a layer (`OnnxLayer`) by the same
+//! `Trainer`, autodiff and planner as a traced model, on random inputs and targets (or a batch
+//! from a safetensors file), with the plan's memory report. The loss is the mean squared error
+//! against targets of the output's shape and the optimizer Adam: what a fine-tuning step of the
+//! model holds in memory, whatever head the user will put on it. Batch normalisation runs in
+//! training mode where the file says so, dropout where the file has it.
+
+use super::{OnnxLayer, import};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::report::{PlanMemory, table};
+use kiln_compiler::ir::{DType, Shape};
+use kiln_compiler::step::TrainConfig;
+use kiln_runtime::{HostTensor, Trainer};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use std::time::{Duration, Instant};
+
+fn invalid(what: String, help: &str) -> Error {
+    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
+}
+
+/// Symbolic sizes from `--batch N` (every input's first axis: a symbolic one by its name, a
+/// static one re-batched, `onnx::STATIC_BATCH`) and `--dim NAME=N`.
+pub fn sizes(bytes: &[u8], batch: Option<usize>, dims: &[String]) -> Result<Vec<(String, usize)>> {
+    let mut sizes: Vec<(String, usize)> = Vec::new();
+    for d in dims {
+        let parsed = d.split_once('=').and_then(|(n, v)| Some((n.to_string(), v.parse::<usize>().ok()?)));
+        match parsed {
+            Some((n, v)) if v > 0 => sizes.push((n, v)),
+            _ => return Err(invalid(format!("--dim {d}"), "write NAME=N with N at least 1")),
+        }
+    }
+    if let Some(b) = batch {
+        if b == 0 {
+            return Err(invalid("--batch 0".into(), "use a batch size of at least 1"));
+        }
+        sizes.extend(super::batch_dims(bytes).into_iter().map(|n| (n, b)));
+        // A model exported with a fixed batch is re-batched.
+        sizes.push((super::STATIC_BATCH.to_string(), b));
+    }
+    Ok(sizes)
+}
+
+/// The model's input and output shapes at `sizes`: what a training step of it as a layer
+/// reads (x) and is compared with (y). A model whose input is not a float tensor is refused
+/// (ids need data of their own, not random floats).
+pub fn shapes(bytes: &[u8], sizes: &[(String, usize)]) -> Result<(Shape, Shape)> {
+    let imported = import(bytes, sizes)?;
+    let g = &imported.graph;
+    let x = match g.inputs().as_slice() {
+        [x] if g.node(*x).dtype == DType::F32 => g.node(*x).shape.clone(),
+        [x] => {
+            return Err(invalid(
+                format!("the model's input is {:?}, not f32", g.node(*x).dtype),
+                "train a model of integer inputs from its own data with the API (`OnnxLayer` and `Trainer`)",
+            ));
+        }
+        inputs => {
+            return Err(invalid(
+                format!("the model has {} inputs", inputs.len()),
+                "a model trains as a layer with one input and one output",
+            ));
+        }
+    };
+    let y = match g.outputs() {
+        [(_, y)] => g.node(*y).shape.clone(),
+        outputs => {
+            return Err(invalid(
+                format!("the model has {} outputs", outputs.len()),
+                "a model trains as a layer with one input and one output",
+            ));
+        }
+    };
+    Ok((x, y))
+}
+
+/// A finished run: the losses of every step and the trainer (plans, backend, memory).
+pub struct OnnxTraining {
+    pub losses: Vec<f32>,
+    pub trainer: Trainer,
+    pub x: Shape,
+    pub y: Shape,
+    pub elapsed: Duration,
+}
+
+/// Trains the model of `bytes` for `steps` steps of one batch each on `device`: inputs uniform
+/// in [0, 1) and targets standard normal (seeded), or `data` (x, y) when given. The file's
+/// weights are the starting point.
+pub fn train(
+    bytes: &[u8],
+    sizes: &[(String, usize)],
+    steps: usize,
+    device: &Device,
+    data: Option<(HostTensor, HostTensor)>,
+    mut each: impl FnMut(usize, f32),
+) -> Result<OnnxTraining> {
+    let (x_shape, y_shape) = shapes(bytes, sizes)?;
+    let layer = OnnxLayer::new(bytes)?;
+    let weights = layer.weights.clone();
+    let config = TrainConfig {
+        loss: kiln_compiler::losses::Loss::MeanSquaredError,
+        optimizer: kiln_compiler::optim::Adam::new(1e-3).into(),
+        metrics: vec![],
+    };
+    let (x, y) = match data {
+        Some((x, y)) => {
+            if x.shape() != &x_shape || y.shape() != &y_shape {
+                return Err(invalid(
+                    format!(
+                        "the data holds x {} and y {}; the model at these sizes takes {} and gives {}",
+                        x.shape(),
+                        y.shape(),
+                        x_shape,
+                        y_shape
+                    ),
+                    "size the model with --batch / --dim to the data, or give data of the model's shapes",
+                ));
+            }
+            (x, y)
+        }
+        None => {
+            let mut rng = StdRng::seed_from_u64(1);
+            let x = HostTensor::from_fn(x_shape.clone(), |_| rng.random::<f32>())?;
+            let y = HostTensor::from_fn(y_shape.clone(), |_| {
+                // Box-Muller: standard normal targets.
+                let (u, v) = (rng.random::<f32>().max(f32::MIN_POSITIVE), rng.random::<f32>());
+                (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+            })?;
+            (x, y)
+        }
+    };
+    let mut trainer = Trainer::new(layer, config, device.backend(7)?);
+    trainer.train_program(x.shape().clone(), y.shape().clone())?;
+    // The file's values of the constants the step reads as parameters (a constant only folded
+    // into an attribute, or read by nothing, is no variable).
+    let declared: std::collections::HashSet<String> =
+        trainer.plans().iter().flat_map(|p| p.variables.iter().map(|v| v.key.clone())).collect();
+    for (key, value) in weights.iter().filter(|(k, _)| declared.contains(k)) {
+        trainer.backend_mut().write_variable(key, value)?;
+    }
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(steps);
+    for i in 0..steps {
+        let loss = trainer.train_step(&x, &y)?.loss;
+        each(i, loss);
+        losses.push(loss);
+    }
+    Ok(OnnxTraining { losses, trainer, x: x_shape, y: y_shape, elapsed: start.elapsed() })
+}
+
+/// The run's summary: steps, time, the backend's report and the plans' memory table.
+pub fn summary(run: &OnnxTraining) -> String {
+    let mut s = format!(
+        "trained {} steps (x {}, y {}) in {:.2} s (compile {:.2} s) on {}\n",
+        run.losses.len(),
+        run.x,
+        run.y,
+        run.elapsed.as_secs_f64(),
+        run.trainer.compile_time().as_secs_f64(),
+        run.trainer.backend().describe()
+    );
+    if let Some(r) = run.trainer.backend().report() {
+        s.push_str(&format!("{r}\n"));
+    }
+    let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
+    s.push_str(&format!("\nmemory report (bytes)\n{}", table(&rows)));
+    s
+}
