@@ -106,6 +106,11 @@ enum Command {
         /// Size a symbolic dimension of an ONNX model's inputs: NAME=N. Repeatable.
         #[arg(long, value_name = "NAME=N")]
         dim: Vec<String>,
+        /// A device and its memory, DEVICE=SIZE (e.g. gpu:0=24GB; 1024-based units), in order.
+        /// Repeatable: says whether an ONNX model fits the first, and if not how to split it
+        /// over them.
+        #[arg(long, value_name = "DEVICE=SIZE")]
+        device: Vec<String>,
     },
 }
 
@@ -125,9 +130,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
-        Command::Memory { model, mode, batch, svg, steps, dim } if model.ends_with(".onnx") => {
-            memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps)
+        Command::Memory { model, mode, batch, svg, steps, dim, device } if model.ends_with(".onnx") => {
+            memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps, &device)
         }
+        Command::Memory { device, .. } if !device.is_empty() => Err(invalid(
+            "--device is read for ONNX models".into(),
+            "split a zoo model with kiln::placement::split_sequential (examples/split_model.rs)".into(),
+        )),
         Command::Memory { model, mode, batch, svg, steps, .. } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
         }
@@ -270,12 +279,21 @@ fn memory_onnx(
     dims: &[String],
     svg: Option<&Path>,
     steps: bool,
+    devices: &[String],
 ) -> kiln::Result<()> {
     let Some(mode) = Mode::parse(mode) else {
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
     let bytes = std::fs::read(path)?;
     let sizes = kiln::onnx::train::sizes(&bytes, batch, dims)?;
+    let mut specs = Vec::new();
+    for (i, d) in devices.iter().enumerate() {
+        let Some((name, size)) = d.split_once('=') else {
+            return Err(invalid(format!("--device {d}"), "write DEVICE=SIZE, e.g. gpu:0=24GB".into()));
+        };
+        let bytes = kiln::runtime::devices::parse_bytes(size).map_err(|e| in_flag("--device", d, e))?;
+        specs.push(kiln::compiler::device::DeviceSpec::new(i as u32, name).with_limit(bytes));
+    }
     let imported = kiln::onnx::import(&bytes, &sizes)?;
     let graph = match mode {
         Mode::Forward => imported.graph,
@@ -315,6 +333,9 @@ fn memory_onnx(
         let title = format!("{path} {} (batch {})", mode.name(), row.batch);
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
         println!("wrote {}", out.display());
+    }
+    if !specs.is_empty() {
+        print!("{}", kiln::onnx::train::fit(&bytes, &sizes, mode == Mode::Train, &specs)?);
     }
     Ok(())
 }

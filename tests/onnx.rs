@@ -802,3 +802,63 @@ fn a_batch_one_export_is_rebatched_and_its_constant_weights_are_parameters() {
     // Without the batch the export keeps its own.
     assert_eq!(import(&bytes, &[]).unwrap().inputs, [("x".to_string(), Shape::new([1, 2, 4]))]);
 }
+
+/// `kiln memory model.onnx --device A=SIZE --device B=SIZE` (`onnx::train::fit`): a model that
+/// fits the first device says so; one that does not is split over the devices in order, each
+/// computing node range's plan within its device's limit, the weights on their readers' devices.
+#[test]
+#[allow(clippy::result_large_err)] // split_units takes the compiler's own error from its closure
+fn an_imported_model_is_fitted_or_split_over_devices_of_different_sizes() {
+    use kiln::compiler::device::DeviceSpec;
+    // Two layers whose weights (and Adam's moments) outweigh the activations.
+    let w1: Vec<f32> = (0..64 * 256).map(|i| ((i % 7) as f32 - 3.0) / 50.0).collect();
+    let w2: Vec<f32> = (0..256 * 64).map(|i| ((i % 5) as f32 - 2.0) / 50.0).collect();
+    let bytes = named_model(
+        "two",
+        "probs",
+        vec![
+            node("MatMul", "fc1", &["x", "w1"], &["h"], vec![]),
+            node("Relu", "act", &["h"], &["a"], vec![]),
+            node("MatMul", "fc2", &["a", "w2"], &["probs"], vec![]),
+        ],
+        vec![tensor("w1", &[64, 256], &w1), tensor("w2", &[256, 64], &w2)],
+        vec![value("x", &[named("N"), fixed(64)])],
+        17,
+    );
+    let sizes = [("N".to_string(), 4)];
+    let layer = kiln::onnx::OnnxLayer::new(&bytes).unwrap();
+    let (x, y) = kiln::onnx::train::shapes(&bytes, &sizes).unwrap();
+    let config =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Adam::new(1e-3).into(), metrics: vec![] };
+    let whole = compile(
+        kiln::compiler::step::train_step_graph(&layer, x.clone(), y.clone(), &config).unwrap(),
+        &CompileOptions::default(),
+    )
+    .unwrap();
+    let need = whole.memory.held_bytes();
+    let roomy = [DeviceSpec::new(0, "gpu:0").with_limit(need * 2)];
+    let text = kiln::onnx::train::fit(&bytes, &sizes, true, &roomy).unwrap();
+    assert!(text.contains("fits on gpu:0"), "{text}");
+    // Too small alone (the weights and Adam's state of one layer fit, not all of them).
+    let small =
+        [DeviceSpec::new(0, "gpu:0").with_limit(need * 6 / 10), DeviceSpec::new(1, "gpu:1").with_limit(need)];
+    let text = kiln::onnx::train::fit(&bytes, &sizes, true, &small).unwrap();
+    assert!(text.contains("does not fit on gpu:0 alone"), "{text}");
+    assert!(text.contains("split over gpu:0, gpu:1") && text.contains("gpu:1: nodes"), "{text}");
+    // The split itself, from the API: both devices hold part of the model, within their limits.
+    let split = kiln::compiler::placement::split_units(
+        "test",
+        "nodes",
+        layer.nodes(),
+        &small,
+        64,
+        |ranges| kiln::compiler::step::train_step_graph(&layer.placed(ranges), x.clone(), y.clone(), &config),
+        |r| layer.describe_nodes(r),
+    )
+    .unwrap();
+    assert_eq!(split.placement.len(), 2, "{}", split.describe());
+    for d in &split.plan.devices {
+        assert!(d.memory.held_bytes() <= d.memory_limit.unwrap(), "{}", split.describe());
+        assert!(d.memory.parameter_bytes > 0, "{} holds weights: {}", d.name, split.describe());
+    }
+}

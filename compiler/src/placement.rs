@@ -80,6 +80,8 @@ pub struct Split {
     /// The same ranges by device id, ready for `Placed`.
     pub placement: Vec<(DeviceId, Range<usize>)>,
     pub plan: Plan,
+    /// What the units are ("layers", "nodes").
+    pub units: String,
 }
 
 impl Split {
@@ -90,7 +92,8 @@ impl Split {
             let dev = self.plan.devices.iter().find(|d| &d.name == name);
             let (needed, limit) = dev.map_or((0, None), |d| (d.memory.held_bytes(), d.memory_limit));
             s.push_str(&format!(
-                "{name}: layers {}..{} ({}) need {} of {}\n",
+                "{name}: {} {}..{} ({}) need {} of {}\n",
+                self.units,
                 range.start,
                 range.end,
                 layers.join(", "),
@@ -113,16 +116,7 @@ pub fn split_sequential(
     alignment: usize,
 ) -> Result<Split> {
     let layers = model.len();
-    if devices.is_empty() || layers == 0 {
-        return Err(CompileError::invalid(
-            format!(
-                "split_sequential got {} devices and a model of {layers} layers: nothing to split",
-                devices.len()
-            ),
-            "give at least one device and a model with at least one layer",
-        ));
-    }
-    if devices.len() > layers {
+    if devices.len() > layers && layers > 0 {
         let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
         return Err(CompileError::invalid(
             format!(
@@ -132,57 +126,97 @@ pub fn split_sequential(
             "give at most one device per layer (a device with no layers holds nothing)",
         ));
     }
+    let names = model.scope_names();
+    split_units(
+        "split_sequential",
+        "layers",
+        layers,
+        devices,
+        alignment,
+        |ranges| train_step_graph(&Placed { model, ranges: ranges.to_vec() }, x, y, cfg),
+        |r| names[r].to_vec(),
+    )
+}
+
+/// Splits a model of `units` ordered units (layers, or an imported graph's nodes) over `devices`
+/// (in order, each a contiguous range of units) so that every device's share of the graph
+/// `graph_of(ranges)` makes fits its memory limit: each device in turn takes the most units
+/// whose plan fits it (the rest on the next device for the trial), found by bisection, which
+/// relies on a device's needs growing with the units it holds (its parameters, their optimizer
+/// state and their activations do). `caller` and `what` name the call and the units in errors;
+/// `names` lists a range's units for the result.
+pub fn split_units(
+    caller: &str,
+    what: &str,
+    units: usize,
+    devices: &[DeviceSpec],
+    alignment: usize,
+    graph_of: impl Fn(&[(DeviceId, Range<usize>)]) -> Result<crate::ir::Graph>,
+    names: impl Fn(Range<usize>) -> Vec<String>,
+) -> Result<Split> {
+    if devices.is_empty() || units == 0 {
+        return Err(CompileError::invalid(
+            format!("{caller} got {} devices and a model of {units} {what}: nothing to split", devices.len()),
+            format!("give at least one device and a model with at least one of its {what}"),
+        ));
+    }
     // The options are checked once here (alignment, unique device ids and names), not in every trial.
     CompileOptions { alignment, devices: devices.to_vec(), ..Default::default() }.check()?;
     let unlimited: Vec<DeviceSpec> =
         devices.iter().map(|d| DeviceSpec { memory_limit: None, ..d.clone() }).collect();
     let options = CompileOptions { alignment, devices: unlimited, ..Default::default() };
     // The plan of a placement (limits not enforced: we read each device's needs).
-    let plan_of = |ranges: &[(DeviceId, Range<usize>)]| -> Result<Plan> {
-        let placed = Placed { model, ranges: ranges.to_vec() };
-        compile(train_step_graph(&placed, x, y, cfg)?, &options)
-    };
+    let plan_of =
+        |ranges: &[(DeviceId, Range<usize>)]| -> Result<Plan> { compile(graph_of(ranges)?, &options) };
     let needs = |plan: &Plan, d: &DeviceSpec| {
         plan.devices.iter().find(|p| p.device == d.id).map_or(0, |p| p.memory.held_bytes())
     };
     let mut ranges: Vec<(DeviceId, Range<usize>)> = Vec::new();
     let mut start = 0;
     for (i, d) in devices.iter().enumerate() {
-        if start == layers {
+        if start == units {
             break;
         }
         let last = i + 1 == devices.len();
-        let mut end = if last { layers } else { start + 1 };
         let fits = |end: usize, ranges: &[(DeviceId, Range<usize>)]| -> Result<bool> {
             let mut trial = ranges.to_vec();
             trial.push((d.id, start..end));
-            if end < layers {
+            if end < units {
                 // The rest goes to the next device for now; it does not change this device's needs.
-                trial.push((devices[i + 1].id, end..layers));
+                trial.push((devices[i + 1].id, end..units));
             }
             let plan = plan_of(&trial)?;
             Ok(d.memory_limit.is_none_or(|limit| needs(&plan, d) <= limit))
         };
-        if !fits(end, &ranges)? {
-            if last {
+        if last {
+            if !fits(units, &ranges)? {
                 break;
             }
-            // Not even one layer fits here: this device takes none.
+            ranges.push((d.id, start..units));
+            start = units;
             continue;
         }
-        while !last && end < layers && fits(end + 1, &ranges)? {
-            end += 1;
+        if !fits(start + 1, &ranges)? {
+            // Not even one unit fits here: this device takes none.
+            continue;
         }
-        ranges.push((d.id, start..end));
-        start = end;
+        // The largest end that fits: `lo` fits, `hi + 1` does not (or is past the end).
+        let (mut lo, mut hi) = (start + 1, units);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid, &ranges)? {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        ranges.push((d.id, start..lo));
+        start = lo;
     }
-    let names = model.scope_names();
-    let placed_all = start == layers && ranges.last().is_some_and(|r| r.1.end == layers);
+    let placed_all = start == units && ranges.last().is_some_and(|r| r.1.end == units);
     // The final plan is compiled with the real limits: it is checked like any other.
     let limited = CompileOptions { alignment, devices: devices.to_vec(), ..Default::default() };
-    let plan = placed_all
-        .then(|| compile(train_step_graph(&Placed { model, ranges: ranges.clone() }, x, y, cfg)?, &limited))
-        .transpose();
+    let plan = placed_all.then(|| compile(graph_of(&ranges)?, &limited)).transpose();
     let plan = match plan {
         Err(CompileError::OutOfMemory(_)) => None,
         other => other?,
@@ -193,7 +227,7 @@ pub fn split_sequential(
             .map(|d| format!("{} {}", d.name, d.memory_limit.map_or("unlimited".into(), human_bytes)))
             .collect();
         return Err(CompileError::invalid(
-            format!("the model's {layers} layers do not fit on {} even when split", total.join(", ")),
+            format!("the model's {units} {what} do not fit on {} even when split", total.join(", ")),
             "reduce the batch size, add a device, or raise the limits",
         ));
     };
@@ -202,9 +236,8 @@ pub fn split_sequential(
         .into_iter()
         .map(|(id, r)| {
             let name = devices.iter().find(|d| d.id == id).map_or_else(String::new, |d| d.name.clone());
-            let layers = names[r.clone()].to_vec();
-            (name, r, layers)
+            (name, r.clone(), names(r))
         })
         .collect();
-    Ok(Split { ranges, placement, plan })
+    Ok(Split { ranges, placement, plan, units: what.to_string() })
 }

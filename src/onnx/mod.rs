@@ -41,13 +41,14 @@ pub mod train;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
-use kiln_compiler::ir::{DType, Graph, Init, Shape};
+use kiln_compiler::ir::{DType, DeviceId, Graph, Init, Shape};
 use kiln_compiler::passes::{DeadCode, Pass};
 use kiln_compiler::trace::{Tensor, Tracer};
 use kiln_runtime::HostTensor;
 use prost::Message;
 use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 /// The `dims` entry that re-batches a model exported with a fixed first axis (`--batch N` on a
 /// batch-1 export): every input's static first axis takes this size, and a `Reshape` whose
@@ -210,7 +211,7 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
         feeds.insert(name.clone(), if dtype.is_exact() { Value::Ids(x) } else { Value::Tensor(x) });
         inputs.push((name, shape));
     }
-    let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch)?;
+    let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch, None)?;
     for (name, value) in &outputs {
         t.output(name, value);
     }
@@ -265,6 +266,7 @@ fn trace(
     opset: i64,
     feeds: HashMap<String, Value>,
     rebatch: Option<(usize, usize)>,
+    placement: Option<&[DeviceId]>,
 ) -> Result<(Named<Tensor>, Named<HostTensor>)> {
     let used = graph
         .node
@@ -285,25 +287,42 @@ fn trace(
         opset,
         rebatch,
     };
-    for init in &graph.initializer {
-        importer.initializer(init)?;
+    let Some(devices) = placement else {
+        for init in &graph.initializer {
+            importer.initializer(init)?;
+        }
+        for (index, node) in graph.node.iter().enumerate() {
+            importer.node(index, node)?;
+        }
+        return importer.finish(graph);
+    };
+    {
+        // Placed: each initializer's parameter lives on the device of the first node reading it.
+        let mut first_reader: HashMap<&str, usize> = HashMap::new();
+        for (index, node) in graph.node.iter().enumerate() {
+            for input in &node.input {
+                first_reader.entry(input.as_str()).or_insert(index);
+            }
+        }
+        let mut pending: HashMap<usize, Vec<&TensorProto>> = HashMap::new();
+        for init in &graph.initializer {
+            importer.register(init)?;
+            match first_reader.get(init.name.as_deref().unwrap_or("")) {
+                Some(&index) => pending.entry(index).or_default().push(init),
+                None => importer.parameter(init)?,
+            }
+        }
+        for (index, node) in graph.node.iter().enumerate() {
+            let device = devices.get(index).copied().unwrap_or_else(|| t.current_device());
+            t.on_device(device, || -> Result<()> {
+                for init in pending.remove(&index).unwrap_or_default() {
+                    importer.parameter(init)?;
+                }
+                importer.node(index, node)
+            })?;
+        }
     }
-    for (index, node) in graph.node.iter().enumerate() {
-        importer.node(index, node)?;
-    }
-    let outputs = graph
-        .output
-        .iter()
-        .map(|o| {
-            let name = o.name.clone().unwrap_or_default();
-            let value = match importer.value(&name, "the graph's outputs")? {
-                Value::Tensor(t) | Value::Ids(t) => t,
-                Value::Ints(ints) => importer.ints_tensor(&name, &ints)?,
-            };
-            Ok((name, value))
-        })
-        .collect::<Result<_>>()?;
-    Ok((outputs, importer.weights))
+    importer.finish(graph)
 }
 
 /// An ONNX model as a kiln layer of one input and one output, so that it trains like a traced
@@ -352,10 +371,75 @@ impl OnnxLayer {
         }
         Ok(OnnxLayer { model, opset, weights })
     }
-}
 
-impl kiln_compiler::nn::Layer for OnnxLayer {
-    fn forward(&self, x: &Tensor) -> Tensor {
+    /// The indices of the graph's computing nodes (every node but the `Constant`s and
+    /// `ConstantOfShape`s that make stored tensors), in the file's topological order: the units
+    /// `placed` ranges cover. A stored tensor goes where its first reader goes.
+    fn units(&self) -> Vec<usize> {
+        let Some(g) = self.model.graph.as_ref() else { return Vec::new() };
+        (0..g.node.len()).filter(|&i| !makes_stored(&g.node[i])).collect()
+    }
+
+    /// How many units (computing nodes) `placed` ranges cover.
+    pub fn nodes(&self) -> usize {
+        self.units().len()
+    }
+
+    /// How units `range` are named in reports: the first and last node's name (or op).
+    pub fn describe_nodes(&self, range: Range<usize>) -> Vec<String> {
+        let (Some(g), units) = (self.model.graph.as_ref(), self.units()) else { return Vec::new() };
+        let name = |u: usize| {
+            units.get(u).and_then(|&i| g.node.get(i)).map_or_else(String::new, |n| {
+                let op = n.op_type.clone().unwrap_or_default();
+                match n.name.clone().filter(|s| !s.is_empty()) {
+                    Some(name) => format!("{name} ({op})"),
+                    None => op,
+                }
+            })
+        };
+        match range.len() {
+            0 => Vec::new(),
+            1 => vec![name(range.start)],
+            k => vec![format!("{} .. {}, {k} nodes", name(range.start), name(range.end - 1))],
+        }
+    }
+
+    /// Each node's device for unit ranges `placement`: a computing node its range's, a node
+    /// making a stored tensor its first reader's (so weights live with the ops that read them).
+    fn node_devices(&self, placement: &[(DeviceId, Range<usize>)], default: DeviceId) -> Vec<DeviceId> {
+        let Some(g) = self.model.graph.as_ref() else { return Vec::new() };
+        let units = self.units();
+        let mut devices = vec![default; g.node.len()];
+        for (d, r) in placement {
+            for &i in units.get(r.clone()).unwrap_or(&[]) {
+                devices[i] = *d;
+            }
+        }
+        let mut first_reader: HashMap<&str, usize> = HashMap::new();
+        for (j, n) in g.node.iter().enumerate() {
+            for x in &n.input {
+                first_reader.entry(x.as_str()).or_insert(j);
+            }
+        }
+        // Readers come later in the file's order: from the back, a reader's device is final.
+        for i in (0..g.node.len()).rev().filter(|&i| makes_stored(&g.node[i])) {
+            let reader = g.node[i].output.first().and_then(|o| first_reader.get(o.as_str()));
+            if let Some(&j) = reader.filter(|&&j| j > i) {
+                devices[i] = devices[j];
+            }
+        }
+        devices
+    }
+
+    /// The layer with its nodes `ranges` (contiguous, in order, covering every node) on the
+    /// given devices: each initializer's parameter on the device of its first reader, the copies
+    /// between devices inserted by the compiler (`Tracer::on_device`), as `Placed` does for a
+    /// `Sequential`. What `placement::split_units` searches over (`onnx::train::fit`).
+    pub fn placed<'a>(&'a self, ranges: &'a [(DeviceId, Range<usize>)]) -> PlacedOnnx<'a> {
+        PlacedOnnx { layer: self, ranges }
+    }
+
+    fn forward_placed(&self, x: &Tensor, placement: &[(DeviceId, Range<usize>)]) -> Tensor {
         let t = x.tracer();
         if x.id().is_none() {
             return x.clone(); // poisoned by an earlier layer, whose error the trace reports
@@ -371,13 +455,36 @@ impl kiln_compiler::nn::Layer for OnnxLayer {
         };
         let input = input.and_then(|i| i.name.clone()).unwrap_or_default();
         let feeds = HashMap::from([(input, Value::Tensor(x.clone()))]);
-        match trace(&t, graph, self.opset, feeds, rebatch) {
+        let devices = (!placement.is_empty()).then(|| self.node_devices(placement, t.current_device()));
+        match trace(&t, graph, self.opset, feeds, rebatch, devices.as_deref()) {
             Ok((outputs, _)) => match outputs.into_iter().next() {
                 Some((_, y)) => y,
                 None => t.report("onnx", "the model has no output", &[x], "export the model with its output"),
             },
             Err(e) => t.report("onnx", e.to_string(), &[x], "see the message"),
         }
+    }
+}
+
+impl kiln_compiler::nn::Layer for OnnxLayer {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.forward_placed(x, &[])
+    }
+
+    fn kind(&self) -> &'static str {
+        "onnx"
+    }
+}
+
+/// An `OnnxLayer` whose node ranges run on given devices (`OnnxLayer::placed`).
+pub struct PlacedOnnx<'a> {
+    layer: &'a OnnxLayer,
+    ranges: &'a [(DeviceId, Range<usize>)],
+}
+
+impl kiln_compiler::nn::Layer for PlacedOnnx<'_> {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.layer.forward_placed(x, self.ranges)
     }
 
     fn kind(&self) -> &'static str {
@@ -455,6 +562,12 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
         }
     }
     Ok((Shape::new(out), dtype))
+}
+
+/// Whether `node` makes a tensor the file stores: a `Constant`, or a `ConstantOfShape` (of a
+/// stored shape or not: either reads no computed float).
+fn makes_stored(node: &NodeProto) -> bool {
+    matches!(node.op_type.as_deref(), Some("Constant" | "ConstantOfShape"))
 }
 
 /// An input's static first axis (what a re-batched model was exported with), if it has one.
@@ -682,6 +795,13 @@ pub(crate) struct Importer {
 impl Importer {
     /// A float initializer becomes a parameter named after it; an integer one a folded constant.
     fn initializer(&mut self, init: &TensorProto) -> Result<()> {
+        self.register(init)?;
+        self.parameter(init)
+    }
+
+    /// Records an initializer: an integer one folded, a float one's values kept (for folded
+    /// arguments); its parameter is made by `parameter`, on the device of its first reader.
+    fn register(&mut self, init: &TensorProto) -> Result<()> {
         let name = init.name.clone().unwrap_or_default();
         self.stored.insert(name.clone());
         if is_integer(init) {
@@ -690,10 +810,20 @@ impl Importer {
             return Ok(());
         }
         let (dims, values) = tensor_values(init)?;
-        let shape = Shape::new(dims.clone());
+        self.floats.insert(name, (dims, values));
+        Ok(())
+    }
+
+    /// A registered float initializer's parameter, on the tracer's current device.
+    fn parameter(&mut self, init: &TensorProto) -> Result<()> {
+        let name = init.name.clone().unwrap_or_default();
+        let Some((dims, values)) = self.floats.get(&name).cloned() else { return Ok(()) };
+        if is_integer(init) || self.values.contains_key(&name) {
+            return Ok(());
+        }
+        let shape = Shape::new(dims);
         let p = self.t.param(&name, shape.clone(), Init::Zeros);
-        self.weights.push((name.clone(), HostTensor::new(shape, values.clone())?));
-        self.floats.insert(name.clone(), (dims, values));
+        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
         self.values.insert(name, Value::Tensor(p));
         Ok(())
     }
@@ -739,6 +869,23 @@ impl Importer {
         let t = self.t.param(name, Shape::new(dims), Init::Constant(v));
         self.converted.insert(name.to_string(), t.clone());
         t
+    }
+
+    /// The graph's outputs by name, and the parameters' values.
+    fn finish(mut self, graph: &proto::GraphProto) -> Result<(Named<Tensor>, Named<HostTensor>)> {
+        let outputs = graph
+            .output
+            .iter()
+            .map(|o| {
+                let name = o.name.clone().unwrap_or_default();
+                let value = match self.value(&name, "the graph's outputs")? {
+                    Value::Tensor(t) | Value::Ids(t) => t,
+                    Value::Ints(ints) => self.ints_tensor(&name, &ints)?,
+                };
+                Ok((name, value))
+            })
+            .collect::<Result<_>>()?;
+        Ok((outputs, self.weights))
     }
 
     /// Whether `name` is a tensor the file stores (an initializer or a `Constant`'s output).

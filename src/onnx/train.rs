@@ -9,6 +9,7 @@ use super::{OnnxLayer, import};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::report::{PlanMemory, table};
+use kiln_compiler::device::DeviceSpec;
 use kiln_compiler::ir::{DType, Shape};
 use kiln_compiler::step::TrainConfig;
 use kiln_runtime::{HostTensor, Trainer};
@@ -166,4 +167,88 @@ pub fn summary(run: &OnnxTraining) -> String {
     let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
     s.push_str(&format!("\nmemory report (bytes)\n{}", table(&rows)));
     s
+}
+
+/// Whether a model's step fits devices of given sizes (`kiln memory model.onnx --device
+/// gpu:0=24GB --device gpu:1=12GB`): on the first device alone (recomputing values if its limit
+/// asks for it, `remat`), or else split over the devices in order, each taking a contiguous
+/// range of the file's nodes (`placement::split_units` over `OnnxLayer::placed`: the placement
+/// `split_sequential` gives a `Sequential`, applied to the imported graph). Every figure is from a
+/// plan compiled under the devices' limits.
+// The closures return the compiler's own error (`split_units` takes it as it is), which is large.
+#[allow(clippy::result_large_err)]
+pub fn fit(bytes: &[u8], sizes: &[(String, usize)], train: bool, devices: &[DeviceSpec]) -> Result<String> {
+    use kiln_compiler::device::human_bytes;
+    use kiln_compiler::{CompileError, CompileOptions, compile};
+    let Some(first) = devices.first() else {
+        return Err(invalid("no --device given".into(), "give devices as --device gpu:0=24GB"));
+    };
+    let (x, y) = shapes(bytes, sizes)?;
+    let layer = OnnxLayer::new(bytes)?;
+    let config = TrainConfig {
+        loss: kiln_compiler::losses::Loss::MeanSquaredError,
+        optimizer: kiln_compiler::optim::Adam::new(1e-3).into(),
+        metrics: vec![],
+    };
+    let graph_of = |model: &dyn kiln_compiler::nn::Layer| {
+        if train {
+            kiln_compiler::step::train_step_graph(model, x.clone(), y.clone(), &config)
+        } else {
+            kiln_compiler::step::forward_graph(model, x.clone())
+        }
+    };
+    let what = if train { "training step" } else { "forward pass" };
+    let limit = |d: &DeviceSpec| d.memory_limit.map_or("no limit".into(), human_bytes);
+    let mut out = String::new();
+    let alone = CompileOptions { devices: vec![first.clone()], ..CompileOptions::default() };
+    match compile(graph_of(&layer)?, &alone) {
+        Ok(plan) => {
+            let m = &plan.memory;
+            out.push_str(&format!(
+                "the {what} fits on {}: it needs {} of {} (persistent {}, arena {})\n",
+                first.name,
+                human_bytes(m.held_bytes()),
+                limit(first),
+                human_bytes(m.persistent_bytes),
+                human_bytes(m.arena_bytes)
+            ));
+            if let Some(r) = &m.remat {
+                out.push_str(&format!(
+                    "  by recomputing {} values ({} ops more a step) instead of keeping them\n",
+                    r.recomputed.len(),
+                    r.recomputed_ops
+                ));
+            }
+            return Ok(out);
+        }
+        Err(CompileError::OutOfMemory(oom)) => {
+            out.push_str(&format!("the {what} does not fit on {} alone:\n{oom}\n", first.name));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    if devices.len() < 2 {
+        out.push_str("give more devices (--device NAME=SIZE, in order) to split the model over them\n");
+        return Ok(out);
+    }
+    let alignment = CompileOptions::default().alignment;
+    match kiln_compiler::placement::split_units(
+        "kiln memory --device",
+        "nodes",
+        layer.nodes(),
+        devices,
+        alignment,
+        |ranges| graph_of(&layer.placed(ranges)),
+        |r| layer.describe_nodes(r),
+    ) {
+        Ok(split) => {
+            let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+            out.push_str(&format!(
+                "split over {} (contiguous ranges of the file's nodes, copies between devices planned):\n{}",
+                names.join(", "),
+                split.describe()
+            ));
+        }
+        Err(e) => out.push_str(&format!("{e}\n")),
+    }
+    Ok(out)
 }

@@ -278,6 +278,11 @@ impl Tracer {
     }
 
     /// Runs `f` with every op it records placed on `device`.
+    /// The device ops are placed on now (`on_device`, `set_device`).
+    pub fn current_device(&self) -> DeviceId {
+        self.state.borrow().device
+    }
+
     pub fn on_device<R>(&self, device: DeviceId, f: impl FnOnce() -> R) -> R {
         let prev = std::mem::replace(&mut self.state.borrow_mut().device, device);
         let r = f();
