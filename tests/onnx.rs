@@ -862,3 +862,59 @@ fn an_imported_model_is_fitted_or_split_over_devices_of_different_sizes() {
         assert!(d.memory.parameter_bytes > 0, "{} holds weights: {}", d.name, split.describe());
     }
 }
+
+/// In a training step an imported model trains as PyTorch's `model.train()` would: an
+/// inference-mode BatchNormalization normalises by the batch's statistics and moves its running
+/// statistics towards them (ONNX's momentum), and Dropout drops (kiln's generator); its
+/// forward pass keeps using the running statistics and drops nothing.
+#[test]
+fn an_imported_model_trains_with_batch_statistics_and_active_dropout() {
+    use kiln::onnx::OnnxLayer;
+    let (c, rm0, rv0) = (3usize, [0.5f32, -1.0, 2.0], [1.0f32, 4.0, 0.25]);
+    let bytes = graph(
+        vec![
+            node("BatchNormalization", "bn", &["x", "scale", "bias", "rm", "rv"], &["h"], vec![]),
+            node("Dropout", "drop", &["h"], &["y"], vec![attr_float("ratio", 0.5)]),
+        ],
+        vec![
+            tensor("scale", &[3], &[1.0, 2.0, 0.5]),
+            tensor("bias", &[3], &[0.0, 0.1, -0.1]),
+            tensor("rm", &[3], &rm0),
+            tensor("rv", &[3], &rv0),
+        ],
+        vec![value("x", &[named("N"), fixed(3), fixed(2), fixed(2)])],
+        11,
+    );
+    let layer = OnnxLayer::new(&bytes).unwrap();
+    let weights = layer.weights.clone();
+    // The running statistics are no trainable weights: whatever the optimizer, only their own
+    // update moves them.
+    let config =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Sgd::new(0.1).into(), metrics: vec![] };
+    let mut trainer = Trainer::new(layer, config, Device::cpu().backend(0).unwrap());
+    let n = 4;
+    let x = HostTensor::from_fn(Shape::new([n, c, 2, 2]), |i| ((i * 7 % 11) as f32 - 5.0) / 2.0).unwrap();
+    let y = HostTensor::zeros(Shape::new([n, c, 2, 2])).unwrap();
+    trainer.train_program(x.shape(), y.shape()).unwrap();
+    for (key, value) in &weights {
+        trainer.backend_mut().write_variable(key, value).unwrap();
+    }
+    let plan = trainer.plans()[0].clone();
+    assert!(plan.variables.iter().any(|v| v.key == "dropout/step"), "dropout is active");
+    trainer.train_step(&x, &y).unwrap();
+    // The batch's per-channel mean and (biased) variance, by hand.
+    let d = x.data();
+    for ch in 0..c {
+        let vals: Vec<f32> =
+            (0..n).flat_map(|b| (0..4).map(move |k| (b, k))).map(|(b, k)| d[(b * c + ch) * 4 + k]).collect();
+        let mean = vals.iter().sum::<f32>() / vals.len() as f32;
+        let var = vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / vals.len() as f32;
+        let rm = trainer.backend().read_variable("rm").unwrap().data()[ch];
+        let rv = trainer.backend().read_variable("rv").unwrap().data()[ch];
+        assert!((rm - (0.9 * rm0[ch] + 0.1 * mean)).abs() < 1e-5, "running mean {ch}: {rm}");
+        assert!((rv - (0.9 * rv0[ch] + 0.1 * var)).abs() < 1e-5, "running variance {ch}: {rv}");
+    }
+    // Inference: the running statistics, no dropout.
+    let forward = kiln::compiler::step::forward_graph(&OnnxLayer::new(&bytes).unwrap(), x.shape()).unwrap();
+    assert!(forward.variable("dropout/step").is_none());
+}

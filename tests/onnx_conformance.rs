@@ -387,8 +387,10 @@ fn light_models_match_their_reference_outputs() {
 
 /// ResNet-50 from `light/` trains from the file (`kiln::onnx::train`, what `kiln train` runs):
 /// its constant weights are parameters (persistent, none recomputed into the arena) that the
-/// steps change (all but a few that the model's symmetry leaves without gradient: every weight
-/// starts at 0.02), the loss falls, and the step's arena sits at its lower bound.
+/// steps change, its batch normalisations run in training mode (batch statistics, running
+/// statistics updated), the loss falls, and the step's arena sits at its lower bound. (Some
+/// weights get no gradient: a convolution's bias before a batch-statistics normalisation, which
+/// removes any constant shift, and filters whose every value starts at 0.02 alike.)
 #[test]
 fn resnet50_trains_from_onnx() {
     let Some(path) = std::env::var_os("KILN_ONNX_DATA")
@@ -408,20 +410,29 @@ fn resnet50_trains_from_onnx() {
     let plans = run.trainer.plans();
     let plan = plans[0];
     // The parameters the file gave as equal values (`Init::Constant`) that hold other values now.
-    let (mut constant, mut moved) = (0, 0);
+    let (mut constant, mut moved, mut stats, mut stats_moved) = (0, 0, 0, 0);
     for v in plan.variables.iter().filter(|v| v.role == kiln::compiler::ir::VarRole::Parameter) {
         if let kiln::compiler::ir::Init::Constant(c) = v.init {
             constant += 1;
             let now = run.trainer.backend().read_variable(&v.key).unwrap();
-            moved += usize::from(now.data().iter().any(|&x| x != c));
+            let m = now.data().iter().any(|&x| x != c);
+            moved += usize::from(m);
+            if v.key.contains("_bn_r") {
+                stats += 1;
+                stats_moved += usize::from(m);
+            }
         }
     }
     println!("{moved} of {constant} constant weights moved");
-    assert!(constant > 200 && moved * 10 >= constant * 9, "{moved} of {constant} constant weights trained");
+    assert!(constant > 200 && moved * 4 >= constant * 3, "{moved} of {constant} constant weights trained");
+    // Batch normalisation in training mode: the running means and variances follow their
+    // batches (92 of the 106 are stored as constants; the others are initializers).
+    assert!(stats > 80 && stats_moved == stats, "{stats_moved} of {stats} running statistics updated");
     assert!(run.losses[2] < run.losses[0], "the loss falls: {:?}", run.losses);
     // ResNet-50's 25.6M weights (and Adam's two moments) are variables, not arena values.
     assert!(plan.memory.parameter_bytes > 90_000_000, "parameters {} B", plan.memory.parameter_bytes);
-    assert!(plan.memory.optimizer_state_bytes >= 2 * plan.memory.parameter_bytes);
+    // Adam's two moments of every weight with a gradient (not of the running statistics).
+    assert!(plan.memory.optimizer_state_bytes > plan.memory.parameter_bytes);
     let (arena, bound) = (plan.memory.arena_bytes, plan.memory.lower_bound_bytes);
     assert!(arena as f64 <= 1.02 * bound as f64, "arena {arena} B, lower bound {bound} B");
     println!(

@@ -319,10 +319,21 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                 None if n.opset >= 12 && n.has(1) => 0.5,
                 None => n.float("ratio", 0.5),
             };
+            if imp.t.training() && ratio != 0.0 {
+                // A training step of the model (`kiln train`, `OnnxLayer` in a `Trainer`): the
+                // dropout is active, as in PyTorch's `model.train()`: kiln's own (a mask from the
+                // plan's generator, recomputed in the gradient's group), seeded by the node.
+                let x = imp.tensor(n, 0)?;
+                let name = n.proto.output.first().cloned().unwrap_or_default();
+                let dropped = imp.t.scope(&name, || {
+                    kiln_compiler::nn::Layer::forward(&kiln_compiler::nn::Dropout::new(ratio), &x)
+                });
+                return Ok(Some(vec![Value::Tensor(dropped)]));
+            }
             if training && ratio != 0.0 {
                 return Err(n.unsupported(
-                    "drops in training mode",
-                    "kiln imports Dropout for inference (training_mode false): train with kiln's own dropout",
+                    "drops in training mode outside a training step",
+                    "kiln imports Dropout for inference (training_mode false), and drops in the training steps of `kiln train` / `OnnxLayer`",
                 ));
             }
             imp.input(n, 0)?

@@ -85,8 +85,12 @@ fn batch_norm(imp: &mut Importer, n: &Node) -> Result<Vec<Tensor>> {
     if n.opset < 9 && n.int("spatial", 1) == 0 {
         return Err(n.unsupported("normalises per activation (spatial = 0)", "kiln normalises per channel"));
     }
-    let training = if n.opset >= 14 { n.int("training_mode", 0) != 0 } else { false };
-    if !training && n.proto.output.iter().skip(1).any(|o| !o.is_empty()) && n.opset < 14 {
+    let file_training = if n.opset >= 14 { n.int("training_mode", 0) != 0 } else { false };
+    // In a training step of the model (`kiln train`, `OnnxLayer` in a `Trainer`) an
+    // inference-mode node normalises by the batch's statistics, as PyTorch's `model.train()`.
+    let step = imp.t.training() && !file_training;
+    let training = file_training || step;
+    if !file_training && n.proto.output.iter().skip(1).any(|o| !o.is_empty()) && n.opset < 14 {
         return Err(n.unsupported(
             format!("computes the batch's statistics (opset {} training outputs)", n.opset),
             "export at opset 14+ (training_mode) or for inference",
@@ -107,6 +111,28 @@ fn batch_norm(imp: &mut Importer, n: &Node) -> Result<Vec<Tensor>> {
     let y = centred * &(batch_var.clone() + eps).rsqrt() * &scale + &bias;
     let momentum = n.float("momentum", 0.9);
     let c = mean.dims().to_vec();
+    if step {
+        // The running statistics (variables of the model) follow the batch's, as ONNX's
+        // training mode computes them: stat <- stat * momentum + batch * (1 - momentum), an
+        // update written in place after the step (stat - (1 - momentum) * (stat - batch)).
+        for (stat, batch) in [(&mean, batch_mean), (&var, batch_var)] {
+            let is_variable = stat.id().is_some_and(|id| {
+                imp.t.with_graph(|g| matches!(g.node(id).op, kiln_compiler::ir::Op::Variable { .. }))
+            });
+            if is_variable {
+                let op = kiln_compiler::ir::Op::ApplySgd {
+                    lr: 1.0 - momentum,
+                    momentum: 0.0,
+                    nesterov: false,
+                    rows: None,
+                    product: false,
+                };
+                let delta = stat.clone() - &batch.reshape(c.clone());
+                stat.record(op, &[stat, &delta]);
+            }
+        }
+        return Ok(vec![y]);
+    }
     let running =
         |stat: Tensor, batch: Tensor| stat * momentum + &(batch.reshape(c.clone()) * (1.0 - momentum));
     Ok(vec![y, running(mean.clone(), batch_mean), running(var.clone(), batch_var)])
