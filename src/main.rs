@@ -284,7 +284,7 @@ fn memory_onnx(
     let Some(mode) = Mode::parse(mode) else {
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
-    let bytes = std::fs::read(path)?;
+    let bytes = read_model(path)?;
     let sizes = kiln::onnx::train::sizes(&bytes, batch, dims)?;
     let mut specs = Vec::new();
     for (i, d) in devices.iter().enumerate() {
@@ -340,6 +340,13 @@ fn memory_onnx(
     Ok(())
 }
 
+/// The bytes of the model file at `path`, or an error naming it.
+fn read_model(path: &str) -> kiln::Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| {
+        invalid(format!("cannot read the model {path}: {e}"), "check the path to the .onnx file".into())
+    })
+}
+
 /// `kiln train model.onnx`: the imported model trained as a layer (`kiln::onnx::train`).
 fn train_onnx(
     path: &str,
@@ -349,7 +356,7 @@ fn train_onnx(
     data: Option<&Path>,
     cpu: bool,
 ) -> kiln::Result<()> {
-    let bytes = std::fs::read(path)?;
+    let bytes = read_model(path)?;
     let sizes = kiln::onnx::train::sizes(&bytes, Some(batch), dims)?;
     let data = match data {
         None => None,

@@ -59,6 +59,15 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["devices", "--visible", "gpu:9"], "no physical device `gpu:9`"),
     (&["devices", "--visible", "cpu:0,cpu:0"], "named twice"),
     (&["torch-stream", "Cargo.toml"], "not a torch_stream.py recording"),
+    (&["memory", "/nonexistent/m.onnx"], "cannot read the model /nonexistent/m.onnx"),
+    (&["train", "/nonexistent/m.onnx"], "cannot read the model /nonexistent/m.onnx"),
+    (&["train", "README.md"], "not an ONNX model"),
+    (&["train", "README.md", "--batch", "0"], "--batch 0"),
+    (&["train", "README.md", "--steps", "-1"], "unexpected argument"),
+    (&["train", "README.md", "--dim", "N"], "write NAME=N"),
+    (&["train", "README.md", "--data", "/nonexistent.safetensors"], "cannot read"),
+    (&["memory", "seed-mlp", "--device", "gpu:0=1GB"], "--device is read for ONNX models"),
+    (&["memory", "/nonexistent/m.onnx", "--device", "gpu:0"], "cannot read the model"),
 ];
 
 /// Well-formed invocations that must succeed (quickly: no training).
