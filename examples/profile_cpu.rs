@@ -27,7 +27,7 @@ fn main() -> Result<()> {
     let total: u64 = rows.iter().map(|r| r.1).sum();
     rows.sort_by_key(|r| std::cmp::Reverse(r.1));
     println!("{name}: {:.2} ms per step, kernels only (medians of 10 runs)", total as f64 / 1e6);
-    for (what, ns) in rows.iter().take(20) {
+    for (what, ns) in rows.iter().take(std::env::args().nth(2).and_then(|n| n.parse().ok()).unwrap_or(20)) {
         println!("{:8.3} ms  {what}", *ns as f64 / 1e6);
     }
     Ok(())
