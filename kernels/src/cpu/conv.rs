@@ -1,5 +1,5 @@
 //! 2-D convolution (NHWC activations, HWIO filters) and its two backprops, as strided GEMMs
-//! without scratch memory.
+//! without scratch memory (but a stride-1 input gradient's turned filter, `Flipped`).
 //!
 //! There is no im2col buffer: kernels get no memory beyond their operands and output. Instead,
 //! for one output row (n, oh) and one filter row kh, the input pixels seen by a run of output
@@ -88,17 +88,22 @@ struct Conv2d {
 }
 
 pub(crate) fn conv2d(x: &Shape, w: &Shape, window: &Window2d, _out: &Shape) -> Box<dyn CpuKernel> {
-    let g = Geom::new(x, window, w.dims()[3]);
-    let groups = g.column_groups();
-    let rows = (0..g.kh)
-        .map(|kh| {
-            let valid: Vec<usize> =
-                (0..g.oh).filter(|&oh| (g.row_taps(oh).0..g.row_taps(oh).1).contains(&kh)).collect();
-            valid.first().map_or((0, 0), |&a| (a, a + valid.len()))
-        })
-        .collect();
-    let desc = format!("conv2d {}", g.text());
-    Box::new(Conv2d { g, groups, rows, desc })
+    Box::new(Conv2d::of(Geom::new(x, window, w.dims()[3])))
+}
+
+impl Conv2d {
+    fn of(g: Geom) -> Conv2d {
+        let groups = g.column_groups();
+        let rows = (0..g.kh)
+            .map(|kh| {
+                let valid: Vec<usize> =
+                    (0..g.oh).filter(|&oh| (g.row_taps(oh).0..g.row_taps(oh).1).contains(&kh)).collect();
+                valid.first().map_or((0, 0), |&a| (a, a + valid.len()))
+            })
+            .collect();
+        let desc = format!("conv2d {}", g.text());
+        Conv2d { g, groups, rows, desc }
+    }
 }
 
 impl CpuKernel for Conv2d {
@@ -244,7 +249,23 @@ const GEMM_PARALLEL_MACS: usize = 1 << 20;
 struct BackpropInput {
     g: Geom,
     taps: Vec<Option<TapPlan>>,
+    /// With stride 1: the forward convolution of dy that gives dx (`Flipped`).
+    flipped: Option<Flipped>,
     desc: String,
+}
+
+/// With stride 1 the input gradient is a forward convolution: dx[h, w, c] = Σ dy[h + ph - kh,
+/// w + pw - kw, f] · W[kh, kw, c, f] is the convolution of dy by the filter turned half a turn
+/// with its channel axes swapped (W'[kh, kw, f, c] = W[KH-1-kh, KW-1-kw, c, f]), padded KH-1-ph
+/// before. The forward kernel contracts KW·F values per GEMM row and writes each output row
+/// once, where the tap-by-tap form contracts F values and adds every tap into all of dx
+/// (`examples/profile_cpu.rs -- cnn`: its 64x32x32x32 3x3 input gradient 15.2 -> 6.2 ms, the
+/// 64-channel one 6.8 -> 6.3 ms, as fast as the forward convolutions). W' lives in the
+/// kernel's own buffer (KH·KW·C·F floats, 36 KiB for 3x3x32x32), outside the arena like the
+/// GEMM's packing buffers.
+struct Flipped {
+    conv: Conv2d,
+    filter: std::sync::Mutex<Vec<f32>>,
 }
 
 pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -> Box<dyn CpuKernel> {
@@ -252,14 +273,45 @@ pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shap
     debug_assert_eq!(dy.dims(), [g.n, g.oh, g.ow, g.f]);
     let taps = tap_plans(&g);
     let desc = format!("conv2d_backprop_input {}", g.text());
-    Box::new(BackpropInput { g, taps, desc })
+    let flipped = (g.sh == 1 && g.sw == 1 && g.ph < g.kh && g.pw < g.kw).then(|| Flipped {
+        conv: Conv2d::of(Geom {
+            h: g.oh,
+            w: g.ow,
+            c: g.f,
+            oh: g.h,
+            ow: g.w,
+            f: g.c,
+            ph: g.kh - 1 - g.ph,
+            pw: g.kw - 1 - g.pw,
+            ..g.clone()
+        }),
+        filter: std::sync::Mutex::new(Vec::new()),
+    });
+    Box::new(BackpropInput { g, taps, flipped, desc })
 }
 
 impl CpuKernel for BackpropInput {
+    /// With stride 1, the forward convolution of dy by the turned filter (`Flipped`). Otherwise
     /// dx = 0, then for each tap in order: dx[pixels of the tap's positions] += dy[positions] ·
     /// W[kh, kw]ᵀ. A tap's positions map to distinct pixels, so its calls run in parallel.
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
+        if let Some(flipped) = &self.flipped {
+            let mut filter = flipped.filter.lock().unwrap_or_else(|e| e.into_inner());
+            let (kh, kw, c, f) = (g.kh, g.kw, g.c, g.f);
+            filter.resize(kh * kw * c * f, 0.0);
+            // SAFETY: inputs[1] is the filter, KH·KW·C·F floats (run's contract).
+            let w = unsafe { slice::from_raw_parts(inputs[1] as *const f32, kh * kw * c * f) };
+            for (i, v) in filter.iter_mut().enumerate() {
+                let (tap, fc) = (i / (f * c), i % (f * c));
+                let (a, b, fo, ci) = (tap / kw, tap % kw, fc / c, fc % c);
+                *v = w[(((kh - 1 - a) * kw + (kw - 1 - b)) * c + ci) * f + fo];
+            }
+            // SAFETY: dy is the turned convolution's input ([N, OH, OW, F]), the buffer its
+            // filter ([KH, KW, F, C]) and dx its output ([N, H, W, C]): the geometry `Flipped`
+            // was made with; the buffer is this kernel's and overlaps nothing.
+            return unsafe { flipped.conv.run(&[inputs[0], filter.as_mut_ptr() as *mut u8], output) };
+        }
         let (dy, w) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
         let dx = SendPtr::new(output as *mut f32);
         let n = g.n * g.h * g.w * g.c;
