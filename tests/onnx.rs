@@ -918,3 +918,17 @@ fn an_imported_model_trains_with_batch_statistics_and_active_dropout() {
     let forward = kiln::compiler::step::forward_graph(&OnnxLayer::new(&bytes).unwrap(), x.shape()).unwrap();
     assert!(forward.variable("dropout/step").is_none());
 }
+
+/// `--batch N` changes only a first axis of 1 (a batch-1 export): an input whose static first
+/// axis is anything else keeps it.
+#[test]
+fn only_a_batch_of_one_is_rebatched() {
+    let bytes = graph(
+        vec![node("Relu", "act", &["x"], &["y"], vec![])],
+        vec![],
+        vec![value("x", &[fixed(3), fixed(4)])],
+        17,
+    );
+    let imported = import(&bytes, &[(kiln::onnx::STATIC_BATCH.into(), 8)]).unwrap();
+    assert_eq!(imported.inputs, [("x".to_string(), Shape::new([3, 4]))]);
+}

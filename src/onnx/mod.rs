@@ -50,8 +50,9 @@ use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-/// The `dims` entry that re-batches a model exported with a fixed first axis (`--batch N` on a
-/// batch-1 export): every input's static first axis takes this size, and a `Reshape` whose
+/// The `dims` entry that re-batches a model exported with a fixed batch of 1 (`--batch N` on a
+/// batch-1 export): every input whose static first axis is 1 takes this size there (another
+/// static first axis is no batch to change: a [3, 224, 224] image), and a `Reshape` whose
 /// target starts with the exported batch, applied to a tensor that starts with the new one,
 /// starts with the new one (the exporter wrote the batch into it: `[1, 2048]` before a
 /// classifier). Other shape arguments that carry the batch (`Expand`, `Tile`,
@@ -532,7 +533,7 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
     let batch = dims.iter().find(|(n, _)| n == STATIC_BATCH).map(|&(_, b)| b);
     for (axis, d) in shape.iter().enumerate() {
         match (d.dim_value, d.dim_param.as_deref()) {
-            (Some(v), _) if v > 0 && axis == 0 && batch.is_some() => out.push(batch.unwrap_or(v as usize)),
+            (Some(1), _) if axis == 0 && batch.is_some() => out.push(batch.unwrap_or(1)),
             (Some(v), _) if v > 0 => out.push(v as usize),
             (Some(0), _) => {
                 return Err(unsupported(
@@ -570,10 +571,11 @@ fn makes_stored(node: &NodeProto) -> bool {
     matches!(node.op_type.as_deref(), Some("Constant" | "ConstantOfShape"))
 }
 
-/// An input's static first axis (what a re-batched model was exported with), if it has one.
+/// The exported batch of an input whose static first axis is 1 (what a re-batched model was
+/// exported with), if it is one.
 fn static_batch(input: &proto::ValueInfoProto) -> Option<usize> {
     let d = input.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?.dim.first()?;
-    d.dim_value.filter(|&v| v > 0).map(|v| v as usize)
+    d.dim_value.filter(|&v| v == 1).map(|v| v as usize)
 }
 
 /// The most elements a folded integer tensor may hold: shape arguments are small, and a damaged
