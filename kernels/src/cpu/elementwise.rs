@@ -242,8 +242,66 @@ impl Binary {
     }
 }
 
+/// GeluGrad over contiguous operands, a block at a time: the derivative of the block's inputs into
+/// a stack block (a loop of one input, which the compiler vectorises as it does the unary GELU),
+/// then the products with the upstream gradient: the same arithmetic as `dy * gelu'(x)`, so the
+/// same bits, where the two-input loop stays scalar (a 1M-element GeluGrad step, the call's copies
+/// included: 14.7 -> 4.0 ms, a Mul of the same size 2.0 ms).
+///
+/// # Safety
+/// As `map2` with both strides 1.
+#[inline(always)]
+unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+    const BLOCK: usize = 256;
+    let mut d = [0f32; BLOCK];
+    let mut s = 0;
+    while s < n {
+        let m = BLOCK.min(n - s);
+        // SAFETY: elements s..s+m of every operand; x and dy are read (into `d` and `g`) before
+        // the output block, which may be either of them, is written.
+        unsafe {
+            let xs = slice::from_raw_parts(x.add(s), m);
+            for (v, &x) in d[..m].iter_mut().zip(xs) {
+                *v = super::math::gelu_derivative(x);
+            }
+            for (j, &dv) in d[..m].iter().enumerate() {
+                let g = *dy.add(s + j);
+                *o.add(s + j) = g * dv;
+            }
+        }
+        s += m;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+/// # Safety
+/// As `gelu_grad_blocks`, and the CPU supports AVX2.
+unsafe fn gelu_grad_blocks_avx2(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+    // SAFETY: forwarded contract.
+    unsafe { gelu_grad_blocks(x, dy, o, n) }
+}
+
 impl CpuKernel for Binary {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        if self.op == BinaryOp::GeluGrad && self.inner == [1, 1] {
+            let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
+            let o = SendPtr::new(output as *mut f32);
+            par_ranges(self.walk.numel(), 1, |s, e| {
+                self.walk.for_each_run(s, e, &mut |oo, [ia, ib], n| {
+                    let (x, dy, o) =
+                        (x.get().wrapping_offset(ia), dy.get().wrapping_offset(ib), o.get().wrapping_add(oo));
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: as in `go` (contiguous runs of both operands); AVX2 present.
+                        return unsafe { gelu_grad_blocks_avx2(x, dy, o, n) };
+                    }
+                    // SAFETY: as in `go`.
+                    unsafe { gelu_grad_blocks(x, dy, o, n) }
+                });
+            });
+            return;
+        }
         // SAFETY: run's contract, forwarded.
         with_binary!(self.op, |f| unsafe { self.go(inputs, output, f) })
     }
