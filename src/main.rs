@@ -312,11 +312,7 @@ fn memory_onnx(
                 .map(|&(_, n)| g.node(n).shape.clone())
                 .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
             let layer = kiln::onnx::OnnxLayer::new(&bytes)?;
-            let config = kiln::prelude::TrainConfig {
-                loss: kiln::prelude::Loss::MeanSquaredError,
-                optimizer: kiln::prelude::Adam::new(1e-3).into(),
-                metrics: vec![],
-            };
+            let config = kiln::onnx::train::fine_tuning();
             kiln::compiler::step::train_step_graph(&layer, &x, &y, &config)?
         }
     };

@@ -432,9 +432,9 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
             let mut spec =
                 if n.opset >= 5 { imp.ints(n, 1)?.values } else { n.ints("shape").unwrap_or_default() };
             // A target that carries the exported batch, on a re-batched tensor (`STATIC_BATCH`).
-            if let (Some((from, to)), Some(&first)) = (imp.rebatch, dims_of(&v).first())
+            if let (Some(to), Some(&first)) = (imp.rebatch, dims_of(&v).first())
                 && first == to
-                && spec.first() == Some(&(from as i64))
+                && spec.first() == Some(&1)
             {
                 spec[0] = to as i64;
             }

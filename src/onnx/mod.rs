@@ -205,8 +205,8 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
             continue;
         }
         let (shape, dtype) = input_shape(input, dims)?;
-        if let (Some(from), Some(&to)) = (static_batch(input), shape.dims().first()) {
-            rebatch = rebatch.or((from != to).then_some((from, to)));
+        if let (true, Some(&to)) = (batch_of_one(input), shape.dims().first()) {
+            rebatch = rebatch.or((to != 1).then_some(to));
         }
         let x = t.input_typed(&name, shape.clone(), dtype);
         feeds.insert(name.clone(), if dtype.is_exact() { Value::Ids(x) } else { Value::Tensor(x) });
@@ -266,7 +266,7 @@ fn trace(
     graph: &proto::GraphProto,
     opset: i64,
     feeds: HashMap<String, Value>,
-    rebatch: Option<(usize, usize)>,
+    rebatch: Option<usize>,
     placement: Option<&[DeviceId]>,
 ) -> Result<(Named<Tensor>, Named<HostTensor>)> {
     let used = graph
@@ -299,12 +299,7 @@ fn trace(
     };
     {
         // Placed: each initializer's parameter lives on the device of the first node reading it.
-        let mut first_reader: HashMap<&str, usize> = HashMap::new();
-        for (index, node) in graph.node.iter().enumerate() {
-            for input in &node.input {
-                first_reader.entry(input.as_str()).or_insert(index);
-            }
-        }
+        let first_reader = first_readers(graph);
         let mut pending: HashMap<usize, Vec<&TensorProto>> = HashMap::new();
         for init in &graph.initializer {
             importer.register(init)?;
@@ -355,17 +350,16 @@ impl OnnxLayer {
         let constants =
             graph.node.iter().filter(|n| n.op_type.as_deref() == Some("Constant")).filter_map(|n| {
                 let t = n.attribute.iter().find(|a| a.name.as_deref() == Some("value"))?.t.as_ref()?;
-                Some((n.output.first().cloned().unwrap_or_default(), t))
+                Some((n.output.first().cloned().unwrap_or_default(), t, false))
             });
         let mut weights = Vec::new();
-        for (name, t) in
-            graph.initializer.iter().map(|i| (i.name.clone().unwrap_or_default(), i)).chain(constants)
+        for (name, t, from_initializer) in
+            graph.initializer.iter().map(|i| (i.name.clone().unwrap_or_default(), i, true)).chain(constants)
         {
             if is_integer(t) {
                 continue;
             }
             let (dims, values) = tensor_values(t)?;
-            let from_initializer = graph.initializer.iter().any(|i| i.name.as_deref() == Some(name.as_str()));
             if from_initializer || !uniform(&values) {
                 weights.push((name, HostTensor::new(Shape::new(dims), values)?));
             }
@@ -416,12 +410,7 @@ impl OnnxLayer {
                 devices[i] = *d;
             }
         }
-        let mut first_reader: HashMap<&str, usize> = HashMap::new();
-        for (j, n) in g.node.iter().enumerate() {
-            for x in &n.input {
-                first_reader.entry(x.as_str()).or_insert(j);
-            }
-        }
+        let first_reader = first_readers(g);
         // Readers come later in the file's order: from the back, a reader's device is final.
         for i in (0..g.node.len()).rev().filter(|&i| makes_stored(&g.node[i])) {
             let reader = g.node[i].output.first().and_then(|o| first_reader.get(o.as_str()));
@@ -450,8 +439,8 @@ impl OnnxLayer {
         };
         let input = graph.input.iter().find(|i| !graph.initializer.iter().any(|t| t.name == i.name));
         // A batch-1 export applied to a batch of another size is re-batched (`STATIC_BATCH`).
-        let rebatch = match (input.and_then(static_batch), x.dims().first()) {
-            (Some(from), Some(&to)) if from != to => Some((from, to)),
+        let rebatch = match (input.is_some_and(batch_of_one), x.dims().first()) {
+            (true, Some(&to)) if to != 1 => Some(to),
             _ => None,
         };
         let input = input.and_then(|i| i.name.clone()).unwrap_or_default();
@@ -565,17 +554,28 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
     Ok((Shape::new(out), dtype))
 }
 
+/// The index of the first node reading each value, by name.
+fn first_readers(graph: &proto::GraphProto) -> HashMap<&str, usize> {
+    let mut first = HashMap::new();
+    for (index, node) in graph.node.iter().enumerate() {
+        for input in &node.input {
+            first.entry(input.as_str()).or_insert(index);
+        }
+    }
+    first
+}
+
 /// Whether `node` makes a tensor the file stores: a `Constant`, or a `ConstantOfShape` (of a
 /// stored shape or not: either reads no computed float).
 fn makes_stored(node: &NodeProto) -> bool {
     matches!(node.op_type.as_deref(), Some("Constant" | "ConstantOfShape"))
 }
 
-/// The exported batch of an input whose static first axis is 1 (what a re-batched model was
-/// exported with), if it is one.
-fn static_batch(input: &proto::ValueInfoProto) -> Option<usize> {
-    let d = input.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?.dim.first()?;
-    d.dim_value.filter(|&v| v == 1).map(|v| v as usize)
+/// Whether an input's first axis is a static 1: a batch-1 export, which `STATIC_BATCH`
+/// re-batches.
+fn batch_of_one(input: &proto::ValueInfoProto) -> bool {
+    let first = || input.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?.dim.first()?.dim_value;
+    first() == Some(1)
 }
 
 /// The most elements a folded integer tensor may hold: shape arguments are small, and a damaged
@@ -790,8 +790,8 @@ pub(crate) struct Importer {
     stored: HashSet<String>,
     weights: Vec<(String, HostTensor)>,
     pub opset: i64,
-    /// The exported static batch and the batch traced (`STATIC_BATCH`), where they differ.
-    pub rebatch: Option<(usize, usize)>,
+    /// The batch traced where the file's static batch is 1 and this is another (`STATIC_BATCH`).
+    pub rebatch: Option<usize>,
 }
 
 impl Importer {

@@ -76,6 +76,17 @@ pub fn shapes(bytes: &[u8], sizes: &[(String, usize)]) -> Result<(Shape, Shape)>
     Ok((x, y))
 }
 
+/// The training step an imported model is planned and trained with: the mean squared error
+/// against targets of its output's shape, Adam 1e-3 (what a fine-tuning step holds in memory,
+/// whatever head the user will put on it).
+pub fn fine_tuning() -> TrainConfig {
+    TrainConfig {
+        loss: kiln_compiler::losses::Loss::MeanSquaredError,
+        optimizer: kiln_compiler::optim::Adam::new(1e-3).into(),
+        metrics: vec![],
+    }
+}
+
 /// A finished run: the losses of every step and the trainer (plans, backend, memory).
 pub struct OnnxTraining {
     pub losses: Vec<f32>,
@@ -99,11 +110,7 @@ pub fn train(
     let (x_shape, y_shape) = shapes(bytes, sizes)?;
     let layer = OnnxLayer::new(bytes)?;
     let weights = layer.weights.clone();
-    let config = TrainConfig {
-        loss: kiln_compiler::losses::Loss::MeanSquaredError,
-        optimizer: kiln_compiler::optim::Adam::new(1e-3).into(),
-        metrics: vec![],
-    };
+    let config = fine_tuning();
     let (x, y) = match data {
         Some((x, y)) => {
             if x.shape() != &x_shape || y.shape() != &y_shape {
@@ -185,11 +192,7 @@ pub fn fit(bytes: &[u8], sizes: &[(String, usize)], train: bool, devices: &[Devi
     };
     let (x, y) = shapes(bytes, sizes)?;
     let layer = OnnxLayer::new(bytes)?;
-    let config = TrainConfig {
-        loss: kiln_compiler::losses::Loss::MeanSquaredError,
-        optimizer: kiln_compiler::optim::Adam::new(1e-3).into(),
-        metrics: vec![],
-    };
+    let config = fine_tuning();
     let graph_of = |model: &dyn kiln_compiler::nn::Layer| {
         if train {
             kiln_compiler::step::train_step_graph(model, x.clone(), y.clone(), &config)

@@ -272,7 +272,6 @@ struct Flipped {
 pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -> Box<dyn CpuKernel> {
     let g = Geom::new(dx, window, w.dims()[3]);
     debug_assert_eq!(dy.dims(), [g.n, g.oh, g.ow, g.f]);
-    let taps = tap_plans(&g);
     let desc = format!("conv2d_backprop_input {}", g.text());
     let flipped = (g.sh == 1 && g.sw == 1 && g.ph < g.kh && g.pw < g.kw).then(|| Flipped {
         conv: Conv2d::of(Geom {
@@ -288,6 +287,8 @@ pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shap
         }),
         filter: std::sync::Mutex::new(Vec::new()),
     });
+    // The tap-by-tap plans only where the turned convolution does not apply.
+    let taps = if flipped.is_some() { Vec::new() } else { tap_plans(&g) };
     Box::new(BackpropInput { g, taps, flipped, desc })
 }
 
@@ -366,10 +367,10 @@ struct BackpropFilter {
 
 pub(crate) fn backprop_filter(x: &Shape, dy: &Shape, window: &Window2d, _dw: &Shape) -> Box<dyn CpuKernel> {
     let g = Geom::new(x, window, dy.dims()[3]);
-    let taps = tap_plans(&g);
     let desc = format!("conv2d_backprop_filter {}", g.text());
-    // Tiles of at least 32 positions, and enough positions to fill the groups.
+    // Tiles of at least 32 positions, and enough positions to fill the groups; else tap by tap.
     let tiles = Some(Tiles::new(&g)).filter(|t| t.t >= 32 && g.n * g.oh * g.ow >= TILE_GROUPS * t.t);
+    let taps = if tiles.is_some() { Vec::new() } else { tap_plans(&g) };
     Box::new(BackpropFilter { g, taps, tiles, desc })
 }
 
