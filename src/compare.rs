@@ -344,8 +344,9 @@ pub fn table(rows: &[Comparison]) -> String {
 
 /// What the framework columns assume, printed beside them.
 pub const FRAMEWORK_ASSUMPTIONS: &str = "assumptions:
-- device bytes: the plan's variable region and arena, each one allocation rounded up to 2 MiB
-  (the CUDA driver's granularity); eager columns: the allocator's reserved peak, whole segments.
+- device bytes: the plan's one allocation on the device (its variable region, io region and
+  arena, as the backends load it under memory growth), rounded up to 2 MiB (the CUDA driver's
+  granularity); eager columns: the allocator's reserved peak, whole segments.
 - kiln's eager columns run kiln's op stream for the step (kiln's ops, each result freed after
   its last reader), variables made as frameworks make them: parameters at build, all optimizer
   state at the first update; two calls, the second measured.

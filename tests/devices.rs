@@ -74,7 +74,7 @@ fn out_of_memory_report() {
 }
 
 #[test]
-fn growth_allocates_the_arena_at_the_first_run_and_exactly() {
+fn growth_takes_a_plans_memory_at_load_in_one_allocation_exactly() {
     let devices = DeviceConfig::cpu(GB).set_memory_growth("cpu:0", true).build().unwrap();
     let mut trainer =
         Trainer::new(zoo::seed_mlp(), zoo::seed_config(), devices.backend(&["cpu:0"], 0).unwrap())
@@ -82,13 +82,25 @@ fn growth_allocates_the_arena_at_the_first_run_and_exactly() {
     let (x, y) = seed_batch();
     let id = trainer.train_program(x.shape(), y.shape()).unwrap();
     let loaded = devices.memory_info("cpu:0").unwrap().planned;
-    assert_eq!(loaded.arenas, 0, "no arena before the first run");
+    let plan = trainer.backend().plan(id).unwrap();
+    let m = &plan.memory;
     // Inputs and outputs live in the arena: no io region.
-    assert!(loaded.variables > 0 && loaded.io == 0);
+    assert!(loaded.io == 0);
+    // One block: the variable region, then the arena (`plan::device_block`), each counted up to
+    // where the next begins.
+    let (offsets, block) = kiln::compiler::plan::device_block(
+        [m.variable_region_bytes, m.io_bytes, m.arena_bytes],
+        plan.block_align(),
+    )
+    .unwrap();
+    assert_eq!(offsets[2], m.variable_region_bytes.next_multiple_of(256));
+    assert_eq!(loaded.variables, offsets[2], "the variable region, exactly (aligned)");
+    assert_eq!(loaded.arenas, m.arena_bytes.div_ceil(256) * 256, "the arena, exactly (aligned)");
+    assert_eq!(loaded.reserved, block, "what the device reserved is the one block");
+    assert_eq!(plan.device_bytes(2 << 20), 2 << 20, "the seed model's step takes one 2 MiB granule");
     trainer.train_step(&x, &y).unwrap();
     let ran = devices.memory_info("cpu:0").unwrap().planned;
-    let arena = trainer.backend().plan(id).unwrap().memory.arena_bytes;
-    assert_eq!(ran.arenas, arena.div_ceil(256) * 256);
+    assert_eq!(ran, loaded, "steps allocate nothing");
     trainer.train_step(&x, &y).unwrap();
     assert_eq!(devices.memory_info("cpu:0").unwrap().planned, ran, "later steps allocate nothing");
 }

@@ -1,7 +1,8 @@
 //! Device memory policies and accounting, shared by the backends and `Devices`.
 //!
-//! - `Policy::Growth`: memory is taken when needed and exactly sized — a plan's arena when the
-//!   plan first runs, its io region and variables when it is loaded (eager pools grow on demand).
+//! - `Policy::Growth`: memory is taken when needed and exactly sized — a plan's memory on a device
+//!   (the variables it adds, its io region and its arena) as one allocation when it is loaded
+//!   (`plan::device_block`; eager pools grow on demand).
 //! - `Policy::Preallocate { fraction }`: one region of `fraction` of the device (or of its limit)
 //!   is taken up front — TensorFlow's `per_process_gpu_memory_fraction`, JAX's 75% default — and
 //!   every arena, io region and variable is carved from it.

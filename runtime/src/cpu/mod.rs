@@ -1,7 +1,7 @@
 //! The CPU backend. Each device of a plan (logical CPU devices each get their own) has a memory
-//! budget: with growth, a plan's arena is allocated when the plan first runs and its io region
-//! and variables when it is loaded, each exactly sized; with preallocation, all of them are
-//! carved from one region taken when the backend starts. Every step's kernel is prepared once at
+//! budget: with growth, loading a plan takes one allocation per device, exactly sized, for the
+//! variables it adds, its io region and its arena (`plan::device_block`); with preallocation,
+//! all of them are carved from one region taken when the backend starts. Every step's kernel is prepared once at
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
 use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input_bytes, io_slot, no_program, output_slot};
@@ -13,7 +13,7 @@ use crate::store::VariableStore;
 use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
 use kiln_compiler::ir::{DType, Op, OpClass, Shape};
-use kiln_compiler::plan::Storage;
+use kiln_compiler::plan::{Storage, device_block};
 use kiln_kernels::cpu::{self, CpuKernel};
 use std::ptr::NonNull;
 
@@ -37,10 +37,8 @@ struct Program {
     plan: Plan,
     /// The arena lies in the caller's region (`load_into`): inputs may be written there in place.
     owned_region: bool,
-    /// The backend device of each plan device.
-    devices: Vec<usize>,
-    /// One arena per plan device; `None` until the first run under the growth policy.
-    arenas: Vec<Option<HostMem>>,
+    /// One arena per plan device.
+    arenas: Vec<HostMem>,
     ios: Vec<HostMem>,
     steps: Vec<BoundStep>,
     /// Reused operand-pointer list: no allocation per step.
@@ -48,6 +46,8 @@ struct Program {
     feeds: Feeds,
     /// Guard mode's canaries, when the plan has them (`crate::guard`).
     guard: Option<Guard>,
+    /// Whether a run started (its inputs were all fed): outputs read before are refused.
+    ran: bool,
 }
 
 /// One host device's memory: its budget and, when preallocating, the pool.
@@ -84,6 +84,53 @@ impl HostDevice {
             _ => Err(RuntimeError::invalid("a preallocating device gave no pool offset", "")),
         }
     }
+
+    /// A plan's memory on this device: the variable region it adds, its io region and its arena
+    /// (`[bytes; 3]`, purposes in that order). Growth: one allocation laid out by
+    /// `plan::device_block`, kept in `blocks` for the backend's life, the pieces handed out as
+    /// parts of it. Preallocation: each carved from the pool.
+    fn take_block(
+        &mut self,
+        pieces: [usize; 3],
+        align: usize,
+        blocks: &mut Vec<HostBuffer>,
+    ) -> Result<[HostMem; 3]> {
+        const PURPOSES: [Purpose; 3] = [Purpose::Variable, Purpose::Io, Purpose::Arena];
+        if self.pool.is_some() {
+            let [v, io, arena] = pieces;
+            return Ok([
+                self.take(v, Purpose::Variable)?,
+                self.take(io, Purpose::Io)?,
+                self.take(arena, Purpose::Arena)?,
+            ]);
+        }
+        let (offsets, total) = device_block(pieces, align).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!("device {}: a plan's memory of {pieces:?} bytes overflows", self.account.budget.name),
+                "compile a smaller plan",
+            )
+        })?;
+        // Each piece is claimed (for the statistics by purpose) up to where the next begins, so
+        // the claims add up to the allocation.
+        let ends = [offsets[1], offsets[2], total];
+        let claims: Vec<usize> = (0..3).map(|i| ends[i] - offsets[i]).collect();
+        // Allocate before claiming, so that a failed allocation leaves the books as they were.
+        self.account.check(total)?;
+        let block = host_alloc(&self.account.budget.name, total, "a plan's variables, io region and arena")?;
+        for (&bytes, &purpose) in claims.iter().zip(&PURPOSES) {
+            self.account.claim(bytes, purpose)?;
+        }
+        let piece = |i: usize| -> Result<HostMem> {
+            // SAFETY: `device_block` keeps offsets[i] + pieces[i] <= total, the block's length,
+            // so the pointer stays inside (or one past) the allocation.
+            let ptr = unsafe { block.as_mut_ptr().add(offsets[i]) };
+            let ptr = NonNull::new(ptr).ok_or_else(|| RuntimeError::invalid("null block pointer", ""))?;
+            Ok(HostMem::Pooled { ptr, len: pieces[i] })
+        };
+        let taken = [piece(0)?, piece(1)?, piece(2)?];
+        blocks.push(block);
+        Ok(taken)
+    }
 }
 
 /// Host memory, or an error naming the device and the size (never an abort).
@@ -100,6 +147,9 @@ fn host_alloc(device: &str, bytes: usize, what: &str) -> Result<HostBuffer> {
 pub struct CpuBackend {
     store: VariableStore,
     devices: Vec<HostDevice>,
+    /// The allocations plans were loaded into under growth (`HostDevice::take_block`): the
+    /// store's regions and the programs' arenas and io regions are parts of them.
+    blocks: Vec<HostBuffer>,
     tracker: Tracker,
     programs: Vec<Program>,
 }
@@ -111,6 +161,7 @@ impl CpuBackend {
         CpuBackend {
             store: VariableStore::new(seed),
             devices,
+            blocks: Vec::new(),
             tracker: Tracker::default(),
             programs: Vec::new(),
         }
@@ -123,7 +174,13 @@ impl CpuBackend {
     pub fn with_budgets(seed: u64, budgets: Vec<DeviceBudget>, tracker: Tracker) -> Result<Self> {
         let devices =
             budgets.into_iter().map(|b| HostDevice::new(b, tracker.clone())).collect::<Result<_>>()?;
-        Ok(CpuBackend { store: VariableStore::new(seed), devices, tracker, programs: Vec::new() })
+        Ok(CpuBackend {
+            store: VariableStore::new(seed),
+            devices,
+            blocks: Vec::new(),
+            tracker,
+            programs: Vec::new(),
+        })
     }
 
     pub fn store(&self) -> &VariableStore {
@@ -149,9 +206,10 @@ impl CpuBackend {
     /// Runs the program `runs` times and returns each step's kernel description and median time
     /// in nanoseconds, in step order. Guard mode's canaries are not checked here (`run` does).
     pub fn profile(&mut self, program: ProgramId, runs: usize) -> Result<Vec<(String, u64)>> {
-        self.ensure_arenas(program)?;
+        self.program(program)?;
         let store = &self.store;
-        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
+        let p = &mut self.programs[program]; // the id was checked above
+        p.ran = true;
         let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
         let mut scratch = std::mem::take(&mut p.scratch);
         for _ in 0..runs {
@@ -199,11 +257,10 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// Bytes of host memory the program's arenas and io regions hold (arenas not yet allocated
-    /// under growth count 0).
+    /// Bytes of host memory the program's arenas and io regions hold.
     pub fn program_bytes(&self, program: ProgramId) -> Result<(usize, usize)> {
         let p = self.program(program)?;
-        Ok((p.arenas.iter().flatten().map(HostMem::len).sum(), p.ios.iter().map(HostMem::len).sum()))
+        Ok((p.arenas.iter().map(HostMem::len).sum(), p.ios.iter().map(HostMem::len).sum()))
     }
 
     fn program(&self, program: ProgramId) -> Result<&Program> {
@@ -259,10 +316,22 @@ impl CpuBackend {
             debug_assert!(step.op.class() != OpClass::View);
         }
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
-        let backend_devices = &mut self.devices;
-        let slots = self
-            .store
-            .ensure_plan(&plan, |d, bytes| backend_devices[devices[d]].take(bytes, Purpose::Variable))?;
+        // One block per plan device (`take_block`): the variables it adds (taken when the store
+        // creates them, after it checked the held ones), its io region and its arena, which the
+        // caller's region replaces.
+        let align = plan.block_align();
+        let own = |d: usize| {
+            let m = &plan.devices[d].memory;
+            (m.io_bytes, if region.is_some() { 0 } else { m.arena_bytes })
+        };
+        let mut taken: Vec<Option<(HostMem, HostMem)>> = (0..plan.devices.len()).map(|_| None).collect();
+        let (backend_devices, blocks) = (&mut self.devices, &mut self.blocks);
+        let slots = self.store.ensure_plan(&plan, |d, bytes| {
+            let (io, arena) = own(d);
+            let [v, io, arena] = backend_devices[devices[d]].take_block([bytes, io, arena], align, blocks)?;
+            taken[d] = Some((io, arena));
+            Ok(v)
+        })?;
         let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
             Storage::Arena { device, offset } => Loc::Arena(device, offset),
             Storage::Io { device, offset } => Loc::Io(device, offset),
@@ -287,15 +356,21 @@ impl CpuBackend {
         let max_operands = steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
         let mut ios = Vec::with_capacity(plan.devices.len());
         let mut arenas = Vec::with_capacity(plan.devices.len());
-        for (d, dev) in plan.devices.iter().enumerate() {
-            let device = &mut self.devices[devices[d]];
-            ios.push(device.take(dev.memory.io_bytes, Purpose::Io)?);
-            // Growth: the arena waits for the first run. Preallocation: carved now.
-            arenas.push(match (region, &device.pool) {
-                // The caller's region: not in the device's budget, never freed by kiln.
-                (Some((ptr, len)), _) => Some(HostMem::Pooled { ptr, len }),
-                (None, Some(_)) => Some(device.take(dev.memory.arena_bytes, Purpose::Arena)?),
-                (None, None) => None,
+        for (d, taken) in taken.into_iter().enumerate() {
+            let (io, arena) = match taken {
+                Some(t) => t,
+                None => {
+                    let (io, arena) = own(d);
+                    let [_, io, arena] =
+                        self.devices[devices[d]].take_block([0, io, arena], align, &mut self.blocks)?;
+                    (io, arena)
+                }
+            };
+            ios.push(io);
+            // The caller's region: not in the device's budget, never freed by kiln.
+            arenas.push(match region {
+                Some((ptr, len)) => HostMem::Pooled { ptr, len },
+                None => arena,
             });
         }
         self.programs.push(Program {
@@ -303,11 +378,11 @@ impl CpuBackend {
             feeds: Feeds::new(&plan),
             guard: Guard::new(&plan),
             plan,
-            devices,
             arenas,
             ios,
             steps,
             scratch: Vec::with_capacity(max_operands),
+            ran: false,
         });
         Ok(self.programs.len() - 1)
     }
@@ -317,9 +392,9 @@ impl CpuBackend {
     fn run_overriding(&mut self, program: ProgramId, bound: &[(usize, *mut u8)]) -> Result<()> {
         let p = self.program_mut(program)?;
         p.feeds.consume(&p.plan)?;
-        self.ensure_arenas(program)?;
+        p.ran = true;
         let store = &self.store;
-        let p = &mut self.programs[program]; // the id was checked by `ensure_arenas`
+        let p = &mut self.programs[program]; // the id was checked above
         let mut scratch = std::mem::take(&mut p.scratch);
         let guard = p.guard.as_ref();
         if let Some(g) = guard {
@@ -398,17 +473,15 @@ impl CpuBackend {
         let p = self.program(program)?;
         let (value, slot) = output_slot(&p.plan, name)?;
         let v = p.plan.value(value);
+        if !p.ran {
+            return Err(RuntimeError::invalid(
+                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
+                "run the plan before exporting its outputs",
+            ));
+        }
         let base = match slot {
             Slot::Io { device, offset } => p.ios[device].as_mut_ptr() as u64 + offset as u64,
-            Slot::Arena { device, offset } => match &p.arenas[device] {
-                Some(a) => a.as_mut_ptr() as u64 + offset as u64,
-                None => {
-                    return Err(RuntimeError::invalid(
-                        format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
-                        "run the plan before exporting its outputs",
-                    ));
-                }
-            },
+            Slot::Arena { device, offset } => p.arenas[device].as_mut_ptr() as u64 + offset as u64,
         };
         // SAFETY: the output's bytes lie at `base` inside the program's memory, which lives as
         // long as the backend; the view borrows the backend.
@@ -427,20 +500,6 @@ impl CpuBackend {
         // life; the view borrows the backend.
         unsafe { crate::dlpack::view(ptr as u64, crate::dlpack::CPU, DType::F32, shape) }
     }
-
-    /// Allocates the program's arenas if this is its first run (growth policy).
-    fn ensure_arenas(&mut self, program: ProgramId) -> Result<()> {
-        self.program(program)?;
-        for d in 0..self.programs[program].arenas.len() {
-            if self.programs[program].arenas[d].is_none() {
-                let bytes = self.programs[program].plan.devices[d].memory.arena_bytes;
-                let device = self.programs[program].devices[d];
-                let mem = self.devices[device].take(bytes, Purpose::Arena)?;
-                self.programs[program].arenas[d] = Some(mem);
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Default for CpuBackend {
@@ -449,13 +508,11 @@ impl Default for CpuBackend {
     }
 }
 
-/// The memory an input or output slot lives in (arenas allocated by `ensure_arenas`).
-fn slot_mem(p: &mut Program, slot: Slot) -> Result<&mut HostMem> {
+/// The memory an input or output slot lives in.
+fn slot_mem(p: &mut Program, slot: Slot) -> &mut HostMem {
     match slot {
-        Slot::Io { device, .. } => Ok(&mut p.ios[device]),
-        Slot::Arena { device, .. } => {
-            p.arenas[device].as_mut().ok_or_else(|| RuntimeError::invalid("arena not allocated", ""))
-        }
+        Slot::Io { device, .. } => &mut p.ios[device],
+        Slot::Arena { device, .. } => &mut p.arenas[device],
     }
 }
 
@@ -468,10 +525,8 @@ fn offset_of(slot: Slot) -> usize {
 fn ptr(p: &Program, store: &VariableStore, loc: Loc) -> *mut u8 {
     match loc {
         // SAFETY: `load` validated the plan, so offset o + the buffer's bytes lie inside the
-        // arena of the plan's size, which `ensure_arenas` allocated before any run.
-        Loc::Arena(d, o) => unsafe {
-            p.arenas[d].as_ref().expect("arenas allocated before running").as_mut_ptr().add(o)
-        },
+        // arena of the plan's size, allocated (or the caller's region checked) at load.
+        Loc::Arena(d, o) => unsafe { p.arenas[d].as_mut_ptr().add(o) },
         // SAFETY: as above, inside the io region allocated at load with the plan's io size.
         Loc::Io(d, o) => unsafe { p.ios[d].as_mut_ptr().add(o) },
         Loc::Var(slot) => store.ptr(slot),
@@ -506,7 +561,7 @@ fn fill_canaries(p: &Program, g: &Guard, step: usize) {
 /// guarded plan establishes that it does).
 fn canary_ptr(p: &Program, c: &Canary) -> *mut u8 {
     let mem = match c.region {
-        Region::Arena(d) => p.arenas[d].as_ref().expect("arenas allocated before running"),
+        Region::Arena(d) => &p.arenas[d],
         Region::Io(d) => &p.ios[d],
     };
     assert!(
@@ -549,11 +604,9 @@ impl Backend for CpuBackend {
         bytes: &[u8],
     ) -> Result<()> {
         let value = check_input_bytes(&self.program(program)?.plan, name, shape, dtype, bytes)?;
-        // Inputs live in the arena: under growth it is allocated by the first feed.
-        self.ensure_arenas(program)?;
         let p = &mut self.programs[program];
         let slot = io_slot(&p.plan, value, name)?;
-        slot_mem(p, slot)?.bytes_mut(offset_of(slot), bytes.len()).copy_from_slice(bytes);
+        slot_mem(p, slot).bytes_mut(offset_of(slot), bytes.len()).copy_from_slice(bytes);
         p.feeds.fed(&p.plan, value);
         Ok(())
     }
@@ -566,14 +619,15 @@ impl Backend for CpuBackend {
         let p = self.program(program)?;
         let (value, slot) = output_slot(&p.plan, name)?;
         let shape = &p.plan.value(value).shape;
+        if !p.ran {
+            return Err(RuntimeError::invalid(
+                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
+                "run the plan (or call it) before reading its outputs",
+            ));
+        }
         let mem = match slot {
             Slot::Io { device, .. } => &p.ios[device],
-            Slot::Arena { device, .. } => p.arenas[device].as_ref().ok_or_else(|| {
-                RuntimeError::invalid(
-                    format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
-                    "run the plan (or call it) before reading its outputs",
-                )
-            })?,
+            Slot::Arena { device, .. } => &p.arenas[device],
         };
         let dtype = p.plan.value(value).dtype;
         if dtype != DType::F32 {

@@ -1,7 +1,8 @@
 //! The CUDA backend. Each device of a plan (logical devices of this GPU each get their own) has
-//! a memory budget: with growth, a plan's arena is one allocation made when the plan first
-//! runs, its io region and variables allocations made at load; with preallocation, all of them
-//! are carved from one region allocated when the first backend of the device starts. Every step's
+//! a memory budget: with growth, loading a plan makes one allocation per device for the
+//! variables it adds, its io region and its arena (`plan::device_block`: one 2 MiB granule where
+//! three took three); with preallocation, all of them are carved from one region allocated when
+//! the first backend of the device starts. Every step's
 //! kernels are generated per shape, compiled (cached) and launched on base + offset pointers, in
 //! order. A training step allocates nothing: `device_allocations` counts every allocation this
 //! backend ever made, so a test can check that it does not move while steps run.
@@ -28,12 +29,13 @@ use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
 use kiln_compiler::device::human_bytes;
 use kiln_compiler::ir::{DType, Shape};
-use kiln_compiler::plan::{Storage, VariableSpec};
+use kiln_compiler::plan::{Storage, VariableSpec, device_block};
 use kiln_kernels::cuda::{self, Arg, CudaKernel, Launch};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-/// Device memory: an allocation of its own (freed on drop), or a piece of a preallocated pool.
+/// Device memory: an allocation of its own (freed on drop), or a piece of an allocation the
+/// backend keeps (a preallocated pool, a plan's block).
 struct DeviceMem {
     ptr: u64,
     owner: Option<Arc<dyn Driver>>,
@@ -72,10 +74,8 @@ struct Program {
     plan: Plan,
     /// The arena lies in the caller's region (`load_into`): inputs may be written there in place.
     owned_region: bool,
-    /// The backend device of each plan device.
-    devices: Vec<usize>,
-    /// One arena per plan device; `None` until the first run under the growth policy.
-    arenas: Vec<Option<DeviceMem>>,
+    /// One arena per plan device.
+    arenas: Vec<DeviceMem>,
     ios: Vec<DeviceMem>,
     launches: Vec<BoundLaunch>,
     bound: bool,
@@ -87,6 +87,8 @@ struct Program {
     recording: Option<Recording>,
     /// Whether recording was tried since the launches were last bound.
     recorded: bool,
+    /// Whether a run started (its inputs were all fed): outputs read before are refused.
+    ran: bool,
 }
 
 /// A variable: its spec and its address inside one of the backend's variable regions.
@@ -135,9 +137,9 @@ pub struct CudaBackend {
     devices: Vec<GpuDevice>,
     tracker: Tracker,
     variables: HashMap<String, Variable>,
-    /// The variable regions (`crate::store::new_region`): one allocation per plan device for
-    /// the variables a loaded plan declared first.
-    variable_regions: Vec<DeviceMem>,
+    /// The allocations plans were loaded into under growth (`take_block`): the variables a plan
+    /// declared first, its io region and its arena are parts of one per plan device.
+    blocks: Vec<DeviceMem>,
     programs: Vec<Program>,
     device_allocations: u64,
     device_allocated_bytes: usize,
@@ -221,7 +223,7 @@ impl CudaBackend {
             devices: Vec::new(),
             tracker,
             variables: HashMap::new(),
-            variable_regions: Vec::new(),
+            blocks: Vec::new(),
             programs: Vec::new(),
             device_allocations: 0,
             device_allocated_bytes: 0,
@@ -398,9 +400,54 @@ impl CudaBackend {
         }
     }
 
-    /// The device address of every variable of `plan` (in `plan.variables` order): held ones
-    /// checked against their spec, new ones created one region per plan device and initialised.
-    fn ensure_variables(&mut self, plan: &Plan, devices: &[usize]) -> Result<Vec<u64>> {
+    /// A plan's memory on backend device `device`: the variable region it adds, its io region
+    /// and its arena (`[bytes; 3]`, purposes in that order). Growth: one allocation laid out by
+    /// `plan::device_block`, kept in `blocks` for the backend's life, the pieces parts of it.
+    /// Preallocation: each carved from the pool.
+    fn take_block(&mut self, device: usize, pieces: [usize; 3], align: usize) -> Result<[DeviceMem; 3]> {
+        const PURPOSES: [Purpose; 3] = [Purpose::Variable, Purpose::Io, Purpose::Arena];
+        let books = self.devices[device].books.clone();
+        let mut books = books.lock().unwrap_or_else(|e| e.into_inner());
+        if books.pool.is_some() {
+            drop(books);
+            let [v, io, arena] = pieces;
+            return Ok([
+                self.take(device, v, Purpose::Variable)?,
+                self.take(device, io, Purpose::Io)?,
+                self.take(device, arena, Purpose::Arena)?,
+            ]);
+        }
+        let (offsets, total) = device_block(pieces, align).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!(
+                    "device {}: a plan's memory of {pieces:?} bytes overflows",
+                    self.devices[device].name
+                ),
+                "compile a smaller plan",
+            )
+        })?;
+        let piece = |base: u64, i: usize| DeviceMem { ptr: base + offsets[i] as u64, owner: None };
+        if total == 0 {
+            // Nothing to hold: no allocation, and no address is ever formed.
+            return Ok([piece(0, 0), piece(0, 1), piece(0, 2)]);
+        }
+        // Allocate before claiming, so that a failed allocation leaves the books as they were.
+        // Each piece is claimed (for the statistics by purpose) up to where the next begins, so
+        // the claims add up to the allocation.
+        let rounded = books.account.check(total)?;
+        let block = self.alloc(total)?;
+        let ends = [offsets[1], offsets[2], total];
+        for i in 0..3 {
+            books.account.claim(ends[i] - offsets[i], PURPOSES[i])?;
+        }
+        self.devices[device].grown += rounded;
+        let taken = [piece(block.ptr, 0), piece(block.ptr, 1), piece(block.ptr, 2)];
+        self.blocks.push(block);
+        Ok(taken)
+    }
+
+    /// Checks the variables of `plan` the backend holds already against the plan's specs.
+    fn check_variables(&self, plan: &Plan) -> Result<()> {
         for spec in &plan.variables {
             if let Some(v) = self.variables.get(&spec.key)
                 && (v.spec.shape != spec.shape || v.spec.dtype != spec.dtype)
@@ -413,17 +460,40 @@ impl CudaBackend {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// A plan's memory on every device (`take_block`), its new variables created and
+    /// initialised: the address of every variable (in `plan.variables` order), and each plan
+    /// device's io region and arena (None where the caller's region holds the arena).
+    #[allow(clippy::type_complexity)]
+    fn take_plan_memory(
+        &mut self,
+        plan: &Plan,
+        devices: &[usize],
+        owned_arena: bool,
+    ) -> Result<(Vec<u64>, Vec<DeviceMem>, Vec<Option<DeviceMem>>)> {
+        self.check_variables(plan)?;
+        let mut ios = Vec::with_capacity(devices.len());
+        let mut arenas = Vec::with_capacity(devices.len());
         for (d, &device) in devices.iter().enumerate() {
-            let Some(region) = new_region(plan, d, |key| self.variables.contains_key(key)) else { continue };
-            let mem = self.take(device, region.bytes, Purpose::Variable)?;
-            for (spec, &offset) in region.variables.iter().zip(&region.offsets) {
-                let ptr = mem.ptr + offset as u64;
+            let region = new_region(plan, d, |key| self.variables.contains_key(key));
+            let m = &plan.devices[d].memory;
+            let arena = if owned_arena { 0 } else { m.arena_bytes };
+            let [vars, io, arena_mem] = self.take_block(
+                device,
+                [region.as_ref().map_or(0, |r| r.bytes), m.io_bytes, arena],
+                plan.block_align(),
+            )?;
+            for (spec, &offset) in region.iter().flat_map(|r| r.variables.iter().zip(&r.offsets)) {
+                let ptr = vars.ptr + offset as u64;
                 self.htod(ptr, &initial_values(spec.init, &spec.shape, self.seed, &spec.key))?;
                 self.variables.insert(spec.key.clone(), Variable { spec: (*spec).clone(), ptr });
             }
-            self.variable_regions.push(mem);
+            ios.push(io);
+            arenas.push((!owned_arena).then_some(arena_mem));
         }
-        Ok(plan.variables.iter().map(|v| self.variables[&v.key].ptr).collect())
+        Ok((plan.variables.iter().map(|v| self.variables[&v.key].ptr).collect(), ios, arenas))
     }
 
     fn htod(&self, dst: u64, data: &[f32]) -> Result<()> {
@@ -454,6 +524,7 @@ impl CudaBackend {
     pub fn profile(&mut self, program: ProgramId) -> Result<Vec<(String, String, f64)>> {
         let p = self.program_mut(program)?;
         p.feeds.consume(&p.plan)?;
+        p.ran = true;
         self.bind(program)?;
         let p = self.program(program)?;
         let mut out = Vec::with_capacity(p.launches.len());
@@ -592,20 +663,12 @@ impl CudaBackend {
         let kernels = plan_kernels(&plan)?;
         let refs: Vec<&CudaKernel> = kernels.iter().collect();
         let functions = self.driver.load(&refs)?;
-        let var_ptrs = self.ensure_variables(&plan, &devices)?;
-        let mut ios = Vec::with_capacity(plan.devices.len());
-        let mut arenas = Vec::with_capacity(plan.devices.len());
-        for (d, dev) in plan.devices.iter().enumerate() {
-            ios.push(self.take(devices[d], dev.memory.io_bytes, Purpose::Io)?);
-            // Growth: the arena waits for the first run. Preallocation: carved now.
-            let pooled = self.devices[devices[d]].books().pool.is_some();
-            arenas.push(match (region, pooled) {
-                // The caller's region: not in the device's budget, never freed by kiln.
-                (Some((ptr, _)), _) => Some(DeviceMem { ptr, owner: None }),
-                (None, true) => Some(self.take(devices[d], dev.memory.arena_bytes, Purpose::Arena)?),
-                (None, false) => None,
-            });
-        }
+        let (var_ptrs, ios, arenas) = self.take_plan_memory(&plan, &devices, region.is_some())?;
+        // The caller's region: not in the device's budget, never freed by kiln.
+        let arenas: Vec<DeviceMem> = arenas
+            .into_iter()
+            .map(|a| a.unwrap_or(DeviceMem { ptr: region.map_or(0, |(ptr, _)| ptr), owner: None }))
+            .collect();
         let loc = |value: usize| -> Loc {
             match plan.buffers[plan.values[value].buffer].storage {
                 Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
@@ -651,13 +714,13 @@ impl CudaBackend {
             feeds: Feeds::new(&plan),
             guard: Guard::new(&plan),
             plan,
-            devices,
             arenas,
             ios,
             launches,
             bound: false,
             recording: None,
             recorded: false,
+            ran: false,
         });
         Ok(self.programs.len() - 1)
     }
@@ -673,7 +736,7 @@ impl CudaBackend {
         let plan = &self.program(program)?.plan;
         let (value, _) = output_slot(plan, name)?;
         let v = plan.value(value);
-        let addr = self.io_address(program, value, name)?;
+        let addr = self.output_address(program, value, name)?;
         // SAFETY: the output's bytes lie at `addr` in the program's device memory, which lives
         // as long as the backend; the view borrows the backend.
         unsafe { crate::dlpack::view(addr, self.dl_device(), v.dtype, &v.shape) }
@@ -712,6 +775,7 @@ impl CudaBackend {
             p.feeds.fed(&p.plan, value);
         }
         p.feeds.consume(&p.plan)?;
+        p.ran = true;
         self.bind(program)?;
         let p = self.program(program)?;
         for l in &p.launches {
@@ -764,16 +828,8 @@ impl CudaBackend {
         if self.program(program)?.bound {
             return Ok(());
         }
-        for d in 0..self.programs[program].arenas.len() {
-            if self.programs[program].arenas[d].is_none() {
-                let bytes = self.programs[program].plan.devices[d].memory.arena_bytes;
-                let device = self.programs[program].devices[d];
-                let mem = self.take(device, bytes, Purpose::Arena)?;
-                self.programs[program].arenas[d] = Some(mem);
-            }
-        }
         let p = self.program_mut(program)?;
-        let arena: Vec<u64> = p.arenas.iter().map(|a| a.as_ref().map_or(0, |m| m.ptr)).collect();
+        let arena: Vec<u64> = p.arenas.iter().map(|m| m.ptr).collect();
         let io: Vec<u64> = p.ios.iter().map(|m| m.ptr).collect();
         for l in &mut p.launches {
             l.args = l
@@ -799,18 +855,24 @@ impl CudaBackend {
         self.programs.get_mut(program).ok_or_else(|| no_program(program, loaded))
     }
 
+    /// The device address of output `name` (value `value`), once a run finished.
+    fn output_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
+        let p = self.program(program)?;
+        if !p.ran {
+            return Err(RuntimeError::invalid(
+                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
+                "run the plan (or call it) before reading its outputs",
+            ));
+        }
+        self.io_address(program, value, name)
+    }
+
     /// The device address of an input or output (the arena must be bound: `bind`).
     fn io_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
         let p = self.program(program)?;
         match io_slot(&p.plan, value, name)? {
             Slot::Io { device, offset } => Ok(p.ios[device].ptr + offset as u64),
-            Slot::Arena { device, offset } => match &p.arenas[device] {
-                Some(a) => Ok(a.ptr + offset as u64),
-                None => Err(RuntimeError::invalid(
-                    format!("`{name}` of plan {:?} is in an arena not allocated yet", p.plan.name),
-                    "feed the inputs and run the plan before reading its outputs",
-                )),
-            },
+            Slot::Arena { device, offset } => Ok(p.arenas[device].ptr + offset as u64),
         }
     }
 }
@@ -819,7 +881,7 @@ impl CudaBackend {
 /// a guarded plan keeps every canary inside the arena or io region allocated with the plan's size.
 fn canary_address(p: &Program, c: &Canary) -> Result<u64> {
     let base = match c.region {
-        Region::Arena(d) => p.arenas.get(d).and_then(|a| a.as_ref()).map(|m| m.ptr),
+        Region::Arena(d) => p.arenas.get(d).map(|m| m.ptr),
         Region::Io(d) => p.ios.get(d).map(|m| m.ptr),
     };
     base.map(|b| b + c.range.start as u64)
@@ -892,7 +954,6 @@ impl Backend for CudaBackend {
         bytes: &[u8],
     ) -> Result<()> {
         let value = check_input_bytes(&self.program(program)?.plan, name, shape, dtype, bytes)?;
-        // Inputs live in the arena: under growth it is allocated by the first feed.
         self.bind(program)?;
         let dst = self.io_address(program, value, name)?;
         self.htod_bytes(dst, bytes)?;
@@ -904,6 +965,7 @@ impl Backend for CudaBackend {
     fn run(&mut self, program: ProgramId) -> Result<()> {
         let p = self.program_mut(program)?;
         p.feeds.consume(&p.plan)?;
+        p.ran = true;
         self.bind(program)?;
         let p = self.program(program)?;
         if let Some(g) = &p.guard {
@@ -948,7 +1010,7 @@ impl Backend for CudaBackend {
         let (value, _) = output_slot(plan, name)?;
         let shape = plan.value(value).shape.clone();
         let dtype = plan.value(value).dtype;
-        let src = self.io_address(program, value, name)?;
+        let src = self.output_address(program, value, name)?;
         if dtype != DType::F32 {
             return HostTensor::from_bytes(
                 shape.clone(),
