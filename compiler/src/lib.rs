@@ -38,6 +38,7 @@ pub mod passes;
 pub mod placement;
 pub mod plan;
 pub mod planner;
+pub mod pool_relu_grad;
 pub mod product_updates;
 pub mod remat;
 pub mod schedule;
@@ -192,6 +193,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
+    pool_relu_grad::rewrite(&mut graph)?;
     let split = if options.fuse {
         log_softmax_split::split(&mut graph)?
     } else {

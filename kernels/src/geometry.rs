@@ -34,6 +34,17 @@ impl Geom {
         Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw }
     }
 
+    /// Whether the windows cover the input exactly once each element (`Window2d::tiles`): a
+    /// pooling gradient may then be written over its input, a window at a time.
+    pub fn tiles(&self) -> bool {
+        self.sh == self.kh
+            && self.sw == self.kw
+            && self.ph == 0
+            && self.pw == 0
+            && self.oh * self.kh == self.h
+            && self.ow * self.kw == self.w
+    }
+
     /// The same over a pooling input: as many output channels as input channels.
     pub fn pool(x: &Shape, window: &Window2d) -> Geom {
         Geom::new(x, window, x.dims()[3])

@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use kiln_compiler::ir::{Op, Padding, PoolKind, Shape, Window2d};
+use kiln_compiler::ir::{DType, Op, Padding, PoolKind, Shape, Window2d};
 
 fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
     Window2d { size, stride, padding }
@@ -184,6 +184,9 @@ fn pooling_and_gradients_match_direct_loops() {
         cases.push(([1, 8, 9, 3], win([2, 3], [1, 2], padding)));
         cases.push(([1, 5, 5, 1], win([1, 1], [2, 2], padding)));
         cases.push(([2, 16, 16, 70], win([3, 3], [2, 2], padding)));
+        // Windows that tile the input: the gradient's window-at-a-time path.
+        cases.push(([2, 6, 8, 70], win([2, 2], [2, 2], padding)));
+        cases.push(([1, 6, 9, 3], win([3, 3], [3, 3], padding)));
     }
     for (i, (xd, w)) in cases.into_iter().enumerate() {
         let x = rand(&xd, 40 + i as u64);
@@ -298,4 +301,57 @@ proptest::proptest! {
             }
         }
     }
+}
+
+#[test]
+fn max_pool_grad_written_over_its_input_where_windows_tile_it() {
+    // `Op::may_write_over` lets the plan put dx in x's buffer exactly where the windows tile x.
+    for (xd, w, tiles) in [
+        ([2, 6, 8, 70], win([2, 2], [2, 2], Padding::Valid), true),
+        ([1, 6, 9, 3], win([3, 3], [3, 3], Padding::Same), true),
+        ([1, 7, 8, 3], win([2, 2], [2, 2], Padding::Valid), false),
+        ([1, 6, 6, 3], win([3, 3], [2, 2], Padding::Same), false),
+        ([1, 6, 6, 3], win([2, 2], [1, 1], Padding::Valid), false),
+    ] {
+        let op = Op::Pool2dGrad { kind: PoolKind::Max, window: w };
+        assert_eq!(op.may_write_over(0, &Shape::from(xd)), tiles, "{xd:?} {w:?}");
+        assert!(!op.may_write_over(1, &Shape::from(xd)));
+        if !tiles {
+            continue;
+        }
+        for x in [rand(&xd, 7), ties(&xd)] {
+            let y = run(&Op::Pool2d { kind: PoolKind::Max, window: w }, &[&x]);
+            let dy = rand(&y.dims, 8);
+            let apart = run(&op, &[&x, &dy]);
+            let over = run_aliased_first(&op, &x, &dy);
+            assert_eq!(
+                apart.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                over.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{xd:?}: the same bits in place"
+            );
+        }
+    }
+}
+
+/// Values on a coarse grid: many ties, each routed to the window's first maximum.
+fn ties(dims: &[usize]) -> T {
+    let n: usize = dims.iter().product();
+    T::new(dims, (0..n).map(|i| ((i * 7) % 3) as f32).collect())
+}
+
+/// Runs a two-operand op with its output written over its first operand's buffer.
+fn run_aliased_first(op: &Op, a: &T, b: &T) -> T {
+    let shapes = [Shape::new(a.dims.clone()), Shape::new(b.dims.clone())];
+    let k = kiln_kernels::cpu::prepare(
+        op,
+        &[(&shapes[0], DType::F32), (&shapes[1], DType::F32)],
+        (&shapes[0], DType::F32),
+    )
+    .unwrap();
+    let (mut x, mut y) = (a.data.clone(), b.data.clone());
+    let ptrs = [x.as_mut_ptr() as *mut u8, y.as_mut_ptr() as *mut u8];
+    // SAFETY: buffers sized from the shapes; the output is the first operand's buffer, which the
+    // op allows (`may_write_over`, checked by the caller).
+    unsafe { k.run(&ptrs, ptrs[0]) };
+    T::new(&a.dims, x)
 }

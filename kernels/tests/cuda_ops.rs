@@ -372,6 +372,9 @@ fn cases() -> Vec<Case> {
         ([1, 7, 7, 2], win([3, 3], [2, 2], Padding::Same)),
         ([2, 5, 8, 3], win([2, 3], [1, 2], Padding::Same)),
         ([1, 8, 8, 1], win([4, 4], [3, 3], Padding::Same)),
+        // Windows that tile the input: max pooling's gradient a window per thread.
+        ([2, 6, 8, 5], win([2, 2], [2, 2], Padding::Valid)),
+        ([1, 6, 9, 3], win([3, 3], [3, 3], Padding::Same)),
     ];
     for (i, (x, w)) in pools.iter().enumerate() {
         for kind in [PoolKind::Max, PoolKind::Avg] {
@@ -990,7 +993,14 @@ fn check(c: &Case, k: &CudaKernel) {
         let l = &k.launches[0];
         let threads = l.grid[0] as usize * l.block[0] as usize;
         let vector = if k.describe.contains("float4") { 4 } else { 1 };
-        let need = written.div_ceil(vector).min(65536 * 256);
+        // Max pooling's gradient where the windows tile x: a thread per window.
+        let per = match &c.op {
+            Op::Pool2dGrad { window, .. } if k.describe.contains("a window per thread") => {
+                window.size[0] * window.size[1]
+            }
+            _ => vector,
+        };
+        let need = written.div_ceil(per).min(65536 * 256);
         assert!(threads >= need, "{name}: {threads} threads for {need} elements");
     }
 }

@@ -211,6 +211,20 @@ impl Window2d {
     /// enough that no index arithmetic over a window overflows.
     pub const MAX_SIDE: usize = 1 << 20;
 
+    /// Whether the windows cover an NHWC input of this shape exactly once each element: stride
+    /// equal to the window, every spatial extent a multiple of it, and so no padding.
+    pub fn tiles(&self, input: &Shape) -> bool {
+        let d = input.dims();
+        d.len() == 4
+            && (0..2).all(|a| {
+                let (k, extent) = (self.size[a], d[1 + a]);
+                self.stride[a] == k
+                    && k > 0
+                    && extent % k == 0
+                    && self.out_and_pad(a, extent) == Some((extent / k, 0))
+            })
+    }
+
     /// Output extent and the padding before the first element, for one spatial axis.
     pub fn out_and_pad(&self, axis: usize, input: usize) -> Option<(usize, usize)> {
         let (k, s) = (self.size[axis], self.stride[axis]);
@@ -468,7 +482,9 @@ impl Op {
     /// rows before writing them (a row block of an untransposed first factor is contiguous); a
     /// CUDA thread reads an element's epilogue operands before it stores the element. Writing
     /// relu's gradient over the activation it reads saves one activation-sized buffer at a
-    /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B).
+    /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B). Max pooling's
+    /// gradient: over x (operand 0) where the windows tile it, each window's x read before its
+    /// dx is written.
     pub fn may_write_over(&self, i: usize, output: &super::Shape) -> bool {
         match self {
             Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => {
@@ -478,6 +494,9 @@ impl Op {
                     && i >= 2
             }
             Op::Custom { name } => crate::custom::lookup(name).is_some_and(|c| c.in_place() == Some(i)),
+            // Over x where the windows tile it: the kernels then work a window at a time, reading
+            // the window's x before writing its dx (`pool_relu_grad`).
+            Op::Pool2dGrad { kind: PoolKind::Max, window } => i == 0 && window.tiles(output),
             _ => self.class() == OpClass::Elementwise,
         }
     }

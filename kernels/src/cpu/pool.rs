@@ -5,7 +5,8 @@
 //! dy to the first maximum in row-major window order, as TensorFlow does, and accumulates where
 //! windows overlap. Every loop runs over a contiguous block of channels, so the inner loops are
 //! vectorisable; gradients are computed per (image, channel block), which makes the tasks' outputs
-//! disjoint even when windows overlap.
+//! disjoint even when windows overlap. Where max pooling's windows tile the input, its gradient
+//! goes a window at a time and may be written over the input (`Op::may_write_over`).
 
 use super::math::max_nan;
 use super::par::{SendPtr, par_ranges};
@@ -130,6 +131,65 @@ pub(crate) fn avg_pool2d_grad(name: &str, input: &Shape, window: &Window2d) -> B
 }
 
 impl PoolGrad {
+    /// Max pooling's dx for image n, channels c0..c0+w, where the windows tile x (`Geom::tiles`):
+    /// a window at a time, its x read before its dx is written (0.0 + dy at the first maximum,
+    /// 0.0 elsewhere: the bits of `block`), so dx may be x's own buffer (`Op::may_write_over`).
+    ///
+    /// # Safety
+    /// `x`, `dy`, `dx` hold the tensors (`dx` may be `x`); no other thread touches these channels
+    /// of image n.
+    unsafe fn tiled_max_block(
+        &self,
+        x: *const f32,
+        dy: *const f32,
+        dx: *mut f32,
+        n: usize,
+        c0: usize,
+        w: usize,
+    ) {
+        let g = &self.g;
+        let c = g.c;
+        let pixel = |ih: usize, iw: usize| ((n * g.h + ih) * g.w + iw) * c + c0;
+        let mut best = [0f32; CHANNELS];
+        let mut at = [0usize; CHANNELS];
+        for oh in 0..g.oh {
+            for ow in 0..g.ow {
+                let (h0, w0) = (oh * g.kh, ow * g.kw);
+                let first = pixel(h0, w0);
+                // Reads through raw pointers only, none held across the writes below.
+                for (j, b) in best[..w].iter_mut().enumerate() {
+                    // SAFETY: channel c0 + j of the window's first pixel.
+                    *b = unsafe { *x.add(first + j) };
+                }
+                at[..w].fill(first);
+                for ih in h0..h0 + g.kh {
+                    for iw in w0..w0 + g.kw {
+                        let p = pixel(ih, iw);
+                        for j in 0..w {
+                            // SAFETY: an in-bounds pixel of the window, this task's channels.
+                            let v = unsafe { *x.add(p + j) };
+                            if v > best[j] {
+                                best[j] = v;
+                                at[j] = p;
+                            }
+                        }
+                    }
+                }
+                let d = ((n * g.oh + oh) * g.ow + ow) * c + c0;
+                for ih in h0..h0 + g.kh {
+                    for iw in w0..w0 + g.kw {
+                        let p = pixel(ih, iw);
+                        for (j, &a) in at[..w].iter().enumerate() {
+                            // SAFETY: dy's pixel (n, oh, ow) and dx's pixel p, this task's
+                            // channels; the window's x was read above.
+                            unsafe { *dx.add(p + j) = if a == p { 0.0 + *dy.add(d + j) } else { 0.0 } };
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// dx for image n, channels c0..c0+w.
     ///
     /// # Safety
@@ -200,13 +260,20 @@ impl CpuKernel for PoolGrad {
         let (x, dy) = (SendPtr::new(x), SendPtr::new(inputs[self.dy_input] as *mut f32));
         let dx = SendPtr::new(output as *mut f32);
         let blocks = g.c.div_ceil(CHANNELS);
+        let tiled = self.kind == PoolKind::Max && self.dy_input == 1 && g.tiles();
         let cost = (g.h * g.w + g.oh * g.ow * g.kh * g.kw) * CHANNELS.min(g.c);
         par_ranges(g.n * blocks, cost, |s, e| {
             for t in s..e {
                 let (n, b) = (t / blocks, t % blocks);
                 let c0 = b * CHANNELS;
-                // SAFETY: task t owns channels c0.. of image n.
-                unsafe { self.block(x.get(), dy.get(), dx.get(), n, c0, CHANNELS.min(g.c - c0)) };
+                let w = CHANNELS.min(g.c - c0);
+                // SAFETY: task t owns channels c0.. of image n; dx is x's buffer only where the
+                // windows tile x (`Op::may_write_over`), which the tiled kernel allows.
+                if tiled {
+                    unsafe { self.tiled_max_block(x.get(), dy.get(), dx.get(), n, c0, w) };
+                } else {
+                    unsafe { self.block(x.get(), dy.get(), dx.get(), n, c0, w) };
+                }
             }
         });
     }

@@ -127,6 +127,9 @@ fn grad(
 ) -> CudaKernel {
     let dy_in = if with_x { "in1" } else { "in0" };
     let g = Geom::pool(x, window);
+    if kind == PoolKind::Max && with_x && g.tiles() {
+        return max_grad_tiled(name, label, x, &g, dy);
+    }
     let ty = idx_type(x.numel().max(dy.numel()));
     let work = x.numel();
     let fname = format!("kiln_{name}");
@@ -193,5 +196,56 @@ fn grad(
             args: (0..operands.len()).map(Arg::Input).chain([Arg::Output]).collect(),
         }],
         describe: format!("{name} {} {} (gather over windows)", g.text(), shape_text(x)),
+    }
+}
+
+/// Max pooling's gradient where the windows tile x: a thread per window and channel finds the
+/// window's first maximum, then writes the window's dx (0.0 + dy at the maximum, 0.0 elsewhere:
+/// the bits of the gather kernel and the CPU's). Each thread reads its window's x before writing
+/// its dx, and no two windows share an element, so dx may be x's own buffer (`Op::may_write_over`):
+/// the pointers are not `__restrict__`.
+fn max_grad_tiled(name: &str, label: &str, x: &Shape, g: &Geom, dy: &Shape) -> CudaKernel {
+    let ty = idx_type(x.numel().max(dy.numel()));
+    let work = dy.numel();
+    let fname = format!("kiln_{name}");
+    let mut c = Code::new();
+    c.line(header(label, &[x, dy], Some(x)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(2, true, false)));
+    c.line(grid_loop(ty, "e", work));
+    c.line(format!("const int c_ = (int)(e % {});", g.c));
+    c.line(format!("{ty} q = e / {};", g.c));
+    c.line(format!("const int ow = (int)(q % {}); q /= {};", g.ow, g.ow));
+    c.line(format!("const int oh = (int)(q % {});", g.oh));
+    c.line(format!("const {ty} n_ = q / {};", g.oh));
+    c.line("const float d = in1[e];");
+    c.line(format!("const int h0 = oh * {}, w0 = ow * {};", g.kh, g.kw));
+    c.line("// the window's first maximum, in row-major order");
+    c.line(format!("float best = in0[{}];", g.pixel("n_", "h0", "w0")));
+    c.line("int bh = h0, bw = w0;");
+    c.line(format!("for (int ih = h0; ih < h0 + {}; ++ih) {{", g.kh));
+    c.line(format!("for (int iw = w0; iw < w0 + {}; ++iw) {{", g.kw));
+    c.line(format!("const float v = in0[{}];", g.pixel("n_", "ih", "iw")));
+    c.line("if (v > best) {");
+    c.line("best = v; bh = ih; bw = iw;");
+    c.line("}");
+    c.line("}");
+    c.line("}");
+    c.line(format!("for (int ih = h0; ih < h0 + {}; ++ih) {{", g.kh));
+    c.line(format!("for (int iw = w0; iw < w0 + {}; ++iw) {{", g.kw));
+    c.line(format!("out[{}] = (ih == bh && iw == bw) ? 0.0f + d : 0.0f;", g.pixel("n_", "ih", "iw")));
+    c.line("}");
+    c.line("}");
+    c.line("}");
+    c.line("}");
+    CudaKernel {
+        source: c.finish(),
+        launches: vec![Launch {
+            function: fname,
+            grid: grid_for(work, BLOCK),
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+            args: vec![Arg::Input(0), Arg::Input(1), Arg::Output],
+        }],
+        describe: format!("{name} {} {} (a window per thread)", g.text(), shape_text(x)),
     }
 }
