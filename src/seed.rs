@@ -54,7 +54,7 @@ pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
     }
     let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
     s.push_str(&format!(
-        "\nmemory report (bytes; persistent = parameters + optimizer state + io; device = variable region and arena, each allocation at 2 MiB, as if the plan were loaded alone (plans of one model share the variable region); one plan per input shape)\n{}",
+        "\nmemory report (bytes; persistent = parameters + optimizer state + io; device = the plan's one allocation (variable region, io region and arena) at 2 MiB granules, as if the plan were loaded alone (a later plan of the model finds the variables in place); one plan per input shape)\n{}",
         table(&rows)
     ));
     s
