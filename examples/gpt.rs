@@ -1,8 +1,10 @@
 //! A small GPT trained on real English text, byte by byte: `cargo run --release --example gpt`.
 //!
-//! The text is `examples/data/shakespeare.txt` (200 KB of Shakespeare's plays, public domain,
-//! from the tinyshakespeare corpus) unless a path is given: `cargo run --release --example gpt
-//! -- path/to/any.txt` (the whole tinyshakespeare, 1.1 MB, or any UTF-8 text). A byte-level
+//! The text: a path if one is given (`cargo run --release --example gpt -- path/to/any.txt`);
+//! else the King James Bible (public domain, 4.3 MB of English) where Debian's `bible-kjv`
+//! package is installed (`sudo apt-get install bible-kjv`: its `bible` program prints the text,
+//! the verse references are dropped); else `examples/data/shakespeare.txt` in the repository
+//! (200 KB of Shakespeare's plays, public domain, from the tinyshakespeare corpus). A byte-level
 //! tokenizer (every byte its own token, 256 of them), 90% of the text to train on and the last
 //! 10% held out. The model: token and position embeddings, `LAYERS` pre-LN blocks of causal
 //! multi-head attention and a tanh-GELU MLP, a final layer norm and a head over the 256 bytes,
@@ -98,16 +100,44 @@ fn sample(trainer: &mut Trainer, prompt: &[u8], count: usize, rng: &mut StdRng) 
     Ok(String::from_utf8_lossy(&text[prompt.len()..]).into_owned())
 }
 
-fn main() -> Result<()> {
-    let path = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/shakespeare.txt").to_string());
+/// The King James Bible as Debian's `bible-kjv` prints it, one verse a line without its
+/// reference ("Ge1:1 In the beginning ..." -> "In the beginning ..."); None where the package
+/// is not installed (or prints nothing).
+fn packaged_text() -> Option<Vec<u8>> {
+    let out = std::process::Command::new("bible").args(["-f", "gen1:1-rev22:21"]).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let mut text = Vec::with_capacity(out.stdout.len());
+    for line in out.stdout.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        let verse = line.iter().position(|&b| b == b' ').map_or(&line[..0], |i| &line[i + 1..]);
+        text.extend_from_slice(verse);
+        text.push(b'\n');
+    }
+    (text.len() > 1 << 20).then_some(text)
+}
+
+/// The text to learn and what to call it: the path given, else the packaged text, else the
+/// repository's.
+fn text() -> Result<(String, Vec<u8>)> {
+    let path = match std::env::args().nth(1) {
+        Some(path) => path,
+        None => match packaged_text() {
+            Some(text) => return Ok(("the King James Bible (Debian's bible-kjv)".into(), text)),
+            None => concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/shakespeare.txt").to_string(),
+        },
+    };
     let text = std::fs::read(&path).map_err(|e| {
         RuntimeError::invalid(
             format!("cannot read the text {path}: {e}"),
             "pass the path of a UTF-8 text file, or run from the repository so that examples/data is there",
         )
     })?;
+    Ok((path, text))
+}
+
+fn main() -> Result<()> {
+    let (path, text) = text()?;
     let seconds: u64 = std::env::var("KILN_GPT_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(90);
     let split = text.len() * 9 / 10;
     let (train, held) = (&text[..split], &text[split..]);
