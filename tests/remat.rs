@@ -35,9 +35,11 @@ fn limit(free: &Plan, fraction: f64) -> usize {
 
 #[test]
 fn zoo_steps_fit_by_recomputing_and_compute_the_same() {
-    // The transformer fits in half its arena; the cnn's first max-pool gradient alone needs more
-    // than half (its input and its result, each a quarter of the arena), so it is held to 0.65.
-    for (name, batch, fraction) in [("transformer", 8, 0.5), ("cnn", 16, 0.65)] {
+    // The transformer fits in half its arena, the cnn in 0.7 of its own: its fused arena is
+    // already what the backward pass must hold (input gradients written over their activations,
+    // `conv_relu_grad`), and two recomputed 32x32 activations are a quarter of it each (at 0.65,
+    // the fraction before that fusion, recomputation now reaches 11.46 MiB of 11.44).
+    for (name, batch, fraction) in [("transformer", 8, 0.5), ("cnn", 16, 0.7)] {
         let m = zoo::by_name(name).unwrap().with_batch(batch);
         let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
         let free = compile(graph.clone(), &untiled(None)).unwrap();

@@ -21,6 +21,7 @@
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 
 pub mod autodiff;
+pub mod conv_relu_grad;
 pub mod custom;
 pub mod device;
 pub mod error;
@@ -194,10 +195,10 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
     pool_relu_grad::rewrite(&mut graph)?;
-    let split = if options.fuse {
-        log_softmax_split::split(&mut graph)?
+    let (conv_relu_grads, split) = if options.fuse {
+        (conv_relu_grad::rewrite(&mut graph)?, log_softmax_split::split(&mut graph)?)
     } else {
-        log_softmax_split::SplitFigures::default()
+        (0, log_softmax_split::SplitFigures::default())
     };
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = options.devices.iter().any(|d| d.memory_limit.is_some()).then(|| graph.clone());
@@ -212,6 +213,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         plan.memory.fused_ops = fused.ops;
         plan.memory.log_softmax_splits = split.split;
         plan.memory.split_added_ops = split.added_ops;
+        plan.memory.conv_relu_grads = conv_relu_grads;
     }
     let Err(oom) = limits::check(&variants[0].1) else {
         return Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least"));
@@ -240,6 +242,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
                 plan.memory.fused_ops = fused.ops;
                 plan.memory.log_softmax_splits = split.split;
                 plan.memory.split_added_ops = split.added_ops;
+                plan.memory.conv_relu_grads = conv_relu_grads;
                 if !outcome.figures.recomputed.is_empty() {
                     plan.memory.remat = Some(outcome.figures);
                 }

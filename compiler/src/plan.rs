@@ -165,6 +165,10 @@ pub struct MemoryFigures {
     pub log_softmax_splits: usize,
     #[serde(default)]
     pub split_added_ops: usize,
+    /// Convolution input gradients fused with the ReLU gradient that read them
+    /// (`conv_relu_grad`; set on the totals): each replaces two ops.
+    #[serde(default)]
+    pub conv_relu_grads: usize,
     /// Optimizer updates that compute their own gradient product (`product_updates`; set on the
     /// totals): each replaces two ops, and the gradient is never stored.
     #[serde(default)]

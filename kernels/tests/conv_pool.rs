@@ -355,3 +355,38 @@ fn run_aliased_first(op: &Op, a: &T, b: &T) -> T {
     unsafe { k.run(&ptrs, ptrs[0]) };
     T::new(&a.dims, x)
 }
+
+#[test]
+fn a_convolutions_input_gradient_through_relu_is_the_two_ops_bit_for_bit() {
+    // `Op::Conv2dBackpropInputReluGrad` = relu_grad(y, conv2d_backprop_input(dy, w)), written
+    // over y where the stride is 1 (`Op::may_write_over`).
+    for (i, (xd, w, f)) in conv_cases().into_iter().enumerate() {
+        let filt = rand(&[w.size[0], w.size[1], xd[3], f], 5 * i as u64 + 1);
+        let y_dims = run(&Op::Conv2d { window: w }, &[&rand(&xd, 0), &filt]).dims;
+        let dy = rand(&y_dims, 5 * i as u64 + 2);
+        let act = rand(&xd, 5 * i as u64 + 3);
+        let input = Shape::from(xd);
+        let dx = run(&Op::Conv2dBackpropInput { window: w, input: input.clone() }, &[&dy, &filt]);
+        let apart = run(&Op::Binary(kiln_compiler::ir::BinaryOp::ReluGrad), &[&act, &dx]);
+        let op = Op::Conv2dBackpropInputReluGrad { window: w, input: input.clone() };
+        let fused = run(&op, &[&dy, &filt, &act]);
+        let bits = |t: &T| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused), bits(&apart), "case {i}");
+        assert_eq!(op.may_write_over(2, &input), w.stride == [1, 1], "case {i}");
+        if w.stride == [1, 1] {
+            let shapes = [Shape::from(y_dims.clone()), Shape::from(filt.dims.clone()), input.clone()];
+            let k = kiln_kernels::cpu::prepare(
+                &op,
+                &[(&shapes[0], DType::F32), (&shapes[1], DType::F32), (&shapes[2], DType::F32)],
+                (&input, DType::F32),
+            )
+            .unwrap();
+            let (mut d, mut fl, mut y) = (dy.data.clone(), filt.data.clone(), act.data.clone());
+            let ptrs = [d.as_mut_ptr() as *mut u8, fl.as_mut_ptr() as *mut u8, y.as_mut_ptr() as *mut u8];
+            // SAFETY: buffers of the operands' shapes; the output is y's own buffer, which the op
+            // allows with stride 1 (asserted above).
+            unsafe { k.run(&ptrs, ptrs[2]) };
+            assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), bits(&apart), "case {i} in place");
+        }
+    }
+}

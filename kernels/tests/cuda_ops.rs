@@ -363,6 +363,11 @@ fn cases() -> Vec<Case> {
             Op::Conv2dBackpropFilter { window: *w },
             &[x, &o],
         ));
+        v.push(case(
+            format!("conv2d_backprop_input_relu_grad_{i}"),
+            Op::Conv2dBackpropInputReluGrad { window: *w, input: Shape::from(*x) },
+            &[&o, &wshape, x],
+        ));
     }
     // ---- pooling
     let pools: Vec<([usize; 4], Window2d)> = vec![

@@ -137,6 +137,7 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             Ok(vec![Some(g.record(Op::GatherGrad { vocab }, &[&x[1], g])), None])
         }
         Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropInputReluGrad { .. }
         | Op::Conv2dBackpropFilter { .. }
         | Op::Pool2dGrad { .. }
         | Op::AvgPool2dGrad { .. }

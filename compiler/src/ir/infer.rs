@@ -359,6 +359,21 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((input.clone(), d))
         }
+        Op::Conv2dBackpropInputReluGrad { window, input } => {
+            let d = same_dtype(&[0, 1, 2])?;
+            let expected = conv2d(input, shape(1), window)?;
+            if &expected != shape(0) || shape(2) != input {
+                return err(
+                    format!(
+                        "gradient {} and activation {} do not match the convolution's output {expected} and input {input}",
+                        shape(0),
+                        shape(2)
+                    ),
+                    "pass the gradient of this convolution's output and the ReLU output it read",
+                );
+            }
+            Ok((input.clone(), d))
+        }
         Op::Conv2dBackpropFilter { window } => {
             let d = same_dtype(&[0, 1])?;
             let (x, dy) = (shape(0), shape(1));
@@ -531,7 +546,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Pool2dGrad { .. }
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
-        Op::Select => 3..=3,
+        Op::Select | Op::Conv2dBackpropInputReluGrad { .. } => 3..=3,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,
         Op::Custom { .. } => 0..=usize::MAX,

@@ -361,6 +361,13 @@ pub enum Op {
         window: Window2d,
         input: Shape,
     },
+    /// (dy, w, y) -> relu_grad(y, conv2d_backprop_input(dy, w)): a convolution's input gradient
+    /// through the ReLU whose output y the convolution read, as one op that may write over y
+    /// (`conv_relu_grad`).
+    Conv2dBackpropInputReluGrad {
+        window: Window2d,
+        input: Shape,
+    },
     /// (x, dy) -> dw of shape [KH, KW, C, F].
     Conv2dBackpropFilter {
         window: Window2d,
@@ -484,7 +491,8 @@ impl Op {
     /// relu's gradient over the activation it reads saves one activation-sized buffer at a
     /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B). Max pooling's
     /// gradient: over x (operand 0) where the windows tile it, each window's x read before its
-    /// dx is written.
+    /// dx is written. A convolution's input gradient through a ReLU: over y (operand 2) with
+    /// stride 1.
     pub fn may_write_over(&self, i: usize, output: &super::Shape) -> bool {
         match self {
             Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => {
@@ -497,6 +505,9 @@ impl Op {
             // Over x where the windows tile it: the kernels then work a window at a time, reading
             // the window's x before writing its dx (`pool_relu_grad`).
             Op::Pool2dGrad { kind: PoolKind::Max, window } => i == 0 && window.tiles(output),
+            // Over y where the CPU computes the gradient a block of rows at a time (stride 1):
+            // each block's y is read before its dx is written (`conv_relu_grad`).
+            Op::Conv2dBackpropInputReluGrad { window, .. } => i == 2 && window.stride == [1, 1],
             _ => self.class() == OpClass::Elementwise,
         }
     }
@@ -551,7 +562,7 @@ impl Op {
                 2 * n(output) * (window.size[0] * window.size[1]) as u64 * c
             }
             // dx[N,H,W,C] from dy[N,OH,OW,F]: every dy element meets KH*KW*C filter taps.
-            Op::Conv2dBackpropInput { window, .. } => {
+            Op::Conv2dBackpropInput { window, .. } | Op::Conv2dBackpropInputReluGrad { window, .. } => {
                 let c = output.back(1) as u64;
                 2 * operand(0).map_or(0, n) * (window.size[0] * window.size[1]) as u64 * c
             }
@@ -690,6 +701,7 @@ impl Op {
             Op::LogSoftmax { .. } => "log_softmax",
             Op::Conv2d { .. } => "conv2d",
             Op::Conv2dBackpropInput { .. } => "conv2d_backprop_input",
+            Op::Conv2dBackpropInputReluGrad { .. } => "conv2d_backprop_input_relu_grad",
             Op::Conv2dBackpropFilter { .. } => "conv2d_backprop_filter",
             Op::Pool2d { kind: PoolKind::Max, .. } => "max_pool2d",
             Op::Pool2d { kind: PoolKind::Avg, .. } => "avg_pool2d",
@@ -772,6 +784,7 @@ impl Op {
             }
             Op::Conv2d { window: w }
             | Op::Conv2dBackpropInput { window: w, .. }
+            | Op::Conv2dBackpropInputReluGrad { window: w, .. }
             | Op::Conv2dBackpropFilter { window: w }
             | Op::Pool2d { window: w, .. }
             | Op::Pool2dGrad { window: w, .. }

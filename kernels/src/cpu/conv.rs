@@ -107,6 +107,104 @@ impl Conv2d {
     }
 }
 
+impl Conv2d {
+    /// Output rows o0..o1 of image n into `dst` (row o0 first, rows OW·F floats apart).
+    ///
+    /// # Safety
+    /// `x` and `w` hold the input and filter of this geometry; `dst` is valid for (o1 - o0) rows
+    /// that no other thread touches and overlaps neither.
+    unsafe fn rows(&self, x: *const f32, w: *const f32, n: usize, o0: usize, o1: usize, dst: *mut f32) {
+        let g = &self.g;
+        let row = g.ow * g.f;
+        let out = |oh: usize, ow: usize| dst.wrapping_add((oh - o0) * row + ow * g.f);
+        // SAFETY: the rows o0..o1 of dst (the caller's contract).
+        unsafe { slice::from_raw_parts_mut(dst, (o1 - o0) * row).fill(0.0) };
+        for kh in 0..g.kh {
+            let (a, z) = (self.rows[kh].0.max(o0), self.rows[kh].1.min(o1));
+            if a >= z {
+                continue;
+            }
+            let ih = |oh: usize| oh * g.sh + kh - g.ph;
+            for cg in &self.groups {
+                let k = (cg.hi - cg.lo) * g.c;
+                let wb = w.wrapping_add((kh * g.kw + cg.lo) * g.c * g.f);
+                let xa =
+                    |oh: usize, ow: usize| x.wrapping_add(((n * g.h + ih(oh)) * g.w + g.iw(ow, cg.lo)) * g.c);
+                // SAFETY (both branches): the taps lo..hi of the group's columns read inside
+                // input rows ih(a..z); filter rows exist; the output rows are the caller's.
+                if cg.count < z - a {
+                    // Few columns (a border): one GEMM per column over the rows a..z.
+                    let gemm = Gemm {
+                        m: z - a,
+                        n: g.f,
+                        k,
+                        a: ((g.sh * g.w * g.c) as isize, 1),
+                        b: (g.f as isize, 1),
+                        out_rs: row as isize,
+                    };
+                    for ow in cg.ow0..cg.ow0 + cg.count {
+                        // SAFETY: as stated above for both branches.
+                        unsafe { gemm.run(xa(a, ow), wb, out(a, ow), true, false) };
+                    }
+                } else {
+                    let gemm = Gemm {
+                        m: cg.count,
+                        n: g.f,
+                        k,
+                        a: ((g.sw * g.c) as isize, 1),
+                        b: (g.f as isize, 1),
+                        out_rs: g.f as isize,
+                    };
+                    for oh in a..z {
+                        // SAFETY: as stated above for both branches.
+                        unsafe { gemm.run(xa(oh, cg.ow0), wb, out(oh, cg.ow0), true, false) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// The convolution with ReLU's gradient applied as it is stored: out = mask > 0 ? conv : 0,
+    /// a block of `ROW_BLOCK` output rows at a time, each made in a tile of the task's own
+    /// (ROW_BLOCK·OW·F floats) and then stored through the mask's same rows. `out` may be
+    /// `mask`'s own buffer: a block reads only its rows of the mask, before it writes them.
+    ///
+    /// # Safety
+    /// `x`, `w` as for `run`; `mask` and `out` hold the output's shape; `out` overlaps neither
+    /// `x` nor `w` (it may be `mask`).
+    unsafe fn run_relu_grad(&self, x: *const f32, w: *const f32, mask: *const f32, out: *mut f32) {
+        let g = &self.g;
+        let row = g.ow * g.f;
+        let blocks = g.oh.div_ceil(ROW_BLOCK);
+        let cost = ROW_BLOCK.min(g.oh) * row * g.kh * g.kw * g.c;
+        let (x, w, mask, o) = (
+            SendPtr::new(x as *mut f32),
+            SendPtr::new(w as *mut f32),
+            SendPtr::new(mask as *mut f32),
+            SendPtr::new(out),
+        );
+        par_ranges(g.n * blocks, cost, |s, e| {
+            let mut tile = vec![0f32; ROW_BLOCK.min(g.oh) * row];
+            for t in s..e {
+                let (n, b) = (t / blocks, t % blocks);
+                let (o0, o1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(g.oh));
+                let at = (n * g.oh + o0) * row;
+                let len = (o1 - o0) * row;
+                // SAFETY: the tile holds ROW_BLOCK rows and is this task's; rows o0..o1 of
+                // image n of the mask and the output are this task's, read (mask) before
+                // written (out), element by element.
+                unsafe {
+                    self.rows(x.get(), w.get(), n, o0, o1, tile.as_mut_ptr());
+                    for (i, &v) in tile[..len].iter().enumerate() {
+                        let m = *mask.get().add(at + i);
+                        *o.get().add(at + i) = if m > 0.0 { v } else { 0.0 };
+                    }
+                }
+            }
+        });
+    }
+}
+
 impl CpuKernel for Conv2d {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
@@ -119,54 +217,10 @@ impl CpuKernel for Conv2d {
             for t in s..e {
                 let (n, b) = (t / blocks, t % blocks);
                 let (o0, o1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(g.oh));
-                let out = |oh: usize, ow: usize| o.get().wrapping_add(((n * g.oh + oh) * g.ow + ow) * g.f);
                 // SAFETY: output rows o0..o1 of image n belong to this task.
-                unsafe { slice::from_raw_parts_mut(out(o0, 0), (o1 - o0) * row).fill(0.0) };
-                for kh in 0..g.kh {
-                    let (a, z) = (self.rows[kh].0.max(o0), self.rows[kh].1.min(o1));
-                    if a >= z {
-                        continue;
-                    }
-                    let ih = |oh: usize| oh * g.sh + kh - g.ph;
-                    for cg in &self.groups {
-                        let k = (cg.hi - cg.lo) * g.c;
-                        let wb = w.get().wrapping_add((kh * g.kw + cg.lo) * g.c * g.f);
-                        let xa = |oh: usize, ow: usize| {
-                            x.get().wrapping_add(((n * g.h + ih(oh)) * g.w + g.iw(ow, cg.lo)) * g.c)
-                        };
-                        // SAFETY (both branches): the taps lo..hi of the group's columns read
-                        // inside input rows ih(a..z); filter rows exist; the output rows are
-                        // this task's.
-                        if cg.count < z - a {
-                            // Few columns (a border): one GEMM per column over the rows a..z.
-                            let gemm = Gemm {
-                                m: z - a,
-                                n: g.f,
-                                k,
-                                a: ((g.sh * g.w * g.c) as isize, 1),
-                                b: (g.f as isize, 1),
-                                out_rs: row as isize,
-                            };
-                            for ow in cg.ow0..cg.ow0 + cg.count {
-                                // SAFETY: as stated above for both branches.
-                                unsafe { gemm.run(xa(a, ow), wb, out(a, ow), true, false) };
-                            }
-                        } else {
-                            let gemm = Gemm {
-                                m: cg.count,
-                                n: g.f,
-                                k,
-                                a: ((g.sw * g.c) as isize, 1),
-                                b: (g.f as isize, 1),
-                                out_rs: g.f as isize,
-                            };
-                            for oh in a..z {
-                                // SAFETY: as stated above for both branches.
-                                unsafe { gemm.run(xa(oh, cg.ow0), wb, out(oh, cg.ow0), true, false) };
-                            }
-                        }
-                    }
-                }
+                unsafe {
+                    self.rows(x.get(), w.get(), n, o0, o1, o.get().wrapping_add((n * g.oh + o0) * row))
+                };
             }
         });
     }
@@ -270,6 +324,10 @@ struct Flipped {
 }
 
 pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -> Box<dyn CpuKernel> {
+    Box::new(backprop_input_kernel(dy, w, window, dx))
+}
+
+fn backprop_input_kernel(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -> BackpropInput {
     let g = Geom::new(dx, window, w.dims()[3]);
     debug_assert_eq!(dy.dims(), [g.n, g.oh, g.ow, g.f]);
     let desc = format!("conv2d_backprop_input {}", g.text());
@@ -289,7 +347,78 @@ pub(crate) fn backprop_input(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shap
     });
     // The tap-by-tap plans only where the turned convolution does not apply.
     let taps = if flipped.is_some() { Vec::new() } else { tap_plans(&g) };
-    Box::new(BackpropInput { g, taps, flipped, desc })
+    BackpropInput { g, taps, flipped, desc }
+}
+
+impl Flipped {
+    /// The turned filter of `w` ([KH, KW, C, F] -> [KH, KW, F, C], half a turn), in the kernel's
+    /// buffer.
+    ///
+    /// # Safety
+    /// `w` holds KH·KW·C·F floats.
+    unsafe fn turn(&self, g: &Geom, w: *const f32) -> std::sync::MutexGuard<'_, Vec<f32>> {
+        let mut filter = self.filter.lock().unwrap_or_else(|e| e.into_inner());
+        let (kh, kw, c, f) = (g.kh, g.kw, g.c, g.f);
+        filter.resize(kh * kw * c * f, 0.0);
+        // SAFETY: the caller's contract.
+        let w = unsafe { slice::from_raw_parts(w, kh * kw * c * f) };
+        for (i, v) in filter.iter_mut().enumerate() {
+            let (tap, fc) = (i / (f * c), i % (f * c));
+            let (a, b, fo, ci) = (tap / kw, tap % kw, fc / c, fc % c);
+            *v = w[(((kh - 1 - a) * kw + (kw - 1 - b)) * c + ci) * f + fo];
+        }
+        filter
+    }
+}
+
+/// ReLU's gradient of a convolution's input gradient (`Op::Conv2dBackpropInputReluGrad`:
+/// (dy, w, y) -> y > 0 ? dx : 0). With stride 1, the turned convolution a block of rows at a
+/// time through the mask (`Conv2d::run_relu_grad`), so that dx may be y's own buffer; otherwise
+/// the input gradient, then the mask over it (never in place: `Op::may_write_over`). The bits
+/// are the two ops' apart.
+struct BackpropInputReluGrad {
+    input: BackpropInput,
+    desc: String,
+}
+
+pub(crate) fn backprop_input_relu_grad(
+    dy: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    dx: &Shape,
+) -> Box<dyn CpuKernel> {
+    let input = backprop_input_kernel(dy, w, window, dx);
+    let desc = format!("{} then relu_grad", input.desc);
+    Box::new(BackpropInputReluGrad { input, desc })
+}
+
+impl CpuKernel for BackpropInputReluGrad {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let g = &self.input.g;
+        let (dy, w, y) = (inputs[0] as *const f32, inputs[1] as *const f32, inputs[2] as *const f32);
+        if let Some(flipped) = &self.input.flipped {
+            // SAFETY: run's contract: the filter, dy, y and dx of this geometry; dx overlaps
+            // neither dy nor the kernel's turned filter, and may be y (a block reads its rows of
+            // y before writing them).
+            return unsafe {
+                let filter = flipped.turn(g, w);
+                flipped.conv.run_relu_grad(dy, filter.as_ptr(), y, output as *mut f32)
+            };
+        }
+        let n = g.n * g.h * g.w * g.c;
+        // SAFETY: dx never overlaps y here (`Op::may_write_over` allows it with stride 1 only);
+        // both hold n floats.
+        unsafe {
+            self.input.run(&inputs[..2], output);
+            let dx = slice::from_raw_parts_mut(output as *mut f32, n);
+            let y = slice::from_raw_parts(y, n);
+            dx.iter_mut().zip(y).for_each(|(d, &m)| *d = if m > 0.0 { *d } else { 0.0 });
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
 }
 
 impl CpuKernel for BackpropInput {
@@ -299,20 +428,12 @@ impl CpuKernel for BackpropInput {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
         if let Some(flipped) = &self.flipped {
-            let mut filter = flipped.filter.lock().unwrap_or_else(|e| e.into_inner());
-            let (kh, kw, c, f) = (g.kh, g.kw, g.c, g.f);
-            filter.resize(kh * kw * c * f, 0.0);
             // SAFETY: inputs[1] is the filter, KH·KW·C·F floats (run's contract).
-            let w = unsafe { slice::from_raw_parts(inputs[1] as *const f32, kh * kw * c * f) };
-            for (i, v) in filter.iter_mut().enumerate() {
-                let (tap, fc) = (i / (f * c), i % (f * c));
-                let (a, b, fo, ci) = (tap / kw, tap % kw, fc / c, fc % c);
-                *v = w[(((kh - 1 - a) * kw + (kw - 1 - b)) * c + ci) * f + fo];
-            }
+            let filter = unsafe { flipped.turn(g, inputs[1] as *const f32) };
             // SAFETY: dy is the turned convolution's input ([N, OH, OW, F]), the buffer its
             // filter ([KH, KW, F, C]) and dx its output ([N, H, W, C]): the geometry `Flipped`
             // was made with; the buffer is this kernel's and overlaps nothing.
-            return unsafe { flipped.conv.run(&[inputs[0], filter.as_mut_ptr() as *mut u8], output) };
+            return unsafe { flipped.conv.run(&[inputs[0], filter.as_ptr() as *mut u8], output) };
         }
         let (dy, w) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
         let dx = SendPtr::new(output as *mut f32);

@@ -122,6 +122,9 @@ pub fn prepare(
         Op::LogSoftmax { axis } => softmax::softmax(s[0], *axis, true),
         Op::Conv2d { window } => conv::conv2d(s[0], s[1], window, out),
         Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(s[0], s[1], window, out),
+        Op::Conv2dBackpropInputReluGrad { window, .. } => {
+            conv::backprop_input_relu_grad(s[0], s[1], window, out)
+        }
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(s[0], s[1], window, out),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),

@@ -18,10 +18,11 @@
 
 use super::codegen::{Code, header, idx_type, int};
 use super::elementwise::Map;
-use super::gemm::{Gemm, Operand, Sink};
+use super::gemm::{Epilogue, Gemm, Operand, Sink};
 use super::{Arg, CudaKernel};
 use crate::geometry::Geom;
-use kiln_compiler::ir::{Shape, Window2d};
+use kiln_compiler::ir::fused::{Fused, Inst, Ref};
+use kiln_compiler::ir::{BinaryOp, Shape, Window2d};
 
 impl Geom {
     /// Conditions under which input row `ih` / column `iw` (of output position and tap) is
@@ -162,6 +163,20 @@ pub(crate) fn conv2d(
     finish(head, gemm, describe)
 }
 
+/// The input gradient through ReLU's gradient (`Op::Conv2dBackpropInputReluGrad`, operands
+/// (dy, w, y)): the GEMM stores `y > 0 ? dx : 0` through an epilogue (`gemm::Sink::Epilogue`),
+/// each element's y read by the thread that then stores it, so dx may be y's own buffer.
+pub(crate) fn backprop_input_relu_grad(
+    label: &str,
+    dy: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    dx: &Shape,
+    scratch: usize,
+) -> CudaKernel {
+    backprop_input_with(label, dy, w, window, dx, scratch, true)
+}
+
 pub(crate) fn backprop_input(
     label: &str,
     dy: &Shape,
@@ -170,11 +185,26 @@ pub(crate) fn backprop_input(
     dx: &Shape,
     scratch: usize,
 ) -> CudaKernel {
+    backprop_input_with(label, dy, w, window, dx, scratch, false)
+}
+
+fn backprop_input_with(
+    label: &str,
+    dy: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    dx: &Shape,
+    scratch: usize,
+    relu_grad: bool,
+) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
-    let head = header(label, &[dy, w], Some(dx));
-    let describe = format!("conv2d_backprop_input {}", g.text());
+    let operands: Vec<&Shape> = if relu_grad { vec![dy, w, dx] } else { vec![dy, w] };
+    let head = header(label, &operands, Some(dx));
+    let describe =
+        format!("conv2d_backprop_input {}{}", g.text(), if relu_grad { " then relu_grad" } else { "" });
     let (m, n, k) = backprop_input_dims(&g);
     if k == 0 {
+        // No tap reads the input: dx is 0, and so is its ReLU gradient.
         return zeros("kiln_conv2d_backprop_input", head, describe, dx);
     }
     let ty = idx_type(dy.numel().max(w.numel()).max(dx.numel()));
@@ -226,7 +256,22 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: Sink::Output,
+        sink: if relu_grad {
+            let program = Fused {
+                shape: dx.clone(),
+                insts: vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
+                reduce: None,
+                matmul: None,
+                epilogue: Vec::new(),
+                epilogue_operands: 0,
+            };
+            Sink::Epilogue(Epilogue {
+                definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
+                extra: vec![Arg::Input(2)],
+            })
+        } else {
+            Sink::Output
+        },
         scratch,
     };
     finish(head, gemm, describe)

@@ -143,7 +143,7 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
             let (m, n, k) = conv::forward_dims(&window_geom(s[0], window, s[1].dims()[3]));
             (m, n, k, 1)
         }
-        Op::Conv2dBackpropInput { window, .. } => {
+        Op::Conv2dBackpropInput { window, .. } | Op::Conv2dBackpropInputReluGrad { window, .. } => {
             let (m, n, k) = conv::backprop_input_dims(&window_geom(output, window, s[1].dims()[3]));
             (m, n, k, 1)
         }
@@ -230,6 +230,9 @@ pub fn generate_with_scratch(
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
         Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
         Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(l, s[0], s[1], window, out, scratch),
+        Op::Conv2dBackpropInputReluGrad { window, .. } => {
+            conv::backprop_input_relu_grad(l, s[0], s[1], window, out, scratch)
+        }
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out, scratch),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),

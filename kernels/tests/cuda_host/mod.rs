@@ -52,6 +52,7 @@ pub fn tolerance(op: &Op) -> f32 {
         | Op::MatMulRows { .. }
         | Op::Conv2d { .. }
         | Op::Conv2dBackpropInput { .. }
+        | Op::Conv2dBackpropInputReluGrad { .. }
         | Op::Conv2dBackpropFilter { .. }
         | Op::Reduce { .. }
         | Op::Softmax { .. }
