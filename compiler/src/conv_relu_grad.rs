@@ -77,34 +77,18 @@ fn eligible(graph: &Graph, r: NodeId) -> Option<(NodeId, NodeId)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{DType, DeviceId, Padding, Shape, Window2d};
-
-    fn node(op: Op, dims: &[usize]) -> Node {
-        Node {
-            op,
-            shape: Shape::new(dims.to_vec()),
-            dtype: DType::F32,
-            device: DeviceId(0),
-            name: None,
-            origin: None,
-        }
-    }
+    use crate::ir::{Padding, Shape, Window2d};
 
     fn graph(stride: usize) -> Graph {
         let mut g = Graph::new("t");
-        let input = |name: &str, dims: &[usize]| {
-            node(Op::Input { name: name.into(), shape: Shape::new(dims.to_vec()), dtype: DType::F32 }, dims)
-        };
         let window = Window2d { size: [3, 3], stride: [stride; 2], padding: Padding::Same };
         let out = 8 / stride;
-        let y = g.add(input("y", &[1, 8, 8, 2]), &[]);
-        let dy = g.add(input("dy", &[1, out, out, 3]), &[]);
-        let w = g.add(input("w", &[3, 3, 2, 3]), &[]);
-        let dx = g.add(
-            node(Op::Conv2dBackpropInput { window, input: Shape::new(vec![1, 8, 8, 2]) }, &[1, 8, 8, 2]),
-            &[dy, w],
-        );
-        let r = g.add(node(Op::Binary(BinaryOp::ReluGrad), &[1, 8, 8, 2]), &[y, dx]);
+        let y = g.add_input("y", &[1, 8, 8, 2]);
+        let dy = g.add_input("dy", &[1, out, out, 3]);
+        let w = g.add_input("w", &[3, 3, 2, 3]);
+        let input = Shape::new(vec![1, 8, 8, 2]);
+        let dx = g.add_f32(Op::Conv2dBackpropInput { window, input }, &[1, 8, 8, 2], &[dy, w]);
+        let r = g.add_f32(Op::Binary(BinaryOp::ReluGrad), &[1, 8, 8, 2], &[y, dx]);
         g.set_output("dy_pre", r);
         g
     }

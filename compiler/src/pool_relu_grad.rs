@@ -74,18 +74,7 @@ fn eligible(graph: &Graph, r: NodeId) -> Option<(NodeId, NodeId, NodeId)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{DType, DeviceId, Padding, Shape, Window2d};
-
-    fn node(op: Op, dims: &[usize]) -> Node {
-        Node {
-            op,
-            shape: Shape::new(dims.to_vec()),
-            dtype: DType::F32,
-            device: DeviceId(0),
-            name: None,
-            origin: None,
-        }
-    }
+    use crate::ir::{Padding, Shape, UnaryOp, Window2d};
 
     fn window() -> Window2d {
         Window2d { size: [2, 2], stride: [2, 2], padding: Padding::Valid }
@@ -94,19 +83,15 @@ mod tests {
     /// y = relu(x), p = max_pool(y), and the two gradients of a given dy.
     fn block(with_pool: bool) -> (Graph, NodeId) {
         let mut g = Graph::new("t");
-        let input = |name: &str, dims: &[usize]| {
-            node(Op::Input { name: name.into(), shape: Shape::new(dims.to_vec()), dtype: DType::F32 }, dims)
-        };
-        let x = g.add(input("x", &[1, 4, 4, 2]), &[]);
-        let dy = g.add(input("dy", &[1, 2, 2, 2]), &[]);
-        let y = g.add(node(Op::Unary(crate::ir::UnaryOp::Relu), &[1, 4, 4, 2]), &[x]);
+        let x = g.add_input("x", &[1, 4, 4, 2]);
+        let dy = g.add_input("dy", &[1, 2, 2, 2]);
+        let y = g.add_f32(Op::Unary(UnaryOp::Relu), &[1, 4, 4, 2], &[x]);
         if with_pool {
-            let p = g.add(node(Op::Pool2d { kind: PoolKind::Max, window: window() }, &[1, 2, 2, 2]), &[y]);
+            let p = g.add_f32(Op::Pool2d { kind: PoolKind::Max, window: window() }, &[1, 2, 2, 2], &[y]);
             g.set_output("p", p);
         }
-        let pg =
-            g.add(node(Op::Pool2dGrad { kind: PoolKind::Max, window: window() }, &[1, 4, 4, 2]), &[y, dy]);
-        let r = g.add(node(Op::Binary(BinaryOp::ReluGrad), &[1, 4, 4, 2]), &[y, pg]);
+        let pg = g.add_f32(Op::Pool2dGrad { kind: PoolKind::Max, window: window() }, &[1, 4, 4, 2], &[y, dy]);
+        let r = g.add_f32(Op::Binary(BinaryOp::ReluGrad), &[1, 4, 4, 2], &[y, pg]);
         g.set_output("dx", r);
         (g, pg)
     }

@@ -334,6 +334,24 @@ impl Graph {
 }
 
 #[cfg(test)]
+impl Graph {
+    /// A test's f32 node on device 0, added with its operands.
+    pub(crate) fn add_f32(&mut self, op: Op, dims: &[usize], operands: &[NodeId]) -> NodeId {
+        let shape = Shape::new(dims.to_vec());
+        self.add(
+            Node { op, shape, dtype: DType::F32, device: DeviceId(0), name: None, origin: None },
+            operands,
+        )
+    }
+
+    /// A test's f32 input.
+    pub(crate) fn add_input(&mut self, name: &str, dims: &[usize]) -> NodeId {
+        let op = Op::Input { name: name.into(), shape: Shape::new(dims.to_vec()), dtype: DType::F32 };
+        self.add_f32(op, dims, &[])
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -163,32 +163,11 @@ pub(crate) fn conv2d(
     finish(head, gemm, describe)
 }
 
-/// The input gradient through ReLU's gradient (`Op::Conv2dBackpropInputReluGrad`, operands
-/// (dy, w, y)): the GEMM stores `y > 0 ? dx : 0` through an epilogue (`gemm::Sink::Epilogue`),
-/// each element's y read by the thread that then stores it, so dx may be y's own buffer.
-pub(crate) fn backprop_input_relu_grad(
-    label: &str,
-    dy: &Shape,
-    w: &Shape,
-    window: &Window2d,
-    dx: &Shape,
-    scratch: usize,
-) -> CudaKernel {
-    backprop_input_with(label, dy, w, window, dx, scratch, true)
-}
-
+/// The convolution's input gradient; with `relu_grad`, through ReLU's gradient
+/// (`Op::Conv2dBackpropInputReluGrad`, operands (dy, w, y)): the GEMM then stores
+/// `y > 0 ? dx : 0` through an epilogue (`gemm::Sink::Epilogue`), each element's y read by the
+/// thread that stores it, so dx may be y's own buffer.
 pub(crate) fn backprop_input(
-    label: &str,
-    dy: &Shape,
-    w: &Shape,
-    window: &Window2d,
-    dx: &Shape,
-    scratch: usize,
-) -> CudaKernel {
-    backprop_input_with(label, dy, w, window, dx, scratch, false)
-}
-
-fn backprop_input_with(
     label: &str,
     dy: &Shape,
     w: &Shape,

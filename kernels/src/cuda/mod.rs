@@ -229,9 +229,11 @@ pub fn generate_with_scratch(
         Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false),
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
         Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
-        Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(l, s[0], s[1], window, out, scratch),
+        Op::Conv2dBackpropInput { window, .. } => {
+            conv::backprop_input(l, s[0], s[1], window, out, scratch, false)
+        }
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
-            conv::backprop_input_relu_grad(l, s[0], s[1], window, out, scratch)
+            conv::backprop_input(l, s[0], s[1], window, out, scratch, true)
         }
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out, scratch),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),

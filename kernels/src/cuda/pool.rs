@@ -30,6 +30,23 @@ impl Geom {
         }
     }
 
+    /// `best`, `bh`, `bw`: the first maximum of x (`in0`) over rows h0..h1 and columns w0..w1
+    /// of image `n_` at channel `c_`, in row-major order (strictly greater replaces, as
+    /// TensorFlow routes gradients).
+    fn emit_first_max(&self, c: &mut Code) {
+        c.line("// the window's first maximum, in row-major order");
+        c.line(format!("float best = in0[{}];", self.pixel("n_", "h0", "w0")));
+        c.line("int bh = h0, bw = w0;");
+        c.line("for (int ih = h0; ih < h1; ++ih) {");
+        c.line("for (int iw = w0; iw < w1; ++iw) {");
+        c.line(format!("const float v = in0[{}];", self.pixel("n_", "ih", "iw")));
+        c.line("if (v > best) {");
+        c.line("best = v; bh = ih; bw = iw;");
+        c.line("}");
+        c.line("}");
+        c.line("}");
+    }
+
     fn pixel(&self, n: &str, ih: &str, iw: &str) -> String {
         format!("(({n} * {} + {ih}) * {} + {iw}) * {} + c_", int(self.h), int(self.w), int(self.c))
     }
@@ -79,17 +96,13 @@ pub(crate) fn pool2d(
     c.line("out[e] = acc;");
     c.line("}");
     c.line("}");
-    CudaKernel {
-        source: c.finish(),
-        launches: vec![Launch {
-            function: fname,
-            grid: grid_for(work, BLOCK),
-            block: [BLOCK, 1, 1],
-            shared_bytes: 0,
-            args: vec![Arg::Input(0), Arg::Output],
-        }],
-        describe: format!("{name} {} {}", g.text(), shape_text(x)),
-    }
+    one_launch(
+        c,
+        fname,
+        work,
+        vec![Arg::Input(0), Arg::Output],
+        format!("{name} {} {}", g.text(), shape_text(x)),
+    )
 }
 
 pub(crate) fn pool2d_grad(
@@ -164,17 +177,7 @@ fn grad(
     ));
     match kind {
         PoolKind::Max => {
-            c.line("// the window's first maximum, in row-major order");
-            c.line(format!("float best = in0[{}];", g.pixel("n_", "h0", "w0")));
-            c.line("int bh = h0, bw = w0;");
-            c.line("for (int ih = h0; ih < h1; ++ih) {");
-            c.line("for (int iw = w0; iw < w1; ++iw) {");
-            c.line(format!("const float v = in0[{}];", g.pixel("n_", "ih", "iw")));
-            c.line("if (v > best) {");
-            c.line("best = v; bh = ih; bw = iw;");
-            c.line("}");
-            c.line("}");
-            c.line("}");
+            g.emit_first_max(&mut c);
             c.line("if (bh == ih_ && bw == iw_) acc += d;");
         }
         PoolKind::Avg => {
@@ -186,17 +189,13 @@ fn grad(
     c.line("out[e] = acc;");
     c.line("}");
     c.line("}");
-    CudaKernel {
-        source: c.finish(),
-        launches: vec![Launch {
-            function: fname,
-            grid: grid_for(work, BLOCK),
-            block: [BLOCK, 1, 1],
-            shared_bytes: 0,
-            args: (0..operands.len()).map(Arg::Input).chain([Arg::Output]).collect(),
-        }],
-        describe: format!("{name} {} {} (gather over windows)", g.text(), shape_text(x)),
-    }
+    one_launch(
+        c,
+        fname,
+        work,
+        (0..operands.len()).map(Arg::Input).chain([Arg::Output]).collect(),
+        format!("{name} {} {} (gather over windows)", g.text(), shape_text(x)),
+    )
 }
 
 /// Max pooling's gradient where the windows tile x: a thread per window and channel finds the
@@ -219,33 +218,35 @@ fn max_grad_tiled(name: &str, label: &str, x: &Shape, g: &Geom, dy: &Shape) -> C
     c.line(format!("const {ty} n_ = q / {};", g.oh));
     c.line("const float d = in1[e];");
     c.line(format!("const int h0 = oh * {}, w0 = ow * {};", g.kh, g.kw));
-    c.line("// the window's first maximum, in row-major order");
-    c.line(format!("float best = in0[{}];", g.pixel("n_", "h0", "w0")));
-    c.line("int bh = h0, bw = w0;");
-    c.line(format!("for (int ih = h0; ih < h0 + {}; ++ih) {{", g.kh));
-    c.line(format!("for (int iw = w0; iw < w0 + {}; ++iw) {{", g.kw));
-    c.line(format!("const float v = in0[{}];", g.pixel("n_", "ih", "iw")));
-    c.line("if (v > best) {");
-    c.line("best = v; bh = ih; bw = iw;");
-    c.line("}");
-    c.line("}");
-    c.line("}");
-    c.line(format!("for (int ih = h0; ih < h0 + {}; ++ih) {{", g.kh));
-    c.line(format!("for (int iw = w0; iw < w0 + {}; ++iw) {{", g.kw));
+    c.line(format!("const int h1 = h0 + {}, w1 = w0 + {};", g.kh, g.kw));
+    g.emit_first_max(&mut c);
+    c.line("for (int ih = h0; ih < h1; ++ih) {");
+    c.line("for (int iw = w0; iw < w1; ++iw) {");
     c.line(format!("out[{}] = (ih == bh && iw == bw) ? 0.0f + d : 0.0f;", g.pixel("n_", "ih", "iw")));
     c.line("}");
     c.line("}");
     c.line("}");
     c.line("}");
+    one_launch(
+        c,
+        fname,
+        work,
+        vec![Arg::Input(0), Arg::Input(1), Arg::Output],
+        format!("{name} {} {} (a window per thread)", g.text(), shape_text(x)),
+    )
+}
+
+/// A kernel of one launch, `BLOCK` threads a block and enough blocks for `work` elements.
+fn one_launch(c: Code, function: String, work: usize, args: Vec<Arg>, describe: String) -> CudaKernel {
     CudaKernel {
         source: c.finish(),
         launches: vec![Launch {
-            function: fname,
+            function,
             grid: grid_for(work, BLOCK),
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
-            args: vec![Arg::Input(0), Arg::Input(1), Arg::Output],
+            args,
         }],
-        describe: format!("{name} {} {} (a window per thread)", g.text(), shape_text(x)),
+        describe,
     }
 }
