@@ -1,7 +1,8 @@
 //! Seed technique: `tf.config.experimental.set_memory_growth(gpu, True)`.
 //!
-//! With growth, kiln takes memory only when needed and exactly: a plan's arena when the plan
-//! first runs. The eager baseline grows too (TensorFlow's BFC with allow_growth: regions of 2,
+//! With growth, kiln takes memory only when needed and exactly: one allocation per device when a
+//! plan is loaded, for the variables it declares first, its io region and its arena. The eager
+//! baseline grows too (TensorFlow's BFC with allow_growth: regions of 2,
 //! 4, 8, ... MiB). Without growth, the device is taken whole up front.
 //!
 //!     cargo run --release --example memory_growth
@@ -21,12 +22,12 @@ fn main() -> kiln::Result<()> {
     trainer.train_program(x.shape(), y.shape())?;
     let before = devices.memory_info(&name)?.planned;
     println!(
-        "after compiling and loading the plan: arenas {} B, io {} B, variables {} B",
-        before.arenas, before.io, before.variables
+        "after compiling and loading the plan: arenas {} B, io {} B, variables {} B, reserved {} B (one allocation)",
+        before.arenas, before.io, before.variables, before.reserved
     );
     trainer.train_step(&x, &y)?;
     let after = devices.memory_info(&name)?.planned;
-    println!("after the first step:                 arenas {} B (the plan's arena, exactly)", after.arenas);
+    println!("after the first step:                 reserved {} B (steps allocate nothing)", after.reserved);
     println!("trained: {}", examples::train_seed(&mut trainer)?);
     println!("{}", devices.table());
 
