@@ -696,6 +696,15 @@ mod tests {
         assert_eq!(infer(&pool, &f32s(&x)).unwrap().0, Shape::from([8, 15, 15, 16]));
         let s2 = Window2d { size: [3, 3], stride: [2, 2], padding: Padding::Same };
         assert_eq!(s2.out_and_pad(0, 7), Some((4, 1)));
+        // The input gradient through ReLU: (dy, w, y), y of the input's shape.
+        let input = Shape::from([8, 32, 32, 3]);
+        let op = Op::Conv2dBackpropInputReluGrad { window: w, input: input.clone() };
+        let ok = [Shape::from([8, 32, 32, 16]), Shape::from([3, 3, 3, 16]), input.clone()];
+        assert_eq!(infer(&op, &f32s(&ok)).unwrap().0, input);
+        let bad = [Shape::from([8, 32, 32, 16]), Shape::from([3, 3, 3, 16]), Shape::from([8, 32, 32, 4])];
+        let e = infer(&op, &f32s(&bad)).unwrap_err();
+        assert!(e.message.contains("activation [8, 32, 32, 4]"), "{}", e.message);
+        assert!(infer(&op, &f32s(&ok[..2])).is_err(), "three operands");
     }
 
     #[test]
