@@ -243,6 +243,18 @@ impl Feeds {
 }
 
 /// The error for a program id a backend did not hand out.
+/// Refuses reading output `name` of `plan` before any run of it started (`ran`): its memory
+/// holds nothing the plan computed yet.
+pub fn check_ran(ran: bool, plan: &Plan, name: &str) -> Result<()> {
+    if ran {
+        return Ok(());
+    }
+    Err(RuntimeError::invalid(
+        format!("output `{name}` of plan {:?} was read before the plan ran", plan.name),
+        "run the plan (or call it) before reading its outputs",
+    ))
+}
+
 pub fn no_program(program: ProgramId, loaded: usize) -> RuntimeError {
     RuntimeError::invalid(
         format!("no program {program}: this backend has loaded {loaded}"),

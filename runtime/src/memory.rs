@@ -199,6 +199,17 @@ impl Account {
         Ok(offset)
     }
 
+    /// Claims a plan's block (`plan::device_block`: its variable region, io region and arena
+    /// start at `offsets`, `total` bytes in all) piece by piece for the statistics by purpose,
+    /// each up to where the next begins, so that the claims add up to the allocation.
+    pub fn claim_block(&mut self, offsets: [usize; 3], total: usize) -> Result<()> {
+        let ends = [offsets[1], offsets[2], total];
+        for (i, purpose) in [Purpose::Variable, Purpose::Io, Purpose::Arena].into_iter().enumerate() {
+            self.claim(ends[i] - offsets[i], purpose)?;
+        }
+        Ok(())
+    }
+
     pub fn held(&self) -> usize {
         self.held
     }

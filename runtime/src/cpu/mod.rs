@@ -4,7 +4,9 @@
 //! all of them are carved from one region taken when the backend starts. Every step's kernel is prepared once at
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
-use crate::backend::{Backend, Feeds, ProgramId, Slot, check_input_bytes, io_slot, no_program, output_slot};
+use crate::backend::{
+    Backend, Feeds, ProgramId, Slot, check_input_bytes, check_ran, io_slot, no_program, output_slot,
+};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
 use crate::host_buffer::{HostBuffer, HostMem};
@@ -95,7 +97,6 @@ impl HostDevice {
         align: usize,
         blocks: &mut Vec<HostBuffer>,
     ) -> Result<[HostMem; 3]> {
-        const PURPOSES: [Purpose; 3] = [Purpose::Variable, Purpose::Io, Purpose::Arena];
         if self.pool.is_some() {
             let [v, io, arena] = pieces;
             return Ok([
@@ -110,16 +111,10 @@ impl HostDevice {
                 "compile a smaller plan",
             )
         })?;
-        // Each piece is claimed (for the statistics by purpose) up to where the next begins, so
-        // the claims add up to the allocation.
-        let ends = [offsets[1], offsets[2], total];
-        let claims: Vec<usize> = (0..3).map(|i| ends[i] - offsets[i]).collect();
         // Allocate before claiming, so that a failed allocation leaves the books as they were.
         self.account.check(total)?;
         let block = host_alloc(&self.account.budget.name, total, "a plan's variables, io region and arena")?;
-        for (&bytes, &purpose) in claims.iter().zip(&PURPOSES) {
-            self.account.claim(bytes, purpose)?;
-        }
+        self.account.claim_block(offsets, total)?;
         let piece = |i: usize| -> Result<HostMem> {
             // SAFETY: `device_block` keeps offsets[i] + pieces[i] <= total, the block's length,
             // so the pointer stays inside (or one past) the allocation.
@@ -473,12 +468,7 @@ impl CpuBackend {
         let p = self.program(program)?;
         let (value, slot) = output_slot(&p.plan, name)?;
         let v = p.plan.value(value);
-        if !p.ran {
-            return Err(RuntimeError::invalid(
-                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
-                "run the plan before exporting its outputs",
-            ));
-        }
+        check_ran(p.ran, &p.plan, name)?;
         let base = match slot {
             Slot::Io { device, offset } => p.ios[device].as_mut_ptr() as u64 + offset as u64,
             Slot::Arena { device, offset } => p.arenas[device].as_mut_ptr() as u64 + offset as u64,
@@ -619,12 +609,7 @@ impl Backend for CpuBackend {
         let p = self.program(program)?;
         let (value, slot) = output_slot(&p.plan, name)?;
         let shape = &p.plan.value(value).shape;
-        if !p.ran {
-            return Err(RuntimeError::invalid(
-                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
-                "run the plan (or call it) before reading its outputs",
-            ));
-        }
+        check_ran(p.ran, &p.plan, name)?;
         let mem = match slot {
             Slot::Io { device, .. } => &p.ios[device],
             Slot::Arena { device, .. } => &p.arenas[device],

@@ -18,7 +18,8 @@ use super::driver::{self, Driver, Function, Recording};
 use super::nvrtc::CompileStats;
 use super::probe::DeviceInfo;
 use crate::backend::{
-    Backend, Feeds, ProgramId, Slot, check_input, check_input_bytes, io_slot, no_program, output_slot,
+    Backend, Feeds, ProgramId, Slot, check_input, check_input_bytes, check_ran, io_slot, no_program,
+    output_slot,
 };
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
@@ -405,7 +406,6 @@ impl CudaBackend {
     /// `plan::device_block`, kept in `blocks` for the backend's life, the pieces parts of it.
     /// Preallocation: each carved from the pool.
     fn take_block(&mut self, device: usize, pieces: [usize; 3], align: usize) -> Result<[DeviceMem; 3]> {
-        const PURPOSES: [Purpose; 3] = [Purpose::Variable, Purpose::Io, Purpose::Arena];
         let books = self.devices[device].books.clone();
         let mut books = books.lock().unwrap_or_else(|e| e.into_inner());
         if books.pool.is_some() {
@@ -432,14 +432,9 @@ impl CudaBackend {
             return Ok([piece(0, 0), piece(0, 1), piece(0, 2)]);
         }
         // Allocate before claiming, so that a failed allocation leaves the books as they were.
-        // Each piece is claimed (for the statistics by purpose) up to where the next begins, so
-        // the claims add up to the allocation.
         let rounded = books.account.check(total)?;
         let block = self.alloc(total)?;
-        let ends = [offsets[1], offsets[2], total];
-        for i in 0..3 {
-            books.account.claim(ends[i] - offsets[i], PURPOSES[i])?;
-        }
+        books.account.claim_block(offsets, total)?;
         self.devices[device].grown += rounded;
         let taken = [piece(block.ptr, 0), piece(block.ptr, 1), piece(block.ptr, 2)];
         self.blocks.push(block);
@@ -465,21 +460,21 @@ impl CudaBackend {
 
     /// A plan's memory on every device (`take_block`), its new variables created and
     /// initialised: the address of every variable (in `plan.variables` order), and each plan
-    /// device's io region and arena (None where the caller's region holds the arena).
-    #[allow(clippy::type_complexity)]
+    /// device's io region and arena (at `owned_arena` where the caller's region holds it: not in
+    /// the device's budget, never freed by kiln).
     fn take_plan_memory(
         &mut self,
         plan: &Plan,
         devices: &[usize],
-        owned_arena: bool,
-    ) -> Result<(Vec<u64>, Vec<DeviceMem>, Vec<Option<DeviceMem>>)> {
+        owned_arena: Option<u64>,
+    ) -> Result<(Vec<u64>, Vec<DeviceMem>, Vec<DeviceMem>)> {
         self.check_variables(plan)?;
         let mut ios = Vec::with_capacity(devices.len());
         let mut arenas = Vec::with_capacity(devices.len());
         for (d, &device) in devices.iter().enumerate() {
             let region = new_region(plan, d, |key| self.variables.contains_key(key));
             let m = &plan.devices[d].memory;
-            let arena = if owned_arena { 0 } else { m.arena_bytes };
+            let arena = if owned_arena.is_some() { 0 } else { m.arena_bytes };
             let [vars, io, arena_mem] = self.take_block(
                 device,
                 [region.as_ref().map_or(0, |r| r.bytes), m.io_bytes, arena],
@@ -491,7 +486,7 @@ impl CudaBackend {
                 self.variables.insert(spec.key.clone(), Variable { spec: (*spec).clone(), ptr });
             }
             ios.push(io);
-            arenas.push((!owned_arena).then_some(arena_mem));
+            arenas.push(owned_arena.map_or(arena_mem, |ptr| DeviceMem { ptr, owner: None }));
         }
         Ok((plan.variables.iter().map(|v| self.variables[&v.key].ptr).collect(), ios, arenas))
     }
@@ -663,12 +658,7 @@ impl CudaBackend {
         let kernels = plan_kernels(&plan)?;
         let refs: Vec<&CudaKernel> = kernels.iter().collect();
         let functions = self.driver.load(&refs)?;
-        let (var_ptrs, ios, arenas) = self.take_plan_memory(&plan, &devices, region.is_some())?;
-        // The caller's region: not in the device's budget, never freed by kiln.
-        let arenas: Vec<DeviceMem> = arenas
-            .into_iter()
-            .map(|a| a.unwrap_or(DeviceMem { ptr: region.map_or(0, |(ptr, _)| ptr), owner: None }))
-            .collect();
+        let (var_ptrs, ios, arenas) = self.take_plan_memory(&plan, &devices, region.map(|(ptr, _)| ptr))?;
         let loc = |value: usize| -> Loc {
             match plan.buffers[plan.values[value].buffer].storage {
                 Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
@@ -858,12 +848,7 @@ impl CudaBackend {
     /// The device address of output `name` (value `value`), once a run finished.
     fn output_address(&self, program: ProgramId, value: usize, name: &str) -> Result<u64> {
         let p = self.program(program)?;
-        if !p.ran {
-            return Err(RuntimeError::invalid(
-                format!("output `{name}` of plan {:?} was read before the plan ran", p.plan.name),
-                "run the plan (or call it) before reading its outputs",
-            ));
-        }
+        check_ran(p.ran, &p.plan, name)?;
         self.io_address(program, value, name)
     }
 
