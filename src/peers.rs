@@ -439,22 +439,18 @@ pub fn xla_figures(models: &[&str]) -> Result<Option<XlaReport>> {
     Ok(Some(report))
 }
 
-/// JAX's step times for `models`: milliseconds of each of `steps` jitted training steps (after
-/// warm-up), or `Ok(None)` after printing `skipped: <reason>` where JAX cannot be had.
-pub fn xla_step_times(models: &[&str], steps: usize) -> Result<Option<BTreeMap<String, Vec<f64>>>> {
-    #[derive(serde::Deserialize)]
-    struct Times {
-        train_step_ms: Vec<f64>,
-    }
+/// JAX's times for `models`: milliseconds of each of `steps` jitted training steps and of as
+/// many jitted forward passes (after warm-up), or `Ok(None)` after printing `skipped: <reason>` where JAX cannot be had.
+pub fn xla_step_times(models: &[&str], steps: usize) -> Result<Option<BTreeMap<String, JaxTimes>>> {
     #[derive(serde::Deserialize)]
     struct Report {
-        models: BTreeMap<String, Times>,
+        models: BTreeMap<String, JaxTimes>,
     }
     let Some(stdout) = run_script(models, &["--time".into(), steps.to_string()])? else { return Ok(None) };
     let report: Report = serde_json::from_slice(&stdout).map_err(|e| {
         script_error(format!("{} --time printed no report that parses: {e}", script_path().display()))
     })?;
-    Ok(Some(report.models.into_iter().map(|(k, t)| (k, t.train_step_ms)).collect()))
+    Ok(Some(report.models))
 }
 
 /// PyTorch's CPU step times for `models` (`scripts/peers/torch_speed.py`): milliseconds of each
@@ -503,6 +499,20 @@ pub struct TorchTimes {
     pub eager_ms: Vec<f64>,
     #[serde(default)]
     pub compile_ms: Vec<f64>,
+    /// Forward passes (under `no_grad`), eager and compiled.
+    #[serde(default)]
+    pub forward_eager_ms: Vec<f64>,
+    #[serde(default)]
+    pub forward_compile_ms: Vec<f64>,
+}
+
+/// One model's JAX times in milliseconds: jitted training steps and forward passes.
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+pub struct JaxTimes {
+    #[serde(rename = "train_step_ms")]
+    pub train_ms: Vec<f64>,
+    #[serde(default)]
+    pub forward_ms: Vec<f64>,
 }
 
 // ---------------------------------------------------------------- side by side

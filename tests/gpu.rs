@@ -244,6 +244,34 @@ fn gpu_every_zoo_training_step_matches_cpu() {
     }
 }
 
+/// Forward passes split into blocks of batch rows (`batch_blocks`: slices of the input, each
+/// layer at a block's rows, one join) compute on the device what the CPU computes.
+#[test]
+fn gpu_forward_passes_in_blocks_match_cpu() {
+    use kiln::compiler::batch_blocks;
+    if cuda_backend(3).is_none() {
+        return;
+    }
+    for name in ["mlp", "cnn"] {
+        let m = common::device_batch(zoo::by_name(name).unwrap(), 5);
+        let Some(mut gpu) = cuda_backend(3) else { return };
+        let mut graph = kiln::compiler::step::forward_graph(&m.model(), m.x_shape()).unwrap();
+        kiln::compiler::passes::default_pipeline().run(&mut graph).unwrap();
+        let region = batch_blocks::region(&graph).expect("a row-separable region");
+        let split = batch_blocks::split(&graph, &region, 2).unwrap();
+        let options = CompileOptions::default().with_scratch(gpu.scratch_rule()).with_batch_blocks(false);
+        let plan = compile(split, &options).unwrap();
+        assert!(plan.steps.iter().any(|s| matches!(s.op, kiln::compiler::ir::Op::Concat { axis: 0 })));
+        let (x, _) = m.batch_data(4).unwrap();
+        let mut cpu = CpuBackend::new(3);
+        let (c, g) = (cpu.load(plan.clone()).unwrap(), gpu.load(plan).unwrap());
+        let (co, go) = (cpu.call(c, &[("x", &x)]).unwrap(), gpu.call(g, &[("x", &x)]).unwrap());
+        for ((n, a), (_, b)) in co.iter().zip(&go) {
+            close(m.name, &format!("forward output {n} in blocks"), a, b);
+        }
+    }
+}
+
 #[test]
 fn gpu_steps_allocate_nothing_and_memory_equals_the_plan() {
     // Alone on its device where it can be (the emulated device): other tests allocate meanwhile.

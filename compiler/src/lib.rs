@@ -21,6 +21,7 @@
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 
 pub mod autodiff;
+pub mod batch_blocks;
 pub mod conv_relu_grad;
 pub mod custom;
 pub mod device;
@@ -78,6 +79,9 @@ pub struct CompileOptions {
     /// Whether elementwise chains are fused into one op each (`fusion`; on by default, or as
     /// `KILN_FUSE=0` says). Fused results are bitwise the unfused ones on the CPU.
     pub fuse: bool,
+    /// Whether a forward pass may run a block of batch rows at a time where that plans smaller
+    /// (`batch_blocks`; with fusion on, by default, or as `KILN_BATCH_BLOCKS=0` says).
+    pub batch_blocks: bool,
     /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
     /// and every kernel reduces within its blocks.
@@ -92,6 +96,7 @@ impl Default for CompileOptions {
             guard_bytes: guard::default_bytes(),
             tile_updates: true,
             fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
+            batch_blocks: std::env::var("KILN_BATCH_BLOCKS").map_or(true, |v| v != "0"),
             scratch: None,
         }
     }
@@ -121,6 +126,12 @@ impl CompileOptions {
     /// Fusion on or off, whatever `KILN_FUSE` says.
     pub fn with_fusion(mut self, on: bool) -> Self {
         self.fuse = on;
+        self
+    }
+
+    /// Forward passes in blocks of batch rows where that plans smaller, or never.
+    pub fn with_batch_blocks(mut self, on: bool) -> Self {
+        self.batch_blocks = on;
         self
     }
 
@@ -195,6 +206,48 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
     pool_relu_grad::rewrite(&mut graph)?;
+    match batch_blocks::region(&graph).filter(|_| options.fuse && options.batch_blocks) {
+        Some(region) => compile_blocked(graph, &region, options),
+        None => compile_rewritten(graph, options),
+    }
+}
+
+/// `compile` of a graph whose forward pass can run a block of batch rows at a time
+/// (`batch_blocks`): the graph as it is and split into each block count, the smallest planned
+/// total kept (the graph as it is on a tie; a split one where only it fits a memory limit).
+fn compile_blocked(
+    graph: ir::Graph,
+    region: &batch_blocks::Region,
+    options: &CompileOptions,
+) -> Result<Plan> {
+    let whole = compile_rewritten(graph.clone(), options);
+    if let Err(e) = &whole
+        && !matches!(e, CompileError::OutOfMemory(_))
+    {
+        return whole;
+    }
+    let mut best = whole;
+    let mut tried = Vec::new();
+    for blocks in region.block_counts() {
+        let mut split = batch_blocks::split(&graph, region, blocks)?;
+        passes::default_pipeline().run(&mut split)?;
+        let Ok(mut plan) = compile_rewritten(split, options) else { continue };
+        tried.push((format!("{}+blocks{blocks}", plan.memory.schedule), plan.memory.planned_total_bytes()));
+        if best.as_ref().map_or(true, |b| plan.memory.planned_total_bytes() < b.memory.planned_total_bytes())
+        {
+            plan.memory.batch_blocks = blocks;
+            plan.memory.schedule = format!("{}+blocks{blocks}", plan.memory.schedule);
+            best = Ok(plan);
+        }
+    }
+    if let Ok(plan) = &mut best {
+        plan.memory.schedules.extend(tried);
+    }
+    best
+}
+
+/// `compile` after the passes every graph takes.
+fn compile_rewritten(mut graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     let (conv_relu_grads, split) = if options.fuse {
         (conv_relu_grad::rewrite(&mut graph)?, log_softmax_split::split(&mut graph)?)
     } else {

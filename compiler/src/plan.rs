@@ -173,6 +173,10 @@ pub struct MemoryFigures {
     /// totals): each replaces two ops, and the gradient is never stored.
     #[serde(default)]
     pub product_updates: usize,
+    /// The blocks of batch rows the forward pass runs in (`batch_blocks`; set on the totals),
+    /// 0 where the graph planned smaller whole.
+    #[serde(default)]
+    pub batch_blocks: usize,
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
     pub remat: Option<crate::remat::RematFigures>,

@@ -22,7 +22,7 @@ allocates itself at run time, outside XLA's buffer assignment (cnn forward: temp
 XLA buffer; the default-flags figures (temp and total) are reported beside them.
 
 Usage: xla_memory.py [--models seed-mlp,mlp,...]   prints one JSON object on stdout.
-       xla_memory.py --time STEPS [--models ...]    times STEPS jitted training steps per model
+       xla_memory.py --time STEPS [--models ...]    times STEPS jitted forward passes and training steps per model
                                                     instead (after two warm-up steps), in ms.
 """
 
@@ -369,8 +369,9 @@ def measure(name):
 
 
 def time_steps(name, steps):
-    """Milliseconds of each of `steps` jitted, donated training steps on real arrays (uniform x,
-    one-hot or binary y, Glorot-like parameters), after two warm-up steps (compilation)."""
+    """Milliseconds of each of `steps` jitted forward passes (jit(apply)(params, x)) and of as many
+    jitted, donated training steps, on real arrays (uniform x, one-hot or binary y, Glorot-like
+    parameters), each after two warm-up calls (compilation)."""
     import time
 
     b = Builder()
@@ -402,6 +403,13 @@ def time_steps(name, steps):
             new_p[k], new_m[k], new_v[k] = adam_update(lr, params[k], grads[k], m[k], v[k], it)
         return new_p, new_m, new_v, it + 1.0, loss
 
+    forward = jax.jit(apply)
+    forward_times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        forward(params, x).block_until_ready()
+        if i >= 2:
+            forward_times.append((time.perf_counter() - t0) * 1e3)
     train = jax.jit(step, donate_argnums=(0, 1, 2, 3))
     times = []
     for i in range(steps + 2):
@@ -410,13 +418,13 @@ def time_steps(name, steps):
         loss.block_until_ready()
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"train_step_ms": times}
+    return {"train_step_ms": times, "forward_ms": forward_times}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--time", type=int, default=0, help="time this many training steps per model")
+    ap.add_argument("--time", type=int, default=0, help="time this many forward passes and training steps per model")
     args = ap.parse_args()
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
