@@ -365,7 +365,11 @@ pub const FRAMEWORK_ASSUMPTIONS: &str = "assumptions:
   convolution and gradient, sized as the explicit-GEMM algorithm's im2col buffer
   (N*OH*OW*KH*KW*C floats); cuDNN's autotuner may pick another algorithm (up to 4 GiB of
   workspace). With growth off TensorFlow reserves the device's free memory less 1,800 MiB
-  (compute capability 9; 1,536 MiB on 8) whatever the model: 78.2 GiB of an 80 GiB H100.";
+  (compute capability 9; 1,536 MiB on 8) whatever the model: 78.2 GiB of an 80 GiB H100.
+- forward passes: kiln plans the row-separable part in blocks of batch rows where that plans
+  smaller (schedule \"+blocksN\"; the cnn: 8 blocks of 8 images), an op stream of its own; the
+  eager columns and XLA run the whole batch at once. With KILN_BATCH_BLOCKS=0 kiln plans the
+  whole batch too (the cnn's forward pass: planned total 19,142,312 B, kiln / XLA 0.960).";
 
 /// The framework columns beside kiln's own eager columns and the plan's device bytes.
 pub fn framework_table(rows: &[Comparison]) -> String {

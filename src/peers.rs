@@ -61,7 +61,10 @@ assumptions:
   the figure (\"XLA default\" column: cnn forward temp 0). Kernel-internal scratch (Eigen/oneDNN
   packing) is in neither side's figure.
 - Same architectures, shapes, f32, losses and metrics on both sides; token ids are f32 inputs on
-  both sides (kiln stores ids as f32).";
+  both sides (kiln stores ids as f32).
+- Forward passes: kiln runs the row-separable part in blocks of batch rows where that plans
+  smaller (cnn and vgg-avg: 8 blocks of 8 images; `kiln_compiler::batch_blocks`), XLA the whole
+  batch; KILN_BATCH_BLOCKS=0 plans kiln's whole batch too (cnn forward kiln / XLA 0.960).";
 
 // ---------------------------------------------------------------- the models
 

@@ -226,22 +226,24 @@ fn compile_blocked(
     {
         return whole;
     }
+    // Every order of every graph, as `schedules` lists them: the split ones' marked "+blocksN".
+    let mut tried = whole.as_ref().map(|p| p.memory.schedules.clone()).unwrap_or_default();
     let mut best = whole;
-    let mut tried = Vec::new();
     for blocks in region.block_counts() {
         let mut split = batch_blocks::split(&graph, region, blocks)?;
         passes::default_pipeline().run(&mut split)?;
         let Ok(mut plan) = compile_rewritten(split, options) else { continue };
-        tried.push((format!("{}+blocks{blocks}", plan.memory.schedule), plan.memory.planned_total_bytes()));
+        let mark = format!("+blocks{blocks}");
+        tried.extend(plan.memory.schedules.iter().map(|(name, total)| (format!("{name}{mark}"), *total)));
         if best.as_ref().map_or(true, |b| plan.memory.planned_total_bytes() < b.memory.planned_total_bytes())
         {
             plan.memory.batch_blocks = blocks;
-            plan.memory.schedule = format!("{}+blocks{blocks}", plan.memory.schedule);
+            plan.memory.schedule = format!("{}{mark}", plan.memory.schedule);
             best = Ok(plan);
         }
     }
     if let Ok(plan) = &mut best {
-        plan.memory.schedules.extend(tried);
+        plan.memory.schedules = tried;
     }
     best
 }
