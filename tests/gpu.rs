@@ -244,6 +244,26 @@ fn gpu_every_zoo_training_step_matches_cpu() {
     }
 }
 
+/// A constant folded at compile time (`const_fold`: a mask from fills, pads and a concat) is
+/// written into the device's variable region at load and read like any variable.
+#[test]
+fn gpu_a_folded_constant_is_loaded_and_read() {
+    let Some(mut gpu) = cuda_backend(3) else { return };
+    let t = Tracer::new("folded mask");
+    let x = t.input("x", [3, 6]);
+    let ones = t.fill(1.0, [3, 2]).pad(1, 1, 3).concat(&[&t.fill(2.0, [3, 0]).pad(1, 0, 6)], 0);
+    let y = (&x * &ones.slice(0, 0, 3)).softmax(-1);
+    t.output("y", &y);
+    let graph = t.finish().unwrap();
+    let plan = compile(graph, &CompileOptions::default().with_scratch(gpu.scratch_rule())).unwrap();
+    assert_eq!(plan.memory.folded_constants, 1, "{}", plan.render());
+    let xv = draw(&Shape::from([3, 6]), Draw::Normal, &mut StdRng::seed_from_u64(9));
+    let mut cpu = CpuBackend::new(3);
+    let (c, g) = (cpu.load(plan.clone()).unwrap(), gpu.load(plan).unwrap());
+    let (co, go) = (cpu.call(c, &[("x", &xv)]).unwrap(), gpu.call(g, &[("x", &xv)]).unwrap());
+    close("folded mask", "y", &co[0].1, &go[0].1);
+}
+
 /// Forward passes split into blocks of batch rows (`batch_blocks`: slices of the input, each
 /// layer at a block's rows, one join) compute on the device what the CPU computes.
 #[test]

@@ -5,10 +5,12 @@
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
-//!    then `product_updates` — an update computes its own weight gradient, never stored —,
+//!    then `const_fold` — values computed from constants alone are computed here, once —,
+//!    `product_updates` — an update computes its own weight gradient, never stored —,
 //!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
 //!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
-//!    stays unfused).
+//!    stays unfused); a graph without effects is also planned in blocks of batch rows
+//!    (`batch_blocks`: each block's intermediates die before the next), kept where smaller.
 //! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
 //!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
 //!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
@@ -22,6 +24,7 @@
 
 pub mod autodiff;
 pub mod batch_blocks;
+pub mod const_fold;
 pub mod conv_relu_grad;
 pub mod custom;
 pub mod device;
@@ -82,6 +85,9 @@ pub struct CompileOptions {
     /// Whether a forward pass may run a block of batch rows at a time where that plans smaller
     /// (`batch_blocks`; with fusion on, by default, or as `KILN_BATCH_BLOCKS=0` says).
     pub batch_blocks: bool,
+    /// Whether values computed from constants alone are computed at compile time
+    /// (`const_fold`; on by default, or as `KILN_FOLD=0` says).
+    pub fold_constants: bool,
     /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
     /// and every kernel reduces within its blocks.
@@ -97,6 +103,7 @@ impl Default for CompileOptions {
             tile_updates: true,
             fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
             batch_blocks: std::env::var("KILN_BATCH_BLOCKS").map_or(true, |v| v != "0"),
+            fold_constants: std::env::var("KILN_FOLD").map_or(true, |v| v != "0"),
             scratch: None,
         }
     }
@@ -132,6 +139,12 @@ impl CompileOptions {
     /// Forward passes in blocks of batch rows where that plans smaller, or never.
     pub fn with_batch_blocks(mut self, on: bool) -> Self {
         self.batch_blocks = on;
+        self
+    }
+
+    /// Constant folding on or off, whatever `KILN_FOLD` says.
+    pub fn with_constant_folding(mut self, on: bool) -> Self {
+        self.fold_constants = on;
         self
     }
 
@@ -205,11 +218,22 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     passes::default_pipeline().run(&mut graph)?;
+    let folded = if options.fold_constants {
+        const_fold::fold(&mut graph)?
+    } else {
+        const_fold::FoldFigures::default()
+    };
+    if folded.constants > 0 {
+        passes::default_pipeline().run(&mut graph)?;
+    }
     pool_relu_grad::rewrite(&mut graph)?;
-    match batch_blocks::region(&graph).filter(|_| options.fuse && options.batch_blocks) {
+    let mut plan = match batch_blocks::region(&graph).filter(|_| options.fuse && options.batch_blocks) {
         Some(region) => compile_blocked(graph, &region, options),
         None => compile_rewritten(graph, options),
-    }
+    }?;
+    plan.memory.folded_constants = folded.constants;
+    plan.memory.folded_ops = folded.ops;
+    Ok(plan)
 }
 
 /// `compile` of a graph whose forward pass can run a block of batch rows at a time

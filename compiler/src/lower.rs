@@ -151,6 +151,7 @@ impl Lowering<'_> {
                 };
                 let parameter_bytes = role_bytes(&[VarRole::Parameter]);
                 let optimizer_state_bytes = role_bytes(&[VarRole::OptimizerState, VarRole::Counter]);
+                let constant_bytes = role_bytes(&[VarRole::Constant]);
                 let naive_bytes: usize = live
                     .naive_values(graph)
                     .filter(|(n, _)| graph.node(*n).device == a.spec.id)
@@ -168,7 +169,11 @@ impl Lowering<'_> {
                         parameter_bytes,
                         optimizer_state_bytes,
                         io_bytes: io_top[d],
-                        persistent_bytes: parameter_bytes + optimizer_state_bytes + io_top[d],
+                        constant_bytes,
+                        persistent_bytes: parameter_bytes
+                            + optimizer_state_bytes
+                            + constant_bytes
+                            + io_top[d],
                         variable_region_bytes: region[d],
                         algorithm: a.placement.algorithm.clone(),
                         tried: a.placement.tried.clone(),
@@ -186,6 +191,11 @@ impl Lowering<'_> {
             buffers,
             values,
             steps,
+            constants: variables
+                .iter()
+                .filter(|v| v.role == VarRole::Constant)
+                .filter_map(|v| graph.constant(&v.key).map(|data| (v.key.clone(), data.to_vec())))
+                .collect(),
             variables,
             inputs,
             outputs,
@@ -204,6 +214,7 @@ fn total(devices: &[DevicePlan]) -> MemoryFigures {
         m.naive_bytes += x.naive_bytes;
         m.parameter_bytes += x.parameter_bytes;
         m.optimizer_state_bytes += x.optimizer_state_bytes;
+        m.constant_bytes += x.constant_bytes;
         m.io_bytes += x.io_bytes;
         m.persistent_bytes += x.persistent_bytes;
         m.variable_region_bytes += x.variable_region_bytes;

@@ -25,6 +25,10 @@ pub struct Plan {
     pub values: Vec<Value>,
     pub steps: Vec<Step>,
     pub variables: Vec<VariableSpec>,
+    /// The values of the constant variables (`VarRole::Constant`, from `const_fold`) by key,
+    /// row-major f32: the backends write them when they make the variable.
+    #[serde(default)]
+    pub constants: std::collections::BTreeMap<String, Vec<f32>>,
     pub inputs: Vec<Binding>,
     pub outputs: Vec<Binding>,
     /// Totals over the devices.
@@ -132,8 +136,11 @@ pub struct MemoryFigures {
     /// Parameters, optimizer state (with counters), and the io region.
     pub parameter_bytes: usize,
     pub optimizer_state_bytes: usize,
+    /// Constants computed at compile time (`const_fold`), in the variable region.
+    #[serde(default)]
+    pub constant_bytes: usize,
     pub io_bytes: usize,
-    /// parameters + optimizer state + io.
+    /// parameters + optimizer state + constants + io.
     pub persistent_bytes: usize,
     /// The variable region: parameters and optimizer state in one allocation, aligned slots.
     #[serde(default)]
@@ -173,6 +180,12 @@ pub struct MemoryFigures {
     /// totals): each replaces two ops, and the gradient is never stored.
     #[serde(default)]
     pub product_updates: usize,
+    /// Constants folded at compile time (`const_fold`; set on the totals) and the graph nodes
+    /// they replaced.
+    #[serde(default)]
+    pub folded_constants: usize,
+    #[serde(default)]
+    pub folded_ops: usize,
     /// The blocks of batch rows the forward pass runs in (`batch_blocks`; set on the totals),
     /// 0 where the graph planned smaller whole.
     #[serde(default)]

@@ -31,7 +31,29 @@ pub fn validate(plan: &Plan) -> Result<(), String> {
         validate_variable_region(plan, d)?;
     }
     validate_steps(plan)?;
-    validate_scratch(plan)
+    validate_scratch(plan)?;
+    validate_constants(plan)
+}
+
+/// Every constant variable has its values in the plan, as many as its shape holds, and is f32.
+fn validate_constants(plan: &Plan) -> Result<(), String> {
+    for v in plan.variables.iter().filter(|v| v.role == crate::ir::VarRole::Constant) {
+        let n = v.shape.numel();
+        match plan.constants.get(&v.key) {
+            Some(data) if data.len() == n && v.dtype == crate::ir::DType::F32 => {}
+            Some(data) => {
+                return Err(format!(
+                    "constant {:?} ({:?} {:?}) has {} values in the plan, not {n}",
+                    v.key,
+                    v.dtype,
+                    v.shape.dims(),
+                    data.len()
+                ));
+            }
+            None => return Err(format!("constant {:?} has no values in the plan's constants", v.key)),
+        }
+    }
+    Ok(())
 }
 
 fn validate_scratch(plan: &Plan) -> Result<(), String> {

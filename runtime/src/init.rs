@@ -35,3 +35,31 @@ pub fn initial_values(init: Init, shape: &Shape, seed: u64, key: &str) -> Vec<f3
 fn fnv1a(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
+
+/// The values a backend writes into a plan's new variable: a constant's from the plan
+/// (`Plan::constants`, which `validate` checks), any other's from its initialiser.
+pub fn variable_values(
+    plan: &kiln_compiler::Plan,
+    spec: &kiln_compiler::plan::VariableSpec,
+    seed: u64,
+) -> Vec<f32> {
+    match plan.constants.get(&spec.key) {
+        Some(data) if spec.role == kiln_compiler::ir::VarRole::Constant => data.clone(),
+        _ => initial_values(spec.init, &spec.shape, seed, &spec.key),
+    }
+}
+
+/// As `variable_values`, for a variable node of `graph`: a constant's values from the graph
+/// (`Graph::constant`), any other's from its initialiser.
+pub fn node_values(
+    graph: &kiln_compiler::ir::Graph,
+    key: &str,
+    init: Init,
+    shape: &Shape,
+    seed: u64,
+) -> Vec<f32> {
+    match graph.constant(key) {
+        Some(data) => data.to_vec(),
+        None => initial_values(init, shape, seed, key),
+    }
+}

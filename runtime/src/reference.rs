@@ -9,7 +9,7 @@
 //! must agree exactly.
 
 use crate::error::{Result, RuntimeError};
-use crate::init::initial_values;
+use crate::init::node_values;
 use crate::tensor::HostTensor;
 use kiln_compiler::ir::{DType, Graph, NodeId, Op, Shape};
 use kiln_kernels::cpu;
@@ -111,7 +111,7 @@ impl ReferenceInterpreter {
                     let v = self
                         .variables
                         .entry(key.clone())
-                        .or_insert_with(|| initial_values(*init, shape, seed, key));
+                        .or_insert_with(|| node_values(graph, key, *init, shape, seed));
                     Some(Buf::from_f32s(v))
                 }
                 Op::Reshape { .. } => Some(values[&operands[0]].clone()),

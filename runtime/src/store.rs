@@ -3,7 +3,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::host_buffer::HostMem;
-use crate::init::initial_values;
+use crate::init::variable_values;
 use crate::tensor::HostTensor;
 use kiln_compiler::ir::VarRole;
 use kiln_compiler::plan::{Plan, VariableSpec};
@@ -98,7 +98,7 @@ impl VariableStore {
             let mut mem = take(device, region.bytes)?;
             let r = self.regions.len();
             for (spec, &offset) in region.variables.iter().zip(&region.offsets) {
-                let values = initial_values(spec.init, &spec.shape, self.seed, &spec.key);
+                let values = variable_values(plan, spec, self.seed);
                 mem.f32s_mut(offset, values.len()).copy_from_slice(&values);
                 self.index.insert(spec.key.clone(), self.slots.len());
                 self.slots.push(Slot { spec: (*spec).clone(), region: r, offset });

@@ -160,11 +160,13 @@ impl Trainer {
         ids.into_iter().filter_map(|id| self.backend.plan(id).ok()).collect()
     }
 
-    /// The variables every loaded plan declares (parameters, optimizer state, counters), by key.
+    /// The variables every loaded plan declares (parameters, optimizer state, counters), by key;
+    /// not the constants folded at compile time, which the plans carry.
     fn variables(&self) -> BTreeMap<String, Shape> {
         self.plans()
             .into_iter()
             .flat_map(|p| p.variables.iter())
+            .filter(|v| v.role != kiln_compiler::ir::VarRole::Constant)
             .map(|v| (v.key.clone(), v.shape.clone()))
             .collect()
     }

@@ -75,6 +75,9 @@ pub struct Graph {
     name: String,
     g: StableDiGraph<Node, Edge>,
     outputs: Vec<(String, NodeId)>,
+    /// The values of the graph's constant variables (`VarRole::Constant`, made by
+    /// `const_fold`), by key: shared, not copied, when the graph is cloned.
+    constants: std::collections::BTreeMap<String, std::sync::Arc<[f32]>>,
 }
 
 impl Graph {
@@ -84,6 +87,16 @@ impl Graph {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Records the values of constant variable `key` (row-major f32).
+    pub fn set_constant(&mut self, key: impl Into<String>, values: std::sync::Arc<[f32]>) {
+        self.constants.insert(key.into(), values);
+    }
+
+    /// The values of constant variable `key`, if the graph holds them.
+    pub fn constant(&self, key: &str) -> Option<&std::sync::Arc<[f32]>> {
+        self.constants.get(key)
     }
 
     pub fn set_name(&mut self, name: impl Into<String>) {

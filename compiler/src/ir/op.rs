@@ -11,6 +11,9 @@ pub enum VarRole {
     Parameter,
     OptimizerState,
     Counter,
+    /// A value computed at compile time (`const_fold`): the plan carries its data
+    /// (`Plan::constants`), the backends write it at load; never trained or checkpointed.
+    Constant,
 }
 
 /// How a variable is initialised the first time a runtime sees it.
@@ -735,6 +738,7 @@ impl Op {
                     VarRole::Parameter => "parameter",
                     VarRole::OptimizerState => "optimizer_state",
                     VarRole::Counter => "counter",
+                    VarRole::Constant => "constant",
                 };
                 let _ = write!(s, " {key:?} ({role}, {})", init_label(init));
             }

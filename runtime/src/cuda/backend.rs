@@ -23,7 +23,7 @@ use crate::backend::{
 };
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
-use crate::init::initial_values;
+use crate::init::variable_values;
 use crate::memory::{Account, DeviceBudget, Purpose, Tracker};
 use crate::store::new_region;
 use crate::tensor::HostTensor;
@@ -482,7 +482,7 @@ impl CudaBackend {
             )?;
             for (spec, &offset) in region.iter().flat_map(|r| r.variables.iter().zip(&r.offsets)) {
                 let ptr = vars.ptr + offset as u64;
-                self.htod(ptr, &initial_values(spec.init, &spec.shape, self.seed, &spec.key))?;
+                self.htod(ptr, &variable_values(plan, spec, self.seed))?;
                 self.variables.insert(spec.key.clone(), Variable { spec: (*spec).clone(), ptr });
             }
             ios.push(io);

@@ -28,7 +28,7 @@ pub use framework::{FrameworkExtras, WorkspacePolicy};
 
 use crate::alloc::{Allocator, AllocatorStats, Block};
 use crate::error::{Result, RuntimeError};
-use crate::init::initial_values;
+use crate::init::node_values;
 use crate::tensor::HostTensor;
 use kiln_compiler::ir::{Graph, NodeId, Op, OpClass, Shape, VarRole};
 use std::collections::HashMap;
@@ -131,7 +131,7 @@ impl<A: Allocator> EagerExecutor<A> {
             return Ok(*b);
         }
         let block = self.alloc(node.bytes(), key)?;
-        self.device.write(block.addr, &initial_values(*init, shape, self.seed, key))?;
+        self.device.write(block.addr, &node_values(graph, key, *init, shape, self.seed))?;
         self.variables.insert(key.clone(), block);
         Ok(block)
     }
@@ -217,7 +217,9 @@ impl<A: Allocator> EagerExecutor<A> {
                 Op::Variable { key, role, .. } => {
                     let block = match self.variables.get(key) {
                         Some(b) => *b,
-                        None if *role == VarRole::Parameter => self.create_variable(graph, n)?,
+                        None if matches!(role, VarRole::Parameter | VarRole::Constant) => {
+                            self.create_variable(graph, n)?
+                        }
                         None => {
                             pending.push((storage.len(), key.clone()));
                             placeholder
