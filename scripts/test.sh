@@ -3,7 +3,8 @@
 # into .nvrtc/ when it is not there yet, so that every CUDA kernel is compiled to PTX in the
 # tests even without a GPU, then runs the whole workspace's tests, then the CUDA tests again on the
 # emulated device. Installs ONNX's backend node tests (the data inside the PyPI package onnx) into
-# .onnx/ for tests/onnx_conformance.rs. Extra arguments go to cargo test.
+# .onnx/ for tests/onnx_conformance.rs. Then the MPI tests (scripts/test-mpi.sh, which installs
+# Debian's OpenMPI when missing). Extra arguments go to cargo test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVRTC_VERSION=13.0.88
@@ -29,3 +30,6 @@ cargo test --workspace "$@"
 echo "CUDA tests on the emulated device (KILN_CUDA_EMULATE=1)"
 KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gpu --test devices "$@"
 KILN_CUDA_EMULATE=1 KILN_REQUIRE_GPU=1 cargo test --test gradients "$@" -- ::cuda
+# Data parallelism across processes: OpenMPI (installed by scripts/setup-mpi.sh when missing),
+# kiln-comm's checks and kiln's data-parallel step on 2 and 3 ranks.
+scripts/test-mpi.sh

@@ -33,6 +33,7 @@ pub mod zoo;
 
 pub use device::Device;
 pub use error::{Error, Result};
+pub use kiln_comm as comm;
 pub use kiln_compiler as compiler;
 pub use kiln_kernels as kernels;
 pub use kiln_runtime as runtime;

@@ -27,6 +27,7 @@ pub mod batch_blocks;
 pub mod const_fold;
 pub mod conv_relu_grad;
 pub mod custom;
+pub mod data_parallel;
 pub mod device;
 pub mod error;
 pub mod fusion;

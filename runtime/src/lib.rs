@@ -10,6 +10,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod checkpoint;
+pub mod collective;
 pub mod cpu;
 pub mod cuda;
 pub mod devices;

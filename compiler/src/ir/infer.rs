@@ -420,6 +420,13 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             dims.extend_from_slice(&table.dims()[1..]);
             Ok((Shape::new(dims), dtype(0)))
         }
+        Op::AllReduce { op } => match op {
+            crate::ir::ReduceOp::Sum | crate::ir::ReduceOp::Mean => Ok((shape(0).clone(), dtype(0))),
+            crate::ir::ReduceOp::Max => err(
+                "an all-reduce takes the sum or the mean over the ranks",
+                "use ReduceOp::Sum or ReduceOp::Mean",
+            ),
+        },
         Op::GatherGrad { vocab } => {
             let (ids, dy) = (shape(0), shape(1));
             if dy.rank() < ids.rank() || dy.dims()[..ids.rank()] != *ids.dims() {
@@ -546,6 +553,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Pool2dGrad { .. }
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
+        Op::AllReduce { .. } => 1..=1,
         Op::Select | Op::Conv2dBackpropInputReluGrad { .. } => 3..=3,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,

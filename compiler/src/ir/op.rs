@@ -399,6 +399,14 @@ pub enum Op {
         vocab: usize,
     },
 
+    // ---- collectives across the ranks of a data-parallel run (`crate::data_parallel`)
+    /// The operand reduced elementwise over every rank (`Sum`, or `Mean`: the sum over the rank
+    /// count), in rank order on every rank, so that every rank gets the same bits. The backend's
+    /// communicator (`kiln_comm::Communicator`) carries the bytes; written over its operand.
+    AllReduce {
+        op: ReduceOp,
+    },
+
     // ---- a user's op, by its registered name (`crate::custom`)
     Custom {
         name: String,
@@ -508,6 +516,8 @@ impl Op {
             // Over x where the windows tile it: the kernels then work a window at a time, reading
             // the window's x before writing its dx (`pool_relu_grad`).
             Op::Pool2dGrad { kind: PoolKind::Max, window } => i == 0 && window.tiles(output),
+            // The communicator reduces the operand's bytes where they are.
+            Op::AllReduce { .. } => i == 0,
             // Over y where the CPU computes the gradient a block of rows at a time (stride 1):
             // each block's y is read before its dx is written (`conv_relu_grad`).
             Op::Conv2dBackpropInputReluGrad { window, .. } => i == 2 && window.stride == [1, 1],
@@ -580,6 +590,7 @@ impl Op {
             | Op::Pool2dGrad { .. }
             | Op::AvgPool2dGrad { .. }
             | Op::GatherGrad { .. }
+            | Op::AllReduce { .. }
             | Op::ApplySgd { product: false, .. }
             | Op::ApplyAdam { product: false, .. } => read(),
             // The gradient's product, 2·R·C·M, then one per variable element per operand read.
@@ -712,6 +723,7 @@ impl Op {
             Op::Pool2dGrad { kind: PoolKind::Avg, .. } | Op::AvgPool2dGrad { .. } => "avg_pool2d_grad",
             Op::Gather => "gather",
             Op::GatherGrad { .. } => "gather_grad",
+            Op::AllReduce { .. } => "all_reduce",
             Op::MatMulRows { .. } => "matmul_rows",
             Op::ApplySgd { .. } => "apply_sgd",
             Op::ApplyAdam { .. } => "apply_adam",
@@ -795,6 +807,9 @@ impl Op {
             | Op::AvgPool2dGrad { window: w, .. } => window(&mut s, w),
             Op::GatherGrad { vocab } => {
                 let _ = write!(s, "[vocab {vocab}]");
+            }
+            Op::AllReduce { op } => {
+                let _ = write!(s, "[{}]", if *op == ReduceOp::Mean { "mean" } else { "sum" });
             }
             Op::MatMulRows { rows } => {
                 let _ = write!(s, "[rows {}..{}]", rows.start, rows.start.saturating_add(rows.len));

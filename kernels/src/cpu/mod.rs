@@ -96,6 +96,13 @@ pub fn prepare(
     }
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
+        Op::AllReduce { .. } => {
+            return Err(KernelError::Unsupported {
+                op: name.into(),
+                dtype: output.1,
+                help: "a collective is run by the backend's communicator (`CpuBackend::with_communicator`), not by a kernel".into(),
+            });
+        }
         Op::Fill { value, .. } => layout::fill(*value, out),
         Op::Iota { axis, .. } => layout::iota(*axis, out),
         Op::RandomUniform { seed, .. } => layout::random_uniform(*seed, out),

@@ -204,6 +204,13 @@ pub fn generate_with_scratch(
     let l = label.as_str();
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
+        Op::AllReduce { .. } => {
+            return Err(KernelError::Unsupported {
+                op: name.into(),
+                dtype: output.1,
+                help: "collectives on CUDA devices need NCCL, which kiln does not drive yet: run a data-parallel plan on the CPU backend (MPI)".into(),
+            });
+        }
         Op::Fill { value, .. } => layout::fill(l, *value, out),
         Op::Iota { axis, .. } => layout::iota(l, *axis, out),
         Op::RandomUniform { seed, .. } => elementwise::random_uniform(l, *seed, s[0], out),

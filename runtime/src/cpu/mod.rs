@@ -147,9 +147,26 @@ pub struct CpuBackend {
     blocks: Vec<HostBuffer>,
     tracker: Tracker,
     programs: Vec<Program>,
+    /// The communicator of a data-parallel run: its rank's end of the collectives in plans.
+    comm: Option<crate::collective::SharedComm>,
 }
 
 impl CpuBackend {
+    /// This backend as one rank of a data-parallel run: the collectives of the plans it loads
+    /// (`Op::AllReduce`, from `kiln_compiler::data_parallel`) run through `comm` (in-process
+    /// ranks, `kiln_comm::local_group`, or MPI), and a plan with collectives is checked against
+    /// every rank's at load (`collective::agree_on_plan`).
+    pub fn with_communicator(mut self, comm: impl kiln_comm::Communicator + 'static) -> Self {
+        self.comm = Some(std::sync::Arc::new(std::sync::Mutex::new(Box::new(comm))));
+        self
+    }
+
+    /// The communicator this backend is a rank with, for the caller's own collectives between
+    /// calls (a check that the ranks' weights agree, say).
+    pub fn communicator(&self) -> Option<crate::collective::SharedComm> {
+        self.comm.clone()
+    }
+
     /// A backend whose devices grow without limit.
     pub fn new(seed: u64) -> Self {
         let devices = Vec::new();
@@ -159,6 +176,7 @@ impl CpuBackend {
             blocks: Vec::new(),
             tracker: Tracker::default(),
             programs: Vec::new(),
+            comm: None,
         }
     }
 
@@ -175,6 +193,7 @@ impl CpuBackend {
             blocks: Vec::new(),
             tracker,
             programs: Vec::new(),
+            comm: None,
         })
     }
 
@@ -307,8 +326,26 @@ impl CpuBackend {
                     "compile the plan in a process where the custom op is registered as it is now",
                 ));
             }
+            if let Op::AllReduce { op } = step.op {
+                let Some(comm) = &self.comm else {
+                    return Err(RuntimeError::invalid(
+                        format!(
+                            "plan {:?} has collectives (step `{}`) but this backend has no communicator",
+                            plan.name, step.label
+                        ),
+                        "make the backend a rank of the run: `CpuBackend::new(seed).with_communicator(comm)`",
+                    ));
+                };
+                let n = out.0.numel();
+                kernels.push(Box::new(crate::collective::AllReduceKernel::new(comm.clone(), op, n))
+                    as Box<dyn CpuKernel>);
+                continue;
+            }
             kernels.push(cpu::prepare(&step.op, &ins, out)?);
             debug_assert!(step.op.class() != OpClass::View);
+        }
+        if let Some(comm) = self.comm.as_ref().filter(|_| crate::collective::has_collectives(&plan)) {
+            crate::collective::agree_on_plan(&plan, comm)?;
         }
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
         // One block per plan device (`take_block`): the variables it adds (taken when the store

@@ -1,0 +1,98 @@
+//! Data-parallel training across processes: every MPI rank trains the zoo's mlp on its shard of
+//! each batch, the gradients averaged over the ranks inside the plan (`Op::AllReduce`).
+//!
+//! ```text
+//! bash scripts/setup-mpi.sh                      # Debian's OpenMPI, once
+//! cargo build --release --features mpi --example data_parallel
+//! mpirun -np 2 target/release/examples/data_parallel
+//! ```
+//!
+//! Each rank checks that the ranks' weights are bitwise identical after every step
+//! (`Communicator::agree` on a digest of them), and rank 0 trains the same steps on the whole
+//! batch in one process and checks that the weights agree within float summation tolerance.
+//! Exits non-zero on any failure.
+
+use kiln::comm::{Communicator, MpiComm};
+use kiln::compiler::data_parallel::all_reduce_gradients;
+use kiln::compiler::ir::Shape;
+use kiln::compiler::optim::{Optimizer, Sgd};
+use kiln::compiler::step::{TrainConfig, train_step_graph};
+use kiln::prelude::*;
+use kiln::runtime::{Backend, CpuBackend, HostTensor};
+use std::time::Instant;
+
+const PER_RANK: usize = 16;
+const STEPS: u64 = 5;
+
+fn rows(t: &HostTensor, start: usize, len: usize) -> HostTensor {
+    let width: usize = t.shape().dims()[1..].iter().product();
+    let mut dims = t.shape().dims().to_vec();
+    dims[0] = len;
+    HostTensor::new(Shape::new(dims), t.data()[start * width..(start + len) * width].to_vec())
+        .expect("rows of a batch")
+}
+
+fn params(backend: &CpuBackend, plan: &kiln::compiler::Plan) -> Vec<f32> {
+    plan.variables
+        .iter()
+        .filter(|v| !v.key.starts_with("optimizer/"))
+        .flat_map(|v| backend.read_variable(&v.key).expect("a variable of the plan").data().to_vec())
+        .collect()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let comm = MpiComm::world()?;
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let m = kiln::zoo::by_name("mlp").ok_or("no zoo mlp")?;
+    let cfg = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
+    let batch = PER_RANK * ranks;
+    let data: Vec<(HostTensor, HostTensor)> =
+        (0..STEPS).map(|i| m.clone().with_batch(batch).batch_data(100 + i)).collect::<Result<_, _>>()?;
+
+    let shard = m.clone().with_batch(PER_RANK);
+    let mut graph = train_step_graph(&shard.model(), shard.x_shape(), shard.y_shape(), &cfg)?;
+    let reduces = all_reduce_gradients(&mut graph)?;
+    let plan = compile(graph, &CompileOptions::default())?;
+    let mut backend = CpuBackend::new(7).with_communicator(comm);
+    let shared = backend.communicator().ok_or("the backend has its communicator")?;
+    let id = backend.load(plan.clone())?;
+    let t = Instant::now();
+    for (step, (x, y)) in data.iter().enumerate() {
+        let (x, y) = (rows(x, rank * PER_RANK, PER_RANK), rows(y, rank * PER_RANK, PER_RANK));
+        let out = backend.call(id, &[("x", &x), ("y", &y)])?;
+        let bits: Vec<u8> = params(&backend, &plan).iter().flat_map(|v| v.to_le_bytes()).collect();
+        shared
+            .lock()
+            .map_err(|_| "communicator lock")?
+            .agree(&format!("the weights after step {step}"), &bits)?;
+        if rank == 0 {
+            let loss = out.iter().find(|(n, _)| n == "loss").map_or(f32::NAN, |(_, t)| t.data()[0]);
+            println!("step {step}: rank 0 loss {loss:.6}, weights identical on {ranks} ranks");
+        }
+    }
+    let elapsed = t.elapsed();
+    if rank == 0 {
+        let whole = m.clone().with_batch(batch);
+        let plan1 = compile(
+            train_step_graph(&whole.model(), whole.x_shape(), whole.y_shape(), &cfg)?,
+            &CompileOptions::default(),
+        )?;
+        let mut one = CpuBackend::new(7);
+        let id1 = one.load(plan1.clone())?;
+        for (x, y) in &data {
+            one.call(id1, &[("x", x), ("y", y)])?;
+        }
+        let (a, b) = (params(&backend, &plan), params(&one, &plan1));
+        let scale = b.iter().fold(1e-3f32, |s, v| s.max(v.abs()));
+        let worst = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        println!(
+            "{ranks} ranks x batch {PER_RANK} ({reduces} all-reduces a step, {STEPS} steps in {:.1} ms) vs 1 process x batch {batch}: largest weight difference {worst:e} (scale {scale:e})",
+            elapsed.as_secs_f64() * 1e3
+        );
+        if worst > 1e-5 * scale {
+            return Err(format!("the ranks' weights are {worst} from one process's").into());
+        }
+        println!("ok");
+    }
+    Ok(())
+}
