@@ -3,7 +3,7 @@
 # comm/examples/mpi_check.rs with `--features mpi`, runs its checks on 2 and 3 ranks (rank 0
 # prints one line per check), then checks that a rank dying, leaving or panicking mid-job ends
 # the whole job with a non-zero status instead of a hang; then trains kiln's data-parallel
-# step across processes (examples/data_parallel.rs). Extra arguments go to cargo build.
+# step across processes (examples/mpi_train.rs). Extra arguments go to cargo build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v mpirun >/dev/null || ! pkg-config --exists ompi 2>/dev/null; then
@@ -46,14 +46,14 @@ done
 
 # kiln's data-parallel training step across processes: the zoo's mlp on 2 and 3 ranks, the
 # ranks' weights bitwise identical after every step and within float tolerance of one process
-# on the whole batch (examples/data_parallel.rs exits non-zero otherwise).
-cargo build --features mpi --example data_parallel "$@"
-DP=target/debug/examples/data_parallel
+# on the whole batch (examples/mpi_train.rs exits non-zero otherwise).
+cargo build --features mpi --example mpi_train "$@"
+DP=target/debug/examples/mpi_train
 for arg in "$@"; do
-  if [ "$arg" = "--release" ]; then DP=target/release/examples/data_parallel; fi
+  if [ "$arg" = "--release" ]; then DP=target/release/examples/mpi_train; fi
 done
 for np in 2 3; do
-  echo "== data_parallel on $np ranks"
+  echo "== mpi_train on $np ranks"
   timeout 300 "${MPIRUN[@]}" -np "$np" "$DP"
 done
 echo "mpi: all checks passed"

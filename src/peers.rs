@@ -496,6 +496,54 @@ pub fn torch_step_times(
     Ok(Some(report.models))
 }
 
+/// One model's PyTorch DDP figures at one rank count (`scripts/peers/torch_ddp.py`).
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+pub struct DdpTimes {
+    /// Rank 0's training-step times, ms.
+    pub step_ms: Vec<f64>,
+    /// The gradients' bytes (what DDP all-reduces every step).
+    pub grad_bytes: usize,
+}
+
+/// PyTorch DistributedDataParallel (gloo, CPU) step times for `models` at each rank count in
+/// `ranks`, keyed by model then rank count; or `Ok(None)` after printing `skipped: <reason>`
+/// where PyTorch cannot be had.
+pub fn torch_ddp_times(
+    models: &[&str],
+    ranks: &[usize],
+    steps: usize,
+) -> Result<Option<BTreeMap<String, BTreeMap<String, DdpTimes>>>> {
+    #[derive(serde::Deserialize)]
+    struct Report {
+        models: BTreeMap<String, BTreeMap<String, DdpTimes>>,
+    }
+    let python = match python_with(&TORCH_ENV) {
+        Ok(p) => p,
+        Err(Skip(why)) => {
+            eprintln!("skipped: {why}");
+            return Ok(None);
+        }
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/torch_ddp.py");
+    let ranks: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    let out = Command::new(&python)
+        .arg(&script)
+        .args(["--models", &models.join(","), "--ranks", &ranks.join(","), "--steps", &steps.to_string()])
+        .output()?;
+    if !out.status.success() {
+        return Err(script_error(format!(
+            "{} {} failed ({}): {}",
+            python.display(),
+            script.display(),
+            out.status,
+            tail(&out.stderr)
+        )));
+    }
+    let report: Report = serde_json::from_slice(&out.stdout)
+        .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
+    Ok(Some(report.models))
+}
+
 /// One model's PyTorch step times in milliseconds.
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 pub struct TorchTimes {

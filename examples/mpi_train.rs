@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! bash scripts/setup-mpi.sh                      # Debian's OpenMPI, once
-//! cargo build --release --features mpi --example data_parallel
-//! mpirun -np 2 target/release/examples/data_parallel
+//! cargo build --release --features mpi --example mpi_train
+//! mpirun -np 2 target/release/examples/mpi_train
 //! ```
 //!
 //! Each rank checks that the ranks' weights are bitwise identical after every step
