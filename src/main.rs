@@ -26,6 +26,19 @@ struct Cli {
 enum Command {
     /// Train the seed model and print the memory report (the default).
     Seed,
+    /// Train a zoo model data-parallel on RANKS in-process ranks (one CPU backend a thread, the
+    /// gradients averaged inside the plan) and print how to launch ranks as processes with mpirun
+    Ranks {
+        /// How many ranks.
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        /// The zoo model.
+        #[arg(long, default_value = "mlp")]
+        model: String,
+        /// Training steps.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+    },
     /// List the devices with their policies, limits, arenas and usage.
     Devices {
         /// A memory limit: DEVICE=SIZE (e.g. gpu:0=5000MB; units are 1024-based: 1MB = 1MiB). Repeatable.
@@ -130,6 +143,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
+        Command::Ranks { ranks, model, steps } => run_ranks(ranks, &model, steps),
         Command::Memory { model, mode, batch, svg, steps, dim, device } if model.ends_with(".onnx") => {
             memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps, &device)
         }
@@ -448,6 +462,64 @@ fn in_flag(flag: &str, arg: &str, e: kiln::runtime::RuntimeError) -> kiln::Error
         kiln::runtime::RuntimeError::Invalid { what, help } => invalid(format!("{flag} {arg}: {what}"), help),
         other => other.into(),
     }
+}
+
+/// `kiln ranks`: a zoo model's training step on `ranks` in-process ranks through the `Trainer`,
+/// every rank given the same batches; checks that the ranks' weights stay bitwise identical.
+fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
+    let names: Vec<&str> = zoo::all().iter().map(|m| m.name).collect();
+    let m = zoo::by_name(name)
+        .ok_or_else(|| invalid(format!("no zoo model `{name}`"), format!("choose one of {names:?}")))?;
+    if ranks == 0 || m.batch % ranks != 0 {
+        return Err(invalid(
+            format!("{ranks} ranks for {name}'s batch of {}", m.batch),
+            "use a rank count that divides the batch".into(),
+        ));
+    }
+    let batches: Vec<_> = (0..steps as u64).map(|i| m.batch_data(20 + i)).collect::<kiln::Result<_>>()?;
+    println!("{name}: {ranks} ranks x {} rows of each batch of {}, {steps} steps", m.batch / ranks, m.batch);
+    let results: Vec<kiln::Result<(Vec<f32>, Vec<u32>, usize)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = kiln::comm::local_group(ranks)
+            .into_iter()
+            .map(|comm| {
+                let (m, batches) = (m.clone(), &batches);
+                s.spawn(move || -> kiln::Result<(Vec<f32>, Vec<u32>, usize)> {
+                    let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
+                    let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend);
+                    let mut losses = Vec::new();
+                    for (x, y) in batches {
+                        losses.push(t.train_step(x, y)?.loss);
+                    }
+                    let plan = t.plans()[0].clone();
+                    let weights = plan
+                        .variables
+                        .iter()
+                        .filter(|v| !v.key.starts_with("optimizer/"))
+                        .map(|v| t.backend().read_variable(&v.key))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    let bits = weights.iter().flat_map(|w| w.data().iter().map(|v| v.to_bits())).collect();
+                    Ok((losses, bits, plan.memory.planned_total_bytes()))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let results = results.into_iter().collect::<kiln::Result<Vec<_>>>()?;
+    for (i, loss) in results[0].0.iter().enumerate() {
+        println!("step {i}: loss {loss:.6} (the whole batch's, the same on every rank)");
+    }
+    let same = results.iter().all(|r| r.1 == results[0].1);
+    println!(
+        "weights bitwise identical on all {ranks} ranks: {same}; planned total per rank {}",
+        kiln::report::bytes(results[0].2)
+    );
+    println!(
+        "as processes, one rank each (OpenMPI: bash scripts/setup-mpi.sh):\n  cargo build --release --features mpi --example mpi_train\n  mpirun -np {ranks} target/release/examples/mpi_train"
+    );
+    if !same {
+        return Err(invalid("the ranks' weights differ".into(), "report this as a bug".into()));
+    }
+    Ok(())
 }
 
 fn invalid(what: String, help: String) -> kiln::Error {

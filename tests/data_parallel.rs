@@ -8,7 +8,7 @@ use kiln::compiler::ir::{Op, Shape};
 use kiln::compiler::optim::{Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
 use kiln::prelude::*;
-use kiln::runtime::{Backend, CpuBackend, HostTensor};
+use kiln::runtime::{Backend, CpuBackend, HostTensor, Trainer};
 use kiln::zoo::{self, ZooModel};
 use std::time::Duration;
 
@@ -160,4 +160,73 @@ fn a_plan_with_collectives_needs_a_communicator() {
     let m = zoo::by_name("seed-mlp").unwrap();
     let err = CpuBackend::new(1).load(step_plan(&m, 8, &m.config(), 2)).unwrap_err().to_string();
     assert!(err.contains("no communicator"), "{err}");
+}
+
+/// The `Trainer` on a backend that is a rank trains data-parallel: every rank is given the whole
+/// batch, trains on its shard, reports the whole batch's loss, and keeps the weights of the
+/// others; a checkpoint one rank saves resumes on one rank, a different rank count.
+#[test]
+fn trainers_on_ranks_train_as_one_and_resume_on_another_rank_count() {
+    let m = zoo::by_name("mlp").unwrap();
+    let cfg = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
+    let data = batches(&m, 24, 3);
+    let dir = std::env::temp_dir().join(format!("kiln-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ckpt = dir.join("two-ranks.safetensors");
+    let comms = kiln::comm::local_group(2);
+    let runs: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (m, cfg, data, ckpt) = (m.clone(), cfg.clone(), &data, ckpt.clone());
+                s.spawn(move || {
+                    let backend = Box::new(CpuBackend::new(5).with_communicator(comm));
+                    assert_eq!(backend.rank().map(|r| r.1), Some(2));
+                    let mut t = Trainer::new(m.model(), cfg, backend);
+                    let losses: Vec<f32> =
+                        data[..2].iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect();
+                    if t.backend().rank() == Some((0, 2)) {
+                        t.save(&ckpt).unwrap();
+                    }
+                    let w = t.backend().read_variable("dense/kernel").unwrap().data().to_vec();
+                    (losses, w)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&runs[0].0), bits(&runs[1].0), "every rank reports the same loss");
+    assert_eq!(bits(&runs[0].1), bits(&runs[1].1), "and holds the same weights");
+    // One rank on the whole batch: the same losses within float tolerance.
+    let mut one = Trainer::new(m.model(), cfg.clone(), Box::new(CpuBackend::new(5)));
+    let losses: Vec<f32> = data.iter().map(|(x, y)| one.train_step(x, y).unwrap().loss).collect();
+    for (a, b) in runs[0].0.iter().zip(&losses) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "2 ranks {:?} vs 1 rank {losses:?}", runs[0].0);
+    }
+    // Resume the 2-rank run's checkpoint on one rank: its third step is the 1-rank run's.
+    let mut resumed = Trainer::new(m.model(), cfg, Box::new(CpuBackend::new(9)));
+    resumed.train_program(data[2].0.shape().clone(), data[2].1.shape().clone()).unwrap();
+    resumed.load(&ckpt).unwrap();
+    let third = resumed.train_step(&data[2].0, &data[2].1).unwrap().loss;
+    assert!((third - losses[2]).abs() <= 1e-5 * losses[2].abs(), "resumed {third} vs {}", losses[2]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn the_cli_trains_on_ranks_and_says_how_to_launch_processes() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["ranks", "--ranks", "2", "--model", "seed-mlp", "--steps", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("weights bitwise identical on all 2 ranks: true"), "{text}");
+    assert!(text.contains("mpirun -np 2"), "{text}");
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["ranks", "--ranks", "5"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("use a rank count that divides the batch"));
 }

@@ -52,6 +52,28 @@ pub fn all_reduce_gradients(graph: &mut Graph) -> Result<usize> {
     Ok(updates.len())
 }
 
+/// Makes each of the scalar outputs `names` (the loss, the metrics) its mean over the ranks, so
+/// that every rank reports the whole batch's figures (with equal shards); returns how many.
+pub fn all_reduce_outputs(graph: &mut Graph, names: &[&str]) -> Result<usize> {
+    let mut n = 0;
+    for name in names {
+        let Some(out) = graph.output(name) else { continue };
+        let node = graph.node(out);
+        let reduced = Node {
+            op: Op::AllReduce { op: ReduceOp::Mean },
+            shape: node.shape.clone(),
+            dtype: node.dtype,
+            device: node.device,
+            name: Some(format!("{name}/all_reduce")),
+            origin: node.origin,
+        };
+        let r = graph.add(reduced, &[out]);
+        graph.set_output(*name, r);
+        n += 1;
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,6 +25,12 @@ pub trait Backend {
         None
     }
 
+    /// (this rank, the rank count) when the backend is a rank of a data-parallel run
+    /// (`CpuBackend::with_communicator`): a `Trainer` on it trains data-parallel.
+    fn rank(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// Binds a plan to this device: allocates its arena and io region once, creates the
     /// variables it declares (initialised on first sight), prepares every kernel.
     fn load(&mut self, plan: Plan) -> Result<ProgramId>;

@@ -237,7 +237,14 @@ impl Trainer {
             return Ok(id);
         }
         let start = Instant::now();
-        let graph = train_step_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?;
+        let mut graph = train_step_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?;
+        if self.backend.rank().is_some_and(|(_, ranks)| ranks > 1) {
+            // Data parallel: gradients, loss and metrics averaged over the ranks.
+            kiln_compiler::data_parallel::all_reduce_gradients(&mut graph)?;
+            let mut names = vec!["loss"];
+            names.extend(self.config.metrics.iter().map(|m| m.name()));
+            kiln_compiler::data_parallel::all_reduce_outputs(&mut graph, &names)?;
+        }
         let plan = compile(graph, &self.options)?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
@@ -258,9 +265,33 @@ impl Trainer {
         Ok(id)
     }
 
-    /// One optimizer step on a batch.
+    /// One optimizer step on a batch. On a backend that is a rank of a data-parallel run
+    /// (`Backend::rank`), every rank is given the same whole batch and trains on its shard of
+    /// it (`kiln_comm::shard_range` of the rows), its gradients averaged with the others'
+    /// inside the plan; the logs are the whole batch's (averaged over the ranks too). The batch
+    /// must split evenly: every rank runs the same plan.
     #[track_caller]
     pub fn train_step(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
+        if let Some((rank, ranks)) = self.backend.rank().filter(|(_, n)| *n > 1) {
+            let rows = x.shape().dims().first().copied().unwrap_or(0);
+            if rows % ranks != 0 || y.shape().dims().first() != Some(&rows) {
+                return Err(RuntimeError::invalid(
+                    format!(
+                        "Trainer::train_step on rank {rank} of {ranks}: inputs {} and targets {} do not split into {ranks} equal shards",
+                        x.shape(),
+                        y.shape()
+                    ),
+                    "give every rank the same whole batch, with a row count the rank count divides",
+                ));
+            }
+            let shard = kiln_comm::shard_range(rows, rank, ranks);
+            let (xs, ys) = (x.rows(shard.clone())?, y.rows(shard)?);
+            let id = self.train_program(spec(&xs), spec(&ys))?;
+            self.backend.set_input_tensor(id, "x", &xs)?;
+            self.backend.set_input_tensor(id, "y", &ys)?;
+            self.backend.run(id)?;
+            return self.logs(id);
+        }
         let id = self.train_program(spec(x), spec(y))?;
         self.backend.set_input_tensor(id, "x", x)?;
         self.backend.set_input_tensor(id, "y", y)?;

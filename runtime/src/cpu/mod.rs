@@ -602,6 +602,11 @@ fn canary_ptr(p: &Program, c: &Canary) -> *mut u8 {
 }
 
 impl Backend for CpuBackend {
+    fn rank(&self) -> Option<(usize, usize)> {
+        let comm = self.comm.as_ref()?.lock().ok()?;
+        Some((comm.rank(), comm.size()))
+    }
+
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
