@@ -464,6 +464,9 @@ fn in_flag(flag: &str, arg: &str, e: kiln::runtime::RuntimeError) -> kiln::Error
     }
 }
 
+/// One rank's losses, weights' bits and planned total.
+type RankRun = (Vec<f32>, Vec<u32>, usize);
+
 /// `kiln ranks`: a zoo model's training step on `ranks` in-process ranks through the `Trainer`,
 /// every rank given the same batches; checks that the ranks' weights stay bitwise identical.
 fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
@@ -478,12 +481,12 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
     }
     let batches: Vec<_> = (0..steps as u64).map(|i| m.batch_data(20 + i)).collect::<kiln::Result<_>>()?;
     println!("{name}: {ranks} ranks x {} rows of each batch of {}, {steps} steps", m.batch / ranks, m.batch);
-    let results: Vec<kiln::Result<(Vec<f32>, Vec<u32>, usize)>> = std::thread::scope(|s| {
+    let results: Vec<kiln::Result<RankRun>> = std::thread::scope(|s| {
         let handles: Vec<_> = kiln::comm::local_group(ranks)
             .into_iter()
             .map(|comm| {
                 let (m, batches) = (m.clone(), &batches);
-                s.spawn(move || -> kiln::Result<(Vec<f32>, Vec<u32>, usize)> {
+                s.spawn(move || -> kiln::Result<RankRun> {
                     let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
                     let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend);
                     let mut losses = Vec::new();
