@@ -113,6 +113,25 @@ fn the_all_reduces_are_planned_in_place_on_the_gradients() {
     );
     assert!(reduces.iter().all(|s| s.in_place), "each gradient is reduced where it is");
     assert!(plan.render().contains("all_reduce[mean]"));
+    // Every update reads a reduced gradient: none computes its own product or works by rows.
+    for m in ["mlp", "cnn", "transformer"].map(|n| zoo::by_name(n).unwrap()) {
+        let plan = step_plan(&m, 4, &m.config(), 2);
+        let reduced: Vec<usize> = plan
+            .steps
+            .iter()
+            .filter(|s| matches!(s.op, Op::AllReduce { .. }))
+            .filter_map(|s| s.output)
+            .collect();
+        for s in plan.steps.iter().filter(|s| matches!(s.op, Op::ApplyAdam { .. })) {
+            assert!(
+                matches!(s.op, Op::ApplyAdam { product: false, rows: None, .. }),
+                "{}: {}",
+                m.name,
+                s.label
+            );
+            assert!(reduced.contains(&s.inputs[1]), "{}: {} reads an unreduced gradient", m.name, s.label);
+        }
+    }
 }
 
 #[test]
