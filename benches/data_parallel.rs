@@ -9,11 +9,11 @@
 
 use kiln::compiler::Plan;
 use kiln::compiler::data_parallel::all_reduce_gradients;
-use kiln::compiler::ir::{Op, Shape};
+use kiln::compiler::ir::Op;
 use kiln::compiler::step::train_step_graph;
 use kiln::prelude::*;
 use kiln::report::{bytes, output_dir, render_table};
-use kiln::runtime::{Backend, CpuBackend, HostTensor};
+use kiln::runtime::{Backend, CpuBackend};
 use kiln::zoo::{self, ZooModel};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -43,13 +43,6 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn rows(t: &HostTensor, start: usize, len: usize) -> HostTensor {
-    let width: usize = t.shape().dims()[1..].iter().product();
-    let mut dims = t.shape().dims().to_vec();
-    dims[0] = len;
-    HostTensor::new(Shape::new(dims), t.data()[start * width..(start + len) * width].to_vec()).expect("rows")
-}
-
 fn plan(m: &ZooModel, ranks: usize) -> Result<Plan, Box<dyn std::error::Error>> {
     let shard = m.clone().with_batch(m.batch / ranks);
     let mut graph = train_step_graph(&shard.model(), shard.x_shape(), shard.y_shape(), &shard.config())?;
@@ -63,37 +56,26 @@ fn plan(m: &ZooModel, ranks: usize) -> Result<Plan, Box<dyn std::error::Error>> 
 fn time_kiln(m: &ZooModel, plan: &Plan, ranks: usize) -> Result<Vec<f64>, String> {
     let (x, y) = m.batch_data(1).map_err(|e| e.to_string())?;
     let shard = m.batch / ranks;
-    let comms = kiln::comm::local_group(ranks);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(r, comm)| {
-                let (plan, x, y) = (plan.clone(), rows(&x, r * shard, shard), rows(&y, r * shard, shard));
-                s.spawn(move || -> Result<Vec<f64>, String> {
-                    let mut backend = CpuBackend::new(3);
-                    if ranks > 1 {
-                        backend = backend.with_communicator(comm);
-                    }
-                    let id = backend.load(plan).map_err(|e| e.to_string())?;
-                    let mut times = Vec::new();
-                    for i in 0..STEPS + 2 {
-                        let t = Instant::now();
-                        backend.call(id, &[("x", &x), ("y", &y)]).map_err(|e| e.to_string())?;
-                        if i >= 2 {
-                            times.push(t.elapsed().as_secs_f64() * 1e3);
-                        }
-                    }
-                    Ok(times)
-                })
-            })
-            .collect();
-        let mut all: Vec<Vec<f64>> = Vec::new();
-        for h in handles {
-            all.push(h.join().map_err(|_| "a rank panicked".to_string())??);
+    let mut all = kiln::comm::run_local_ranks(ranks, |r, comm| -> Result<Vec<f64>, String> {
+        let rows = r * shard..(r + 1) * shard;
+        let x = x.rows(rows.clone()).map_err(|e| e.to_string())?;
+        let y = y.rows(rows).map_err(|e| e.to_string())?;
+        let mut backend = CpuBackend::new(3);
+        if ranks > 1 {
+            backend = backend.with_communicator(comm);
         }
-        Ok(all.swap_remove(0))
-    })
+        let id = backend.load(plan.clone()).map_err(|e| e.to_string())?;
+        let mut times = Vec::new();
+        for i in 0..STEPS + 2 {
+            let t = Instant::now();
+            backend.call(id, &[("x", &x), ("y", &y)]).map_err(|e| e.to_string())?;
+            if i >= 2 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(times)
+    });
+    all.swap_remove(0)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -14,7 +14,6 @@
 
 use kiln::comm::{Communicator, MpiComm};
 use kiln::compiler::data_parallel::all_reduce_gradients;
-use kiln::compiler::ir::Shape;
 use kiln::compiler::optim::{Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
 use kiln::prelude::*;
@@ -23,14 +22,6 @@ use std::time::Instant;
 
 const PER_RANK: usize = 16;
 const STEPS: u64 = 5;
-
-fn rows(t: &HostTensor, start: usize, len: usize) -> HostTensor {
-    let width: usize = t.shape().dims()[1..].iter().product();
-    let mut dims = t.shape().dims().to_vec();
-    dims[0] = len;
-    HostTensor::new(Shape::new(dims), t.data()[start * width..(start + len) * width].to_vec())
-        .expect("rows of a batch")
-}
 
 fn params(backend: &CpuBackend, plan: &kiln::compiler::Plan) -> Vec<f32> {
     plan.variables
@@ -58,7 +49,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let id = backend.load(plan.clone())?;
     let t = Instant::now();
     for (step, (x, y)) in data.iter().enumerate() {
-        let (x, y) = (rows(x, rank * PER_RANK, PER_RANK), rows(y, rank * PER_RANK, PER_RANK));
+        let rows = rank * PER_RANK..(rank + 1) * PER_RANK;
+        let (x, y) = (x.rows(rows.clone())?, y.rows(rows)?);
         let out = backend.call(id, &[("x", &x), ("y", &y)])?;
         let bits: Vec<u8> = params(&backend, &plan).iter().flat_map(|v| v.to_le_bytes()).collect();
         shared

@@ -481,31 +481,22 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
     }
     let batches: Vec<_> = (0..steps as u64).map(|i| m.batch_data(20 + i)).collect::<kiln::Result<_>>()?;
     println!("{name}: {ranks} ranks x {} rows of each batch of {}, {steps} steps", m.batch / ranks, m.batch);
-    let results: Vec<kiln::Result<RankRun>> = std::thread::scope(|s| {
-        let handles: Vec<_> = kiln::comm::local_group(ranks)
-            .into_iter()
-            .map(|comm| {
-                let (m, batches) = (m.clone(), &batches);
-                s.spawn(move || -> kiln::Result<RankRun> {
-                    let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
-                    let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend);
-                    let mut losses = Vec::new();
-                    for (x, y) in batches {
-                        losses.push(t.train_step(x, y)?.loss);
-                    }
-                    let plan = t.plans()[0].clone();
-                    let weights = plan
-                        .variables
-                        .iter()
-                        .filter(|v| !v.key.starts_with("optimizer/"))
-                        .map(|v| t.backend().read_variable(&v.key))
-                        .collect::<std::result::Result<Vec<_>, _>>()?;
-                    let bits = weights.iter().flat_map(|w| w.data().iter().map(|v| v.to_bits())).collect();
-                    Ok((losses, bits, plan.memory.planned_total_bytes()))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    let results = kiln::comm::run_local_ranks(ranks, |_, comm| -> kiln::Result<RankRun> {
+        let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
+        let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend);
+        let mut losses = Vec::new();
+        for (x, y) in &batches {
+            losses.push(t.train_step(x, y)?.loss);
+        }
+        let plan = t.plans()[0].clone();
+        let weights = plan
+            .variables
+            .iter()
+            .filter(|v| !v.key.starts_with("optimizer/"))
+            .map(|v| t.backend().read_variable(&v.key))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let bits = weights.iter().flat_map(|w| w.data().iter().map(|v| v.to_bits())).collect();
+        Ok((losses, bits, plan.memory.planned_total_bytes()))
     });
     let results = results.into_iter().collect::<kiln::Result<Vec<_>>>()?;
     for (i, loss) in results[0].0.iter().enumerate() {

@@ -468,6 +468,17 @@ pub fn torch_step_times(
     struct Report {
         models: BTreeMap<String, TorchTimes>,
     }
+    let mut args = vec!["--models".to_string(), models.join(","), "--steps".into(), steps.to_string()];
+    if compiled {
+        args.push("--compile".into());
+    }
+    let report: Option<Report> = run_torch_script("torch_speed.py", &args)?;
+    Ok(report.map(|r| r.models))
+}
+
+/// Runs `scripts/peers/<script>` with `args` in PyTorch's environment and parses the JSON it
+/// prints; `Ok(None)` after printing `skipped: <reason>` where PyTorch cannot be had.
+fn run_torch_script<R: serde::de::DeserializeOwned>(script: &str, args: &[String]) -> Result<Option<R>> {
     let python = match python_with(&TORCH_ENV) {
         Ok(p) => p,
         Err(Skip(why)) => {
@@ -475,13 +486,8 @@ pub fn torch_step_times(
             return Ok(None);
         }
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/torch_speed.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script).args(["--models", &models.join(","), "--steps", &steps.to_string()]);
-    if compiled {
-        cmd.arg("--compile");
-    }
-    let out = cmd.output()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers").join(script);
+    let out = Command::new(&python).arg(&script).args(args).output()?;
     if !out.status.success() {
         return Err(script_error(format!(
             "{} {} failed ({}): {}",
@@ -491,9 +497,9 @@ pub fn torch_step_times(
             tail(&out.stderr)
         )));
     }
-    let report: Report = serde_json::from_slice(&out.stdout)
+    let report = serde_json::from_slice(&out.stdout)
         .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
-    Ok(Some(report.models))
+    Ok(Some(report))
 }
 
 /// One model's PyTorch DDP figures at one rank count (`scripts/peers/torch_ddp.py`).
@@ -517,31 +523,10 @@ pub fn torch_ddp_times(
     struct Report {
         models: BTreeMap<String, BTreeMap<String, DdpTimes>>,
     }
-    let python = match python_with(&TORCH_ENV) {
-        Ok(p) => p,
-        Err(Skip(why)) => {
-            eprintln!("skipped: {why}");
-            return Ok(None);
-        }
-    };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/torch_ddp.py");
     let ranks: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-    let out = Command::new(&python)
-        .arg(&script)
-        .args(["--models", &models.join(","), "--ranks", &ranks.join(","), "--steps", &steps.to_string()])
-        .output()?;
-    if !out.status.success() {
-        return Err(script_error(format!(
-            "{} {} failed ({}): {}",
-            python.display(),
-            script.display(),
-            out.status,
-            tail(&out.stderr)
-        )));
-    }
-    let report: Report = serde_json::from_slice(&out.stdout)
-        .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
-    Ok(Some(report.models))
+    let args = ["--models", &models.join(","), "--ranks", &ranks.join(","), "--steps", &steps.to_string()];
+    let report: Option<Report> = run_torch_script("torch_ddp.py", &args.map(String::from))?;
+    Ok(report.map(|r| r.models))
 }
 
 /// One model's PyTorch step times in milliseconds.

@@ -4,21 +4,13 @@
 //! ranks, and a rank that leaves, are errors on every rank, never a hang.
 
 use kiln::compiler::data_parallel::all_reduce_gradients;
-use kiln::compiler::ir::{Op, Shape};
+use kiln::compiler::ir::Op;
 use kiln::compiler::optim::{Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
 use kiln::prelude::*;
 use kiln::runtime::{Backend, CpuBackend, HostTensor, Trainer};
 use kiln::zoo::{self, ZooModel};
 use std::time::Duration;
-
-/// Rows `start..start + len` of `t`.
-fn rows(t: &HostTensor, start: usize, len: usize) -> HostTensor {
-    let width: usize = t.shape().dims()[1..].iter().product();
-    let mut dims = t.shape().dims().to_vec();
-    dims[0] = len;
-    HostTensor::new(Shape::new(dims), t.data()[start * width..(start + len) * width].to_vec()).unwrap()
-}
 
 fn step_plan(m: &ZooModel, batch: usize, cfg: &TrainConfig, ranks: usize) -> kiln::compiler::Plan {
     let m = m.clone().with_batch(batch);
@@ -40,29 +32,19 @@ fn train(
     let batch = batches[0].0.shape().dims()[0];
     let shard = batch / ranks;
     let plan = step_plan(m, shard, cfg, ranks);
-    let comms = kiln::comm::local_group(ranks);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(r, comm)| {
-                let plan = plan.clone();
-                s.spawn(move || {
-                    let mut backend = CpuBackend::new(5);
-                    if ranks > 1 {
-                        backend = backend.with_communicator(comm);
-                    }
-                    let id = backend.load(plan.clone()).unwrap();
-                    for (x, y) in batches {
-                        let (x, y) = (rows(x, r * shard, shard), rows(y, r * shard, shard));
-                        backend.call(id, &[("x", &x), ("y", &y)]).unwrap();
-                    }
-                    let params = plan.variables.iter().filter(|v| !v.key.starts_with("optimizer/"));
-                    params.map(|v| backend.read_variable(&v.key).unwrap().data().to_vec()).collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    kiln::comm::run_local_ranks(ranks, |r, comm| {
+        let mut backend = CpuBackend::new(5);
+        if ranks > 1 {
+            backend = backend.with_communicator(comm);
+        }
+        let id = backend.load(plan.clone()).unwrap();
+        for (x, y) in batches {
+            let rows = r * shard..(r + 1) * shard;
+            let (x, y) = (x.rows(rows.clone()).unwrap(), y.rows(rows).unwrap());
+            backend.call(id, &[("x", &x), ("y", &y)]).unwrap();
+        }
+        let params = plan.variables.iter().filter(|v| !v.key.starts_with("optimizer/"));
+        params.map(|v| backend.read_variable(&v.key).unwrap().data().to_vec()).collect::<Vec<_>>()
     })
 }
 

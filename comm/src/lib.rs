@@ -59,7 +59,7 @@ mod shard;
 use std::time::Duration;
 
 pub use error::{CommError, Result};
-pub use local::{LocalComm, local_group, local_group_with_timeout};
+pub use local::{LocalComm, local_group, local_group_with_timeout, run_local_ranks};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
 pub use shard::shard_range;

@@ -26,6 +26,19 @@ pub fn local_group(n: usize) -> Vec<LocalComm> {
     local_group_with_timeout(n, DEFAULT_TIMEOUT)
 }
 
+/// Runs `f(rank, comm)` for each of `n` in-process ranks on threads of its own and returns the
+/// results in rank order; a rank's panic is resumed here once every rank ended (the others'
+/// collectives fail when its `LocalComm` is dropped, so none waits forever).
+pub fn run_local_ranks<T: Send>(n: usize, f: impl Fn(usize, LocalComm) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> =
+            local_group(n).into_iter().enumerate().map(|(r, comm)| s.spawn(move || f(r, comm))).collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+        results.into_iter().map(|r| r.unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 /// `n` in-process ranks whose collectives give up after waiting `timeout` for the others.
 pub fn local_group_with_timeout(n: usize, timeout: Duration) -> Vec<LocalComm> {
     let state = State {

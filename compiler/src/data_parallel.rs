@@ -21,7 +21,7 @@
 //! all-reduce, so they leave these updates alone.
 
 use crate::error::Result;
-use crate::ir::{Graph, Node, Op, ReduceOp};
+use crate::ir::{Graph, Node, NodeId, Op, ReduceOp};
 
 /// Inserts an all-reduce (mean over the ranks) between every optimizer update of `graph` and
 /// its gradient operand; returns how many.
@@ -37,19 +37,25 @@ pub fn all_reduce_gradients(graph: &mut Graph) -> Result<usize> {
         .collect();
     for &u in &updates {
         let grad = graph.operands(u)[1];
-        let node = graph.node(grad);
-        let reduced = Node {
-            op: Op::AllReduce { op: ReduceOp::Mean },
-            shape: node.shape.clone(),
-            dtype: node.dtype,
-            device: node.device,
-            name: Some(format!("{}/all_reduce", node.name.clone().unwrap_or_else(|| node.op.name().into()))),
-            origin: node.origin,
-        };
-        let r = graph.add(reduced, &[grad]);
+        let name = graph.node(grad).name.clone().unwrap_or_else(|| graph.node(grad).op.name().into());
+        let r = mean_over_ranks(graph, grad, format!("{name}/all_reduce"));
         graph.replace_operand(u, 1, r);
     }
     Ok(updates.len())
+}
+
+/// A new node: `of`'s mean over the ranks, named `name`, on `of`'s device.
+fn mean_over_ranks(graph: &mut Graph, of: NodeId, name: String) -> NodeId {
+    let node = graph.node(of);
+    let reduced = Node {
+        op: Op::AllReduce { op: ReduceOp::Mean },
+        shape: node.shape.clone(),
+        dtype: node.dtype,
+        device: node.device,
+        name: Some(name),
+        origin: node.origin,
+    };
+    graph.add(reduced, &[of])
 }
 
 /// Makes each of the scalar outputs `names` (the loss, the metrics) its mean over the ranks, so
@@ -58,16 +64,7 @@ pub fn all_reduce_outputs(graph: &mut Graph, names: &[&str]) -> Result<usize> {
     let mut n = 0;
     for name in names {
         let Some(out) = graph.output(name) else { continue };
-        let node = graph.node(out);
-        let reduced = Node {
-            op: Op::AllReduce { op: ReduceOp::Mean },
-            shape: node.shape.clone(),
-            dtype: node.dtype,
-            device: node.device,
-            name: Some(format!("{name}/all_reduce")),
-            origin: node.origin,
-        };
-        let r = graph.add(reduced, &[out]);
+        let r = mean_over_ranks(graph, out, format!("{name}/all_reduce"));
         graph.set_output(*name, r);
         n += 1;
     }
