@@ -503,9 +503,45 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
         println!("step {i}: loss {loss:.6} (the whole batch's, the same on every rank)");
     }
     let same = results.iter().all(|r| r.1 == results[0].1);
+    println!("weights bitwise identical on all {ranks} ranks: {same}");
+    // Per-rank memory: the plan one rank runs here against one process on the whole batch.
+    let mut rows = Vec::new();
+    for (n, m) in [(1, m.clone()), (ranks, m.clone().with_batch(m.batch / ranks))] {
+        let mut graph =
+            kiln::compiler::step::train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
+        if n > 1 {
+            kiln::compiler::data_parallel::all_reduce_gradients(&mut graph)?;
+        }
+        let plan = kiln::compiler::compile(graph, &kiln::compiler::CompileOptions::default())?;
+        let reduces: Vec<_> =
+            plan.steps.iter().filter(|s| matches!(s.op, kiln::compiler::ir::Op::AllReduce { .. })).collect();
+        let reduced: usize = reduces
+            .iter()
+            .map(|s| plan.values[s.inputs[0]].shape.numel() * plan.values[s.inputs[0]].dtype.size_bytes())
+            .sum();
+        let b = kiln::report::bytes;
+        rows.push(vec![
+            n.to_string(),
+            m.batch.to_string(),
+            b(plan.memory.arena_bytes),
+            b(plan.memory.planned_total_bytes()),
+            b(plan.device_bytes(kiln::compiler::plan::DEVICE_GRANULARITY)),
+            format!("{} / {}", reduces.len(), b(reduced)),
+        ]);
+    }
     println!(
-        "weights bitwise identical on all {ranks} ranks: {same}; planned total per rank {}",
-        kiln::report::bytes(results[0].2)
+        "{}",
+        kiln::report::render_table(
+            &[
+                "ranks",
+                "batch/rank",
+                "arena",
+                "planned total/rank",
+                "device bytes/rank",
+                "all-reduces / bytes a step"
+            ],
+            &rows
+        )
     );
     println!(
         "as processes, one rank each (OpenMPI: bash scripts/setup-mpi.sh):\n  cargo build --release --features mpi --example mpi_train\n  mpirun -np {ranks} target/release/examples/mpi_train"
