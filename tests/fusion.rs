@@ -13,8 +13,9 @@ use rand::{RngExt, SeedableRng};
 
 fn options(fuse: bool) -> CompileOptions {
     // Tiling is a schedule choice that can differ between the two graphs; off, so that the same
-    // products are computed and results can be compared bit for bit.
-    CompileOptions { tile_updates: false, ..CompileOptions::default() }.with_fusion(fuse)
+    // products are computed and results can be compared bit for bit. Cheap recomputation (with
+    // fusion only) adds steps of its own: off, so that the step counts below are fusion's.
+    CompileOptions { tile_updates: false, cheap_remat: false, ..CompileOptions::default() }.with_fusion(fuse)
 }
 
 /// Every output of `steps` calls and every variable after them.

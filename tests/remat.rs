@@ -23,9 +23,30 @@ fn train(plan: &Plan, x: &HostTensor, y: &HostTensor, steps: usize) -> (Vec<u32>
 }
 
 /// Compile options without tiled updates: these tests hold rematerialization alone to
-/// bit-identical results (tiled updates sum each gradient block in its own GEMM).
+/// bit-identical results (tiled updates sum each gradient block in its own GEMM). Without a
+/// limit, no recomputation either (`cheap_remat`, tested on its own below).
 fn untiled(limit: Option<usize>) -> CompileOptions {
-    CompileOptions { tile_updates: false, ..CompileOptions::device("cpu:0", limit) }
+    CompileOptions { tile_updates: false, cheap_remat: false, ..CompileOptions::device("cpu:0", limit) }
+}
+
+/// Without a limit, a training step recomputes what costs next to nothing (`cheap_remat`): the
+/// transformer's GELU and layer-norm scalings, within the FLOP budget, a smaller arena, and the
+/// same bits as the plan that keeps them.
+#[test]
+fn cheap_recomputation_shrinks_the_transformer_for_free() {
+    let m = zoo::by_name("transformer").unwrap().with_batch(4);
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
+    let keep = compile(graph.clone(), &untiled(None)).unwrap();
+    let cheap = compile(graph, &untiled(None).with_cheap_remat(true)).unwrap();
+    let r = cheap.memory.remat.as_ref().expect("something recomputed");
+    assert!(r.recomputed.iter().any(|v| v.starts_with("gelu")), "{:?}", r.recomputed);
+    let budget =
+        kiln::compiler::cheap_remat::step_flops(&keep) as f64 * kiln::compiler::cheap_remat::FLOPS_BUDGET;
+    assert!(r.recomputed_flops as f64 <= budget, "{} > {budget}", r.recomputed_flops);
+    assert!(cheap.memory.arena_bytes < keep.memory.arena_bytes);
+    assert!(cheap.devices.iter().all(|d| d.memory_limit.is_none()), "the search's limit is not the plan's");
+    let (x, y) = m.batch_data(1).unwrap();
+    assert_eq!(train(&cheap, &x, &y, 3), train(&keep, &x, &y, 3));
 }
 
 /// The limit: persistent bytes plus `fraction` of the unconstrained arena.

@@ -24,6 +24,7 @@
 
 pub mod autodiff;
 pub mod batch_blocks;
+pub mod cheap_remat;
 pub mod const_fold;
 pub mod conv_relu_grad;
 pub mod custom;
@@ -89,6 +90,9 @@ pub struct CompileOptions {
     /// Whether values computed from constants alone are computed at compile time
     /// (`const_fold`; on by default, or as `KILN_FOLD=0` says).
     pub fold_constants: bool,
+    /// Whether a training step recomputes values that cost next to nothing to remake, without a
+    /// memory limit (`cheap_remat`; with fusion on, by default, or as `KILN_CHEAP_REMAT=0` says).
+    pub cheap_remat: bool,
     /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
     /// and every kernel reduces within its blocks.
@@ -105,6 +109,7 @@ impl Default for CompileOptions {
             fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
             batch_blocks: std::env::var("KILN_BATCH_BLOCKS").map_or(true, |v| v != "0"),
             fold_constants: std::env::var("KILN_FOLD").map_or(true, |v| v != "0"),
+            cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
             scratch: None,
         }
     }
@@ -146,6 +151,12 @@ impl CompileOptions {
     /// Constant folding on or off, whatever `KILN_FOLD` says.
     pub fn with_constant_folding(mut self, on: bool) -> Self {
         self.fold_constants = on;
+        self
+    }
+
+    /// Cheap recomputation without a limit on or off, whatever `KILN_CHEAP_REMAT` says.
+    pub fn with_cheap_remat(mut self, on: bool) -> Self {
+        self.cheap_remat = on;
         self
     }
 
@@ -230,6 +241,10 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     pool_relu_grad::rewrite(&mut graph)?;
     let mut plan = match batch_blocks::region(&graph).filter(|_| options.fuse && options.batch_blocks) {
         Some(region) => compile_blocked(graph, &region, options),
+        None if cheap_remat::applies(&graph, options) => {
+            let plan = compile_rewritten(graph.clone(), options)?;
+            Ok(cheap_remat::shrink(&graph, options, plan, compile_rewritten))
+        }
         None => compile_rewritten(graph, options),
     }?;
     plan.memory.folded_constants = folded.constants;
