@@ -11,7 +11,9 @@
 //! held, and keeps each one whose recomputation stays within `FLOPS_BUDGET` of the step's work
 //! (`Op::flops`). It stops at the first plan that costs more, does not fit, or saves nothing.
 //! The recomputed values are the same kernels on the same operands, so the results are the
-//! same bits.
+//! same bits. Unlike recomputation under a limit, the graph keeps its fused products (no
+//! re-fusion without them), so only the recomputed ops are added: the transformer's step goes
+//! from 117 to 120 plan steps, the cnn's from 56 to 57.
 //!
 //! It runs on training steps of up to `MAX_NODES` nodes on one device, with fusion on and no
 //! memory limit (under a limit `remat` already runs). `CompileOptions::cheap_remat` or

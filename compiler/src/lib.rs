@@ -243,7 +243,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         Some(region) => compile_blocked(graph, &region, options),
         None if cheap_remat::applies(&graph, options) => {
             let plan = compile_rewritten(graph.clone(), options)?;
-            Ok(cheap_remat::shrink(&graph, options, plan, compile_rewritten))
+            Ok(cheap_remat::shrink(&graph, options, plan, |g, o| compile_rewritten_with(g, o, false)))
         }
         None => compile_rewritten(graph, options),
     }?;
@@ -289,14 +289,21 @@ fn compile_blocked(
 }
 
 /// `compile` after the passes every graph takes.
-fn compile_rewritten(mut graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
+fn compile_rewritten(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
+    compile_rewritten_with(graph, options, true)
+}
+
+/// `compile_rewritten`; with `refuse`, a step over its limit is fused again without products
+/// before recomputation (so that activations can be remade from pre-activations), which cheap
+/// recomputation does not do (it keeps every product's epilogue: fewer steps).
+fn compile_rewritten_with(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
     let (conv_relu_grads, split) = if options.fuse {
         (conv_relu_grad::rewrite(&mut graph)?, log_softmax_split::split(&mut graph)?)
     } else {
         (0, log_softmax_split::SplitFigures::default())
     };
     // Kept for recomputation, which only a memory limit asks for.
-    let unfused = options.devices.iter().any(|d| d.memory_limit.is_some()).then(|| graph.clone());
+    let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
     let fuse = |graph: &mut ir::Graph, products: fusion::Products| -> Result<fusion::FusionFigures> {
         if options.fuse { fusion::fuse(graph, products) } else { Ok(fusion::FusionFigures::default()) }
     };
