@@ -239,7 +239,8 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         passes::default_pipeline().run(&mut graph)?;
     }
     pool_relu_grad::rewrite(&mut graph)?;
-    let mut plan = match batch_blocks::region(&graph).filter(|_| options.fuse && options.batch_blocks) {
+    let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
+    let mut plan = match region {
         Some(region) => compile_blocked(graph, &region, options),
         None if cheap_remat::applies(&graph, options) => {
             let plan = compile_rewritten(graph.clone(), options)?;

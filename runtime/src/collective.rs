@@ -10,18 +10,13 @@
 use crate::error::{Result, RuntimeError};
 use kiln_comm::Communicator;
 use kiln_compiler::Plan;
-use kiln_compiler::ir::{Op, ReduceOp};
+use kiln_compiler::ir::ReduceOp;
 use kiln_kernels::cpu::CpuKernel;
 use sha2::{Digest, Sha256};
 use std::sync::{Arc, Mutex};
 
 /// A communicator shared by a backend's collective steps.
 pub type SharedComm = Arc<Mutex<Box<dyn Communicator>>>;
-
-/// Whether `plan` has a collective step.
-pub fn has_collectives(plan: &Plan) -> bool {
-    plan.steps.iter().any(|s| matches!(s.op, Op::AllReduce { .. }))
-}
 
 /// A digest of what every rank must agree on: the plan's steps (ops, operands, labels), values,
 /// variables, inputs, outputs, and kiln's version.

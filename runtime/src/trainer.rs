@@ -285,13 +285,14 @@ impl Trainer {
                 ));
             }
             let shard = kiln_comm::shard_range(rows, rank, ranks);
-            let (xs, ys) = (x.rows(shard.clone())?, y.rows(shard)?);
-            let id = self.train_program(spec(&xs), spec(&ys))?;
-            self.backend.set_input_tensor(id, "x", &xs)?;
-            self.backend.set_input_tensor(id, "y", &ys)?;
-            self.backend.run(id)?;
-            return self.logs(id);
+            return self.step_on(&x.rows(shard.clone())?, &y.rows(shard)?);
         }
+        self.step_on(x, y)
+    }
+
+    /// One optimizer step on exactly `x` and `y`.
+    #[track_caller]
+    fn step_on(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
         let id = self.train_program(spec(x), spec(y))?;
         self.backend.set_input_tensor(id, "x", x)?;
         self.backend.set_input_tensor(id, "y", y)?;

@@ -305,6 +305,7 @@ impl CpuBackend {
         // Every kernel first: a plan one cannot run (an unregistered custom op, say) is refused
         // before any variable is created, so a refused load leaves nothing behind.
         let mut kernels = Vec::with_capacity(plan.steps.len());
+        let mut collectives = false;
         for step in &plan.steps {
             let ins: Vec<(&Shape, _)> =
                 step.inputs.iter().map(|&v| (&plan.values[v].shape, plan.values[v].dtype)).collect();
@@ -339,12 +340,13 @@ impl CpuBackend {
                 let n = out.0.numel();
                 kernels.push(Box::new(crate::collective::AllReduceKernel::new(comm.clone(), op, n))
                     as Box<dyn CpuKernel>);
+                collectives = true;
                 continue;
             }
             kernels.push(cpu::prepare(&step.op, &ins, out)?);
             debug_assert!(step.op.class() != OpClass::View);
         }
-        if let Some(comm) = self.comm.as_ref().filter(|_| crate::collective::has_collectives(&plan)) {
+        if let Some(comm) = self.comm.as_ref().filter(|_| collectives) {
             crate::collective::agree_on_plan(&plan, comm)?;
         }
         let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
