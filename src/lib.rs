@@ -48,6 +48,7 @@ pub mod prelude {
     pub use kiln_compiler::placement::{Placed, split_sequential};
     pub use kiln_compiler::step::{InputSpec, TrainConfig};
     pub use kiln_compiler::trace::{Tensor, Tracer};
+    pub use kiln_compiler::zero::ZeroStage;
     pub use kiln_compiler::{CompileOptions, Plan, compile};
     pub use kiln_runtime::devices::{DeviceConfig, Devices, GB, MB};
     pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};

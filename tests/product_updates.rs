@@ -136,7 +136,8 @@ fn an_update_that_writes_its_own_factor_is_not_folded() {
     let w = g.add(node(var, &s), &[]);
     let x = g.add(node(Op::Input { name: "x".into(), shape: s.clone(), dtype: DType::F32 }, &s), &[]);
     let grad = g.add(node(Op::MatMul { transpose_a: true, transpose_b: false }, &s), &[w, x]);
-    let sgd = Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false };
+    let sgd =
+        Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false, shard: None };
     g.add(node(sgd, &Shape::scalar()), &[w, grad]);
     assert_eq!(fold(&mut g, Selection::All).unwrap(), 0);
 }

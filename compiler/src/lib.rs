@@ -54,6 +54,7 @@ pub mod step;
 pub mod tiled_updates;
 pub mod trace;
 pub mod validate;
+pub mod zero;
 
 pub use device::DeviceSpec;
 pub use error::{CompileError, Result};

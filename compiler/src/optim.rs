@@ -129,6 +129,7 @@ impl Optimizer {
                     nesterov: o.nesterov,
                     rows: None,
                     product: false,
+                    shard: None,
                 };
                 for (var, key, grad) in updates {
                     // State and update live on the variable's device.
@@ -158,6 +159,7 @@ impl Optimizer {
                     epsilon: o.epsilon,
                     rows: None,
                     product: false,
+                    shard: None,
                 };
                 for (var, key, grad) in updates {
                     effects.push(tracer.on_device(var.device(), || {

@@ -813,9 +813,10 @@ fn root(g: &Graph, n: NodeId) -> NodeId {
 }
 
 /// Ops that can run again with the same result: anything that computes (elementwise, layout,
-/// products, convolutions, reductions, fills), never a source or an effect.
+/// products, convolutions, reductions, fills), never a source, an effect or a collective (which
+/// every rank must run once, in the same order).
 fn recomputable(node: &Node) -> bool {
-    matches!(node.op.class(), OpClass::Elementwise | OpClass::Compute)
+    matches!(node.op.class(), OpClass::Elementwise | OpClass::Compute) && !node.op.is_collective()
 }
 
 fn node_flops(g: &Graph, n: NodeId) -> u64 {

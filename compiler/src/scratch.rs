@@ -52,7 +52,7 @@ pub fn of_graph(graph: &Graph, rule: Option<&ScratchRule>) -> Scratch {
         let node = graph.node(n);
         // Without a rule only custom ops can ask (a 100k-node graph is walked in microseconds).
         if matches!(node.op.class(), OpClass::Source | OpClass::View)
-            || (rule.is_none() && !matches!(node.op, Op::Custom { .. }))
+            || (rule.is_none() && !matches!(node.op, Op::Custom { .. } | Op::AllGather { .. }))
         {
             continue;
         }
@@ -65,12 +65,24 @@ pub fn of_graph(graph: &Graph, rule: Option<&ScratchRule>) -> Scratch {
             })
             .collect();
         let asked = rule.map_or(0, |r| (r.bytes)(&node.op, &operands, &node.shape));
-        let b = asked.max(crate::custom::declared_scratch(&node.op, &operands, &node.shape));
+        let b = asked.max(declared(&node.op, &operands, &node.shape));
         if b > 0 {
             bytes.insert(n, b);
         }
     }
     Scratch { bytes }
+}
+
+/// The scratch a step needs on every backend: a custom op's declared scratch
+/// (`CustomOp::scratch`), and an all-gather's copy of its rank's shard (the communicator reads
+/// the shard from there while it writes every rank's shard into the variable).
+pub fn declared(op: &Op, operands: &[(&Shape, DType)], output: &Shape) -> usize {
+    match op {
+        Op::AllGather { shard } => {
+            operands.first().map_or(0, |(s, d)| shard.padded(s.numel()).saturating_mul(d.size_bytes()))
+        }
+        _ => crate::custom::declared_scratch(op, operands, output),
+    }
 }
 
 /// Scratch bytes by step node; steps not named have none.

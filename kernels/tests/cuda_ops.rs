@@ -407,12 +407,26 @@ fn cases() -> Vec<Case> {
     v.push(case("gather_grad_row3", Op::GatherGrad { vocab: 7 }, &[&[6], &[6, 3]]).with(0, Data::Ids(7)));
     v.push(case("gather_grad_repeat", Op::GatherGrad { vocab: 3 }, &[&[40], &[40, 2]]).with(0, Data::Ids(3)));
     // ---- optimizers
-    let sgd = |lr, momentum, nesterov| Op::ApplySgd { lr, momentum, nesterov, rows: None, product: false };
+    let sgd = |lr, momentum, nesterov| Op::ApplySgd {
+        lr,
+        momentum,
+        nesterov,
+        rows: None,
+        product: false,
+        shard: None,
+    };
     v.push(case("sgd_plain", sgd(0.01, 0.0, false), &[&[7], &[7]]));
     v.push(case("sgd_momentum", sgd(0.1, 0.9, false), &[&[3, 4], &[3, 4], &[3, 4]]));
     v.push(case("sgd_nesterov", sgd(0.05, 0.8, true), &[&[5], &[5], &[5]]));
-    let adam =
-        Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false };
+    let adam = Op::ApplyAdam {
+        lr: 0.001,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-7,
+        rows: None,
+        product: false,
+        shard: None,
+    };
     v.push(
         case("adam", adam.clone(), &[&[5, 3], &[5, 3], &[5, 3], &[5, 3], &[]])
             .with(3, Data::Uniform(0.0, 1.0))
@@ -439,8 +453,14 @@ fn cases() -> Vec<Case> {
     {
         v.push(case(name, Op::MatMulRows { rows: Rows { start, len } }, &[&[40, 72], &[40, 20]]));
     }
-    let sgd_rows =
-        |momentum, nesterov, r| Op::ApplySgd { lr: 0.05, momentum, nesterov, rows: r, product: false };
+    let sgd_rows = |momentum, nesterov, r| Op::ApplySgd {
+        lr: 0.05,
+        momentum,
+        nesterov,
+        rows: r,
+        product: false,
+        shard: None,
+    };
     v.push(case("sgd_rows", sgd_rows(0.0, false, rows(2, 3)), &[&[6, 4], &[3, 4]]));
     v.push(case("sgd_rows_momentum", sgd_rows(0.9, true, rows(1, 1)), &[&[3, 2, 2], &[1, 2, 2], &[3, 2, 2]]));
     v.push(
@@ -453,6 +473,7 @@ fn cases() -> Vec<Case> {
                 epsilon: 1e-7,
                 rows: rows(5, 4),
                 product: false,
+                shard: None,
             },
             &[&[9, 3], &[4, 3], &[9, 3], &[9, 3], &[]],
         )
@@ -579,8 +600,16 @@ fn split_cases(adam_product: &Op) -> Vec<Case> {
 #[test]
 fn split_k_is_chosen_for_long_contractions() {
     let cases = split_cases(
-        &Op::ApplyAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false }
-            .update_in(None, kiln_compiler::ir::Grad::Product),
+        &Op::ApplyAdam {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-7,
+            rows: None,
+            product: false,
+            shard: None,
+        }
+        .update_in(None, kiln_compiler::ir::Grad::Product),
     );
     for c in cases {
         let k = c.generate();
@@ -872,7 +901,15 @@ fn large_cases() -> Vec<Case> {
         ),
         case(
             "large_adam",
-            Op::ApplyAdam { lr: 0.1, beta1: 0.9, beta2: 0.99, epsilon: 1e-8, rows: None, product: false },
+            Op::ApplyAdam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.99,
+                epsilon: 1e-8,
+                rows: None,
+                product: false,
+                shard: None,
+            },
             &[&[big], &[big], &[big], &[big], &[]],
         ),
     ]

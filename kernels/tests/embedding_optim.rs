@@ -45,7 +45,7 @@ fn sgd_steps() {
     let var = T::new(&[3], vec![1.0, 2.0, 3.0]);
     let grad = T::new(&[3], vec![0.5, -1.0, 2.0]);
     let plain = run_effect(
-        &Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false },
+        &Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false, shard: None },
         &[&var, &grad],
     );
     assert_close(&plain[0].data, &[0.95, 2.1, 2.8], 1e-7);
@@ -53,7 +53,8 @@ fn sgd_steps() {
 
     // v = 0.9·[1, 1, 1] - 0.1·g = [0.85, 1.0, 0.7]; var += v; Nesterov: var += 0.9·v - 0.1·g.
     let vel = T::new(&[3], vec![1.0; 3]);
-    let op = |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov, rows: None, product: false };
+    let op =
+        |nesterov| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov, rows: None, product: false, shard: None };
     let m = run_effect(&op(false), &[&var, &grad, &vel]);
     assert_close(&m[2].data, &[0.85, 1.0, 0.7], 1e-7);
     assert_close(&m[0].data, &[1.85, 3.0, 3.7], 1e-7);
@@ -65,7 +66,8 @@ fn sgd_steps() {
 #[test]
 fn adam_steps() {
     let (lr, b1, b2, eps) = (0.01f32, 0.9f32, 0.999f32, 1e-7f32);
-    let op = Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps, rows: None, product: false };
+    let op =
+        Op::ApplyAdam { lr, beta1: b1, beta2: b2, epsilon: eps, rows: None, product: false, shard: None };
     let var = T::new(&[2], vec![1.0, -2.0]);
     let grad = T::new(&[2], vec![0.5, -3.0]);
     let zeros = T::new(&[2], vec![0.0; 2]);
@@ -121,9 +123,17 @@ fn weights(m: usize, k: usize, n: usize, seed: u64) -> Weights {
 fn tiled_updates_equal_one_update() {
     let (m, k, n) = (37, 70, 23);
     let Weights { a, b, full, var, state, v0, iters } = weights(m, k, n, 11);
-    let adam =
-        |rows| Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows, product: false };
-    let sgd = |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows, product: false };
+    let adam = |rows| Op::ApplyAdam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-7,
+        rows,
+        product: false,
+        shard: None,
+    };
+    let sgd =
+        |rows| Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: true, rows, product: false, shard: None };
     let whole_adam = run_effect(&adam(None), &[&var, &full, &state, &v0, &iters]);
     let whole_sgd = run_effect(&sgd(None), &[&var, &full, &state]);
     let (mut x, mut mm, mut vv) = (var.clone(), state.clone(), v0.clone());
@@ -159,7 +169,7 @@ fn optimizers_on_large_variables() {
     let grad = rand(&[n], 2);
     let vel = rand(&[n], 3);
     let out = run_effect(
-        &Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false, rows: None, product: false },
+        &Op::ApplySgd { lr: 0.5, momentum: 0.5, nesterov: false, rows: None, product: false, shard: None },
         &[&var, &grad, &vel],
     );
     for i in (0..n).step_by(997) {
@@ -226,15 +236,22 @@ fn product_updates_equal_the_product_then_the_update() {
     for (case, (m, k, n)) in [(37, 70, 23), (5, 300, 500), (700, 260, 300), (1, 1, 1)].into_iter().enumerate()
     {
         let Weights { a, b, full, var, state, v0, iters } = weights(m, k, n, 21 + 10 * case as u64);
-        let adam =
-            Op::ApplyAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-7, rows: None, product: false };
+        let adam = Op::ApplyAdam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-7,
+            rows: None,
+            product: false,
+            shard: None,
+        };
         let want = run_effect(&adam, &[&var, &full, &state, &v0, &iters]);
         let got = run_effect(&adam.update_in(None, Grad::Product), &[&var, &a, &b, &state, &v0, &iters]);
         for (w, g) in [(0, 0), (2, 3), (3, 4)] {
             assert_eq!(got[g].data, want[w].data, "adam {m}x{k}x{n}: operand {w}");
         }
         for (momentum, nesterov) in [(0.0, false), (0.9, false), (0.9, true)] {
-            let sgd = Op::ApplySgd { lr: 0.1, momentum, nesterov, rows: None, product: false };
+            let sgd = Op::ApplySgd { lr: 0.1, momentum, nesterov, rows: None, product: false, shard: None };
             let (with, without): (Vec<&T>, Vec<&T>) = if momentum != 0.0 {
                 (vec![&var, &a, &b, &state], vec![&var, &full, &state])
             } else {

@@ -76,7 +76,8 @@ fn cases() -> Vec<Case> {
         ),
     ];
     v.push(("epilogue".into(), bias_relu([200, 260], false), vec![vec![200, 72], vec![72, 260], vec![260]]));
-    let sgd = Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false };
+    let sgd =
+        Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false, shard: None };
     let sgd = sgd.update_in(None, Grad::Product);
     v.push(("sgd_product".into(), sgd, vec![vec![136, 132], vec![40, 136], vec![40, 132], vec![136, 132]]));
     v.into_iter()
@@ -102,7 +103,8 @@ fn split_cases() -> Vec<Case> {
         bias_relu([16, 12], true),
         vec![vec![1536, 16], vec![1536, 12], vec![12]],
     ));
-    let sgd = Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false };
+    let sgd =
+        Op::ApplySgd { lr: 0.1, momentum: 0.9, nesterov: false, rows: None, product: false, shard: None };
     let sgd = sgd.update_in(None, Grad::Product);
     v.push(("split_sgd".into(), sgd, vec![vec![12, 8], vec![1536, 12], vec![1536, 8], vec![12, 8]]));
     v.into_iter()

@@ -10,9 +10,10 @@ use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kiln_compiler::ir::{DType, Shape};
+use kiln_compiler::ir::{DType, Shape, Shard};
 use kiln_compiler::nn::Layer;
 use kiln_compiler::step::{InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph};
+use kiln_compiler::zero::ZeroStage;
 use kiln_compiler::{CompileOptions, Plan, compile};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -104,6 +105,8 @@ pub struct Trainer {
     predict_programs: HashMap<InputSpec, ProgramId>,
     evaluate_programs: HashMap<(InputSpec, InputSpec), ProgramId>,
     compile_time: Duration,
+    /// How much of a data-parallel step's state is sharded (`kiln_compiler::zero`).
+    zero: ZeroStage,
 }
 
 impl Trainer {
@@ -118,7 +121,22 @@ impl Trainer {
             predict_programs: HashMap::new(),
             evaluate_programs: HashMap::new(),
             compile_time: Duration::ZERO,
+            zero: ZeroStage::Off,
         }
+    }
+
+    /// On a backend that is a rank of a data-parallel run, shards the optimizer state (stage 1)
+    /// and the reduced gradients too (stage 2) over the ranks (`kiln_compiler::zero`): each rank
+    /// keeps and updates its shard, then the ranks gather the weights. One rank alone trains as
+    /// without it. Each rank's checkpoint (`save`) then holds its own shards of the state: save
+    /// one file per rank, and load it on the same rank of a run with as many ranks.
+    pub fn with_zero_stage(mut self, stage: ZeroStage) -> Self {
+        self.zero = stage;
+        self
+    }
+
+    pub fn zero_stage(&self) -> ZeroStage {
+        self.zero
     }
 
     /// Compiles with these options: the devices (with their memory limits) plans may use.
@@ -238,14 +256,19 @@ impl Trainer {
         }
         let start = Instant::now();
         let mut graph = train_step_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?;
-        if self.backend.rank().is_some_and(|(_, ranks)| ranks > 1) {
-            // Data parallel: gradients, loss and metrics averaged over the ranks.
-            kiln_compiler::data_parallel::all_reduce_gradients(&mut graph)?;
+        let ranks = self.backend.rank().filter(|&(_, ranks)| ranks > 1);
+        if let Some((_, ranks)) = ranks {
+            // Data parallel: gradients, loss and metrics averaged over the ranks; with ZeRO,
+            // the state sharded, as rank 0's plan (specialised to this rank below).
+            kiln_compiler::zero::shard_optimizer_state(&mut graph, self.zero, Shard { ranks, rank: 0 })?;
             let mut names = vec!["loss"];
             names.extend(self.config.metrics.iter().map(|m| m.name()));
             kiln_compiler::data_parallel::all_reduce_outputs(&mut graph, &names)?;
         }
-        let plan = compile(graph, &self.options)?;
+        let mut plan = compile(graph, &self.options)?;
+        if let Some((rank, _)) = ranks {
+            plan = kiln_compiler::zero::for_rank(plan, rank)?;
+        }
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
         self.train_programs.insert((x, y), id);

@@ -126,6 +126,7 @@ fn batch_norm(imp: &mut Importer, n: &Node) -> Result<Vec<Tensor>> {
                     nesterov: false,
                     rows: None,
                     product: false,
+                    shard: None,
                 };
                 let delta = stat.clone() - &batch.reshape(c.clone());
                 stat.record(op, &[stat, &delta]);

@@ -143,10 +143,12 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         | Op::AvgPool2dGrad { .. }
         | Op::MatMulRows { .. }
         | Op::GatherGrad { .. } => Err(second_order(op)),
-        Op::AllReduce { .. } => Err(CompileError::unsupported(
-            "the gradient of an all-reduce (data parallelism inserts it after autodiff)",
-            "differentiate the single-rank graph, then make it data-parallel (`data_parallel`)",
-        )),
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+            Err(CompileError::unsupported(
+                "the gradient of a collective (data parallelism inserts it after autodiff)",
+                "differentiate the single-rank graph, then make it data-parallel (`data_parallel`)",
+            ))
+        }
         Op::Fused(_) => Err(CompileError::unsupported(
             "the gradient of a fused group (fusion runs after autodiff, at compile time)",
             "differentiate the traced graph, before `compile` fuses it",

@@ -427,6 +427,22 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                 "use ReduceOp::Sum or ReduceOp::Mean",
             ),
         },
+        Op::ReduceScatter { op, shard } => {
+            check_shard(shard)?;
+            match op {
+                crate::ir::ReduceOp::Sum | crate::ir::ReduceOp::Mean => {
+                    Ok((Shape::new(vec![shard.padded(shape(0).numel())]), dtype(0)))
+                }
+                crate::ir::ReduceOp::Max => err(
+                    "a reduce-scatter takes the sum or the mean over the ranks",
+                    "use ReduceOp::Sum or ReduceOp::Mean",
+                ),
+            }
+        }
+        Op::AllGather { shard } => {
+            check_shard(shard)?;
+            Ok((Shape::scalar(), dtype(0)))
+        }
         Op::GatherGrad { vocab } => {
             let (ids, dy) = (shape(0), shape(1));
             if dy.rank() < ids.rank() || dy.dims()[..ids.rank()] != *ids.dims() {
@@ -461,8 +477,11 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((Shape::new(vec![rows.len, b.dims()[1]]), d))
         }
-        Op::ApplySgd { rows, product, .. } | Op::ApplyAdam { rows, product, .. } => {
+        Op::ApplySgd { rows, product, shard, .. } | Op::ApplyAdam { rows, product, shard, .. } => {
             let var = shape(0);
+            if let Some(sh) = shard {
+                return sharded_update(op, sh, operands, *rows, *product);
+            }
             // A tiled update writes a block of rows: its gradient has just those rows.
             let grad_shape = match rows {
                 None => var.clone(),
@@ -525,6 +544,65 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
     }
 }
 
+fn check_shard(shard: &crate::ir::Shard) -> Result<(), OpError> {
+    if shard.ranks == 0 || shard.rank >= shard.ranks {
+        return err(
+            format!("rank {} of {} ranks is not a rank of the group", shard.rank, shard.ranks),
+            "shard over one rank or more, with a rank below the rank count",
+        );
+    }
+    Ok(())
+}
+
+/// A ZeRO update (`Op::ApplyAdam { shard: Some(_) }`, `ApplySgd`): (var, grad, state..) where
+/// the state holds the rank's padded shard and the gradient either the shard or the variable.
+fn sharded_update(
+    op: &Op,
+    shard: &crate::ir::Shard,
+    operands: &[(&Shape, DType)],
+    rows: Option<crate::ir::Rows>,
+    product: bool,
+) -> Result<(Shape, DType), OpError> {
+    check_shard(shard)?;
+    if rows.is_some() || product {
+        return err(
+            "a sharded update is also tiled or computes its gradient's product",
+            "shard whole-variable updates from a stored gradient only",
+        );
+    }
+    let (var, d) = operands[0];
+    let part = Shape::new(vec![shard.padded(var.numel())]);
+    let grad = operands[1].0;
+    if grad != &part && grad != var {
+        return err(
+            format!("the gradient has shape {grad} but the shard is {part} of the variable {var}"),
+            "pass the reduce-scattered shard of the gradient, or the whole all-reduced gradient",
+        );
+    }
+    let state = match op {
+        Op::ApplyAdam { .. } => 2..4,
+        _ => 2..operands.len(),
+    };
+    if let Some(i) = state.clone().find(|&i| operands[i].0 != &part) {
+        return err(
+            format!("operand {i} has shape {} but the rank's shard of {var} is {part}", operands[i].0),
+            "a sharded update's optimizer state holds just the rank's shard",
+        );
+    }
+    if let Some(i) = (1..operands.len()).find(|&i| operands[i].1 != d) {
+        return err(
+            format!("operand dtypes differ: {d} and {}", operands[i].1),
+            "cast the operands to one dtype before combining them",
+        );
+    }
+    if let Op::ApplyAdam { .. } = op
+        && operands[4].0.numel() != 1
+    {
+        return err("the iteration counter must hold one element", "pass the counter variable");
+    }
+    Ok((Shape::scalar(), d))
+}
+
 fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
     match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Fill { .. } | Op::Iota { .. } => 0..=0,
@@ -553,7 +631,7 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Pool2dGrad { .. }
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
-        Op::AllReduce { .. } => 1..=1,
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1..=1,
         Op::Select | Op::Conv2dBackpropInputReluGrad { .. } => 3..=3,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,

@@ -14,7 +14,7 @@ pub use fused::{Fused, FusedMatMul, FusedReduce};
 pub use graph::{DeviceId, Edge, Graph, Node, NodeId, SourceLoc};
 pub use infer::{MAX_TENSOR_BYTES, OpError, infer};
 pub use op::{
-    BinaryOp, Grad, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, UnaryOp, VarRole,
+    BinaryOp, Grad, Init, Op, OpClass, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shard, UnaryOp, VarRole,
     Window2d, uniform,
 };
 pub use shape::Shape;

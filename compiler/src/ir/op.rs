@@ -201,6 +201,35 @@ impl Rows {
     }
 }
 
+/// One rank's part of a tensor split over the ranks of a data-parallel run (ZeRO's partition,
+/// `crate::zero`): the elements of a tensor of `n` elements, flattened, in `ranks` contiguous
+/// shards in rank order, as equal as possible (the first `n % ranks` one element longer; the same
+/// split as `kiln_comm::shard_range`). A sharded value is stored padded to the longest shard
+/// (`padded`), so that every rank's plan has the same shapes; the padding is never read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shard {
+    pub ranks: usize,
+    pub rank: usize,
+}
+
+impl Shard {
+    /// The elements of a tensor of `n` elements this rank owns; empty if `ranks` is 0 or
+    /// `rank` is not below it (`ir::infer` refuses such a shard).
+    pub fn range(&self, n: usize) -> std::ops::Range<usize> {
+        if self.rank >= self.ranks {
+            return 0..0;
+        }
+        let (base, extra) = (n / self.ranks, n % self.ranks);
+        let start = self.rank * base + self.rank.min(extra);
+        start..start + base + usize::from(self.rank < extra)
+    }
+
+    /// The longest shard of a tensor of `n` elements: the length every rank stores.
+    pub fn padded(&self, n: usize) -> usize {
+        n.div_ceil(self.ranks.max(1))
+    }
+}
+
 /// Attributes of a 2-D window (convolution or pooling) over NHWC tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Window2d {
@@ -406,6 +435,20 @@ pub enum Op {
     AllReduce {
         op: ReduceOp,
     },
+    /// This rank's shard (`Shard::range`) of the operand's elementwise reduction over every rank,
+    /// 1-D, padded to `Shard::padded` elements (the padding is zero): ZeRO's gradient
+    /// partition. Each shard is summed in rank order by the rank that owns it.
+    ReduceScatter {
+        op: ReduceOp,
+        shard: Shard,
+    },
+    /// An effect on a variable: every rank's shard of it (`Shard::range`, as the rank's sharded
+    /// update left it) copied into every rank's variable, so that the ranks hold the same
+    /// whole variable again (ZeRO's parameter all-gather). Its step's scratch holds this
+    /// rank's shard while the communicator writes the variable.
+    AllGather {
+        shard: Shard,
+    },
 
     // ---- a user's op, by its registered name (`crate::custom`)
     Custom {
@@ -424,6 +467,12 @@ pub enum Op {
         rows: Option<Rows>,
         #[serde(default)]
         product: bool,
+        /// ZeRO: the update covers this rank's shard of the variable (`Shard::range` of its
+        /// elements); the state operands hold just the shard (`Shard::padded` elements), and
+        /// the gradient either the shard too (reduce-scattered) or the whole variable's shape
+        /// (all-reduced: the shard is read at its offset). Never with `rows` or `product`.
+        #[serde(default)]
+        shard: Option<Shard>,
     },
     /// (var, grad, m, v, iterations): Keras's Adam, t = iterations + 1. With `rows`, only those
     /// rows of the variable and its state are updated, from a gradient of just those rows. With
@@ -437,6 +486,12 @@ pub enum Op {
         rows: Option<Rows>,
         #[serde(default)]
         product: bool,
+        /// ZeRO: the update covers this rank's shard of the variable (`Shard::range` of its
+        /// elements); the state operands hold just the shard (`Shard::padded` elements), and
+        /// the gradient either the shard too (reduce-scattered) or the whole variable's shape
+        /// (all-reduced: the shard is read at its offset). Never with `rows` or `product`.
+        #[serde(default)]
+        shard: Option<Shard>,
     },
     /// (var) += value.
     AssignAdd {
@@ -486,7 +541,9 @@ impl Op {
                 OpClass::Elementwise
             }
             Op::Reshape { .. } => OpClass::View,
-            Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => OpClass::Effect,
+            Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } | Op::AllGather { .. } => {
+                OpClass::Effect
+            }
             _ => OpClass::Compute,
         }
     }
@@ -523,6 +580,12 @@ impl Op {
             Op::Conv2dBackpropInputReluGrad { window, .. } => i == 2 && window.stride == [1, 1],
             _ => self.class() == OpClass::Elementwise,
         }
+    }
+
+    /// Whether this op exchanges data with the other ranks: every rank must run it, once, in
+    /// the same order (never recomputed, folded or moved across ranks' programs alone).
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. })
     }
 
     pub fn is_effect(&self) -> bool {
@@ -591,6 +654,8 @@ impl Op {
             | Op::AvgPool2dGrad { .. }
             | Op::GatherGrad { .. }
             | Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
             | Op::ApplySgd { product: false, .. }
             | Op::ApplyAdam { product: false, .. } => read(),
             // The gradient's product, 2·R·C·M, then one per variable element per operand read.
@@ -610,7 +675,7 @@ impl Op {
             Op::ApplySgd { .. } => &[0],
             Op::ApplyAdam { product: false, .. } => &[0, 2, 3],
             Op::ApplyAdam { product: true, .. } => &[0, 3, 4],
-            Op::AssignAdd { .. } => &[0],
+            Op::AssignAdd { .. } | Op::AllGather { .. } => &[0],
             _ => &[],
         }
     }
@@ -724,6 +789,8 @@ impl Op {
             Op::Gather => "gather",
             Op::GatherGrad { .. } => "gather_grad",
             Op::AllReduce { .. } => "all_reduce",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGather { .. } => "all_gather",
             Op::MatMulRows { .. } => "matmul_rows",
             Op::ApplySgd { .. } => "apply_sgd",
             Op::ApplyAdam { .. } => "apply_adam",
@@ -811,22 +878,31 @@ impl Op {
             Op::AllReduce { op } => {
                 let _ = write!(s, "[{}]", if *op == ReduceOp::Mean { "mean" } else { "sum" });
             }
+            Op::ReduceScatter { op, shard } => {
+                let op = if *op == ReduceOp::Mean { "mean" } else { "sum" };
+                let _ = write!(s, "[{op}, rank {} of {}]", shard.rank, shard.ranks);
+            }
+            Op::AllGather { shard } => {
+                let _ = write!(s, "[rank {} of {}]", shard.rank, shard.ranks);
+            }
             Op::MatMulRows { rows } => {
                 let _ = write!(s, "[rows {}..{}]", rows.start, rows.start.saturating_add(rows.len));
             }
-            Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
+            Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
                 let _ = write!(s, "[lr {lr}, momentum {momentum}");
                 if *nesterov {
                     s.push_str(", nesterov");
                 }
                 rows_label(&mut s, rows);
                 product_label(&mut s, *product);
+                shard_label(&mut s, shard);
                 s.push(']');
             }
-            Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
+            Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => {
                 let _ = write!(s, "[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}");
                 rows_label(&mut s, rows);
                 product_label(&mut s, *product);
+                shard_label(&mut s, shard);
                 s.push(']');
             }
             Op::AssignAdd { value } => {
@@ -844,6 +920,12 @@ impl Op {
 fn product_label(s: &mut String, product: bool) {
     if product {
         s.push_str(", gradient aᵀ·b");
+    }
+}
+
+fn shard_label(s: &mut String, shard: &Option<Shard>) {
+    if let Some(sh) = shard {
+        let _ = write!(s, ", shard {} of {}", sh.rank, sh.ranks);
     }
 }
 

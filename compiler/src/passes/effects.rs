@@ -20,7 +20,10 @@ impl Pass for OrderEffects {
                 graph.node(effect).op.mutated_operands().iter().map(|&i| operands[i]).collect();
             for var in mutated {
                 for reader in storage_readers(graph, var) {
-                    if reader != effect && !disjoint_blocks(graph, reader, effect) {
+                    if reader != effect
+                        && !disjoint_blocks(graph, reader, effect)
+                        && !gathers_after(graph, reader, effect)
+                    {
                         graph.add_control(reader, effect);
                     }
                 }
@@ -28,6 +31,16 @@ impl Pass for OrderEffects {
         }
         Ok(())
     }
+}
+
+/// Whether `reader` is the all-gather that follows the sharded update `effect` of the same
+/// variable (`zero`): it reads the shard the update writes, so it runs after it, not before.
+fn gathers_after(graph: &Graph, reader: NodeId, effect: NodeId) -> bool {
+    matches!(graph.node(reader).op, Op::AllGather { .. })
+        && matches!(
+            graph.node(effect).op,
+            Op::ApplyAdam { shard: Some(_), .. } | Op::ApplySgd { shard: Some(_), .. }
+        )
 }
 
 /// Whether `a` and `b` are updates of disjoint blocks of rows.

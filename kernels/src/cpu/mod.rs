@@ -96,7 +96,7 @@ pub fn prepare(
     }
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
-        Op::AllReduce { .. } => {
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
             return Err(KernelError::Unsupported {
                 op: name.into(),
                 dtype: output.1,
@@ -141,11 +141,11 @@ pub fn prepare(
         Op::Cast { to } => cast::cast(s[0], inputs[0].1, *to),
         Op::Custom { name } => custom::custom(name, &s, out)?,
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
-        Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
-            optim::sgd(*lr, *momentum, *nesterov, &s, *rows, *product)
+        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
+            optim::sgd(*lr, *momentum, *nesterov, &s, *rows, *product, *shard)
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
-            optim::adam([*lr, *beta1, *beta2, *epsilon], &s, *rows, *product)
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => {
+            optim::adam([*lr, *beta1, *beta2, *epsilon], &s, *rows, *product, *shard)
         }
         Op::AssignAdd { value } => optim::assign_add(*value, s[0]),
     })

@@ -20,7 +20,7 @@ use super::fused::TILE_FLOATS;
 use super::matmul::{Gemm, SERIAL_MACS};
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::{Grad, Rows, Shape};
+use kiln_compiler::ir::{Grad, Rows, Shape, Shard};
 use rayon::prelude::*;
 use std::slice;
 use std::sync::Mutex;
@@ -133,10 +133,14 @@ impl Product {
 }
 
 /// An optimizer update: its rule over `n` elements from element `offset` of the variable (a
-/// tiled update's block), from a stored gradient or one it computes (`product`).
+/// tiled update's block, or a rank's shard), from a stored gradient (read from `grad_offset`)
+/// or one it computes (`product`), with the state read from `state_offset` (a tiled update's
+/// `offset`; 0 for a shard, whose state holds just the shard).
 struct Update {
     rule: Rule,
     offset: usize,
+    grad_offset: usize,
+    state_offset: usize,
     n: usize,
     product: Option<Product>,
     /// Operand index of the first state tensor (`ir::Grad::state_start`).
@@ -152,9 +156,10 @@ pub(crate) fn sgd(
     shapes: &[&Shape],
     rows: Option<Rows>,
     product: bool,
+    shard: Option<Shard>,
 ) -> Box<dyn CpuKernel> {
     let desc = format!("apply_sgd[lr {lr}, momentum {momentum}{}]", if nesterov { ", nesterov" } else { "" });
-    update(Rule::Sgd { lr, momentum, nesterov }, desc, shapes, rows, product)
+    update(Rule::Sgd { lr, momentum, nesterov }, desc, shapes, rows, product, shard)
 }
 
 /// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
@@ -163,10 +168,11 @@ pub(crate) fn adam(
     shapes: &[&Shape],
     rows: Option<Rows>,
     product: bool,
+    shard: Option<Shard>,
 ) -> Box<dyn CpuKernel> {
     let [lr, beta1, beta2, epsilon] = hyper;
     let desc = format!("apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]");
-    update(Rule::Adam { lr, beta1, beta2, epsilon }, desc, shapes, rows, product)
+    update(Rule::Adam { lr, beta1, beta2, epsilon }, desc, shapes, rows, product, shard)
 }
 
 fn update(
@@ -175,9 +181,29 @@ fn update(
     shapes: &[&Shape],
     rows: Option<Rows>,
     product: bool,
+    shard: Option<Shard>,
 ) -> Box<dyn CpuKernel> {
     let var = shapes[0];
     let (offset, n, part) = Rows::span(rows, var);
+    // A shard (`ir::infer` checked: no rows, no product, the state of the padded shard's shape,
+    // the gradient the shard's or the variable's): the variable from the shard's first element,
+    // the state from 0, the gradient from the shard's offset when it is the whole gradient.
+    let (offset, grad_offset, state_offset, n, part) = match shard {
+        Some(sh) => {
+            let r = sh.range(var.numel());
+            // (Where the shard's padded length is the variable's, both readings agree: then the
+            // group has one rank, or the variable one element, and every other shard is empty.)
+            let grad_offset = if shapes[1] == var { r.start } else { 0 };
+            (
+                r.start,
+                grad_offset,
+                0,
+                r.len(),
+                format!(" shard {} of {} ({}..{})", sh.rank, sh.ranks, r.start, r.end),
+            )
+        }
+        None => (offset, 0, offset, n, part),
+    };
     let grad = if product { Grad::Product } else { Grad::Operand };
     let product = product.then(|| {
         let (m, r, c) = (shapes[1].dims()[0], var.dims()[0], var.dims()[1]);
@@ -207,27 +233,39 @@ fn update(
         None => String::new(),
     };
     let desc = format!("{name} {}{part}{from}", shape_text(var));
-    Box::new(Update { rule, offset, n, product, state_start: grad.state_start(), desc })
+    Box::new(Update {
+        rule,
+        offset,
+        grad_offset,
+        state_offset,
+        n,
+        product,
+        state_start: grad.state_start(),
+        desc,
+    })
 }
 
 impl CpuKernel for Update {
     unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
-        // SAFETY (offsets): the variable and its state hold offset + n elements (`rows` checked
-        // against the variable's shape by `ir::infer`); a stored gradient holds n.
-        let at = |i: usize| {
+        // SAFETY (offsets): the variable holds offset + n elements and the state state_offset + n
+        // (`rows` and `shard` checked against the variable's shape by `ir::infer`: a tiled
+        // update's state is the variable's shape, a shard's holds the padded shard, n or more);
+        // a stored gradient holds grad_offset + n (the block's or shard's n from 0, or the whole
+        // variable's gradient read from the shard's offset).
+        let at = |i: usize, offset: usize| {
             SendPtr::new(
-                inputs.get(i).map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(self.offset) }),
+                inputs.get(i).map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(offset) }),
             )
         };
-        let state = [at(self.state_start), at(self.state_start + 1)];
+        let state = [at(self.state_start, self.state_offset), at(self.state_start + 1, self.state_offset)];
         let alpha = match self.rule {
             // SAFETY: Adam's counter (after m and v) holds one element.
             Rule::Adam { .. } => self.rule.alpha(unsafe { *(inputs[self.state_start + 2] as *const f32) }),
             Rule::Sgd { .. } => 0.0,
         };
-        let var = at(0);
+        let var = at(0, self.offset);
         let Some(p) = &self.product else {
-            let grad = SendPtr::new(inputs[1] as *mut f32);
+            let grad = at(1, self.grad_offset);
             // SAFETY: var, grad and the state are distinct buffers of n elements from `at`.
             unsafe { self.rule.apply(Run { var, grad, state, alpha }, self.n, true) };
             return;

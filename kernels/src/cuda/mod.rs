@@ -204,11 +204,15 @@ pub fn generate_with_scratch(
     let l = label.as_str();
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
-        Op::AllReduce { .. } => {
+        Op::AllReduce { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::ApplySgd { shard: Some(_), .. }
+        | Op::ApplyAdam { shard: Some(_), .. } => {
             return Err(KernelError::Unsupported {
                 op: name.into(),
                 dtype: output.1,
-                help: "collectives on CUDA devices need NCCL, which kiln does not drive yet: run a data-parallel plan on the CPU backend (MPI)".into(),
+                help: "collectives (and ZeRO's sharded updates) on CUDA devices need NCCL, which kiln does not drive yet: run a data-parallel plan on the CPU backend (MPI)".into(),
             });
         }
         Op::Fill { value, .. } => layout::fill(l, *value, out),
@@ -287,10 +291,10 @@ pub fn generate_with_scratch(
             }
         }
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch),
-        Op::ApplySgd { lr, momentum, nesterov, rows, product } => {
+        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard: None } => {
             optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s, scratch)
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product } => {
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard: None } => {
             optim::adam(l, [*lr, *beta1, *beta2, *epsilon], *rows, *product, &s, scratch)
         }
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),

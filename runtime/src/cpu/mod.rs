@@ -315,7 +315,7 @@ impl CpuBackend {
                 None => (&scalar, ins.first().map(|i| i.1).unwrap_or_default()),
             };
             // A custom op's kernel uses the scratch it declares: the step must have that much.
-            let declared = kiln_compiler::custom::declared_scratch(&step.op, &ins, out.0);
+            let declared = kiln_compiler::scratch::declared(&step.op, &ins, out.0);
             let given = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
             if declared > given {
                 return Err(RuntimeError::invalid(
@@ -327,7 +327,7 @@ impl CpuBackend {
                     "compile the plan in a process where the custom op is registered as it is now",
                 ));
             }
-            if let Op::AllReduce { op } = step.op {
+            if step.op.is_collective() || crate::collective::shard_of(&step.op).is_some() {
                 let Some(comm) = &self.comm else {
                     return Err(RuntimeError::invalid(
                         format!(
@@ -337,11 +337,12 @@ impl CpuBackend {
                         "make the backend a rank of the run: `CpuBackend::new(seed).with_communicator(comm)`",
                     ));
                 };
-                let n = out.0.numel();
-                kernels.push(Box::new(crate::collective::AllReduceKernel::new(comm.clone(), op, n))
-                    as Box<dyn CpuKernel>);
-                collectives = true;
-                continue;
+                crate::collective::check_shard(&step.op, &step.label, comm)?;
+                if step.op.is_collective() {
+                    kernels.push(crate::collective::kernel(&step.op, comm.clone(), ins[0].0, out.0));
+                    collectives = true;
+                    continue;
+                }
             }
             kernels.push(cpu::prepare(&step.op, &ins, out)?);
             debug_assert!(step.op.class() != OpClass::View);
@@ -377,9 +378,10 @@ impl CpuBackend {
             .zip(kernels)
             .map(|(step, kernel)| {
                 let mut inputs: Vec<Loc> = step.inputs.iter().map(|&v| loc(v)).collect();
-                // A custom op's scratch (`CustomOp::scratch`) is passed after its operands; the
-                // built-in CPU kernels use none (the plan's other scratch is the CUDA kernels').
-                if let (Op::Custom { .. }, Some(b)) = (&step.op, step.scratch)
+                // A custom op's scratch (`CustomOp::scratch`) and an all-gather's are passed after
+                // its operands; the built-in CPU kernels use none (the plan's other scratch is the
+                // CUDA kernels').
+                if let (Op::Custom { .. } | Op::AllGather { .. }, Some(b)) = (&step.op, step.scratch)
                     && let Storage::Arena { device, offset } = plan.buffers[b].storage
                 {
                     inputs.push(Loc::Arena(device, offset));

@@ -1,0 +1,123 @@
+//! Sharded optimizer state (ZeRO stages 1 and 2, `kiln_compiler::zero`): N in-process ranks,
+//! each keeping its shard of Adam's state, train the bits plain data parallelism trains, hold
+//! identical weights, and plan a 1/N share of the optimizer state each.
+
+use kiln::compiler::ir::{Op, Shard, VarRole};
+use kiln::compiler::step::train_step_graph;
+use kiln::compiler::zero::{ZeroStage, for_rank, shard_optimizer_state};
+use kiln::prelude::*;
+use kiln::runtime::{Backend, CpuBackend, HostTensor, Trainer};
+use kiln::zoo::{self, ZooModel};
+
+fn batches(m: &ZooModel, batch: usize, n: u64) -> Vec<(HostTensor, HostTensor)> {
+    (0..n).map(|i| m.clone().with_batch(batch).batch_data(20 + i).unwrap()).collect()
+}
+
+/// Every rank's parameters (key order) and losses after training on `data` with `stage`.
+fn train(
+    m: &ZooModel,
+    stage: ZeroStage,
+    ranks: usize,
+    data: &[(HostTensor, HostTensor)],
+) -> Vec<(Vec<Vec<f32>>, Vec<f32>)> {
+    let keys: Vec<String> = plan(m, ZeroStage::Off, 1)
+        .variables
+        .iter()
+        .filter(|v| v.role == VarRole::Parameter)
+        .map(|v| v.key.clone())
+        .collect();
+    kiln::comm::run_local_ranks(ranks, |_, comm| {
+        let backend = CpuBackend::new(3).with_communicator(comm);
+        let mut t = Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(stage);
+        let losses: Vec<f32> = data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect();
+        let params = keys.iter().map(|k| t.backend().read_variable(k).unwrap().data().to_vec()).collect();
+        (params, losses)
+    })
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<u32> {
+    v.iter().flatten().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn sharded_state_trains_the_bits_of_plain_data_parallelism() {
+    for name in ["mlp", "transformer"] {
+        let m = zoo::by_name(name).unwrap();
+        let data = batches(&m, 6, 2);
+        for ranks in [2, 3] {
+            let plain = train(&m, ZeroStage::Off, ranks, &data);
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let sharded = train(&m, stage, ranks, &data);
+                for (r, (w, losses)) in sharded.iter().enumerate() {
+                    assert_eq!(
+                        bits(w),
+                        bits(&plain[0].0),
+                        "{name}, {ranks} ranks, {stage:?}: rank {r}'s weights"
+                    );
+                    assert_eq!(losses, &plain[0].1, "{name}, {ranks} ranks, {stage:?}: rank {r}'s losses");
+                }
+            }
+        }
+    }
+}
+
+fn plan(m: &ZooModel, stage: ZeroStage, ranks: usize) -> Plan {
+    let mut g = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
+    shard_optimizer_state(&mut g, stage, Shard { ranks, rank: 0 }).unwrap();
+    compile(g, &CompileOptions::default()).unwrap()
+}
+
+#[test]
+fn each_rank_plans_its_share_of_the_optimizer_state() {
+    let m = zoo::by_name("cnn").unwrap().with_batch(8);
+    let whole = plan(&m, ZeroStage::Off, 4).memory;
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        for ranks in [2, 4, 8] {
+            let p = plan(&m, stage, ranks);
+            let mem = &p.memory;
+            // Adam's m and v of every parameter, each padded to ceil(n / ranks) (plus the counter
+            // and each slot's alignment): at most 1/ranks of the whole, plus that padding.
+            let bound = whole.optimizer_state_bytes / ranks + 2 * p.variables.len() * p.alignment;
+            assert!(
+                mem.optimizer_state_bytes <= bound,
+                "{stage:?} x{ranks}: {} > {bound}",
+                mem.optimizer_state_bytes
+            );
+            assert_eq!(mem.parameter_bytes, whole.parameter_bytes, "parameters stay whole");
+            let gathers = p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })).count();
+            let updates =
+                p.steps.iter().filter(|s| matches!(s.op, Op::ApplyAdam { shard: Some(_), .. })).count();
+            let params = p.variables.iter().filter(|v| v.role == VarRole::Parameter).count();
+            assert_eq!((gathers, updates), (params, params), "one sharded update and gather per parameter");
+            // Stage 2 reduce-scatters: no whole gradient reaches an update.
+            let scatters = p.steps.iter().filter(|s| matches!(s.op, Op::ReduceScatter { .. })).count();
+            assert_eq!(scatters, if stage == ZeroStage::Two { params } else { 0 });
+            // Each all-gather's scratch is the rank's padded shard.
+            for s in p.steps.iter().filter(|s| matches!(s.op, Op::AllGather { .. })) {
+                let var = &p.values[s.inputs[0]].shape;
+                let b = s.scratch.map(|b| p.buffers[b].bytes).unwrap_or(0);
+                assert_eq!(b, var.numel().div_ceil(ranks) * 4, "{}", s.label);
+            }
+        }
+    }
+    // Stage 2 frees each whole gradient at its reduce-scatter: never a larger arena than stage 1.
+    assert!(plan(&m, ZeroStage::Two, 4).memory.arena_bytes <= plan(&m, ZeroStage::One, 4).memory.arena_bytes);
+}
+
+#[test]
+fn a_plan_for_another_rank_is_refused() {
+    let m = zoo::by_name("mlp").unwrap().with_batch(4);
+    let p = plan(&m, ZeroStage::Two, 2);
+    assert!(for_rank(p.clone(), 2).is_err(), "rank 2 of 2");
+    let errors = kiln::comm::run_local_ranks(2, |_, comm| {
+        // Both ranks load rank 0's plan: rank 1 must refuse it before any collective runs.
+        let mut b = CpuBackend::new(1).with_communicator(comm);
+        b.load(p.clone()).err().map(|e| e.to_string())
+    });
+    assert!(
+        errors[0].is_none() || errors[0].as_deref().is_some_and(|e| e.contains("same plan")),
+        "{errors:?}"
+    );
+    let e = errors[1].as_deref().expect("rank 1 refuses rank 0's plan");
+    assert!(e.contains("rank 0's of 2 ranks, but this backend is rank 1 of 2"), "{e}");
+}
