@@ -4,8 +4,9 @@
 //! (`scripts/peers/torch_ddp.py`, one process per rank) at 1 and 2 ranks, the zoo's batch split
 //! over the ranks. Per model and rank count: rank 0's median step time over 2 interleaved rounds
 //! of 10 steps, the gradient bytes all-reduced per step (from the plan: the operands of its
-//! all-reduces), and the per-rank planned total. Writes `target/kiln/data_parallel.json` and a
-//! table; a peer that cannot be had is "skipped".
+//! all-reduces), and the per-rank planned total; then each model's per-rank plans by ZeRO stage
+//! (`kiln::zero_table`) for 1 to 64 ranks. Writes `target/kiln/data_parallel.json` and the
+//! tables; a peer that cannot be had is "skipped".
 
 use kiln::compiler::Plan;
 use kiln::compiler::data_parallel::all_reduce_gradients;
@@ -179,8 +180,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
+    // Per-rank planned memory by ZeRO stage for 1..64 ranks, from plans alone.
+    let mut zero = BTreeMap::new();
+    for m in &models {
+        let rows = kiln::zero_table::rows(m, &[1, 2, 4, 8, 16, 32, 64])?;
+        println!(
+            "{}: per-rank plans by ZeRO stage (`kiln zero --model {}`)\n{}",
+            m.name,
+            m.name,
+            kiln::zero_table::render(&rows)
+        );
+        zero.insert(m.name, rows);
+    }
     let json = dir.join("data_parallel.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&out)?)?;
+    let report = serde_json::json!({ "steps": out, "zero": zero });
+    std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
     println!("wrote {}", json.display());
     Ok(())
 }

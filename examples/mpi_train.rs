@@ -7,15 +7,20 @@
 //! mpirun -np 2 target/release/examples/mpi_train
 //! ```
 //!
+//! With `--zero 1` or `--zero 2` the optimizer (SGD with momentum then) keeps its state sharded
+//! over the ranks (`kiln_compiler::zero`: reduce-scatter or all-reduce, a sharded update, an
+//! all-gather of the weights), every collective carried by MPI.
+//!
 //! Each rank checks that the ranks' weights are bitwise identical after every step
 //! (`Communicator::agree` on a digest of them), and rank 0 trains the same steps on the whole
 //! batch in one process and checks that the weights agree within float summation tolerance.
 //! Exits non-zero on any failure.
 
 use kiln::comm::{Communicator, MpiComm};
-use kiln::compiler::data_parallel::all_reduce_gradients;
+use kiln::compiler::ir::Shard;
 use kiln::compiler::optim::{Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
+use kiln::compiler::zero::{ZeroStage, for_rank, shard_optimizer_state};
 use kiln::prelude::*;
 use kiln::runtime::{Backend, CpuBackend, HostTensor};
 use std::time::Instant;
@@ -34,16 +39,28 @@ fn params(backend: &CpuBackend, plan: &kiln::compiler::Plan) -> Vec<f32> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let comm = MpiComm::world()?;
     let (rank, ranks) = (comm.rank(), comm.size());
+    let args: Vec<String> = std::env::args().collect();
+    let stage = match args.iter().position(|a| a == "--zero") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|n| n.parse().ok())
+            .and_then(ZeroStage::from_number)
+            .ok_or("--zero takes 0, 1 or 2")?,
+        None => ZeroStage::Off,
+    };
     let m = kiln::zoo::by_name("mlp").ok_or("no zoo mlp")?;
-    let cfg = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
+    // With ZeRO, an optimizer with state to shard (SGD's velocity).
+    let sgd = if stage == ZeroStage::Off { Sgd::new(0.05) } else { Sgd::new(0.05).momentum(0.9) };
+    let cfg = TrainConfig { optimizer: Optimizer::Sgd(sgd), ..m.config() };
     let batch = PER_RANK * ranks;
     let data: Vec<(HostTensor, HostTensor)> =
         (0..STEPS).map(|i| m.clone().with_batch(batch).batch_data(100 + i)).collect::<Result<_, _>>()?;
 
     let shard = m.clone().with_batch(PER_RANK);
     let mut graph = train_step_graph(&shard.model(), shard.x_shape(), shard.y_shape(), &cfg)?;
-    let reduces = all_reduce_gradients(&mut graph)?;
-    let plan = compile(graph, &CompileOptions::default())?;
+    shard_optimizer_state(&mut graph, stage, Shard { ranks, rank: 0 })?;
+    let reduces = graph.node_ids().filter(|&n| graph.node(n).op.is_collective()).count();
+    let plan = for_rank(compile(graph, &CompileOptions::default())?, rank)?;
     let mut backend = CpuBackend::new(7).with_communicator(comm);
     let shared = backend.communicator().ok_or("the backend has its communicator")?;
     let id = backend.load(plan.clone())?;
@@ -78,7 +95,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let scale = b.iter().fold(1e-3f32, |s, v| s.max(v.abs()));
         let worst = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
         println!(
-            "{ranks} ranks x batch {PER_RANK} ({reduces} all-reduces a step, {STEPS} steps in {:.1} ms) vs 1 process x batch {batch}: largest weight difference {worst:e} (scale {scale:e})",
+            "{ranks} ranks x batch {PER_RANK} (ZeRO stage {}, {reduces} collectives a step, {STEPS} steps in {:.1} ms) vs 1 process x batch {batch}: largest weight difference {worst:e} (scale {scale:e})",
+            stage.number(),
             elapsed.as_secs_f64() * 1e3
         );
         if worst > 1e-5 * scale {

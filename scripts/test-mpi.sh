@@ -44,7 +44,8 @@ for mode in --die-rank --leave-rank --panic-rank; do
   echo "ok      mpirun ended the job with status $status after $((SECONDS - start)) s"
 done
 
-# kiln's data-parallel training step across processes: the zoo's mlp on 2 and 3 ranks, the
+# kiln's data-parallel training step across processes, plain and with ZeRO stages 1 and 2 (the
+# state sharded, uneven shards on 3 ranks): the zoo's mlp on 2 and 3 ranks, the
 # ranks' weights bitwise identical after every step and within float tolerance of one process
 # on the whole batch (examples/mpi_train.rs exits non-zero otherwise).
 cargo build --features mpi --example mpi_train "$@"
@@ -53,7 +54,9 @@ for arg in "$@"; do
   if [ "$arg" = "--release" ]; then DP=target/release/examples/mpi_train; fi
 done
 for np in 2 3; do
-  echo "== mpi_train on $np ranks"
-  timeout 300 "${MPIRUN[@]}" -np "$np" "$DP"
+  for zero in 0 1 2; do
+    echo "== mpi_train on $np ranks, ZeRO stage $zero"
+    timeout 300 "${MPIRUN[@]}" -np "$np" "$DP" --zero "$zero"
+  done
 done
 echo "mpi: all checks passed"

@@ -29,6 +29,7 @@ pub mod report;
 pub mod seed;
 pub mod svg;
 pub mod torch_stream;
+pub mod zero_table;
 pub mod zoo;
 
 pub use device::Device;

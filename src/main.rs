@@ -38,6 +38,20 @@ enum Command {
         /// Training steps.
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// ZeRO stage: 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (and the
+        /// reduced gradients).
+        #[arg(long, default_value_t = 0)]
+        zero: usize,
+    },
+    /// Per-rank planned memory of a zoo model's data-parallel training step by ZeRO stage
+    /// (0, 1, 2) for 1, 2, 4, ... ranks, from plans alone, beside ZeRO's formulas
+    Zero {
+        /// The zoo model.
+        #[arg(long, default_value = "transformer")]
+        model: String,
+        /// The most ranks (powers of two up to it).
+        #[arg(long, default_value_t = 64)]
+        max_ranks: usize,
     },
     /// List the devices with their policies, limits, arenas and usage.
     Devices {
@@ -143,7 +157,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command.unwrap_or(Command::Seed) {
         Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
-        Command::Ranks { ranks, model, steps } => run_ranks(ranks, &model, steps),
+        Command::Ranks { ranks, model, steps, zero } => run_ranks(ranks, &model, steps, zero),
+        Command::Zero { model, max_ranks } => run_zero(&model, max_ranks),
         Command::Memory { model, mode, batch, svg, steps, dim, device } if model.ends_with(".onnx") => {
             memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps, &device)
         }
@@ -469,10 +484,34 @@ type RankRun = (Vec<f32>, Vec<u32>, usize);
 
 /// `kiln ranks`: a zoo model's training step on `ranks` in-process ranks through the `Trainer`,
 /// every rank given the same batches; checks that the ranks' weights stay bitwise identical.
-fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
+fn zoo_model(name: &str) -> kiln::Result<zoo::ZooModel> {
     let names: Vec<&str> = zoo::all().iter().map(|m| m.name).collect();
-    let m = zoo::by_name(name)
-        .ok_or_else(|| invalid(format!("no zoo model `{name}`"), format!("choose one of {names:?}")))?;
+    zoo::by_name(name)
+        .ok_or_else(|| invalid(format!("no zoo model `{name}`"), format!("choose one of {names:?}")))
+}
+
+fn run_zero(name: &str, max_ranks: usize) -> kiln::Result<()> {
+    let m = zoo_model(name)?;
+    if max_ranks == 0 || max_ranks > 4096 {
+        return Err(invalid(format!("--max-ranks {max_ranks}"), "give 1 to 4096 ranks".into()));
+    }
+    let ranks: Vec<usize> =
+        std::iter::successors(Some(1usize), |n| Some(n * 2)).take_while(|&n| n <= max_ranks).collect();
+    println!(
+        "{name}: one rank's training step with {} rows per rank, planned for each ZeRO stage (0: plain data parallelism, 1: optimizer state sharded, 2: and the reduced gradients)",
+        m.batch
+    );
+    println!("{}", kiln::zero_table::render(&kiln::zero_table::rows(&m, &ranks)?));
+    println!(
+        "persistent: kiln's parameters and optimizer state, held between steps; ZeRO model states: the ZeRO paper's parameters + gradients + optimizer state (stage 0), + optimizer/N (1), + (gradients + optimizer)/N (2), activations not included; kiln keeps no gradient buffer (its gradients are arena values, live from their backward step to their update, inside the arena with the activations); sent: ring-algorithm bytes (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N of the buffer)"
+    );
+    Ok(())
+}
+
+fn run_ranks(ranks: usize, name: &str, steps: usize, zero: usize) -> kiln::Result<()> {
+    let m = zoo_model(name)?;
+    let stage = kiln::compiler::zero::ZeroStage::from_number(zero)
+        .ok_or_else(|| invalid(format!("--zero {zero}"), "use ZeRO stage 0, 1 or 2".into()))?;
     if ranks == 0 || m.batch % ranks != 0 {
         return Err(invalid(
             format!("{ranks} ranks for {name}'s batch of {}", m.batch),
@@ -483,7 +522,7 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
     println!("{name}: {ranks} ranks x {} rows of each batch of {}, {steps} steps", m.batch / ranks, m.batch);
     let results = kiln::comm::run_local_ranks(ranks, |_, comm| -> kiln::Result<RankRun> {
         let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
-        let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend);
+        let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend).with_zero_stage(stage);
         let mut losses = Vec::new();
         for (x, y) in &batches {
             losses.push(t.train_step(x, y)?.loss);
@@ -510,11 +549,11 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
         let mut graph =
             kiln::compiler::step::train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
         if n > 1 {
-            kiln::compiler::data_parallel::all_reduce_gradients(&mut graph)?;
+            let shard = kiln::compiler::ir::Shard { ranks: n, rank: 0 };
+            kiln::compiler::zero::shard_optimizer_state(&mut graph, stage, shard)?;
         }
         let plan = kiln::compiler::compile(graph, &kiln::compiler::CompileOptions::default())?;
-        let reduces: Vec<_> =
-            plan.steps.iter().filter(|s| matches!(s.op, kiln::compiler::ir::Op::AllReduce { .. })).collect();
+        let reduces: Vec<_> = plan.steps.iter().filter(|s| s.op.is_collective()).collect();
         let reduced: usize = reduces
             .iter()
             .map(|s| plan.values[s.inputs[0]].shape.numel() * plan.values[s.inputs[0]].dtype.size_bytes())
@@ -538,7 +577,7 @@ fn run_ranks(ranks: usize, name: &str, steps: usize) -> kiln::Result<()> {
                 "arena",
                 "planned total/rank",
                 "device bytes/rank",
-                "all-reduces / bytes a step"
+                "collectives / bytes a step"
             ],
             &rows
         )

@@ -121,3 +121,25 @@ fn a_plan_for_another_rank_is_refused() {
     let e = errors[1].as_deref().expect("rank 1 refuses rank 0's plan");
     assert!(e.contains("rank 0's of 2 ranks, but this backend is rank 1 of 2"), "{e}");
 }
+
+#[test]
+fn the_zero_table_shards_state_and_moves_the_bytes_of_plain_data_parallelism() {
+    let m = zoo::by_name("mlp").unwrap().with_batch(8);
+    let rows = kiln::zero_table::rows(&m, &[1, 2, 4]).unwrap();
+    assert_eq!(rows.len(), 1 + 3 + 3, "one row at N = 1, three stages beyond");
+    let at = |n: usize, stage: usize| rows.iter().find(|r| r.ranks == n && r.stage == stage).unwrap();
+    let whole = at(1, 0).optimizer_state_bytes;
+    for n in [2, 4] {
+        assert_eq!(at(n, 0).optimizer_state_bytes, whole);
+        for stage in [1, 2] {
+            let r = at(n, stage);
+            assert!(r.optimizer_state_bytes * n <= whole + 4096 * n, "{n} ranks, stage {stage}");
+            assert!(r.planned_total_bytes < at(n, 0).planned_total_bytes);
+        }
+        // Reduce-scatter + all-gather send what one all-reduce sends.
+        assert_eq!(at(n, 2).ring_bytes_sent, at(n, 0).ring_bytes_sent);
+        assert!(at(n, 1).ring_bytes_sent > at(n, 0).ring_bytes_sent);
+    }
+    assert_eq!(at(1, 0).ring_bytes_sent, 0);
+    assert!(kiln::zero_table::render(&rows).contains("ZeRO model states/rank"));
+}
