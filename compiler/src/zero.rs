@@ -174,11 +174,7 @@ fn shard_state(graph: &mut Graph, s: NodeId, part: &Shape) -> Result<()> {
 
 /// The shard of every collective and sharded update of `plan`.
 fn shards_mut(plan: &mut Plan) -> impl Iterator<Item = &mut Shard> {
-    plan.steps.iter_mut().filter_map(|s| match &mut s.op {
-        Op::ReduceScatter { shard, .. } | Op::AllGather { shard } => Some(shard),
-        Op::ApplySgd { shard: Some(shard), .. } | Op::ApplyAdam { shard: Some(shard), .. } => Some(shard),
-        _ => None,
-    })
+    plan.steps.iter_mut().filter_map(|s| s.op.shard_mut())
 }
 
 /// Specialises a plan compiled for one rank (`shard_optimizer_state`) to rank `rank`: the same
@@ -206,13 +202,7 @@ pub fn rank_neutral(plan: &Plan) -> Plan {
 
 /// The group size a plan's shards were made for, if it has any.
 pub fn sharded_ranks(plan: &Plan) -> Option<usize> {
-    plan.steps.iter().find_map(|s| match &s.op {
-        Op::ReduceScatter { shard, .. } | Op::AllGather { shard } => Some(shard.ranks),
-        Op::ApplySgd { shard: Some(shard), .. } | Op::ApplyAdam { shard: Some(shard), .. } => {
-            Some(shard.ranks)
-        }
-        _ => None,
-    })
+    plan.steps.iter().find_map(|s| s.op.shard()).map(|s| s.ranks)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 use crate::error::{Result, RuntimeError};
 use kiln_comm::Communicator;
 use kiln_compiler::Plan;
-use kiln_compiler::ir::{Op, ReduceOp, Shape, Shard};
+use kiln_compiler::ir::{Op, ReduceOp, Shape};
 use kiln_kernels::cpu::CpuKernel;
 use sha2::{Digest, Sha256};
 use std::sync::{Arc, Mutex};
@@ -56,18 +56,9 @@ fn poisoned() -> RuntimeError {
     )
 }
 
-/// The shard a step's op is for (a collective's or a ZeRO update's), if any.
-pub fn shard_of(op: &Op) -> Option<Shard> {
-    match op {
-        Op::ReduceScatter { shard, .. } | Op::AllGather { shard } => Some(*shard),
-        Op::ApplySgd { shard, .. } | Op::ApplyAdam { shard, .. } => *shard,
-        _ => None,
-    }
-}
-
 /// Refuses a step whose shard was made for another rank or another group size than `comm`'s.
 pub fn check_shard(op: &Op, label: &str, comm: &SharedComm) -> Result<()> {
-    let Some(shard) = shard_of(op) else { return Ok(()) };
+    let Some(shard) = op.shard() else { return Ok(()) };
     let c = comm.lock().map_err(|_| poisoned())?;
     if shard.ranks != c.size() || shard.rank != c.rank() {
         return Err(RuntimeError::invalid(

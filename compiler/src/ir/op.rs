@@ -588,6 +588,25 @@ impl Op {
         matches!(self, Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. })
     }
 
+    /// The rank's shard a ZeRO step works on (`crate::zero`): a reduce-scatter's, an
+    /// all-gather's or a sharded update's; None for every other op.
+    pub fn shard(&self) -> Option<Shard> {
+        match self {
+            Op::ReduceScatter { shard, .. } | Op::AllGather { shard } => Some(*shard),
+            Op::ApplySgd { shard, .. } | Op::ApplyAdam { shard, .. } => *shard,
+            _ => None,
+        }
+    }
+
+    /// As `shard`, to change the rank (`zero::for_rank`).
+    pub fn shard_mut(&mut self) -> Option<&mut Shard> {
+        match self {
+            Op::ReduceScatter { shard, .. } | Op::AllGather { shard } => Some(shard),
+            Op::ApplySgd { shard, .. } | Op::ApplyAdam { shard, .. } => shard.as_mut(),
+            _ => None,
+        }
+    }
+
     pub fn is_effect(&self) -> bool {
         self.class() == OpClass::Effect
     }

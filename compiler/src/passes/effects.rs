@@ -37,10 +37,8 @@ impl Pass for OrderEffects {
 /// variable (`zero`): it reads the shard the update writes, so it runs after it, not before.
 fn gathers_after(graph: &Graph, reader: NodeId, effect: NodeId) -> bool {
     matches!(graph.node(reader).op, Op::AllGather { .. })
-        && matches!(
-            graph.node(effect).op,
-            Op::ApplyAdam { shard: Some(_), .. } | Op::ApplySgd { shard: Some(_), .. }
-        )
+        && graph.node(effect).op.is_effect()
+        && graph.node(effect).op.shard().is_some()
 }
 
 /// Whether `a` and `b` are updates of disjoint blocks of rows.

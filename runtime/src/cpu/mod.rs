@@ -327,7 +327,7 @@ impl CpuBackend {
                     "compile the plan in a process where the custom op is registered as it is now",
                 ));
             }
-            if step.op.is_collective() || crate::collective::shard_of(&step.op).is_some() {
+            if step.op.is_collective() || step.op.shard().is_some() {
                 let Some(comm) = &self.comm else {
                     return Err(RuntimeError::invalid(
                         format!(
