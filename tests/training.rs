@@ -12,7 +12,10 @@ fn a_small_mlp_learns_two_spirals() {
         metrics: vec![Metric::BinaryAccuracy],
     };
     let mut trainer = Trainer::new(zoo::spiral_mlp(), config, Device::cpu().backend(0).unwrap());
-    let opts = FitOptions { epochs: 150, batch_size: 32, verbose: false, ..Default::default() };
+    // 80 epochs (loss about 0.01): later, with the loss near 0, Adam at this rate can spike for an
+    // epoch or two (with 150 epochs, a last-bit change of exp's rounding in 2026-11 moved such a
+    // spike onto the last epoch: loss 0.0011 -> 0.99), so where the run stops would decide the test.
+    let opts = FitOptions { epochs: 80, batch_size: 32, verbose: false, ..Default::default() };
     let history = trainer.fit(&x, &y, &opts).unwrap();
     let pred = trainer.predict(&x).unwrap();
     let correct = pred.data().iter().zip(y.data()).filter(|(p, t)| (**p > 0.5) == (**t > 0.5)).count();

@@ -1,8 +1,6 @@
 //! Scalar math shared by the elementwise, reduction and pooling kernels: the one definition of
 //! each op's value, so that every kernel computes the same thing.
 
-use std::f32::consts::{FRAC_1_SQRT_2, PI};
-
 /// max that propagates NaN (as NumPy's `maximum`), so that a diverging model shows up.
 #[inline(always)]
 pub(crate) fn max_nan(a: f32, b: f32) -> f32 {
@@ -42,23 +40,16 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     super::vmath::sigmoid(x)
 }
 
-/// Φ(x), the standard normal CDF.
-#[inline(always)]
-pub(crate) fn normal_cdf(x: f32) -> f32 {
-    0.5 * (1.0 + super::vmath::erf(x * FRAC_1_SQRT_2))
-}
-
-/// Exact GELU: x·Φ(x).
+/// Exact GELU: x·Φ(x) (`vmath`: Φ from the Gaussian tail, accurate in both tails).
 #[inline(always)]
 pub(crate) fn gelu(x: f32) -> f32 {
-    x * normal_cdf(x)
+    super::vmath::gelu(x)
 }
 
 /// d/dx gelu(x) = Φ(x) + x·φ(x).
 #[inline(always)]
 pub(crate) fn gelu_derivative(x: f32) -> f32 {
-    let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
-    normal_cdf(x) + x * super::vmath::exp(-0.5 * x * x) * inv_sqrt_2pi
+    super::vmath::gelu_derivative(x)
 }
 
 /// Evaluates `$body` with `$f` bound to the scalar function of unary op `$op`: the one

@@ -1,31 +1,53 @@
-//! Vectorisable f32 transcendentals: exp, ln, sigmoid, tanh and erf without libm calls: range
-//! reduction by the 1.5·2^23 rounding trick with the exponent read from the mantissa (a
-//! saturating float-to-int cast does not vectorise), 2^n built by integer shifts, special cases
-//! by selects, so that the compiler can turn a loop over a slice into SIMD code (SSE2 on the
-//! baseline x86-64 target).
+//! Vectorisable f32 transcendentals: exp, ln, sigmoid, tanh, erf and exact GELU (with its
+//! derivative) without libm calls: range reduction by the 1.5·2^23 rounding trick with the
+//! exponent read from the mantissa (a saturating float-to-int cast does not vectorise), 2^n built
+//! by integer shifts, special cases by selects, polynomials by Horner's rule in fused
+//! multiply-adds (`fma`: x86-64-v3 builds, `.cargo/config.toml`), so that the compiler turns a
+//! loop over a slice into AVX2 code.
 //!
 //! Why and what it gave: libm's scalar calls were the CPU's elementwise hot spot. 1M floats in
 //! [-6, 6], unary kernel on 2 threads, median of 15, before -> after on the 2-core build machine
-//! (AVX2: the unary loops are also compiled for AVX2 and picked at run time, `elementwise`):
-//! tanh 4.28 -> 0.45 ms, sigmoid 1.57 -> 0.31 ms, exp 0.68 -> 0.28 ms, ln 0.83 -> 0.39 ms (relu:
-//! 0.05-0.09 ms). erf (and so exact GELU and its gradient) is the branch-free fit below: once
-//! made slower by the gradient's strided binary loop, it now runs where fusion puts GELU's
-//! gradient, in a GEMM epilogue's contiguous chunks, and vectorises there: the transformer's
-//! 8x128x1024 GELU 2.57 -> 1.00 ms and its gradient epilogue 5.2 -> 1.5 ms over the GEMM, the
-//! CPU training step 62.3 -> 56.1 ms (`examples/profile_cpu.rs`). Accuracy against libm over
-//! sweeps of every range (tests below): exp and ln within 1 ulp, sigmoid, tanh and erf within
-//! 2 ulp (erf: or 1e-7 absolute). NaN
+//! (`cargo run --release --example transcendentals`): first the polynomials (2026-11-25): tanh
+//! 4.28 -> 0.45 ms, sigmoid 1.57 -> 0.31 ms, exp 0.68 -> 0.28 ms, ln 0.83 -> 0.39 ms (relu:
+//! 0.05-0.09 ms); then (2026-11-26, same machine, same hour, old -> new) FMA in every polynomial
+//! and GELU from the Gaussian tail (`gauss_tail`: one exp, one division, one polynomial, where
+//! x·(1 + erf(x/√2))/2 evaluated erf's two branches and the derivative a second exp): exp
+//! 0.36-0.39 -> 0.22-0.28 ms, ln 0.53-0.57 -> 0.44-0.45, tanh 0.68-0.70 -> 0.48-0.55, sigmoid
+//! 0.44 -> 0.31, erf 0.94-0.99 -> 0.60-0.63, GELU 1.01-1.02 -> 0.55-0.64 and its gradient
+//! 1.50-1.53 -> 0.69-0.71 ms; the transformer's CPU training step 50-52 -> 47-48 ms
+//! (`examples/profile_cpu.rs`). Against the libm baseline (gelu 2.3, tanh 5.1, sigmoid
+//! 3.4, exp 1.6 ms): GELU 3.6-4.2x, tanh 9-11x, sigmoid 11x, exp 6-7x.
+//!
+//! Accuracy against libm (or double precision) over sweeps of every range (tests below): exp and
+//! ln within 1 ulp, sigmoid, tanh and erf within 2 ulp (erf: or 1e-7 absolute), Φ and GELU
+//! within 6 ulp relative down to the far left tail (where the erf form lost everything to
+//! cancellation), GELU's derivative within 8 ulp or 2e-7 absolute where it crosses 0. NaN
 //! propagates, ±inf and overflow/underflow give libm's limits, subnormal results of exp are
 //! rounded once.
 //!
 //! The polynomials are Cephes' single-precision minimax coefficients (exp, ln, and tanh below
-//! |x| = 0.625); erf's were fitted for kiln (see `erf`).
+//! |x| = 0.625); erf's and the Gaussian tail's were fitted for kiln (see `erf`, `TAIL`).
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5·2^23: adding and subtracting it rounds an f32 of magnitude below 2^22 to an integer.
 const ROUND: f32 = 12_582_912.0;
+
+/// a·b + c, rounded once where the build's baseline has FMA (`.cargo/config.toml`: x86-64-v3),
+/// else a multiply and an add. Decided at compile time for the whole crate, so that every loop
+/// and every scalar call computes the same bits.
+#[inline(always)]
+fn fma(a: f32, b: f32, c: f32) -> f32 {
+    if cfg!(target_feature = "fma") { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// The polynomial c[0] + c[1]·x + ... by Horner's rule, one `fma` per coefficient.
+#[inline(always)]
+fn poly(x: f32, c: &[f32]) -> f32 {
+    let (last, rest) = c.split_last().expect("a polynomial has a coefficient");
+    rest.iter().rev().fold(*last, |acc, &k| fma(acc, x, k))
+}
 
 /// 2^n for an integer n in [-75, 64] (a normal f32); other n give some float (never a panic).
 #[inline(always)]
@@ -36,24 +58,28 @@ fn pow2(n: i32) -> f32 {
 /// e^x.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    // Beyond these, the result is inf or 0 and the reduction below still gives it.
-    let c = x.clamp(-104.0, 89.0);
-    let t = c * LOG2E + ROUND;
+    // Beyond these, the result is inf or 0 and the reduction below still gives it. (clamp keeps
+    // NaN, and a NaN stays NaN through every step below.)
+    exp_reduced(x.clamp(-104.0, 89.0), 0.0)
+}
+
+/// e^(c + lo) for c in [-185, 89] (the two factors of 2^n stay normal) or NaN, and lo below
+/// half an ulp of c (c's rounding error, added after the range reduction): `exp` without its
+/// clamp, for callers whose argument is in range by construction.
+#[inline(always)]
+fn exp_reduced(c: f32, lo: f32) -> f32 {
+    let t = fma(c, LOG2E, ROUND);
     let n = t - ROUND;
     // n as an integer, read from t's mantissa (t = 1.5·2^23 + n): no float-to-int conversion,
-    // whose saturating form does not vectorise. (A NaN x gives garbage here, replaced below.)
+    // whose saturating form does not vectorise. (A NaN gives garbage here, and NaN below.)
     let ni = (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000;
-    let r = c - n * LN2_HI - n * LN2_LO;
+    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c)) + lo;
     let z = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 5e-1;
-    let e = p * z + r + 1.0;
+    let p = poly(r, &[5e-1, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
+    let e = fma(p, z, r) + 1.0;
     // 2^n in two normal factors, so that a subnormal result is rounded once, at the end.
     let half = ni >> 1;
-    let y = e * pow2(half) * pow2(ni - half);
-    if x.is_nan() { x } else { y }
+    e * pow2(half) * pow2(ni - half)
 }
 
 /// ln x.
@@ -71,20 +97,23 @@ pub(crate) fn ln(x: f32) -> f32 {
     e -= low as i32;
     m = if low { m + m } else { m } - 1.0;
     let z = m * m;
-    let p = ((((((((7.037_683_6e-2 * m - 1.151_461e-1) * m + 1.167_699_9e-1) * m - 1.242_014_1e-1) * m
-        + 1.424_932_3e-1)
-        * m
-        - 1.666_805_8e-1)
-        * m
-        + 2.000_071_4e-1)
-        * m
-        - 2.499_999_4e-1)
-        * m
-        + 3.333_333e-1)
-        * m
+    let p = poly(
+        m,
+        &[
+            3.333_333e-1,
+            -2.499_999_4e-1,
+            2.000_071_4e-1,
+            -1.666_805_8e-1,
+            1.424_932_3e-1,
+            -1.242_014_1e-1,
+            1.167_699_9e-1,
+            -1.151_461e-1,
+            7.037_683_6e-2,
+        ],
+    ) * m
         * z;
     let ef = e as f32;
-    let y = p + ef * LN2_LO - 0.5 * z + m + ef * LN2_HI;
+    let y = fma(ef, LN2_HI, fma(-0.5, z, fma(ef, LN2_LO, p)) + m);
     // ln 0 = -inf, ln of a negative = NaN, ln inf = inf, NaN stays.
     let y = if x == f32::INFINITY { x } else { y };
     let y = if x < 0.0 || x.is_nan() { f32::NAN } else { y };
@@ -104,11 +133,11 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 pub(crate) fn tanh(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
-    let small = ((((-5.704_988_7e-3 * z + 2.063_909e-2) * z - 5.373_971_6e-2) * z + 1.333_144_2e-1) * z
-        - 3.333_328e-1)
-        * z
-        * x
-        + x;
+    let small = fma(
+        poly(z, &[-3.333_328e-1, 1.333_144_2e-1, -5.373_971_6e-2, 2.063_909e-2, -5.704_988_7e-3]) * z,
+        x,
+        x,
+    );
     let large = (1.0 - 2.0 / (exp(a + a) + 1.0)).copysign(x);
     let y = if a < 0.625 { small } else { large };
     // tanh(±0) = ±0: the polynomial's sum would make -0 into +0.
@@ -123,28 +152,36 @@ pub(crate) fn tanh(x: f32) -> f32 {
 pub(crate) fn erf(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
-    let small = x
-        * ((((((7.898_137e-5 * z - 8.024_330_5e-4) * z + 5.190_050_6e-3) * z - 2.685_480_7e-2) * z
-            + 1.128_361_2e-1)
-            * z
-            - 3.761_263e-1)
-            * z
-            + std::f32::consts::FRAC_2_SQRT_PI);
+    let small = x * poly(
+        z,
+        &[
+            std::f32::consts::FRAC_2_SQRT_PI,
+            -3.761_263e-1,
+            1.128_361_2e-1,
+            -2.685_480_7e-2,
+            5.190_050_6e-3,
+            -8.024_330_5e-4,
+            7.898_137e-5,
+        ],
+    );
     let b = a.min(4.0);
     let t = 1.0 / b;
-    let q = ((((((((3.206_583_6e-2 * t - 1.871_951_5e-1) * t + 4.562_14e-1) * t - 5.615_039e-1) * t
-        + 2.593_266e-1)
-        * t
-        + 2.187_654_8e-1)
-        * t
-        - 3.716_936e-1)
-        * t
-        + 1.960_391_5e-2)
-        * t
-        + 5.618_857e-1)
-        * t
-        + 1.146_693e-4;
-    let large = 1.0 - exp(-(b * b)) * q;
+    let q = poly(
+        t,
+        &[
+            1.146_693e-4,
+            5.618_857e-1,
+            1.960_391_5e-2,
+            -3.716_936e-1,
+            2.187_654_8e-1,
+            2.593_266e-1,
+            -5.615_039e-1,
+            4.562_14e-1,
+            -1.871_951_5e-1,
+            3.206_583_6e-2,
+        ],
+    );
+    let large = fma(-exp(-(b * b)), q, 1.0);
     let large = if x < 0.0 { -large } else { large };
     if a < 1.0 {
         small
@@ -153,6 +190,69 @@ pub(crate) fn erf(x: f32) -> f32 {
     } else {
         large
     }
+}
+
+/// p/√2 for the Gaussian tail's variable t = 1 / (1 + p·z), z = |x|/√2, p = 0.4.
+const TAIL_P: f32 = 0.4 * std::f32::consts::FRAC_1_SQRT_2;
+/// P(t) ≈ e^(z²)·erfc(z) / (2t) over t in (0, 1] (all z >= 0): fitted for kiln by Lawson's
+/// iteration on 6,000 Chebyshev nodes against SciPy's `erfcx` in double precision, relative
+/// error 6.2e-9 in exact arithmetic (the fit's coefficients halved, exactly).
+const TAIL: [f32; 11] = [
+    0.112_837_92,
+    0.112_837_93,
+    0.103_806_87,
+    0.085_869_64,
+    0.059_504_166,
+    0.041_958_127,
+    -0.023_447_402,
+    0.068_780_42,
+    -0.117_763_38,
+    0.070_223_235,
+    -0.014_607_532,
+];
+
+/// Φ(-|x|) = erfc(|x|/√2)/2 and e^(-x²/2), for |x| up to 16 (beyond, both are 0 in f32): one
+/// exp, one division and an 11-term polynomial, no branch; NaN stays NaN. x² is split into two
+/// floats (exact with FMA) so that e^(-x²/2) is not off by x²'s rounding, which grows with x².
+#[inline(always)]
+fn gauss_tail(x: f32) -> (f32, f32) {
+    let a = x.abs();
+    // (Not f32::min, which would turn NaN into 16.)
+    let a = if a > 16.0 { 16.0 } else { a };
+    let t = 1.0 / fma(TAIL_P, a, 1.0);
+    let h = a * a;
+    let l = fma(a, a, -h);
+    let e = exp_reduced(-0.5 * h, -0.5 * l);
+    (e * t * poly(t, &TAIL), e)
+}
+
+/// Φ(x), the standard normal CDF, as `gelu_derivative` computes it: Φ(-|x|) from the tail, 1 -
+/// that for x >= 0. Unlike (1 + erf(x/√2))/2, the left tail keeps its relative precision (a few
+/// ulp down to Φ(-13), where the erf form is off by 17% at Φ(-5) from cancellation).
+#[cfg(test)]
+fn normal_cdf(x: f32) -> f32 {
+    let (c, _) = gauss_tail(x);
+    if x < 0.0 { c } else { 1.0 - c }
+}
+
+/// Exact GELU, x·Φ(x) = max(x, 0) - |x|·Φ(-|x|) (for x >= 0, x·(1 - Φ(-x)); below, x·Φ(x)):
+/// no select between the tails and one fused step. |x| is clamped where Φ(-|x|) is 0 anyway, so
+/// that gelu(inf) = inf and gelu(-inf) = 0.
+#[inline(always)]
+pub(crate) fn gelu(x: f32) -> f32 {
+    let (c, _) = gauss_tail(x);
+    let positive = if x > 0.0 { x } else { 0.0 };
+    fma(-x.clamp(-16.0, 16.0).abs(), c, positive)
+}
+
+/// d/dx x·Φ(x) = Φ(x) + x·φ(x), φ(x) = e^(-x²/2)/√(2π) from the same exp as Φ. (x is clamped
+/// where φ is 0 anyway, so that ±inf gives 1 and 0.)
+#[inline(always)]
+pub(crate) fn gelu_derivative(x: f32) -> f32 {
+    const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+    let (c, e) = gauss_tail(x);
+    let cdf = if x < 0.0 { c } else { 1.0 - c };
+    fma(x.clamp(-16.0, 16.0) * e, FRAC_1_SQRT_2PI, cdf)
 }
 
 #[cfg(test)]
@@ -241,6 +341,34 @@ mod tests {
         assert_eq!((tanh(f32::INFINITY), tanh(f32::NEG_INFINITY)), (1.0, -1.0));
         assert_eq!((sigmoid(f32::INFINITY), sigmoid(f32::NEG_INFINITY)), (1.0, 0.0));
         assert_eq!(tanh(-0.0).to_bits(), (-0.0f32).to_bits());
+    }
+
+    /// Φ, GELU and its derivative against double precision (libm's erfc), rounded to f32.
+    #[test]
+    fn gelu_matches_double_precision() {
+        let cdf = |x: f32| (0.5 * libm::erfc(-(x as f64) / std::f64::consts::SQRT_2)) as f32;
+        let gelu_ref = |x: f32| (x as f64 * 0.5 * libm::erfc(-(x as f64) / std::f64::consts::SQRT_2)) as f32;
+        let grad_ref = |x: f32| {
+            let x = x as f64;
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            (0.5 * libm::erfc(-x / std::f64::consts::SQRT_2) + x * pdf) as f32
+        };
+        // To 8 ulp (relative) down the left tail to Φ(-13) = 6e-39 (the erf form, (1 + erf(x/√2))/2,
+        // is off by 17% at x = -5) and near 0 (measured: worst 6 ulp).
+        check("normal_cdf", normal_cdf, cdf, sweep(-13.0, 8.0, 1_000_000), 8, 0.0);
+        check("gelu", gelu, gelu_ref, sweep(-13.0, 8.0, 1_000_000), 8, 0.0);
+        check("gelu", gelu, gelu_ref, sweep(-1e-3, 1e-3, 100_000), 8, 0.0);
+        // The derivative cancels (Φ + xφ crosses 0 near x = -0.75): absolute there.
+        check("gelu_derivative", gelu_derivative, grad_ref, sweep(-13.0, 8.0, 1_000_000), 8, 2e-7);
+        assert!(
+            normal_cdf(f32::NAN).is_nan() && gelu(f32::NAN).is_nan() && gelu_derivative(f32::NAN).is_nan()
+        );
+        assert_eq!((normal_cdf(f32::INFINITY), normal_cdf(f32::NEG_INFINITY)), (1.0, 0.0));
+        assert_eq!(
+            (gelu(f32::INFINITY), gelu(f32::NEG_INFINITY), gelu(-20.0), gelu(0.0)),
+            (f32::INFINITY, 0.0, 0.0, 0.0)
+        );
+        assert_eq!((gelu_derivative(f32::INFINITY), gelu_derivative(f32::NEG_INFINITY)), (1.0, 0.0));
     }
 
     #[test]
