@@ -18,7 +18,7 @@ use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
-use kiln_compiler::ir::{Fused, FusedMatMul, FusedReduce, Shape};
+use kiln_compiler::ir::{BinaryOp, Fused, FusedMatMul, FusedReduce, Shape};
 use std::mem::MaybeUninit;
 use std::slice;
 
@@ -123,6 +123,19 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
                 *o = f(x);
             }
         }),
+        // GELU's gradient: the derivative over the chunk first (a loop of one input, which
+        // vectorises as the unary GELU does), then the products; dy·gelu'(x) either way, so the
+        // bits of the unfused kernel (`elementwise::gelu_grad_blocks`). As one two-input loop it
+        // stayed scalar: the transformer's GEMM with this epilogue took 3.78 ms against 2.64 ms
+        // for the product and 0.69 ms for the unfused gradient.
+        Inst::Binary(BinaryOp::GeluGrad, _, _) => {
+            for (o, &x) in d.iter_mut().zip(a) {
+                *o = super::math::gelu_derivative(x);
+            }
+            for (o, &dy) in d.iter_mut().zip(b) {
+                *o = dy * *o;
+            }
+        }
         Inst::Binary(op, _, _) => with_binary!(op, |f| {
             for ((o, &x), &y) in d.iter_mut().zip(a).zip(b) {
                 *o = f(x, y);
