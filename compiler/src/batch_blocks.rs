@@ -53,6 +53,19 @@ pub const BLOCK_COUNTS: [usize; 4] = [2, 4, 8, 16];
 /// in 16 (its dense head and filters allow 8).
 pub const MIN_REUSE: u64 = 256;
 
+/// What a region slices per block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sources {
+    /// The graph's f32 inputs whose axis 0 is the batch (a forward pass).
+    Inputs,
+    /// Any f32 value outside the region whose axis 0 is the batch: an input, an embedding's
+    /// rows, integer labels cast to f32 (a training step's forward graph, split before
+    /// autodiff, `step::train_step_graph_in_blocks`). Slicing is right for any such operand:
+    /// `rowwise` admits an op only where it computes output row r from row r of every operand
+    /// that has the batch's rows.
+    Values,
+}
+
 /// The row-separable part of a graph.
 #[derive(Clone, Debug)]
 pub struct Region {
@@ -62,6 +75,8 @@ pub struct Region {
     pub nodes: Vec<NodeId>,
     /// Nodes of the region read outside it, or graph outputs: each is joined from its blocks.
     pub exits: Vec<NodeId>,
+    /// Values outside the region that it reads by rows: sliced once per block.
+    pub sources: Vec<NodeId>,
     /// Bytes of the region's values that never leave it: what the split makes block-sized.
     pub internal_bytes: usize,
     /// Elements of the shared factors of the region's products, read once per block, and the
@@ -98,7 +113,7 @@ pub fn region(graph: &Graph) -> Option<Region> {
     sizes.dedup();
     let mut best: Option<Region> = None;
     for batch in sizes.into_iter().filter(|&b| b >= 2) {
-        if let Some(r) = region_of(graph, &order, batch)
+        if let Some(r) = region_of(graph, &order, batch, Sources::Inputs)
             && best.as_ref().is_none_or(|b| r.internal_bytes > b.internal_bytes)
         {
             best = Some(r);
@@ -107,15 +122,33 @@ pub fn region(graph: &Graph) -> Option<Region> {
     best
 }
 
+/// The row-separable region of an effect-free graph whose batch is `batch` rows, reading
+/// `sources` by rows; `None` where nothing a split would shrink.
+pub fn region_with(graph: &Graph, batch: usize, sources: Sources) -> Option<Region> {
+    if !graph.effects().is_empty() || batch < 2 {
+        return None;
+    }
+    let order = toposort(graph.petgraph(), None).ok()?;
+    region_of(graph, &order, batch, sources)
+}
+
 /// The region whose nodes' axis 0 is `batch`.
-fn region_of(graph: &Graph, order: &[NodeId], batch: usize) -> Option<Region> {
+fn region_of(graph: &Graph, order: &[NodeId], batch: usize, sources: Sources) -> Option<Region> {
     let order = order.iter().copied();
     let mut inside: HashSet<NodeId> = HashSet::new();
     let mut nodes = Vec::new();
     for n in order {
-        if rowwise(graph, n, batch, &inside) {
+        if rowwise(graph, n, batch, &inside, sources) {
             inside.insert(n);
             nodes.push(n);
+        }
+    }
+    let mut sources_read: Vec<NodeId> = Vec::new();
+    for &n in &nodes {
+        for o in graph.operands(n) {
+            if !inside.contains(&o) && source(graph, o, batch, sources) && !sources_read.contains(&o) {
+                sources_read.push(o);
+            }
         }
     }
     let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, o)| *o).collect();
@@ -134,7 +167,7 @@ fn region_of(graph: &Graph, order: &[NodeId], batch: usize) -> Option<Region> {
             product_macs += graph.node(n).op.flops(&shapes, &graph.node(n).shape) / 2;
             shared_factor_elements += operands
                 .iter()
-                .filter(|&&o| !inside.contains(&o) && !batch_input(graph, o, batch))
+                .filter(|&&o| !inside.contains(&o) && !source(graph, o, batch, sources))
                 .map(|&o| graph.node(o).shape.numel() as u64)
                 .sum::<u64>();
         }
@@ -143,24 +176,26 @@ fn region_of(graph: &Graph, order: &[NodeId], batch: usize) -> Option<Region> {
         batch,
         nodes,
         exits,
+        sources: sources_read,
         internal_bytes,
         shared_factor_elements,
         product_macs,
     })
 }
 
-/// An f32 input whose axis 0 is the batch: sliced per block where the region reads it. (An
-/// integer or boolean input, ids or a mask, is read whole: `Slice` computes in f32.)
-fn batch_input(graph: &Graph, n: NodeId, batch: usize) -> bool {
+/// A value the region may slice per block where it reads it: f32 with the batch as axis 0, and
+/// an input unless `sources` admits any value. (An integer or boolean value, ids or a mask, is
+/// read whole: `Slice` computes in f32.)
+fn source(graph: &Graph, n: NodeId, batch: usize, sources: Sources) -> bool {
     let node = graph.node(n);
-    matches!(node.op, Op::Input { .. })
+    (sources == Sources::Values || matches!(node.op, Op::Input { .. }))
         && node.dtype == DType::F32
         && node.shape.dims().first() == Some(&batch)
 }
 
 /// Whether row r of `n`'s output is computed from row r of its batch operands (nodes of the
 /// region so far, `inside`, or batch inputs) and from whole shared values alone.
-fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>) -> bool {
+fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>, sources: Sources) -> bool {
     let node = graph.node(n);
     let out = &node.shape;
     // f32 values only: a block of another dtype could not be joined (`Concat` computes in f32).
@@ -173,7 +208,7 @@ fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>) -> 
         return false;
     }
     let operands = graph.operands(n);
-    let rows = |o: &NodeId| inside.contains(o) || batch_input(graph, *o, batch);
+    let rows = |o: &NodeId| inside.contains(o) || source(graph, *o, batch, sources);
     if !operands.iter().any(rows) {
         return false;
     }
@@ -229,6 +264,7 @@ pub fn block_rows(batch: usize, blocks: usize) -> Vec<(usize, usize)> {
 pub fn split(graph: &Graph, region: &Region, blocks: usize) -> Result<Graph> {
     let mut g = graph.clone();
     let inside: HashSet<NodeId> = region.nodes.iter().copied().collect();
+    let sources: HashSet<NodeId> = region.sources.iter().copied().collect();
     let mut copies: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
     for (start, len) in block_rows(region.batch, blocks) {
         let mut block: HashMap<NodeId, NodeId> = HashMap::new();
@@ -237,7 +273,7 @@ pub fn split(graph: &Graph, region: &Region, blocks: usize) -> Result<Graph> {
             for o in graph.operands(n) {
                 let id = if inside.contains(&o) {
                     block[&o]
-                } else if batch_input(graph, o, region.batch) {
+                } else if sources.contains(&o) {
                     match block.get(&o) {
                         Some(&s) => s,
                         None => {
@@ -397,6 +433,6 @@ mod tests {
         let gram = g.add_f32(Op::MatMul { transpose_a: true, transpose_b: false }, &[4, 4], &[h, h]);
         g.set_output("gram", gram);
         assert!(region(&g).is_none(), "relu's output is read whole by the product");
-        assert!(!rowwise(&g, gram, 64, &[h].into_iter().collect()));
+        assert!(!rowwise(&g, gram, 64, &[h].into_iter().collect(), Sources::Inputs));
     }
 }

@@ -79,10 +79,18 @@ pub fn fold(graph: &mut Graph) -> Result<FoldFigures> {
     let mut values: HashMap<NodeId, Arc<[f32]>> = HashMap::new();
     let mut figures = FoldFigures::default();
     let mut replaced = Vec::new();
+    // Equal constants on one device are one variable (a variable is declared once per plan):
+    // copies of one expression, as a graph split into blocks of rows holds, fold into one.
+    let mut made: HashMap<(String, crate::ir::DeviceId), NodeId> = HashMap::new();
     for &root in &roots {
         let Some(data) = evaluate(graph, root, &mut values) else { continue };
         let node = graph.node(root).clone();
         let key = format!("constant/{:016x}", fingerprint(&node.shape, &data));
+        if let Some(&c) = made.get(&(key.clone(), node.device)) {
+            graph.replace_uses(root, c);
+            replaced.push(root);
+            continue;
+        }
         graph.set_constant(key.clone(), data);
         let op = Op::Variable {
             key,
@@ -92,6 +100,7 @@ pub fn fold(graph: &mut Graph) -> Result<FoldFigures> {
             init: Init::Zeros,
         };
         let c = graph.add(Node { op, ..node.clone() }, &[]);
+        made.insert((key_of(graph, c), node.device), c);
         graph.replace_uses(root, c);
         figures.constants += 1;
         figures.bytes += node.bytes();
@@ -109,6 +118,14 @@ pub fn fold(graph: &mut Graph) -> Result<FoldFigures> {
         dead.extend(operands.into_iter().filter(|o| constant.contains_key(o)));
     }
     Ok(figures)
+}
+
+/// The key of variable node `n`.
+fn key_of(graph: &Graph, n: NodeId) -> String {
+    match &graph.node(n).op {
+        Op::Variable { key, .. } => key.clone(),
+        _ => String::new(),
+    }
 }
 
 /// `Some(layout)` when `n` is an f32 value computed from constants alone by ops the evaluator
@@ -403,6 +420,26 @@ mod tests {
         let data = g.constant(key).unwrap();
         // Column 0 of the padded tensor (the ones) is sliced away: every element is 0 * -1e9.
         assert!(data.iter().all(|v| *v == 0.0 * -1e9), "{data:?}");
+    }
+
+    #[test]
+    fn equal_constants_fold_into_one_variable() {
+        // Two copies of one masked expression (as a graph split into blocks of rows holds).
+        let mut g = Graph::new("t");
+        let mut sums = Vec::new();
+        for name in ["x", "z"] {
+            let x = g.add_input(name, &[4, 4]);
+            let ones = g.add_f32(Op::Fill { value: 1.0, shape: Shape::new(vec![4, 1]) }, &[4, 1], &[]);
+            let padded = g.add_f32(Op::Pad { axis: 1, before: 0, after: 4 }, &[4, 5], &[ones]);
+            let cut = g.add_f32(Op::Slice { axis: 1, start: 1, len: 4 }, &[4, 4], &[padded]);
+            sums.push(g.add_f32(Op::Binary(BinaryOp::Add), &[4, 4], &[x, cut]));
+        }
+        g.set_output("a", sums[0]);
+        g.set_output("b", sums[1]);
+        let f = fold(&mut g).unwrap();
+        assert_eq!(f.constants, 1, "one variable, declared once");
+        assert_eq!(g.operands(sums[0])[1], g.operands(sums[1])[1]);
+        assert_eq!(g.variables().len(), 1);
     }
 
     #[test]

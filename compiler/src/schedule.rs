@@ -9,6 +9,12 @@
 //!   nothing, so it runs as soon as its gradient is final and the old value's readers have run.
 //! - `depth-first` and `depth-first-reversed`: post-order walks from the graph's sinks (outputs,
 //!   updates), operands first or last first: each value is consumed soon after it is made.
+//! - `row-blocks`, for a graph computed in blocks of batch rows (`batch_blocks::split`, a
+//!   training step from `step::train_step_graph_in_blocks`): program order among the ready ops
+//!   of the lowest block, a node's block being the latest block of rows it reads (an axis-0
+//!   slice's rank among the slices' starts): each block's forward and backward run before the
+//!   next block's start, so that only one block's activations are live (what gradient
+//!   accumulation over micro-batches does by hand). Tried only where such slices exist.
 //!
 //! Each runs in O((nodes + edges) log nodes).
 
@@ -93,12 +99,59 @@ pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
         let here = (program(graph, &t), memory_greedy(graph, &t));
         (here, other.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
     });
-    Ok(vec![
+    let mut all = vec![
         Candidate { name: "program", order: p? },
         Candidate { name: "memory", order: m? },
         Candidate { name: "depth-first", order: d? },
         Candidate { name: "depth-first-reversed", order: r? },
-    ])
+    ];
+    if let Some(order) = row_blocks(graph, &t) {
+        all.push(Candidate { name: "row-blocks", order: order? });
+    }
+    Ok(all)
+}
+
+/// The `row-blocks` order, or `None` where the graph has fewer than two blocks of axis-0 slices.
+fn row_blocks(graph: &Graph, t: &Tables) -> Option<Result<Vec<NodeId>>> {
+    let slice_start = |n: NodeId| match graph.node(n).op {
+        Op::Slice { axis: 0, start, .. } => Some(start),
+        _ => None,
+    };
+    let mut starts: Vec<usize> = t.nodes.iter().filter_map(|&n| slice_start(n)).collect();
+    starts.sort_unstable();
+    starts.dedup();
+    if starts.len() < 2 {
+        return None;
+    }
+    // Each node's block, in a topological order (program order).
+    let program = match program(graph, t) {
+        Ok(o) => o,
+        Err(e) => return Some(Err(e)),
+    };
+    let mut block = vec![0u32; t.preds.len()];
+    for &n in &program {
+        let from_preds = t.preds[n.index()].iter().map(|&p| block[p as usize]).max().unwrap_or(0);
+        let own = slice_start(n).map_or(0, |s| starts.binary_search(&s).unwrap_or(0) as u32);
+        block[n.index()] = from_preds.max(own);
+    }
+    let mut pending = t.pending();
+    let mut ready: BinaryHeap<Reverse<(u32, u32)>> = t
+        .nodes
+        .iter()
+        .filter(|n| pending[n.index()] == 0)
+        .map(|n| Reverse((block[n.index()], n.index() as u32)))
+        .collect();
+    let mut order = Vec::with_capacity(t.nodes.len());
+    while let Some(Reverse((_, n))) = ready.pop() {
+        order.push(Tables::id(n));
+        for &s in &t.succs[n as usize] {
+            pending[s as usize] -= 1;
+            if pending[s as usize] == 0 {
+                ready.push(Reverse((block[s as usize], s)));
+            }
+        }
+    }
+    Some(complete(graph, order))
 }
 
 fn complete(graph: &Graph, order: Vec<NodeId>) -> Result<Vec<NodeId>> {

@@ -2,6 +2,7 @@
 //! metrics, backward, optimizer updates), each traced for one set of input shapes.
 
 use crate::autodiff;
+use crate::batch_blocks;
 use crate::error::{CompileError, Result};
 use crate::ir::{DType, Graph, Op, Shape, VarRole};
 use crate::losses::{Loss, Metric};
@@ -87,7 +88,38 @@ pub fn train_step_graph(
     y_shape: impl Into<InputSpec>,
     cfg: &TrainConfig,
 ) -> Result<Graph> {
+    train_step_graph_in_blocks(model, x_shape, y_shape, cfg, 1)
+}
+
+/// `train_step_graph` with the forward pass and the loss computed `blocks` blocks of batch rows
+/// at a time, each block's values block-sized: the forward graph is split where its ops keep
+/// rows apart (`batch_blocks::region_with`, any f32 value with the batch's rows sliced per
+/// block: the input, an embedding's rows, labels cast to f32) before autodiff, so that each
+/// block's backward pass reads that block's values alone and each weight gradient is the sum of
+/// the blocks' (gradient accumulation over micro-batches, planned as one step). Reductions over
+/// the batch (the loss's mean, a batch norm's statistics) read the joined blocks, so the step
+/// computes the whole batch's loss and gradients, in another summation order (results within
+/// float rounding of the unsplit step). `blocks` 1, or a graph with nothing to split: the plain
+/// step. Refused: 0 blocks, or more blocks than the batch has rows.
+#[track_caller]
+pub fn train_step_graph_in_blocks(
+    model: &dyn Layer,
+    x_shape: impl Into<InputSpec>,
+    y_shape: impl Into<InputSpec>,
+    cfg: &TrainConfig,
+    blocks: usize,
+) -> Result<Graph> {
     let (x_spec, y_spec) = (x_shape.into(), y_shape.into());
+    let batch = x_spec.shape.dims().first().copied().unwrap_or(1);
+    if blocks == 0 || blocks > batch.max(1) {
+        return Err(CompileError::invalid(
+            format!(
+                "train_step_graph_in_blocks: {blocks} blocks of a batch of {batch} rows (x {})",
+                x_spec.shape
+            ),
+            "split the batch into 1 to batch blocks (1: the whole batch at once)",
+        ));
+    }
     if let Err(why) = cfg.optimizer.check() {
         return Err(CompileError::invalid(
             format!("TrainConfig::optimizer: {why}"),
@@ -107,7 +139,15 @@ pub fn train_step_graph(
         t.output(m.name(), &m.apply(&pred, &y));
     }
     t.set_device(previous);
-    let graph = t.finish()?;
+    let mut graph = t.finish()?;
+    if blocks > 1
+        && let Some(region) = batch_blocks::region_with(&graph, batch, batch_blocks::Sources::Values)
+    {
+        // Autodiff reads a traced graph: dense ids, operands before their users.
+        graph = batch_blocks::split(&graph, &region, blocks)?
+            .compacted()
+            .ok_or_else(|| CompileError::Internal("batch_blocks::split made a cycle".into()))?;
+    }
 
     let loss = graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;
     let params: Vec<_> = graph

@@ -288,6 +288,44 @@ impl Graph {
         }
     }
 
+    /// The graph renumbered: its nodes re-added in a topological order (of data and control
+    /// edges) that keeps insertion order wherever the edges allow, so that ids are dense and
+    /// every operand's id is below its user's, as in a freshly traced graph (what autodiff
+    /// needs after a pass removed or appended nodes, `step::train_step_graph_in_blocks`). Outputs,
+    /// constants and the name are kept. `None` for a graph with a cycle.
+    pub fn compacted(&self) -> Option<Graph> {
+        use std::cmp::Reverse;
+        use std::collections::{BinaryHeap, HashMap};
+        let mut pending: HashMap<NodeId, usize> =
+            self.node_ids().map(|n| (n, self.g.neighbors_directed(n, Direction::Incoming).count())).collect();
+        let mut ready: BinaryHeap<Reverse<NodeId>> =
+            pending.iter().filter(|(_, c)| **c == 0).map(|(n, _)| Reverse(*n)).collect();
+        let mut new_id: HashMap<NodeId, NodeId> = HashMap::new();
+        let mut out =
+            Graph { name: self.name.clone(), constants: self.constants.clone(), ..Default::default() };
+        while let Some(Reverse(n)) = ready.pop() {
+            let operands: Vec<NodeId> = self.operands(n).iter().map(|o| new_id[o]).collect();
+            let id = out.add(self.g[n].clone(), &operands);
+            for c in self.control_predecessors(n) {
+                out.add_control(new_id[&c], id);
+            }
+            new_id.insert(n, id);
+            for e in self.g.edges_directed(n, Direction::Outgoing) {
+                let t = e.target();
+                let left = pending.get_mut(&t)?;
+                *left -= 1;
+                if *left == 0 {
+                    ready.push(Reverse(t));
+                }
+            }
+        }
+        if new_id.len() != self.len() {
+            return None;
+        }
+        out.outputs = self.outputs.iter().map(|(name, o)| (name.clone(), new_id[o])).collect();
+        Some(out)
+    }
+
     pub fn remove(&mut self, id: NodeId) -> Option<Node> {
         self.outputs.retain(|(_, o)| *o != id);
         self.g.remove_node(id)
@@ -388,5 +426,30 @@ mod tests {
         assert!(g.users(y).is_empty());
         assert_eq!(g.users(w), [sum]);
         assert_eq!(g.control_predecessors(sum), [w], "control edges are left alone");
+    }
+
+    #[test]
+    fn a_compacted_graph_is_dense_and_operands_first() {
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", &[2]);
+        let gone = g.add_f32(Op::Unary(crate::ir::UnaryOp::Neg), &[2], &[x]);
+        let late = g.add_input("late", &[2]);
+        // A user added before one of its operands, as a pass that appends nodes leaves it.
+        let sum = g.add_f32(Op::Binary(crate::ir::BinaryOp::Add), &[2], &[x, x]);
+        let neg = g.add_f32(Op::Unary(crate::ir::UnaryOp::Neg), &[2], &[late]);
+        g.set_operands(sum, &[x, neg]);
+        g.add_control(late, sum);
+        g.remove(gone);
+        g.set_output("y", sum);
+        let c = g.compacted().expect("acyclic");
+        assert_eq!(c.len(), 4);
+        let ids: Vec<usize> = c.node_ids().map(|n| n.index()).collect();
+        assert_eq!(ids, [0, 1, 2, 3], "dense");
+        for n in c.node_ids() {
+            assert!(c.predecessors(n).all(|p| p < n), "operands and control edges first");
+        }
+        let y = c.output("y").unwrap();
+        assert!(matches!(c.node(y).op, Op::Binary(_)));
+        assert_eq!(c.control_predecessors(y).len(), 1);
     }
 }

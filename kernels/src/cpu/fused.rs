@@ -133,7 +133,7 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
                 *o = super::math::gelu_derivative(x);
             }
             for (o, &dy) in d.iter_mut().zip(b) {
-                *o = dy * *o;
+                *o *= dy; // dy·gelu'(x): a product commutes exactly
             }
         }
         Inst::Binary(op, _, _) => with_binary!(op, |f| {
