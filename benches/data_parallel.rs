@@ -4,14 +4,15 @@
 //! (`scripts/peers/torch_ddp.py`, one process per rank) at 1 and 2 ranks, the zoo's batch split
 //! over the ranks. Per model and rank count: rank 0's median step time over 2 interleaved rounds
 //! of 10 steps, the gradient bytes all-reduced per step (from the plan: the operands of its
-//! all-reduces), and the per-rank planned total; then each model's per-rank plans by ZeRO stage
-//! (`kiln::zero_table`) for 1 to 64 ranks. Writes `target/kiln/data_parallel.json` and the
+//! all-reduces), and the per-rank planned total; at 2 ranks also ZeRO stages 1 and 2 (each rank
+//! its own specialisation of rank 0's plan, `zero::for_rank`; the zoo's own optimizer,
+//! its state sharded); then each model's per-rank plans by ZeRO stage (`kiln::zero_table`) for 1
+//! to 64 ranks. Writes `target/kiln/data_parallel.json` and the
 //! tables; a peer that cannot be had is "skipped".
 
 use kiln::compiler::Plan;
-use kiln::compiler::data_parallel::all_reduce_gradients;
 use kiln::compiler::ir::Op;
-use kiln::compiler::step::train_step_graph;
+use kiln::compiler::zero;
 use kiln::prelude::*;
 use kiln::report::{bytes, output_dir, render_table};
 use kiln::runtime::{Backend, CpuBackend};
@@ -22,13 +23,19 @@ use std::time::Instant;
 const ROUNDS: usize = 2;
 const STEPS: usize = 10;
 const RANKS: [usize; 2] = [1, 2];
+/// The (ranks, ZeRO stage) pairs timed.
+const RUNS: [(usize, ZeroStage); 4] =
+    [(1, ZeroStage::Off), (2, ZeroStage::Off), (2, ZeroStage::One), (2, ZeroStage::Two)];
 
 #[derive(serde::Serialize)]
 struct Row {
     model: String,
     ranks: usize,
+    zero_stage: usize,
     batch_per_rank: usize,
     kiln_ms: f64,
+    /// Collectives of each kind a step: all-reduces, reduce-scatters, all-gathers.
+    collectives: [usize; 3],
     all_reduces: usize,
     all_reduced_bytes: usize,
     planned_total_per_rank: usize,
@@ -44,13 +51,9 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn plan(m: &ZooModel, ranks: usize) -> Result<Plan, Box<dyn std::error::Error>> {
-    let shard = m.clone().with_batch(m.batch / ranks);
-    let mut graph = train_step_graph(&shard.model(), shard.x_shape(), shard.y_shape(), &shard.config())?;
-    if ranks > 1 {
-        all_reduce_gradients(&mut graph)?;
-    }
-    Ok(compile(graph, &CompileOptions::default())?)
+/// Rank 0's plan for `ranks` ranks at `stage` (stage 0: every gradient all-reduced).
+fn plan(m: &ZooModel, ranks: usize, stage: ZeroStage) -> Result<Plan, Box<dyn std::error::Error>> {
+    Ok(kiln::zero_table::plan(&m.clone().with_batch(m.batch / ranks), stage, ranks)?)
 }
 
 /// Rank 0's time of each of `STEPS` steps (after 2 warm-up steps), `ranks` ranks on threads.
@@ -65,7 +68,8 @@ fn time_kiln(m: &ZooModel, plan: &Plan, ranks: usize) -> Result<Vec<f64>, String
         if ranks > 1 {
             backend = backend.with_communicator(comm);
         }
-        let id = backend.load(plan.clone()).map_err(|e| e.to_string())?;
+        let plan = zero::for_rank(plan.clone(), r).map_err(|e| e.to_string())?;
+        let id = backend.load(plan).map_err(|e| e.to_string())?;
         let mut times = Vec::new();
         for i in 0..STEPS + 2 {
             let t = Instant::now();
@@ -85,18 +89,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let names: Vec<&str> = models.iter().map(|m| m.name).collect();
     let mut plans = BTreeMap::new();
     for m in &models {
-        for r in RANKS {
-            plans.insert((m.name, r), plan(m, r)?);
+        for (r, stage) in RUNS {
+            plans.insert((m.name, r, stage.number()), plan(m, r, stage)?);
         }
     }
-    let mut kiln_times: BTreeMap<(&str, usize), Vec<f64>> = BTreeMap::new();
+    let mut kiln_times: BTreeMap<(&str, usize, usize), Vec<f64>> = BTreeMap::new();
     let mut ddp: BTreeMap<(String, usize), (Vec<f64>, usize)> = BTreeMap::new();
     let mut ddp_ok = true;
     for round in 0..ROUNDS {
         for m in &models {
-            for r in RANKS {
-                let t = time_kiln(m, &plans[&(m.name, r)], r)?;
-                kiln_times.entry((m.name, r)).or_default().extend(t);
+            for (r, stage) in RUNS {
+                let t = time_kiln(m, &plans[&(m.name, r, stage.number())], r)?;
+                kiln_times.entry((m.name, r, stage.number())).or_default().extend(t);
             }
         }
         if ddp_ok {
@@ -117,20 +121,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut out = Vec::new();
     for m in &models {
-        for r in RANKS {
-            let p = &plans[&(m.name, r)];
+        for (r, stage) in RUNS {
+            let p = &plans[&(m.name, r, stage.number())];
+            let count = |f: fn(&Op) -> bool| p.steps.iter().filter(|s| f(&s.op)).count();
+            let collectives = [
+                count(|o| matches!(o, Op::AllReduce { .. })),
+                count(|o| matches!(o, Op::ReduceScatter { .. })),
+                count(|o| matches!(o, Op::AllGather { .. })),
+            ];
             let reduces: Vec<_> = p.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. })).collect();
             let reduced: usize = reduces
                 .iter()
                 .map(|s| p.values[s.inputs[0]].shape.numel() * p.values[s.inputs[0]].dtype.size_bytes())
                 .sum();
-            let k = &kiln_times[&(m.name, r)];
-            let d = ddp.get(&(m.name.to_string(), r));
+            let k = &kiln_times[&(m.name, r, stage.number())];
+            // DDP is plain data parallelism: beside stage 0 only.
+            let d = ddp.get(&(m.name.to_string(), r)).filter(|_| stage == ZeroStage::Off);
             out.push(Row {
                 model: m.name.into(),
                 ranks: r,
+                zero_stage: stage.number(),
                 batch_per_rank: m.batch / r,
                 kiln_ms: median(k),
+                collectives,
                 all_reduces: reduces.len(),
                 all_reduced_bytes: reduced,
                 planned_total_per_rank: p.memory.planned_total_bytes(),
@@ -144,12 +157,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cells: Vec<Vec<String>> = out
         .iter()
         .map(|r| {
+            let plain = out
+                .iter()
+                .find(|o| o.model == r.model && o.ranks == r.ranks && o.zero_stage == 0)
+                .map_or(f64::NAN, |o| o.kiln_ms);
             vec![
                 r.model.clone(),
                 r.ranks.to_string(),
+                r.zero_stage.to_string(),
                 r.batch_per_rank.to_string(),
                 format!("{:.2}", r.kiln_ms),
-                r.ddp_ms.map_or("skipped".into(), |d| format!("{d:.2}")),
+                format!("{:.2}", r.kiln_ms / plain),
+                format!("{} / {} / {}", r.collectives[0], r.collectives[1], r.collectives[2]),
+                match (r.ddp_ms, r.zero_stage) {
+                    (Some(d), _) => format!("{d:.2}"),
+                    (None, 0) => "skipped".into(),
+                    (None, _) => "-".into(),
+                },
                 r.ddp_ms.map_or("-".into(), |d| format!("{:.2}", r.kiln_ms / d)),
                 format!("{} / {}", r.all_reduces, bytes(r.all_reduced_bytes)),
                 r.ddp_grad_bytes.filter(|_| r.ranks > 1).map_or("-".into(), bytes),
@@ -163,8 +187,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[
                 "model",
                 "ranks",
+                "ZeRO stage",
                 "batch/rank",
                 "kiln ms/step",
+                "/ stage 0",
+                "all-reduce / reduce-scatter / all-gather",
                 "PyTorch DDP ms/step",
                 "kiln/DDP",
                 "kiln all-reduces / bytes a step",
@@ -175,7 +202,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     );
     println!(
-        "CPU, 2 cores; rank 0's median of {} steps in {ROUNDS} interleaved rounds. kiln: ranks are threads of one process sharing its rayon pool, each gradient all-reduced by its own AllReduce step (no buckets yet), rank-order sums (kiln-comm's local engine); PyTorch: one process per rank with cores/ranks threads, DDP's 25 MiB buckets over gloo on 127.0.0.1, Adam(foreach=True). Bytes a step: the gradients reduced, per rank (what each engine moves on the wire depends on its algorithm). 1 rank: no collectives on either side.",
+        "CPU, 2 cores; rank 0's median of {} steps in {ROUNDS} interleaved rounds. kiln: ranks are threads of one process sharing its rayon pool, each gradient all-reduced by its own AllReduce step (no buckets yet), rank-order sums (kiln-comm's local engine); PyTorch: one process per rank with cores/ranks threads, DDP's 25 MiB buckets over gloo on 127.0.0.1, Adam(foreach=True). Bytes a step: the gradients all-reduced, per rank (what each engine moves on the wire depends on its algorithm). 1 rank: no collectives on either side. ZeRO stages 1 and 2 (kiln only; DDP beside stage 0): each rank updates its shard of every parameter and all-gathers it, stage 1 after all-reducing the whole gradient, stage 2 after reduce-scattering it; '/ stage 0' is the time over plain data parallelism's at the same rank count.",
         ROUNDS * STEPS
     );
     let dir = output_dir();
