@@ -15,12 +15,14 @@
 //! tokens/s), evaluates the held-out loss against the unigram baseline (the entropy of the
 //! training text's byte frequencies: what a model that ignores context can reach), samples text,
 //! saves a checkpoint and loads it into a fresh trainer (which must give the same held-out loss,
-//! bit for bit), and prints the planned-vs-eager memory report of its training step.
+//! bit for bit), and prints the planned-vs-eager memory report of its training step, then the
+//! step's arena computed in 2, 4 and 8 blocks of batch rows (`Trainer::with_row_blocks`;
+//! `KILN_GPT_BLOCKS=4` trains that way).
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::compiler::ir::DType;
 use kiln::compiler::nn::{Embedding, LayerNorm, MultiHeadAttention, PositionEmbedding, Residual};
-use kiln::compiler::step::{InputSpec, train_step_graph};
+use kiln::compiler::step::{InputSpec, train_step_graph, train_step_graph_in_blocks};
 use kiln::prelude::*;
 use kiln::runtime::RuntimeError;
 use rand::rngs::StdRng;
@@ -139,6 +141,7 @@ fn text() -> Result<(String, Vec<u8>)> {
 fn main() -> Result<()> {
     let (path, text) = text()?;
     let seconds: u64 = std::env::var("KILN_GPT_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(90);
+    let blocks: usize = std::env::var("KILN_GPT_BLOCKS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
     let split = text.len() * 9 / 10;
     let (train, held) = (&text[..split], &text[split..]);
     if held.len() < 2 * SEQ + 2 {
@@ -159,7 +162,10 @@ fn main() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(7);
     let (device, why) = Device::best();
     println!("device: {why}");
-    let mut trainer = Trainer::new(model(), config(), device.backend(1)?);
+    let mut trainer = Trainer::new(model(), config(), device.backend(1)?).with_row_blocks(blocks);
+    if blocks > 1 {
+        println!("each step in {blocks} blocks of rows");
+    }
     // The held-out windows, every SEQ bytes.
     let held_offsets: Vec<usize> = (0..held.len() - SEQ - 1).step_by(SEQ).collect();
     let (hx, hy) = windows(held, &held_offsets)?;
@@ -206,7 +212,7 @@ fn main() -> Result<()> {
 
     let checkpoint = std::env::temp_dir().join("kiln-gpt.safetensors");
     trainer.save(&checkpoint)?;
-    let mut reloaded = Trainer::new(model(), config(), device.backend(2)?);
+    let mut reloaded = Trainer::new(model(), config(), device.backend(2)?).with_row_blocks(blocks);
     let (x, y) = windows(train, &[0])?;
     reloaded.train_program(
         InputSpec::new(x.shape().clone(), x.dtype()),
@@ -229,5 +235,14 @@ fn main() -> Result<()> {
         "memory of one training step, planned against eager execution:\n{}",
         kiln::compare::table(&[row])
     );
+    let arenas: Vec<String> = [1, 2, 4, 8]
+        .into_iter()
+        .map(|k| {
+            let graph = train_step_graph_in_blocks(&model(), ids(&bx), ids(&by), &config(), k)?;
+            let plan = compile(graph, &CompileOptions::default())?;
+            Ok(format!("{k}: {}", kiln::report::bytes(plan.memory.arena_bytes)))
+        })
+        .collect::<Result<_>>()?;
+    println!("the step's arena by blocks of batch rows: {}", arenas.join(", "));
     Ok(())
 }

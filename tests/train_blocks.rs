@@ -175,3 +175,27 @@ fn impossible_block_counts_are_refused() {
         assert!(e.contains(&format!("{k} blocks of a batch of 4 rows")), "{e}");
     }
 }
+
+#[test]
+fn a_trainer_in_row_blocks_trains_as_the_whole_step_does() {
+    let xs = HostTensor::from_fn([10, 20], |i| ((i * 31 % 23) as f32 - 11.0) / 11.0).unwrap();
+    let ids = HostTensor::from_fn([10], |r| ((r * 7 + 3) % 2000) as f32).unwrap();
+    let loss = || config(Loss::SparseSoftmaxCrossEntropy { ignore_index: None });
+    let run = |blocks: usize| {
+        let mut t = Trainer::new(head(), loss(), Device::cpu().backend(3).unwrap()).with_row_blocks(blocks);
+        // Batches of 4 rows and a last one of 2, fewer rows than blocks: one block per row there.
+        let opts = FitOptions { epochs: 2, batch_size: 4, verbose: false, ..Default::default() };
+        let h = t.fit(&xs, &ids, &opts).unwrap();
+        (
+            h.epochs.iter().map(|e| e.loss).collect::<Vec<f32>>(),
+            t.plans().iter().map(|p| p.steps.len()).collect::<Vec<_>>(),
+        )
+    };
+    let (whole, whole_steps) = run(1);
+    let (blocked, blocked_steps) = run(3);
+    assert!(close(&blocked, &whole, 1e-5), "{blocked:?} vs {whole:?}");
+    assert!(
+        blocked_steps.iter().zip(&whole_steps).all(|(b, w)| b > w),
+        "{blocked_steps:?} vs {whole_steps:?}"
+    );
+}

@@ -12,7 +12,9 @@ use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln_compiler::ir::{DType, Shape, Shard};
 use kiln_compiler::nn::Layer;
-use kiln_compiler::step::{InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph};
+use kiln_compiler::step::{
+    InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph_in_blocks,
+};
 use kiln_compiler::zero::ZeroStage;
 use kiln_compiler::{CompileOptions, Plan, compile};
 use rand::SeedableRng;
@@ -107,6 +109,8 @@ pub struct Trainer {
     compile_time: Duration,
     /// How much of a data-parallel step's state is sharded (`kiln_compiler::zero`).
     zero: ZeroStage,
+    /// Blocks of batch rows each training step is computed in (`with_row_blocks`).
+    row_blocks: usize,
 }
 
 impl Trainer {
@@ -122,7 +126,18 @@ impl Trainer {
             evaluate_programs: HashMap::new(),
             compile_time: Duration::ZERO,
             zero: ZeroStage::Off,
+            row_blocks: 1,
         }
+    }
+
+    /// Computes each training step in `blocks` blocks of batch rows
+    /// (`kiln_compiler::step::train_step_graph_in_blocks`: gradient accumulation over
+    /// micro-batches, planned as one step; a batch of fewer rows than `blocks` in one block per
+    /// row). The losses and weights are the whole step's within float rounding; the arena holds
+    /// one block's activations. 1 (the default): the whole batch at once.
+    pub fn with_row_blocks(mut self, blocks: usize) -> Self {
+        self.row_blocks = blocks.max(1);
+        self
     }
 
     /// On a backend that is a rank of a data-parallel run, shards the optimizer state (stage 1)
@@ -255,7 +270,14 @@ impl Trainer {
             return Ok(id);
         }
         let start = Instant::now();
-        let mut graph = train_step_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?;
+        let batch = x.shape.dims().first().copied().unwrap_or(1).max(1);
+        let mut graph = train_step_graph_in_blocks(
+            self.model.as_ref(),
+            x.clone(),
+            y.clone(),
+            &self.config,
+            self.row_blocks.min(batch),
+        )?;
         let ranks = self.backend.rank().filter(|&(_, ranks)| ranks > 1);
         if let Some((_, ranks)) = ranks {
             // Data parallel: gradients, loss and metrics averaged over the ranks; with ZeRO,
