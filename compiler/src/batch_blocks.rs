@@ -134,15 +134,31 @@ pub fn region_with(graph: &Graph, batch: usize, sources: Sources) -> Option<Regi
 
 /// The region whose nodes' axis 0 is `batch`.
 fn region_of(graph: &Graph, order: &[NodeId], batch: usize, sources: Sources) -> Option<Region> {
-    let order = order.iter().copied();
-    let mut inside: HashSet<NodeId> = HashSet::new();
-    let mut nodes = Vec::new();
-    for n in order {
-        if rowwise(graph, n, batch, &inside, sources) {
-            inside.insert(n);
-            nodes.push(n);
+    let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, o)| *o).collect();
+    // Values of any dtype may be computed in blocks (a metric's comparisons are boolean), but
+    // only f32 ones can be joined (`Concat` computes in f32): a region whose exit is of another
+    // dtype is computed again without that node, until every exit is f32.
+    let mut excluded: HashSet<NodeId> = HashSet::new();
+    let (inside, nodes) = loop {
+        let mut inside: HashSet<NodeId> = HashSet::new();
+        let mut nodes = Vec::new();
+        for &n in order {
+            if !excluded.contains(&n) && rowwise(graph, n, batch, &inside, sources) {
+                inside.insert(n);
+                nodes.push(n);
+            }
         }
-    }
+        let unjoinable: Vec<NodeId> = nodes
+            .iter()
+            .copied()
+            .filter(|&n| graph.node(n).dtype != DType::F32)
+            .filter(|&n| outputs.contains(&n) || graph.users(n).iter().any(|u| !inside.contains(u)))
+            .collect();
+        if unjoinable.is_empty() {
+            break (inside, nodes);
+        }
+        excluded.extend(unjoinable);
+    };
     let mut sources_read: Vec<NodeId> = Vec::new();
     for &n in &nodes {
         for o in graph.operands(n) {
@@ -151,7 +167,6 @@ fn region_of(graph: &Graph, order: &[NodeId], batch: usize, sources: Sources) ->
             }
         }
     }
-    let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, o)| *o).collect();
     let exits: Vec<NodeId> = nodes
         .iter()
         .copied()
@@ -198,9 +213,7 @@ fn source(graph: &Graph, n: NodeId, batch: usize, sources: Sources) -> bool {
 fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>, sources: Sources) -> bool {
     let node = graph.node(n);
     let out = &node.shape;
-    // f32 values only: a block of another dtype could not be joined (`Concat` computes in f32).
     if out.dims().first() != Some(&batch)
-        || node.dtype != DType::F32
         || node.op.class() == crate::ir::OpClass::Source
         || !graph.control_predecessors(n).is_empty()
         || !graph.control_successors(n).is_empty()
@@ -236,7 +249,10 @@ fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>, sou
         Op::Permute { perm } => one() && perm.first() == Some(&0),
         Op::BroadcastTo { .. } => one() && aligned(&operands[0]),
         Op::Concat { axis } => *axis != 0 && operands.iter().all(|o| rows(o) && aligned(o)),
-        Op::Reduce { axes, .. } => one() && !axes.contains(&0) && aligned(&operands[0]),
+        // Axis 0 kept: the output's axis 0 is the operand's, with or without the reduced axes.
+        Op::Reduce { axes, .. } => {
+            one() && !axes.contains(&0) && shape(&operands[0]).dims().first() == Some(&batch)
+        }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => one() && *axis != 0,
         Op::Conv2d { .. } => matches!(operands[..], [x, w] if rows(&x) && aligned(&x) && !rows(&w)),
         Op::Pool2d { .. } => one() && aligned(&operands[0]),
@@ -417,6 +433,24 @@ mod tests {
         assert_eq!(slices, 4, "x is sliced once per block; the weights are shared");
         assert_eq!(s.len(), g.len() - 4 + 4 * 4 + 4 + 1);
         crate::passes::default_pipeline().run(&mut s.clone()).unwrap();
+    }
+
+    #[test]
+    fn a_per_row_statistic_without_kept_axes_stays_in_the_region() {
+        // A metric's shape: a comparison per element, summed over each row's classes
+        // (`keepdims` false), then averaged over the batch outside the region.
+        let mut g = mlp(false);
+        let y = g.output("y").unwrap();
+        let hit = g.add_f32(Op::Binary(BinaryOp::GreaterEqual), &[64, 3], &[y, y]);
+        let op = Op::Reduce { op: crate::ir::ReduceOp::Sum, axes: vec![1], keepdims: false };
+        let per_row = g.add_f32(op, &[64], &[hit]);
+        let op = Op::Reduce { op: crate::ir::ReduceOp::Mean, axes: vec![0], keepdims: false };
+        let rate = g.add_f32(op, &[], &[per_row]);
+        g.set_output("rate", rate);
+        let r = region(&g).unwrap();
+        assert!(r.nodes.contains(&hit) && r.nodes.contains(&per_row));
+        assert!(r.exits.contains(&per_row), "the [rows] sums are joined, not the [rows, classes] hits");
+        assert!(!r.exits.contains(&hit));
     }
 
     #[test]
