@@ -209,7 +209,7 @@ fn source(graph: &Graph, n: NodeId, batch: usize, sources: Sources) -> bool {
 }
 
 /// Whether row r of `n`'s output is computed from row r of its batch operands (nodes of the
-/// region so far, `inside`, or batch inputs) and from whole shared values alone.
+/// region so far, `inside`, or `source`s) and from whole shared values alone.
 fn rowwise(graph: &Graph, n: NodeId, batch: usize, inside: &HashSet<NodeId>, sources: Sources) -> bool {
     let node = graph.node(n);
     let out = &node.shape;

@@ -93,14 +93,14 @@ pub fn fold(graph: &mut Graph) -> Result<FoldFigures> {
         }
         graph.set_constant(key.clone(), data);
         let op = Op::Variable {
-            key,
+            key: key.clone(),
             shape: node.shape.clone(),
             dtype: DType::F32,
             role: VarRole::Constant,
             init: Init::Zeros,
         };
         let c = graph.add(Node { op, ..node.clone() }, &[]);
-        made.insert((key_of(graph, c), node.device), c);
+        made.insert((key, node.device), c);
         graph.replace_uses(root, c);
         figures.constants += 1;
         figures.bytes += node.bytes();
@@ -118,14 +118,6 @@ pub fn fold(graph: &mut Graph) -> Result<FoldFigures> {
         dead.extend(operands.into_iter().filter(|o| constant.contains_key(o)));
     }
     Ok(figures)
-}
-
-/// The key of variable node `n`.
-fn key_of(graph: &Graph, n: NodeId) -> String {
-    match &graph.node(n).op {
-        Op::Variable { key, .. } => key.clone(),
-        _ => String::new(),
-    }
 }
 
 /// `Some(layout)` when `n` is an f32 value computed from constants alone by ops the evaluator

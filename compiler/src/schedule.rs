@@ -99,20 +99,23 @@ pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
         let here = (program(graph, &t), memory_greedy(graph, &t));
         (here, other.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
     });
+    let p = p?;
+    let blocks = row_blocks(graph, &t, &p);
     let mut all = vec![
-        Candidate { name: "program", order: p? },
+        Candidate { name: "program", order: p },
         Candidate { name: "memory", order: m? },
         Candidate { name: "depth-first", order: d? },
         Candidate { name: "depth-first-reversed", order: r? },
     ];
-    if let Some(order) = row_blocks(graph, &t) {
+    if let Some(order) = blocks {
         all.push(Candidate { name: "row-blocks", order: order? });
     }
     Ok(all)
 }
 
 /// The `row-blocks` order, or `None` where the graph has fewer than two blocks of axis-0 slices.
-fn row_blocks(graph: &Graph, t: &Tables) -> Option<Result<Vec<NodeId>>> {
+/// `program` is the program order (a topological order to assign blocks in).
+fn row_blocks(graph: &Graph, t: &Tables, program: &[NodeId]) -> Option<Result<Vec<NodeId>>> {
     let slice_start = |n: NodeId| match graph.node(n).op {
         Op::Slice { axis: 0, start, .. } => Some(start),
         _ => None,
@@ -123,13 +126,9 @@ fn row_blocks(graph: &Graph, t: &Tables) -> Option<Result<Vec<NodeId>>> {
     if starts.len() < 2 {
         return None;
     }
-    // Each node's block, in a topological order (program order).
-    let program = match program(graph, t) {
-        Ok(o) => o,
-        Err(e) => return Some(Err(e)),
-    };
+    // Each node's block, in program order (operands first).
     let mut block = vec![0u32; t.preds.len()];
-    for &n in &program {
+    for &n in program {
         let from_preds = t.preds[n.index()].iter().map(|&p| block[p as usize]).max().unwrap_or(0);
         let own = slice_start(n).map_or(0, |s| starts.binary_search(&s).unwrap_or(0) as u32);
         block[n.index()] = from_preds.max(own);

@@ -251,7 +251,7 @@ impl Binary {
 /// # Safety
 /// As `map2` with both strides 1.
 #[inline(always)]
-unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+pub(crate) unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
     const BLOCK: usize = 256;
     let mut d = [0f32; BLOCK];
     let mut s = 0;

@@ -60,20 +60,25 @@ fn pow2(n: i32) -> f32 {
 pub(crate) fn exp(x: f32) -> f32 {
     // Beyond these, the result is inf or 0 and the reduction below still gives it. (clamp keeps
     // NaN, and a NaN stays NaN through every step below.)
-    exp_reduced(x.clamp(-104.0, 89.0), 0.0)
+    exp_reduced(x.clamp(-104.0, 89.0), None)
 }
 
 /// e^(c + lo) for c in [-185, 89] (the two factors of 2^n stay normal) or NaN, and lo below
-/// half an ulp of c (c's rounding error, added after the range reduction): `exp` without its
-/// clamp, for callers whose argument is in range by construction.
+/// half an ulp of c (c's rounding error, added after the range reduction; `None` adds nothing,
+/// not even a +0.0, on `exp`'s path): `exp` without its clamp, for callers whose argument is in
+/// range by construction.
 #[inline(always)]
-fn exp_reduced(c: f32, lo: f32) -> f32 {
+fn exp_reduced(c: f32, lo: Option<f32>) -> f32 {
     let t = fma(c, LOG2E, ROUND);
     let n = t - ROUND;
     // n as an integer, read from t's mantissa (t = 1.5·2^23 + n): no float-to-int conversion,
     // whose saturating form does not vectorise. (A NaN gives garbage here, and NaN below.)
     let ni = (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000;
-    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c)) + lo;
+    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c));
+    let r = match lo {
+        Some(lo) => r + lo,
+        None => r,
+    };
     let z = r * r;
     let p = poly(r, &[5e-1, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
     let e = fma(p, z, r) + 1.0;
@@ -222,7 +227,7 @@ fn gauss_tail(x: f32) -> (f32, f32) {
     let t = 1.0 / fma(TAIL_P, a, 1.0);
     let h = a * a;
     let l = fma(a, a, -h);
-    let e = exp_reduced(-0.5 * h, -0.5 * l);
+    let e = exp_reduced(-0.5 * h, Some(-0.5 * l));
     (e * t * poly(t, &TAIL), e)
 }
 
@@ -231,7 +236,12 @@ fn gauss_tail(x: f32) -> (f32, f32) {
 /// ulp down to Φ(-13), where the erf form is off by 17% at Φ(-5) from cancellation).
 #[cfg(test)]
 fn normal_cdf(x: f32) -> f32 {
-    let (c, _) = gauss_tail(x);
+    cdf_from_tail(x, gauss_tail(x).0)
+}
+
+/// Φ(x) from c = Φ(-|x|).
+#[inline(always)]
+fn cdf_from_tail(x: f32, c: f32) -> f32 {
     if x < 0.0 { c } else { 1.0 - c }
 }
 
@@ -251,8 +261,7 @@ pub(crate) fn gelu(x: f32) -> f32 {
 pub(crate) fn gelu_derivative(x: f32) -> f32 {
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
     let (c, e) = gauss_tail(x);
-    let cdf = if x < 0.0 { c } else { 1.0 - c };
-    fma(x.clamp(-16.0, 16.0) * e, FRAC_1_SQRT_2PI, cdf)
+    fma(x.clamp(-16.0, 16.0) * e, FRAC_1_SQRT_2PI, cdf_from_tail(x, c))
 }
 
 #[cfg(test)]
