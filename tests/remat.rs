@@ -30,8 +30,9 @@ fn untiled(limit: Option<usize>) -> CompileOptions {
 }
 
 /// Without a limit, a training step recomputes what costs next to nothing (`cheap_remat`): the
-/// transformer's GELU and layer-norm scalings, within the FLOP budget, a smaller arena, and the
-/// same bits as the plan that keeps them.
+/// transformer's layer-norm scalings, within the FLOP budget, a smaller arena, and the same bits
+/// as the plan that keeps them. Not its GELU: a transcendental's polynomial is 32 operations an
+/// element (`UnaryOp::flops_per_element`), 0.55 ms of a 42 ms CPU step.
 #[test]
 fn cheap_recomputation_shrinks_the_transformer_for_free() {
     let m = zoo::by_name("transformer").unwrap().with_batch(4);
@@ -39,7 +40,11 @@ fn cheap_recomputation_shrinks_the_transformer_for_free() {
     let keep = compile(graph.clone(), &untiled(None)).unwrap();
     let cheap = compile(graph, &untiled(None).with_cheap_remat(true)).unwrap();
     let r = cheap.memory.remat.as_ref().expect("something recomputed");
-    assert!(r.recomputed.iter().any(|v| v.starts_with("gelu")), "{:?}", r.recomputed);
+    assert!(
+        !r.recomputed.is_empty() && !r.recomputed.iter().any(|v| v.starts_with("gelu")),
+        "{:?}",
+        r.recomputed
+    );
     let budget =
         kiln::compiler::cheap_remat::step_flops(&keep) as f64 * kiln::compiler::cheap_remat::FLOPS_BUDGET;
     assert!(r.recomputed_flops as f64 <= budget, "{} > {budget}", r.recomputed_flops);

@@ -82,7 +82,7 @@ fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
     Window2d { size, stride, padding }
 }
 
-const UNARY: [UnaryOp; 14] = [
+const UNARY: [UnaryOp; 15] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Sign,
@@ -90,6 +90,7 @@ const UNARY: [UnaryOp; 14] = [
     UnaryOp::Sigmoid,
     UnaryOp::Tanh,
     UnaryOp::Gelu,
+    UnaryOp::GeluTanh,
     UnaryOp::Exp,
     UnaryOp::Log,
     UnaryOp::Sqrt,
@@ -99,7 +100,7 @@ const UNARY: [UnaryOp; 14] = [
     UnaryOp::Erf,
 ];
 
-const BINARY: [BinaryOp; 17] = [
+const BINARY: [BinaryOp; 18] = [
     BinaryOp::Add,
     BinaryOp::Sub,
     BinaryOp::Mul,
@@ -115,6 +116,7 @@ const BINARY: [BinaryOp; 17] = [
     BinaryOp::NotEqual,
     BinaryOp::ReluGrad,
     BinaryOp::GeluGrad,
+    BinaryOp::GeluTanhGrad,
     BinaryOp::SigmoidGrad,
     BinaryOp::TanhGrad,
 ];
@@ -148,8 +150,14 @@ fn cases() -> Vec<Case> {
         }
     }
     for b in BINARY {
-        let grad =
-            matches!(b, BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad);
+        let grad = matches!(
+            b,
+            BinaryOp::ReluGrad
+                | BinaryOp::GeluGrad
+                | BinaryOp::GeluTanhGrad
+                | BinaryOp::SigmoidGrad
+                | BinaryOp::TanhGrad
+        );
         let pairs: Vec<(&[usize], &[usize])> = if grad {
             vec![(&[7], &[7]), (&[4, 6], &[4, 6]), (&[], &[])]
         } else {
@@ -825,6 +833,7 @@ fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
         UnaryOp::Tanh,
         UnaryOp::Square,
         UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
     ];
     let binary = [
         BinaryOp::Add,
@@ -836,6 +845,7 @@ fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
         BinaryOp::SigmoidGrad,
         BinaryOp::TanhGrad,
         BinaryOp::GeluGrad,
+        BinaryOp::GeluTanhGrad,
     ];
     let mut insts: Vec<Inst> = Vec::new();
     let pick_ref = |r: &mut Rng, n: usize| {

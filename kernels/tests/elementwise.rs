@@ -26,6 +26,7 @@ fn unary_ref(op: UnaryOp, x: f64) -> f64 {
         UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         UnaryOp::Tanh => x.tanh(),
         UnaryOp::Gelu => 0.5 * x * (1.0 + erf(x / 2f64.sqrt())),
+        UnaryOp::GeluTanh => 0.5 * x * (1.0 + (gelu_tanh_u(x)).tanh()),
         UnaryOp::Exp => x.exp(),
         UnaryOp::Log => x.ln(),
         UnaryOp::Sqrt => x.sqrt(),
@@ -36,7 +37,12 @@ fn unary_ref(op: UnaryOp, x: f64) -> f64 {
     }
 }
 
-const UNARY: [UnaryOp; 14] = [
+/// u = √(2/π)·(x + 0.044715·x³) of GELU's tanh form.
+fn gelu_tanh_u(x: f64) -> f64 {
+    (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)
+}
+
+const UNARY: [UnaryOp; 15] = [
     UnaryOp::Neg,
     UnaryOp::Abs,
     UnaryOp::Sign,
@@ -44,6 +50,7 @@ const UNARY: [UnaryOp; 14] = [
     UnaryOp::Sigmoid,
     UnaryOp::Tanh,
     UnaryOp::Gelu,
+    UnaryOp::GeluTanh,
     UnaryOp::Exp,
     UnaryOp::Log,
     UnaryOp::Sqrt,
@@ -121,6 +128,11 @@ fn binary_ref(op: BinaryOp, a: f64, b: f64) -> f64 {
             }
         }
         BinaryOp::GeluGrad => b * (cdf(a) + a * pdf(a)),
+        BinaryOp::GeluTanhGrad => {
+            let t = gelu_tanh_u(a).tanh();
+            let du = (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * a * a);
+            b * (0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * du)
+        }
         BinaryOp::SigmoidGrad => b * a * (1.0 - a),
         BinaryOp::TanhGrad => b * (1.0 - a * a),
     }
@@ -142,8 +154,13 @@ const BROADCASTING: [BinaryOp; 13] = [
     BinaryOp::NotEqual,
 ];
 
-const GRADS: [BinaryOp; 4] =
-    [BinaryOp::ReluGrad, BinaryOp::GeluGrad, BinaryOp::SigmoidGrad, BinaryOp::TanhGrad];
+const GRADS: [BinaryOp; 5] = [
+    BinaryOp::ReluGrad,
+    BinaryOp::GeluGrad,
+    BinaryOp::GeluTanhGrad,
+    BinaryOp::SigmoidGrad,
+    BinaryOp::TanhGrad,
+];
 
 /// Operands for `op`: a positive base for pow, small integers for comparisons (so ties occur).
 fn binary_inputs(op: BinaryOp, da: &[usize], db: &[usize], seed: u64) -> (T, T) {

@@ -196,6 +196,7 @@ fn unary(u: UnaryOp, x: &Tensor, y: &Tensor, g: &Tensor) -> Option<Tensor> {
         // From the output (y > 0 exactly where x > 0): the pre-activation can die at the relu.
         UnaryOp::Relu => helper(BinaryOp::ReluGrad, y),
         UnaryOp::Gelu => helper(BinaryOp::GeluGrad, x),
+        UnaryOp::GeluTanh => helper(BinaryOp::GeluTanhGrad, x),
         UnaryOp::Sigmoid => helper(BinaryOp::SigmoidGrad, y),
         UnaryOp::Tanh => helper(BinaryOp::TanhGrad, y),
         UnaryOp::Exp => g * y,
@@ -229,9 +230,11 @@ fn binary(b: BinaryOp, x0: &Tensor, x1: &Tensor, y: &Tensor, g: &Tensor) -> Resu
         | BinaryOp::LessEqual
         | BinaryOp::Equal
         | BinaryOp::NotEqual => Ok(vec![None, None]),
-        BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad => {
-            Err(second_order(&Op::Binary(b)))
-        }
+        BinaryOp::ReluGrad
+        | BinaryOp::GeluGrad
+        | BinaryOp::GeluTanhGrad
+        | BinaryOp::SigmoidGrad
+        | BinaryOp::TanhGrad => Err(second_order(&Op::Binary(b))),
     }
 }
 

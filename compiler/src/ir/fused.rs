@@ -65,6 +65,16 @@ impl Inst {
         }
     }
 
+    /// Its arithmetic per element (`UnaryOp::flops_per_element`).
+    pub fn flops_per_element(&self) -> u64 {
+        match *self {
+            Inst::Unary(op, _) => op.flops_per_element(),
+            Inst::Binary(op, _, _) => op.flops_per_element(),
+            Inst::Uniform(..) => 8,
+            _ => 1,
+        }
+    }
+
     /// Whether the instruction reads the element's index (iota, random values).
     pub fn reads_index(&self) -> bool {
         matches!(self, Inst::Iota(_) | Inst::Uniform(..))

@@ -121,7 +121,11 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let d = same_dtype(&[0, 1])?;
             let grad_op = matches!(
                 b,
-                BinaryOp::ReluGrad | BinaryOp::GeluGrad | BinaryOp::SigmoidGrad | BinaryOp::TanhGrad
+                BinaryOp::ReluGrad
+                    | BinaryOp::GeluGrad
+                    | BinaryOp::GeluTanhGrad
+                    | BinaryOp::SigmoidGrad
+                    | BinaryOp::TanhGrad
             );
             if grad_op && shape(0) != shape(1) {
                 return err(

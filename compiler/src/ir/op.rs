@@ -96,6 +96,10 @@ pub enum UnaryOp {
     Tanh,
     /// Exact GELU, x·Φ(x) with the error function (Keras `approximate=False`, PyTorch default).
     Gelu,
+    /// GELU's tanh approximation, x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2 (JAX's default,
+    /// PyTorch `approximate="tanh"`, GPT-2's `gelu_new`): one op, so that a training step keeps
+    /// only its input for the gradient, where the expression kept its every intermediate.
+    GeluTanh,
     Exp,
     Log,
     Sqrt,
@@ -104,6 +108,38 @@ pub enum UnaryOp {
     Reciprocal,
     /// The error function, erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (`jax.lax.erf`, `torch.erf`).
     Erf,
+}
+
+impl UnaryOp {
+    /// The arithmetic of one element as the CPU kernels compute it (`kernels/src/cpu/vmath.rs`):
+    /// a transcendental is a range reduction and a polynomial, 15-30 operations where relu is
+    /// one. Measured (1M floats, 2 threads, `examples/transcendentals.rs`): relu 0.05-0.09 ms,
+    /// exp 0.22-0.28, tanh 0.48-0.55, GELU 0.55-0.64: counting these as one each, `cheap_remat`
+    /// took a GELU's recomputation for free and it cost 0.55 ms of a 42 ms step.
+    pub fn flops_per_element(self) -> u64 {
+        match self {
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu | UnaryOp::Square => 1,
+            UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Reciprocal => 4,
+            UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sigmoid => 16,
+            UnaryOp::Tanh | UnaryOp::Erf => 24,
+            UnaryOp::Gelu => 32,
+            UnaryOp::GeluTanh => 24,
+        }
+    }
+}
+
+impl BinaryOp {
+    /// As `UnaryOp::flops_per_element`: GELU's gradient evaluates the Gaussian tail, a power an
+    /// exp and a log.
+    pub fn flops_per_element(self) -> u64 {
+        match self {
+            BinaryOp::GeluGrad => 36,
+            BinaryOp::GeluTanhGrad => 28,
+            BinaryOp::Pow => 32,
+            BinaryOp::Div => 4,
+            _ => 1,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -127,6 +163,8 @@ pub enum BinaryOp {
     /// (ReluGrad passes the gradient where its first operand is > 0: relu's input or output alike).
     ReluGrad,
     GeluGrad,
+    /// `UnaryOp::GeluTanh`'s: (forward input x, upstream gradient).
+    GeluTanhGrad,
     SigmoidGrad,
     TanhGrad,
 }
@@ -615,18 +653,19 @@ impl Op {
     /// rematerialization weighs recomputation: 2·m·n·k per matrix product (batch included),
     /// 2·N·OH·OW·F·KH·KW·C per convolution and each of its gradients, one per element read for
     /// reductions, normalisers, pooling and updates, one per output element for elementwise,
-    /// layout and fill ops, nothing for sources and views.
+    /// layout and fill ops (a transcendental's polynomial more: `UnaryOp::flops_per_element`),
+    /// nothing for sources and views.
     pub fn flops(&self, operands: &[&Shape], output: &Shape) -> u64 {
         let n = |s: &Shape| s.numel() as u64;
         let read = || operands.iter().map(|s| n(s)).sum::<u64>().max(n(output));
         let operand = |i: usize| operands.get(i).copied();
         match self {
             Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => 0,
+            Op::Unary(op) => op.flops_per_element() * n(output),
+            Op::Binary(op) => op.flops_per_element() * n(output),
             Op::Fill { .. }
             | Op::Iota { .. }
             | Op::RandomUniform { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
             | Op::Scalar { .. }
             | Op::Select
             | Op::Permute { .. }
@@ -642,9 +681,11 @@ impl Op {
             Op::Fused(f) => {
                 let product =
                     f.matmul.map_or(0, |m| m.op().flops(&operands[..operands.len().min(2)], &f.shape));
+                let per =
+                    |insts: &[super::fused::Inst]| insts.iter().map(|i| i.flops_per_element()).sum::<u64>();
                 product
-                    + (f.insts.len() as u64 + u64::from(f.reduce.is_some())) * n(&f.shape)
-                    + f.epilogue.len() as u64 * n(output)
+                    + (per(&f.insts) + u64::from(f.reduce.is_some())) * n(&f.shape)
+                    + per(&f.epilogue) * n(output)
             }
             Op::MatMul { transpose_a, .. } => {
                 let k = operand(0).map_or(1, |a| if *transpose_a { a.back(2) } else { a.back(1) }) as u64;
@@ -737,6 +778,7 @@ impl Op {
                 UnaryOp::Sigmoid => "sigmoid",
                 UnaryOp::Tanh => "tanh",
                 UnaryOp::Gelu => "gelu",
+                UnaryOp::GeluTanh => "gelu_tanh",
                 UnaryOp::Erf => "erf",
                 UnaryOp::Exp => "exp",
                 UnaryOp::Log => "log",
@@ -761,6 +803,7 @@ impl Op {
                 BinaryOp::NotEqual => "not_equal",
                 BinaryOp::ReluGrad => "relu_grad",
                 BinaryOp::GeluGrad => "gelu_grad",
+                BinaryOp::GeluTanhGrad => "gelu_tanh_grad",
                 BinaryOp::SigmoidGrad => "sigmoid_grad",
                 BinaryOp::TanhGrad => "tanh_grad",
             },

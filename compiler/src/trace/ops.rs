@@ -44,6 +44,9 @@ impl Tensor {
         neg => Neg, abs => Abs, sign => Sign, relu => Relu, sigmoid => Sigmoid, tanh => Tanh,
         /// Exact GELU: x·Φ(x).
         gelu => Gelu,
+        /// GELU's tanh approximation, x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2, as one op (JAX's
+        /// `gelu(approximate=True)`, PyTorch's `gelu(approximate="tanh")`).
+        gelu_tanh => GeluTanh,
         exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, square => Square, reciprocal => Reciprocal,
         /// The error function.
         erf => Erf,
@@ -121,15 +124,6 @@ impl Tensor {
         let rows = t.iota([r, c], 0);
         let keep = t.iota([r, c], 1).le(&(rows + k as f32));
         self * &keep
-    }
-
-    /// The tanh approximation of GELU, JAX's default (`jax.nn.gelu(approximate=True)`) and
-    /// PyTorch's `GELU(approximate="tanh")`: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))),
-    /// composed from the DSL's ops (fusion makes it one kernel, autodiff differentiates it).
-    #[track_caller]
-    pub fn gelu_tanh(&self) -> Tensor {
-        let inner = (self + &(self.square() * self).mul(0.044715)).mul((2.0 / std::f32::consts::PI).sqrt());
-        (self * &(inner.tanh() + 1.0)).mul(0.5)
     }
 
     /// Limits every element to `[low, high]` (the gradient passes inside the range, as Keras's clip).

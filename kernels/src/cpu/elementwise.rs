@@ -242,7 +242,29 @@ impl Binary {
     }
 }
 
-/// GeluGrad over contiguous operands, a block at a time: the derivative of the block's inputs into
+/// GeluGrad or GeluTanhGrad (`op`; any other op computes GeluTanhGrad) over contiguous
+/// operands: `derivative_blocks` with the op's derivative.
+///
+/// # Safety
+/// As `derivative_blocks`.
+#[inline(always)]
+pub(crate) unsafe fn gelu_grad_blocks(op: BinaryOp, x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if op == BinaryOp::GeluGrad {
+            derivative_blocks(x, dy, o, n, super::math::gelu_derivative)
+        } else {
+            derivative_blocks(x, dy, o, n, super::math::gelu_tanh_derivative)
+        }
+    }
+}
+
+/// Whether `gelu_grad_blocks` computes `op`.
+pub(crate) fn is_gelu_grad(op: BinaryOp) -> bool {
+    matches!(op, BinaryOp::GeluGrad | BinaryOp::GeluTanhGrad)
+}
+
+/// A GELU gradient over contiguous operands, a block at a time: the derivative of the block's inputs into
 /// a stack block (a loop of one input, which the compiler vectorises as it does the unary GELU),
 /// then the products with the upstream gradient: the same arithmetic as `dy * gelu'(x)`, so the
 /// same bits, where the two-input loop stays scalar (a 1M-element GeluGrad step, the call's copies
@@ -251,7 +273,13 @@ impl Binary {
 /// # Safety
 /// As `map2` with both strides 1.
 #[inline(always)]
-pub(crate) unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+unsafe fn derivative_blocks(
+    x: *const f32,
+    dy: *const f32,
+    o: *mut f32,
+    n: usize,
+    derivative: impl Fn(f32) -> f32,
+) {
     const BLOCK: usize = 256;
     let mut d = [0f32; BLOCK];
     let mut s = 0;
@@ -262,7 +290,7 @@ pub(crate) unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32
         unsafe {
             let xs = slice::from_raw_parts(x.add(s), m);
             for (v, &x) in d[..m].iter_mut().zip(xs) {
-                *v = super::math::gelu_derivative(x);
+                *v = derivative(x);
             }
             for (j, &dv) in d[..m].iter().enumerate() {
                 let g = *dy.add(s + j);
@@ -277,14 +305,14 @@ pub(crate) unsafe fn gelu_grad_blocks(x: *const f32, dy: *const f32, o: *mut f32
 #[target_feature(enable = "avx2")]
 /// # Safety
 /// As `gelu_grad_blocks`, and the CPU supports AVX2.
-unsafe fn gelu_grad_blocks_avx2(x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
+unsafe fn gelu_grad_blocks_avx2(op: BinaryOp, x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
     // SAFETY: forwarded contract.
-    unsafe { gelu_grad_blocks(x, dy, o, n) }
+    unsafe { gelu_grad_blocks(op, x, dy, o, n) }
 }
 
 impl CpuKernel for Binary {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        if self.op == BinaryOp::GeluGrad && self.inner == [1, 1] {
+        if is_gelu_grad(self.op) && self.inner == [1, 1] {
             let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
             let o = SendPtr::new(output as *mut f32);
             par_ranges(self.walk.numel(), 1, |s, e| {
@@ -294,10 +322,10 @@ impl CpuKernel for Binary {
                     #[cfg(target_arch = "x86_64")]
                     if std::arch::is_x86_feature_detected!("avx2") {
                         // SAFETY: as in `go` (contiguous runs of both operands); AVX2 present.
-                        return unsafe { gelu_grad_blocks_avx2(x, dy, o, n) };
+                        return unsafe { gelu_grad_blocks_avx2(self.op, x, dy, o, n) };
                     }
                     // SAFETY: as in `go`.
-                    unsafe { gelu_grad_blocks(x, dy, o, n) }
+                    unsafe { gelu_grad_blocks(self.op, x, dy, o, n) }
                 });
             });
             return;

@@ -18,12 +18,17 @@ use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
-use kiln_compiler::ir::{BinaryOp, Fused, FusedMatMul, FusedReduce, Shape};
+use kiln_compiler::ir::{Fused, FusedMatMul, FusedReduce, Shape};
 use std::mem::MaybeUninit;
 use std::slice;
 
 /// Output elements per chunk.
 const CHUNK: usize = 256;
+
+thread_local! {
+    /// Each thread's slots for `FusedKernel::eval_range`.
+    static SLOTS: std::cell::RefCell<Vec<f32>> = std::cell::RefCell::new(vec![0.0; CHUNK * MAX_FUSED_SLOTS]);
+}
 
 pub(crate) struct FusedKernel {
     insts: Vec<Inst>,
@@ -127,10 +132,10 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
         // derivative over a block, then the products), so the same bits and the same
         // vectorisation. As one two-input loop it stayed scalar: the transformer's GEMM with
         // this epilogue took 3.78 ms against 2.64 ms for the product and 0.69 ms unfused.
-        Inst::Binary(BinaryOp::GeluGrad, _, _) => {
+        Inst::Binary(op, _, _) if super::elementwise::is_gelu_grad(op) => {
             let n = d.len().min(a.len()).min(b.len());
             // SAFETY: a and b hold n elements each and d n, a distinct (mutable) slice.
-            unsafe { super::elementwise::gelu_grad_blocks(a.as_ptr(), b.as_ptr(), d.as_mut_ptr(), n) }
+            unsafe { super::elementwise::gelu_grad_blocks(op, a.as_ptr(), b.as_ptr(), d.as_mut_ptr(), n) }
         }
         Inst::Binary(op, _, _) => with_binary!(op, |f| {
             for ((o, &x), &y) in d.iter_mut().zip(a).zip(b) {
@@ -147,7 +152,9 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
 
 impl FusedKernel {
     /// One chunk of `m` output elements at `out`, operand j read from `ins[j]` with stride
-    /// `inner[j]`; slot s is `slots[s * stride..][..m]`.
+    /// `inner[j]`; slot s is `slots[s * stride..][..m]`. An operand read with stride 1 that is not
+    /// the output's own memory is read where it lies; the others are copied (a broadcast filled, a
+    /// strided one gathered) into their slots first.
     ///
     /// # Safety
     /// `ins[j]` is valid for the `m` elements read with its stride and `out` for `m` writes; an
@@ -163,36 +170,48 @@ impl FusedKernel {
         m: usize,
         first: usize,
     ) {
+        let base = slots.as_mut_ptr();
+        // Where each slot's values are read from: its own stack memory, or an operand's.
+        // SAFETY (of every `add` below): slot indices are below `regs.slots` (checked in `fused`),
+        // whose slots of `stride >= m` elements `slots` holds.
+        let mut at: [*const f32; MAX_FUSED_SLOTS] = std::array::from_fn(|s| {
+            if s < self.regs.slots { unsafe { base.add(s * stride) as *const f32 } } else { base }
+        });
         for j in 0..self.operands {
-            let slot = &mut slots[j * stride..j * stride + m];
             // SAFETY: per the contract; the slot is stack memory, disjoint from every operand.
             unsafe {
+                let slot = slice::from_raw_parts_mut(base.add(j * stride), m);
                 match self.inner[j] {
+                    // The output's own memory is copied: it is written by the last instruction,
+                    // which must not read it through a second, shared borrow.
+                    1 if !std::ptr::eq(ins[j], out) => at[j] = ins[j],
                     1 => std::ptr::copy_nonoverlapping(ins[j], slot.as_mut_ptr(), m),
                     0 => slot.fill(*ins[j]),
                     s => slot.iter_mut().enumerate().for_each(|(i, v)| *v = *ins[j].offset(i as isize * s)),
                 }
             }
         }
-        let base = slots.as_mut_ptr();
         for (j, inst) in self.insts.iter().enumerate() {
             let reads = &self.regs.reads[j];
-            // SAFETY: slot indices are below `regs.slots` (checked in `fused`), whose slots of
-            // `stride >= m` elements `slots` holds, and no instruction writes a slot it reads
-            // (checked in `fused`), so the shared borrows of the read slots and the mutable
-            // borrow of the destination never overlap. The output is written only by the last
-            // instruction, after every operand of this chunk was copied into the slots, and `out`
-            // is valid for `m` writes.
+            // SAFETY: a read slot points at stack memory of `m` valid elements, or at an operand
+            // valid for `m` elements (stride 1) that is not `out`. No instruction writes a slot
+            // it reads (checked in `fused`), and a slot written is stack memory, never an
+            // operand, so the shared borrows of what is read and the mutable borrow of the
+            // destination never overlap. The output is written only by the last instruction,
+            // which reads no operand where it lies in `out`, and `out` is valid for `m` writes.
             unsafe {
                 let src = |i: usize| -> &[f32] {
                     match reads.get(i) {
-                        Some(&s) => slice::from_raw_parts(base.add(s * stride), m),
+                        Some(&s) => slice::from_raw_parts(at[s], m),
                         None => &[],
                     }
                 };
                 let srcs = [src(0), src(1), src(2)];
                 let d: &mut [f32] = match self.regs.dest[j] {
-                    Dest::Slot(s) => slice::from_raw_parts_mut(base.add(s * stride), m),
+                    Dest::Slot(s) => {
+                        at[s] = base.add(s * stride);
+                        slice::from_raw_parts_mut(base.add(s * stride), m)
+                    }
                     Dest::Output => slice::from_raw_parts_mut(out, m),
                 };
                 eval(inst, d, srcs, first, self.axes[j]);
@@ -228,20 +247,36 @@ impl FusedKernel {
     /// valid for `e - s` writes and overlaps an operand only where that operand has the program's
     /// shape and `out` is its element `s` (in place).
     unsafe fn eval_range(&self, ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS], s: usize, e: usize, out: *mut f32) {
+        let stride = CHUNK.min(e - s);
+        let len = self.regs.slots * stride;
+        // The slots live in a per-thread buffer, zeroed once when the thread first needs it: a
+        // reduction's prologue calls this once per row, and zeroing the slots every time cost
+        // ~1% of the transformer's step (perf). A nested call on the same thread (none today)
+        // gets a fresh buffer.
+        SLOTS.with(|cell| match cell.try_borrow_mut() {
+            // SAFETY: forwarded contract; `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in
+            // `fused`, stride <= CHUNK), the length of every slot buffer.
+            Ok(mut slots) => unsafe { self.eval_in(&mut slots[..len], stride, ins, s, e, out) },
+            Err(_) => unsafe { self.eval_in(&mut vec![0.0; len], stride, ins, s, e, out) },
+        })
+    }
+
+    /// `eval_range` with `slots` of `stride` elements each.
+    ///
+    /// # Safety
+    /// As `eval_range`; `slots` holds `self.regs.slots * stride` elements, `stride >= min(CHUNK,
+    /// e - s)`.
+    unsafe fn eval_in(
+        &self,
+        slots: &mut [f32],
+        stride: usize,
+        ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS],
+        s: usize,
+        e: usize,
+        out: *mut f32,
+    ) {
         #[cfg(target_arch = "x86_64")]
         let avx2 = std::arch::is_x86_feature_detected!("avx2");
-        // Only the slots the program uses, each as long as the longest chunk: a small tensor's
-        // kernel zeroes a few hundred floats, not the whole 16 KiB.
-        let stride = CHUNK.min(e - s);
-        let mut store = [MaybeUninit::<f32>::uninit(); CHUNK * MAX_FUSED_SLOTS];
-        let len = self.regs.slots * stride;
-        // SAFETY: `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in `fused`, stride <= CHUNK);
-        // the prefix is zeroed before the slice over it is made.
-        let slots = unsafe {
-            let p = store.as_mut_ptr() as *mut f32;
-            std::ptr::write_bytes(p, 0, len);
-            slice::from_raw_parts_mut(p, len)
-        };
         self.walk.for_each_run(s, e, &mut |oo, offs, n| {
             let mut done = 0;
             while done < n {

@@ -52,6 +52,17 @@ pub(crate) fn gelu_derivative(x: f32) -> f32 {
     super::vmath::gelu_derivative(x)
 }
 
+/// GELU's tanh approximation (`vmath`: x·σ(2u), one exp).
+#[inline(always)]
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    super::vmath::gelu_tanh(x)
+}
+
+#[inline(always)]
+pub(crate) fn gelu_tanh_derivative(x: f32) -> f32 {
+    super::vmath::gelu_tanh_derivative(x)
+}
+
 /// Evaluates `$body` with `$f` bound to the scalar function of unary op `$op`: the one
 /// definition of every unary op's value on the CPU, read by the single-op kernels and by fused
 /// groups alike (so that a fused group computes the unfused bits). Each arm binds its own
@@ -88,6 +99,10 @@ macro_rules! with_unary {
             }
             UnaryOp::Gelu => {
                 let $f = gelu;
+                $body
+            }
+            UnaryOp::GeluTanh => {
+                let $f = gelu_tanh;
                 $body
             }
             UnaryOp::Exp => {
@@ -267,6 +282,10 @@ macro_rules! with_binary {
             }
             BinaryOp::GeluGrad => {
                 let $f = |x: f32, dy: f32| dy * gelu_derivative(x);
+                $body
+            }
+            BinaryOp::GeluTanhGrad => {
+                let $f = |x: f32, dy: f32| dy * gelu_tanh_derivative(x);
                 $body
             }
             BinaryOp::SigmoidGrad => {

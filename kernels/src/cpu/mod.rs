@@ -40,7 +40,7 @@ mod par;
 mod pool;
 mod reduce;
 mod softmax;
-mod vmath;
+pub(crate) mod vmath;
 
 pub use crate::KernelError;
 use kiln_compiler::ir::{DType, Op, Shape};

@@ -264,6 +264,47 @@ pub(crate) fn gelu_derivative(x: f32) -> f32 {
     fma(x.clamp(-16.0, 16.0) * e, FRAC_1_SQRT_2PI, cdf_from_tail(x, c))
 }
 
+/// √(2/π)·2 and √(2/π)·2·0.044715: 2u = x·(A + B·x²) for GELU's tanh form, u = √(2/π)·(x +
+/// 0.044715·x³).
+pub(crate) const GELU_TANH_A: f32 = 1.595_769_2;
+pub(crate) const GELU_TANH_B: f32 = 0.071_354_814;
+
+/// e^(-|2u|) and 2u for GELU's tanh form at x, x clamped to ±20 (beyond, the sigmoid of 2u is
+/// 0 or 1 in f32 and x³ would overflow on the way).
+#[inline(always)]
+fn gelu_tanh_parts(x: f32) -> (f32, f32) {
+    // (f32::clamp keeps NaN.)
+    let c = x.clamp(-20.0, 20.0);
+    let u2 = c * fma(c * c, GELU_TANH_B, GELU_TANH_A);
+    (exp(-u2.abs()), u2)
+}
+
+/// GELU's tanh approximation, x·(1 + tanh(u))/2 = x·σ(2u), u = √(2/π)·(x + 0.044715·x³): the
+/// sigmoid form needs one exp and no subtraction, so the left tail keeps its relative precision
+/// (PyTorch's (1 + tanh u) cancels there). gelu_tanh(inf) = inf, gelu_tanh(-inf) = -0.
+#[inline(always)]
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    let (e, u2) = gelu_tanh_parts(x);
+    let d = 1.0 + e;
+    let s = if u2 >= 0.0 { 1.0 / d } else { e / d };
+    // x·σ(2u); for x < -20, σ is 0 and the clamped x keeps -inf from making a NaN.
+    let xc = if x < -20.0 { -20.0 } else { x };
+    xc * s
+}
+
+/// d/dx x·σ(2u) = σ(2u) + x·σ(2u)·σ(-2u)·(2u)', (2u)' = A + 3B·x², with σ(2u)·σ(-2u) =
+/// e/(1 + e)² from the same exp.
+#[inline(always)]
+pub(crate) fn gelu_tanh_derivative(x: f32) -> f32 {
+    let (e, u2) = gelu_tanh_parts(x);
+    let d = 1.0 + e;
+    let r = 1.0 / d;
+    let s = if u2 >= 0.0 { r } else { e * r };
+    let c = x.clamp(-20.0, 20.0);
+    let slope = fma(3.0 * GELU_TANH_B, c * c, GELU_TANH_A);
+    fma(c * slope, e * r * r, s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,6 +419,51 @@ mod tests {
             (f32::INFINITY, 0.0, 0.0, 0.0)
         );
         assert_eq!((gelu_derivative(f32::INFINITY), gelu_derivative(f32::NEG_INFINITY)), (1.0, 0.0));
+    }
+
+    /// GELU's tanh form and its derivative against double precision.
+    #[test]
+    fn gelu_tanh_matches_double_precision() {
+        fn u(x: f64) -> f64 {
+            (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)
+        }
+        // x·σ(2u) in double precision (the same function as 0.5·x·(1 + tanh u), without its
+        // cancellation in the left tail).
+        let reference = |x: f32| {
+            let x = x as f64;
+            (x / (1.0 + (-2.0 * u(x)).exp())) as f32
+        };
+        let grad_ref = |x: f32| {
+            let x = x as f64;
+            let s = 1.0 / (1.0 + (-2.0 * u(x)).exp());
+            let k = (2.0 / std::f64::consts::PI).sqrt();
+            (s + x * s * (1.0 - s) * 2.0 * k * (1.0 + 3.0 * 0.044715 * x * x)) as f32
+        };
+        check("gelu_tanh", gelu_tanh, reference, sweep(-2.0, 10.0, 1_000_000), 8, 0.0);
+        // Further left the value is about x·e^(2u), and 2u's rounding in f32 (its constants'
+        // own included), a few ulp of |2u| (87 at x = -10), is its relative error.
+        for x in sweep(-10.0, -2.0, 100_000) {
+            let (got, want) = (gelu_tanh(x), reference(x));
+            let bound = 4.0 * f32::EPSILON * (2.0 * u(x as f64)).abs() as f32;
+            assert!((got - want).abs() <= bound * want.abs(), "gelu_tanh({x:e}) = {got:e}, want {want:e}");
+        }
+        check("gelu_tanh", gelu_tanh, reference, sweep(-1e-3, 1e-3, 100_000), 8, 0.0);
+        // The derivative crosses 0 near x = -0.75: absolute there.
+        check("gelu_tanh_derivative", gelu_tanh_derivative, grad_ref, sweep(-10.0, 10.0, 1_000_000), 8, 2e-7);
+        // Against the textbook form, 0.5·x·(1 + tanh u), where that form does not cancel.
+        for x in sweep(-3.0, 8.0, 10_000) {
+            let textbook = (0.5 * x as f64 * (1.0 + u(x as f64).tanh())) as f32;
+            assert!((gelu_tanh(x) - textbook).abs() <= 2e-7 * textbook.abs().max(1.0), "{x}");
+        }
+        assert!(gelu_tanh(f32::NAN).is_nan() && gelu_tanh_derivative(f32::NAN).is_nan());
+        assert_eq!(
+            (gelu_tanh(f32::INFINITY), gelu_tanh(f32::NEG_INFINITY), gelu_tanh(0.0)),
+            (f32::INFINITY, 0.0, 0.0)
+        );
+        assert_eq!(
+            (gelu_tanh_derivative(f32::INFINITY), gelu_tanh_derivative(f32::NEG_INFINITY)),
+            (1.0, 0.0)
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! library, within 1-2 ulp of glibc's.
 
 use super::codegen::flt;
+use crate::cpu::vmath::{GELU_TANH_A, GELU_TANH_B};
 use kiln_compiler::ir::{BinaryOp, ScalarOp, UnaryOp};
 use std::f32::consts::{FRAC_1_SQRT_2, PI};
 
@@ -82,6 +83,38 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
             flt(inv_sqrt_2pi)
         ));
     }
+    if needs("kiln_gtanh") {
+        // The CPU's form (`cpu::vmath::gelu_tanh`): x·σ(2u), 2u = x·(A + B·x²), x clamped to
+        // ±20 inside (comparisons, so that NaN stays NaN).
+        out.push_str(&format!(
+            "// GELU's tanh form: x * sigmoid(2u), 2u = x * (A + B * x^2); e = e^-|2u|\n\
+             __device__ __forceinline__ float kiln_gtanh_clamp(float x) {{\n    \
+             return x < -20.0f ? -20.0f : (x > 20.0f ? 20.0f : x);\n}}\n\
+             __device__ __forceinline__ float kiln_gtanh_u2(float c) {{\n    \
+             return c * ({b} * (c * c) + {a});\n}}\n\
+             __device__ __forceinline__ float kiln_gtanh(float x) {{\n    \
+             const float u2 = kiln_gtanh_u2(kiln_gtanh_clamp(x));\n    \
+             const float e = expf(-fabsf(u2));\n    \
+             const float s = u2 >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);\n    \
+             return (x < -20.0f ? -20.0f : x) * s;\n}}\n",
+            a = flt(GELU_TANH_A),
+            b = flt(GELU_TANH_B)
+        ));
+    }
+    if needs("kiln_gtanh_grad") {
+        out.push_str(&format!(
+            "// d/dx x * sigmoid(2u) = s + x * s * (1 - s) * (A + 3B x^2)\n\
+             __device__ __forceinline__ float kiln_gtanh_grad(float x) {{\n    \
+             const float c = kiln_gtanh_clamp(x);\n    \
+             const float u2 = kiln_gtanh_u2(c);\n    \
+             const float e = expf(-fabsf(u2));\n    \
+             const float r = 1.0f / (1.0f + e);\n    \
+             const float s = u2 >= 0.0f ? r : e * r;\n    \
+             return s + c * ({b3} * (c * c) + {a}) * (e * r * r);\n}}\n",
+            a = flt(GELU_TANH_A),
+            b3 = flt(3.0 * GELU_TANH_B)
+        ));
+    }
     out
 }
 
@@ -95,6 +128,7 @@ pub(crate) fn unary(op: UnaryOp, x: &str) -> String {
         UnaryOp::Sigmoid => format!("kiln_sigmoid({x})"),
         UnaryOp::Tanh => format!("tanhf({x})"),
         UnaryOp::Gelu => format!("kiln_gelu({x})"),
+        UnaryOp::GeluTanh => format!("kiln_gtanh({x})"),
         UnaryOp::Exp => format!("expf({x})"),
         UnaryOp::Log => format!("logf({x})"),
         UnaryOp::Sqrt => format!("sqrtf({x})"),
@@ -127,6 +161,7 @@ pub(crate) fn binary(op: BinaryOp, a: &str, b: &str) -> String {
         BinaryOp::NotEqual => flag(format!("{a} != {b}")),
         BinaryOp::ReluGrad => format!("({a} > 0.0f ? {b} : 0.0f)"),
         BinaryOp::GeluGrad => format!("__fmul_rn({b}, kiln_gelu_grad({a}))"),
+        BinaryOp::GeluTanhGrad => format!("__fmul_rn({b}, kiln_gtanh_grad({a}))"),
         BinaryOp::SigmoidGrad => format!("__fmul_rn(__fmul_rn({b}, {a}), 1.0f - {a})"),
         BinaryOp::TanhGrad => format!("__fmul_rn({b}, 1.0f - __fmul_rn({a}, {a}))"),
     }
