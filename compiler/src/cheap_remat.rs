@@ -9,7 +9,7 @@
 //!
 //! This pass asks `remat` for a plan a little smaller each time, `max(1 MiB, 1/32)` of the bytes
 //! held, and keeps each one whose recomputation stays within `FLOPS_BUDGET` of the step's work
-//! (`Op::flops`). It stops at the first plan that costs more, does not fit, or saves nothing.
+//! (`Op::flops`). Where no such plan fits, it asks for half the step again, down to `MIN_STEP`.
 //! The recomputed values are the same kernels on the same operands, so the results are the
 //! same bits. Unlike recomputation under a limit, the graph keeps its fused products (no
 //! re-fusion without them), so only the recomputed ops are added: the transformer's step goes
@@ -35,6 +35,9 @@ pub const MAX_NODES: usize = 5_000;
 
 /// At most this many smaller plans are tried.
 pub const MAX_TRIES: usize = 8;
+
+/// The smallest step below the bytes held that is tried.
+pub const MIN_STEP: usize = 1 << 18;
 
 /// Whether `graph` compiled with `options` is a candidate.
 pub fn applies(graph: &ir::Graph, options: &CompileOptions) -> bool {
@@ -70,21 +73,32 @@ pub fn shrink(
     let budget = (step_flops(&plan) as f64 * FLOPS_BUDGET) as u64;
     let held = |p: &Plan| p.devices.iter().map(|d| d.memory.held_bytes()).sum::<usize>();
     let mut best = plan;
+    // A target missed (no plan fits it by cheap recomputation alone) is tried again half as far
+    // below, down to `MIN_STEP`: the first step of 1 MiB can ask more than recomputation can
+    // give where a smaller one would still pay (the GPT example's one-hot step in 4 blocks of
+    // rows: 6.29 MB kept at the first miss, 5.19 MB two halvings later).
+    let mut shift = 0;
     for _ in 0..MAX_TRIES {
         let now = held(&best);
-        let target = now.saturating_sub((now / 32).max(1 << 20));
-        let mut limited = options.clone();
-        limited.devices[0].memory_limit = Some(target);
-        let Ok(mut smaller) = compile(graph.clone(), &limited) else { break };
-        let cheap = smaller.memory.remat.as_ref().is_some_and(|r| r.recomputed_flops <= budget);
-        if !cheap || held(&smaller) >= now {
+        let step = (now / 32).max(1 << 20) >> shift;
+        if step < MIN_STEP {
             break;
         }
-        // The limit was a means: the plan has the caller's (none).
-        for d in &mut smaller.devices {
-            d.memory_limit = None;
+        let mut limited = options.clone();
+        limited.devices[0].memory_limit = Some(now.saturating_sub(step));
+        let smaller = compile(graph.clone(), &limited).ok().filter(|p| {
+            p.memory.remat.as_ref().is_some_and(|r| r.recomputed_flops <= budget) && held(p) < now
+        });
+        match smaller {
+            Some(mut smaller) => {
+                // The limit was a means: the plan has the caller's (none).
+                for d in &mut smaller.devices {
+                    d.memory_limit = None;
+                }
+                best = smaller;
+            }
+            None => shift += 1,
         }
-        best = smaller;
     }
     best
 }

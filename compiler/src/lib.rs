@@ -6,6 +6,7 @@
 //!    the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
 //!    then `const_fold` — values computed from constants alone are computed here, once —,
+//!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
 //!    `product_updates` — an update computes its own weight gradient, never stored —,
 //!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
 //!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
@@ -41,6 +42,7 @@ pub mod losses;
 pub mod lower;
 pub mod nn;
 pub mod optim;
+pub mod pad_sums;
 pub mod passes;
 pub mod placement;
 pub mod plan;
@@ -240,6 +242,9 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         passes::default_pipeline().run(&mut graph)?;
     }
     pool_relu_grad::rewrite(&mut graph)?;
+    if pad_sums::rewrite(&mut graph)? > 0 {
+        passes::default_pipeline().run(&mut graph)?;
+    }
     let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
     let mut plan = match region {
         Some(region) => compile_blocked(graph, &region, options),
