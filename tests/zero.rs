@@ -35,6 +35,86 @@ fn train(
     })
 }
 
+/// A checkpoint path of this test run.
+fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// `ranks` in-process ranks with `stage`: load `from` (when given), train on `data`, save to
+/// `to` (rank 0's file; every rank saves, a collective under ZeRO); every rank's parameters
+/// (key order) and losses.
+fn resume(
+    m: &ZooModel,
+    stage: ZeroStage,
+    ranks: usize,
+    from: Option<&std::path::Path>,
+    data: &[(HostTensor, HostTensor)],
+    to: &std::path::Path,
+) -> Vec<(Vec<Vec<f32>>, Vec<f32>)> {
+    let keys = parameter_keys(m);
+    kiln::comm::run_local_ranks(ranks, |rank, comm| {
+        let backend = CpuBackend::new(3).with_communicator(comm);
+        let mut t = Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(stage);
+        // The step compiled first, so that the state a checkpoint loads into exists.
+        let shard = |t: &HostTensor| {
+            let mut dims = t.shape().dims().to_vec();
+            dims[0] /= ranks;
+            Shape::new(dims)
+        };
+        t.train_program(shard(&data[0].0), shard(&data[0].1)).unwrap();
+        if let Some(from) = from {
+            t.load(from).unwrap();
+        }
+        let losses: Vec<f32> = data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect();
+        let name = to.file_name().unwrap().to_string_lossy();
+        let mine = if rank == 0 { to.to_path_buf() } else { temp(&format!("rank{rank}-{name}")) };
+        t.save(&mine).unwrap();
+        let params = keys.iter().map(|k| t.backend().read_variable(k).unwrap().data().to_vec()).collect();
+        (params, losses)
+    })
+}
+
+fn parameter_keys(m: &ZooModel) -> Vec<String> {
+    plan(m, ZeroStage::Off, 1)
+        .variables
+        .iter()
+        .filter(|v| v.role == VarRole::Parameter)
+        .map(|v| v.key.clone())
+        .collect()
+}
+
+/// A sharded run's checkpoint holds the whole optimizer state (gathered from the ranks' shards):
+/// the bits plain data parallelism saves, and it resumes on another rank count, sharded or not,
+/// training the bits a plain run resumed from the same file trains.
+#[test]
+fn a_sharded_checkpoint_is_whole_and_resumes_on_another_rank_count() {
+    let m = zoo::by_name("mlp").unwrap();
+    let data = batches(&m, 12, 4);
+    let (first, then) = data.split_at(2);
+    let (zero_file, plain_file) = (temp("zero.safetensors"), temp("plain.safetensors"));
+    resume(&m, ZeroStage::Two, 2, None, first, &zero_file);
+    resume(&m, ZeroStage::Off, 2, None, first, &plain_file);
+    let (z, p) = (
+        kiln::runtime::checkpoint::read(&zero_file).unwrap(),
+        kiln::runtime::checkpoint::read(&plain_file).unwrap(),
+    );
+    assert_eq!(z.tensors.keys().collect::<Vec<_>>(), p.tensors.keys().collect::<Vec<_>>());
+    for (key, t) in &z.tensors {
+        assert_eq!(t.shape(), p.tensors[key].shape(), "`{key}`: whole, not a shard");
+        assert_eq!(bits(&[t.data().to_vec()]), bits(&[p.tensors[key].data().to_vec()]), "`{key}`");
+    }
+    // Saved on 2 ranks, resumed on 3 (uneven shards of every state variable) with ZeRO stage 1,
+    // and without ZeRO: the same bits.
+    let sharded = resume(&m, ZeroStage::One, 3, Some(&zero_file), then, &temp("again-zero.safetensors"));
+    let plain = resume(&m, ZeroStage::Off, 3, Some(&plain_file), then, &temp("again-plain.safetensors"));
+    for (r, (w, losses)) in sharded.iter().enumerate() {
+        assert_eq!(bits(w), bits(&plain[0].0), "rank {r}'s weights");
+        assert_eq!(losses, &plain[0].1, "rank {r}'s losses");
+    }
+}
+
 fn bits(v: &[Vec<f32>]) -> Vec<u32> {
     v.iter().flatten().map(|x| x.to_bits()).collect()
 }

@@ -31,6 +31,12 @@ pub trait Backend {
         None
     }
 
+    /// The communicator of a data-parallel run (`rank`), for collectives between calls: a
+    /// `Trainer` gathers its ZeRO shards through it to save a whole checkpoint.
+    fn communicator(&self) -> Option<crate::collective::SharedComm> {
+        None
+    }
+
     /// Binds a plan to this device: allocates its arena and io region once, creates the
     /// variables it declares (initialised on first sight), prepares every kernel.
     fn load(&mut self, plan: Plan) -> Result<ProgramId>;

@@ -204,10 +204,48 @@ impl Trainer {
             .collect()
     }
 
+    /// The optimizer-state variables this rank holds a shard of (ZeRO, `with_zero_stage`), by
+    /// key: the state's whole shape (its parameter's) and the shard. Read from the loaded plans'
+    /// sharded updates: the state they write beside their parameter.
+    fn sharded_state(&self) -> BTreeMap<String, (Shape, Shard)> {
+        use kiln_compiler::ir::Op;
+        use kiln_compiler::plan::Storage;
+        let mut out = BTreeMap::new();
+        for plan in self.plans() {
+            let variable = |v: usize| {
+                let buffer = plan.buffers.get(plan.values.get(v)?.buffer)?;
+                match buffer.storage {
+                    Storage::Variable { index } => plan.variables.get(index),
+                    _ => None,
+                }
+            };
+            for step in &plan.steps {
+                let (Op::ApplyAdam { shard: Some(shard), .. } | Op::ApplySgd { shard: Some(shard), .. }) =
+                    step.op
+                else {
+                    continue;
+                };
+                let Some(whole) = step.inputs.first().and_then(|&v| plan.values.get(v)) else { continue };
+                for &i in step.op.mutated_operands().iter().filter(|&&i| i > 0) {
+                    if let Some(state) = step.inputs.get(i).and_then(|&v| variable(v)) {
+                        out.insert(state.key.clone(), (whole.shape.clone(), shard));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Writes every variable the trainer holds (parameters, optimizer state and the iteration
     /// counter: everything a resumed run needs) to `path` as safetensors
     /// (`crate::checkpoint`). The trainer holds variables once a plan is compiled: train a step
     /// or call `train_program` first.
+    ///
+    /// With ZeRO (`with_zero_stage`) each rank holds a shard of the optimizer state: `save`
+    /// gathers the shards from every rank (a collective: every rank calls it, with its own
+    /// path or the same one), so the file holds the whole state, the same bytes on every rank,
+    /// and loads on any rank count, with ZeRO or without (DeepSpeed calls this a universal
+    /// checkpoint).
     #[track_caller]
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let variables = self.variables();
@@ -217,11 +255,57 @@ impl Trainer {
                 "train a step (or call `train_program(x_shape, y_shape)`) before saving",
             ));
         }
+        let sharded = self.sharded_state();
         let values = variables
             .keys()
-            .map(|k| Ok((k.clone(), self.backend.read_variable(k)?)))
+            .map(|k| {
+                let local = self.backend.read_variable(k)?;
+                match sharded.get(k) {
+                    Some((whole, shard)) => Ok((k.clone(), self.gather(k, &local, whole, *shard)?)),
+                    None => Ok((k.clone(), local)),
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         checkpoint::save(path.as_ref(), &values)
+    }
+
+    /// The whole optimizer state `key` of `whole`'s shape from every rank's `shard` of it.
+    fn gather(&self, key: &str, local: &HostTensor, whole: &Shape, shard: Shard) -> Result<HostTensor> {
+        let comm = self.backend.communicator().ok_or_else(|| {
+            RuntimeError::invalid(
+                format!(
+                    "Trainer::save: `{key}` is sharded over {} ranks but the backend has no communicator",
+                    shard.ranks
+                ),
+                "save from the backend the sharded run trained on",
+            )
+        })?;
+        let n = whole.numel();
+        let mine = shard.range(n);
+        let mut out = vec![0.0; n];
+        let part = local.data().get(..mine.len()).ok_or_else(|| {
+            RuntimeError::invalid(
+                format!(
+                    "Trainer::save: `{key}` holds {} elements, its shard {}",
+                    local.data().len(),
+                    mine.len()
+                ),
+                "save from the trainer whose plans declared this state",
+            )
+        })?;
+        let mut c = comm.lock().map_err(|_| {
+            RuntimeError::invalid(
+                "Trainer::save: the communicator's lock is poisoned",
+                "restart the run from its last checkpoint",
+            )
+        })?;
+        c.all_gather(part, &mut out).map_err(|e| {
+            RuntimeError::invalid(
+                format!("Trainer::save: gathering `{key}` from the ranks failed: {e}"),
+                "every rank of the run calls `save` at the same step",
+            )
+        })?;
+        HostTensor::new(whole.clone(), out)
     }
 
     /// Sets every variable from the checkpoint at `path` (written by `save`): training then
@@ -229,7 +313,8 @@ impl Trainer {
     /// must hold exactly the variables the trainer's plans declare, with their shapes; any
     /// difference is an error listing them all, and nothing is written then. Compile the
     /// training step first (`train_program(x_shape, y_shape)`), so that the optimizer's state
-    /// exists to be loaded.
+    /// exists to be loaded. With ZeRO each rank takes its shard of the whole state the file
+    /// holds, so a checkpoint saved on any rank count, sharded or not, resumes a sharded run.
     #[track_caller]
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
@@ -242,6 +327,12 @@ impl Trainer {
             ));
         }
         let file = checkpoint::read(path)?;
+        // Sharded state is saved whole (`save`): this rank takes its shard of it.
+        let sharded = self.sharded_state();
+        let mut variables = variables;
+        for (key, (whole, _)) in &sharded {
+            variables.insert(key.clone(), whole.clone());
+        }
         let differences = file.differences(&variables);
         if !differences.is_empty() {
             return Err(RuntimeError::invalid(
@@ -256,7 +347,17 @@ impl Trainer {
             ));
         }
         for (key, value) in &file.tensors {
-            self.backend.write_variable(key, value)?;
+            match sharded.get(key) {
+                Some((_, shard)) => {
+                    let n = value.data().len();
+                    let mut part = vec![0.0; shard.padded(n)];
+                    let mine = shard.range(n);
+                    part[..mine.len()].copy_from_slice(&value.data()[mine]);
+                    self.backend
+                        .write_variable(key, &HostTensor::new(Shape::new(vec![part.len()]), part)?)?;
+                }
+                None => self.backend.write_variable(key, value)?,
+            }
         }
         Ok(())
     }

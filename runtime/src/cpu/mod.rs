@@ -611,6 +611,10 @@ impl Backend for CpuBackend {
         Some((comm.rank(), comm.size()))
     }
 
+    fn communicator(&self) -> Option<crate::collective::SharedComm> {
+        self.comm.clone()
+    }
+
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
