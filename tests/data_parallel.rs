@@ -214,6 +214,69 @@ fn trainers_on_ranks_train_as_one_and_resume_on_another_rank_count() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A batch the rank count does not divide is padded by repeating its first rows, as PyTorch's
+/// `DistributedSampler` pads: 3 ranks on 8 rows each train 3 of the rows 0..8, 0, the step one
+/// rank takes on those 9 rows (within float summation), with identical weights on every rank.
+/// `fit` shards each batch the same way (10 rows in batches of 4: 4, 4 and 2 rows).
+#[test]
+fn a_batch_the_rank_count_does_not_divide_is_padded_as_distributed_sampler_pads() {
+    let m = zoo::by_name("mlp").unwrap();
+    let cfg = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
+    let data = batches(&m, 8, 2);
+    let padded: Vec<(HostTensor, HostTensor)> = data
+        .iter()
+        .map(|(x, y)| {
+            let rows: Vec<usize> = (0..8).chain([0]).collect();
+            (x.select_rows(&rows).unwrap(), y.select_rows(&rows).unwrap())
+        })
+        .collect();
+    let (fit_x, fit_y) = m.clone().with_batch(10).batch_data(40).unwrap();
+    let fit = |t: &mut Trainer| {
+        let opts = kiln::runtime::FitOptions {
+            batch_size: 4,
+            epochs: 1,
+            shuffle: false,
+            verbose: false,
+            ..Default::default()
+        };
+        t.fit(&fit_x, &fit_y, &opts).unwrap().epochs[0].loss
+    };
+    let runs = kiln::comm::run_local_ranks(3, |_, comm| {
+        let mut t =
+            Trainer::new(m.model(), cfg.clone(), Box::new(CpuBackend::new(5).with_communicator(comm)));
+        let losses: Vec<f32> = data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect();
+        let fitted = fit(&mut t);
+        (losses, fitted, t.backend().read_variable("dense/kernel").unwrap().data().to_vec())
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for r in &runs[1..] {
+        assert_eq!(bits(&r.2), bits(&runs[0].2), "every rank holds the same weights");
+        assert_eq!(r.0, runs[0].0, "and reports the same losses");
+    }
+    let mut one = Trainer::new(m.model(), cfg, Box::new(CpuBackend::new(5)));
+    let losses: Vec<f32> = padded.iter().map(|(x, y)| one.train_step(x, y).unwrap().loss).collect();
+    for (a, b) in runs[0].0.iter().zip(&losses) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "3 ranks {:?} vs 1 rank on the padded rows {losses:?}",
+            runs[0].0
+        );
+    }
+    // fit, shuffle off: the batch of rows 0..4 is padded to 0, 1, 2, 3, 0, 1 (2 rows a rank),
+    // the last one, 8 and 9, to 8, 9, 8; the epoch's loss weighs each batch by its own rows.
+    let mut sum = 0.0;
+    for (rows, weight) in [(vec![0, 1, 2, 3, 0, 1], 4.0), (vec![4, 5, 6, 7, 4, 5], 4.0), (vec![8, 9, 8], 2.0)]
+    {
+        let (x, y) = (fit_x.select_rows(&rows).unwrap(), fit_y.select_rows(&rows).unwrap());
+        sum += weight * one.train_step(&x, &y).unwrap().loss;
+    }
+    let (fitted, want) = (runs[0].1, sum / 10.0);
+    assert!((fitted - want).abs() <= 1e-5 * want.abs(), "fit on 3 ranks {fitted} vs {want}");
+    let w = one.backend().read_variable("dense/kernel").unwrap().data().to_vec();
+    let scale = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+    assert!(runs[0].2.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 1e-5 * scale), "weights after fit");
+}
+
 #[test]
 fn the_cli_trains_on_ranks_and_says_how_to_launch_processes() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))

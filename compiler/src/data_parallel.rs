@@ -12,8 +12,9 @@
 //!
 //! With equal shards the average of the ranks' mean gradients is the mean gradient of the whole
 //! batch, up to float summation order: N ranks at batch B/N train the weights one rank trains at
-//! batch B. With unequal shards (a batch that N does not divide) each rank's mean counts
-//! equally, as PyTorch DDP's averaging does.
+//! batch B. A batch that N does not divide is padded to equal shards by the `Trainer`
+//! (repeating its first rows, as PyTorch's `DistributedSampler` pads), so every rank runs one
+//! plan and the average stays the mean over the padded batch.
 //!
 //! An update that computes its gradient product itself (`product_updates`) or a block of rows at
 //! a time (`tiled_updates`) cannot be used here: the gradient must exist to be reduced. Both

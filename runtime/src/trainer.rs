@@ -413,27 +413,52 @@ impl Trainer {
 
     /// One optimizer step on a batch. On a backend that is a rank of a data-parallel run
     /// (`Backend::rank`), every rank is given the same whole batch and trains on its shard of
-    /// it (`kiln_comm::shard_range` of the rows), its gradients averaged with the others'
-    /// inside the plan; the logs are the whole batch's (averaged over the ranks too). The batch
-    /// must split evenly: every rank runs the same plan.
+    /// it (`rank_rows`), its gradients averaged with the others' inside the plan; the logs are
+    /// the whole batch's (averaged over the ranks too).
     #[track_caller]
     pub fn train_step(&mut self, x: &HostTensor, y: &HostTensor) -> Result<Logs> {
         if let Some((rank, ranks)) = self.backend.rank().filter(|(_, n)| *n > 1) {
             let rows = x.shape().dims().first().copied().unwrap_or(0);
-            if rows % ranks != 0 || y.shape().dims().first() != Some(&rows) {
+            if rows == 0 || y.shape().dims().first() != Some(&rows) {
                 return Err(RuntimeError::invalid(
                     format!(
-                        "Trainer::train_step on rank {rank} of {ranks}: inputs {} and targets {} do not split into {ranks} equal shards",
+                        "Trainer::train_step on rank {rank} of {ranks}: inputs {} and targets {} are not one batch of rows",
                         x.shape(),
                         y.shape()
                     ),
-                    "give every rank the same whole batch, with a row count the rank count divides",
+                    "give every rank the same whole batch: inputs and targets with the same number of rows, at least one",
                 ));
             }
-            let shard = kiln_comm::shard_range(rows, rank, ranks);
-            return self.step_on(&x.rows(shard.clone())?, &y.rows(shard)?);
+            let idx = self.rank_rows(&(0..rows).collect::<Vec<_>>());
+            return self.step_rows(x, y, &idx);
         }
         self.step_on(x, y)
+    }
+
+    /// This rank's rows of a batch of rows `idx` (all of them off a data-parallel run): the
+    /// batch padded to a multiple of the rank count by repeating its first rows, as PyTorch's
+    /// `DistributedSampler` pads, then cut into equal contiguous shards in rank order (with a
+    /// batch the rank count divides, `kiln_comm::shard_range`'s shards). Every rank then runs
+    /// the same plan, and a repeated row counts twice in the step's mean.
+    fn rank_rows(&self, idx: &[usize]) -> Vec<usize> {
+        match self.backend.rank().filter(|(_, n)| *n > 1) {
+            Some((rank, ranks)) if !idx.is_empty() => {
+                let per = idx.len().div_ceil(ranks);
+                (rank * per..(rank + 1) * per).map(|i| idx[i % idx.len()]).collect()
+            }
+            _ => idx.to_vec(),
+        }
+    }
+
+    /// One optimizer step on rows `idx` of `x` and `y`.
+    #[track_caller]
+    fn step_rows(&mut self, x: &HostTensor, y: &HostTensor, idx: &[usize]) -> Result<Logs> {
+        let id = self.train_program(with_rows(x, idx.len()), with_rows(y, idx.len()))?;
+        let (mut xb, mut yb) = (Vec::new(), Vec::new());
+        self.feed_rows(id, "x", x, idx, &mut xb)?;
+        self.feed_rows(id, "y", y, idx, &mut yb)?;
+        self.backend.run(id)?;
+        self.logs(id)
     }
 
     /// One optimizer step on exactly `x` and `y`.
@@ -527,7 +552,9 @@ impl Trainer {
 
     /// Trains on `x` and `y` (rows along the first axis) for `opts.epochs` epochs of
     /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows. Zero epochs
-    /// train nothing and return an empty history (as Keras's `fit(epochs=0)`).
+    /// train nothing and return an empty history (as Keras's `fit(epochs=0)`). On a rank of a
+    /// data-parallel run every rank is given the whole data and trains on its shard of each
+    /// batch, as `train_step` does.
     #[track_caller]
     pub fn fit(&mut self, x: &HostTensor, y: &HostTensor, opts: &FitOptions) -> Result<History> {
         let rows = x.shape().dims().first().copied().unwrap_or(0);
@@ -555,10 +582,12 @@ impl Trainer {
             let mut sums = RowWeighted::default();
             for b in 0..batches {
                 let idx = &order[b * opts.batch_size..((b + 1) * opts.batch_size).min(rows)];
-                let (xs, ys) = (with_rows(x, idx.len()), with_rows(y, idx.len()));
+                // On a rank of a data-parallel run, this rank's shard of the batch.
+                let mine = self.rank_rows(idx);
+                let (xs, ys) = (with_rows(x, mine.len()), with_rows(y, mine.len()));
                 let id = self.train_program(xs, ys)?;
-                self.feed_rows(id, "x", x, idx, &mut xb)?;
-                self.feed_rows(id, "y", y, idx, &mut yb)?;
+                self.feed_rows(id, "x", x, &mine, &mut xb)?;
+                self.feed_rows(id, "y", y, &mine, &mut yb)?;
                 self.backend.run(id)?;
                 sums.add(&self.logs(id)?, idx.len());
                 bar.inc(1);
