@@ -2,9 +2,12 @@
 //! kiln fused (the default) and unfused against JAX/XLA (jit, donated parameters for training;
 //! the peers environment of the memory bench) and PyTorch eager and `torch.compile`
 //! (`scripts/peers/torch_speed.py`: PyPI's wheel in `target/kiln/torch-venv`, or the interpreter
-//! `KILN_TORCH_PYTHON` names), side by side in one run: 3 interleaved rounds (every kiln program,
+//! `KILN_TORCH_PYTHON` names), side by side in one run: 5 interleaved rounds (every kiln program,
 //! JAX, PyTorch, every model and mode) of 10 timed calls each after warm-up; the median of all of
-//! a side's calls is its figure. Forward passes are also timed fused over the whole batch
+//! a side's calls is its figure. The build machines' speed drifts by up to 40% over minutes, so
+//! each ratio to the fastest peer is also taken round by round, from the sides' medians of that
+//! round (measured within a minute of each other), and the median of those is reported beside
+//! the ratio of the overall medians. Forward passes are also timed fused over the whole batch
 //! (`CompileOptions::batch_blocks` off), so that what running them in blocks of rows
 //! (`kiln_compiler::batch_blocks`) costs shows beside what it saves. A peer that cannot be had
 //! is "skipped". Writes `target/kiln/speed.json` and a table per mode.
@@ -17,7 +20,7 @@ use kiln::zoo;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 const STEPS: usize = 10;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -68,12 +71,29 @@ struct Row {
     torch_compile_ms: Option<f64>,
     /// kiln / the fastest peer measured.
     kiln_over_fastest_peer: Option<f64>,
+    /// The median over rounds of kiln / the fastest peer, each round's from its own medians.
+    kiln_over_fastest_peer_by_round: Option<f64>,
     kiln_steps: Vec<f64>,
     kiln_unfused_steps: Vec<f64>,
     kiln_whole_steps: Vec<f64>,
     jax_steps: Vec<f64>,
     torch_steps: Vec<f64>,
     torch_compile_steps: Vec<f64>,
+}
+
+/// The median over rounds of kiln's median over the fastest peer's median in that round: each
+/// side's calls come `STEPS` to a round, in round order. `None` without a peer with every round.
+fn per_round_ratio(kiln: &[f64], peers: &[&Vec<f64>]) -> Option<f64> {
+    let rounds = kiln.len() / STEPS;
+    let ratios: Vec<f64> = (0..rounds)
+        .filter_map(|r| {
+            let of = |v: &[f64]| v.get(r * STEPS..(r + 1) * STEPS).map(median);
+            let fastest =
+                peers.iter().filter(|p| p.len() == kiln.len()).filter_map(|p| of(p)).reduce(f64::min)?;
+            Some(of(kiln)? / fastest)
+        })
+        .collect();
+    (!ratios.is_empty()).then(|| median(&ratios))
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -203,6 +223,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let kiln_ms = median(&k);
             let (jax_ms, torch_ms, torch_compile_ms) = (some(&j), some(&te), some(&tc));
             let fastest = [jax_ms, torch_ms, torch_compile_ms].into_iter().flatten().reduce(f64::min);
+            let by_round = per_round_ratio(&k, &[&j, &te, &tc]);
             rows.push(Row {
                 model: m.name.into(),
                 mode,
@@ -221,6 +242,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 torch_ms,
                 torch_compile_ms,
                 kiln_over_fastest_peer: fastest.map(|f| kiln_ms / f),
+                kiln_over_fastest_peer_by_round: by_round,
                 kiln_steps: k,
                 kiln_unfused_steps: u,
                 kiln_whole_steps: w,
@@ -261,6 +283,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     ms(r.torch_ms),
                     ms(r.torch_compile_ms),
                     ratio(r.kiln_over_fastest_peer),
+                    ratio(r.kiln_over_fastest_peer_by_round),
                 ]);
                 row
             })
@@ -282,11 +305,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "PyTorch eager ms",
             "torch.compile ms",
             "kiln/fastest peer",
+            "by round",
         ]);
         println!("{}", render_table(&header, &cells));
     }
     println!(
-        "CPU, 2 cores; medians of {} calls per side in {ROUNDS} interleaved rounds; kiln: CpuBackend, default compile options (fused, forward passes in blocks of batch rows where that plans smaller; unfused with fusion off; whole-batch with fusion on and batch blocks off); JAX: jit (training: donated parameters and Adam state), XLA CPU defaults; PyTorch: the idiomatic twins of scripts/peers/torch_stream.py, Adam(foreach=True), eager and torch.compile (model and opt.step, inductor C++), forward passes under no_grad, default threads.",
+        "CPU, 2 cores; medians of {} calls per side in {ROUNDS} interleaved rounds (\"by round\": the median over the rounds of kiln / the fastest peer, each round's from that round's medians); kiln: CpuBackend, default compile options (fused, forward passes in blocks of batch rows where that plans smaller; unfused with fusion off; whole-batch with fusion on and batch blocks off); JAX: jit (training: donated parameters and Adam state), XLA CPU defaults; PyTorch: the idiomatic twins of scripts/peers/torch_stream.py, Adam(foreach=True), eager and torch.compile (model and opt.step, inductor C++), forward passes under no_grad, default threads.",
         ROUNDS * STEPS
     );
     let dir = output_dir();
