@@ -512,14 +512,18 @@ fn run_ranks(ranks: usize, name: &str, steps: usize, zero: usize) -> kiln::Resul
     let m = zoo_model(name)?;
     let stage = kiln::compiler::zero::ZeroStage::from_number(zero)
         .ok_or_else(|| invalid(format!("--zero {zero}"), "use ZeRO stage 0, 1 or 2".into()))?;
-    if ranks == 0 || m.batch % ranks != 0 {
+    if ranks == 0 || ranks > m.batch {
         return Err(invalid(
             format!("{ranks} ranks for {name}'s batch of {}", m.batch),
-            "use a rank count that divides the batch".into(),
+            "use 1 to as many ranks as the batch has rows".into(),
         ));
     }
     let batches: Vec<_> = (0..steps as u64).map(|i| m.batch_data(20 + i)).collect::<kiln::Result<_>>()?;
-    println!("{name}: {ranks} ranks x {} rows of each batch of {}, {steps} steps", m.batch / ranks, m.batch);
+    // A batch the rank count does not divide is padded by repeating its first rows (`Trainer`).
+    let per_rank = m.batch.div_ceil(ranks);
+    let padded =
+        if m.batch % ranks == 0 { String::new() } else { format!(" (padded to {})", per_rank * ranks) };
+    println!("{name}: {ranks} ranks x {per_rank} rows of each batch of {}{padded}, {steps} steps", m.batch);
     let results = kiln::comm::run_local_ranks(ranks, |_, comm| -> kiln::Result<RankRun> {
         let backend = Box::new(kiln::runtime::CpuBackend::new(1).with_communicator(comm));
         let mut t = kiln::runtime::Trainer::new(m.model(), m.config(), backend).with_zero_stage(stage);
@@ -545,7 +549,7 @@ fn run_ranks(ranks: usize, name: &str, steps: usize, zero: usize) -> kiln::Resul
     println!("weights bitwise identical on all {ranks} ranks: {same}");
     // Per-rank memory: the plan one rank runs here against one process on the whole batch.
     let mut rows = Vec::new();
-    for (n, m) in [(1, m.clone()), (ranks, m.clone().with_batch(m.batch / ranks))] {
+    for (n, m) in [(1, m.clone()), (ranks, m.clone().with_batch(per_rank))] {
         let mut graph =
             kiln::compiler::step::train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?;
         if n > 1 {

@@ -287,10 +287,19 @@ fn the_cli_trains_on_ranks_and_says_how_to_launch_processes() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("weights bitwise identical on all 2 ranks: true"), "{text}");
     assert!(text.contains("mpirun -np 2"), "{text}");
+    // 3 ranks on seed-mlp's 32 rows: padded to 33, 11 a rank.
+    let three = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["ranks", "--ranks", "3", "--model", "seed-mlp", "--steps", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&three.stdout);
+    assert!(three.status.success(), "{text}{}", String::from_utf8_lossy(&three.stderr));
+    assert!(text.contains("3 ranks x 11 rows of each batch of 32 (padded to 33)"), "{text}");
+    assert!(text.contains("weights bitwise identical on all 3 ranks: true"), "{text}");
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["ranks", "--ranks", "5"])
+        .args(["ranks", "--ranks", "33", "--model", "seed-mlp"])
         .output()
         .unwrap();
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("use a rank count that divides the batch"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("as many ranks as the batch has rows"));
 }
