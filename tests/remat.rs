@@ -54,6 +54,27 @@ fn cheap_recomputation_shrinks_the_transformer_for_free() {
     assert_eq!(train(&cheap, &x, &y, 3), train(&keep, &x, &y, 3));
 }
 
+/// The recomputation budget is the caller's: at 1/100 of the step's FLOPs the transformer also
+/// recomputes its GELU, for a smaller arena and the same bits; a budget that is not a share is
+/// refused, naming the option.
+#[test]
+fn a_larger_recompute_budget_takes_the_gelu_too() {
+    let m = zoo::by_name("transformer").unwrap().with_batch(4);
+    let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
+    let base = untiled(None).with_cheap_remat(true);
+    let default = compile(graph.clone(), &base).unwrap();
+    let more = compile(graph.clone(), &base.clone().with_recompute_budget(0.01)).unwrap();
+    let r = more.memory.remat.as_ref().expect("something recomputed");
+    assert!(r.recomputed.iter().any(|v| v.starts_with("gelu")), "{:?}", r.recomputed);
+    assert!(more.memory.arena_bytes < default.memory.arena_bytes);
+    let (x, y) = m.batch_data(1).unwrap();
+    assert_eq!(train(&more, &x, &y, 2), train(&default, &x, &y, 2));
+    for bad in [-0.1, f64::NAN] {
+        let e = compile(graph.clone(), &base.clone().with_recompute_budget(bad)).unwrap_err().to_string();
+        assert!(e.contains("recompute_budget"), "{e}");
+    }
+}
+
 /// The limit: persistent bytes plus `fraction` of the unconstrained arena.
 fn limit(free: &Plan, fraction: f64) -> usize {
     free.memory.persistent_bytes + (free.memory.arena_bytes as f64 * fraction) as usize

@@ -30,7 +30,8 @@ use crate::error::Result;
 use crate::plan::Plan;
 use crate::{CompileOptions, ir};
 
-/// The largest share of the step's FLOPs that recomputation may add.
+/// The largest share of the step's FLOPs that recomputation may add, by default
+/// (`CompileOptions::recompute_budget`).
 pub const FLOPS_BUDGET: f64 = 1.0 / 1000.0;
 
 /// Graphs with more nodes than this are not searched: each try is a whole compilation.
@@ -73,7 +74,7 @@ pub fn shrink(
     plan: Plan,
     compile: impl Fn(ir::Graph, &CompileOptions) -> Result<Plan>,
 ) -> Plan {
-    let budget = (step_flops(&plan) as f64 * FLOPS_BUDGET) as u64;
+    let budget = (step_flops(&plan) as f64 * options.recompute_budget) as u64;
     let held = |p: &Plan| p.devices.iter().map(|d| d.memory.held_bytes()).sum::<usize>();
     let mut best = plan;
     // A target missed (no plan fits it by cheap recomputation alone) is tried again half as far
