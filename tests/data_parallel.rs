@@ -277,29 +277,26 @@ fn a_batch_the_rank_count_does_not_divide_is_padded_as_distributed_sampler_pads(
     assert!(runs[0].2.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 1e-5 * scale), "weights after fit");
 }
 
+/// `kiln ranks` with `args`: whether it succeeded, its stdout and its stderr.
+fn kiln_ranks(args: &[&str]) -> (bool, String, String) {
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).arg("ranks").args(args).output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
 #[test]
 fn the_cli_trains_on_ranks_and_says_how_to_launch_processes() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["ranks", "--ranks", "2", "--model", "seed-mlp", "--steps", "2"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let (ok, text, err) = kiln_ranks(&["--ranks", "2", "--model", "seed-mlp", "--steps", "2"]);
+    assert!(ok, "{text}{err}");
     assert!(text.contains("weights bitwise identical on all 2 ranks: true"), "{text}");
     assert!(text.contains("mpirun -np 2"), "{text}");
     // 3 ranks on seed-mlp's 32 rows: padded to 33, 11 a rank.
-    let three = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["ranks", "--ranks", "3", "--model", "seed-mlp", "--steps", "1"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&three.stdout);
-    assert!(three.status.success(), "{text}{}", String::from_utf8_lossy(&three.stderr));
+    let (ok, text, err) = kiln_ranks(&["--ranks", "3", "--model", "seed-mlp", "--steps", "1"]);
+    assert!(ok, "{text}{err}");
     assert!(text.contains("3 ranks x 11 rows of each batch of 32 (padded to 33)"), "{text}");
     assert!(text.contains("weights bitwise identical on all 3 ranks: true"), "{text}");
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["ranks", "--ranks", "33", "--model", "seed-mlp"])
-        .output()
-        .unwrap();
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("as many ranks as the batch has rows"));
+    let (ok, _, err) = kiln_ranks(&["--ranks", "33", "--model", "seed-mlp"]);
+    assert!(!ok);
+    assert!(err.contains("as many ranks as the batch has rows"), "{err}");
 }

@@ -31,16 +31,11 @@ pub fn rewrite(graph: &mut Graph) -> Result<usize> {
         let mut leaves = Vec::new();
         let mut inner = Vec::new();
         collect(graph, root, &mut leaves, &mut inner);
-        let Some((axis, pads)) = disjoint_pads(graph, &leaves) else { continue };
+        let Some((axis, windows)) = disjoint_pads(graph, &leaves) else { continue };
         let node = graph.node(root).clone();
-        let mut pieces: Vec<(usize, NodeId)> = pads
-            .iter()
-            .map(|&p| match graph.node(p).op {
-                Op::Pad { before, .. } => (before, graph.operands(p)[0]),
-                _ => unreachable!("disjoint_pads returns pads"),
-            })
-            .collect();
-        pieces.sort_by_key(|&(start, _)| start);
+        let pads: Vec<NodeId> = windows.iter().map(|&(_, p)| p).collect();
+        let pieces: Vec<(usize, NodeId)> =
+            windows.iter().map(|&(start, p)| (start, graph.operands(p)[0])).collect();
         let whole = node.shape.dims()[axis];
         let mut parts = Vec::new();
         let mut at = 0;
@@ -122,10 +117,10 @@ fn collect(graph: &Graph, n: NodeId, leaves: &mut Vec<NodeId>, inner: &mut Vec<N
     }
 }
 
-/// The axis and the pads among `leaves` when at least two pad along one axis into disjoint
-/// windows, each read by the sum alone, of the sum's shape, device and dtype (terms read twice
+/// The axis and the pads among `leaves` (each with its window's start, in window order) when at
+/// least two pad along one axis into disjoint windows, each read by the sum alone, of the sum's shape, device and dtype (terms read twice
 /// are left alone).
-fn disjoint_pads(graph: &Graph, leaves: &[NodeId]) -> Option<(usize, Vec<NodeId>)> {
+fn disjoint_pads(graph: &Graph, leaves: &[NodeId]) -> Option<(usize, Vec<(usize, NodeId)>)> {
     let mut by_axis: std::collections::BTreeMap<usize, Vec<(usize, usize, NodeId)>> = Default::default();
     for &l in leaves {
         let node = graph.node(l);
@@ -144,7 +139,7 @@ fn disjoint_pads(graph: &Graph, leaves: &[NodeId]) -> Option<(usize, Vec<NodeId>
     by_axis.into_iter().find_map(|(axis, mut windows)| {
         windows.sort();
         let disjoint = windows.windows(2).all(|w| w[0].1 <= w[1].0);
-        (windows.len() >= 2 && disjoint).then(|| (axis, windows.into_iter().map(|w| w.2).collect()))
+        (windows.len() >= 2 && disjoint).then(|| (axis, windows.into_iter().map(|w| (w.0, w.2)).collect()))
     })
 }
 

@@ -1,16 +1,17 @@
 //! Fused elementwise groups (`ir::fused`): one pass over the output in chunks of `CHUNK`
-//! elements. Per chunk, every operand is loaded into a slot of a stack buffer (a copy, a
-//! broadcast fill or a strided gather), then each instruction is one loop over the chunk from
-//! slots to a slot, the last one into the output. The slots stay in L1 (at most 16 slots of 256
-//! floats: 16 KiB, zeroed only as far as the program and the tensor need), so a chain of n ops reads its operands and writes its output once instead of making
-//! n - 1 intermediate tensors; each instruction's loop is the scalar function of its op
+//! elements. Per chunk, an operand read with stride 1 is read where it lies, any other is loaded
+//! into its slot (a broadcast fill or a strided gather; the output's own memory, in place, a
+//! copy), then each instruction is one loop over the chunk from slots to a slot, the last one
+//! into the output. The slots are a per-thread buffer that stays in L1 (at most 16 slots of 256
+//! floats: 16 KiB, zeroed once per thread), so a chain of n ops reads its operands and writes its
+//! output once instead of making n - 1 intermediate tensors; each instruction's loop is the scalar function of its op
 //! (`math::with_unary` and friends), inlined and vectorised, so the results are bitwise those of
 //! the unfused kernels. The chunk evaluation is also compiled for AVX2 and picked at run time,
 //! as the unary kernels are (no FMA: the same bits).
 //!
 //! In place: the output may be the buffer of an operand of the output's shape. That operand is
-//! read at the output's own offsets, and every chunk's operands are loaded before the chunk's
-//! output is written, so each element is read before it is overwritten.
+//! read at the output's own offsets, copied into its slot before the chunk's output is written, so
+//! each element is read before it is overwritten.
 
 use super::broadcast::{Strided, broadcast_strides};
 use super::math::{with_binary, with_scalar, with_unary};
@@ -171,14 +172,15 @@ impl FusedKernel {
         first: usize,
     ) {
         let base = slots.as_mut_ptr();
-        // Where each slot's values are read from: its own stack memory, or an operand's.
+        // Where each slot's values are read from: its own memory, or an operand's.
         // SAFETY (of every `add` below): slot indices are below `regs.slots` (checked in `fused`),
         // whose slots of `stride >= m` elements `slots` holds.
         let mut at: [*const f32; MAX_FUSED_SLOTS] = std::array::from_fn(|s| {
             if s < self.regs.slots { unsafe { base.add(s * stride) as *const f32 } } else { base }
         });
         for j in 0..self.operands {
-            // SAFETY: per the contract; the slot is stack memory, disjoint from every operand.
+            // SAFETY: per the contract; the slot is the kernel's own memory, disjoint from every
+            // operand.
             unsafe {
                 let slot = slice::from_raw_parts_mut(base.add(j * stride), m);
                 match self.inner[j] {
@@ -193,9 +195,9 @@ impl FusedKernel {
         }
         for (j, inst) in self.insts.iter().enumerate() {
             let reads = &self.regs.reads[j];
-            // SAFETY: a read slot points at stack memory of `m` valid elements, or at an operand
+            // SAFETY: a read slot points at slot memory of `m` valid elements, or at an operand
             // valid for `m` elements (stride 1) that is not `out`. No instruction writes a slot
-            // it reads (checked in `fused`), and a slot written is stack memory, never an
+            // it reads (checked in `fused`), and a slot written is slot memory, never an
             // operand, so the shared borrows of what is read and the mutable borrow of the
             // destination never overlap. The output is written only by the last instruction,
             // which reads no operand where it lies in `out`, and `out` is valid for `m` writes.
