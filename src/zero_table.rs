@@ -14,7 +14,9 @@
 //!
 //! Communication: the bytes each rank sends per step under the ring algorithms every engine
 //! uses for large buffers (an all-reduce of n bytes sends 2(N-1)/N·n, a reduce-scatter or an
-//! all-gather (N-1)/N·n), so stage 0 and stage 2 move the same bytes, as the ZeRO paper says.
+//! all-gather (N-1)/N·n), so stage 0 and stage 2 move the same bytes, as the ZeRO paper says
+//! (up to padding: stage 2's shards to a multiple of N elements, stage 0's bucketed gradients
+//! to 16 bytes each, `data_parallel::all_reduce_gradients_in_buckets`).
 
 use crate::Result;
 use crate::zoo::ZooModel;

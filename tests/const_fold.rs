@@ -43,7 +43,8 @@ fn a_mask_built_from_fills_and_layouts_is_a_constant_of_the_plan() {
         let layout =
             |p: &Plan| p.steps.iter().filter(|s| matches!(s.op, Op::Pad { .. } | Op::Concat { .. })).count();
         assert_eq!(layout(&folded), 0, "no pad or concat runs");
-        assert!(layout(&plain) >= 9);
+        // Unfolded, the 8 pads run (their concatenation is written in place by them).
+        assert!(layout(&plain) >= 8);
         assert!(folded.steps.len() < plain.steps.len());
         let constants: Vec<_> = folded.variables.iter().filter(|v| v.role == VarRole::Constant).collect();
         assert_eq!(constants.len(), 1);

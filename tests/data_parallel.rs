@@ -3,7 +3,7 @@
 //! weights and train the weights one rank trains on the whole batch; plans that differ between
 //! ranks, and a rank that leaves, are errors on every rank, never a hang.
 
-use kiln::compiler::data_parallel::all_reduce_gradients;
+use kiln::compiler::data_parallel::{BUCKET_BYTES, all_reduce_gradients_in_buckets};
 use kiln::compiler::ir::Op;
 use kiln::compiler::optim::{Optimizer, Sgd};
 use kiln::compiler::step::{TrainConfig, train_step_graph};
@@ -13,10 +13,20 @@ use kiln::zoo::{self, ZooModel};
 use std::time::Duration;
 
 fn step_plan(m: &ZooModel, batch: usize, cfg: &TrainConfig, ranks: usize) -> kiln::compiler::Plan {
+    step_plan_in_buckets(m, batch, cfg, ranks, BUCKET_BYTES)
+}
+
+fn step_plan_in_buckets(
+    m: &ZooModel,
+    batch: usize,
+    cfg: &TrainConfig,
+    ranks: usize,
+    bucket_bytes: usize,
+) -> kiln::compiler::Plan {
     let m = m.clone().with_batch(batch);
     let mut graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), cfg).unwrap();
     if ranks > 1 {
-        assert!(all_reduce_gradients(&mut graph).unwrap() > 0);
+        assert!(all_reduce_gradients_in_buckets(&mut graph, bucket_bytes).unwrap().gradients > 0);
     }
     compile(graph, &CompileOptions::default()).unwrap()
 }
@@ -29,9 +39,19 @@ fn train(
     ranks: usize,
     batches: &[(HostTensor, HostTensor)],
 ) -> Vec<Vec<Vec<f32>>> {
+    train_in_buckets(m, cfg, ranks, batches, BUCKET_BYTES)
+}
+
+fn train_in_buckets(
+    m: &ZooModel,
+    cfg: &TrainConfig,
+    ranks: usize,
+    batches: &[(HostTensor, HostTensor)],
+    bucket_bytes: usize,
+) -> Vec<Vec<Vec<f32>>> {
     let batch = batches[0].0.shape().dims()[0];
     let shard = batch / ranks;
-    let plan = step_plan(m, shard, cfg, ranks);
+    let plan = step_plan_in_buckets(m, shard, cfg, ranks, bucket_bytes);
     kiln::comm::run_local_ranks(ranks, |r, comm| {
         let mut backend = CpuBackend::new(5);
         if ranks > 1 {
@@ -87,7 +107,8 @@ fn ranks_keep_identical_weights_and_match_one_rank_on_the_whole_batch() {
 #[test]
 fn the_all_reduces_are_planned_in_place_on_the_gradients() {
     let m = zoo::by_name("cnn").unwrap();
-    let plan = step_plan(&m, 4, &m.config(), 2);
+    // One collective per gradient (buckets of 0 bytes).
+    let plan = step_plan_in_buckets(&m, 4, &m.config(), 2, 0);
     let reduces: Vec<_> = plan.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. })).collect();
     assert_eq!(
         reduces.len(),
@@ -97,23 +118,72 @@ fn the_all_reduces_are_planned_in_place_on_the_gradients() {
     assert!(plan.render().contains("all_reduce[mean]"));
     // Every update reads a reduced gradient: none computes its own product or works by rows.
     for m in ["mlp", "cnn", "transformer"].map(|n| zoo::by_name(n).unwrap()) {
-        let plan = step_plan(&m, 4, &m.config(), 2);
-        let reduced: Vec<usize> = plan
-            .steps
-            .iter()
-            .filter(|s| matches!(s.op, Op::AllReduce { .. }))
-            .filter_map(|s| s.output)
-            .collect();
-        for s in plan.steps.iter().filter(|s| matches!(s.op, Op::ApplyAdam { .. })) {
-            assert!(
-                matches!(s.op, Op::ApplyAdam { product: false, rows: None, .. }),
-                "{}: {}",
-                m.name,
-                s.label
-            );
-            assert!(reduced.contains(&s.inputs[1]), "{}: {} reads an unreduced gradient", m.name, s.label);
+        for bucket_bytes in [0, BUCKET_BYTES] {
+            let plan = step_plan_in_buckets(&m, 4, &m.config(), 2, bucket_bytes);
+            for s in plan.steps.iter().filter(|s| matches!(s.op, Op::ApplyAdam { .. })) {
+                assert!(
+                    matches!(s.op, Op::ApplyAdam { product: false, rows: None, .. }),
+                    "{}: {}",
+                    m.name,
+                    s.label
+                );
+                assert!(
+                    reads_reduced(&plan, s.inputs[1]),
+                    "{}: {} reads an unreduced gradient",
+                    m.name,
+                    s.label
+                );
+            }
         }
     }
+}
+
+/// Whether value `v` lies inside an all-reduce's output, or is a copy of a slice of one.
+fn reads_reduced(plan: &kiln::compiler::Plan, v: usize) -> bool {
+    let inside = |v: usize, o: usize| {
+        let (a, b) = (&plan.values[v], &plan.values[o]);
+        let end = |x: &kiln::compiler::plan::Value| x.offset + x.shape.numel() * x.dtype.size_bytes();
+        a.buffer == b.buffer && b.offset <= a.offset && end(a) <= end(b)
+    };
+    let reduced: Vec<usize> =
+        plan.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. })).filter_map(|s| s.output).collect();
+    reduced.iter().any(|&o| inside(v, o))
+        || plan.steps.iter().any(|s| {
+            matches!(s.op, Op::Slice { .. })
+                && s.output.is_some_and(|o| inside(v, o))
+                && reduced.iter().any(|&r| inside(s.inputs[0], r))
+        })
+}
+
+#[test]
+fn gradients_are_reduced_in_buckets_that_train_the_same_bits() {
+    let m = zoo::by_name("transformer").unwrap();
+    let gradients = |plan: &kiln::compiler::Plan| {
+        plan.steps.iter().filter(|s| matches!(s.op, Op::ApplyAdam { .. } | Op::ApplySgd { .. })).count()
+    };
+    let per_gradient = step_plan_in_buckets(&m, 4, &m.config(), 2, 0);
+    let bucketed = step_plan(&m, 4, &m.config(), 2);
+    let reduces = |plan: &kiln::compiler::Plan| {
+        plan.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. })).count()
+    };
+    assert_eq!(reduces(&per_gradient), gradients(&per_gradient));
+    assert!(reduces(&bucketed) * 2 < reduces(&per_gradient), "{} buckets", reduces(&bucketed));
+    // A bucket is one buffer: its collective reduces it in place, and where the planner writes
+    // its gradients inside it, no concatenation runs and they sit at increasing offsets.
+    for s in bucketed.steps.iter().filter(|s| matches!(s.op, Op::AllReduce { .. })) {
+        assert!(s.in_place);
+    }
+    let inside: Vec<_> = bucketed.values.iter().filter(|v| v.offset > 0).collect();
+    assert!(!inside.is_empty(), "some gradients are written or read inside their bucket");
+    assert!(inside.iter().all(|v| v.offset % kiln::compiler::liveness::VIEW_ALIGN == 0));
+    assert!(bucketed.render().contains("(all_reduce `bucket 0/all_reduce`)"));
+    // The mean of a bucket is the mean of each gradient in it: the same bits either way.
+    let sgd = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
+    let data = batches(&m, 8, 2);
+    let a = train_in_buckets(&m, &sgd, 2, &data, 0);
+    let b = train_in_buckets(&m, &sgd, 2, &data, BUCKET_BYTES);
+    let bits = |w: &Vec<Vec<Vec<f32>>>| w[0].iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b));
 }
 
 #[test]

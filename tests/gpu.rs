@@ -365,3 +365,50 @@ fn gpu_eager_on_device_regions_matches_the_cpu_plan() {
         }
     }
 }
+
+#[test]
+fn gpu_data_parallel_ranks_reduce_through_the_host_and_train_as_cpu_ranks() {
+    use kiln::compiler::data_parallel::all_reduce_gradients;
+    use kiln::runtime::CpuBackend;
+    let Some(gpu) = cuda_backend(0) else { return };
+    let (ranks, per_rank) = (2, 4);
+    let m = zoo::by_name("mlp").unwrap().with_batch(per_rank);
+    let whole = m.clone().with_batch(ranks * per_rank);
+    let batches: Vec<_> = (0..2).map(|i| whole.batch_data(20 + i).unwrap()).collect();
+    let plan = |options: &CompileOptions| {
+        let mut g = kiln::compiler::step::train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())
+            .unwrap();
+        assert!(all_reduce_gradients(&mut g).unwrap() > 0);
+        compile(g, options).unwrap()
+    };
+    let gpu_plan = plan(&CompileOptions::default().with_scratch(gpu.scratch_rule()));
+    drop(gpu);
+    let cpu_plan = plan(&CompileOptions::default());
+    let train = |backend: &mut dyn Backend, plan: &kiln::compiler::Plan, r: usize| {
+        let id = backend.load(plan.clone()).unwrap();
+        for (x, y) in &batches {
+            let rows = r * per_rank..(r + 1) * per_rank;
+            let (x, y) = (x.rows(rows.clone()).unwrap(), y.rows(rows).unwrap());
+            backend.call(id, &[("x", &x), ("y", &y)]).unwrap();
+        }
+        let params = plan.variables.iter().filter(|v| !v.key.starts_with("optimizer/"));
+        params.map(|v| (v.key.clone(), backend.read_variable(&v.key).unwrap())).collect::<Vec<_>>()
+    };
+    let on_gpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
+        let backend = if common::emulated() {
+            CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
+        } else {
+            CudaBackend::new(0, 5).unwrap()
+        };
+        train(&mut backend.with_communicator(comm), &gpu_plan, r)
+    });
+    let on_cpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
+        train(&mut CpuBackend::new(5).with_communicator(comm), &cpu_plan, r)
+    });
+    for (k, ((key, a), (_, b))) in on_gpu[0].iter().zip(&on_gpu[1]).enumerate() {
+        assert_eq!(a.data(), b.data(), "variable {k} ({key}) differs between the CUDA ranks");
+    }
+    for ((key, g), (_, c)) in on_gpu[0].iter().zip(&on_cpu[0]) {
+        close(m.name, &format!("{key} after 2 data-parallel steps"), c, g);
+    }
+}

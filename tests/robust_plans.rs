@@ -61,7 +61,7 @@ fn mutate(plan: &mut Plan, r: &mut StdRng) -> (Kind, String) {
     let nb = plan.buffers.len();
     let nv = plan.values.len();
     let ns = plan.steps.len();
-    match r.random_range(0..20) {
+    match r.random_range(0..21) {
         0 => {
             let b = pick(r, nb);
             if let Storage::Arena { offset, .. } | Storage::Io { offset, .. } = &mut plan.buffers[b].storage {
@@ -181,6 +181,13 @@ fn mutate(plan: &mut Plan, r: &mut StdRng) -> (Kind, String) {
             let i = pick(r, list.len());
             list[i].value = wild(r, list[i].value);
             (Kind::Structural, "binding value".into())
+        }
+        19 => {
+            // A value moved inside its buffer (or past it): what a gradient bucket's pieces and
+            // slices are (`liveness`'s views).
+            let v = pick(r, nv);
+            plan.values[v].offset = [4, 8, 16, 64, wild(r, 16)][pick(r, 5)];
+            (Kind::Structural, format!("value {v} offset"))
         }
         _ => {
             if plan.variables.is_empty() {

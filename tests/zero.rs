@@ -216,8 +216,10 @@ fn the_zero_table_shards_state_and_moves_the_bytes_of_plain_data_parallelism() {
             assert!(r.optimizer_state_bytes * n <= whole + 4096 * n, "{n} ranks, stage {stage}");
             assert!(r.planned_total_bytes < at(n, 0).planned_total_bytes);
         }
-        // Reduce-scatter + all-gather send what one all-reduce sends.
-        assert_eq!(at(n, 2).ring_bytes_sent, at(n, 0).ring_bytes_sent);
+        // Reduce-scatter + all-gather send what one all-reduce sends, up to the padding of
+        // the shards (to a multiple of N elements) and of the buckets' gradients (to 16 bytes).
+        let (two, zero) = (at(n, 2).ring_bytes_sent, at(n, 0).ring_bytes_sent);
+        assert!(two.abs_diff(zero) * 1000 <= zero, "{n} ranks: {two} B against {zero} B");
         assert!(at(n, 1).ring_bytes_sent > at(n, 0).ring_bytes_sent);
     }
     assert_eq!(at(1, 0).ring_bytes_sent, 0);

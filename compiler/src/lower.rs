@@ -99,6 +99,7 @@ impl Lowering<'_> {
                     buffer: live.buffer_of[&n],
                     shape: node.shape.clone(),
                     dtype: node.dtype,
+                    offset: live.offset(n),
                 });
                 values.len() - 1
             })

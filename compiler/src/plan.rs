@@ -72,6 +72,15 @@ pub struct Value {
     pub buffer: usize,
     pub shape: Shape,
     pub dtype: DType,
+    /// Bytes into its buffer where the value starts: 0 but for the members of a concatenation
+    /// written in place and contiguous slices read in place (`liveness`), a multiple of
+    /// `liveness::VIEW_ALIGN`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offset: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -313,6 +322,9 @@ impl Plan {
             let v = &self.values[i];
             let dev = |d: usize| if multi { format!("{}:", self.devices[d].name) } else { String::new() };
             let where_ = match self.buffers[v.buffer].storage {
+                Storage::Arena { device, offset } if v.offset > 0 => {
+                    format!("{}arena@{offset}+{}", dev(device), v.offset)
+                }
                 Storage::Arena { device, offset } => format!("{}arena@{offset}", dev(device)),
                 Storage::Io { device, offset } => format!("{}io@{offset}", dev(device)),
                 Storage::Variable { index } => format!("var {}", self.variables[index].key),
@@ -327,7 +339,13 @@ impl Plan {
                 let _ = write!(s, " -> v{o} {} live {}..{}", value(o), b.first_step, b.last_step);
                 if step.in_place {
                     s.push_str(" in-place");
+                } else if b.label != step.label {
+                    // A piece written inside a concatenation's buffer (a gradient bucket's).
+                    let _ = write!(s, " in {}", b.label);
                 }
+            }
+            if step.op.is_collective() {
+                let _ = write!(s, " ({})", step.label);
             }
             if let Some(b) = step.scratch {
                 let buf = &self.buffers[b];

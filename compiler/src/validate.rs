@@ -11,8 +11,10 @@
 //! 2. regions: every arena and io buffer (in guard mode with its canary) aligned and inside its
 //!    region; no two arena buffers live at a common step overlapping in bytes (`planner::verify`);
 //!    no two io buffers of a device overlapping; variables the size their spec says;
-//! 3. aliasing: a step's output shares no buffer with its operands unless the step is an
-//!    elementwise op marked in place over an operand of its own shape; an update's mutated
+//! 3. aliasing: a step's output shares no bytes with its operands unless the step is an
+//!    elementwise op marked in place over an operand of its own shape and offset (values of one
+//!    buffer at disjoint offsets, the pieces of a concatenation written in place, do not
+//!    alias); only arena values start past their buffer's first byte; an update's mutated
 //!    variables are distinct from each other and from its other operands;
 //! 4. order: every step reading and writing arena buffers only while they are live, every arena
 //!    buffer written before it is read, every variable read before (never after) its update;
@@ -157,10 +159,24 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
                 b.label, v.dtype
             ));
         }
-        if v.shape.checked_bytes(v.dtype).is_none_or(|bytes| bytes > b.bytes) {
+        if v.shape
+            .checked_bytes(v.dtype)
+            .and_then(|bytes| bytes.checked_add(v.offset))
+            .is_none_or(|end| end > b.bytes)
+        {
             return Err(format!(
-                "value {i} {}{} does not fit its buffer {} ({}) of {} bytes",
-                v.dtype, v.shape, v.buffer, b.label, b.bytes
+                "value {i} {}{} at offset {} does not fit its buffer {} ({}) of {} bytes",
+                v.dtype, v.shape, v.offset, v.buffer, b.label, b.bytes
+            ));
+        }
+        let in_arena = matches!(b.storage, Storage::Arena { .. });
+        if v.offset > 0 && (!in_arena || !v.offset.is_multiple_of(crate::liveness::VIEW_ALIGN)) {
+            return Err(format!(
+                "value {i} starts {} bytes into buffer {} ({}): only arena values start past 0, at multiples of {}",
+                v.offset,
+                v.buffer,
+                b.label,
+                crate::liveness::VIEW_ALIGN
             ));
         }
     }
@@ -174,6 +190,12 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
             // step (no buffer sharing its bytes runs before it); an output is read after the
             // run, so it must be live to the last step.
             let b = &plan.buffers[v.buffer];
+            if v.offset != 0 {
+                return Err(format!(
+                    "{kind} `{}` starts {} bytes into its buffer, not at 0",
+                    binding.name, v.offset
+                ));
+            }
             let last = plan.steps.len().saturating_sub(1);
             let ok = match b.storage {
                 Storage::Io { .. } => true,
@@ -233,20 +255,36 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
 fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
     let step = &plan.steps[s];
     let buffer = |v: usize| plan.values[v].buffer;
+    // The bytes of value `v` in its buffer (sizes were checked in `validate_structure`).
+    let range = |v: usize| {
+        let value = &plan.values[v];
+        value.offset..value.offset + value.shape.numel() * value.dtype.size_bytes()
+    };
+    let overlap = |a: usize, b: usize| {
+        let (a, b) = (range(a), range(b));
+        a.start < b.end && b.start < a.end
+    };
     if let Some(o) = step.output {
         let out = buffer(o);
-        let aliased: Vec<(usize, usize)> =
-            step.inputs.iter().copied().enumerate().filter(|&(_, v)| buffer(v) == out).collect();
-        // In place, every operand read from the output's buffer has the output's element count:
-        // with broadcasting to the output's shape that means the same flat index, so each element
-        // is read before it is overwritten (`x * x`, `x * x.reshape(..)`).
+        let aliased: Vec<(usize, usize)> = step
+            .inputs
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|&(_, v)| buffer(v) == out && overlap(v, o))
+            .collect();
+        // In place, every operand read from the output's bytes has the output's element count
+        // and offset: with broadcasting to the output's shape that means the same flat index, so
+        // each element is read before it is overwritten (`x * x`, `x * x.reshape(..)`).
         let shape = &plan.values[o].shape;
         let ok = if aliased.is_empty() {
             !step.in_place
         } else {
             step.in_place
                 && aliased.iter().all(|&(i, v)| {
-                    step.op.may_write_over(i, shape) && plan.values[v].shape.numel() == shape.numel()
+                    step.op.may_write_over(i, shape)
+                        && plan.values[v].shape.numel() == shape.numel()
+                        && plan.values[v].offset == plan.values[o].offset
                 })
         };
         if !ok {

@@ -111,6 +111,8 @@ pub struct Trainer {
     zero: ZeroStage,
     /// Blocks of batch rows each training step is computed in (`with_row_blocks`).
     row_blocks: usize,
+    /// The gradient bucket cap of a data-parallel step (`with_bucket_bytes`).
+    bucket_bytes: usize,
 }
 
 impl Trainer {
@@ -127,6 +129,7 @@ impl Trainer {
             compile_time: Duration::ZERO,
             zero: ZeroStage::Off,
             row_blocks: 1,
+            bucket_bytes: kiln_compiler::data_parallel::BUCKET_BYTES,
         }
     }
 
@@ -143,10 +146,19 @@ impl Trainer {
     /// On a backend that is a rank of a data-parallel run, shards the optimizer state (stage 1)
     /// and the reduced gradients too (stage 2) over the ranks (`kiln_compiler::zero`): each rank
     /// keeps and updates its shard, then the ranks gather the weights. One rank alone trains as
-    /// without it. Each rank's checkpoint (`save`) then holds its own shards of the state: save
-    /// one file per rank, and load it on the same rank of a run with as many ranks.
+    /// without it. `save` gathers the shards into one whole checkpoint (see `save`).
     pub fn with_zero_stage(mut self, stage: ZeroStage) -> Self {
         self.zero = stage;
+        self
+    }
+
+    /// On a backend that is a rank of a data-parallel run (ZeRO off), reduces the gradients in
+    /// buckets of at most `bytes` (`kiln_compiler::data_parallel::all_reduce_gradients_in_buckets`:
+    /// one collective per bucket, each bucket one buffer of the arena); 0 reduces each gradient
+    /// by its own collective. The default is `BUCKET_BYTES`, 1 MiB. The weights are the same
+    /// bits at any size.
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes;
         self
     }
 
@@ -383,7 +395,11 @@ impl Trainer {
         if let Some((_, ranks)) = ranks {
             // Data parallel: gradients, loss and metrics averaged over the ranks; with ZeRO,
             // the state sharded, as rank 0's plan (specialised to this rank below).
-            kiln_compiler::zero::shard_optimizer_state(&mut graph, self.zero, Shard { ranks, rank: 0 })?;
+            if self.zero == ZeroStage::Off {
+                kiln_compiler::data_parallel::all_reduce_gradients_in_buckets(&mut graph, self.bucket_bytes)?;
+            } else {
+                kiln_compiler::zero::shard_optimizer_state(&mut graph, self.zero, Shard { ranks, rank: 0 })?;
+            }
             let mut names = vec!["loss"];
             names.extend(self.config.metrics.iter().map(|m| m.name()));
             kiln_compiler::data_parallel::all_reduce_outputs(&mut graph, &names)?;

@@ -212,7 +212,7 @@ pub fn generate_with_scratch(
             return Err(KernelError::Unsupported {
                 op: name.into(),
                 dtype: output.1,
-                help: "collectives (and ZeRO's sharded updates) on CUDA devices need NCCL, which kiln does not drive yet: run a data-parallel plan on the CPU backend (MPI)".into(),
+                help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces through host memory and its communicator; ZeRO's sharded steps (reduce-scatter, all-gather, sharded updates) need NCCL, which kiln does not drive yet: run ZeRO on the CPU backend (MPI)".into(),
             });
         }
         Op::Fill { value, .. } => layout::fill(l, *value, out),

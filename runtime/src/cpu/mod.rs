@@ -368,7 +368,8 @@ impl CpuBackend {
             Ok(v)
         })?;
         let loc = |value: usize| match plan.buffers[plan.values[value].buffer].storage {
-            Storage::Arena { device, offset } => Loc::Arena(device, offset),
+            // A value at an offset in its buffer (`Value::offset`) is an arena value.
+            Storage::Arena { device, offset } => Loc::Arena(device, offset + plan.values[value].offset),
             Storage::Io { device, offset } => Loc::Io(device, offset),
             Storage::Variable { index } => Loc::Var(slots[index]),
         };
@@ -441,7 +442,7 @@ impl CpuBackend {
             scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
             for (j, &v) in p.plan.steps[i].inputs.iter().enumerate() {
                 if let Some(&(_, addr)) = bound.iter().find(|(b, _)| *b == p.plan.values[v].buffer) {
-                    scratch[j] = addr;
+                    scratch[j] = addr.wrapping_add(p.plan.values[v].offset);
                 }
             }
             let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));

@@ -90,6 +90,26 @@ struct Program {
     recorded: bool,
     /// Whether a run started (its inputs were all fed): outputs read before are refused.
     ran: bool,
+    /// The plan's all-reduces, each staged through host memory (`HostCollective`).
+    collectives: Vec<HostCollective>,
+}
+
+/// A data-parallel plan's all-reduce (`Op::AllReduce`) on a CUDA device, run through the
+/// backend's communicator (in-process ranks or MPI, `kiln_comm`) on a host copy of the buffer:
+/// the device finishes the launches before it, the buffer is copied to the host, reduced with
+/// the other ranks, scaled for a mean and copied back (the emulated device's memory is host
+/// memory, so CI runs the CUDA backend's data-parallel plans this way). NCCL, which reduces in
+/// device memory, is not driven yet.
+struct HostCollective {
+    /// The plan step.
+    step: usize,
+    input: Loc,
+    output: Loc,
+    /// Elements (f32).
+    n: usize,
+    mean: bool,
+    /// The input's and output's addresses once bound.
+    args: [u64; 2],
 }
 
 /// A variable: its spec and its address inside one of the backend's variable regions.
@@ -150,6 +170,8 @@ pub struct CudaBackend {
     sync_every_launch: bool,
     /// Replay each plan's launches as one CUDA graph (off with `KILN_CUDA_GRAPHS=0`).
     graphs: bool,
+    /// The communicator of a data-parallel run (`with_communicator`).
+    comm: Option<crate::collective::SharedComm>,
 }
 
 impl Drop for CudaBackend {
@@ -181,6 +203,14 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
             // A step's scratch is its own buffer of this size (validated): the kernel uses at
             // most that many bytes of it.
             let scratch = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
+            if let kiln_compiler::ir::Op::AllReduce { .. } = step.op {
+                // Run by the backend through host memory (`HostCollective`), no launch.
+                return Ok(CudaKernel {
+                    source: format!("// {}: reduced by the communicator through host memory\n", step.label),
+                    launches: Vec::new(),
+                    describe: format!("{} (host-staged)", step.op.label()),
+                });
+            }
             Ok(cuda::generate_with_scratch(&step.op, &ins, out, scratch)?)
         })
         .collect()
@@ -231,12 +261,22 @@ impl CudaBackend {
             used_at_open: 0,
             sync_every_launch: std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"),
             graphs: !std::env::var("KILN_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
+            comm: None,
         };
         backend.used_at_open = backend.driver.mem_info().map_or(0, |(free, total)| total - free);
         for b in budgets {
             backend.add_device(b)?;
         }
         Ok(backend)
+    }
+
+    /// This backend as one rank of a data-parallel run: the all-reduces of the plans it loads
+    /// run through `comm` (`HostCollective`), and a plan with collectives is checked against
+    /// every rank's at load (`collective::agree_on_plan`). ZeRO's sharded steps are refused on
+    /// CUDA devices.
+    pub fn with_communicator(mut self, comm: impl kiln_comm::Communicator + 'static) -> Self {
+        self.comm = Some(Arc::new(std::sync::Mutex::new(Box::new(comm))));
+        self
     }
 
     /// Synchronise after every launch, so that a failing kernel is reported at its step (the
@@ -569,14 +609,60 @@ impl CudaBackend {
     /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
     /// there are written, after it the canaries of every buffer live there are read back (the
     /// driver's copies of the gap bytes, synchronising the stream) and compared.
+    /// The launches in order, each all-reduce run through the host where its step is.
+    fn run_with_collectives(&self, p: &Program) -> Result<()> {
+        let mut launches = p.launches.iter().peekable();
+        let mut collectives = p.collectives.iter().peekable();
+        for s in 0..p.plan.steps.len() {
+            while let Some(l) = launches.next_if(|l| l.step == s) {
+                self.launch(p, l)?;
+            }
+            if let Some(c) = collectives.next_if(|c| c.step == s) {
+                self.all_reduce(p, c)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One all-reduce through host memory (`HostCollective`).
+    fn all_reduce(&self, p: &Program, c: &HostCollective) -> Result<()> {
+        let label = &p.plan.steps[c.step].label;
+        let Some(comm) = &self.comm else {
+            return Err(RuntimeError::invalid(format!("step `{label}` needs a communicator"), ""));
+        };
+        let failed = |e: String| {
+            RuntimeError::invalid(
+                format!("step `{label}` ({} floats) on {}: {e}", c.n, self.describe_short()),
+                "every rank must run the same plan; restart the run from its last checkpoint",
+            )
+        };
+        self.driver.synchronize()?;
+        let bytes = self.dtoh_bytes(c.args[0], c.n * 4)?;
+        let mut host: Vec<f32> =
+            bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let mut comm = comm.lock().map_err(|_| failed("the communicator's lock is poisoned".into()))?;
+        comm.all_reduce_sum(&mut host).map_err(|e| failed(e.to_string()))?;
+        if c.mean {
+            let scale = 1.0 / comm.size() as f32;
+            host.iter_mut().for_each(|v| *v *= scale);
+        }
+        drop(comm);
+        let out: Vec<u8> = host.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        self.htod_bytes(c.args[1], &out)
+    }
+
     fn run_guarded(&self, p: &Program, g: &Guard) -> Result<()> {
         let mut launches = p.launches.iter().peekable();
+        let mut collectives = p.collectives.iter().peekable();
         for s in 0..p.plan.steps.len() {
             for c in g.to_fill(s) {
                 self.htod_bytes(canary_address(p, c)?, g.pattern())?;
             }
             while let Some(l) = launches.next_if(|l| l.step == s) {
                 self.launch(p, l)?;
+            }
+            if let Some(c) = collectives.next_if(|c| c.step == s) {
+                self.all_reduce(p, c)?;
             }
             for c in g.to_check(s) {
                 let bytes = self.dtoh_bytes(canary_address(p, c)?, c.range.len())?;
@@ -656,12 +742,27 @@ impl CudaBackend {
         // Every kernel first: a plan one cannot run (a custom op without a CUDA kernel, say) is
         // refused before any variable is created, so a refused load leaves nothing behind.
         let kernels = plan_kernels(&plan)?;
+        if let Some(step) = plan.steps.iter().find(|s| s.op.is_collective()) {
+            let Some(comm) = &self.comm else {
+                return Err(RuntimeError::invalid(
+                    format!(
+                        "plan {:?} has collectives (step `{}`) but this backend has no communicator",
+                        plan.name, step.label
+                    ),
+                    "make the backend a rank of the run: CudaBackend::with_communicator",
+                ));
+            };
+            crate::collective::agree_on_plan(&plan, comm)?;
+        }
         let refs: Vec<&CudaKernel> = kernels.iter().collect();
         let functions = self.driver.load(&refs)?;
         let (var_ptrs, ios, arenas) = self.take_plan_memory(&plan, &devices, region.map(|(ptr, _)| ptr))?;
         let loc = |value: usize| -> Loc {
             match plan.buffers[plan.values[value].buffer].storage {
-                Storage::Arena { device, offset } => Loc::Arena(device, offset as u64),
+                // A value at an offset in its buffer (`Value::offset`) is an arena value.
+                Storage::Arena { device, offset } => {
+                    Loc::Arena(device, (offset + plan.values[value].offset) as u64)
+                }
                 Storage::Io { device, offset } => Loc::Io(device, offset as u64),
                 Storage::Variable { index } => Loc::Var(var_ptrs[index]),
             }
@@ -699,6 +800,19 @@ impl CudaBackend {
                 });
             }
         }
+        let mut collectives = Vec::new();
+        for (s, step) in plan.steps.iter().enumerate() {
+            if let (kiln_compiler::ir::Op::AllReduce { op }, Some(o)) = (&step.op, step.output) {
+                collectives.push(HostCollective {
+                    step: s,
+                    input: loc(step.inputs[0]),
+                    output: loc(o),
+                    n: plan.values[o].shape.numel(),
+                    mean: *op == kiln_compiler::ir::ReduceOp::Mean,
+                    args: [0; 2],
+                });
+            }
+        }
         self.programs.push(Program {
             owned_region: region.is_some(),
             feeds: Feeds::new(&plan),
@@ -711,6 +825,7 @@ impl CudaBackend {
             recording: None,
             recorded: false,
             ran: false,
+            collectives,
         });
         Ok(self.programs.len() - 1)
     }
@@ -776,7 +891,7 @@ impl CudaBackend {
                     if let Some(&(_, _, addr)) =
                         buffers.iter().find(|(b, _, _)| *b == p.plan.values[value].buffer)
                     {
-                        *arg = addr;
+                        *arg = addr + p.plan.values[value].offset as u64;
                     }
                 }
             }
@@ -821,16 +936,16 @@ impl CudaBackend {
         let p = self.program_mut(program)?;
         let arena: Vec<u64> = p.arenas.iter().map(|m| m.ptr).collect();
         let io: Vec<u64> = p.ios.iter().map(|m| m.ptr).collect();
+        let address = |loc: &Loc| match *loc {
+            Loc::Arena(d, off) => arena[d] + off,
+            Loc::Io(d, off) => io[d] + off,
+            Loc::Var(ptr) => ptr,
+        };
         for l in &mut p.launches {
-            l.args = l
-                .locs
-                .iter()
-                .map(|loc| match *loc {
-                    Loc::Arena(d, off) => arena[d] + off,
-                    Loc::Io(d, off) => io[d] + off,
-                    Loc::Var(ptr) => ptr,
-                })
-                .collect();
+            l.args = l.locs.iter().map(address).collect();
+        }
+        for c in &mut p.collectives {
+            c.args = [address(&c.input), address(&c.output)];
         }
         p.bound = true;
         Ok(())
@@ -918,6 +1033,15 @@ impl Backend for CudaBackend {
         self.load_with(plan, None)
     }
 
+    fn rank(&self) -> Option<(usize, usize)> {
+        let comm = self.comm.as_ref()?.lock().ok()?;
+        Some((comm.rank(), comm.size()))
+    }
+
+    fn communicator(&self) -> Option<crate::collective::SharedComm> {
+        self.comm.clone()
+    }
+
     fn set_input_in_place(&mut self, program: ProgramId, name: &str) -> Result<()> {
         let p = self.program(program)?;
         let value = crate::owned_memory::in_place_input(&p.plan, p.owned_region, name)?;
@@ -955,6 +1079,10 @@ impl Backend for CudaBackend {
         let p = self.program(program)?;
         if let Some(g) = &p.guard {
             return self.run_guarded(p, g);
+        }
+        if !p.collectives.is_empty() {
+            // Host steps between launches: no CUDA graph.
+            return self.run_with_collectives(p);
         }
         if self.sync_every_launch || !self.graphs {
             return p.launches.iter().try_for_each(|l| self.launch(p, l));
