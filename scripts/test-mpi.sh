@@ -59,4 +59,8 @@ for np in 2 3; do
     timeout 300 "${MPIRUN[@]}" -np "$np" "$DP" --zero "$zero"
   done
 done
+# The CUDA backend's data-parallel step across processes: each rank on an emulated CUDA device
+# of its own (host memory; kernels built for the host), all-reduces staged through MPI.
+echo "== mpi_train on 2 ranks, each on an emulated CUDA device"
+timeout 600 "${MPIRUN[@]}" -x KILN_CUDA_EMULATE=1 -np 2 "$DP" --cuda
 echo "mpi: all checks passed"
