@@ -44,7 +44,7 @@ pub struct Buckets {
     pub gradients: usize,
     /// Each bucket's bytes (its gradients', with the padding that aligns each to
     /// `liveness::VIEW_ALIGN`), in the order the gradients are made; a gradient alone in its
-    /// bucket is reduced where it lies.
+    /// bucket is reduced where it lies, unpadded (its own bytes).
     pub sizes: Vec<usize>,
 }
 

@@ -235,7 +235,7 @@ fn only_split(graph: &Graph, n: NodeId) -> bool {
     while let (Op::Reshape { .. }, Some(&o)) = (&graph.node(root).op, graph.operands(root).first()) {
         root = o;
     }
-    matches!(graph.node(root).op, Op::AllReduce { .. }) && split_alone(graph, n)
+    matches!(graph.node(root).op, Op::AllReduce { .. }) && split_alone(graph, root)
 }
 
 fn split_alone(graph: &Graph, n: NodeId) -> bool {
@@ -358,6 +358,9 @@ fn analyze_with(graph: &Graph, order: &[NodeId], scratch: &Scratch, views: &View
     let outputs: HashMap<NodeId, &str> =
         graph.outputs().iter().map(|(name, id)| (*id, name.as_str())).collect();
     let mut live = Liveness { steps, ..Default::default() };
+    // The buffer of each concatenation written in place, made by the first of its pieces to run
+    // (its operands may be reshapes the order puts after other pieces).
+    let mut concat_buffer: HashMap<NodeId, usize> = HashMap::new();
     for &n in order {
         let node = graph.node(n);
         let new = |class: StorageClass, start: usize, end: usize| BufferLife {
@@ -375,10 +378,16 @@ fn analyze_with(graph: &Graph, order: &[NodeId], scratch: &Scratch, views: &View
             }
             Op::Variable { key, .. } => Some(new(StorageClass::Variable(key.clone()), 0, last)),
             _ if views.concats.contains(&n) => {
-                // Its first piece made its buffer.
-                let Some(&b) = graph.operands(n).first().and_then(|&o| live.buffer_of.get(&o)) else {
+                // Its first piece made its buffer; every piece is in it.
+                let Some(&b) = concat_buffer.get(&n) else {
                     return Err(CompileError::Internal(format!("{} has no pieces", node.describe())));
                 };
+                if graph.operands(n).iter().any(|o| live.buffer_of.get(o) != Some(&b)) {
+                    return Err(CompileError::Internal(format!(
+                        "a piece of {} is not in its buffer",
+                        node.describe()
+                    )));
+                }
                 live.buffer_of.insert(n, b);
                 None
             }
@@ -395,21 +404,28 @@ fn analyze_with(graph: &Graph, order: &[NodeId], scratch: &Scratch, views: &View
             _ => {
                 let s = step_of[&n];
                 if let Some(&(concat, at)) = views.pieces.get(&n) {
-                    // The concatenation's buffer, made by its first piece.
-                    let first =
-                        graph.operands(concat).into_iter().find_map(|o| live.buffer_of.get(&o).copied());
-                    let b = match first {
-                        Some(b) => b,
+                    // The concatenation's buffer, made by its first piece to run, live to its
+                    // last reader (and at least to its last piece).
+                    let b = match concat_buffer.get(&concat) {
+                        Some(&b) => b,
                         None => {
                             let c = graph.node(concat);
+                            let last_piece = views
+                                .pieces
+                                .iter()
+                                .filter(|(_, (of, _))| *of == concat)
+                                .filter_map(|(p, _)| step_of.get(p).copied())
+                                .max()
+                                .unwrap_or(s);
                             live.buffers.push(BufferLife {
                                 bytes: c.bytes(),
                                 class: StorageClass::Arena,
                                 device: c.device,
                                 start: s,
-                                end: reads_until[&concat].unwrap_or(s).max(s),
+                                end: reads_until[&concat].unwrap_or(s).max(last_piece),
                                 producer: concat,
                             });
+                            concat_buffer.insert(concat, live.buffers.len() - 1);
                             live.buffers.len() - 1
                         }
                     };
@@ -481,11 +497,11 @@ fn in_place_target(graph: &Graph, live: &Liveness, n: NodeId, s: usize) -> Optio
         let reusable = matches!(buf.class, StorageClass::Arena | StorageClass::Input(_));
         // Every operand read from that buffer (the same value twice, or a view of it) must be
         // one the op may write over, at the same offset (the same elements).
-        let allowed = operands
-            .iter()
-            .enumerate()
-            .filter(|&(_, &p)| buffer(p) == Some(b))
-            .all(|(j, &p)| node.op.may_write_over(j, &node.shape) && live.offset(p) == at);
+        let allowed = operands.iter().enumerate().filter(|&(_, &p)| buffer(p) == Some(b)).all(|(j, &p)| {
+            node.op.may_write_over(j, &node.shape)
+                && live.offset(p) == at
+                && graph.node(p).shape.numel() == node.shape.numel()
+        });
         (fits && reusable && allowed && buf.end == s && node.op.may_write_over(i, &node.shape))
             .then_some((b, at))
     })
@@ -520,6 +536,23 @@ mod tests {
         assert_eq!(live.buffer_of[&b], live.buffer_of[&c]);
         assert_eq!((live.offset(a), live.offset(b)), (0, 128), "each piece at its place");
         assert_eq!(live.buffers[live.buffer_of[&c]].bytes, 256);
+    }
+
+    #[test]
+    fn pieces_behind_reshapes_share_one_buffer_in_any_order() {
+        // Program order runs both pieces before either reshape: the second piece must still
+        // find the buffer the first made.
+        let t = Tracer::new("reshaped");
+        let x = t.input("x", [4, 8]);
+        let (a, b) = (x.exp(), x.tanh());
+        t.output("y", &a.reshape([32]).concat(&[&b.reshape([32])], 0).relu());
+        let g = t.finish().unwrap();
+        let live = analyzed(&g);
+        let (c, a, b) = (node(&g, "concat")[0], node(&g, "exp")[0], node(&g, "tanh")[0]);
+        assert!(!live.steps.contains(&c));
+        assert_eq!(live.buffer_of[&a], live.buffer_of[&c]);
+        assert_eq!(live.buffer_of[&b], live.buffer_of[&c]);
+        assert_eq!(live.offset(b), 128);
     }
 
     #[test]

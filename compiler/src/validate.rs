@@ -17,7 +17,7 @@
 //!    alias); only arena values start past their buffer's first byte; an update's mutated
 //!    variables are distinct from each other and from its other operands;
 //! 4. order: every step reading and writing arena buffers only while they are live, every arena
-//!    buffer written before it is read, every variable read before (never after) its update;
+//!    value's bytes written before they are read, every variable read before (never after) its update;
 //! 5. scratch: a step's scratch buffer is in the arena of the step's device, live at that step
 //!    alone, and nothing else's storage (no value's, no other step's scratch).
 
@@ -407,10 +407,39 @@ fn validate_arena(plan: &Plan, device: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// The bytes of value `v` in its buffer (sizes were checked in `validate_structure`).
+fn value_range(plan: &Plan, v: usize) -> (usize, usize) {
+    let value = &plan.values[v];
+    (value.offset, value.offset + value.shape.numel() * value.dtype.size_bytes())
+}
+
+/// Adds `[start, end)` to a buffer's sorted, disjoint written ranges.
+fn mark_written(ranges: &mut Vec<(usize, usize)>, (start, end): (usize, usize)) {
+    ranges.push((start, end));
+    ranges.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+    for &(a, b) in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    *ranges = merged;
+}
+
+/// Whether `[start, end)` lies inside one of the (merged) written ranges.
+fn is_written(ranges: &[(usize, usize)], (start, end): (usize, usize)) -> bool {
+    start == end || ranges.iter().any(|&(a, b)| a <= start && end <= b)
+}
+
 fn validate_steps(plan: &Plan) -> Result<(), String> {
-    let mut written = vec![false; plan.buffers.len()];
+    // The bytes of each buffer written so far: a value inside a buffer (a piece of a
+    // concatenation written in place) is read only once its own bytes are written.
+    let mut written: Vec<Vec<(usize, usize)>> = vec![Vec::new(); plan.buffers.len()];
     for binding in &plan.inputs {
-        written[plan.values[binding.value].buffer] = true; // fed before the run
+        // Fed before the run.
+        let v = binding.value;
+        mark_written(&mut written[plan.values[v].buffer], value_range(plan, v));
     }
     let mut first_update: Vec<Option<usize>> = vec![None; plan.variables.len()];
     let mut last_read: Vec<Option<usize>> = vec![None; plan.variables.len()];
@@ -438,7 +467,7 @@ fn validate_steps(plan: &Plan) -> Result<(), String> {
                             step.label, buf.label, buf.first_step, buf.last_step
                         ));
                     }
-                    if !written[b] {
+                    if !is_written(&written[b], value_range(plan, v)) {
                         return Err(format!(
                             "step {s} ({}) reads {} before it is written",
                             step.label, buf.label
@@ -461,7 +490,7 @@ fn validate_steps(plan: &Plan) -> Result<(), String> {
             if matches!(buf.storage, Storage::Variable { .. }) {
                 return Err(format!("step {s} ({}) writes a variable without being an update", step.label));
             }
-            written[b] = true;
+            mark_written(&mut written[b], value_range(plan, o));
         }
     }
     for (i, v) in plan.variables.iter().enumerate() {

@@ -359,5 +359,20 @@ pub(crate) fn bindable(
             "feed it by copy (set_input / call)",
         ));
     }
+    // Every operand read from the input's buffer is read from the caller's tensor instead: each
+    // must lie inside the input's own bytes (a plan may place other values in the buffer).
+    let bytes = v.shape.numel() * v.dtype.size_bytes();
+    let outside = plan.values.iter().any(|w| {
+        w.buffer == v.buffer && w.offset.saturating_add(w.shape.numel() * w.dtype.size_bytes()) > bytes
+    });
+    if outside {
+        return Err(RuntimeError::invalid(
+            format!(
+                "plan {:?} reads values past input `{name}`'s {bytes} bytes in its buffer: binding it would read past your tensor",
+                plan.name
+            ),
+            "feed it by copy (set_input / call)",
+        ));
+    }
     Ok((v.buffer, b.value, t.data_ptr()))
 }

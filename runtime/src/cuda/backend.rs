@@ -557,6 +557,7 @@ impl CudaBackend {
     /// adds the events' cost to the total): per launch, its step's label, the kernel's
     /// description and milliseconds, in launch order. For finding where a step's time goes.
     pub fn profile(&mut self, program: ProgramId) -> Result<Vec<(String, String, f64)>> {
+        refuse_collectives(self.program(program)?, "profile")?;
         let p = self.program_mut(program)?;
         p.feeds.consume(&p.plan)?;
         p.ran = true;
@@ -606,9 +607,6 @@ impl CudaBackend {
         ))
     }
 
-    /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
-    /// there are written, after it the canaries of every buffer live there are read back (the
-    /// driver's copies of the gap bytes, synchronising the stream) and compared.
     /// The launches in order, each all-reduce run through the host where its step is.
     fn run_with_collectives(&self, p: &Program) -> Result<()> {
         let mut launches = p.launches.iter().peekable();
@@ -651,6 +649,9 @@ impl CudaBackend {
         self.htod_bytes(c.args[1], &out)
     }
 
+    /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
+    /// there are written, after it the canaries of every buffer live there are read back (the
+    /// driver's copies of the gap bytes, synchronising the stream) and compared.
     fn run_guarded(&self, p: &Program, g: &Guard) -> Result<()> {
         let mut launches = p.launches.iter().peekable();
         let mut collectives = p.collectives.iter().peekable();
@@ -871,6 +872,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let device = self.dl_device();
         let p = self.program(program)?;
+        refuse_collectives(p, "run_with")?;
         let buffers: Vec<(usize, usize, u64)> = bound
             .iter()
             .map(|(name, t)| crate::dlpack::bindable(&p.plan, name, t, device))
@@ -974,6 +976,21 @@ impl CudaBackend {
             Slot::Io { device, offset } => Ok(p.ios[device].ptr + offset as u64),
             Slot::Arena { device, offset } => Ok(p.arenas[device].ptr + offset as u64),
         }
+    }
+}
+
+/// Refuses `what` (a way of running launch by launch) on a program with all-reduces, which only
+/// `run` (and `timed_run`) carry out.
+fn refuse_collectives(p: &Program, what: &str) -> Result<()> {
+    match p.collectives.first() {
+        None => Ok(()),
+        Some(c) => Err(RuntimeError::invalid(
+            format!(
+                "{what}: plan {:?} has all-reduces (step `{}`), which {what} does not run",
+                p.plan.name, p.plan.steps[c.step].label
+            ),
+            "run a data-parallel plan with `run` or `call`",
+        )),
     }
 }
 
