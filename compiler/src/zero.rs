@@ -6,8 +6,9 @@
 //! n elements (`Shard::range`: rank r owns a contiguous run of about n/N elements; every rank
 //! stores `Shard::padded(n)` elements, so that all ranks' plans have one shape):
 //!
-//! - stage 1: the gradient is all-reduced whole (`Op::AllReduce`, in place, as plain data
-//!   parallelism does) and the update reads its shard at its offset;
+//! - stage 1: the gradient is all-reduced whole, in the buckets of plain data parallelism
+//!   (`data_parallel::all_reduce_gradients`: one `Op::AllReduce` per bucket, in place), and the
+//!   update reads its shard at its offset;
 //! - stage 2: the gradient is reduce-scattered (`Op::ReduceScatter`): each rank receives just
 //!   its shard of the mean gradient, and the whole local gradient dies there;
 //! - the update (`ApplyAdam`/`ApplySgd` with `shard`) writes W's shard from the state's shard
@@ -98,6 +99,10 @@ pub fn shard_optimizer_state(graph: &mut Graph, stage: ZeroStage, shard: Shard) 
         .node_ids()
         .filter(|&n| matches!(graph.node(n).op, Op::ApplySgd { .. } | Op::ApplyAdam { .. }))
         .collect();
+    if stage == ZeroStage::One {
+        // Whole gradients, reduced as plain data parallelism reduces them: in buckets.
+        crate::data_parallel::all_reduce_gradients(graph)?;
+    }
     let mut out = Sharding::default();
     for u in updates {
         let node = graph.node(u).clone();
@@ -116,13 +121,14 @@ pub fn shard_optimizer_state(graph: &mut Graph, stage: ZeroStage, shard: Shard) 
         let n = graph.node(var).shape.numel();
         let part = Shape::new(vec![shard.padded(n)]);
         let name = graph.node(grad).name.clone().unwrap_or_else(|| graph.node(grad).op.name().into());
-        let gnode = graph.node(grad).clone();
-        let (op, shape, suffix) = match stage {
-            ZeroStage::One => (Op::AllReduce { op: ReduceOp::Mean }, gnode.shape.clone(), "all_reduce"),
-            _ => (Op::ReduceScatter { op: ReduceOp::Mean, shard }, part.clone(), "reduce_scatter"),
-        };
-        let reduced = graph.add(Node { op, shape, name: Some(format!("{name}/{suffix}")), ..gnode }, &[grad]);
-        graph.replace_operand(u, 1, reduced);
+        // Stage 1's gradients were all-reduced in buckets above.
+        if stage == ZeroStage::Two {
+            let op = Op::ReduceScatter { op: ReduceOp::Mean, shard };
+            let gnode = graph.node(grad).clone();
+            let name = Some(format!("{name}/reduce_scatter"));
+            let reduced = graph.add(Node { op, shape: part.clone(), name, ..gnode }, &[grad]);
+            graph.replace_operand(u, 1, reduced);
+        }
         let state = match node.op {
             Op::ApplyAdam { .. } => 2..4,
             _ => 2..operands.len(),
