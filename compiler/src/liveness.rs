@@ -151,16 +151,20 @@ impl Views {
         let step_of: HashMap<NodeId, usize> = plain.steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         let life = |n: NodeId| plain.buffer_of.get(&n).map(|&b| &plain.buffers[b]);
         let mut chosen = Views::default();
+        // Each concatenation's pieces with their offsets.
+        let mut pieces_of: HashMap<NodeId, Vec<(NodeId, usize)>> = HashMap::new();
+        for (&p, &(c, at)) in &self.pieces {
+            pieces_of.entry(c).or_default().push((p, at));
+        }
         let mut concats: Vec<NodeId> = self.concats.iter().copied().collect();
         concats.sort_by_key(|n| step_of.get(n).copied().unwrap_or(usize::MAX));
         for c in concats {
             let Some(&at) = step_of.get(&c) else { continue };
             let whole = graph.node(c).bytes() as i64;
-            let mut made: Vec<(usize, i64)> = self
-                .pieces
+            let pieces = pieces_of.get(&c).map_or(&[][..], |v| &v[..]);
+            let mut made: Vec<(usize, i64)> = pieces
                 .iter()
-                .filter(|(_, (of, _))| *of == c)
-                .filter_map(|(&p, _)| Some((*step_of.get(&p)?, graph.node(p).bytes() as i64)))
+                .filter_map(|&(p, _)| Some((*step_of.get(&p)?, graph.node(p).bytes() as i64)))
                 .collect();
             made.sort_unstable();
             let Some(&(first, _)) = made.first() else { continue };
@@ -182,7 +186,7 @@ impl Views {
                     profile[t] += d;
                 }
                 chosen.concats.insert(c);
-                chosen.pieces.extend(self.pieces.iter().filter(|(_, (of, _))| *of == c));
+                chosen.pieces.extend(pieces.iter().map(|&(p, at)| (p, (c, at))));
             }
         }
         // Slices of one buffer extend it one after another.

@@ -49,6 +49,15 @@ pub fn agree_on_plan(plan: &Plan, comm: &SharedComm) -> Result<()> {
     })
 }
 
+/// The error of loading a plan with collectives (step `label`) on a backend that is no rank;
+/// `how` names the call that makes it one.
+pub fn no_communicator(plan: &Plan, label: &str, how: &str) -> RuntimeError {
+    RuntimeError::invalid(
+        format!("plan {:?} has collectives (step `{label}`) but this backend has no communicator", plan.name),
+        format!("make the backend a rank of the run: {how}"),
+    )
+}
+
 fn poisoned() -> RuntimeError {
     RuntimeError::invalid(
         "the communicator's lock is poisoned: a collective panicked on another thread",

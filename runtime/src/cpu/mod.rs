@@ -329,12 +329,10 @@ impl CpuBackend {
             }
             if step.op.is_collective() || step.op.shard().is_some() {
                 let Some(comm) = &self.comm else {
-                    return Err(RuntimeError::invalid(
-                        format!(
-                            "plan {:?} has collectives (step `{}`) but this backend has no communicator",
-                            plan.name, step.label
-                        ),
-                        "make the backend a rank of the run: `CpuBackend::new(seed).with_communicator(comm)`",
+                    return Err(crate::collective::no_communicator(
+                        &plan,
+                        &step.label,
+                        "`CpuBackend::new(seed).with_communicator(comm)`",
                     ));
                 };
                 crate::collective::check_shard(&step.op, &step.label, comm)?;

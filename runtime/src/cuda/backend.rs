@@ -635,9 +635,7 @@ impl CudaBackend {
             )
         };
         self.driver.synchronize()?;
-        let bytes = self.dtoh_bytes(c.args[0], c.n * 4)?;
-        let mut host: Vec<f32> =
-            bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let mut host = self.dtoh(c.args[0], c.n)?;
         let mut comm = comm.lock().map_err(|_| failed("the communicator's lock is poisoned".into()))?;
         comm.all_reduce_sum(&mut host).map_err(|e| failed(e.to_string()))?;
         if c.mean {
@@ -645,8 +643,7 @@ impl CudaBackend {
             host.iter_mut().for_each(|v| *v *= scale);
         }
         drop(comm);
-        let out: Vec<u8> = host.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        self.htod_bytes(c.args[1], &out)
+        self.htod(c.args[1], &host)
     }
 
     /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
@@ -745,12 +742,10 @@ impl CudaBackend {
         let kernels = plan_kernels(&plan)?;
         if let Some(step) = plan.steps.iter().find(|s| s.op.is_collective()) {
             let Some(comm) = &self.comm else {
-                return Err(RuntimeError::invalid(
-                    format!(
-                        "plan {:?} has collectives (step `{}`) but this backend has no communicator",
-                        plan.name, step.label
-                    ),
-                    "make the backend a rank of the run: CudaBackend::with_communicator",
+                return Err(crate::collective::no_communicator(
+                    &plan,
+                    &step.label,
+                    "CudaBackend::with_communicator",
                 ));
             };
             crate::collective::agree_on_plan(&plan, comm)?;
