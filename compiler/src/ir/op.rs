@@ -113,7 +113,7 @@ pub enum UnaryOp {
 impl UnaryOp {
     /// The arithmetic of one element as the CPU kernels compute it (`kernels/src/cpu/vmath.rs`):
     /// a transcendental is a range reduction and a polynomial, 15-30 operations where relu is
-    /// one. Measured (1M floats, 2 threads, `examples/transcendentals.rs`): relu 0.05-0.09 ms,
+    /// one. Measured (1M floats, 2 threads, AVX2, `benches/transcendentals.rs`): relu 0.05-0.09 ms,
     /// exp 0.22-0.28, tanh 0.48-0.55, GELU 0.55-0.64: counting these as one each, `cheap_remat`
     /// took a GELU's recomputation for free and it cost 0.55 ms of a 42 ms step.
     pub fn flops_per_element(self) -> u64 {

@@ -14,6 +14,7 @@
 use super::broadcast::{Strided, broadcast_strides};
 use super::math::{with_binary, with_scalar, with_unary};
 use super::par::{SendPtr, par_ranges};
+use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{BinaryOp, ScalarOp, Shape, UnaryOp};
 use std::slice;
@@ -126,31 +127,9 @@ unsafe fn unary_run(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
     with_unary!(op, |f| unsafe { map1(x, o, n, f) })
 }
 
-/// `unary_run` compiled for AVX2: the same scalar code, which the compiler vectorises 8 wide
-/// here (no FMA contraction: the results are bitwise those of the baseline build).
-///
-/// # Safety
-/// As `map1`, and the CPU supports AVX2 (checked by the caller).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn unary_run_avx2(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
-    // SAFETY: forwarded contract.
-    unsafe { unary_run(op, x, o, n) }
-}
-
-/// `unary_run` on the widest vectors the CPU has.
-///
-/// # Safety
-/// As `map1`.
-#[inline(always)]
-unsafe fn unary_dispatch(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: forwarded contract; AVX2 is present (checked on the line above).
-        return unsafe { unary_run_avx2(op, x, o, n) };
-    }
-    // SAFETY: forwarded contract.
-    unsafe { unary_run(op, x, o, n) }
+multiversion! {
+    /// `unary_run` on the widest vectors the CPU has (`simd`).
+    unsafe fn unary_dispatch / unary_at(op: UnaryOp, x: *const f32, o: *mut f32, n: usize) => unary_run;
 }
 
 impl CpuKernel for Unary {
@@ -301,13 +280,11 @@ unsafe fn derivative_blocks(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-/// # Safety
-/// As `gelu_grad_blocks`, and the CPU supports AVX2.
-unsafe fn gelu_grad_blocks_avx2(op: BinaryOp, x: *const f32, dy: *const f32, o: *mut f32, n: usize) {
-    // SAFETY: forwarded contract.
-    unsafe { gelu_grad_blocks(op, x, dy, o, n) }
+multiversion! {
+    /// `gelu_grad_blocks` on the widest vectors the CPU has (`simd`).
+    pub(crate) unsafe fn gelu_grad_dispatch / gelu_grad_at(
+        op: BinaryOp, x: *const f32, dy: *const f32, o: *mut f32, n: usize
+    ) => gelu_grad_blocks;
 }
 
 impl CpuKernel for Binary {
@@ -319,13 +296,8 @@ impl CpuKernel for Binary {
                 self.walk.for_each_run(s, e, &mut |oo, [ia, ib], n| {
                     let (x, dy, o) =
                         (x.get().wrapping_offset(ia), dy.get().wrapping_offset(ib), o.get().wrapping_add(oo));
-                    #[cfg(target_arch = "x86_64")]
-                    if std::arch::is_x86_feature_detected!("avx2") {
-                        // SAFETY: as in `go` (contiguous runs of both operands); AVX2 present.
-                        return unsafe { gelu_grad_blocks_avx2(self.op, x, dy, o, n) };
-                    }
-                    // SAFETY: as in `go`.
-                    unsafe { gelu_grad_blocks(self.op, x, dy, o, n) }
+                    // SAFETY: as in `go` (contiguous runs of both operands).
+                    unsafe { gelu_grad_dispatch(self.op, x, dy, o, n) }
                 });
             });
             return;
@@ -379,5 +351,128 @@ impl CpuKernel for Select {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::super::simd::Width;
+    use super::*;
+
+    /// Every unary op (a new op fails to compile here until it is listed).
+    pub(crate) fn unary_ops() -> Vec<UnaryOp> {
+        let all = [
+            UnaryOp::Neg,
+            UnaryOp::Abs,
+            UnaryOp::Sign,
+            UnaryOp::Relu,
+            UnaryOp::Sigmoid,
+            UnaryOp::Tanh,
+            UnaryOp::Gelu,
+            UnaryOp::GeluTanh,
+            UnaryOp::Exp,
+            UnaryOp::Log,
+            UnaryOp::Sqrt,
+            UnaryOp::Rsqrt,
+            UnaryOp::Square,
+            UnaryOp::Reciprocal,
+            UnaryOp::Erf,
+        ];
+        for op in all {
+            match op {
+                UnaryOp::Neg
+                | UnaryOp::Abs
+                | UnaryOp::Sign
+                | UnaryOp::Relu
+                | UnaryOp::Sigmoid
+                | UnaryOp::Tanh
+                | UnaryOp::Gelu
+                | UnaryOp::GeluTanh
+                | UnaryOp::Exp
+                | UnaryOp::Log
+                | UnaryOp::Sqrt
+                | UnaryOp::Rsqrt
+                | UnaryOp::Square
+                | UnaryOp::Reciprocal
+                | UnaryOp::Erf => {}
+            }
+        }
+        all.to_vec()
+    }
+
+    /// An odd number of values over every range the transcendentals branch on, with the
+    /// special values (signed zeros, infinities, NaN, subnormals, the overflow edges).
+    pub(crate) fn inputs() -> Vec<f32> {
+        let mut x: Vec<f32> = (0..4099).map(|i| -40.0 + 80.0 * i as f32 / 4098.0).collect();
+        x.extend((0..517).map(|i| (i as f32 * 0.731).sin() * 3.0));
+        x.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MIN_POSITIVE,
+            -f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            88.7,
+            89.0,
+            -103.9,
+            -104.0,
+            f32::MAX,
+            f32::MIN,
+        ]);
+        x
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    }
+
+    /// Each width the CPU has computes the baseline's bits, for every unary op and both GELU
+    /// gradients, in place and not.
+    #[test]
+    fn every_width_computes_the_baseline_bits() {
+        let x = inputs();
+        let dy: Vec<f32> = (0..x.len()).map(|i| (i as f32 * 0.37).cos()).collect();
+        let run = |w: Width, op: UnaryOp, in_place: bool| {
+            let mut o = vec![0.0f32; x.len()];
+            // SAFETY: x and o hold x.len() elements, disjoint (or o alone, in place); `w` is
+            // one of `Width::available()`.
+            unsafe {
+                if in_place {
+                    o.copy_from_slice(&x);
+                    unary_at(w, op, o.as_ptr(), o.as_mut_ptr(), o.len());
+                } else {
+                    unary_at(w, op, x.as_ptr(), o.as_mut_ptr(), o.len());
+                }
+            }
+            o
+        };
+        let widths = Width::available();
+        assert!(widths.contains(&Width::Baseline));
+        for op in unary_ops() {
+            let base = run(Width::Baseline, op, false);
+            for &w in &widths {
+                for in_place in [false, true] {
+                    assert!(
+                        same_bits(&run(w, op, in_place), &base),
+                        "{op:?} at {w:?} (in place: {in_place})"
+                    );
+                }
+            }
+        }
+        for op in [BinaryOp::GeluGrad, BinaryOp::GeluTanhGrad] {
+            let run = |w: Width| {
+                let mut o = vec![0.0f32; x.len()];
+                // SAFETY: three disjoint buffers of x.len() elements; `w` is available.
+                unsafe { gelu_grad_at(w, op, x.as_ptr(), dy.as_ptr(), o.as_mut_ptr(), o.len()) };
+                o
+            };
+            let base = run(Width::Baseline);
+            for &w in &widths {
+                assert!(same_bits(&run(w), &base), "{op:?} at {w:?}");
+            }
+        }
     }
 }

@@ -16,6 +16,7 @@
 use super::broadcast::{Strided, broadcast_strides};
 use super::math::{with_binary, with_scalar, with_unary};
 use super::par::{SendPtr, par_ranges};
+use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
@@ -220,25 +221,19 @@ impl FusedKernel {
             }
         }
     }
+}
 
-    /// `chunk` compiled for AVX2.
-    ///
-    /// # Safety
-    /// As `chunk`, and the CPU supports AVX2 (checked by the caller).
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn chunk_avx2(
-        &self,
+multiversion! {
+    /// `FusedKernel::chunk` on the widest vectors the CPU has (`simd`).
+    unsafe fn chunk_dispatch / chunk_at(
+        kernel: &FusedKernel,
         slots: &mut [f32],
         stride: usize,
         ins: &[*const f32; MAX_FUSED_OPERANDS],
         out: *mut f32,
         m: usize,
         first: usize,
-    ) {
-        // SAFETY: forwarded contract.
-        unsafe { self.chunk(slots, stride, ins, out, m, first) }
-    }
+    ) => FusedKernel::chunk;
 }
 
 impl FusedKernel {
@@ -277,8 +272,6 @@ impl FusedKernel {
         e: usize,
         out: *mut f32,
     ) {
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = std::arch::is_x86_feature_detected!("avx2");
         self.walk.for_each_run(s, e, &mut |oo, offs, n| {
             let mut done = 0;
             while done < n {
@@ -295,13 +288,7 @@ impl FusedKernel {
                 // SAFETY: the contract above; position oo + done is out's element oo + done - s.
                 unsafe {
                     let out = out.add(oo + done - s);
-                    #[cfg(target_arch = "x86_64")]
-                    if avx2 {
-                        self.chunk_avx2(slots, stride, &at, out, m, oo + done);
-                        done += m;
-                        continue;
-                    }
-                    self.chunk(slots, stride, &at, out, m, oo + done);
+                    chunk_dispatch(self, slots, stride, &at, out, m, oo + done);
                 }
                 done += m;
             }
@@ -582,5 +569,66 @@ impl CpuKernel for FusedMatMulKernel {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::elementwise::tests::{inputs, unary_ops};
+    use super::super::simd::Width;
+    use super::*;
+    use kiln_compiler::ir::BinaryOp;
+    use kiln_compiler::ir::fused::Ref;
+
+    /// A fused program of every unary op (each on the first operand, summed in a chain with
+    /// both GELU gradients and a select) computes the baseline's bits at every width.
+    #[test]
+    fn every_width_computes_the_baseline_bits() {
+        let x = inputs();
+        let n = x.len();
+        let y: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).cos()).collect();
+        let mut insts = Vec::new();
+        let mut acc = Ref::Operand(1);
+        for op in unary_ops() {
+            insts.push(Inst::Unary(op, Ref::Operand(0)));
+            insts.push(Inst::Binary(BinaryOp::Add, acc, Ref::Value(insts.len() as u32 - 1)));
+            acc = Ref::Value(insts.len() as u32 - 1);
+        }
+        for op in [BinaryOp::GeluGrad, BinaryOp::GeluTanhGrad] {
+            insts.push(Inst::Binary(op, Ref::Operand(0), acc));
+            acc = Ref::Value(insts.len() as u32 - 1);
+        }
+        insts.push(Inst::Select(Ref::Operand(1), acc, Ref::Operand(0)));
+        let shape = Shape::new([n]);
+        let program = Fused {
+            shape: shape.clone(),
+            insts,
+            reduce: None,
+            matmul: None,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        };
+        let kernel = fused_kernel(&program, &[&shape, &shape], &shape).expect("a valid program");
+        let run = |w: Width| {
+            let mut o = vec![0.0f32; n];
+            let mut slots = vec![0.0f32; kernel.regs.slots * n];
+            let mut ins = [std::ptr::null(); MAX_FUSED_OPERANDS];
+            (ins[0], ins[1]) = (x.as_ptr(), y.as_ptr());
+            // SAFETY: both operands hold n elements read with stride 1, disjoint from `o` (n
+            // writes); slots holds regs.slots slots of n elements; `w` is available.
+            unsafe { chunk_at(w, &kernel, &mut slots, n, &ins, o.as_mut_ptr(), n, 0) };
+            o
+        };
+        let base = run(Width::Baseline);
+        assert!(base.iter().any(|v| v.is_finite() && *v != 0.0));
+        for w in Width::available() {
+            assert!(
+                run(w)
+                    .iter()
+                    .zip(&base)
+                    .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())),
+                "{w:?}"
+            );
+        }
     }
 }

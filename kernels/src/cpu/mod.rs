@@ -17,7 +17,8 @@
 //! - `gather`: embedding lookup and its gradient.
 //! - `cast`: conversions between f32, i32, i64 and bool.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
-//! - `math`, `par`: scalar definitions and parallel helpers.
+//! - `math`, `vmath`, `par`: scalar definitions, the vectorisable transcendentals, parallel helpers.
+//! - `simd`: the widest vector instructions of the CPU, chosen at run time, and `multiversion!`.
 //!
 //! Measured (release, one core of the 2-core Xeon build machine, which other jobs shared, so
 //! +-30%): relu on 32x10 costs 0.03-0.07 us per call and a bias add 32x10 + 10 about 0.5 us; a
@@ -39,6 +40,7 @@ mod optim;
 mod par;
 mod pool;
 mod reduce;
+mod simd;
 mod softmax;
 pub(crate) mod vmath;
 

@@ -8,6 +8,7 @@
 
 use super::math::max_nan;
 use super::par::{SendPtr, par_ranges};
+use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::Shape;
 use std::slice;
@@ -35,6 +36,7 @@ pub(crate) fn softmax(x: &Shape, axis: usize, log: bool) -> Box<dyn CpuKernel> {
 const LANES: usize = 8;
 
 /// The largest element (NaN if any is NaN), over `LANES` running maxima.
+#[inline(always)]
 fn row_max(x: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
@@ -49,6 +51,7 @@ fn row_max(x: &[f32]) -> f32 {
 }
 
 /// The sum of `x` in f64, over `LANES` running sums.
+#[inline(always)]
 fn row_sum(x: &[f32]) -> f64 {
     let mut lanes = [0f64; LANES];
     let chunks = x.chunks_exact(LANES);
@@ -66,6 +69,7 @@ fn row_sum(x: &[f32]) -> f64 {
 /// the transformer's training step (`examples/profile_cpu.rs`): its 8x128x1000 log-softmax 3.84 ->
 /// 1.07 ms and 8x4x128x128 softmax 1.96 -> 0.62 ms (before: one element at a time into one
 /// running f64 sum, which the compiler cannot vectorise).
+#[inline(always)]
 fn row(x: &[f32], o: &mut [f32], log: bool) {
     let m = row_max(x);
     for (o, &v) in o.iter_mut().zip(x) {
@@ -92,6 +96,7 @@ impl Softmax {
     ///
     /// # Safety
     /// `x` and `o` hold the whole tensor.
+    #[inline(always)]
     unsafe fn tile(&self, x: *const f32, o: *mut f32, q: usize, i0: usize, w: usize) {
         let (n, inner) = (self.n, self.inner);
         let base = q * n * inner + i0;
@@ -136,6 +141,17 @@ impl Softmax {
     }
 }
 
+multiversion! {
+    /// `row` on the widest vectors the CPU has (`simd`).
+    unsafe fn row_dispatch / row_at(x: &[f32], o: &mut [f32], log: bool) => row;
+}
+
+multiversion! {
+    /// `Softmax::tile` on the widest vectors the CPU has (`simd`).
+    unsafe fn tile_dispatch / tile_at(kernel: &Softmax, x: *const f32, o: *mut f32, q: usize, i0: usize, w: usize)
+        => Softmax::tile;
+}
+
 impl CpuKernel for Softmax {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
@@ -151,7 +167,8 @@ impl CpuKernel for Softmax {
                             slice::from_raw_parts_mut(o.get().add(q * n), n),
                         )
                     };
-                    row(xr, or, self.log);
+                    // SAFETY: `row` is safe; any width `simd::width()` chose is supported.
+                    unsafe { row_dispatch(xr, or, self.log) };
                 }
             });
         } else {
@@ -161,7 +178,7 @@ impl CpuKernel for Softmax {
                     let (q, t) = (u / tiles, u % tiles);
                     let i0 = t * TILE;
                     // SAFETY: in bounds; units own disjoint columns of the output.
-                    unsafe { self.tile(x.get(), o.get(), q, i0, TILE.min(inner - i0)) };
+                    unsafe { tile_dispatch(self, x.get(), o.get(), q, i0, TILE.min(inner - i0)) };
                 }
             });
         }
@@ -169,5 +186,46 @@ impl CpuKernel for Softmax {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::simd::Width;
+    use super::*;
+
+    /// Softmax and log-softmax rows and column tiles compute the baseline's bits at every width
+    /// the CPU has.
+    #[test]
+    fn every_width_computes_the_baseline_bits() {
+        let x: Vec<f32> = (0..3 * 77 * 5).map(|i| (i as f32 * 0.913).sin() * 20.0).collect();
+        for log in [false, true] {
+            let row = |w: Width| {
+                let mut o = vec![0.0f32; x.len()];
+                // SAFETY: safe function; `w` is available.
+                unsafe { row_at(w, &x, &mut o, log) };
+                o
+            };
+            let kernel = Softmax { log, outer: 3, n: 77, inner: 5, desc: String::new() };
+            let tile = |w: Width| {
+                let mut o = vec![0.0f32; x.len()];
+                for q in 0..3 {
+                    // SAFETY: x and o hold the whole [3, 77, 5] tensor; `w` is available.
+                    unsafe { tile_at(w, &kernel, x.as_ptr(), o.as_mut_ptr(), q, 0, 5) };
+                }
+                o
+            };
+            let (row0, tile0) = (row(Width::Baseline), tile(Width::Baseline));
+            for w in Width::available() {
+                assert!(
+                    row(w).iter().zip(&row0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "row, {w:?}, log {log}"
+                );
+                assert!(
+                    tile(w).iter().zip(&tile0).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "tile, {w:?}, log {log}"
+                );
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@
 //!
 //! Why and what it gave: libm's scalar calls were the CPU's elementwise hot spot. 1M floats in
 //! [-6, 6], unary kernel on 2 threads, median of 15, before -> after on the 2-core build machine
-//! (`cargo run --release --example transcendentals`): first the polynomials (2026-11-25): tanh
+//! (then an example, now `cargo bench --bench transcendentals`): first the polynomials (2026-11-25): tanh
 //! 4.28 -> 0.45 ms, sigmoid 1.57 -> 0.31 ms, exp 0.68 -> 0.28 ms, ln 0.83 -> 0.39 ms (relu:
 //! 0.05-0.09 ms); then (2026-11-26, same machine, same hour, old -> new) FMA in every polynomial
 //! and GELU from the Gaussian tail (`gauss_tail`: one exp, one division, one polynomial, where
@@ -17,6 +17,16 @@
 //! 1.50-1.53 -> 0.69-0.71 ms; the transformer's CPU training step 50-52 -> 47-48 ms
 //! (`examples/profile_cpu.rs`). Against the issue's libm baseline (gelu 2.3, tanh 5.1, sigmoid
 //! 3.4, exp 1.6 ms): GELU 3.6-4.2x, tanh 9-11x, sigmoid 11x, exp 6-7x.
+//!
+//! Then (2026-11-27) the loops on the widest vectors the CPU has (`simd`: AVX-512 where present,
+//! chosen at run time, the same bits), and the issue-time scalar kernels measured side by side in
+//! the same run instead of against figures of another day (`cargo bench --bench transcendentals`,
+//! 1M floats, 2 threads, 5 interleaved rounds; speed-up over the issue-time kernel on uniform
+//! [-6, 6] / standard normal inputs): exp 8.9x / 8.7x, ln 6.0x / 5.9x, tanh 22x / 30x, sigmoid
+//! 8.4x / 19x, erf 20x / 15x, GELU 20x / 11x, GELU's gradient 21x / 14x (kiln's GELU 0.36 ms,
+//! the issue-time one 7.2 ms on uniform inputs, 4.2 ms on normal ones: libm's `erff` has a fast
+//! branch near 0). Capped at AVX2 (`KILN_SIMD=avx2`, same run conditions): ln 3.3x and sigmoid
+//! 4.9x / 12x, below the issue's 5x; the others 6-30x.
 //!
 //! Accuracy against libm (or double precision) over sweeps of every range (tests below): exp and
 //! ln within 1 ulp, sigmoid, tanh and erf within 2 ulp (erf: or 1e-7 absolute), Φ and GELU
