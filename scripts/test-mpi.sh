@@ -60,7 +60,10 @@ for np in 2 3; do
   done
 done
 # The CUDA backend's data-parallel step across processes: each rank on an emulated CUDA device
-# of its own (host memory; kernels built for the host), all-reduces staged through MPI.
+# of its own (host memory; kernels built for the host), collectives staged through MPI; with
+# ZeRO stage 2 on 3 ranks (uneven shards), reduce-scatters and all-gathers too.
 echo "== mpi_train on 2 ranks, each on an emulated CUDA device"
 timeout 600 "${MPIRUN[@]}" -x KILN_CUDA_EMULATE=1 -np 2 "$DP" --cuda
+echo "== mpi_train on 3 ranks, each on an emulated CUDA device, ZeRO stage 2"
+timeout 600 "${MPIRUN[@]}" -x KILN_CUDA_EMULATE=1 -np 3 "$DP" --cuda --zero 2
 echo "mpi: all checks passed"

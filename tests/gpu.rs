@@ -412,3 +412,67 @@ fn gpu_data_parallel_ranks_reduce_through_the_host_and_train_as_cpu_ranks() {
         close(m.name, &format!("{key} after 2 data-parallel steps"), c, g);
     }
 }
+
+#[test]
+fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
+    use kiln::compiler::ir::VarRole;
+    use kiln::compiler::zero::ZeroStage;
+    use kiln::runtime::{CpuBackend, Trainer};
+    let Some(gpu) = cuda_backend(0) else { return };
+    drop(gpu);
+    // 3 ranks: uneven shards (the seed model's 100x10 kernel, 10-element bias), and empty
+    // ones (its 1-element bias: ranks 1 and 2 hold none of it); per-rank batches of 4.
+    let (ranks, per_rank) = (3, 4);
+    let m = zoo::by_name("seed-mlp").unwrap();
+    let whole = m.clone().with_batch(ranks * per_rank);
+    let batches: Vec<_> = (0..2).map(|i| whole.batch_data(30 + i).unwrap()).collect();
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let train = |backend: Box<dyn Backend>, r: usize| {
+            let mut t = Trainer::new(m.model(), m.config(), backend).with_zero_stage(stage);
+            let mut losses = Vec::new();
+            for (x, y) in &batches {
+                let rows = r * per_rank..(r + 1) * per_rank;
+                let (x, y) = (x.rows(rows.clone()).unwrap(), y.rows(rows).unwrap());
+                losses.push(t.train_step(&x, &y).unwrap().loss);
+            }
+            let plan = t.plans()[0].clone();
+            let sharded = plan.steps.iter().filter(|s| s.op.shard().is_some()).count();
+            let keys: Vec<String> = plan
+                .variables
+                .iter()
+                .filter(|v| v.role == VarRole::Parameter)
+                .map(|v| v.key.clone())
+                .collect();
+            let params: Vec<_> =
+                keys.iter().map(|k| (k.clone(), t.backend().read_variable(k).unwrap())).collect();
+            (params, losses, sharded)
+        };
+        let on_gpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
+            let backend = if common::emulated() {
+                CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
+            } else {
+                CudaBackend::new(0, 5).unwrap()
+            };
+            train(Box::new(backend.with_communicator(comm)), r)
+        });
+        let on_cpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
+            train(Box::new(CpuBackend::new(5).with_communicator(comm)), r)
+        });
+        let (params, losses, sharded) = &on_gpu[0];
+        assert!(*sharded > 0, "{stage:?}: the CUDA plan has sharded steps");
+        for (r, (other, _, _)) in on_gpu.iter().enumerate().skip(1) {
+            for ((key, a), (_, b)) in params.iter().zip(other) {
+                assert_eq!(a.data(), b.data(), "{stage:?}: {key} differs between CUDA ranks 0 and {r}");
+            }
+        }
+        for ((key, g), (_, c)) in params.iter().zip(&on_cpu[0].0) {
+            close(m.name, &format!("{stage:?}: {key} after 2 ZeRO steps"), c, g);
+        }
+        for (g, c) in losses.iter().zip(&on_cpu[0].1) {
+            assert!(
+                (g - c).abs() <= 1e-4 * c.abs().max(1.0),
+                "{stage:?}: loss {g} on CUDA ranks, {c} on CPU ranks"
+            );
+        }
+    }
+}

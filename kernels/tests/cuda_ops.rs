@@ -10,7 +10,8 @@
 
 use kiln_compiler::ir::fused::{FusedMatMul, FusedReduce, Inst, Ref};
 use kiln_compiler::ir::{
-    BinaryOp, DType, Fused, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, UnaryOp, Window2d, infer,
+    BinaryOp, DType, Fused, Op, Padding, PoolKind, ReduceOp, Rows, ScalarOp, Shape, Shard, UnaryOp, Window2d,
+    infer,
 };
 use kiln_kernels::KernelError;
 use kiln_kernels::cpu;
@@ -488,6 +489,41 @@ fn cases() -> Vec<Case> {
         .with(3, Data::Uniform(0.0, 1.0))
         .with(4, Data::Const(2.0)),
     );
+    // ---- ZeRO shards: a rank's range of the variable, its state the padded shard, its
+    // gradient the shard's or the whole variable's (35 elements over 3 ranks: 12, 12, 11; 9
+    // over 4: 3, 2, 2, 2)
+    let shard = |op: Op, ranks, rank| match op {
+        Op::ApplySgd { lr, momentum, nesterov, .. } => Op::ApplySgd {
+            lr,
+            momentum,
+            nesterov,
+            rows: None,
+            product: false,
+            shard: Some(Shard { ranks, rank }),
+        },
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, .. } => Op::ApplyAdam {
+            lr,
+            beta1,
+            beta2,
+            epsilon,
+            rows: None,
+            product: false,
+            shard: Some(Shard { ranks, rank }),
+        },
+        other => other,
+    };
+    v.push(case("sgd_shard_whole_grad", shard(sgd(0.1, 0.9, false), 3, 1), &[&[7, 5], &[7, 5], &[12]]));
+    v.push(case("sgd_shard_own_grad", shard(sgd(0.05, 0.8, true), 3, 2), &[&[7, 5], &[12], &[12]]));
+    v.push(case("sgd_shard_plain", shard(sgd(0.01, 0.0, false), 3, 2), &[&[35], &[12]]));
+    for (name, rank, grad) in
+        [("adam_shard_last", 3, 9), ("adam_shard_first", 0, 3), ("adam_shard_own", 1, 3)]
+    {
+        v.push(
+            case(name, shard(adam.clone(), 4, rank), &[&[9], &[grad], &[3], &[3], &[]])
+                .with(3, Data::Uniform(0.0, 1.0))
+                .with(4, Data::Const(3.0)),
+        );
+    }
     // ---- product updates: the gradient aᵀ·b made by the update's own GEMM (tiled and
     // K-parallel shapes, one tile and many, SGD plain / momentum / Nesterov and Adam)
     let product = |op: Op| op.update_in(None, kiln_compiler::ir::Grad::Product);

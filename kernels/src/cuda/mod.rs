@@ -204,15 +204,11 @@ pub fn generate_with_scratch(
     let l = label.as_str();
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
-        Op::AllReduce { .. }
-        | Op::ReduceScatter { .. }
-        | Op::AllGather { .. }
-        | Op::ApplySgd { shard: Some(_), .. }
-        | Op::ApplyAdam { shard: Some(_), .. } => {
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
             return Err(KernelError::Unsupported {
                 op: name.into(),
                 dtype: output.1,
-                help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces through host memory and its communicator; ZeRO's sharded steps (reduce-scatter, all-gather, sharded updates) need NCCL, which kiln does not drive yet: run ZeRO on the CPU backend (MPI)".into(),
+                help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers through host memory and its communicator (NCCL, which would run them in device memory, is not driven yet)".into(),
             });
         }
         Op::Fill { value, .. } => layout::fill(l, *value, out),
@@ -291,11 +287,11 @@ pub fn generate_with_scratch(
             }
         }
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch),
-        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard: None } => {
-            optim::sgd(l, (*lr, *momentum, *nesterov), *rows, *product, &s, scratch)
+        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
+            optim::sgd(l, (*lr, *momentum, *nesterov), (*rows, *product, *shard), &s, scratch)
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard: None } => {
-            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], *rows, *product, &s, scratch)
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => {
+            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], (*rows, *product, *shard), &s, scratch)
         }
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
     })

@@ -11,7 +11,8 @@
 //!
 //! A tiled update (`rows`) writes a block of rows: the kernel moves the variable's and the
 //! state's pointers to the block's first element and updates as many elements as the gradient
-//! (just the block) holds.
+//! (just the block) holds. A ZeRO shard (`shard`) updates the rank's range of the variable, its
+//! state holding just the (padded) shard and its gradient the shard's or the whole variable's.
 //!
 //! A product update (`ir::Grad::Product`) is the tiled GEMM of its gradient aᵀ·b whose store is
 //! the update's arithmetic (`gemm::Sink::Update`): each thread applies the products it would
@@ -24,7 +25,7 @@
 use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
 use super::gemm::{Gemm, Operand, Plain, Sink, Update};
 use super::{Arg, CudaKernel, Launch};
-use kiln_compiler::ir::{Rows, Shape};
+use kiln_compiler::ir::{Rows, Shape, Shard};
 
 /// Moves the named pointer parameters to a block's first element.
 fn shift(c: &mut Code, names: &[&str], offset: usize) {
@@ -135,10 +136,10 @@ impl Rule {
         p.join(", ")
     }
 
-    /// The kernel over a stored gradient (operand 1), `n` elements from `offset` (a tiled
-    /// update's block).
-    fn kernel(self, label: &str, var: &Shape, rows: Option<Rows>, shapes: &[&Shape]) -> CudaKernel {
-        let (offset, n, part) = Rows::span(rows, var);
+    /// The kernel over a stored gradient (operand 1), `n` elements of the variable from
+    /// `span.var`, of the gradient from `span.grad` and of the state from `span.state` (a tiled
+    /// update's block, or a rank's shard).
+    fn kernel(self, label: &str, var: &Shape, span: &Span, shapes: &[&Shape]) -> CudaKernel {
         let ty = idx_type(var.numel());
         let function = format!("kiln_apply_{}", self.name);
         let mut c = Code::new();
@@ -147,10 +148,10 @@ impl Rule {
         for l in self.setup.iter().chain(&self.constants) {
             c.line(l);
         }
-        let mut moved = vec!["var"];
-        moved.extend(&self.state);
-        shift(&mut c, &moved, offset);
-        c.line(grid_loop(ty, "i", n));
+        shift(&mut c, &["var"], span.var);
+        shift(&mut c, &["grad"], span.grad);
+        shift(&mut c, &self.state, span.state);
+        c.line(grid_loop(ty, "i", span.n));
         c.line("const float g = grad[i];");
         for l in &self.body {
             c.line(l);
@@ -160,8 +161,8 @@ impl Rule {
         let inputs = 2 + self.state.len() + usize::from(self.counter);
         CudaKernel {
             source: c.finish(),
-            launches: vec![launch(&function, n, inputs)],
-            describe: format!("{} {}{part}", self.describe, shape_text(var)),
+            launches: vec![launch(&function, span.n, inputs)],
+            describe: format!("{} {}{}", self.describe, shape_text(var), span.part),
         }
     }
 
@@ -234,20 +235,55 @@ impl Rule {
     }
 }
 
+/// Where an update over a stored gradient reads and writes: `n` elements of the variable from
+/// `var`, of the gradient from `grad`, of the state from `state`, and the describe text's part.
+struct Span {
+    var: usize,
+    grad: usize,
+    state: usize,
+    n: usize,
+    part: String,
+}
+
+impl Span {
+    /// A tiled update's block of rows (the gradient holds just the block, the state is the
+    /// variable's shape), or a rank's shard (`ir::infer` checked: no rows, no product; the state
+    /// holds the padded shard from 0; the gradient is the shard's from 0 or the variable's,
+    /// read from the shard's first element), as the CPU kernel reads them.
+    fn of(var: &Shape, grad: &Shape, rows: Option<Rows>, shard: Option<Shard>) -> Span {
+        match shard {
+            Some(sh) => {
+                let r = sh.range(var.numel());
+                Span {
+                    var: r.start,
+                    grad: if grad == var { r.start } else { 0 },
+                    state: 0,
+                    n: r.len(),
+                    part: format!(" shard {} of {} ({}..{})", sh.rank, sh.ranks, r.start, r.end),
+                }
+            }
+            None => {
+                let (offset, n, part) = Rows::span(rows, var);
+                Span { var: offset, grad: 0, state: offset, n, part }
+            }
+        }
+    }
+}
+
 /// The update's kernel: over a stored gradient, or computing it (`product`; checked against
-/// the variable by `ir::infer`, as `rows` is).
+/// the variable by `ir::infer`, as `rows` and `shard` are).
 fn update(
     rule: Rule,
     label: &str,
-    rows: Option<Rows>,
-    product: bool,
+    (rows, product, shard): (Option<Rows>, bool, Option<Shard>),
     shapes: &[&Shape],
     scratch: usize,
 ) -> CudaKernel {
     if product {
         rule.product_kernel(label, shapes, scratch)
     } else {
-        rule.kernel(label, shapes[0], rows, shapes)
+        let span = Span::of(shapes[0], shapes[1], rows, shard);
+        rule.kernel(label, shapes[0], &span, shapes)
     }
 }
 
@@ -256,27 +292,26 @@ pub(crate) fn product_dims(shapes: &[&Shape]) -> (usize, usize, usize) {
     (shapes[0].dims()[0], shapes[0].dims()[1], shapes[1].dims()[0])
 }
 
+/// `at` is (rows, product, shard) of the op.
 pub(crate) fn sgd(
     label: &str,
     (lr, momentum, nesterov): (f32, f32, bool),
-    rows: Option<Rows>,
-    product: bool,
+    at: (Option<Rows>, bool, Option<Shard>),
     shapes: &[&Shape],
     scratch: usize,
 ) -> CudaKernel {
-    update(sgd_rule(lr, momentum, nesterov), label, rows, product, shapes, scratch)
+    update(sgd_rule(lr, momentum, nesterov), label, at, shapes, scratch)
 }
 
-/// `hyper` is (lr, beta1, beta2, epsilon).
+/// `hyper` is (lr, beta1, beta2, epsilon), `at` (rows, product, shard) of the op.
 pub(crate) fn adam(
     label: &str,
     hyper: [f32; 4],
-    rows: Option<Rows>,
-    product: bool,
+    at: (Option<Rows>, bool, Option<Shard>),
     shapes: &[&Shape],
     scratch: usize,
 ) -> CudaKernel {
-    update(adam_rule(hyper), label, rows, product, shapes, scratch)
+    update(adam_rule(hyper), label, at, shapes, scratch)
 }
 
 pub(crate) fn assign_add(label: &str, value: f32, var: &Shape) -> CudaKernel {

@@ -94,22 +94,35 @@ struct Program {
     collectives: Vec<HostCollective>,
 }
 
-/// A data-parallel plan's all-reduce (`Op::AllReduce`) on a CUDA device, run through the
-/// backend's communicator (in-process ranks or MPI, `kiln_comm`) on a host copy of the buffer:
-/// the device finishes the launches before it, the buffer is copied to the host, reduced with
-/// the other ranks, scaled for a mean and copied back (the emulated device's memory is host
-/// memory, so CI runs the CUDA backend's data-parallel plans this way). NCCL, which reduces in
-/// device memory, is not driven yet.
+/// A data-parallel plan's collective on a CUDA device (`Op::AllReduce`, and ZeRO's
+/// `Op::ReduceScatter` and `Op::AllGather`), run through the backend's communicator (in-process
+/// ranks or MPI, `kiln_comm`) on host copies of its buffers: the device finishes the launches
+/// before it, the operand is copied to the host, exchanged with the other ranks (scaled for a
+/// mean) and the result copied back (the emulated device's memory is host memory, so CI runs the
+/// CUDA backend's data-parallel and ZeRO plans this way). NCCL, which exchanges device memory,
+/// is not driven yet.
 struct HostCollective {
     /// The plan step.
     step: usize,
+    kind: Exchange,
     input: Loc,
+    /// The output (an all-gather writes its operand, the variable, in place).
     output: Loc,
-    /// Elements (f32).
+    /// The operand's elements (f32).
     n: usize,
-    mean: bool,
     /// The input's and output's addresses once bound.
     args: [u64; 2],
+}
+
+/// What a `HostCollective` exchanges.
+enum Exchange {
+    /// The whole operand, reduced into the output.
+    AllReduce { mean: bool },
+    /// This rank's `range` of the operand's reduction into the output's first elements, the
+    /// rest of its `part` elements zeros.
+    ReduceScatter { mean: bool, range: std::ops::Range<usize>, part: usize },
+    /// Every rank's range of the variable (this rank's: `range`) into every rank's variable.
+    AllGather { range: std::ops::Range<usize> },
 }
 
 /// A variable: its spec and its address inside one of the backend's variable regions.
@@ -203,7 +216,7 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
             // A step's scratch is its own buffer of this size (validated): the kernel uses at
             // most that many bytes of it.
             let scratch = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
-            if let kiln_compiler::ir::Op::AllReduce { .. } = step.op {
+            if step.op.is_collective() {
                 // Run by the backend through host memory (`HostCollective`), no launch.
                 return Ok(CudaKernel {
                     source: format!("// {}: reduced by the communicator through host memory\n", step.label),
@@ -272,8 +285,8 @@ impl CudaBackend {
 
     /// This backend as one rank of a data-parallel run: the all-reduces of the plans it loads
     /// run through `comm` (`HostCollective`), and a plan with collectives is checked against
-    /// every rank's at load (`collective::agree_on_plan`). ZeRO's sharded steps are refused on
-    /// CUDA devices.
+    /// every rank's at load (`collective::agree_on_plan`); so do ZeRO's reduce-scatters and
+    /// all-gathers, whose shards must be this rank's (`collective::check_shard`).
     pub fn with_communicator(mut self, comm: impl kiln_comm::Communicator + 'static) -> Self {
         self.comm = Some(Arc::new(std::sync::Mutex::new(Box::new(comm))));
         self
@@ -607,7 +620,7 @@ impl CudaBackend {
         ))
     }
 
-    /// The launches in order, each all-reduce run through the host where its step is.
+    /// The launches in order, each collective run through the host where its step is.
     fn run_with_collectives(&self, p: &Program) -> Result<()> {
         let mut launches = p.launches.iter().peekable();
         let mut collectives = p.collectives.iter().peekable();
@@ -616,14 +629,14 @@ impl CudaBackend {
                 self.launch(p, l)?;
             }
             if let Some(c) = collectives.next_if(|c| c.step == s) {
-                self.all_reduce(p, c)?;
+                self.exchange(p, c)?;
             }
         }
         Ok(())
     }
 
-    /// One all-reduce through host memory (`HostCollective`).
-    fn all_reduce(&self, p: &Program, c: &HostCollective) -> Result<()> {
+    /// One collective through host memory (`HostCollective`).
+    fn exchange(&self, p: &Program, c: &HostCollective) -> Result<()> {
         let label = &p.plan.steps[c.step].label;
         let Some(comm) = &self.comm else {
             return Err(RuntimeError::invalid(format!("step `{label}` needs a communicator"), ""));
@@ -635,15 +648,37 @@ impl CudaBackend {
             )
         };
         self.driver.synchronize()?;
-        let mut host = self.dtoh(c.args[0], c.n)?;
         let mut comm = comm.lock().map_err(|_| failed("the communicator's lock is poisoned".into()))?;
-        comm.all_reduce_sum(&mut host).map_err(|e| failed(e.to_string()))?;
-        if c.mean {
-            let scale = 1.0 / comm.size() as f32;
-            host.iter_mut().for_each(|v| *v *= scale);
+        let scale = 1.0 / comm.size() as f32;
+        match &c.kind {
+            Exchange::AllReduce { mean } => {
+                let mut host = self.dtoh(c.args[0], c.n)?;
+                comm.all_reduce_sum(&mut host).map_err(|e| failed(e.to_string()))?;
+                if *mean {
+                    host.iter_mut().for_each(|v| *v *= scale);
+                }
+                drop(comm);
+                self.htod(c.args[1], &host)
+            }
+            Exchange::ReduceScatter { mean, range, part } => {
+                let input = self.dtoh(c.args[0], c.n)?;
+                let mut out = vec![0f32; *part];
+                let shard = &mut out[..range.len()];
+                comm.reduce_scatter_sum(&input, shard).map_err(|e| failed(e.to_string()))?;
+                if *mean {
+                    shard.iter_mut().for_each(|v| *v *= scale);
+                }
+                drop(comm);
+                self.htod(c.args[1], &out)
+            }
+            Exchange::AllGather { range } => {
+                let mut var = self.dtoh(c.args[0], c.n)?;
+                let mine = var[range.clone()].to_vec();
+                comm.all_gather(&mine, &mut var).map_err(|e| failed(e.to_string()))?;
+                drop(comm);
+                self.htod(c.args[1], &var)
+            }
         }
-        drop(comm);
-        self.htod(c.args[1], &host)
     }
 
     /// Guard mode (`crate::guard`): before each step the canaries whose buffer's life begins
@@ -660,7 +695,7 @@ impl CudaBackend {
                 self.launch(p, l)?;
             }
             if let Some(c) = collectives.next_if(|c| c.step == s) {
-                self.all_reduce(p, c)?;
+                self.exchange(p, c)?;
             }
             for c in g.to_check(s) {
                 let bytes = self.dtoh_bytes(canary_address(p, c)?, c.range.len())?;
@@ -749,6 +784,9 @@ impl CudaBackend {
                 ));
             };
             crate::collective::agree_on_plan(&plan, comm)?;
+            for step in plan.steps.iter().filter(|s| s.op.is_collective()) {
+                crate::collective::check_shard(&step.op, &step.label, comm)?;
+            }
         }
         let refs: Vec<&CudaKernel> = kernels.iter().collect();
         let functions = self.driver.load(&refs)?;
@@ -798,16 +836,25 @@ impl CudaBackend {
         }
         let mut collectives = Vec::new();
         for (s, step) in plan.steps.iter().enumerate() {
-            if let (kiln_compiler::ir::Op::AllReduce { op }, Some(o)) = (&step.op, step.output) {
-                collectives.push(HostCollective {
-                    step: s,
-                    input: loc(step.inputs[0]),
-                    output: loc(o),
-                    n: plan.values[o].shape.numel(),
-                    mean: *op == kiln_compiler::ir::ReduceOp::Mean,
-                    args: [0; 2],
-                });
-            }
+            use kiln_compiler::ir::{Op, ReduceOp};
+            let input = step.inputs.first().map(|&v| (loc(v), plan.values[v].shape.numel()));
+            let output = step.output.map(|o| (loc(o), plan.values[o].shape.numel()));
+            let (kind, (input, n), output) = match (&step.op, input, output) {
+                (Op::AllReduce { op }, Some(i), Some((o, _))) => {
+                    (Exchange::AllReduce { mean: *op == ReduceOp::Mean }, i, o)
+                }
+                (Op::ReduceScatter { op, shard }, Some((i, n)), Some((o, part))) => (
+                    Exchange::ReduceScatter { mean: *op == ReduceOp::Mean, range: shard.range(n), part },
+                    (i, n),
+                    o,
+                ),
+                // The variable, gathered in place.
+                (Op::AllGather { shard }, Some((i, n)), None) => {
+                    (Exchange::AllGather { range: shard.range(n) }, (i, n), i)
+                }
+                _ => continue,
+            };
+            collectives.push(HostCollective { step: s, kind, input, output, n, args: [0; 2] });
         }
         self.programs.push(Program {
             owned_region: region.is_some(),
@@ -974,14 +1021,14 @@ impl CudaBackend {
     }
 }
 
-/// Refuses `what` (a way of running launch by launch) on a program with all-reduces, which only
+/// Refuses `what` (a way of running launch by launch) on a program with collectives, which only
 /// `run` (and `timed_run`) carry out.
 fn refuse_collectives(p: &Program, what: &str) -> Result<()> {
     match p.collectives.first() {
         None => Ok(()),
         Some(c) => Err(RuntimeError::invalid(
             format!(
-                "{what}: plan {:?} has all-reduces (step `{}`), which {what} does not run",
+                "{what}: plan {:?} has collectives (step `{}`), which {what} does not run",
                 p.plan.name, p.plan.steps[c.step].label
             ),
             "run a data-parallel plan with `run` or `call`",
