@@ -14,7 +14,9 @@
 //! With `--cuda` each rank trains on CUDA device `rank` (one rank per GPU; under
 //! `KILN_CUDA_EMULATE=1`, an emulated device of its own): the collectives (all-reduces, and with
 //! ZeRO reduce-scatters and all-gathers) run through host memory and MPI
-//! (`CudaBackend::with_communicator`), the sharded updates on the device.
+//! (`CudaBackend::with_communicator`), the sharded updates on the device. `--nccl` runs them in
+//! device memory through NCCL instead (`CudaBackend::with_nccl`; one GPU per rank, not on the
+//! emulated device).
 //!
 //! Each rank checks that the ranks' weights are bitwise identical after every step
 //! (`Communicator::agree` on a digest of them), and rank 0 trains the same steps on the whole
@@ -54,7 +56,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .ok_or("--zero takes 0, 1 or 2")?,
         None => ZeroStage::Off,
     };
-    let cuda = args.iter().any(|a| a == "--cuda");
+    let nccl = args.iter().any(|a| a == "--nccl");
+    let cuda = nccl || args.iter().any(|a| a == "--cuda");
     let m = kiln::zoo::by_name("mlp").ok_or("no zoo mlp")?;
     // With ZeRO, an optimizer with state to shard (SGD's velocity).
     let sgd = if stage == ZeroStage::Off { Sgd::new(0.05) } else { Sgd::new(0.05).momentum(0.9) };
@@ -70,7 +73,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut backend: Box<dyn Backend> = if cuda {
         // One rank per GPU; each process's emulated device is ordinal 0 of its own.
         let ordinal = if kiln::runtime::cuda::probe().emulated { 0 } else { rank };
-        Box::new(CudaBackend::new(ordinal, 7)?.with_communicator(comm))
+        let device = CudaBackend::new(ordinal, 7)?;
+        Box::new(if nccl { device.with_nccl(comm)? } else { device.with_communicator(comm) })
     } else {
         Box::new(CpuBackend::new(7).with_communicator(comm))
     };

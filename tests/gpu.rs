@@ -476,3 +476,62 @@ fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
         }
     }
 }
+
+/// NCCL (`CudaBackend::with_nccl`): on the emulated device it is refused, saying what to use;
+/// on a GPU with the NCCL library one rank (the lent machines have one GPU, and NCCL refuses two
+/// ranks on one) trains at ZeRO stage 2, every all-reduce, reduce-scatter and all-gather an
+/// NCCL call, as a host-staged rank does.
+#[test]
+fn gpu_nccl_rank_trains_as_a_host_staged_rank() {
+    use kiln::compiler::ir::VarRole;
+    use kiln::compiler::zero::ZeroStage;
+    use kiln::runtime::Trainer;
+    use kiln::runtime::cuda::nccl::Nccl;
+    let Some(gpu) = cuda_backend(0) else { return };
+    drop(gpu);
+    let open = || {
+        if common::emulated() {
+            CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
+        } else {
+            CudaBackend::new(0, 5).unwrap()
+        }
+    };
+    if common::emulated() {
+        let refused =
+            kiln::comm::run_local_ranks(1, |_, comm| open().with_nccl(comm).err().map(|e| e.to_string()));
+        let message = refused[0].as_deref().expect("NCCL is refused on the emulated device");
+        assert!(message.contains("with_communicator"), "{message}");
+        return;
+    }
+    if !Nccl::available() {
+        eprintln!("skipped: the NCCL library is not found (LD_LIBRARY_PATH)");
+        return;
+    }
+    let m = zoo::by_name("seed-mlp").unwrap();
+    let batches: Vec<_> = (0..2).map(|i| m.batch_data(40 + i).unwrap()).collect();
+    let train = |nccl: bool| {
+        kiln::comm::run_local_ranks(1, |_, comm| {
+            let backend = if nccl { open().with_nccl(comm).unwrap() } else { open().with_communicator(comm) };
+            assert_eq!(backend.uses_nccl(), nccl);
+            let mut t =
+                Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(ZeroStage::Two);
+            for (x, y) in &batches {
+                t.train_step(x, y).unwrap();
+            }
+            let plan = t.plans()[0].clone();
+            assert!(plan.steps.iter().any(|s| s.op.is_collective()));
+            let keys: Vec<String> = plan
+                .variables
+                .iter()
+                .filter(|v| v.role == VarRole::Parameter)
+                .map(|v| v.key.clone())
+                .collect();
+            keys.iter().map(|k| (k.clone(), t.backend().read_variable(k).unwrap())).collect::<Vec<_>>()
+        })
+        .remove(0)
+    };
+    let (staged, on_device) = (train(false), train(true));
+    for ((key, a), (_, b)) in staged.iter().zip(&on_device) {
+        close(m.name, &format!("{key} after 2 steps through NCCL"), a, b);
+    }
+}

@@ -185,10 +185,15 @@ pub struct CudaBackend {
     graphs: bool,
     /// The communicator of a data-parallel run (`with_communicator`).
     comm: Option<crate::collective::SharedComm>,
+    /// The NCCL group of a data-parallel run whose collectives run in device memory
+    /// (`with_nccl`); without it they are staged through the host.
+    nccl: Option<super::nccl::Nccl>,
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        // The NCCL communicator first, while the device's context (held by the driver) lives.
+        self.nccl.take();
         // Programs and variable regions free their memory as the fields drop; the shared books
         // forget what this backend grew.
         for d in &self.devices {
@@ -275,6 +280,7 @@ impl CudaBackend {
             sync_every_launch: std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"),
             graphs: !std::env::var("KILN_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
             comm: None,
+            nccl: None,
         };
         backend.used_at_open = backend.driver.mem_info().map_or(0, |(free, total)| total - free);
         for b in budgets {
@@ -290,6 +296,29 @@ impl CudaBackend {
     pub fn with_communicator(mut self, comm: impl kiln_comm::Communicator + 'static) -> Self {
         self.comm = Some(Arc::new(std::sync::Mutex::new(Box::new(comm))));
         self
+    }
+
+    /// This backend as one rank of a data-parallel run whose collectives run in device memory
+    /// through NCCL (`super::nccl`), one rank per GPU: every rank calls it with its communicator
+    /// (in-process ranks or MPI), which carries the NCCL group's id and, as in
+    /// `with_communicator`, the checks at load. Errors on the emulated device (no CUDA stream:
+    /// use `with_communicator`) and where the NCCL library is not found.
+    pub fn with_nccl(mut self, comm: impl kiln_comm::Communicator + 'static) -> Result<Self> {
+        let mut comm: Box<dyn kiln_comm::Communicator> = Box::new(comm);
+        if self.driver.raw_stream()?.is_none() {
+            return Err(RuntimeError::invalid(
+                format!("NCCL needs a CUDA device; {} has no CUDA stream", self.describe_short()),
+                "stage the collectives through the host instead: CudaBackend::with_communicator",
+            ));
+        }
+        self.nccl = Some(super::nccl::Nccl::join(comm.as_mut())?);
+        self.comm = Some(Arc::new(std::sync::Mutex::new(comm)));
+        Ok(self)
+    }
+
+    /// Whether the collectives run through NCCL (`with_nccl`).
+    pub fn uses_nccl(&self) -> bool {
+        self.nccl.is_some()
     }
 
     /// Synchronise after every launch, so that a failing kernel is reported at its step (the
@@ -635,8 +664,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One collective through host memory (`HostCollective`).
+    /// One collective: through NCCL in device memory (`with_nccl`), or through host memory.
     fn exchange(&self, p: &Program, c: &HostCollective) -> Result<()> {
+        if let Some(nccl) = &self.nccl {
+            return self.exchange_on_device(nccl, c);
+        }
         let label = &p.plan.steps[c.step].label;
         let Some(comm) = &self.comm else {
             return Err(RuntimeError::invalid(format!("step `{label}` needs a communicator"), ""));
@@ -678,6 +710,38 @@ impl CudaBackend {
                 drop(comm);
                 self.htod(c.args[1], &var)
             }
+        }
+    }
+
+    /// One collective through NCCL, queued on the stream after the launches before it.
+    fn exchange_on_device(&self, nccl: &super::nccl::Nccl, c: &HostCollective) -> Result<()> {
+        let stream = self
+            .driver
+            .raw_stream()?
+            .ok_or_else(|| RuntimeError::Cuda("NCCL without a CUDA stream".into()))?;
+        let ranges = |n: usize| -> Vec<std::ops::Range<usize>> {
+            (0..nccl.size())
+                .map(|rank| kiln_compiler::ir::Shard { ranks: nccl.size(), rank }.range(n))
+                .collect()
+        };
+        // SAFETY (all three): the addresses are the bound step's operand and output, validated
+        // to hold their values' elements (`n` the operand's; an output of a reduce-scatter holds
+        // the padded shard, at least this rank's range; a reduce-scatter's output is never its
+        // operand's buffer); the stream is this device's, its context bound by `raw_stream`.
+        match &c.kind {
+            Exchange::AllReduce { mean } => unsafe {
+                nccl.all_reduce(c.args[0], c.args[1], c.n, *mean, stream)
+            },
+            Exchange::ReduceScatter { mean, range, part } => {
+                unsafe { nccl.reduce_scatter(c.args[0], c.args[1], &ranges(c.n), *mean, stream)? };
+                // The padding after the shard, as the CPU kernel writes it (never read).
+                let padding = part - range.len();
+                if padding > 0 {
+                    self.htod(c.args[1] + 4 * range.len() as u64, &vec![0f32; padding])?;
+                }
+                Ok(())
+            }
+            Exchange::AllGather { .. } => unsafe { nccl.all_gather(c.args[0], &ranges(c.n), stream) },
         }
     }
 

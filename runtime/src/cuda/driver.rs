@@ -101,6 +101,12 @@ pub trait Driver: Send + Sync {
     fn compile_stats(&self) -> CompileStats;
     /// "NVRTC 13.0 (cubin for sm_90)" or "host C++ (c++)".
     fn compiler_description(&self) -> String;
+    /// The CUDA stream every launch and copy is queued on (a `CUstream`), with the device's
+    /// context bound to the calling thread: for libraries that queue work of their own on it
+    /// (NCCL, `super::nccl`). `None` where there is no CUDA stream (the emulated device).
+    fn raw_stream(&self) -> Result<Option<usize>> {
+        Ok(None)
+    }
 }
 
 /// The bytes a preallocated pool leaves free for the context's growth, NVRTC and module loads:
@@ -341,6 +347,11 @@ impl Driver for CudaDriver {
 
     fn compile_stats(&self) -> CompileStats {
         self.compiler.stats()
+    }
+
+    fn raw_stream(&self) -> Result<Option<usize>> {
+        self.bind()?;
+        Ok(Some(self.stream.cu_stream() as usize))
     }
 
     fn compiler_description(&self) -> String {

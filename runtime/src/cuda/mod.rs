@@ -7,6 +7,7 @@ mod backend;
 pub mod driver;
 mod eager;
 pub mod emulator;
+pub mod nccl;
 pub mod nvrtc;
 pub mod probe;
 
