@@ -7,8 +7,10 @@
 //! all-reduces), and the per-rank planned total; at 2 ranks also ZeRO stages 1 and 2 (each rank
 //! its own specialisation of rank 0's plan, `zero::for_rank`; the zoo's own optimizer,
 //! its state sharded); then each model's per-rank plans by ZeRO stage (`kiln::zero_table`) for 1
-//! to 64 ranks. Writes `target/kiln/data_parallel.json` and the
-//! tables; a peer that cannot be had is "skipped".
+//! to 64 ranks; and the overlap table: 2 ranks at stage 0 with the collectives in line against
+//! overlapping the steps after them, without and with a simulated 2 ms latency per collective.
+//! Writes `target/kiln/data_parallel.json` and the tables; a peer that cannot be had is
+//! "skipped".
 
 use kiln::compiler::Plan;
 use kiln::compiler::ir::Op;
@@ -58,9 +60,22 @@ fn plan(m: &ZooModel, ranks: usize, stage: ZeroStage) -> Result<Plan, Box<dyn st
 
 /// Rank 0's time of each of `STEPS` steps (after 2 warm-up steps), `ranks` ranks on threads.
 fn time_kiln(m: &ZooModel, plan: &Plan, ranks: usize) -> Result<Vec<f64>, String> {
+    time_kiln_with(m, plan, ranks, std::time::Duration::ZERO, true)
+}
+
+/// `time_kiln` with `latency` added to every collective (`LocalComm::set_latency`) and the
+/// collectives overlapping the steps after them or not (`CpuBackend::set_overlap`).
+fn time_kiln_with(
+    m: &ZooModel,
+    plan: &Plan,
+    ranks: usize,
+    latency: std::time::Duration,
+    overlap: bool,
+) -> Result<Vec<f64>, String> {
     let (x, y) = m.batch_data(1).map_err(|e| e.to_string())?;
     let shard = m.batch / ranks;
-    let mut all = kiln::comm::run_local_ranks(ranks, |r, comm| -> Result<Vec<f64>, String> {
+    let mut all = kiln::comm::run_local_ranks(ranks, |r, mut comm| -> Result<Vec<f64>, String> {
+        comm.set_latency(latency);
         let rows = r * shard..(r + 1) * shard;
         let x = x.rows(rows.clone()).map_err(|e| e.to_string())?;
         let y = y.rows(rows).map_err(|e| e.to_string())?;
@@ -68,6 +83,7 @@ fn time_kiln(m: &ZooModel, plan: &Plan, ranks: usize) -> Result<Vec<f64>, String
         if ranks > 1 {
             backend = backend.with_communicator(comm);
         }
+        backend.set_overlap(overlap);
         let plan = zero::for_rank(plan.clone(), r).map_err(|e| e.to_string())?;
         let id = backend.load(plan).map_err(|e| e.to_string())?;
         let mut times = Vec::new();
@@ -205,6 +221,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "CPU, 2 cores; rank 0's median of {} steps in {ROUNDS} interleaved rounds. kiln: ranks are threads of one process sharing its rayon pool, the gradients all-reduced in buckets of at most 1 MiB (`data_parallel::BUCKET_BYTES`), one AllReduce step each, rank-order sums (kiln-comm's local engine); PyTorch: one process per rank with cores/ranks threads, DDP's 25 MiB buckets over gloo on 127.0.0.1, Adam(foreach=True). Bytes a step: the gradients all-reduced, per rank (what each engine moves on the wire depends on its algorithm). 1 rank: no collectives on either side. ZeRO stages 1 and 2 (kiln only; DDP beside stage 0): each rank updates its shard of every parameter and all-gathers it, stage 1 after all-reducing the whole gradient, stage 2 after reduce-scattering it; '/ stage 0' is the time over plain data parallelism's at the same rank count.",
         ROUNDS * STEPS
     );
+    let overlap = overlap_table(&models, &plans)?;
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
     // Per-rank planned memory by ZeRO stage for 1..64 ranks, from plans alone.
@@ -220,8 +237,86 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         zero.insert(m.name, rows);
     }
     let json = dir.join("data_parallel.json");
-    let report = serde_json::json!({ "steps": out, "zero": zero });
+    let report = serde_json::json!({ "steps": out, "zero": zero, "overlap": overlap });
     std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
     println!("wrote {}", json.display());
     Ok(())
+}
+
+/// Simulated network latencies per collective for the overlap table, microseconds.
+const LATENCIES_US: [u64; 2] = [0, 2000];
+
+#[derive(serde::Serialize)]
+struct OverlapRow {
+    model: String,
+    latency_us: u64,
+    schedule: String,
+    in_line_ms: f64,
+    overlapped_ms: f64,
+}
+
+/// 2 ranks at ZeRO stage 0: each collective in line against overlapping the steps after it
+/// (`CpuBackend::set_overlap`), without and with a simulated latency per collective
+/// (`LocalComm::set_latency`), in interleaved rounds.
+fn overlap_table(
+    models: &[ZooModel],
+    plans: &BTreeMap<(&str, usize, usize), Plan>,
+) -> Result<Vec<OverlapRow>, Box<dyn std::error::Error>> {
+    let mut times: BTreeMap<(&str, u64, bool), Vec<f64>> = BTreeMap::new();
+    for _ in 0..ROUNDS + 1 {
+        for m in models {
+            let plan = &plans[&(m.name, 2, 0)];
+            for latency in LATENCIES_US {
+                for on in [false, true] {
+                    let t = time_kiln_with(m, plan, 2, std::time::Duration::from_micros(latency), on)?;
+                    times.entry((m.name, latency, on)).or_default().extend(t);
+                }
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for m in models {
+        for latency in LATENCIES_US {
+            rows.push(OverlapRow {
+                model: m.name.into(),
+                latency_us: latency,
+                schedule: plans[&(m.name, 2, 0)].memory.schedule.clone(),
+                in_line_ms: median(&times[&(m.name, latency, false)]),
+                overlapped_ms: median(&times[&(m.name, latency, true)]),
+            });
+        }
+    }
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.model.clone(),
+                r.schedule.clone(),
+                format!("{:.1}", r.latency_us as f64 / 1e3),
+                format!("{:.2}", r.in_line_ms),
+                format!("{:.2}", r.overlapped_ms),
+                format!("{:.2}", r.overlapped_ms / r.in_line_ms),
+            ]
+        })
+        .collect();
+    println!(
+        "{}",
+        render_table(
+            &[
+                "model (2 ranks, stage 0)",
+                "schedule",
+                "latency ms",
+                "in line ms",
+                "overlapped ms",
+                "overlapped / in line"
+            ],
+            &cells
+        )
+    );
+    println!(
+        "Collectives in line against overlapping the steps after them (a communication thread; a step waits only for collectives whose bytes it touches), rank 0's median of {} steps in {} interleaved rounds; latency: a sleep added to each collective once all ranks arrived (`LocalComm::set_latency`), standing in for a network's per-message latency. A schedule ending in +overlap defers each bucket's updates past the next collective (chosen only where that plans no larger); the others consume each bucket at once, leaving nothing to overlap but what follows before its first reader.",
+        (ROUNDS + 1) * STEPS,
+        ROUNDS + 1
+    );
+    Ok(rows)
 }

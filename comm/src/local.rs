@@ -51,7 +51,15 @@ pub fn local_group_with_timeout(n: usize, timeout: Duration) -> Vec<LocalComm> {
     };
     let stages = (0..n).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]).collect();
     let shared = Arc::new(Shared { size: n, state: Mutex::new(state), wake: Condvar::new(), stages });
-    (0..n).map(|rank| LocalComm { rank, shared: Arc::clone(&shared), timeout, round: 0 }).collect()
+    (0..n)
+        .map(|rank| LocalComm {
+            rank,
+            shared: Arc::clone(&shared),
+            timeout,
+            round: 0,
+            latency: Duration::ZERO,
+        })
+        .collect()
 }
 
 /// One rank of a [`local_group`]. Dropping it tells the other ranks that it left.
@@ -61,6 +69,8 @@ pub struct LocalComm {
     timeout: Duration,
     /// Rounds this rank has completed: the same count on every rank.
     round: u64,
+    /// A simulated network latency added to each collective (`set_latency`).
+    latency: Duration,
 }
 
 struct Shared {
@@ -107,6 +117,13 @@ impl LocalComm {
         self.timeout = timeout;
     }
 
+    /// Makes each of this rank's collectives take `latency` longer once every rank has arrived
+    /// (a sleep): a network's per-message latency, simulated between threads that share memory,
+    /// for measuring what overlapping collectives with compute hides (`benches/data_parallel.rs`).
+    pub fn set_latency(&mut self, latency: Duration) {
+        self.latency = latency;
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // No code panics while holding the lock, so a poisoned lock still holds a consistent state.
         self.shared.state.lock().unwrap_or_else(PoisonError::into_inner)
@@ -127,6 +144,14 @@ impl LocalComm {
     /// One round: deposits `mine` (with this rank's stage buffer, filled before), returns the
     /// round's number and every rank's deposit once all have deposited.
     fn exchange(&mut self, meta: Meta, bytes: Vec<u8>) -> Result<(u64, Arc<[Contribution]>)> {
+        let result = self.exchange_now(meta, bytes);
+        if !self.latency.is_zero() {
+            std::thread::sleep(self.latency);
+        }
+        result
+    }
+
+    fn exchange_now(&mut self, meta: Meta, bytes: Vec<u8>) -> Result<(u64, Arc<[Contribution]>)> {
         let call = meta.op.name();
         let size = self.shared.size;
         let mut st = self.lock();

@@ -20,6 +20,11 @@
 //!   gradient, runs when it frees the block's logits, not at the end of the step in program
 //!   order: the GPT example's model, sparse loss, in 4 blocks: arena 5,530,176 -> 5,067,840 B).
 //!
+//! - `+overlap` (where the graph has all-reduces or reduce-scatters): each of the above with the
+//!   steps that read a collective's result (a bucket's updates) deferred past the next
+//!   collective (`overlapped`), so that the runtime runs each collective beside the next
+//!   bucket's backward pass; tried first, so kept wherever it plans no larger.
+//!
 //! Each runs in O((nodes + edges) log nodes).
 
 use crate::error::{CompileError, Result};
@@ -115,7 +120,75 @@ pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
         all.push(Candidate { name: "row-blocks", order: row_blocks(graph, &t, &block)? });
         all.push(Candidate { name: "row-blocks-memory", order: memory_greedy(graph, &t, Some(&block))? });
     }
-    Ok(all)
+    // Each order with its collectives' readers deferred, first: `compile` keeps the first of
+    // equally small plans, so the overlap is taken wherever it costs no byte.
+    let overlapped: Vec<Candidate> = all
+        .iter()
+        .filter_map(|c| {
+            let name = match c.name {
+                "program" => "program+overlap",
+                "memory" => "memory+overlap",
+                "depth-first" => "depth-first+overlap",
+                "depth-first-reversed" => "depth-first-reversed+overlap",
+                "row-blocks" => "row-blocks+overlap",
+                _ => "row-blocks-memory+overlap",
+            };
+            overlapped(graph, &t, &c.order).map(|order| Candidate { name, order })
+        })
+        .collect();
+    Ok(overlapped.into_iter().chain(all).collect())
+}
+
+/// Whether the runtime may run `op` while the steps after it run (`kiln_runtime`'s `overlap`):
+/// an all-reduce or a reduce-scatter.
+pub fn overlaps(op: &Op) -> bool {
+    matches!(op, Op::AllReduce { .. } | Op::ReduceScatter { .. })
+}
+
+/// `order` with the steps that read each collective's result (and what depends on them: a
+/// bucket's updates) moved after the next collective, or to the end after the last one: the
+/// runtime runs a collective while the steps after it do and makes a step wait only when it
+/// touches the collective's bytes, so a collective whose readers come right after it (what the
+/// `memory` order does, to free each gradient at once) overlaps nothing, while deferred, it
+/// overlaps the backward pass of the next bucket (XLA's latency-hiding scheduler moves the
+/// "done" of an async collective the same way). Each reduced bucket then lives until after the
+/// next collective: `compile` keeps such an order only where its plan is no larger. A
+/// collective that depends on a deferred step releases the deferred steps first. `None` where
+/// the graph has no such collective, or the order is unchanged.
+fn overlapped(graph: &Graph, t: &Tables, order: &[NodeId]) -> Option<Vec<NodeId>> {
+    if !order.iter().any(|&n| overlaps(&graph.node(n).op)) {
+        return None;
+    }
+    let mut held = vec![false; t.preds.len()];
+    let mut source = vec![false; t.preds.len()];
+    let mut waiting: Vec<NodeId> = Vec::new();
+    let mut out = Vec::with_capacity(order.len());
+    let release = |waiting: &mut Vec<NodeId>, held: &mut [bool], out: &mut Vec<NodeId>| {
+        for n in waiting.drain(..) {
+            held[n.index()] = false;
+            out.push(n);
+        }
+    };
+    for &n in order {
+        let i = n.index();
+        let preds = &t.preds[i];
+        if overlaps(&graph.node(n).op) {
+            if preds.iter().any(|&p| held[p as usize]) {
+                release(&mut waiting, &mut held, &mut out);
+            }
+            out.push(n);
+            release(&mut waiting, &mut held, &mut out);
+            source.iter_mut().for_each(|s| *s = false);
+            source[i] = true;
+        } else if preds.iter().any(|&p| held[p as usize] || source[p as usize]) {
+            held[i] = true;
+            waiting.push(n);
+        } else {
+            out.push(n);
+        }
+    }
+    release(&mut waiting, &mut held, &mut out);
+    (out != order).then_some(out)
 }
 
 /// Each node's block of rows (by node index), or `None` where the graph has fewer than two
@@ -367,5 +440,55 @@ mod tests {
             assert_eq!(c.order.len(), g.len(), "{}", c.name);
             assert!(is_topological(&g, &c.order), "{}", c.name);
         }
+        assert!(candidates(&g).unwrap().iter().all(|c| !c.name.ends_with("+overlap")), "no collectives");
+    }
+
+    /// With one collective per gradient, every `+overlap` order is topological, and in it the
+    /// readers of each collective but the last come after the next collective; the plain order
+    /// it came from has them before.
+    #[test]
+    fn overlapped_orders_defer_each_collectives_readers_past_the_next() {
+        use crate::losses::Loss;
+        use crate::nn::{Dense, Sequential};
+        use crate::optim::{Adam, Optimizer};
+        use crate::step::{TrainConfig, train_step_graph};
+        let model = Sequential::new().add(Dense::new(5)).add(Dense::new(4)).add(Dense::new(2));
+        let cfg = TrainConfig {
+            optimizer: Optimizer::Adam(Adam::new(1e-3)),
+            loss: Loss::MeanSquaredError,
+            metrics: Vec::new(),
+        };
+        let mut g =
+            train_step_graph(&model, crate::ir::Shape::from([4, 3]), crate::ir::Shape::from([4, 2]), &cfg)
+                .unwrap();
+        crate::data_parallel::all_reduce_gradients_in_buckets(&mut g, 0).unwrap();
+        let all = candidates(&g).unwrap();
+        let readers_after_next = |order: &[NodeId]| -> (usize, usize) {
+            let pos: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+            let mut collectives: Vec<usize> =
+                order.iter().enumerate().filter(|(_, n)| overlaps(&g.node(**n).op)).map(|(i, _)| i).collect();
+            collectives.sort_unstable();
+            let (mut after, mut total) = (0, 0);
+            for w in collectives.windows(2) {
+                for r in g.successors(order[w[0]]) {
+                    total += 1;
+                    after += usize::from(pos[&r] > w[1]);
+                }
+            }
+            (after, total)
+        };
+        let mut deferred = 0;
+        for c in &all {
+            assert!(is_topological(&g, &c.order), "{}", c.name);
+            if let Some(base) = c.name.strip_suffix("+overlap") {
+                let plain = all.iter().find(|p| p.name == base).expect("its plain order");
+                let (after, total) = readers_after_next(&c.order);
+                assert!(total > 0);
+                assert_eq!(after, total, "{}: every reader past the next collective", c.name);
+                assert!(readers_after_next(&plain.order).0 < total, "{base} read some at once");
+                deferred += 1;
+            }
+        }
+        assert!(deferred >= 4, "each plain order has its +overlap twin");
     }
 }

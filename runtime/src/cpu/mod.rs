@@ -19,6 +19,8 @@ use kiln_compiler::plan::{Storage, device_block};
 use kiln_kernels::cpu::{self, CpuKernel};
 use std::ptr::NonNull;
 
+mod overlap;
+
 /// Where a value lives, resolved once at load: (plan device, offset) or a variable slot.
 #[derive(Clone, Copy, Debug)]
 enum Loc {
@@ -33,6 +35,15 @@ struct BoundStep {
     output: Option<Loc>,
     /// `kernel.checks_operands()`, read once at load.
     checks: bool,
+    /// The bytes of each input (as `inputs`) and of the output, for the overlap of collectives
+    /// (`overlap`).
+    input_bytes: Vec<usize>,
+    output_bytes: usize,
+    /// An all-reduce or reduce-scatter, which may run while the steps after it do (`overlap`).
+    overlaps: bool,
+    /// A collective (`Op::is_collective`): one that runs in line (an all-gather) first waits
+    /// for those in flight, since the ranks must issue their collectives in one order.
+    collective: bool,
 }
 
 struct Program {
@@ -149,6 +160,8 @@ pub struct CpuBackend {
     programs: Vec<Program>,
     /// The communicator of a data-parallel run: its rank's end of the collectives in plans.
     comm: Option<crate::collective::SharedComm>,
+    /// Whether all-reduces and reduce-scatters run beside the steps after them (`overlap`).
+    overlap: bool,
 }
 
 impl CpuBackend {
@@ -159,6 +172,13 @@ impl CpuBackend {
     pub fn with_communicator(mut self, comm: impl kiln_comm::Communicator + 'static) -> Self {
         self.comm = Some(std::sync::Arc::new(std::sync::Mutex::new(Box::new(comm))));
         self
+    }
+
+    /// Whether a plan's all-reduces and reduce-scatters run on a communication thread beside the
+    /// steps after them (`overlap`; on by default, off with `KILN_OVERLAP=0`), or in line. The
+    /// results are the same bits either way.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on;
     }
 
     /// The communicator this backend is a rank with, for the caller's own collectives between
@@ -177,6 +197,7 @@ impl CpuBackend {
             tracker: Tracker::default(),
             programs: Vec::new(),
             comm: None,
+            overlap: overlap::enabled(),
         }
     }
 
@@ -194,6 +215,7 @@ impl CpuBackend {
             tracker,
             programs: Vec::new(),
             comm: None,
+            overlap: overlap::enabled(),
         })
     }
 
@@ -375,17 +397,30 @@ impl CpuBackend {
             .steps
             .iter()
             .zip(kernels)
-            .map(|(step, kernel)| {
+            .enumerate()
+            .map(|(i, (step, kernel))| {
                 let mut inputs: Vec<Loc> = step.inputs.iter().map(|&v| loc(v)).collect();
                 // A custom op's scratch (`CustomOp::scratch`) and an all-gather's are passed after
                 // its operands; the built-in CPU kernels use none (the plan's other scratch is the
                 // CUDA kernels').
+                let value_bytes = |v: usize| plan.values[v].shape.numel() * plan.values[v].dtype.size_bytes();
+                let mut input_bytes: Vec<usize> = step.inputs.iter().map(|&v| value_bytes(v)).collect();
                 if let (Op::Custom { .. } | Op::AllGather { .. }, Some(b)) = (&step.op, step.scratch)
                     && let Storage::Arena { device, offset } = plan.buffers[b].storage
                 {
                     inputs.push(Loc::Arena(device, offset));
+                    input_bytes.push(plan.buffers[b].bytes);
                 }
-                BoundStep { checks: kernel.checks_operands(), kernel, inputs, output: step.output.map(loc) }
+                BoundStep {
+                    checks: kernel.checks_operands(),
+                    kernel,
+                    inputs,
+                    output: step.output.map(loc),
+                    input_bytes,
+                    output_bytes: step.output.map_or(0, value_bytes),
+                    overlaps: kiln_compiler::schedule::overlaps(&step.op) && !next_reads(&plan, i),
+                    collective: step.op.is_collective(),
+                }
             })
             .collect();
         let max_operands = steps.iter().map(|s| s.inputs.len()).max().unwrap_or(0);
@@ -423,7 +458,8 @@ impl CpuBackend {
     }
 
     /// `run`, with the operands of the buffers in `bound` read from the caller's memory
-    /// (`run_with`): (buffer index, address).
+    /// (`run_with`): (buffer index, address). A plan's all-reduces and reduce-scatters run on a
+    /// communication thread while the steps after them do (`overlap`), except in guard mode.
     fn run_overriding(&mut self, program: ProgramId, bound: &[(usize, *mut u8)]) -> Result<()> {
         let p = self.program_mut(program)?;
         p.feeds.consume(&p.plan)?;
@@ -431,53 +467,20 @@ impl CpuBackend {
         let store = &self.store;
         let p = &mut self.programs[program]; // the id was checked above
         let mut scratch = std::mem::take(&mut p.scratch);
-        let guard = p.guard.as_ref();
-        if let Some(g) = guard {
-            fill_canaries(p, g, 0);
-        }
-        for (i, step) in p.steps.iter().enumerate() {
-            scratch.clear();
-            scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
-            for (j, &v) in p.plan.steps[i].inputs.iter().enumerate() {
-                if let Some(&(_, addr)) = bound.iter().find(|(b, _)| *b == p.plan.values[v].buffer) {
-                    scratch[j] = addr.wrapping_add(p.plan.values[v].offset);
-                }
-            }
-            let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
-            if step.checks {
-                // SAFETY: as for `run` below.
-                if let Err(e) = unsafe { step.kernel.check_operands(&scratch) } {
-                    p.scratch = scratch;
-                    return Err(crate::backend::operand_error(&p.plan, i, e));
-                }
-            }
-            // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
-            // addresses a buffer of the plan inside its arena, io region or variable, holding
-            // its value's bytes; buffers live at this step do not overlap, and an output shares
-            // an operand's buffer only for an elementwise op in place, which the kernels allow;
-            // every kernel was prepared for exactly these shapes; a custom op's trailing pointer is
-            // its step's scratch buffer, live at this step alone. A bound input (`run_with`)
-            // addresses the caller's contiguous tensor of its value's dtype and shape, which no
-            // step writes (checked there).
-            unsafe { step.kernel.run(&scratch, out) };
-            if let Some(why) = step.kernel.take_failure() {
-                p.scratch = scratch;
-                return Err(crate::backend::step_error(
-                    &p.plan,
-                    i,
-                    why,
-                    "fix the custom op's kernel or its shape function",
-                ));
-            }
-            if let Some(g) = guard
-                && let Err(e) = guard_step(p, g, i)
-            {
-                p.scratch = scratch;
-                return Err(e);
-            }
-        }
-        p.scratch = scratch;
-        Ok(())
+        let p = &*p;
+        let result = if p.guard.is_none() && self.overlap && p.steps.iter().any(|s| s.overlaps) {
+            let books = overlap::InFlight::books();
+            std::thread::scope(|scope| {
+                let mut flight = overlap::InFlight::start(scope, &books);
+                let result = run_steps(p, store, bound, &mut scratch, Some(&mut flight));
+                let failure = flight.wait_all();
+                result.and(failure.map_or(Ok(()), |(step, why)| Err(collective_error(p, step, why))))
+            })
+        } else {
+            run_steps(p, store, bound, &mut scratch, None)
+        };
+        self.programs[program].scratch = scratch;
+        result
     }
 
     /// Runs `program` with the inputs in `bound` read in place from DLPack tensors (no copy) and
@@ -550,6 +553,104 @@ fn offset_of(slot: Slot) -> usize {
     match slot {
         Slot::Io { offset, .. } | Slot::Arena { offset, .. } => offset,
     }
+}
+
+/// The steps of a run, in order; with `flight`, collectives that may overlap (`overlap`) are
+/// sent to its thread and each step first waits for those whose bytes it touches.
+fn run_steps<'a>(
+    p: &'a Program,
+    store: &VariableStore,
+    bound: &[(usize, *mut u8)],
+    scratch: &mut Vec<*mut u8>,
+    mut flight: Option<&mut overlap::InFlight<'a>>,
+) -> Result<()> {
+    let guard = p.guard.as_ref();
+    if let Some(g) = guard {
+        fill_canaries(p, g, 0);
+    }
+    for (i, step) in p.steps.iter().enumerate() {
+        scratch.clear();
+        scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
+        for (j, &v) in p.plan.steps[i].inputs.iter().enumerate() {
+            if let Some(&(_, addr)) = bound.iter().find(|(b, _)| *b == p.plan.values[v].buffer) {
+                scratch[j] = addr.wrapping_add(p.plan.values[v].offset);
+            }
+        }
+        let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
+        if step.checks {
+            // SAFETY: as for `run` below.
+            if let Err(e) = unsafe { step.kernel.check_operands(scratch) } {
+                return Err(crate::backend::operand_error(&p.plan, i, e));
+            }
+        }
+        if let Some(flight) = flight.as_deref_mut()
+            && (flight.busy() || step.overlaps)
+        {
+            // The bytes this step reads and writes: it waits for the collectives in flight
+            // that touch any of them (`overlap`), or for all of them before a collective
+            // that runs in line.
+            let touched: Vec<std::ops::Range<usize>> = scratch
+                .iter()
+                .zip(&step.input_bytes)
+                .map(|(&a, &n)| overlap::range(a, n))
+                .chain(step.output.map(|_| overlap::range(out, step.output_bytes)))
+                .collect();
+            let failure =
+                if step.collective && !step.overlaps { flight.wait_all() } else { flight.wait_for(&touched) };
+            if let Some((at, why)) = failure {
+                return Err(collective_error(p, at, why));
+            }
+            if step.overlaps {
+                flight.send(i, step.kernel.as_ref(), scratch, out, touched);
+                continue;
+            }
+        }
+        // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
+        // addresses a buffer of the plan inside its arena, io region or variable, holding
+        // its value's bytes; buffers live at this step do not overlap, and an output shares
+        // an operand's buffer only for an elementwise op in place, which the kernels allow;
+        // every kernel was prepared for exactly these shapes; a custom op's trailing pointer is
+        // its step's scratch buffer, live at this step alone. A bound input (`run_with`)
+        // addresses the caller's contiguous tensor of its value's dtype and shape, which no
+        // step writes (checked there).
+        unsafe { step.kernel.run(scratch, out) };
+        if let Some(why) = step.kernel.take_failure() {
+            return Err(crate::backend::step_error(
+                &p.plan,
+                i,
+                why,
+                "fix the custom op's kernel or its shape function",
+            ));
+        }
+        if let Some(g) = guard
+            && let Err(e) = guard_step(p, g, i)
+        {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Whether the step after step `i` reads or writes a buffer of step `i`'s operands or output:
+/// then a collective at `i` would be waited for at once, and runs in line instead (`overlap`).
+fn next_reads(plan: &Plan, i: usize) -> bool {
+    let Some(next) = plan.steps.get(i + 1) else { return true };
+    let step = &plan.steps[i];
+    let buffers = |s: &kiln_compiler::plan::Step| -> Vec<usize> {
+        s.inputs.iter().chain(&s.output).map(|&v| plan.values[v].buffer).collect()
+    };
+    let mine = buffers(step);
+    buffers(next).iter().any(|b| mine.contains(b))
+}
+
+/// The error of a collective that failed on the communication thread (`overlap`).
+fn collective_error(p: &Program, step: usize, why: String) -> RuntimeError {
+    crate::backend::step_error(
+        &p.plan,
+        step,
+        why,
+        "every rank must run the same plan; restart the run from its last checkpoint",
+    )
 }
 
 fn ptr(p: &Program, store: &VariableStore, loc: Loc) -> *mut u8 {
