@@ -51,6 +51,20 @@ impl Device {
             Device::Cuda(ordinal) => Box::new(CudaBackend::new(*ordinal, seed)?),
         })
     }
+
+    /// A backend on this device that is one rank of a data-parallel run through `comm` (on a
+    /// CUDA device, its collectives staged through host memory: every in-process rank may share
+    /// the one GPU).
+    pub fn rank_backend(
+        &self,
+        seed: u64,
+        comm: impl kiln_comm::Communicator + 'static,
+    ) -> Result<Box<dyn Backend>> {
+        Ok(match self {
+            Device::Cpu => Box::new(CpuBackend::new(seed).with_communicator(comm)),
+            Device::Cuda(ordinal) => Box::new(CudaBackend::new(*ordinal, seed)?.with_communicator(comm)),
+        })
+    }
 }
 
 /// The best device present (`Device::best`); `Device::best().1` says why it was chosen.

@@ -25,7 +25,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train the seed model and print the memory report (the default).
-    Seed,
+    Seed {
+        /// Train data-parallel on this many in-process ranks (each batch split over them, the
+        /// gradients averaged inside the plan); the memory report is rank 0's.
+        #[arg(long, default_value_t = 1)]
+        ranks: usize,
+    },
     /// Train a zoo model data-parallel on RANKS in-process ranks (one CPU backend a thread, the
     /// gradients averaged inside the plan) and print how to launch ranks as processes with mpirun
     Ranks {
@@ -155,8 +160,8 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
-    let result = match cli.command.unwrap_or(Command::Seed) {
-        Command::Seed => run_seed(!cli.quiet, cli.svg.as_deref()),
+    let result = match cli.command.unwrap_or(Command::Seed { ranks: 1 }) {
+        Command::Seed { ranks } => run_seed(!cli.quiet, cli.svg.as_deref(), ranks),
         Command::Ranks { ranks, model, steps, zero } => run_ranks(ranks, &model, steps, zero),
         Command::Zero { model, max_ranks } => run_zero(&model, max_ranks),
         Command::Memory { model, mode, batch, svg, steps, dim, device } if model.ends_with(".onnx") => {
@@ -599,11 +604,30 @@ fn invalid(what: String, help: String) -> kiln::Error {
     kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(what, help))
 }
 
-fn run_seed(verbose: bool, svg: Option<&Path>) -> kiln::Result<()> {
+fn run_seed(verbose: bool, svg: Option<&Path>, ranks: usize) -> kiln::Result<()> {
     let (device, why) = Device::best();
-    println!("kiln: training the seed model on {device} ({why})");
+    if ranks == 0 || ranks > 32 {
+        return Err(invalid(
+            format!("--ranks {ranks}"),
+            "give 1 to 32 ranks (each takes its share of the seed model's batches of 32)".into(),
+        ));
+    }
     let start = Instant::now();
-    let run = seed::run(&device, verbose)?;
+    let run = if ranks == 1 {
+        println!("kiln: training the seed model on {device} ({why})");
+        seed::run(&device, verbose)?
+    } else {
+        println!("kiln: training the seed model on {ranks} in-process ranks on {device} ({why})");
+        let (run, same) = seed::run_ranks(&device, ranks, verbose)?;
+        println!("weights bitwise identical on all {ranks} ranks: {same}");
+        if !same {
+            return Err(invalid(
+                "the ranks' weights differ".into(),
+                "report this: data parallelism must keep every rank's weights the same".into(),
+            ));
+        }
+        run
+    };
     print!("{}", seed::summary(&run, start.elapsed()));
     if let Some(path) = svg {
         seed::write_svg(path)?;

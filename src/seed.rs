@@ -37,6 +37,47 @@ pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
     Ok(SeedRun { trainer, history })
 }
 
+/// Trains the seed model data-parallel on `ranks` in-process ranks on `device` (each rank a
+/// backend of its own and a thread, every batch split over the ranks by the `Trainer`, the
+/// gradients averaged inside the plan): rank 0's run, and whether every rank ended with
+/// bitwise the same weights. `verbose` draws rank 0's progress.
+pub fn run_ranks(device: &Device, ranks: usize, verbose: bool) -> Result<(SeedRun, bool)> {
+    let (x, y) = data(42);
+    let train = |rank: usize, comm: kiln_comm::LocalComm| -> Result<(SeedRun, Vec<u32>)> {
+        let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.rank_backend(7, comm)?);
+        let opts =
+            FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose: verbose && rank == 0 };
+        let history = trainer.fit(&x, &y, &opts)?;
+        let mut bits = Vec::new();
+        for v in trainer.plans()[0].variables.iter().filter(|v| !v.key.starts_with("optimizer/")) {
+            bits.extend(trainer.backend().read_variable(&v.key)?.data().iter().map(|w| w.to_bits()));
+        }
+        Ok((SeedRun { trainer, history }, bits))
+    };
+    let mut comms = kiln_comm::local_group(ranks.max(1));
+    let first = comms.remove(0);
+    // Rank 0 on this thread (its trainer, which holds the backend, is returned), the others on
+    // threads of their own; a rank that fails drops its communicator, which ends the others'
+    // collectives with an error instead of a hang.
+    std::thread::scope(|scope| {
+        let others: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(i, comm)| {
+                let train = &train;
+                scope.spawn(move || train(i + 1, comm).map(|(_, bits)| bits))
+            })
+            .collect();
+        let mine = train(0, first);
+        let theirs: Vec<Result<Vec<u32>>> =
+            others.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect();
+        let (run, bits) = mine?;
+        let theirs = theirs.into_iter().collect::<Result<Vec<_>>>()?;
+        let same = theirs.iter().all(|b| *b == bits);
+        Ok((run, same))
+    })
+}
+
 /// The run's epochs, timing and memory report, as `cargo run --release` prints them.
 pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
     let mut s = String::new();

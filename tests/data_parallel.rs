@@ -370,3 +370,29 @@ fn the_cli_trains_on_ranks_and_says_how_to_launch_processes() {
     assert!(!ok);
     assert!(err.contains("as many ranks as the batch has rows"), "{err}");
 }
+
+/// The main job on ranks (`kiln seed --ranks 2`): the seed model's fit on 2 in-process ranks
+/// keeps their weights identical and trains what one process trains on the whole batches
+/// (epoch losses within float summation tolerance; the last batch of each epoch, 8 rows, is 4 a
+/// rank).
+#[test]
+fn the_seed_run_on_ranks_trains_as_one_process() {
+    let one = kiln::seed::run(&kiln::Device::Cpu, false).unwrap();
+    let (two, same) = kiln::seed::run_ranks(&kiln::Device::Cpu, 2, false).unwrap();
+    assert!(same, "the ranks' weights are bitwise identical");
+    assert_eq!(two.history.epochs.len(), 5);
+    for (a, b) in one.history.epochs.iter().zip(&two.history.epochs) {
+        let (la, lb) = (a.loss, b.loss);
+        assert!(
+            (la - lb).abs() <= 1e-5 * la.abs().max(1.0),
+            "epoch loss {la} on one process, {lb} on 2 ranks"
+        );
+    }
+    let plans = two.trainer.plans();
+    assert!(plans.iter().all(|p| p.steps.iter().any(|s| s.op.is_collective())), "rank 0's plans reduce");
+    assert!(
+        plans.iter().any(|p| p.name.contains("16")),
+        "a rank's batch is half the seed's 32: {:?}",
+        plans.iter().map(|p| &p.name).collect::<Vec<_>>()
+    );
+}
