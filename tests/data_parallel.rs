@@ -396,3 +396,40 @@ fn the_seed_run_on_ranks_trains_as_one_process() {
         plans.iter().map(|p| &p.name).collect::<Vec<_>>()
     );
 }
+
+/// Collectives overlapping the steps after them (`CpuBackend::set_overlap`, on by default)
+/// train the bits of collectives run in line: the transformer, whose data-parallel plan defers
+/// each bucket's updates past the next collective (`+overlap`), at ZeRO stages 0 and 2.
+#[test]
+fn overlapped_collectives_train_the_bits_of_collectives_in_line() {
+    use kiln::compiler::zero::ZeroStage;
+    let m = zoo::by_name("transformer").unwrap();
+    let data = batches(&m, 4, 2);
+    for stage in [ZeroStage::Off, ZeroStage::Two] {
+        let run = |overlap: bool| {
+            kiln::comm::run_local_ranks(2, |_, comm| {
+                let mut backend = CpuBackend::new(3).with_communicator(comm);
+                backend.set_overlap(overlap);
+                let mut t = Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(stage);
+                let losses: Vec<u32> =
+                    data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss.to_bits()).collect();
+                let plan = t.plans()[0].clone();
+                let weights: Vec<u32> = plan
+                    .variables
+                    .iter()
+                    .flat_map(|v| t.backend().read_variable(&v.key).unwrap().data().to_vec())
+                    .map(f32::to_bits)
+                    .collect();
+                (losses, weights, plan.memory.schedule.clone())
+            })
+        };
+        let (on, off) = (run(true), run(false));
+        if stage == ZeroStage::Off {
+            assert!(on[0].2.ends_with("+overlap"), "the transformer's step defers its updates: {}", on[0].2);
+        }
+        for r in 0..2 {
+            assert_eq!(on[r].0, off[r].0, "{stage:?}: rank {r}'s losses");
+            assert!(on[r].1 == off[r].1, "{stage:?}: rank {r}'s weights and optimizer state");
+        }
+    }
+}

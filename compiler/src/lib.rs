@@ -473,7 +473,8 @@ fn search_updates(
 pub const SEARCH_PLACES_ALL_BELOW: usize = 20_000;
 
 /// The schedule search: plans the graph in every candidate order and keeps the plan with the
-/// smallest planned total (the first such, program order winning ties). In guard mode the
+/// smallest planned total (the first such in `schedule::candidates`' order: the `+overlap` orders
+/// of a data-parallel graph, then program order, win ties). In guard mode the
 /// order is chosen as without it (canaries would tip the choice and change what runs) and then
 /// planned with the canaries.
 pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &CompileOptions) -> Result<Plan> {

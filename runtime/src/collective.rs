@@ -134,7 +134,9 @@ impl CpuKernel for AllReduceKernel {
         // SAFETY: the executor's contract (`CpuKernel::run`): the operand and the output hold `n`
         // f32s each (the op's shape rule makes them one shape), and the output is either the
         // operand's own buffer (planned in place, `Op::may_write_over`) or a buffer that does
-        // not overlap it; no other step runs meanwhile, so this is the only reference.
+        // not overlap it; no other step touches these bytes meanwhile (run in line, or on the
+        // communication thread while only steps touching other bytes run: `cpu::overlap`), so
+        // this is the only reference.
         let buf = unsafe {
             if !std::ptr::eq(input, out) {
                 std::ptr::copy_nonoverlapping(input, out, self.n);
@@ -184,7 +186,8 @@ impl CpuKernel for ReduceScatterKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         // SAFETY: the executor's contract (`CpuKernel::run`): the operand holds `n` f32s and the
         // output `part` (the op's shape rule: `Shard::padded(n)`, at least the shard's length),
-        // distinct buffers (a reduce-scatter is never planned in place); no other step runs.
+        // distinct buffers (a reduce-scatter is never planned in place); no other step touches
+        // them meanwhile (in line, or overlapped only with steps on other bytes: `cpu::overlap`).
         let (input, out) = unsafe {
             (
                 std::slice::from_raw_parts(inputs[0] as *const f32, self.n),
@@ -235,7 +238,8 @@ impl CpuKernel for AllGatherKernel {
         // SAFETY: the executor's contract (`CpuKernel::run`): operand 0 is the variable, `n`
         // f32s, and operand 1 the step's scratch (`scratch::declared`: `Shard::padded(n)` f32s,
         // at least the shard's length), an arena buffer live at this step alone, so distinct
-        // from the variable; no other step runs meanwhile.
+        // from the variable; no other step runs meanwhile (an all-gather runs in line, after
+        // every collective in flight: `cpu::overlap`).
         let var = unsafe { std::slice::from_raw_parts_mut(inputs[0] as *mut f32, self.n) };
         // An empty shard has no scratch (a variable of fewer elements than ranks).
         let mine: &mut [f32] = match self.range.len() {

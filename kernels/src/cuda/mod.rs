@@ -208,7 +208,7 @@ pub fn generate_with_scratch(
             return Err(KernelError::Unsupported {
                 op: name.into(),
                 dtype: output.1,
-                help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers through host memory and its communicator (NCCL, which would run them in device memory, is not driven yet)".into(),
+                help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers itself, through host memory and its communicator (`CudaBackend::with_communicator`) or through NCCL (`CudaBackend::with_nccl`)".into(),
             });
         }
         Op::Fill { value, .. } => layout::fill(l, *value, out),

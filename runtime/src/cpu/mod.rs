@@ -577,12 +577,6 @@ fn run_steps<'a>(
             }
         }
         let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
-        if step.checks {
-            // SAFETY: as for `run` below.
-            if let Err(e) = unsafe { step.kernel.check_operands(scratch) } {
-                return Err(crate::backend::operand_error(&p.plan, i, e));
-            }
-        }
         if let Some(flight) = flight.as_deref_mut()
             && (flight.busy() || step.overlaps)
         {
@@ -601,8 +595,17 @@ fn run_steps<'a>(
                 return Err(collective_error(p, at, why));
             }
             if step.overlaps {
-                flight.send(i, step.kernel.as_ref(), scratch, out, touched);
+                if let Err((at, why)) = flight.send(i, step.kernel.as_ref(), scratch, out, touched) {
+                    return Err(collective_error(p, at, why));
+                }
                 continue;
+            }
+        }
+        // (After the wait above: the check reads the operands.)
+        if step.checks {
+            // SAFETY: as for `run` below.
+            if let Err(e) = unsafe { step.kernel.check_operands(scratch) } {
+                return Err(crate::backend::operand_error(&p.plan, i, e));
             }
         }
         // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer

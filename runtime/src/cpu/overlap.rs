@@ -97,13 +97,28 @@ impl<'a> InFlight<'a> {
         let (jobs, queue) = channel::<Job<'a>>();
         scope.spawn(move || {
             for job in queue {
-                let pointers: Vec<*mut u8> = job.inputs.iter().map(|a| a.0).collect();
-                // SAFETY: the executor's contract for this step (`CpuBackend::run`: validated
-                // plan, pointers into live buffers of the values' sizes), and no other step
-                // touches these bytes until this job is counted done (`wait_for`).
-                unsafe { job.kernel.run(&pointers, job.output.0) };
-                let failure = job.kernel.take_failure();
                 let (lock, signal) = done;
+                // After a failure the rest are counted without running: the run is failing, and
+                // each would wait for a communicator that has given up.
+                let failed = lock.lock().unwrap_or_else(|e| e.into_inner()).failure.is_some();
+                let failure = if failed {
+                    None
+                } else {
+                    let pointers: Vec<*mut u8> = job.inputs.iter().map(|a| a.0).collect();
+                    // A panic is caught and counted as a failure: otherwise the job would never
+                    // be counted done and the executor would wait for it forever.
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        // SAFETY: the executor's contract for this step (`CpuBackend::run`:
+                        // validated plan, pointers into live buffers of the values' sizes), and
+                        // no other step touches these bytes until this job is counted done
+                        // (`wait_for`).
+                        unsafe { job.kernel.run(&pointers, job.output.0) };
+                        job.kernel.take_failure()
+                    }))
+                    .unwrap_or_else(|_| {
+                        Some(format!("{} panicked on the communication thread", job.kernel.describe()))
+                    })
+                };
                 let mut d = lock.lock().unwrap_or_else(|e| e.into_inner());
                 d.count += 1;
                 if d.failure.is_none() {
@@ -120,7 +135,8 @@ impl<'a> InFlight<'a> {
         (Mutex::new(Done::default()), Condvar::new())
     }
 
-    /// Sends step `step`'s collective; `ranges` are the bytes it reads and writes.
+    /// Sends step `step`'s collective; `ranges` are the bytes it reads and writes. Err where the
+    /// thread is gone (it ended: nothing would run the collective).
     pub(crate) fn send(
         &mut self,
         step: usize,
@@ -128,17 +144,17 @@ impl<'a> InFlight<'a> {
         inputs: &[*mut u8],
         output: *mut u8,
         ranges: Vec<Range<usize>>,
-    ) {
+    ) -> Result<(), (usize, String)> {
         let job = Job {
             step,
             kernel,
             inputs: inputs.iter().map(|&p| Address(p)).collect(),
             output: Address(output),
         };
-        if self.jobs.send(job).is_ok() {
-            self.pending.push((self.sent, ranges));
-            self.sent += 1;
-        }
+        self.jobs.send(job).map_err(|_| (step, "the communication thread has ended".to_string()))?;
+        self.pending.push((self.sent, ranges));
+        self.sent += 1;
+        Ok(())
     }
 
     /// Waits for every collective in flight whose bytes overlap `touched`; the first failure
@@ -223,7 +239,7 @@ mod tests {
         let books = InFlight::books();
         std::thread::scope(|scope| {
             let mut flight = InFlight::start(scope, &books);
-            flight.send(3, &kernel, &[], std::ptr::null_mut(), vec![1000..1064]);
+            flight.send(3, &kernel, &[], std::ptr::null_mut(), vec![1000..1064]).unwrap();
             assert!(flight.busy());
             // Bytes beside the collective's: no wait (the gate is still shut).
             assert_eq!(flight.wait_for(&[0..1000, 1064..2000]), None);
@@ -237,7 +253,7 @@ mod tests {
             assert!(start.elapsed() >= std::time::Duration::from_millis(40), "waited for the gate");
             assert!(!flight.busy());
             opener.join().unwrap();
-            flight.send(7, &failing, &[], std::ptr::null_mut(), vec![0..8]);
+            flight.send(7, &failing, &[], std::ptr::null_mut(), vec![0..8]).unwrap();
             release_failing.send(()).unwrap();
             assert_eq!(flight.wait_all(), Some((7, "the other rank left".to_string())));
         });

@@ -99,8 +99,8 @@ struct Program {
 /// ranks or MPI, `kiln_comm`) on host copies of its buffers: the device finishes the launches
 /// before it, the operand is copied to the host, exchanged with the other ranks (scaled for a
 /// mean) and the result copied back (the emulated device's memory is host memory, so CI runs the
-/// CUDA backend's data-parallel and ZeRO plans this way). NCCL, which exchanges device memory,
-/// is not driven yet.
+/// CUDA backend's data-parallel and ZeRO plans this way); or, on a backend made with
+/// `with_nccl`, through NCCL in device memory (`exchange_on_device`).
 struct HostCollective {
     /// The plan step.
     step: usize,
@@ -222,9 +222,9 @@ pub fn plan_kernels(plan: &Plan) -> Result<Vec<CudaKernel>> {
             // most that many bytes of it.
             let scratch = step.scratch.map_or(0, |b| plan.buffers[b].bytes);
             if step.op.is_collective() {
-                // Run by the backend through host memory (`HostCollective`), no launch.
+                // Run by the backend (`HostCollective`: through host memory, or NCCL), no launch.
                 return Ok(CudaKernel {
-                    source: format!("// {}: reduced by the communicator through host memory\n", step.label),
+                    source: format!("// {}: run by the backend's communicator, no kernel\n", step.label),
                     launches: Vec::new(),
                     describe: format!("{} (host-staged)", step.op.label()),
                 });
@@ -732,15 +732,11 @@ impl CudaBackend {
             Exchange::AllReduce { mean } => unsafe {
                 nccl.all_reduce(c.args[0], c.args[1], c.n, *mean, stream)
             },
-            Exchange::ReduceScatter { mean, range, part } => {
-                unsafe { nccl.reduce_scatter(c.args[0], c.args[1], &ranges(c.n), *mean, stream)? };
-                // The padding after the shard, as the CPU kernel writes it (never read).
-                let padding = part - range.len();
-                if padding > 0 {
-                    self.htod(c.args[1] + 4 * range.len() as u64, &vec![0f32; padding])?;
-                }
-                Ok(())
-            }
+            // The output's padding after the shard (at most one element) is left as it is:
+            // nothing reads it (`Shard`), and writing it from the host would wait for the stream.
+            Exchange::ReduceScatter { mean, .. } => unsafe {
+                nccl.reduce_scatter(c.args[0], c.args[1], &ranges(c.n), *mean, stream)
+            },
             Exchange::AllGather { .. } => unsafe { nccl.all_gather(c.args[0], &ranges(c.n), stream) },
         }
     }
@@ -839,7 +835,10 @@ impl CudaBackend {
         // Every kernel first: a plan one cannot run (a custom op without a CUDA kernel, say) is
         // refused before any variable is created, so a refused load leaves nothing behind.
         let kernels = plan_kernels(&plan)?;
-        if let Some(step) = plan.steps.iter().find(|s| s.op.is_collective()) {
+        // As the CPU backend: collectives and sharded updates need a communicator whose rank
+        // the shards were made for.
+        let ranked = |s: &&kiln_compiler::plan::Step| s.op.is_collective() || s.op.shard().is_some();
+        if let Some(step) = plan.steps.iter().find(ranked) {
             let Some(comm) = &self.comm else {
                 return Err(crate::collective::no_communicator(
                     &plan,
@@ -848,7 +847,7 @@ impl CudaBackend {
                 ));
             };
             crate::collective::agree_on_plan(&plan, comm)?;
-            for step in plan.steps.iter().filter(|s| s.op.is_collective()) {
+            for step in plan.steps.iter().filter(ranked) {
                 crate::collective::check_shard(&step.op, &step.label, comm)?;
             }
         }

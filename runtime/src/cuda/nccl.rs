@@ -13,7 +13,8 @@
 //! which NCCL's reduce-scatter and all-gather (equal counts per rank) cannot express; so a
 //! reduce-scatter is a group of `ncclReduce`s, one to each rank of its range, and an all-gather a
 //! group of in-place `ncclBroadcast`s, one from each rank of its range: the same bytes on the
-//! wire as the ring collectives, in one group call. A mean is NCCL's `ncclAvg`.
+//! wire as the ring collectives, in one group call. A mean is NCCL's `ncclAvg`. NCCL's sums run
+//! in its own order: its ranks agree with each other bit for bit, not with host-staged ranks.
 //!
 //! The bootstrap: rank 0 makes the group's id (`ncclGetUniqueId`), the host communicator
 //! (in-process ranks or MPI) broadcasts its 128 bytes, every rank joins (`ncclCommInitRank`).
