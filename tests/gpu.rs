@@ -366,6 +366,26 @@ fn gpu_eager_on_device_regions_matches_the_cpu_plan() {
     }
 }
 
+/// A CUDA backend for one rank of an in-process run: the emulated device under
+/// `KILN_CUDA_EMULATE=1`, else GPU 0 (every rank shares it).
+fn rank_device() -> CudaBackend {
+    if common::emulated() {
+        CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
+    } else {
+        CudaBackend::new(0, 5).unwrap()
+    }
+}
+
+/// A trainer's parameters (its first plan's, key order) as they are on its backend.
+fn parameters(t: &kiln::runtime::Trainer) -> Vec<(String, HostTensor)> {
+    t.plans()[0]
+        .variables
+        .iter()
+        .filter(|v| v.role == kiln::compiler::ir::VarRole::Parameter)
+        .map(|v| (v.key.clone(), t.backend().read_variable(&v.key).unwrap()))
+        .collect()
+}
+
 #[test]
 fn gpu_data_parallel_ranks_reduce_through_the_host_and_train_as_cpu_ranks() {
     use kiln::compiler::data_parallel::all_reduce_gradients;
@@ -395,12 +415,7 @@ fn gpu_data_parallel_ranks_reduce_through_the_host_and_train_as_cpu_ranks() {
         params.map(|v| (v.key.clone(), backend.read_variable(&v.key).unwrap())).collect::<Vec<_>>()
     };
     let on_gpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
-        let backend = if common::emulated() {
-            CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
-        } else {
-            CudaBackend::new(0, 5).unwrap()
-        };
-        train(&mut backend.with_communicator(comm), &gpu_plan, r)
+        train(&mut rank_device().with_communicator(comm), &gpu_plan, r)
     });
     let on_cpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
         train(&mut CpuBackend::new(5).with_communicator(comm), &cpu_plan, r)
@@ -415,7 +430,6 @@ fn gpu_data_parallel_ranks_reduce_through_the_host_and_train_as_cpu_ranks() {
 
 #[test]
 fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
-    use kiln::compiler::ir::VarRole;
     use kiln::compiler::zero::ZeroStage;
     use kiln::runtime::{CpuBackend, Trainer};
     let Some(gpu) = cuda_backend(0) else { return };
@@ -435,25 +449,11 @@ fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
                 let (x, y) = (x.rows(rows.clone()).unwrap(), y.rows(rows).unwrap());
                 losses.push(t.train_step(&x, &y).unwrap().loss);
             }
-            let plan = t.plans()[0].clone();
-            let sharded = plan.steps.iter().filter(|s| s.op.shard().is_some()).count();
-            let keys: Vec<String> = plan
-                .variables
-                .iter()
-                .filter(|v| v.role == VarRole::Parameter)
-                .map(|v| v.key.clone())
-                .collect();
-            let params: Vec<_> =
-                keys.iter().map(|k| (k.clone(), t.backend().read_variable(k).unwrap())).collect();
-            (params, losses, sharded)
+            let sharded = t.plans()[0].steps.iter().filter(|s| s.op.shard().is_some()).count();
+            (parameters(&t), losses, sharded)
         };
         let on_gpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
-            let backend = if common::emulated() {
-                CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
-            } else {
-                CudaBackend::new(0, 5).unwrap()
-            };
-            train(Box::new(backend.with_communicator(comm)), r)
+            train(Box::new(rank_device().with_communicator(comm)), r)
         });
         let on_cpu = kiln::comm::run_local_ranks(ranks, |r, comm| {
             train(Box::new(CpuBackend::new(5).with_communicator(comm)), r)
@@ -483,19 +483,12 @@ fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
 /// NCCL call, as a host-staged rank does.
 #[test]
 fn gpu_nccl_rank_trains_as_a_host_staged_rank() {
-    use kiln::compiler::ir::VarRole;
     use kiln::compiler::zero::ZeroStage;
     use kiln::runtime::Trainer;
     use kiln::runtime::cuda::nccl::Nccl;
     let Some(gpu) = cuda_backend(0) else { return };
     drop(gpu);
-    let open = || {
-        if common::emulated() {
-            CudaBackend::emulated(kiln::runtime::cuda::emulator::DEFAULT_MEMORY, 5).unwrap()
-        } else {
-            CudaBackend::new(0, 5).unwrap()
-        }
-    };
+    let open = rank_device;
     if common::emulated() {
         let refused =
             kiln::comm::run_local_ranks(1, |_, comm| open().with_nccl(comm).err().map(|e| e.to_string()));
@@ -518,15 +511,8 @@ fn gpu_nccl_rank_trains_as_a_host_staged_rank() {
             for (x, y) in &batches {
                 t.train_step(x, y).unwrap();
             }
-            let plan = t.plans()[0].clone();
-            assert!(plan.steps.iter().any(|s| s.op.is_collective()));
-            let keys: Vec<String> = plan
-                .variables
-                .iter()
-                .filter(|v| v.role == VarRole::Parameter)
-                .map(|v| v.key.clone())
-                .collect();
-            keys.iter().map(|k| (k.clone(), t.backend().read_variable(k).unwrap())).collect::<Vec<_>>()
+            assert!(t.plans()[0].steps.iter().any(|s| s.op.is_collective()));
+            parameters(&t)
         })
         .remove(0)
     };

@@ -83,23 +83,7 @@ fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
     Window2d { size, stride, padding }
 }
 
-const UNARY: [UnaryOp; 15] = [
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Sign,
-    UnaryOp::Relu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Tanh,
-    UnaryOp::Gelu,
-    UnaryOp::GeluTanh,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Square,
-    UnaryOp::Reciprocal,
-    UnaryOp::Erf,
-];
+const UNARY: [UnaryOp; 15] = UnaryOp::ALL;
 
 const BINARY: [BinaryOp; 18] = [
     BinaryOp::Add,

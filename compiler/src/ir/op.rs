@@ -111,6 +111,26 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
+    /// Every unary op, in declaration order (tests and tables run over it; a test checks that
+    /// it lists every variant).
+    pub const ALL: [UnaryOp; 15] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Sign,
+        UnaryOp::Relu,
+        UnaryOp::Sigmoid,
+        UnaryOp::Tanh,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Square,
+        UnaryOp::Reciprocal,
+        UnaryOp::Erf,
+    ];
+
     /// The arithmetic of one element as the CPU kernels compute it (`kernels/src/cpu/vmath.rs`):
     /// a transcendental is a range reduction and a polynomial, 15-30 operations where relu is
     /// one. Measured (1M floats, 2 threads, AVX2, `benches/transcendentals.rs`): relu 0.05-0.09 ms,
@@ -1027,4 +1047,35 @@ pub fn uniform(seed: u64, step: f32, index: u64) -> f32 {
     x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^= x >> 31;
     (x >> 40) as f32 / (1u64 << 24) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `UnaryOp::ALL` holds every variant once: the match below stops compiling when a variant
+    /// is added, and its index must find the op in `ALL`.
+    #[test]
+    fn all_unary_ops_are_listed() {
+        let index = |op: UnaryOp| match op {
+            UnaryOp::Neg => 0,
+            UnaryOp::Abs => 1,
+            UnaryOp::Sign => 2,
+            UnaryOp::Relu => 3,
+            UnaryOp::Sigmoid => 4,
+            UnaryOp::Tanh => 5,
+            UnaryOp::Gelu => 6,
+            UnaryOp::GeluTanh => 7,
+            UnaryOp::Exp => 8,
+            UnaryOp::Log => 9,
+            UnaryOp::Sqrt => 10,
+            UnaryOp::Rsqrt => 11,
+            UnaryOp::Square => 12,
+            UnaryOp::Reciprocal => 13,
+            UnaryOp::Erf => 14,
+        };
+        for (i, op) in UnaryOp::ALL.into_iter().enumerate() {
+            assert_eq!(index(op), i, "{op:?}");
+        }
+    }
 }
