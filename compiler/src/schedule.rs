@@ -160,7 +160,8 @@ fn overlapped(graph: &Graph, t: &Tables, order: &[NodeId]) -> Option<Vec<NodeId>
         return None;
     }
     let mut held = vec![false; t.preds.len()];
-    let mut source = vec![false; t.preds.len()];
+    // The last collective emitted: its readers are deferred.
+    let mut source: Option<u32> = None;
     let mut waiting: Vec<NodeId> = Vec::new();
     let mut out = Vec::with_capacity(order.len());
     let release = |waiting: &mut Vec<NodeId>, held: &mut [bool], out: &mut Vec<NodeId>| {
@@ -178,9 +179,8 @@ fn overlapped(graph: &Graph, t: &Tables, order: &[NodeId]) -> Option<Vec<NodeId>
             }
             out.push(n);
             release(&mut waiting, &mut held, &mut out);
-            source.iter_mut().for_each(|s| *s = false);
-            source[i] = true;
-        } else if preds.iter().any(|&p| held[p as usize] || source[p as usize]) {
+            source = Some(i as u32);
+        } else if preds.iter().any(|&p| held[p as usize] || source == Some(p)) {
             held[i] = true;
             waiting.push(n);
         } else {

@@ -152,11 +152,9 @@ impl Nccl {
         stream: usize,
     ) -> Result<()> {
         let op = if mean { sys::ncclRedOp_t::ncclAvg } else { sys::ncclRedOp_t::ncclSum };
-        nccl::group_start().map_err(failed("starting a group"))?;
-        let mut result = Ok(());
-        for (root, r) in ranges.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+        Self::grouped("reduce-scatter", ranges, |root, r| {
             // SAFETY: per the contract; the root writes its range's length at `recv`.
-            let call = unsafe {
+            unsafe {
                 nccl::reduce(
                     (send + 4 * r.start as u64) as *const c_void,
                     recv as *mut c_void,
@@ -167,14 +165,8 @@ impl Nccl {
                     self.comm,
                     stream as sys::cudaStream_t,
                 )
-            };
-            if result.is_ok() {
-                result = call.map(|_| ()).map_err(failed("reduce-scatter"));
             }
-        }
-        // The group is ended even after a failed call, so that the communicator stays usable.
-        let end = nccl::group_end().map_err(failed("ending a group"));
-        result.and(end.map(|_| ()))
+        })
     }
 
     /// Every rank's `ranges[r]` of the `n` floats at `var` from rank r, in place: one
@@ -188,12 +180,10 @@ impl Nccl {
         ranges: &[std::ops::Range<usize>],
         stream: usize,
     ) -> Result<()> {
-        nccl::group_start().map_err(failed("starting a group"))?;
-        let mut result = Ok(());
-        for (root, r) in ranges.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+        Self::grouped("all-gather", ranges, |root, r| {
             let at = var + 4 * r.start as u64;
             // SAFETY: per the contract; in place (send = receive buffer), as NCCL allows.
-            let call = unsafe {
+            unsafe {
                 nccl::broadcast(
                     at as *const c_void,
                     at as *mut c_void,
@@ -203,9 +193,23 @@ impl Nccl {
                     self.comm,
                     stream as sys::cudaStream_t,
                 )
-            };
+            }
+        })
+    }
+
+    /// `call(root, range)` for each rank's non-empty range, in one NCCL group: ended even after
+    /// a failed call, so that the communicator stays usable; the first failure is the result.
+    fn grouped(
+        what: &str,
+        ranges: &[std::ops::Range<usize>],
+        call: impl Fn(usize, &std::ops::Range<usize>) -> std::result::Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<()> {
+        nccl::group_start().map_err(failed("starting a group"))?;
+        let mut result = Ok(());
+        for (root, r) in ranges.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            let status = call(root, r);
             if result.is_ok() {
-                result = call.map(|_| ()).map_err(failed("all-gather"));
+                result = status.map(|_| ()).map_err(failed(what));
             }
         }
         let end = nccl::group_end().map_err(failed("ending a group"));
