@@ -109,3 +109,24 @@ fn a_memory_limit_only_blocks_meet_is_met() {
     let fit = compile(graph, &tight(CompileOptions::default())).unwrap_or_else(|e| panic!("{e}"));
     assert!(fit.memory.batch_blocks >= 2 && fit.devices[0].memory.held_bytes() <= limit);
 }
+
+/// A GPU target (the CUDA kernels' rule, `ScratchRule::blocks_only_to_fit`) keeps a forward pass
+/// whole where it fits, since every split was slower there; blocks are still how it meets a limit
+/// the whole batch misses. `forced_blocks` (`KILN_BATCH_BLOCKS=N`) plans exactly N blocks.
+#[test]
+fn a_gpu_target_splits_rows_only_to_fit() {
+    let m = zoo::by_name("cnn").unwrap();
+    let graph = forward_graph(&m.model(), m.x_shape()).unwrap();
+    let gpu = || CompileOptions::default().with_scratch(Some(kiln::kernels::cuda::SCRATCH));
+    let kept = compile(graph.clone(), &gpu()).unwrap();
+    assert_eq!(kept.memory.batch_blocks, 0, "whole on a GPU where it fits");
+    let cpu = compile(graph.clone(), &CompileOptions::default()).unwrap();
+    assert!(cpu.memory.batch_blocks >= 2, "the CPU target still splits where that plans smaller");
+    let whole_gpu = compile(graph.clone(), &gpu().with_batch_blocks(false)).unwrap();
+    let limit = whole_gpu.devices[0].memory.held_bytes() - 1;
+    let tight = CompileOptions { devices: CompileOptions::device("gpu:0", Some(limit)).devices, ..gpu() };
+    let fit = compile(graph.clone(), &tight).unwrap_or_else(|e| panic!("{e}"));
+    assert!(fit.memory.batch_blocks >= 2 && fit.devices[0].memory.held_bytes() <= limit);
+    let forced = compile(graph, &CompileOptions { forced_blocks: Some(4), ..gpu() }).unwrap();
+    assert_eq!(forced.memory.batch_blocks, 4);
+}

@@ -478,17 +478,44 @@ fn gpu_zero_ranks_shard_state_through_the_host_and_train_as_cpu_ranks() {
 }
 
 /// NCCL (`CudaBackend::with_nccl`): on the emulated device it is refused, saying what to use;
-/// on a GPU with the NCCL library one rank (the lent machines have one GPU, and NCCL refuses two
-/// ranks on one) trains at ZeRO stage 2, every all-reduce, reduce-scatter and all-gather an
-/// NCCL call, as a host-staged rank does.
+/// on a GPU with the NCCL library one rank runs a ZeRO stage 2 training step, every all-reduce,
+/// reduce-scatter and all-gather an NCCL call, as a host-staged rank does. The lent machines have
+/// one GPU and NCCL refuses two ranks on one, and a `Trainer` on one rank has no collectives, so
+/// the step is built as a `Trainer` builds a rank's (sharded over one rank) and loaded by hand.
 #[test]
 fn gpu_nccl_rank_trains_as_a_host_staged_rank() {
-    use kiln::compiler::zero::ZeroStage;
-    use kiln::runtime::Trainer;
+    use kiln::compiler::data_parallel::all_reduce_outputs;
+    use kiln::compiler::ir::Op;
+    use kiln::compiler::ir::Shard;
+    use kiln::compiler::zero::{ZeroStage, for_rank, shard_optimizer_state};
     use kiln::runtime::cuda::nccl::Nccl;
     let Some(gpu) = cuda_backend(0) else { return };
+    let scratch = gpu.scratch_rule();
     drop(gpu);
+    let m = zoo::by_name("seed-mlp").unwrap();
+    let mut graph = kiln::compare::graph_of(&m, kiln::compare::Mode::Train).unwrap();
+    shard_optimizer_state(&mut graph, ZeroStage::Two, Shard { ranks: 1, rank: 0 }).unwrap();
+    all_reduce_outputs(&mut graph, &["loss"]).unwrap();
+    let plan =
+        for_rank(compile(graph, &CompileOptions::default().with_scratch(scratch)).unwrap(), 0).unwrap();
+    let has = |f: fn(&Op) -> bool| plan.steps.iter().any(|s| f(&s.op));
+    assert!(has(|op| matches!(op, Op::AllReduce { .. })), "the step reduces its loss");
+    assert!(has(|op| matches!(op, Op::ReduceScatter { .. })), "the step reduce-scatters its gradients");
+    assert!(has(|op| matches!(op, Op::AllGather { .. })), "the step gathers its weights");
     let open = rank_device;
+    let batches: Vec<_> = (0..2).map(|i| m.batch_data(40 + i).unwrap()).collect();
+    let train = |mut backend: CudaBackend| {
+        let id = backend.load(plan.clone()).unwrap();
+        let mut losses = Vec::new();
+        for (x, y) in &batches {
+            let out = backend.call(id, &[("x", x), ("y", y)]).unwrap();
+            losses.push(out.into_iter().find(|(n, _)| n == "loss").expect("a loss output").1);
+        }
+        let weights: Vec<_> =
+            plan.variables.iter().map(|v| (v.key.clone(), backend.read_variable(&v.key).unwrap())).collect();
+        (losses, weights)
+    };
+    let staged = kiln::comm::run_local_ranks(1, |_, comm| train(open().with_communicator(comm))).remove(0);
     if common::emulated() {
         let refused =
             kiln::comm::run_local_ranks(1, |_, comm| open().with_nccl(comm).err().map(|e| e.to_string()));
@@ -500,24 +527,16 @@ fn gpu_nccl_rank_trains_as_a_host_staged_rank() {
         eprintln!("skipped: the NCCL library is not found (LD_LIBRARY_PATH)");
         return;
     }
-    let m = zoo::by_name("seed-mlp").unwrap();
-    let batches: Vec<_> = (0..2).map(|i| m.batch_data(40 + i).unwrap()).collect();
-    let train = |nccl: bool| {
-        kiln::comm::run_local_ranks(1, |_, comm| {
-            let backend = if nccl { open().with_nccl(comm).unwrap() } else { open().with_communicator(comm) };
-            assert_eq!(backend.uses_nccl(), nccl);
-            let mut t =
-                Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(ZeroStage::Two);
-            for (x, y) in &batches {
-                t.train_step(x, y).unwrap();
-            }
-            assert!(t.plans()[0].steps.iter().any(|s| s.op.is_collective()));
-            parameters(&t)
-        })
-        .remove(0)
-    };
-    let (staged, on_device) = (train(false), train(true));
-    for ((key, a), (_, b)) in staged.iter().zip(&on_device) {
+    let on_device = kiln::comm::run_local_ranks(1, |_, comm| {
+        let backend = open().with_nccl(comm).unwrap();
+        assert!(backend.uses_nccl());
+        train(backend)
+    })
+    .remove(0);
+    for (i, (a, b)) in staged.0.iter().zip(&on_device.0).enumerate() {
+        close(m.name, &format!("loss of step {i} through NCCL"), a, b);
+    }
+    for ((key, a), (_, b)) in staged.1.iter().zip(&on_device.1) {
         close(m.name, &format!("{key} after 2 steps through NCCL"), a, b);
     }
 }

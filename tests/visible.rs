@@ -42,9 +42,10 @@ fn visible_devices_hide_gpus_until_one_is_in_use() {
     assert!(table.contains("visible GPUs: gpu:0") && table.contains("resident on the host"), "{table}");
 
     // CUDA_VISIBLE_DEVICES, one level below: the emulated device is ordinal 0.
-    let kiln = env!("CARGO_BIN_EXE_kiln");
+    // `KILN_BIN`: the binary where it was carried to (a bundle run on another machine).
+    let kiln = std::env::var("KILN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kiln").to_string());
     let listed = |visible: &str| {
-        let out = Command::new(kiln)
+        let out = Command::new(&kiln)
             .arg("devices")
             .env("KILN_CUDA_EMULATE", "1")
             .env("CUDA_VISIBLE_DEVICES", visible)

@@ -90,6 +90,10 @@ pub struct CompileOptions {
     /// Whether a forward pass may run a block of batch rows at a time where that plans smaller
     /// (`batch_blocks`; with fusion on, by default, or as `KILN_BATCH_BLOCKS=0` says).
     pub batch_blocks: bool,
+    /// Plan a forward pass in exactly this many blocks of batch rows where its region allows,
+    /// whatever the planned totals say (`KILN_BATCH_BLOCKS=N`, N >= 2: an A/B knob for timing
+    /// block counts on a device; `None` by default).
+    pub forced_blocks: Option<usize>,
     /// Whether values computed from constants alone are computed at compile time
     /// (`const_fold`; on by default, or as `KILN_FOLD=0` says).
     pub fold_constants: bool,
@@ -115,7 +119,11 @@ impl Default for CompileOptions {
             guard_bytes: guard::default_bytes(),
             tile_updates: true,
             fuse: std::env::var("KILN_FUSE").map_or(true, |v| v != "0"),
-            batch_blocks: std::env::var("KILN_BATCH_BLOCKS").map_or(true, |v| v != "0"),
+            batch_blocks: std::env::var("KILN_BATCH_BLOCKS").map_or(true, |v| v != "0" && v != "1"),
+            forced_blocks: std::env::var("KILN_BATCH_BLOCKS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n >= 2),
             fold_constants: std::env::var("KILN_FOLD").map_or(true, |v| v != "0"),
             cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
             recompute_budget: cheap_remat::FLOPS_BUDGET,
@@ -280,27 +288,38 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
 /// `compile` of a graph whose forward pass can run a block of batch rows at a time
 /// (`batch_blocks`): the graph as it is and split into each block count, the smallest planned
 /// total kept (the graph as it is on a tie; a split one where only it fits a memory limit).
+/// For a target whose rule says so (`ScratchRule::blocks_only_to_fit`: a GPU) only the last.
 fn compile_blocked(
     graph: ir::Graph,
     region: &batch_blocks::Region,
     options: &CompileOptions,
 ) -> Result<Plan> {
     let whole = compile_rewritten(graph.clone(), options);
-    if let Err(e) = &whole
-        && !matches!(e, CompileError::OutOfMemory(_))
-    {
-        return whole;
+    let only_to_fit =
+        options.scratch.is_some_and(|r| r.blocks_only_to_fit) && options.forced_blocks.is_none();
+    match &whole {
+        Err(e) if !matches!(e, CompileError::OutOfMemory(_)) => return whole,
+        Ok(_) if only_to_fit => return whole,
+        _ => {}
     }
     // Every order of every graph, as `schedules` lists them: the split ones' marked "+blocksN".
     let mut tried = whole.as_ref().map(|p| p.memory.schedules.clone()).unwrap_or_default();
     let mut best = whole;
-    for blocks in region.block_counts() {
+    let counts = match options.forced_blocks {
+        Some(n) if n <= region.batch => vec![n],
+        _ => region.block_counts(),
+    };
+    let forced = options.forced_blocks.is_some();
+    for blocks in counts {
         let mut split = batch_blocks::split(&graph, region, blocks)?;
         passes::default_pipeline().run(&mut split)?;
         let Ok(mut plan) = compile_rewritten(split, options) else { continue };
         let mark = format!("+blocks{blocks}");
         tried.extend(plan.memory.schedules.iter().map(|(name, total)| (format!("{name}{mark}"), *total)));
-        if best.as_ref().map_or(true, |b| plan.memory.planned_total_bytes() < b.memory.planned_total_bytes())
+        if forced
+            || best
+                .as_ref()
+                .map_or(true, |b| plan.memory.planned_total_bytes() < b.memory.planned_total_bytes())
         {
             plan.memory.batch_blocks = blocks;
             plan.memory.schedule = format!("{}{mark}", plan.memory.schedule);

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu/checklist.sh [STAGE ...]     default: every stage, in this order
 #
-# Stages: env tests guard seed policies bench sanitizer peers-torch peers-jax peers-compile gemm
+# Stages: env tests guard seed gpt policies bench sanitizer peers-torch peers-jax peers-compile gemm
 #         torch-stream (PyTorch's real allocation stream of the zoo's training steps, replayed by
 #         `kiln torch-stream`; the trace is kept as torch_stream.json in the logs)
 # Every stage writes its log under $OUT/r/ (or target/kiln/gpu-run/ without $OUT) and has a time
@@ -24,7 +24,17 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
   lib=$(find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -n 1)
   [ -n "$lib" ] && export LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# cudarc loads NCCL as `libnccl.so`; PyTorch's wheel (nvidia-nccl-cu13) ships `libnccl.so.2`: link it.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl=$(find /usr/local/lib /usr/lib /opt -name 'libnccl.so.2' 2>/dev/null | head -n 1)
+  if [ -n "$nccl" ]; then
+    mkdir -p /tmp/kiln-nccl && ln -sf "$nccl" /tmp/kiln-nccl/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/kiln-nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
 bin=$root/.gpu/bin
+# Tests that run the CLI find it in the bundle, not at the path it was built at.
+export KILN_BIN=$bin/bin-kiln
 summary=$r/summary.txt
 : > "$summary"
 stages=("$@")
@@ -64,6 +74,9 @@ for s in "${stages[@]}"; do
       run seed 180 "$bin/bin-kiln"
       kill $smi 2>/dev/null; wait $smi 2>/dev/null
       run example-seed 180 "$bin/example-seed" ;;
+    gpt)
+      # The GPT example (trains from token ids, samples, checkpoints) on the best device.
+      [ -x "$bin/example-gpt" ] && run example-gpt 240 "$bin/example-gpt" ;;
     policies)
       run devices-default 120 "$bin/bin-kiln" devices --seed
       run devices-growth 120 "$bin/bin-kiln" devices --seed --growth gpu:0

@@ -115,8 +115,9 @@ pub fn allow_tf32() -> bool {
 
 /// The scratch the CUDA kernels ask for: a product or convolution whose outputs are too few to
 /// fill the GPU over a long K splits K across blocks (`gemm::Plan::SplitK`), and a column
-/// reduction with few outputs its reduced extent (`reduce`), their partials in scratch. Compile with it (`CompileOptions::with_scratch`) for plans that run on a CUDA device.
-pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_bytes };
+/// reduction with few outputs its reduced extent (`reduce`), their partials in scratch. Compile with it (`CompileOptions::with_scratch`) for plans that run on a CUDA device: it also
+/// keeps forward passes whole unless only blocks of rows fit (`ScratchRule::blocks_only_to_fit`).
+pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_bytes, blocks_only_to_fit: true };
 
 /// The scratch bytes the kernel of `op` uses when given enough (`SCRATCH`); 0 for every op but
 /// the GEMM-based ones and reductions, and for invalid or empty operands (whose kernel uses
