@@ -1,26 +1,31 @@
-//! Where a zoo model's training step spends its time on the CPU: the wall time of a call, then
+//! Where a zoo model's training step (or forward pass) spends its time on the CPU: the wall time of a call, then
 //! the 20 slowest steps (`CpuBackend::profile`, medians of 10 runs).
-//! `cargo run --release --example profile_cpu -- cnn`
-use kiln::compiler::step::train_step_graph;
+//! `cargo run --release --example profile_cpu -- cnn [ROWS] [forward]`
+use kiln::compiler::step::{forward_graph, train_step_graph};
 use kiln::prelude::*;
 use kiln::runtime::CpuBackend;
 
 fn main() -> Result<()> {
     let name = std::env::args().nth(1).unwrap_or_else(|| "cnn".into());
     let m = kiln::zoo::by_name(&name).expect("a zoo model");
-    let plan = compile(
-        train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?,
-        &CompileOptions::default(),
-    )?;
+    let forward = std::env::args().nth(3).is_some_and(|a| a == "forward");
+    let graph = if forward {
+        forward_graph(&m.model(), m.x_shape())?
+    } else {
+        train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config())?
+    };
+    let plan = compile(graph, &CompileOptions::default())?;
     let mut b = CpuBackend::new(0);
     let id = b.load(plan)?;
     let (x, y) = m.batch_data(1)?;
+    let feeds: Vec<(&str, &kiln::runtime::HostTensor)> =
+        if forward { vec![("x", &x)] } else { vec![("x", &x), ("y", &y)] };
     for _ in 0..3 {
-        b.call(id, &[("x", &x), ("y", &y)])?;
+        b.call(id, &feeds)?;
     }
     let start = std::time::Instant::now();
     for _ in 0..10 {
-        b.call(id, &[("x", &x), ("y", &y)])?;
+        b.call(id, &feeds)?;
     }
     println!("{name}: {:.2} ms per call (wall)", start.elapsed().as_secs_f64() * 100.0);
     let mut rows = b.profile(id, 10)?;

@@ -9,6 +9,13 @@
 //! the unfused kernels. The chunk evaluation is also compiled for AVX2 and picked at run time,
 //! as the unary kernels are (no FMA: the same bits).
 //!
+//! Periodic operands: an operand that is the output's trailing axes broadcast along the leading
+//! ones (a bias of 32 channels over [64, 32, 32, 32]) would cut the walk into runs of its length,
+//! each a chunk of its own: the cnn's bias + ReLU took 2.48 ms over 2M elements, four times the
+//! unfused add and ReLU (0.57 ms). Such an operand of fewer than `CHUNK` elements is read instead
+//! from its values repeated into a per-thread buffer (at the chunk's phase, stride 1), and the walk
+//! runs as if it were not there.
+//!
 //! In place: the output may be the buffer of an operand of the output's shape. That operand is
 //! read at the output's own offsets, copied into its slot before the chunk's output is written, so
 //! each element is read before it is overwritten.
@@ -30,6 +37,8 @@ const CHUNK: usize = 256;
 thread_local! {
     /// Each thread's slots for `FusedKernel::eval_range`.
     static SLOTS: std::cell::RefCell<Vec<f32>> = std::cell::RefCell::new(vec![0.0; CHUNK * MAX_FUSED_SLOTS]);
+    /// Each thread's repeated values of the periodic operands (`FusedKernel::period`).
+    static PATTERNS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 pub(crate) struct FusedKernel {
@@ -40,7 +49,22 @@ pub(crate) struct FusedKernel {
     operands: usize,
     walk: Strided<MAX_FUSED_OPERANDS>,
     inner: [isize; MAX_FUSED_OPERANDS],
+    /// Per operand: its element count where it is periodic (the output's trailing axes,
+    /// broadcast along the others, fewer than `CHUNK` elements), else 0.
+    period: [usize; MAX_FUSED_OPERANDS],
     desc: String,
+}
+
+/// The element count of `operand` where it is the trailing axes of `out` (contiguous there, 0
+/// strides on the leading axes), fewer than `CHUNK` elements and repeated more than once.
+fn period(operand: &Shape, out: &Shape) -> usize {
+    let (dims, od) = (operand.dims(), out.dims());
+    // The operand's leading axes of extent 1 are broadcast; the rest must be the output's.
+    let lead = dims.iter().take_while(|&&d| d == 1).count();
+    let trailing = &dims[lead..];
+    let p: usize = trailing.iter().product();
+    let matches = trailing.len() <= od.len() && od[od.len() - trailing.len()..] == *trailing;
+    if !matches || p <= 1 || p >= CHUNK || out.numel() <= p { 0 } else { p }
 }
 
 /// The kernel of `program` (without a reduction) over `operands` (checked by `ir::infer`: valid
@@ -80,11 +104,23 @@ fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<Fus
         });
     }
     let zeros = vec![0isize; out.rank()];
+    let period: [usize; MAX_FUSED_OPERANDS] =
+        std::array::from_fn(|j| operands.get(j).map_or(0, |s| period(s, out)));
+    // A periodic operand walks as a scalar would (it does not cut runs); it is read at the
+    // chunk's phase of its repeated values, with stride 1.
     let strides: Vec<Vec<isize>> = (0..MAX_FUSED_OPERANDS)
-        .map(|j| operands.get(j).map_or_else(|| zeros.clone(), |s| broadcast_strides(s.dims(), out.dims())))
+        .map(|j| match operands.get(j) {
+            Some(s) if period[j] == 0 => broadcast_strides(s.dims(), out.dims()),
+            _ => zeros.clone(),
+        })
         .collect();
     let walk = Strided::new(out.dims(), std::array::from_fn(|j| strides[j].as_slice()));
-    let inner = walk.inner_strides();
+    let mut inner = walk.inner_strides();
+    for (i, &p) in inner.iter_mut().zip(&period) {
+        if p > 0 {
+            *i = 1;
+        }
+    }
     let shapes: Vec<String> = operands.iter().map(|s| shape_text(s)).collect();
     let desc = format!("fused({} ops) {} <- {}", program.insts.len(), shape_text(out), shapes.join(" "));
     let axes = program
@@ -99,7 +135,7 @@ fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<Fus
             _ => (1, 1),
         })
         .collect();
-    Ok(FusedKernel { insts: program.insts.clone(), axes, regs, operands: k, walk, inner, desc })
+    Ok(FusedKernel { insts: program.insts.clone(), axes, regs, operands: k, walk, inner, period, desc })
 }
 
 /// d[i] = f(sources at i) for one instruction over a chunk whose first element is element
@@ -250,11 +286,44 @@ impl FusedKernel {
         // reduction's prologue calls this once per row, and zeroing the slots every time cost
         // ~1% of the transformer's step (perf). A nested call on the same thread (none today)
         // gets a fresh buffer.
-        SLOTS.with(|cell| match cell.try_borrow_mut() {
-            // SAFETY: forwarded contract; `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in
-            // `fused`, stride <= CHUNK), the length of every slot buffer.
-            Ok(mut slots) => unsafe { self.eval_in(&mut slots[..len], stride, ins, s, e, out) },
-            Err(_) => unsafe { self.eval_in(&mut vec![0.0; len], stride, ins, s, e, out) },
+        let slots = |ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS]| {
+            SLOTS.with(|cell| match cell.try_borrow_mut() {
+                // SAFETY: forwarded contract; `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in
+                // `fused`, stride <= CHUNK), the length of every slot buffer.
+                Ok(mut slots) => unsafe { self.eval_in(&mut slots[..len], stride, ins, s, e, out) },
+                Err(_) => unsafe { self.eval_in(&mut vec![0.0; len], stride, ins, s, e, out) },
+            })
+        };
+        if self.period.iter().all(|&p| p == 0) {
+            return slots(ins);
+        }
+        // Each periodic operand's values repeated over `p + stride` elements: a chunk of at most
+        // `stride` elements at phase < p reads them with stride 1.
+        let fill = |patterns: &mut Vec<f32>| {
+            patterns.clear();
+            let mut ins = *ins;
+            let mut starts = [0usize; MAX_FUSED_OPERANDS];
+            for j in 0..self.operands {
+                let p = self.period[j];
+                if p == 0 {
+                    continue;
+                }
+                starts[j] = patterns.len();
+                // SAFETY: operand j holds its shape's p elements (the contract).
+                let values = unsafe { slice::from_raw_parts(ins[j].get() as *const f32, p) };
+                patterns.extend((0..p + stride).map(|i| values[i % p]));
+            }
+            for j in 0..self.operands {
+                if self.period[j] > 0 {
+                    // The buffer is complete: its addresses no longer move.
+                    ins[j] = SendPtr::new(patterns[starts[j]..].as_ptr() as *mut f32);
+                }
+            }
+            ins
+        };
+        PATTERNS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut patterns) => slots(&fill(&mut patterns)),
+            Err(_) => slots(&fill(&mut Vec::new())),
         })
     }
 
@@ -277,7 +346,11 @@ impl FusedKernel {
             while done < n {
                 let m = (n - done).min(stride);
                 let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
-                    if j < self.operands {
+                    if j < self.operands && self.period[j] > 0 {
+                        // SAFETY: `ins[j]` is the operand's repeated values, `p + stride`
+                        // elements (`eval_range`): the phase is below p and m <= stride.
+                        unsafe { ins[j].get().add((oo + done) % self.period[j]) as *const f32 }
+                    } else if j < self.operands {
                         // SAFETY: the walk stays inside every operand (strides from their
                         // shapes); `done` elements of this run were consumed already.
                         unsafe { ins[j].get().offset(offs[j] + done as isize * self.inner[j]) as *const f32 }
@@ -630,5 +703,66 @@ mod tests {
                 "{w:?}"
             );
         }
+    }
+
+    /// Operands that are the output's trailing axes (a bias over channels, a [1, 1, p] row) are
+    /// read from their repeated values: every element of every sub-range, on one thread or
+    /// split, is the element-by-element result, beside an iota that reads positions.
+    #[test]
+    fn periodic_operands_compute_every_element() {
+        let out = Shape::new([5, 3, 7, 6]);
+        let n = out.numel();
+        let (bias, row, col) = (Shape::new([6]), Shape::new([1, 7, 6]), Shape::new([5, 3, 7, 1]));
+        assert_eq!((period(&bias, &out), period(&row, &out), period(&col, &out)), (6, 42, 0));
+        assert_eq!(period(&out, &out), 0, "an operand of the output's shape is not periodic");
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.13).sin()).collect();
+        let b: Vec<f32> = (0..6).map(|i| i as f32 - 2.5).collect();
+        let r: Vec<f32> = (0..42).map(|i| (i as f32 * 0.7).cos()).collect();
+        let c: Vec<f32> = (0..n / 6).map(|i| i as f32 * 0.01).collect();
+        // relu(x + b) * r + c + iota(axis 2)
+        let insts = vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(kiln_compiler::ir::UnaryOp::Relu, Ref::Value(0)),
+            Inst::Binary(BinaryOp::Mul, Ref::Value(1), Ref::Operand(2)),
+            Inst::Binary(BinaryOp::Add, Ref::Value(2), Ref::Operand(3)),
+            Inst::Iota(2),
+            Inst::Binary(BinaryOp::Add, Ref::Value(3), Ref::Value(4)),
+        ];
+        let program = Fused {
+            shape: out.clone(),
+            insts,
+            reduce: None,
+            matmul: None,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        };
+        let kernel = fused_kernel(&program, &[&out, &bias, &row, &col], &out).expect("a valid program");
+        assert_eq!(&kernel.period[..4], &[0, 6, 42, 0]);
+        let want: Vec<f32> = (0..n)
+            .map(|i| ((x[i] + b[i % 6]).max(0.0) * r[i % 42] + c[i / 6]) + ((i / 6) % 7) as f32)
+            .collect();
+        let ins = operand_ptrs(&[
+            x.as_ptr() as *mut u8,
+            b.as_ptr() as *mut u8,
+            r.as_ptr() as *mut u8,
+            c.as_ptr() as *mut u8,
+        ]);
+        for (s, e) in [(0, n), (1, n - 1), (5, 48), (41, 43), (100, 101), (200, n)] {
+            let mut o = vec![f32::NAN; e - s];
+            // SAFETY: the operands hold their shapes' elements; `o` holds e - s elements.
+            unsafe { kernel.eval_range(&ins, s, e, o.as_mut_ptr()) };
+            for (i, v) in o.iter().enumerate() {
+                assert_eq!(v.to_bits(), want[s + i].to_bits(), "element {} of {s}..{e}", s + i);
+            }
+        }
+        let mut o = vec![f32::NAN; n];
+        // SAFETY: as above, the whole output.
+        unsafe {
+            kernel.run(
+                &[x.as_ptr() as *mut u8, b.as_ptr() as *mut u8, r.as_ptr() as *mut u8, c.as_ptr() as *mut u8],
+                o.as_mut_ptr() as *mut u8,
+            )
+        };
+        assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
