@@ -412,11 +412,11 @@ impl Search<'_> {
         })
     }
 
-    /// A matrix product of non-empty factors: the group becomes its GEMM's epilogue (a bias, an
-    /// activation, a residual).
+    /// A matrix product or a convolution of non-empty factors: the group becomes its GEMM's
+    /// epilogue (a bias, an activation, a residual).
     fn product(&self, members: &[NodeId]) -> Option<NodeId> {
         self.head(members, |p, node| {
-            matches!(node.op, Op::MatMul { .. })
+            matches!(node.op, Op::MatMul { .. } | Op::Conv2d { .. })
                 && self.graph.operands(p).iter().all(|&f| self.graph.node(f).shape.numel() > 0)
         })
     }
@@ -480,8 +480,20 @@ fn program(
         Op::MatMul { transpose_a, transpose_b } => Some(FusedMatMul { transpose_a, transpose_b }),
         _ => None,
     });
+    let conv = product.and_then(|p| match graph.node(p).op {
+        Op::Conv2d { window } => Some(window),
+        _ => None,
+    });
     (
-        Fused { shape: shape.clone(), insts, reduce, matmul, epilogue: Vec::new(), epilogue_operands: 0 },
+        Fused {
+            shape: shape.clone(),
+            insts,
+            reduce,
+            matmul,
+            conv,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        },
         operands,
     )
 }

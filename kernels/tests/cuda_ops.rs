@@ -241,6 +241,7 @@ fn cases() -> Vec<Case> {
         ],
         reduce: None,
         matmul: Some(FusedMatMul { transpose_a: false, transpose_b: false }),
+        conv: None,
         epilogue: Vec::new(),
         epilogue_operands: 0,
     });
@@ -361,6 +362,30 @@ fn cases() -> Vec<Case> {
             Op::Conv2dBackpropInputReluGrad { window: *w, input: Shape::from(*x) },
             &[&o, &wshape, x],
         ));
+        // Through epilogues (`Fused::conv`): bias and ReLU; bias, a residual of the output's
+        // shape and tanh.
+        let conv_then = |insts: Vec<Inst>| {
+            Op::Fused(Fused {
+                shape: out.clone(),
+                insts,
+                reduce: None,
+                matmul: None,
+                conv: Some(*w),
+                epilogue: Vec::new(),
+                epilogue_operands: 0,
+            })
+        };
+        let bias_relu = conv_then(vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+        ]);
+        v.push(case(format!("conv2d_bias_relu_{i}"), bias_relu, &[x, &wshape, &[*f]]));
+        let residual = conv_then(vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Binary(BinaryOp::Add, Ref::Value(0), Ref::Operand(2)),
+            Inst::Unary(UnaryOp::Tanh, Ref::Value(1)),
+        ]);
+        v.push(case(format!("conv2d_bias_residual_tanh_{i}"), residual, &[x, &wshape, &[*f], &o]));
     }
     // ---- pooling
     let pools: Vec<([usize; 4], Window2d)> = vec![
@@ -587,10 +612,28 @@ fn split_cases(adam_product: &Op) -> Vec<Case> {
         ],
         reduce: None,
         matmul: Some(FusedMatMul { transpose_a: true, transpose_b: false }),
+        conv: None,
         epilogue: Vec::new(),
         epilogue_operands: 0,
     };
     v.push(case("split_fused_matmul", Op::Fused(f), &[&[2048, 16], &[2048, 10], &[10]]).split());
+    // A convolution of few outputs over a long K through an epilogue: relu(conv + bias).
+    let f = Fused {
+        shape: Shape::from([1, 4, 4, 3]),
+        insts: vec![
+            Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+            Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+        ],
+        reduce: None,
+        matmul: None,
+        conv: Some(w),
+        epilogue: Vec::new(),
+        epilogue_operands: 0,
+    };
+    let split_conv =
+        case("split_fused_conv2d", Op::Fused(f), &[&[1, 4, 4, 256], &[3, 3, 256, 3], &[3]]).split();
+    assert!(split_conv.scratch_bytes() > 0, "the case splits K");
+    v.push(split_conv);
     // Column reductions into few outputs: the reduced extent split across blocks.
     let red = |op, axes: &[usize]| Op::Reduce { op, axes: axes.to_vec(), keepdims: false };
     v.push(case("split_reduce_sum", red(ReduceOp::Sum, &[0]), &[&[8192, 20]]).split());
@@ -604,6 +647,7 @@ fn split_cases(adam_product: &Op) -> Vec<Case> {
         insts: vec![Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1))],
         reduce: Some(FusedReduce { op: ReduceOp::Sum, axes: vec![0], keepdims: false }),
         matmul: None,
+        conv: None,
         epilogue: vec![
             Inst::Unary(UnaryOp::Relu, Ref::Operand(0)),
             Inst::Binary(BinaryOp::Mul, Ref::Value(0), Ref::Operand(1)),
@@ -807,6 +851,7 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
         insts,
         reduce,
         matmul: None,
+        conv: None,
         epilogue: Vec::new(),
         epilogue_operands: 0,
     };

@@ -39,6 +39,7 @@ fn bias_relu(shape: [usize; 2], ta: bool) -> Op {
         ],
         reduce: None,
         matmul: Some(FusedMatMul { transpose_a: ta, transpose_b: false }),
+        conv: None,
         epilogue: Vec::new(),
         epilogue_operands: 0,
     })

@@ -16,7 +16,7 @@
 //! then values, a slot reused once its value is dead): the CPU backend evaluates a group over
 //! chunks of the output, one vectorised loop per instruction, with every intermediate in cache.
 
-use super::{BinaryOp, ReduceOp, ScalarOp, Shape, UnaryOp};
+use super::{BinaryOp, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -150,6 +150,11 @@ pub struct Fused {
     /// A matrix product computed first, the program's operand 0 (`FusedMatMul`).
     #[serde(default)]
     pub matmul: Option<FusedMatMul>,
+    /// A convolution computed first (`Op::Conv2d` with this window), the program's operand 0:
+    /// the fused op's operands are then (input, filter, x1, x2, ...), as for a product. At most
+    /// one of `matmul` and `conv`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv: Option<Window2d>,
     /// With a reduction: instructions applied to the reduced values, over the output's shape.
     /// The epilogue's operand 0 is the reduced value and its operand `j >= 1` the op's operand
     /// `n - epilogue_operands + j - 1` (the last `epilogue_operands` operands are the
@@ -168,11 +173,26 @@ impl FusedReduce {
 }
 
 impl Fused {
+    /// The op computed first whose result is the program's operand 0: a matrix product or a
+    /// convolution, of the fused op's first two operands.
+    pub fn product(&self) -> Option<super::Op> {
+        match (&self.matmul, &self.conv) {
+            (Some(m), _) => Some(m.op()),
+            (None, Some(window)) => Some(super::Op::Conv2d { window: *window }),
+            (None, None) => None,
+        }
+    }
+
+    /// Whether a product or convolution is computed first (`product`).
+    pub fn has_product(&self) -> bool {
+        self.matmul.is_some() || self.conv.is_some()
+    }
+
     /// How many operands the program reads, for an op of `op_operands` operands: the product
     /// stands for the op's first two.
     pub fn program_operands(&self, op_operands: usize) -> usize {
         let own = op_operands.saturating_sub(self.epilogue_operands);
-        if self.matmul.is_some() { own.saturating_sub(1) } else { own }
+        if self.has_product() { own.saturating_sub(1) } else { own }
     }
 
     /// The epilogue as a program of its own over `shape` (the output's): operand 0 the reduced
@@ -183,6 +203,7 @@ impl Fused {
             insts: self.epilogue.clone(),
             reduce: None,
             matmul: None,
+            conv: None,
             epilogue: Vec::new(),
             epilogue_operands: 0,
         }
@@ -222,8 +243,14 @@ impl Fused {
             }
         }
         // A product's epilogue runs on blocks of rows on the CPU, which do not know their row.
-        if self.matmul.is_some() && self.insts.iter().any(|i| i.reads_index()) {
+        if self.has_product() && self.insts.iter().any(|i| i.reads_index()) {
             return Err("a product's epilogue has no iota or random values".into());
+        }
+        if self.matmul.is_some() && self.conv.is_some() {
+            return Err("a fused program computes one product first, not a matmul and a convolution".into());
+        }
+        if self.has_product() && (self.reduce.is_some() || !self.epilogue.is_empty()) {
+            return Err("a product's epilogue has no reduction".into());
         }
         let slots = self.registers(operands).slots;
         if slots > MAX_FUSED_SLOTS {
@@ -304,8 +331,8 @@ impl Fused {
             Ref::Value(v) => format!("v{v}"),
         };
         let mut s = String::new();
-        if let Some(m) = &self.matmul {
-            let _ = write!(s, "x0 = {}(a, b); ", m.op().label());
+        if let Some(p) = self.product() {
+            let _ = write!(s, "x0 = {}(a, b); ", p.label());
         }
         for (j, inst) in self.insts.iter().enumerate() {
             if j > 0 {
@@ -347,6 +374,7 @@ mod tests {
             shape: Shape::new(vec![4]),
             reduce: None,
             matmul: None,
+            conv: None,
             epilogue: Vec::new(),
             epilogue_operands: 0,
             insts: vec![

@@ -140,7 +140,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let d = same_dtype(&all)?;
             // With a product first, operands 0 and 1 are its factors and the program's operand
             // 0 is the product.
-            let first = match &f.matmul {
+            let first = match f.product() {
                 None => 0,
                 Some(m) => {
                     if operands.len() < 2 || f.reduce.is_some() {
@@ -155,7 +155,13 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                             "empty products are not fused: compile the graph again",
                         );
                     }
-                    let (product, _) = infer_type(&m.op(), &operands[..2])?;
+                    if f.matmul.is_some() && f.conv.is_some() {
+                        return err(
+                            "a fused program computes a matmul or a convolution first, not both",
+                            "fused ops are made by kiln's fusion pass: compile the graph again",
+                        );
+                    }
+                    let (product, _) = infer_type(&m, &operands[..2])?;
                     if product != f.shape {
                         return err(
                             format!("the product is {product} but the fused shape is {}", f.shape),
@@ -197,7 +203,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             // An epilogue: after a reduction that sums something, over non-empty operands.
             let summed =
                 f.reduce.as_ref().is_some_and(|r| r.axes.iter().any(|&a| f.shape.dims().get(a) > Some(&1)));
-            if !summed || f.matmul.is_some() || operands.iter().any(|(s, _)| s.numel() == 0) {
+            if !summed || f.has_product() || operands.iter().any(|(s, _)| s.numel() == 0) {
                 return err(
                     "a fused epilogue follows a reduction over an axis longer than 1, of non-empty operands",
                     "fused ops are made by kiln's fusion pass: compile the graph again",

@@ -594,7 +594,7 @@ impl Op {
             Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
             // A fused reduction writes fewer elements than it reads; a fused product may write
             // over its epilogue's operands only (`may_write_over`).
-            Op::Fused(f) if f.reduce.is_some() || f.matmul.is_some() => OpClass::Compute,
+            Op::Fused(f) if f.reduce.is_some() || f.has_product() => OpClass::Compute,
             Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select | Op::Fused(_) => {
                 OpClass::Elementwise
             }
@@ -621,7 +621,9 @@ impl Op {
     /// stride 1.
     pub fn may_write_over(&self, i: usize, output: &super::Shape) -> bool {
         match self {
-            Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => {
+            // A convolution's epilogue (`Fused::conv`) never: the CPU stores each block of
+            // rows before its epilogue reads the block's operands.
+            Op::Fused(f) if f.has_product() || f.reduce.is_some() => {
                 f.reduce.is_none()
                     && f.matmul.as_ref().is_some_and(|m| !m.transpose_a)
                     && output.rank() == 2
@@ -700,7 +702,7 @@ impl Op {
             | Op::AssignAdd { .. } => n(output),
             Op::Fused(f) => {
                 let product =
-                    f.matmul.map_or(0, |m| m.op().flops(&operands[..operands.len().min(2)], &f.shape));
+                    f.product().map_or(0, |p| p.flops(&operands[..operands.len().min(2)], &f.shape));
                 let per =
                     |insts: &[super::fused::Inst]| insts.iter().map(|i| i.flops_per_element()).sum::<u64>();
                 product

@@ -80,7 +80,7 @@ impl Geom {
 /// Output rows per forward task: border columns are batched over these rows.
 const ROW_BLOCK: usize = 8;
 
-struct Conv2d {
+pub(crate) struct Conv2d {
     g: Geom,
     groups: Vec<ColumnGroup>,
     /// Per filter row kh: the output rows whose tap kh lies inside the input.
@@ -89,7 +89,12 @@ struct Conv2d {
 }
 
 pub(crate) fn conv2d(x: &Shape, w: &Shape, window: &Window2d, _out: &Shape) -> Box<dyn CpuKernel> {
-    Box::new(Conv2d::of(Geom::new(x, window, w.dims()[3])))
+    Box::new(conv2d_kernel(x, w, window))
+}
+
+/// The convolution of input `x` by filter `w` (shapes checked by `ir::infer`).
+pub(crate) fn conv2d_kernel(x: &Shape, w: &Shape, window: &Window2d) -> Conv2d {
+    Conv2d::of(Geom::new(x, window, w.dims()[3]))
 }
 
 impl Conv2d {
@@ -220,11 +225,24 @@ impl Conv2d {
     }
 }
 
-impl CpuKernel for Conv2d {
-    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+impl Conv2d {
+    /// The convolution of `x` by `w` into `out`, a block of `ROW_BLOCK` output rows of an image
+    /// per task; after each block, on the same thread while the block is in its cache,
+    /// `then(at, len)` with the block's element range of the output (`Fused::conv`'s epilogue).
+    ///
+    /// # Safety
+    /// `x`, `w` and `out` hold this geometry's input, filter and output; `out` overlaps neither
+    /// factor; `then` touches only its range of the output (and what it reads elsewhere).
+    pub(crate) unsafe fn run_then(
+        &self,
+        x: *const f32,
+        w: *const f32,
+        out: *mut f32,
+        then: &(dyn Fn(usize, usize) + Sync),
+    ) {
         let g = &self.g;
-        let (x, w) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
-        let o = SendPtr::new(output as *mut f32);
+        let (x, w) = (SendPtr::new(x as *mut f32), SendPtr::new(w as *mut f32));
+        let o = SendPtr::new(out);
         let row = g.ow * g.f;
         let blocks = g.oh.div_ceil(ROW_BLOCK);
         let cost = ROW_BLOCK.min(g.oh) * row * g.kh * g.kw * g.c;
@@ -232,12 +250,26 @@ impl CpuKernel for Conv2d {
             for t in s..e {
                 let (n, b) = (t / blocks, t % blocks);
                 let (o0, o1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(g.oh));
+                let at = (n * g.oh + o0) * row;
                 // SAFETY: output rows o0..o1 of image n belong to this task.
-                unsafe {
-                    self.rows(x.get(), w.get(), n, o0, o1, o.get().wrapping_add((n * g.oh + o0) * row))
-                };
+                unsafe { self.rows(x.get(), w.get(), n, o0, o1, o.get().wrapping_add(at)) };
+                then(at, (o1 - o0) * row);
             }
         });
+    }
+
+    pub(crate) fn text(&self) -> &str {
+        &self.desc
+    }
+}
+
+impl CpuKernel for Conv2d {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        // SAFETY: run's contract: the operands and the output hold this geometry's tensors,
+        // and a convolution never writes over its factors.
+        unsafe {
+            self.run_then(inputs[0] as *const f32, inputs[1] as *const f32, output as *mut f32, &|_, _| {})
+        }
     }
 
     fn describe(&self) -> String {

@@ -617,6 +617,58 @@ pub(crate) fn fused_matmul(
     Ok(Box::new(FusedMatMulKernel { product, epilogue, rows, desc }))
 }
 
+/// A convolution with an elementwise epilogue (`Fused::conv`): each block of output rows gets
+/// the epilogue right after the convolution made it, on the same thread, while it is in cache
+/// (the unfused pair wrote the whole output, then read and wrote it again). The epilogue reads
+/// the block as its operand 0, in place, and the op's other operands beside it; none of them is
+/// the output (`Op::may_write_over` allows no such plan).
+pub(crate) struct FusedConvKernel {
+    conv: super::conv::Conv2d,
+    epilogue: FusedKernel,
+    desc: String,
+}
+
+pub(crate) fn fused_conv2d(
+    program: &Fused,
+    window: &kiln_compiler::ir::Window2d,
+    operands: &[&Shape],
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let shape = &program.shape;
+    let conv = super::conv::conv2d_kernel(operands[0], operands[1], window);
+    let mut epilogue_operands: Vec<&Shape> = vec![shape];
+    epilogue_operands.extend_from_slice(&operands[2..]);
+    let epilogue = fused_kernel(&Fused { conv: None, ..program.clone() }, &epilogue_operands, shape)?;
+    let desc = format!("{} then {}", conv.text(), epilogue.desc);
+    Ok(Box::new(FusedConvKernel { conv, epilogue, desc }))
+}
+
+impl CpuKernel for FusedConvKernel {
+    unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+        epilogue_inputs[0] = output;
+        let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
+        epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
+        let ins = operand_ptrs(&epilogue_inputs[..=extra]);
+        let o = SendPtr::new(output as *mut f32);
+        // SAFETY: run's contract: the factors and the output hold the convolution's tensors and
+        // the output overlaps neither factor nor (validated plan, `may_write_over`) an epilogue
+        // operand; each block's epilogue reads operand 0 (the output) at the block's own
+        // offsets, in place, and writes only the block, which its task alone touches.
+        unsafe {
+            self.conv.run_then(
+                inputs[0] as *const f32,
+                inputs[1] as *const f32,
+                output as *mut f32,
+                &|at, len| self.epilogue.eval_range(&ins, at, at + len, o.get().add(at)),
+            )
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
 impl CpuKernel for FusedMatMulKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
@@ -678,6 +730,7 @@ mod tests {
             insts,
             reduce: None,
             matmul: None,
+            conv: None,
             epilogue: Vec::new(),
             epilogue_operands: 0,
         };
@@ -733,6 +786,7 @@ mod tests {
             insts,
             reduce: None,
             matmul: None,
+            conv: None,
             epilogue: Vec::new(),
             epilogue_operands: 0,
         };

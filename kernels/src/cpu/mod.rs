@@ -112,10 +112,11 @@ pub fn prepare(
         Op::Binary(b) => elementwise::binary(*b, name, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
-        Op::Fused(f) => match (&f.reduce, &f.matmul) {
-            (_, Some(m)) => fused::fused_matmul(f, m, &s)?,
-            (Some(r), None) => fused::fused_reduce(f, r, &s, out)?,
-            (None, None) => fused::fused(f, &s, out)?,
+        Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
+            (_, Some(m), _) => fused::fused_matmul(f, m, &s)?,
+            (_, None, Some(window)) => fused::fused_conv2d(f, window, &s)?,
+            (Some(r), None, None) => fused::fused_reduce(f, r, &s, out)?,
+            (None, None, None) => fused::fused(f, &s, out)?,
         },
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(s[0], s[1], *transpose_a, *transpose_b, out)

@@ -133,14 +133,46 @@ pub(crate) fn conv2d(
     out: &Shape,
     scratch: usize,
 ) -> CudaKernel {
+    conv2d_then(label, x, w, window, out, scratch, None)
+}
+
+/// A convolution with an elementwise epilogue (`Fused::conv`): the GEMM applies the program to
+/// every output element as it stores it, reading the op's other operands (`extra`, from operand
+/// 2 on) beside it.
+pub(crate) fn fused_conv2d(
+    label: &str,
+    program: &Fused,
+    window: &Window2d,
+    operands: &[&Shape],
+    out: &Shape,
+    scratch: usize,
+) -> CudaKernel {
+    conv2d_then(label, operands[0], operands[1], window, out, scratch, Some((program, &operands[2..])))
+}
+
+fn conv2d_then(
+    label: &str,
+    x: &Shape,
+    w: &Shape,
+    window: &Window2d,
+    out: &Shape,
+    scratch: usize,
+    epilogue: Option<(&Fused, &[&Shape])>,
+) -> CudaKernel {
     let g = Geom::new(x, window, w.dims()[3]);
-    let head = header(label, &[x, w], Some(out));
-    let describe = format!("conv2d {}", g.text());
+    let mut all = vec![x, w];
+    all.extend(epilogue.map_or(&[][..], |(_, extra)| extra));
+    let head = header(label, &all, Some(out));
+    let describe = match epilogue {
+        Some((program, _)) => format!("conv2d {} then fused({} ops)", g.text(), program.insts.len()),
+        None => format!("conv2d {}", g.text()),
+    };
     let (m, n, k) = forward_dims(&g);
+    // (A fused convolution's factors are never empty: `ir::infer` refuses them.)
     if k == 0 {
         return zeros("kiln_conv2d", head, describe, out);
     }
-    let ty = idx_type(x.numel().max(w.numel()).max(out.numel()));
+    let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
     let mut a_load = lets(ty, &["n_", "oh_", "ow_"], &coords("gr", &[g.n, g.oh, g.ow]));
     a_load.push('\n');
     a_load.push_str(&lets(ty, &["kh_", "kw_", "c_"], &coords("gk", &[g.kh, g.kw, g.c])));
@@ -157,7 +189,14 @@ pub(crate) fn conv2d(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: Sink::Output,
+        sink: epilogue.map_or(Sink::Output, |(program, extra)| {
+            let mut shapes = vec![out];
+            shapes.extend_from_slice(extra);
+            Sink::Epilogue(Epilogue {
+                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
+                extra: (2..2 + extra.len()).map(Arg::Input).collect(),
+            })
+        }),
         scratch,
     };
     finish(head, gemm, describe)
@@ -241,6 +280,7 @@ pub(crate) fn backprop_input(
                 insts: vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
                 reduce: None,
                 matmul: None,
+                conv: None,
                 epilogue: Vec::new(),
                 epilogue_operands: 0,
             };

@@ -133,10 +133,14 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
     let window_geom = |x: &Shape, window, filters| crate::geometry::Geom::new(x, window, filters);
     let (m, n, k, batch) = match op {
         Op::MatMul { transpose_a, .. } => matmul::dims(s[0], s[1], *transpose_a, output),
-        Op::Fused(f) => match (&f.matmul, &f.reduce) {
-            (Some(mm), _) => matmul::dims(s[0], s[1], mm.transpose_a, output),
-            (None, Some(r)) => return reduce::scratch_wanted(r.op, &f.shape, &r.axes),
-            (None, None) => return 0,
+        Op::Fused(f) => match (&f.matmul, &f.conv, &f.reduce) {
+            (Some(mm), _, _) => matmul::dims(s[0], s[1], mm.transpose_a, output),
+            (None, Some(window), _) => {
+                let (m, n, k) = conv::forward_dims(&window_geom(s[0], window, s[1].dims()[3]));
+                (m, n, k, 1)
+            }
+            (None, None, Some(r)) => return reduce::scratch_wanted(r.op, &f.shape, &r.axes),
+            (None, None, None) => return 0,
         },
         Op::Reduce { op: rop, axes, .. } => return reduce::scratch_wanted(*rop, s[0], axes),
         Op::MatMulRows { rows } => (rows.len, s[1].dims()[1], s[0].dims()[0], 1),
@@ -219,10 +223,11 @@ pub fn generate_with_scratch(
         Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
-        Op::Fused(f) => match (&f.reduce, &f.matmul) {
-            (_, Some(m)) => matmul::fused_matmul(l, f, m, &s, out, scratch),
-            (Some(r), None) => reduce::fused_reduce(l, f, r, &s, out, scratch),
-            (None, None) => elementwise::fused(l, f, &s, out),
+        Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
+            (_, Some(m), _) => matmul::fused_matmul(l, f, m, &s, out, scratch),
+            (_, None, Some(window)) => conv::fused_conv2d(l, f, window, &s, out, scratch),
+            (Some(r), None, None) => reduce::fused_reduce(l, f, r, &s, out, scratch),
+            (None, None, None) => elementwise::fused(l, f, &s, out),
         },
         Op::MatMul { transpose_a, transpose_b } => {
             matmul::matmul(l, s[0], s[1], (*transpose_a, *transpose_b), out, scratch)

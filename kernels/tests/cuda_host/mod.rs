@@ -58,7 +58,7 @@ pub fn tolerance(op: &Op) -> f32 {
         | Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::GatherGrad { .. } => 1e-4,
-        Op::Fused(f) if f.matmul.is_some() || f.reduce.is_some() => 1e-4,
+        Op::Fused(f) if f.has_product() || f.reduce.is_some() => 1e-4,
         Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. } => 1e-4,
         _ => 1e-5,
     }
