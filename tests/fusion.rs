@@ -54,6 +54,14 @@ fn every_zoo_step_is_fused_and_trains_bit_for_bit_as_unfused() {
         );
         assert!(fused.steps.iter().any(|s| matches!(s.op, Op::Fused(_))));
         assert!(fused.render().contains("fused[v0 = "), "{name}: the dump shows the groups");
+        // Every forward convolution carries its bias and activation as an epilogue.
+        let convs = |p: &Plan| p.steps.iter().filter(|s| matches!(s.op, Op::Conv2d { .. })).count();
+        let fused_convs =
+            fused.steps.iter().filter(|s| matches!(&s.op, Op::Fused(f) if f.conv.is_some())).count();
+        assert_eq!((convs(&fused), fused_convs), (0, convs(&plain)), "{name}: convolutions fused");
+        if fused_convs > 0 {
+            assert!(fused.render().contains("x0 = conv2d["), "{name}: the dump shows the convolution");
+        }
         let (x, y) = m.batch_data(7).unwrap();
         let feeds = [("x", &x), ("y", &y)];
         let (a, va) = run(&fused, &feeds, 3);
