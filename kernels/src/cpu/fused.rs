@@ -642,12 +642,19 @@ pub(crate) fn fused_conv2d(
     Ok(Box::new(FusedConvKernel { conv, epilogue, desc }))
 }
 
+/// The operands of a product's epilogue: the output (the product, operand 0), then the op's
+/// operands after its two factors; and how many of those follow.
+fn epilogue_inputs(inputs: &[*mut u8], output: *mut u8) -> ([*mut u8; MAX_FUSED_OPERANDS], usize) {
+    let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+    epilogue_inputs[0] = output;
+    let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
+    epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
+    (epilogue_inputs, extra)
+}
+
 impl CpuKernel for FusedConvKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
-        epilogue_inputs[0] = output;
-        let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
-        epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
+        let (epilogue_inputs, extra) = epilogue_inputs(inputs, output);
         let ins = operand_ptrs(&epilogue_inputs[..=extra]);
         let o = SendPtr::new(output as *mut f32);
         // SAFETY: run's contract: the factors and the output hold the convolution's tensors and
@@ -671,10 +678,7 @@ impl CpuKernel for FusedConvKernel {
 
 impl CpuKernel for FusedMatMulKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let mut epilogue_inputs = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
-        epilogue_inputs[0] = output;
-        let extra = inputs.len().saturating_sub(2).min(MAX_FUSED_OPERANDS - 1);
-        epilogue_inputs[1..=extra].copy_from_slice(&inputs[2..2 + extra]);
+        let (epilogue_inputs, extra) = epilogue_inputs(inputs, output);
         if let Some(rows) = &self.rows
             && inputs[2..].contains(&output)
         {

@@ -189,14 +189,7 @@ fn conv2d_then(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: epilogue.map_or(Sink::Output, |(program, extra)| {
-            let mut shapes = vec![out];
-            shapes.extend_from_slice(extra);
-            Sink::Epilogue(Epilogue {
-                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
-                extra: (2..2 + extra.len()).map(Arg::Input).collect(),
-            })
-        }),
+        sink: Sink::of(epilogue, out, ty),
         scratch,
     };
     finish(head, gemm, describe)

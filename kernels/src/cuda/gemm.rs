@@ -94,6 +94,7 @@
 
 use super::codegen::{Code, int};
 use super::{Arg, Launch};
+use kiln_compiler::ir::{Fused, Shape};
 
 mod tf32;
 
@@ -460,6 +461,21 @@ pub(crate) struct Update {
 pub(crate) struct Epilogue {
     pub definition: String,
     pub extra: Vec<Arg>,
+}
+
+impl Sink {
+    /// Stored in `out`, or through `program` with the op's operands from 2 on (`extra`) beside
+    /// each element (a fused product or convolution).
+    pub(crate) fn of(epilogue: Option<(&Fused, &[&Shape])>, out: &Shape, ty: &str) -> Sink {
+        epilogue.map_or(Sink::Output, |(program, extra)| {
+            let mut shapes = vec![out];
+            shapes.extend_from_slice(extra);
+            Sink::Epilogue(Epilogue {
+                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
+                extra: (2..2 + extra.len()).map(Arg::Input).collect(),
+            })
+        })
+    }
 }
 
 impl Gemm {

@@ -11,7 +11,7 @@
 
 use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
-use super::gemm::{Epilogue, Gemm, Operand, Plain, Sink};
+use super::gemm::{Gemm, Operand, Plain, Sink};
 use super::{Arg, CudaKernel};
 use kiln_compiler::ir::{Fused, FusedMatMul, Rows, Shape};
 
@@ -166,14 +166,7 @@ fn product(
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: epilogue.map_or(Sink::Output, |(program, extra)| {
-            let mut shapes = vec![out];
-            shapes.extend_from_slice(extra);
-            Sink::Epilogue(Epilogue {
-                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
-                extra: (2..2 + extra.len()).map(Arg::Input).collect(),
-            })
-        }),
+        sink: Sink::of(epilogue, out, ty),
         scratch,
     };
     let mut c = Code::new();
