@@ -173,6 +173,19 @@ impl FusedReduce {
 }
 
 impl Fused {
+    /// A program of elementwise instructions alone over `shape` (no product, no reduction).
+    pub fn elementwise(shape: Shape, insts: Vec<Inst>) -> Fused {
+        Fused {
+            shape,
+            insts,
+            reduce: None,
+            matmul: None,
+            conv: None,
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        }
+    }
+
     /// The op computed first whose result is the program's operand 0: a matrix product or a
     /// convolution, of the fused op's first two operands.
     pub fn product(&self) -> Option<super::Op> {
@@ -198,15 +211,7 @@ impl Fused {
     /// The epilogue as a program of its own over `shape` (the output's): operand 0 the reduced
     /// value, then the epilogue's operands.
     pub fn epilogue_program(&self, shape: &Shape) -> Fused {
-        Fused {
-            shape: shape.clone(),
-            insts: self.epilogue.clone(),
-            reduce: None,
-            matmul: None,
-            conv: None,
-            epilogue: Vec::new(),
-            epilogue_operands: 0,
-        }
+        Fused::elementwise(shape.clone(), self.epilogue.clone())
     }
 
     /// Checks the program against `operands` operands: at least one instruction, every ref to

@@ -729,15 +729,7 @@ mod tests {
         }
         insts.push(Inst::Select(Ref::Operand(1), acc, Ref::Operand(0)));
         let shape = Shape::new([n]);
-        let program = Fused {
-            shape: shape.clone(),
-            insts,
-            reduce: None,
-            matmul: None,
-            conv: None,
-            epilogue: Vec::new(),
-            epilogue_operands: 0,
-        };
+        let program = Fused::elementwise(shape.clone(), insts);
         let kernel = fused_kernel(&program, &[&shape, &shape], &shape).expect("a valid program");
         let run = |w: Width| {
             let mut o = vec![0.0f32; n];
@@ -785,15 +777,7 @@ mod tests {
             Inst::Iota(2),
             Inst::Binary(BinaryOp::Add, Ref::Value(3), Ref::Value(4)),
         ];
-        let program = Fused {
-            shape: out.clone(),
-            insts,
-            reduce: None,
-            matmul: None,
-            conv: None,
-            epilogue: Vec::new(),
-            epilogue_operands: 0,
-        };
+        let program = Fused::elementwise(out.clone(), insts);
         let kernel = fused_kernel(&program, &[&out, &bias, &row, &col], &out).expect("a valid program");
         assert_eq!(&kernel.period[..4], &[0, 6, 42, 0]);
         let want: Vec<f32> = (0..n)

@@ -268,15 +268,10 @@ pub(crate) fn backprop_input(
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
         sink: if relu_grad {
-            let program = Fused {
-                shape: dx.clone(),
-                insts: vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
-                reduce: None,
-                matmul: None,
-                conv: None,
-                epilogue: Vec::new(),
-                epilogue_operands: 0,
-            };
+            let program = Fused::elementwise(
+                dx.clone(),
+                vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
+            );
             Sink::Epilogue(Epilogue {
                 definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
                 extra: vec![Arg::Input(2)],
