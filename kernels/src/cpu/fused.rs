@@ -294,7 +294,9 @@ impl FusedKernel {
                 Err(_) => unsafe { self.eval_in(&mut vec![0.0; len], stride, ins, s, e, out) },
             })
         };
-        if self.period.iter().all(|&p| p == 0) {
+        // A range within one period of every periodic operand (a reduction's prologue asks for
+        // a row, or an element, at a time) reads each where it lies: phase + m <= p.
+        if (0..self.operands).all(|j| self.period[j] == 0 || s % self.period[j] + (e - s) <= self.period[j]) {
             return slots(ins);
         }
         // Each periodic operand's values repeated over `p + stride` elements: a chunk of at most
@@ -348,7 +350,8 @@ impl FusedKernel {
                 let at: [*const f32; MAX_FUSED_OPERANDS] = std::array::from_fn(|j| {
                     if j < self.operands && self.period[j] > 0 {
                         // SAFETY: `ins[j]` is the operand's repeated values, `p + stride`
-                        // elements (`eval_range`): the phase is below p and m <= stride.
+                        // elements (`eval_range`): the phase is below p and m <= stride; or the
+                        // operand itself where the whole range lies within one period.
                         unsafe { ins[j].get().add((oo + done) % self.period[j]) as *const f32 }
                     } else if j < self.operands {
                         // SAFETY: the walk stays inside every operand (strides from their
@@ -789,7 +792,7 @@ mod tests {
             r.as_ptr() as *mut u8,
             c.as_ptr() as *mut u8,
         ]);
-        for (s, e) in [(0, n), (1, n - 1), (5, 48), (41, 43), (100, 101), (200, n)] {
+        for (s, e) in [(0, n), (1, n - 1), (5, 48), (41, 43), (100, 101), (36, 42), (200, n)] {
             let mut o = vec![f32::NAN; e - s];
             // SAFETY: the operands hold their shapes' elements; `o` holds e - s elements.
             unsafe { kernel.eval_range(&ins, s, e, o.as_mut_ptr()) };
@@ -806,5 +809,57 @@ mod tests {
             )
         };
         assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    /// A convolution with its epilogue (`FusedConvKernel`: blocks of 8 output rows, each through
+    /// the program as it is made) computes the bits of the convolution followed by the
+    /// elementwise program: images of heights that blocks do not divide, stride 2 VALID and
+    /// stride 1 SAME, a bias too long to be periodic and a short one, a residual operand.
+    #[test]
+    fn a_fused_convolution_computes_the_unfused_bits() {
+        use kiln_compiler::ir::{DType, Op, Padding, UnaryOp, Window2d, infer};
+        let cases = [
+            ([3, 21, 9, 5], Window2d { size: [3, 3], stride: [2, 2], padding: Padding::Valid }, 260),
+            ([2, 13, 10, 3], Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same }, 7),
+        ];
+        for (x, window, f) in cases {
+            let (xs, ws, bs) = (Shape::new(x), Shape::new([3, 3, x[3], f]), Shape::new([f]));
+            let operands = [(&xs, DType::F32), (&ws, DType::F32)];
+            let out = infer(&Op::Conv2d { window }, &operands).expect("a valid convolution").0;
+            let values =
+                |n: usize, k: f32| (0..n).map(|i| ((i as f32 + k) * 0.37).sin()).collect::<Vec<f32>>();
+            let (xv, wv, bv, rv) =
+                (values(xs.numel(), 0.0), values(ws.numel(), 1.0), values(f, 2.0), values(out.numel(), 3.0));
+            // relu(conv + bias) + residual
+            let insts = vec![
+                Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+                Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+                Inst::Binary(BinaryOp::Add, Ref::Value(1), Ref::Operand(2)),
+            ];
+            let program = Fused::elementwise(out.clone(), insts);
+            let ptr = |v: &[f32]| v.as_ptr() as *mut u8;
+            let mut conv_out = vec![f32::NAN; out.numel()];
+            let mut want = vec![f32::NAN; out.numel()];
+            let conv = super::super::conv::conv2d(&xs, &ws, &window, &out);
+            let then = fused_kernel(&program, &[&out, &bs, &out], &out).expect("a valid program");
+            // SAFETY: every buffer holds its shape's elements; outputs are distinct allocations.
+            unsafe {
+                conv.run(&[ptr(&xv), ptr(&wv)], conv_out.as_mut_ptr() as *mut u8);
+                then.run(&[ptr(&conv_out), ptr(&bv), ptr(&rv)], want.as_mut_ptr() as *mut u8);
+            }
+            let fused = Fused { conv: Some(window), ..program };
+            let kernel = fused_conv2d(&fused, &window, &[&xs, &ws, &bs, &out]).expect("a valid program");
+            let mut got = vec![f32::NAN; out.numel()];
+            // SAFETY: as above.
+            unsafe { kernel.run(&[ptr(&xv), ptr(&wv), ptr(&bv), ptr(&rv)], got.as_mut_ptr() as *mut u8) };
+            assert!(want.iter().any(|v| *v != 0.0));
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{x:?} {window:?}: element {i} is {a} fused and {b} unfused"
+                );
+            }
+        }
     }
 }
