@@ -20,10 +20,10 @@
 //! product or a convolution becomes its GEMM's epilogue's operand 0 (bias, activation;
 //! `Fused::matmul`, `Fused::conv`). A convolution's epilogue costs no pass of its own: the CPU
 //! applies it to each block of 8 output rows while the block is in cache, CUDA as the GEMM stores
-//! (the zoo cnn's forward pass, kernels only, whole batch: 28.3 ms unfused, 36.7 fused with its
-//! bias and ReLU a pass of their own in chunks of 32, 22.1 with periodic operands and the
-//! convolutions' epilogues; the training step 57 -> 53 plan steps). A group of one elementwise op
-//! stays that op.
+//! (`cargo bench --bench speed`, the zoo cnn's forward pass over the whole batch, fused against
+//! unfused: 24.55 against 21.36 ms with its bias and ReLU a pass of their own, 20.49 against
+//! 21.58 ms with the convolutions' epilogues and periodic operands; the training step 57 -> 53
+//! plan steps). A group of one elementwise op stays that op.
 //!
 //! Sources join too: an iota or a fill read only by the group is an instruction (`Inst::Iota`,
 //! `Inst::Const`), and so is an elementwise chain of them (`constant_chain`: the causal mask

@@ -251,9 +251,6 @@ impl Fused {
         if self.has_product() && self.insts.iter().any(|i| i.reads_index()) {
             return Err("a product's epilogue has no iota or random values".into());
         }
-        if self.matmul.is_some() && self.conv.is_some() {
-            return Err("a fused program computes one product first, not a matmul and a convolution".into());
-        }
         if self.has_product() && (self.reduce.is_some() || !self.epilogue.is_empty()) {
             return Err("a product's epilogue has no reduction".into());
         }

@@ -610,9 +610,9 @@ impl Op {
     /// `i` (one of the output's shape, read last by this op: `liveness` plans that, `validate`
     /// checks it). Elementwise ops: any operand, each element is read before it is written. A
     /// fused matrix product (no reduction; a fused convolution never): an operand of its
-    /// epilogue, never a factor, when the product is 2-D and its first factor is not transposed. The CPU then computes it in
-    /// blocks of output rows into a bounded tile, and each block's epilogue reads the operand's
-    /// rows before writing them (a row block of an untransposed first factor is contiguous); a
+    /// epilogue, never a factor, when the product is 2-D and its first factor is not
+    /// transposed. The CPU then computes it in blocks of output rows into a bounded tile, and
+    /// each block's epilogue reads the operand's rows before writing them (a row block of an untransposed first factor is contiguous); a
     /// CUDA thread reads an element's epilogue operands before it stores the element. Writing
     /// relu's gradient over the activation it reads saves one activation-sized buffer at a
     /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B). Max pooling's

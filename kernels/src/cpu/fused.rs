@@ -604,6 +604,15 @@ impl RowBlocks {
     }
 }
 
+/// The elementwise kernel of a product's epilogue: over the program's shape, its operand 0 the
+/// product (the output's own memory), then the op's operands after the two factors.
+fn epilogue_kernel(program: &Fused, operands: &[&Shape]) -> Result<FusedKernel, KernelError> {
+    let shape = &program.shape;
+    let mut epilogue_operands: Vec<&Shape> = vec![shape];
+    epilogue_operands.extend_from_slice(&operands[2..]);
+    fused_kernel(&Fused { matmul: None, conv: None, ..program.clone() }, &epilogue_operands, shape)
+}
+
 pub(crate) fn fused_matmul(
     program: &Fused,
     matmul: &FusedMatMul,
@@ -612,9 +621,7 @@ pub(crate) fn fused_matmul(
     let shape = &program.shape;
     let product =
         super::matmul::matmul(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
-    let mut epilogue_operands: Vec<&Shape> = vec![shape];
-    epilogue_operands.extend_from_slice(&operands[2..]);
-    let epilogue = fused_kernel(&Fused { matmul: None, ..program.clone() }, &epilogue_operands, shape)?;
+    let epilogue = epilogue_kernel(program, operands)?;
     let desc = format!("{} then {}", product.describe(), epilogue.desc);
     let rows = RowBlocks::new(program, matmul, operands)?;
     Ok(Box::new(FusedMatMulKernel { product, epilogue, rows, desc }))
@@ -636,11 +643,8 @@ pub(crate) fn fused_conv2d(
     window: &kiln_compiler::ir::Window2d,
     operands: &[&Shape],
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
-    let shape = &program.shape;
     let conv = super::conv::conv2d_kernel(operands[0], operands[1], window);
-    let mut epilogue_operands: Vec<&Shape> = vec![shape];
-    epilogue_operands.extend_from_slice(&operands[2..]);
-    let epilogue = fused_kernel(&Fused { conv: None, ..program.clone() }, &epilogue_operands, shape)?;
+    let epilogue = epilogue_kernel(program, operands)?;
     let desc = format!("{} then {}", conv.text(), epilogue.desc);
     Ok(Box::new(FusedConvKernel { conv, epilogue, desc }))
 }
