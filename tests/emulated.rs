@@ -15,6 +15,9 @@ use kiln::runtime::memory::Tracker;
 use kiln::zoo;
 use std::sync::Arc;
 
+#[path = "common/unseen.rs"]
+mod unseen;
+
 fn host_compiler() -> bool {
     match cuda::emulator::host::available() {
         Ok(()) => true,
@@ -335,4 +338,39 @@ fn timed_runs_and_profiles_compute_what_runs_compute() {
     }
     assert_eq!(outs[0].data(), outs[1].data());
     assert_eq!(outs[0].data(), outs[2].data());
+}
+
+/// Models the zoo does not have (`common/unseen.rs`) train on the emulated device as on the
+/// CPU: the CUDA backend's plans, kernels and launches on shapes nobody tuned for (odd image
+/// sizes, a residual block's fused input gradient, a GPT-style decoder with a sparse loss).
+#[test]
+fn unseen_models_train_on_the_emulated_device_as_on_the_cpu() {
+    if !host_compiler() {
+        return;
+    }
+    for m in unseen::all() {
+        let graph =
+            kiln::compiler::step::train_step_graph(&m.model, m.x.clone(), m.y.clone(), &m.config).unwrap();
+        let on = |scratch| compile(graph.clone(), &CompileOptions::default().with_scratch(scratch)).unwrap();
+        let (cpu_plan, gpu_plan) = (on(None), on(Some(kiln::kernels::cuda::SCRATCH)));
+        let mut cpu = kiln::runtime::CpuBackend::new(3);
+        let mut gpu = CudaBackend::emulated(256 * MB, 3).unwrap();
+        let (c, g) = (cpu.load(cpu_plan.clone()).unwrap(), gpu.load(gpu_plan).unwrap());
+        for step in 0..2 {
+            let (x, y) = m.batch(step);
+            let feeds = [("x", &x), ("y", &y)];
+            let (mut a, mut b) = (cpu.call(c, &feeds).unwrap(), gpu.call(g, &feeds).unwrap());
+            a.sort_by(|p, q| p.0.cmp(&q.0));
+            b.sort_by(|p, q| p.0.cmp(&q.0));
+            assert_eq!(a.len(), b.len(), "{}", m.name);
+            for ((name, a), (other, b)) in a.iter().zip(&b) {
+                assert_eq!(name, other, "{}", m.name);
+                close(&format!("{} step {step} {name}", m.name), a.data(), b.data(), 1.0);
+            }
+        }
+        for v in &cpu_plan.variables {
+            let (a, b) = (cpu.read_variable(&v.key).unwrap(), gpu.read_variable(&v.key).unwrap());
+            close(&format!("{} {}", m.name, v.key), a.data(), b.data(), 1.0);
+        }
+    }
 }

@@ -8,9 +8,12 @@
 
 #[path = "../kernels/tests/cuda_host/mod.rs"]
 mod cuda_host;
+#[path = "common/unseen.rs"]
+mod unseen;
 
 use kiln::compare::{Mode, graph_of};
 use kiln::compiler::ir::{DType, Op, Shape};
+use kiln::compiler::step::train_step_graph;
 use kiln::kernels::cpu;
 use kiln::prelude::*;
 use kiln::runtime::cuda::plan_kernels;
@@ -54,8 +57,34 @@ fn operands(op: &Op, shapes: &[&Shape], seed: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// With the CUDA kernels' scratch (split-K where a contraction is long), as on a device.
+fn cuda_options() -> CompileOptions {
+    CompileOptions::default().with_scratch(Some(kiln::kernels::cuda::SCRATCH))
+}
+
 #[test]
 fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
+    let plans = zoo::all().into_iter().map(|m| {
+        let m = m.with_batch(1);
+        (m.name.to_string(), compile(graph_of(&m, Mode::Train).unwrap(), &cuda_options()).unwrap())
+    });
+    every_kernel_runs_on_the_host(plans.collect(), "zoo");
+}
+
+/// The same for the training steps of models the zoo does not have (`common/unseen.rs`), at
+/// their odd sizes: a residual conv net's fused block input gradient, a GPT-style decoder's
+/// tied embedding, RMSNorm, causal attention and sparse loss, an autoencoder, a narrow MLP.
+#[test]
+fn every_unseen_models_kernel_runs_on_the_host_and_matches_the_cpu() {
+    let plans = unseen::all().into_iter().map(|m| {
+        let graph = train_step_graph(&m.model, m.x.clone(), m.y.clone(), &m.config).unwrap();
+        (m.name.to_string(), compile(graph, &cuda_options()).unwrap())
+    });
+    every_kernel_runs_on_the_host(plans.collect(), "unseen");
+}
+
+/// Every distinct kernel of `plans` (named) on the host against the CPU kernel of its step.
+fn every_kernel_runs_on_the_host(plans: Vec<(String, Plan)>, what: &str) {
     if let Err(why) = cuda_host::available() {
         assert!(std::env::var("CI").is_err(), "CI runs the host CUDA tests: {why}");
         eprintln!("skipped: {why}");
@@ -64,12 +93,8 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
     let mut cases = Vec::new();
     let mut references = Vec::new();
     let (mut total, mut seen, mut too_big) = (0, HashSet::new(), Vec::new());
-    for m in zoo::all() {
-        let m = m.with_batch(1);
-        // With the CUDA kernels' scratch (split-K where a contraction is long), as on a device.
-        let options = CompileOptions::default().with_scratch(Some(kiln::kernels::cuda::SCRATCH));
-        let plan = compile(graph_of(&m, Mode::Train).unwrap(), &options).unwrap();
-        for (s, (step, k)) in plan.steps.iter().zip(plan_kernels(&plan).unwrap()).enumerate() {
+    for (model, plan) in &plans {
+        for (s, (step, k)) in plan.steps.iter().zip(plan_kernels(plan).unwrap()).enumerate() {
             total += 1;
             let threads: usize = k
                 .launches
@@ -80,7 +105,7 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
                 continue;
             }
             if threads > MAX_THREADS {
-                too_big.push(format!("{} step {s} ({}, {threads} threads)", m.name, step.label));
+                too_big.push(format!("{model} step {s} ({}, {threads} threads)", step.label));
                 continue;
             }
             let shapes: Vec<&Shape> = step.inputs.iter().map(|&v| &plan.values[v].shape).collect();
@@ -97,7 +122,7 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
             // SAFETY: buffers sized from the step's shapes, distinct allocations; effects get a
             // null output.
             unsafe { kernel.run(&ptrs, optr) };
-            let name = format!("{} step {s} ({})", m.name, step.label);
+            let name = format!("{model} step {s} ({})", step.label);
             cases.push(cuda_host::HostCase {
                 name: name.clone(),
                 kernel: k,
@@ -122,14 +147,14 @@ fn every_zoo_kernel_runs_on_the_host_and_matches_the_cpu() {
         }
     }
     eprintln!(
-        "{total} zoo steps, {} distinct kernels: {ran} ran on the host, {} over {MAX_THREADS} threads left to a device",
+        "{total} {what} steps, {} distinct kernels: {ran} ran on the host, {} over {MAX_THREADS} threads left to a device",
         seen.len(),
         too_big.len()
     );
     assert!(failures.is_empty(), "{} kernels differ from the CPU:\n{}", failures.len(), failures.join("\n"));
     assert!(
         ran * 4 >= seen.len() * 3,
-        "only {ran} of {} distinct zoo kernels ran on the host: {too_big:?}",
+        "only {ran} of {} distinct {what} kernels ran on the host: {too_big:?}",
         seen.len()
     );
 }

@@ -390,3 +390,40 @@ fn a_convolutions_input_gradient_through_relu_is_the_two_ops_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn a_convolutions_input_gradient_plus_a_residual_through_relu_is_the_three_ops_bit_for_bit() {
+    // With a fourth operand r: relu_grad(y, r + conv2d_backprop_input(dy, w)), written over y or
+    // over r where the stride is 1 (`Op::may_write_over`).
+    for (i, (xd, w, f)) in conv_cases().into_iter().enumerate() {
+        let filt = rand(&[w.size[0], w.size[1], xd[3], f], 7 * i as u64 + 1);
+        let y_dims = run(&Op::Conv2d { window: w }, &[&rand(&xd, 0), &filt]).dims;
+        let dy = rand(&y_dims, 7 * i as u64 + 2);
+        let act = rand(&xd, 7 * i as u64 + 3);
+        let res = rand(&xd, 7 * i as u64 + 4);
+        let input = Shape::from(xd);
+        let dx = run(&Op::Conv2dBackpropInput { window: w, input: input.clone() }, &[&dy, &filt]);
+        let sum = run(&Op::Binary(kiln_compiler::ir::BinaryOp::Add), &[&res, &dx]);
+        let apart = run(&Op::Binary(kiln_compiler::ir::BinaryOp::ReluGrad), &[&act, &sum]);
+        let op = Op::Conv2dBackpropInputReluGrad { window: w, input: input.clone() };
+        let fused = run(&op, &[&dy, &filt, &act, &res]);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fused.data), bits(&apart.data), "case {i}");
+        assert_eq!(op.may_write_over(3, &input), w.stride == [1, 1], "case {i}");
+        if w.stride != [1, 1] {
+            continue;
+        }
+        let shapes =
+            [Shape::from(y_dims.clone()), Shape::from(filt.dims.clone()), input.clone(), input.clone()];
+        let types: Vec<(&Shape, DType)> = shapes.iter().map(|s| (s, DType::F32)).collect();
+        let k = kiln_kernels::cpu::prepare(&op, &types, (&input, DType::F32)).unwrap();
+        for over in [2, 3] {
+            let mut bufs = [dy.data.clone(), filt.data.clone(), act.data.clone(), res.data.clone()];
+            let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr() as *mut u8).collect();
+            // SAFETY: buffers of the operands' shapes; the output is y's or r's own buffer,
+            // which the op allows with stride 1 (asserted above).
+            unsafe { k.run(&ptrs, ptrs[over]) };
+            assert_eq!(bits(&bufs[over]), bits(&apart.data), "case {i} written over operand {over}");
+        }
+    }
+}

@@ -362,6 +362,11 @@ fn cases() -> Vec<Case> {
             Op::Conv2dBackpropInputReluGrad { window: *w, input: Shape::from(*x) },
             &[&o, &wshape, x],
         ));
+        v.push(case(
+            format!("conv2d_backprop_input_residual_relu_grad_{i}"),
+            Op::Conv2dBackpropInputReluGrad { window: *w, input: Shape::from(*x) },
+            &[&o, &wshape, x, x],
+        ));
         // Through epilogues (`Fused::conv`): bias and ReLU; bias, a residual of the output's
         // shape and tanh.
         let conv_then = |insts: Vec<Inst>| {

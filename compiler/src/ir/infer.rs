@@ -370,8 +370,15 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((input.clone(), d))
         }
         Op::Conv2dBackpropInputReluGrad { window, input } => {
-            let d = same_dtype(&[0, 1, 2])?;
+            let residual = operands.len() == 4;
+            let d = if residual { same_dtype(&[0, 1, 2, 3])? } else { same_dtype(&[0, 1, 2])? };
             let expected = conv2d(input, shape(1), window)?;
+            if residual && shape(3) != input {
+                return err(
+                    format!("residual gradient {} does not match the convolution's input {input}", shape(3)),
+                    "pass the gradient that reaches the ReLU's output by the other path, of its shape",
+                );
+            }
             if &expected != shape(0) || shape(2) != input {
                 return err(
                     format!(
@@ -642,7 +649,8 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Gather
         | Op::GatherGrad { .. } => 2..=2,
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1..=1,
-        Op::Select | Op::Conv2dBackpropInputReluGrad { .. } => 3..=3,
+        Op::Select => 3..=3,
+        Op::Conv2dBackpropInputReluGrad { .. } => 3..=4,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,
         Op::Custom { .. } => 0..=usize::MAX,
@@ -801,6 +809,12 @@ mod tests {
         let e = infer(&op, &f32s(&bad)).unwrap_err();
         assert!(e.message.contains("activation [8, 32, 32, 4]"), "{}", e.message);
         assert!(infer(&op, &f32s(&ok[..2])).is_err(), "three operands");
+        // With a residual gradient of the input's shape, (dy, w, y, r).
+        let with_r = [ok[0].clone(), ok[1].clone(), input.clone(), input.clone()];
+        assert_eq!(infer(&op, &f32s(&with_r)).unwrap().0, input);
+        let bad_r = [ok[0].clone(), ok[1].clone(), input.clone(), Shape::from([8, 32, 32, 4])];
+        let e = infer(&op, &f32s(&bad_r)).unwrap_err();
+        assert!(e.message.contains("residual gradient [8, 32, 32, 4]"), "{}", e.message);
     }
 
     #[test]

@@ -453,7 +453,9 @@ pub enum Op {
     },
     /// (dy, w, y) -> relu_grad(y, conv2d_backprop_input(dy, w)): a convolution's input gradient
     /// through the ReLU whose output y the convolution read, as one op that may write over y
-    /// (`conv_relu_grad`).
+    /// (`conv_relu_grad`). With a fourth operand r of the input's shape (the gradient that
+    /// reaches y by another path, a residual connection's): relu_grad(y, r + dx), which may
+    /// write over y or r.
     Conv2dBackpropInputReluGrad {
         window: Window2d,
         input: Shape,
@@ -612,13 +614,13 @@ impl Op {
     /// fused matrix product (no reduction; a fused convolution never): an operand of its
     /// epilogue, never a factor, when the product is 2-D and its first factor is not
     /// transposed. The CPU then computes it in blocks of output rows into a bounded tile, and
-    /// each block's epilogue reads the operand's rows before writing them (a row block of an untransposed first factor is contiguous); a
-    /// CUDA thread reads an element's epilogue operands before it stores the element. Writing
+    /// each block's epilogue reads the operand's rows before writing them (a row block of an
+    /// untransposed first factor is contiguous); a CUDA thread reads an element's epilogue operands before it stores the element. Writing
     /// relu's gradient over the activation it reads saves one activation-sized buffer at a
     /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B). Max pooling's
     /// gradient: over x (operand 0) where the windows tile it, each window's x read before its
-    /// dx is written. A convolution's input gradient through a ReLU: over y (operand 2) with
-    /// stride 1.
+    /// dx is written. A convolution's input gradient through a ReLU: over y (operand 2), or the
+    /// residual gradient r (operand 3) where there is one, with stride 1.
     pub fn may_write_over(&self, i: usize, output: &super::Shape) -> bool {
         match self {
             // A convolution's epilogue (`Fused::conv`) never: the CPU stores each block of
@@ -635,9 +637,10 @@ impl Op {
             Op::Pool2dGrad { kind: PoolKind::Max, window } => i == 0 && window.tiles(output),
             // The communicator reduces the operand's bytes where they are.
             Op::AllReduce { .. } => i == 0,
-            // Over y where the CPU computes the gradient a block of rows at a time (stride 1):
-            // each block's y is read before its dx is written (`conv_relu_grad`).
-            Op::Conv2dBackpropInputReluGrad { window, .. } => i == 2 && window.stride == [1, 1],
+            // Over y, or a residual gradient r, where the CPU computes the gradient a block of
+            // rows at a time (stride 1): each block's y and r are read before its dx is written
+            // (`conv_relu_grad`).
+            Op::Conv2dBackpropInputReluGrad { window, .. } => (i == 2 || i == 3) && window.stride == [1, 1],
             _ => self.class() == OpClass::Elementwise,
         }
     }

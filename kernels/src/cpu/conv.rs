@@ -176,10 +176,20 @@ impl Conv2d {
     /// On the CPU the pair takes what the two ops took (the three input gradients of the zoo
     /// cnn's step: 17.3-18.5 ms fused, 16.6-18.1 ms apart, `examples/profile_cpu.rs`).
     ///
+    /// `mask > 0 ? residual + conv : 0` (without `residual`, `mask > 0 ? conv : 0`), a block of
+    /// output rows at a time through a tile.
+    ///
     /// # Safety
-    /// `x`, `w` as for `run`; `mask` and `out` hold the output's shape; `out` overlaps neither
-    /// `x` nor `w` (it may be `mask`).
-    unsafe fn run_relu_grad(&self, x: *const f32, w: *const f32, mask: *const f32, out: *mut f32) {
+    /// `x`, `w` as for `run`; `mask`, `residual` (when given) and `out` hold the output's shape;
+    /// `out` overlaps neither `x` nor `w` (it may be `mask` or `residual`).
+    unsafe fn run_relu_grad(
+        &self,
+        x: *const f32,
+        w: *const f32,
+        mask: *const f32,
+        residual: Option<*const f32>,
+        out: *mut f32,
+    ) {
         let g = &self.g;
         let row = g.ow * g.f;
         let blocks = g.oh.div_ceil(ROW_BLOCK);
@@ -190,6 +200,7 @@ impl Conv2d {
             SendPtr::new(mask as *mut f32),
             SendPtr::new(out),
         );
+        let residual = residual.map(|r| SendPtr::new(r as *mut f32));
         thread_local! {
             /// Each worker's tile, kept between calls (`rows` zeroes what it uses).
             static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -203,18 +214,30 @@ impl Conv2d {
                     let at = (n * g.oh + o0) * row;
                     let len = (o1 - o0) * row;
                     // SAFETY: the tile holds ROW_BLOCK rows and is this task's; rows o0..o1 of
-                    // image n of the mask and the output are this task's, read (mask) before
-                    // written (out), element by element.
+                    // image n of the mask, the residual and the output are this task's, read
+                    // (mask, residual) before written (out), chunk by chunk.
                     unsafe {
                         self.rows(x.get(), w.get(), n, o0, o1, tile.as_mut_ptr());
-                        // In chunks through a stack buffer: the mask's chunk is copied out before the
-                        // output's is written (they may be one buffer), and the select vectorises.
-                        let mut m = [0f32; 64];
+                        // In chunks through stack buffers: the mask's and the residual's chunks
+                        // are copied out before the output's is written (either may be its
+                        // buffer), and the select vectorises.
+                        let (mut m, mut r) = ([0f32; 64], [0f32; 64]);
                         for c0 in (0..len).step_by(64) {
                             let k = 64.min(len - c0);
                             std::ptr::copy_nonoverlapping(mask.get().add(at + c0), m.as_mut_ptr(), k);
-                            for (m, &v) in m[..k].iter_mut().zip(&tile[c0..c0 + k]) {
-                                *m = if *m > 0.0 { v } else { 0.0 };
+                            let tile = &tile[c0..c0 + k];
+                            match residual {
+                                Some(res) => {
+                                    std::ptr::copy_nonoverlapping(res.get().add(at + c0), r.as_mut_ptr(), k);
+                                    for ((m, &v), &r) in m[..k].iter_mut().zip(tile).zip(&r[..k]) {
+                                        *m = if *m > 0.0 { r + v } else { 0.0 };
+                                    }
+                                }
+                                None => {
+                                    for (m, &v) in m[..k].iter_mut().zip(tile) {
+                                        *m = if *m > 0.0 { v } else { 0.0 };
+                                    }
+                                }
                             }
                             std::ptr::copy_nonoverlapping(m.as_ptr(), o.get().add(at + c0), k);
                         }
@@ -419,12 +442,14 @@ impl Flipped {
 }
 
 /// ReLU's gradient of a convolution's input gradient (`Op::Conv2dBackpropInputReluGrad`:
-/// (dy, w, y) -> y > 0 ? dx : 0). With stride 1, the turned convolution a block of rows at a
-/// time through the mask (`Conv2d::run_relu_grad`), so that dx may be y's own buffer; otherwise
-/// the input gradient, then the mask over it (never in place: `Op::may_write_over`). The bits
-/// are the two ops' apart.
+/// (dy, w, y) -> y > 0 ? dx : 0, or with a residual gradient (dy, w, y, r) -> y > 0 ? r + dx :
+/// 0). With stride 1, the turned convolution a block of rows at a time through the mask
+/// (`Conv2d::run_relu_grad`), so that dx may be y's or r's own buffer; otherwise the input
+/// gradient, then the mask over it (never in place: `Op::may_write_over`). The bits are the ops'
+/// apart.
 struct BackpropInputReluGrad {
     input: BackpropInput,
+    residual: bool,
     desc: String,
 }
 
@@ -433,33 +458,44 @@ pub(crate) fn backprop_input_relu_grad(
     w: &Shape,
     window: &Window2d,
     dx: &Shape,
+    residual: bool,
 ) -> Box<dyn CpuKernel> {
     let input = backprop_input_kernel(dy, w, window, dx);
-    let desc = format!("{} then relu_grad", input.desc);
-    Box::new(BackpropInputReluGrad { input, desc })
+    let desc = format!("{}{} then relu_grad", input.desc, if residual { " plus a residual" } else { "" });
+    Box::new(BackpropInputReluGrad { input, residual, desc })
 }
 
 impl CpuKernel for BackpropInputReluGrad {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.input.g;
         let (dy, w, y) = (inputs[0] as *const f32, inputs[1] as *const f32, inputs[2] as *const f32);
+        let residual = self.residual.then(|| inputs[3] as *const f32);
         if let Some(flipped) = &self.input.flipped {
-            // SAFETY: run's contract: the filter, dy, y and dx of this geometry; dx overlaps
-            // neither dy nor the kernel's turned filter, and may be y (a block reads its rows of
-            // y before writing them).
+            // SAFETY: run's contract: the filter, dy, y, r and dx of this geometry; dx overlaps
+            // neither dy nor the kernel's turned filter, and may be y or r (a block reads its
+            // rows of both before writing them).
             return unsafe {
                 let filter = flipped.turn(g, w);
-                flipped.conv.run_relu_grad(dy, filter.as_ptr(), y, output as *mut f32)
+                flipped.conv.run_relu_grad(dy, filter.as_ptr(), y, residual, output as *mut f32)
             };
         }
         let n = g.n * g.h * g.w * g.c;
-        // SAFETY: dx never overlaps y here (`Op::may_write_over` allows it with stride 1 only);
-        // both hold n floats.
+        // SAFETY: dx overlaps neither y nor r here (`Op::may_write_over` allows it with stride 1
+        // only); all hold n floats.
         unsafe {
             self.input.run(&inputs[..2], output);
             let dx = slice::from_raw_parts_mut(output as *mut f32, n);
             let y = slice::from_raw_parts(y, n);
-            dx.iter_mut().zip(y).for_each(|(d, &m)| *d = if m > 0.0 { *d } else { 0.0 });
+            match residual {
+                Some(r) => {
+                    let r = slice::from_raw_parts(r, n);
+                    dx.iter_mut()
+                        .zip(y)
+                        .zip(r)
+                        .for_each(|((d, &m), &r)| *d = if m > 0.0 { r + *d } else { 0.0 });
+                }
+                None => dx.iter_mut().zip(y).for_each(|(d, &m)| *d = if m > 0.0 { *d } else { 0.0 }),
+            }
         }
     }
 

@@ -133,7 +133,7 @@ pub fn prepare(
         Op::Conv2d { window } => conv::conv2d(s[0], s[1], window, out),
         Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(s[0], s[1], window, out),
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
-            conv::backprop_input_relu_grad(s[0], s[1], window, out)
+            conv::backprop_input_relu_grad(s[0], s[1], window, out, s.len() == 4)
         }
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(s[0], s[1], window, out),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),

@@ -195,10 +195,21 @@ fn conv2d_then(
     finish(head, gemm, describe)
 }
 
-/// The convolution's input gradient; with `relu_grad`, through ReLU's gradient
-/// (`Op::Conv2dBackpropInputReluGrad`, operands (dy, w, y)): the GEMM then stores
-/// `y > 0 ? dx : 0` through an epilogue (`gemm::Sink::Epilogue`), each element's y read by the
-/// thread that stores it, so dx may be y's own buffer.
+/// What a convolution's input gradient goes through before it is stored.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InputGradient {
+    /// Nothing (`Op::Conv2dBackpropInput`, operands (dy, w)).
+    Plain,
+    /// ReLU's gradient (`Op::Conv2dBackpropInputReluGrad`, operands (dy, w, y)): `y > 0 ? dx : 0`.
+    ReluGrad,
+    /// A residual gradient's sum, then ReLU's gradient (operands (dy, w, y, r)):
+    /// `y > 0 ? r + dx : 0`.
+    ResidualReluGrad,
+}
+
+/// The convolution's input gradient; through ReLU's gradient (and a residual gradient's sum)
+/// the GEMM stores it through an epilogue (`gemm::Sink::Epilogue`), each element's y and r read
+/// by the thread that stores it, so dx may be y's or r's own buffer.
 pub(crate) fn backprop_input(
     label: &str,
     dy: &Shape,
@@ -206,13 +217,24 @@ pub(crate) fn backprop_input(
     window: &Window2d,
     dx: &Shape,
     scratch: usize,
-    relu_grad: bool,
+    then: InputGradient,
 ) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
-    let operands: Vec<&Shape> = if relu_grad { vec![dy, w, dx] } else { vec![dy, w] };
+    let operands: Vec<&Shape> = match then {
+        InputGradient::Plain => vec![dy, w],
+        InputGradient::ReluGrad => vec![dy, w, dx],
+        InputGradient::ResidualReluGrad => vec![dy, w, dx, dx],
+    };
     let head = header(label, &operands, Some(dx));
-    let describe =
-        format!("conv2d_backprop_input {}{}", g.text(), if relu_grad { " then relu_grad" } else { "" });
+    let describe = format!(
+        "conv2d_backprop_input {}{}",
+        g.text(),
+        match then {
+            InputGradient::Plain => "",
+            InputGradient::ReluGrad => " then relu_grad",
+            InputGradient::ResidualReluGrad => " plus a residual then relu_grad",
+        }
+    );
     let (m, n, k) = backprop_input_dims(&g);
     if k == 0 {
         // No tap reads the input: dx is 0, and so is its ReLU gradient.
@@ -267,17 +289,32 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: if relu_grad {
-            let program = Fused::elementwise(
-                dx.clone(),
-                vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
-            );
-            Sink::Epilogue(Epilogue {
-                definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
-                extra: vec![Arg::Input(2)],
-            })
-        } else {
-            Sink::Output
+        sink: match then {
+            InputGradient::Plain => Sink::Output,
+            InputGradient::ReluGrad => {
+                let program = Fused::elementwise(
+                    dx.clone(),
+                    vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
+                );
+                Sink::Epilogue(Epilogue {
+                    definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
+                    extra: vec![Arg::Input(2)],
+                })
+            }
+            InputGradient::ResidualReluGrad => {
+                // x0 the product, x1 y, x2 r: relu_grad(y, r + dx).
+                let program = Fused::elementwise(
+                    dx.clone(),
+                    vec![
+                        Inst::Binary(BinaryOp::Add, Ref::Operand(2), Ref::Operand(0)),
+                        Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Value(0)),
+                    ],
+                );
+                Sink::Epilogue(Epilogue {
+                    definition: super::elementwise::epilogue_function(&program, &[dx, dx, dx], ty, ""),
+                    extra: vec![Arg::Input(2), Arg::Input(3)],
+                })
+            }
         },
         scratch,
     };

@@ -243,10 +243,15 @@ pub fn generate_with_scratch(
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
         Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
         Op::Conv2dBackpropInput { window, .. } => {
-            conv::backprop_input(l, s[0], s[1], window, out, scratch, false)
+            conv::backprop_input(l, s[0], s[1], window, out, scratch, conv::InputGradient::Plain)
         }
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
-            conv::backprop_input(l, s[0], s[1], window, out, scratch, true)
+            let then = if s.len() == 4 {
+                conv::InputGradient::ResidualReluGrad
+            } else {
+                conv::InputGradient::ReluGrad
+            };
+            conv::backprop_input(l, s[0], s[1], window, out, scratch, then)
         }
         Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out, scratch),
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
