@@ -212,13 +212,21 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     let filter = dilate(&block_diagonal(imp, &w4, g), win.dilations);
     let mut nhwc = x4.permute(&[0, 2, 3, 1]);
     let [top, left, bottom, right] = win.pads;
-    if top + bottom > 0 {
-        nhwc = nhwc.pad(1, top, bottom);
-    }
-    if left + right > 0 {
-        nhwc = nhwc.pad(2, left, right);
-    }
-    let mut y = nhwc.conv2d(&filter.permute(&[2, 3, 1, 0]), win.strides, Padding::Valid);
+    let taps = [filter.dims()[2], filter.dims()[3]];
+    // Pads that are SAME's for this geometry (a 3x3 stride-1 convolution's 1 on every side)
+    // are the convolution's own: no padded copy of the input.
+    let padding = if win.pads != [0; 4] && same_pads([h, wd], taps, win.strides) == win.pads {
+        Padding::Same
+    } else {
+        if top + bottom > 0 {
+            nhwc = nhwc.pad(1, top, bottom);
+        }
+        if left + right > 0 {
+            nhwc = nhwc.pad(2, left, right);
+        }
+        Padding::Valid
+    };
+    let mut y = nhwc.conv2d(&filter.permute(&[2, 3, 1, 0]), win.strides, padding);
     if n.has(2) {
         y = y + &imp.tensor(n, 2)?;
     }
@@ -468,4 +476,20 @@ fn lrn(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     let sums = squares.avg_pool2d([size, 1], [1, 1], Padding::Valid) * size as f32;
     let scale = (sums * (alpha / size as f32) + bias).pow(-beta).reshape(d);
     Ok(x * &scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_pads;
+
+    #[test]
+    fn same_pads_are_tensorflows_split() {
+        // 3x3 stride 1: 1 on every side (what a ResNet's 3x3 convolutions pad: imported as SAME).
+        assert_eq!(same_pads([7, 9], [3, 3], [1, 1]), [1, 1, 1, 1]);
+        // ResNet's 7x7 stride 2 on 224 pads 3 on both sides; SAME's split is 2 before, 3 after
+        // (so that one keeps its padded copy).
+        assert_eq!(same_pads([224, 224], [7, 7], [2, 2]), [2, 2, 3, 3]);
+        // 3x3 stride 2 on an even side: 0 before, 1 after.
+        assert_eq!(same_pads([8, 8], [3, 3], [2, 2]), [0, 0, 1, 1]);
+    }
 }
