@@ -332,6 +332,119 @@ fn a_convnet_in_nchw_computes_what_the_file_means() {
     }
 }
 
+/// A residual block of an imported CNN runs channels-last between its convolutions
+/// (`onnx::nhwc`): batch normalisation, ReLU, the residual sum and global pooling on the
+/// convolutions' NHWC twins, so the plan permutes only the input and the filters, and computes
+/// what the file means.
+#[test]
+fn a_residual_block_runs_channels_last_and_computes_what_the_file_means() {
+    let (n, c, h, w) = (2usize, 4usize, 5usize, 6usize);
+    let weights = |seed: usize| -> Vec<f32> {
+        (0..c * c * 9).map(|i| (((i + seed) * 7 % 13) as f32 - 6.0) / 20.0).collect()
+    };
+    let (w1, w2) = (weights(1), weights(5));
+    let b1: Vec<f32> = (0..c).map(|i| i as f32 * 0.05 - 0.1).collect();
+    let (scale, shift, mean, var) = (
+        [1.0f32, 0.5, 2.0, 1.5],
+        [0.1f32, -0.1, 0.0, 0.2],
+        [0.2f32, 0.1, -0.1, 0.0],
+        [1.0f32, 0.25, 4.0, 2.0],
+    );
+    let pads = || vec![attr_ints("kernel_shape", &[3, 3]), attr_ints("pads", &[1, 1, 1, 1])];
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        producer_name: None,
+        graph: Some(GraphProto {
+            name: Some("residual".into()),
+            node: vec![
+                node("Conv", "conv1", &["x", "w1", "b1"], &["y1"], pads()),
+                node("BatchNormalization", "bn", &["y1", "scale", "shift", "mean", "var"], &["z"], vec![]),
+                node("Relu", "relu1", &["z"], &["a"], vec![]),
+                node("Conv", "conv2", &["a", "w2"], &["y2"], pads()),
+                node("Add", "sum", &["y2", "a"], &["s"], vec![]),
+                node("Relu", "relu2", &["s"], &["r"], vec![]),
+                node("GlobalAveragePool", "gap", &["r"], &["g"], vec![]),
+                node("Flatten", "flat", &["g"], &["out"], vec![]),
+            ],
+            initializer: vec![
+                tensor("w1", &[c as i64, c as i64, 3, 3], &w1),
+                tensor("b1", &[c as i64], &b1),
+                tensor("w2", &[c as i64, c as i64, 3, 3], &w2),
+                tensor("scale", &[4], &scale),
+                tensor("shift", &[4], &shift),
+                tensor("mean", &[4], &mean),
+                tensor("var", &[4], &var),
+            ],
+            input: vec![value("x", &[fixed(n as i64), fixed(c as i64), fixed(h as i64), fixed(w as i64)])],
+            output: vec![value("out", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
+    }
+    .encode_to_vec();
+    let imported = import(&bytes, &[]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let permutes: Vec<&str> = plan
+        .steps
+        .iter()
+        .filter(|s| matches!(s.op, kiln::compiler::ir::Op::Permute { .. }))
+        .map(|s| s.label.as_str())
+        .collect();
+    assert_eq!(permutes.len(), 3, "the input and two filters only: {permutes:?}\n{}", plan.render());
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    for (key, v) in &imported.weights {
+        cpu.write_variable(key, v).unwrap();
+    }
+    let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0).collect();
+    let got = cpu.call(id, &[("x", &HostTensor::new(Shape::new([n, c, h, w]), x.clone()).unwrap())]).unwrap();
+    // The reference, NCHW loops.
+    let conv = |x: &[f32], wt: &[f32], bias: Option<&[f32]>| -> Vec<f32> {
+        let mut y = vec![0.0f32; n * c * h * w];
+        for b in 0..n {
+            for f in 0..c {
+                for i in 0..h {
+                    for j in 0..w {
+                        let mut s = bias.map_or(0.0, |b| b[f]);
+                        for ch in 0..c {
+                            for di in 0..3 {
+                                for dj in 0..3 {
+                                    let (ii, jj) =
+                                        (i as isize + di as isize - 1, j as isize + dj as isize - 1);
+                                    if (0..h as isize).contains(&ii) && (0..w as isize).contains(&jj) {
+                                        s += x[((b * c + ch) * h + ii as usize) * w + jj as usize]
+                                            * wt[((f * c + ch) * 3 + di) * 3 + dj];
+                                    }
+                                }
+                            }
+                        }
+                        y[((b * c + f) * h + i) * w + j] = s;
+                    }
+                }
+            }
+        }
+        y
+    };
+    let channel = |k: usize| k / (h * w) % c;
+    let a: Vec<f32> = conv(&x, &w1, Some(&b1))
+        .iter()
+        .enumerate()
+        .map(|(k, &v)| {
+            let f = channel(k);
+            ((v - mean[f]) / (var[f] + 1e-5).sqrt() * scale[f] + shift[f]).max(0.0)
+        })
+        .collect();
+    let r: Vec<f32> = conv(&a, &w2, None).iter().zip(&a).map(|(y, a)| (y + a).max(0.0)).collect();
+    let out = &got[0].1;
+    assert_eq!(out.shape(), &Shape::new([n, c]));
+    for b in 0..n {
+        for f in 0..c {
+            let want = r[(b * c + f) * h * w..(b * c + f + 1) * h * w].iter().sum::<f32>() / (h * w) as f32;
+            let g = out.data()[b * c + f];
+            assert!((g - want).abs() <= 1e-4 * want.abs().max(1.0), "batch {b} channel {f}: {g} vs {want}");
+        }
+    }
+}
+
 /// An imported model trains like a traced one: as a layer (`OnnxLayer`), through autodiff and
 /// Adam, starting from the file's weights, and its loss falls.
 #[test]

@@ -43,8 +43,13 @@ pub fn rewrite(graph: &mut Graph) -> Result<usize> {
         let Op::Conv2dBackpropInput { window, input } = graph.node(f.input_gradient).op.clone() else {
             continue;
         };
+        // The sum's other operand as it is now: an earlier rewrite may have replaced it (a
+        // residual gradient that was itself a ReLU gradient of an input gradient).
         let operands: Vec<NodeId> = match f.residual {
-            Some((_, r)) => vec![dy, w, y, r],
+            Some((sum, _)) => {
+                let [a, b] = graph.operands(sum)[..] else { continue };
+                vec![dy, w, y, if a == f.input_gradient { b } else { a }]
+            }
             None => vec![dy, w, y],
         };
         let fused = graph.add(
@@ -206,6 +211,34 @@ mod tests {
         // An input gradient read elsewhere too stays a value of its own.
         let mut g = residual_graph(true, true);
         assert_eq!(rewrite(&mut g).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_residual_that_is_itself_rewritten_is_read_as_rewritten() {
+        // relu_grad(y1, relu_grad(y2, r + dx2) + dx1): the inner pair's result is the outer
+        // sum's other operand, replaced by the inner rewrite whichever runs first.
+        let mut g = Graph::new("t");
+        let window = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let shape = [1, 8, 8, 2];
+        let (y1, y2, r) = (g.add_input("y1", &shape), g.add_input("y2", &shape), g.add_input("r", &shape));
+        let (dy1, dy2) = (g.add_input("dy1", &[1, 8, 8, 3]), g.add_input("dy2", &[1, 8, 8, 3]));
+        let w = g.add_input("w", &[3, 3, 2, 3]);
+        let input = Shape::new(shape.to_vec());
+        let grad = |g: &mut Graph, dy| {
+            g.add_f32(Op::Conv2dBackpropInput { window, input: input.clone() }, &shape, &[dy, w])
+        };
+        let dx2 = grad(&mut g, dy2);
+        let s2 = g.add_f32(Op::Binary(BinaryOp::Add), &shape, &[r, dx2]);
+        let inner = g.add_f32(Op::Binary(BinaryOp::ReluGrad), &shape, &[y2, s2]);
+        let dx1 = grad(&mut g, dy1);
+        let s1 = g.add_f32(Op::Binary(BinaryOp::Add), &shape, &[inner, dx1]);
+        let outer = g.add_f32(Op::Binary(BinaryOp::ReluGrad), &shape, &[y1, s1]);
+        g.set_output("out", outer);
+        assert_eq!(rewrite(&mut g).unwrap(), 2);
+        let out = g.output("out").unwrap();
+        let residual = g.operands(out)[3];
+        assert!(matches!(g.node(residual).op, Op::Conv2dBackpropInputReluGrad { .. }), "reads the inner op");
+        assert_eq!(g.operands(residual).len(), 4);
     }
 
     #[test]

@@ -210,7 +210,7 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     }
     let win = window(n, spatial, [h, wd], [kh, kw])?;
     let filter = dilate(&block_diagonal(imp, &w4, g), win.dilations);
-    let mut nhwc = x4.permute(&[0, 2, 3, 1]);
+    let mut nhwc = channels_last(imp, n, &x4, spatial);
     let [top, left, bottom, right] = win.pads;
     let taps = [filter.dims()[2], filter.dims()[3]];
     // Pads that are SAME's for this geometry (a 3x3 stride-1 convolution's 1 on every side)
@@ -230,8 +230,16 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     if n.has(2) {
         y = y + &imp.tensor(n, 2)?;
     }
-    let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { as_1d(&y) } else { y })
+    Ok(if spatial == 1 { as_1d(&y.permute(&[0, 3, 1, 2])) } else { imp.nchw_of_twin(n, 0, y) })
+}
+
+/// A 2-D op's input `x4` ([N, C, H, W]) channels-last: its twin where one was made (`nhwc`),
+/// else permuted.
+fn channels_last(imp: &Importer, n: &Node, x4: &Tensor, spatial: usize) -> Tensor {
+    match imp.twin(n, 0) {
+        Some(t) if spatial == 2 => t,
+        _ => x4.permute(&[0, 2, 3, 1]),
+    }
 }
 
 fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
@@ -327,8 +335,7 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     if n.has(2) {
         y = y + &imp.tensor(n, 2)?;
     }
-    let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { as_1d(&y) } else { y })
+    Ok(if spatial == 1 { as_1d(&y.permute(&[0, 3, 1, 2])) } else { imp.nchw_of_twin(n, 0, y) })
 }
 
 /// TensorFlow's SAME pads (top, left, bottom, right), the extra one on the far side.
@@ -382,7 +389,7 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         }
         extra[a] = (out - 1).saturating_mul(win.strides[a]).saturating_add(kernel[a]).saturating_sub(padded);
     }
-    let nhwc = x4.permute(&[0, 2, 3, 1]);
+    let nhwc = channels_last(imp, n, &x4, spatial);
     let [top, left, bottom, right] = win.pads;
     let pooled = |t: &Tensor| {
         if max {
@@ -444,8 +451,7 @@ fn pool(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         };
         pooled(&pad_all(nhwc, extra)).div(pooled(&counted))
     };
-    let y = y.permute(&[0, 3, 1, 2]);
-    Ok(if spatial == 1 { as_1d(&y) } else { y })
+    Ok(if spatial == 1 { as_1d(&y.permute(&[0, 3, 1, 2])) } else { imp.nchw_of_twin(n, 0, y) })
 }
 
 /// LpPool's p: a positive integer.

@@ -17,9 +17,13 @@
 //! The ops are mapped by family: `elementwise` (arithmetic, activations, comparisons, logic),
 //! `layout` (reshapes, slicing, gathering, padding, folded integer tensors), `reduce`
 //! (reductions, softmax), `conv` (convolution, pooling, LRN) and `norm` (batch, layer,
-//! instance and group normalisation). ONNX's NCHW tensors stay NCHW; a convolution or pooling
-//! permutes to kiln's NHWC and back around itself (and the OIHW filter to HWIO), copies a layout
-//! pass could later remove. Where kiln has no op of its own, an ONNX op is composed from the DSL's
+//! instance and group normalisation). ONNX's tensors are NCHW and kiln's convolutions and pooling
+//! NHWC: a convolution's output is made channels-last and kept so as its twin, which the
+//! elementwise ops, batch normalisation, global pooling and channel concatenations after it
+//! compute on where every operand has one or broadcasts per channel (`nhwc`), so that the next
+//! convolution reads it with no permuted copy; the NCHW value is a permute of the twin that
+//! nothing reads where nothing but such ops does (dead code, removed). The OIHW filter is
+//! permuted to HWIO. Where kiln has no op of its own, an ONNX op is composed from the DSL's
 //! (a strided slice is a gather by iota-made ids, a grouped convolution one convolution with a
 //! block-diagonal filter, a padded pooling a masked one), so each gets the DSL's gradients.
 //! Anything else — an op, attribute, mode or dtype outside what is mapped — is an error naming
@@ -34,6 +38,7 @@
 mod conv;
 mod elementwise;
 mod layout;
+mod nhwc;
 mod norm;
 pub mod proto;
 mod reduce;
@@ -287,6 +292,9 @@ fn trace(
         weights: Vec::new(),
         opset,
         rebatch,
+        twins: HashMap::new(),
+        worth_twin: nhwc::worth_it(graph),
+        channels_last: std::env::var("KILN_ONNX_CHANNELS_LAST").map_or(true, |v| v != "0"),
     };
     let Some(devices) = placement else {
         for init in &graph.initializer {
@@ -792,9 +800,32 @@ pub(crate) struct Importer {
     pub opset: i64,
     /// The batch traced where the file's static batch is 1 and this is another (`STATIC_BATCH`).
     pub rebatch: Option<usize>,
+    /// A 4-D NCHW value's channels-last twin ([N, H, W, C], the same elements), by name, where
+    /// it was made (`nhwc`).
+    twins: HashMap<String, Tensor>,
+    /// The values worth computing channels-last (`nhwc::worth_it`).
+    worth_twin: HashSet<String>,
+    /// Whether ops read their inputs' twins (`KILN_ONNX_CHANNELS_LAST=0`: never, every
+    /// convolution and pooling permuting its input and output as before).
+    channels_last: bool,
 }
 
 impl Importer {
+    /// Input `i`'s channels-last twin, where one was made.
+    pub(crate) fn twin(&self, n: &Node, i: usize) -> Option<Tensor> {
+        let name = n.proto.input.get(i).filter(|_| self.channels_last)?;
+        self.twins.get(name).cloned()
+    }
+
+    /// Output `i` made channels-last as `twin` ([N, H, W, C]): kept as the output's twin, and
+    /// its NCHW value returned (a permute that only NCHW readers keep alive).
+    pub(crate) fn nchw_of_twin(&mut self, n: &Node, i: usize, twin: Tensor) -> Tensor {
+        if let Some(name) = n.proto.output.get(i).filter(|s| !s.is_empty()) {
+            self.twins.insert(name.clone(), twin.clone());
+        }
+        twin.permute(&[0, 3, 1, 2])
+    }
+
     /// A float initializer becomes a parameter named after it; an integer one a folded constant.
     fn initializer(&mut self, init: &TensorProto) -> Result<()> {
         self.register(init)?;
@@ -996,7 +1027,9 @@ impl Importer {
         let outputs = match op.as_str() {
             "Constant" => layout::constant(self, &n)?,
             _ => {
-                if let Some(out) = elementwise::import(self, &n)? {
+                if let Some(out) = nhwc::import(self, &n)? {
+                    out
+                } else if let Some(out) = elementwise::import(self, &n)? {
                     out
                 } else if let Some(out) = layout::import(self, &n)? {
                     out

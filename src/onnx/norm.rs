@@ -82,6 +82,17 @@ fn per_channel(t: &Tensor, rank: usize) -> Tensor {
 
 fn batch_norm(imp: &mut Importer, n: &Node) -> Result<Vec<Tensor>> {
     let x = imp.tensor(n, 0)?;
+    batch_norm_of(imp, n, x, false)
+}
+
+/// BatchNormalization of `x`: NCHW (channels on axis 1), or `channels_last` (an NHWC twin,
+/// `nhwc`: channels on the last axis, the [C] scale, bias and statistics broadcast along it).
+pub(super) fn batch_norm_of(
+    imp: &mut Importer,
+    n: &Node,
+    x: Tensor,
+    channels_last: bool,
+) -> Result<Vec<Tensor>> {
     if n.opset < 9 && n.int("spatial", 1) == 0 {
         return Err(n.unsupported("normalises per activation (spatial = 0)", "kiln normalises per channel"));
     }
@@ -97,14 +108,16 @@ fn batch_norm(imp: &mut Importer, n: &Node) -> Result<Vec<Tensor>> {
         ));
     }
     let rank = x.rank();
-    let (scale, bias) = (per_channel(&imp.tensor(n, 1)?, rank), per_channel(&imp.tensor(n, 2)?, rank));
+    let channel = if channels_last { rank.saturating_sub(1) } else { 1 };
+    let along = |t: &Tensor| if channels_last { t.clone() } else { per_channel(t, rank) };
+    let (scale, bias) = (along(&imp.tensor(n, 1)?), along(&imp.tensor(n, 2)?));
     let (mean, var) = (imp.tensor(n, 3)?, imp.tensor(n, 4)?);
     let eps = n.float("epsilon", 1e-5);
     if !training {
-        let (m, v) = (per_channel(&mean, rank), per_channel(&var, rank));
+        let (m, v) = (along(&mean), along(&var));
         return Ok(vec![(x - &m) * &(v + eps).rsqrt() * &scale + &bias]);
     }
-    let axes: Vec<usize> = (0..rank).filter(|&a| a != 1).collect();
+    let axes: Vec<usize> = (0..rank).filter(|&a| a != channel).collect();
     let batch_mean = x.mean(axes.as_slice(), true);
     let centred = x.clone() - &batch_mean;
     let batch_var = centred.square().mean(axes.as_slice(), true);
