@@ -209,6 +209,8 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         ));
     }
     let win = window(n, spatial, [h, wd], [kh, kw])?;
+    // A plain filter stored HWIO (`nhwc::filters`) is read as it is.
+    let stored = imp.twin(n, 1).filter(|_| g == 1 && win.dilations == [1, 1] && spatial == 2);
     let filter = dilate(&block_diagonal(imp, &w4, g), win.dilations);
     let mut nhwc = channels_last(imp, n, &x4, spatial);
     let [top, left, bottom, right] = win.pads;
@@ -226,7 +228,8 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         }
         Padding::Valid
     };
-    let mut y = nhwc.conv2d(&filter.permute(&[2, 3, 1, 0]), win.strides, padding);
+    let hwio = stored.unwrap_or_else(|| filter.permute(&[2, 3, 1, 0]));
+    let mut y = nhwc.conv2d(&hwio, win.strides, padding);
     if n.has(2) {
         y = y + &imp.tensor(n, 2)?;
     }

@@ -294,6 +294,7 @@ fn trace(
         rebatch,
         twins: HashMap::new(),
         worth_twin: nhwc::worth_it(graph),
+        filters: nhwc::filters(graph),
         channels_last: std::env::var("KILN_ONNX_CHANNELS_LAST").map_or(true, |v| v != "0"),
     };
     let Some(devices) = placement else {
@@ -805,6 +806,8 @@ pub(crate) struct Importer {
     twins: HashMap<String, Tensor>,
     /// The values worth computing channels-last (`nhwc::worth_it`).
     worth_twin: HashSet<String>,
+    /// Stored tensors read only as plain 2-D convolutions' filters (`nhwc::filters`).
+    filters: HashSet<String>,
     /// Whether ops read their inputs' twins (`KILN_ONNX_CHANNELS_LAST=0`: never, every
     /// convolution and pooling permuting its input and output as before).
     channels_last: bool,
@@ -854,11 +857,43 @@ impl Importer {
         if is_integer(init) || self.values.contains_key(&name) {
             return Ok(());
         }
-        let shape = Shape::new(dims);
-        let p = self.t.param(&name, shape.clone(), Init::Zeros);
-        self.weights.push((name.clone(), HostTensor::new(shape, values)?));
+        let p = self.stored_parameter(&name, dims, values)?;
         self.values.insert(name, Value::Tensor(p));
         Ok(())
+    }
+
+    /// A parameter `name` holding the file's `values` of `dims`; a plain convolution's filter
+    /// (`nhwc::filters`) stored HWIO, kiln's layout, its twin, and returned as an OIHW view
+    /// that only a reader of the file's layout keeps alive.
+    fn stored_parameter(&mut self, name: &str, dims: Vec<usize>, values: Vec<f32>) -> Result<Tensor> {
+        if let Some((hwio, values)) = self.hwio(name, &dims, Some(&values)) {
+            let p = self.t.param(name, hwio.clone(), Init::Zeros);
+            self.weights.push((name.to_string(), HostTensor::new(hwio, values.unwrap_or_default())?));
+            self.twins.insert(name.to_string(), p.clone());
+            return Ok(p.permute(&[3, 2, 0, 1]));
+        }
+        let shape = Shape::new(dims);
+        let p = self.t.param(name, shape.clone(), Init::Zeros);
+        self.weights.push((name.to_string(), HostTensor::new(shape, values)?));
+        Ok(p)
+    }
+
+    /// Where `name` is a plain convolution's filter of `dims` [F, C, KH, KW]: its HWIO shape
+    /// [KH, KW, C, F] and `values` in that order.
+    fn hwio(&self, name: &str, dims: &[usize], values: Option<&[f32]>) -> Option<(Shape, Option<Vec<f32>>)> {
+        let &[f, c, kh, kw] = dims else { return None };
+        if !self.channels_last || !self.filters.contains(name) {
+            return None;
+        }
+        let hwio = values.map(|v| {
+            let mut out = vec![0.0; v.len()];
+            for (i, &x) in v.iter().enumerate() {
+                let (fo, ci, a, b) = (i / (c * kh * kw), i / (kh * kw) % c, i / kw % kh, i % kw);
+                out[((a * kw + b) * c + ci) * f + fo] = x;
+            }
+            out
+        });
+        Some((Shape::new([kh, kw, c, f]), hwio))
     }
 
     /// A constant tensor: a fill where every value is the same, else a parameter named `name`
@@ -882,12 +917,7 @@ impl Importer {
                 return Ok(self.uniform_weight(name, dims, v));
             }
             Some(&v) if uniform(&values) => self.t.fill(v, dims),
-            _ => {
-                let shape = Shape::new(dims);
-                let p = self.t.param(name, shape.clone(), Init::Zeros);
-                self.weights.push((name.to_string(), HostTensor::new(shape, values)?));
-                p
-            }
+            _ => self.stored_parameter(name, dims, values)?,
         };
         self.converted.insert(name.to_string(), t.clone());
         Ok(t)
@@ -899,7 +929,14 @@ impl Importer {
         if let Some(t) = self.converted.get(name) {
             return t.clone();
         }
-        let t = self.t.param(name, Shape::new(dims), Init::Constant(v));
+        let t = match self.hwio(name, &dims, None) {
+            Some((hwio, _)) => {
+                let p = self.t.param(name, hwio, Init::Constant(v));
+                self.twins.insert(name.to_string(), p.clone());
+                p.permute(&[3, 2, 0, 1])
+            }
+            None => self.t.param(name, Shape::new(dims), Init::Constant(v)),
+        };
         self.converted.insert(name.to_string(), t.clone());
         t
     }
