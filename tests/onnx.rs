@@ -237,6 +237,21 @@ fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
 /// A small NCHW convnet as exporters write it — Conv (explicit pads, bias), Relu, MaxPool,
 /// BatchNormalization with running statistics, GlobalAveragePool, Flatten — imports into kiln's
 /// NHWC convolutions and computes what loops over the file's layout compute.
+/// `plan` run once on the CPU with the file's `weights` written and `x` of `dims` fed as "x".
+fn call_with_weights(
+    plan: Plan,
+    weights: &[(String, HostTensor)],
+    dims: [usize; 4],
+    x: &[f32],
+) -> Vec<(String, HostTensor)> {
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    for (key, v) in weights {
+        cpu.write_variable(key, v).unwrap();
+    }
+    cpu.call(id, &[("x", &HostTensor::new(Shape::new(dims), x.to_vec()).unwrap())]).unwrap()
+}
+
 #[test]
 fn a_convnet_in_nchw_computes_what_the_file_means() {
     let (n, c, h, w, o) = (2usize, 3usize, 6usize, 6usize, 4usize);
@@ -289,13 +304,8 @@ fn a_convnet_in_nchw_computes_what_the_file_means() {
     .encode_to_vec();
     let imported = import(&bytes, &[("batch".into(), n)]).unwrap();
     let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
-    let mut cpu = CpuBackend::new(0);
-    let id = cpu.load(plan).unwrap();
-    for (key, v) in &imported.weights {
-        cpu.write_variable(key, v).unwrap();
-    }
     let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0).collect();
-    let got = cpu.call(id, &[("x", &HostTensor::new(Shape::new([n, c, h, w]), x.clone()).unwrap())]).unwrap();
+    let got = call_with_weights(plan, &imported.weights, [n, c, h, w], &x);
     let got = &got[0].1;
     assert_eq!(got.shape(), &Shape::new([n, o]));
     for b in 0..n {
@@ -393,13 +403,8 @@ fn a_residual_block_runs_channels_last_and_computes_what_the_file_means() {
     assert_eq!(permutes.len(), 1, "the input only: {permutes:?}\n{}", plan.render());
     let filter = plan.variables.iter().find(|v| v.key.ends_with("w1")).expect("w1's parameter");
     assert_eq!(filter.shape, Shape::new([3, 3, c, c]), "HWIO");
-    let mut cpu = CpuBackend::new(0);
-    let id = cpu.load(plan).unwrap();
-    for (key, v) in &imported.weights {
-        cpu.write_variable(key, v).unwrap();
-    }
     let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0).collect();
-    let got = cpu.call(id, &[("x", &HostTensor::new(Shape::new([n, c, h, w]), x.clone()).unwrap())]).unwrap();
+    let got = call_with_weights(plan, &imported.weights, [n, c, h, w], &x);
     // The reference, NCHW loops.
     let conv = |x: &[f32], wt: &[f32], bias: Option<&[f32]>| -> Vec<f32> {
         let mut y = vec![0.0f32; n * c * h * w];

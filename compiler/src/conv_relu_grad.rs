@@ -151,21 +151,24 @@ mod tests {
         g
     }
 
+    /// The graph-input names of `n`'s operands ("" for any other operand).
+    fn input_names(g: &Graph, n: NodeId) -> Vec<String> {
+        g.operands(n)
+            .iter()
+            .map(|&o| match &g.node(o).op {
+                Op::Input { name, .. } => name.clone(),
+                _ => String::new(),
+            })
+            .collect()
+    }
+
     #[test]
     fn the_pair_becomes_one_op_reading_the_activation() {
         let mut g = graph(1);
         assert_eq!(rewrite(&mut g).unwrap(), 1);
         let out = g.output("dy_pre").unwrap();
         assert!(matches!(g.node(out).op, Op::Conv2dBackpropInputReluGrad { .. }));
-        let names: Vec<String> = g
-            .operands(out)
-            .iter()
-            .map(|&o| match &g.node(o).op {
-                Op::Input { name, .. } => name.clone(),
-                _ => String::new(),
-            })
-            .collect();
-        assert_eq!(names, ["dy", "w", "y"]);
+        assert_eq!(input_names(&g, out), ["dy", "w", "y"]);
         assert!(g.node(out).op.may_write_over(2, &g.node(out).shape), "written over y");
     }
 
@@ -196,15 +199,7 @@ mod tests {
             assert_eq!(rewrite(&mut g).unwrap(), 1);
             let out = g.output("dy_pre").unwrap();
             assert!(matches!(g.node(out).op, Op::Conv2dBackpropInputReluGrad { .. }));
-            let names: Vec<String> = g
-                .operands(out)
-                .iter()
-                .map(|&o| match &g.node(o).op {
-                    Op::Input { name, .. } => name.clone(),
-                    _ => String::new(),
-                })
-                .collect();
-            assert_eq!(names, ["dy", "w", "y", "r"]);
+            assert_eq!(input_names(&g, out), ["dy", "w", "y", "r"]);
             assert!(!g.node_ids().any(|n| g.node(n).op == Op::Binary(BinaryOp::Add)), "the sum is gone");
             assert!(g.node(out).op.may_write_over(3, &g.node(out).shape), "written over r too");
         }
