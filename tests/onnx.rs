@@ -491,6 +491,95 @@ fn an_imported_model_trains_from_its_weights() {
     assert!(OnnxLayer::new(&two).err().unwrap().to_string().contains("2 inputs"));
 }
 
+/// A CNN whose filters are not uniform trains as a layer (`OnnxLayer`, as `kiln train` does)
+/// from the file's weights: the layer's weights are in the layout its trace declares (plain
+/// filters HWIO, `onnx::nhwc`), so its first loss is the imported forward pass's on them. The
+/// filters are 3x3 from 3 channels to 3, where OIHW and HWIO have one shape and a layout mix-up
+/// would pass silently. A convolution whose filter is computed (a cross-correlation of two
+/// activations) reads it as computed.
+#[test]
+fn an_imported_cnn_trains_as_a_layer_from_its_filters() {
+    use kiln::onnx::OnnxLayer;
+    let filter =
+        |seed: usize| -> Vec<f32> { (0..81).map(|i| (((i + seed) * 7 % 13) as f32 - 6.0) / 10.0).collect() };
+    let pads = || vec![attr_ints("kernel_shape", &[3, 3]), attr_ints("pads", &[1, 1, 1, 1])];
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        producer_name: None,
+        graph: Some(GraphProto {
+            name: Some("cnn".into()),
+            node: vec![
+                node("Conv", "conv1", &["x", "w1"], &["a"], pads()),
+                node("Relu", "relu", &["a"], &["r"], vec![]),
+                node("Conv", "conv2", &["r", "w2"], &["b"], pads()),
+                node("GlobalAveragePool", "gap", &["b"], &["g"], vec![]),
+                node("Flatten", "flat", &["g"], &["out"], vec![]),
+            ],
+            initializer: vec![
+                tensor("w1", &[3, 3, 3, 3], &filter(1)),
+                tensor("w2", &[3, 3, 3, 3], &filter(4)),
+            ],
+            input: vec![value("x", &[fixed(2), fixed(3), fixed(5), fixed(5)])],
+            output: vec![value("out", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
+    }
+    .encode_to_vec();
+    let x: Vec<f32> = (0..150).map(|i| ((i * 11 % 19) as f32 - 9.0) / 9.0).collect();
+    let y = HostTensor::new(Shape::new([2, 3]), vec![0.5, -0.25, 1.0, 0.0, 0.75, -0.5]).unwrap();
+    // The imported forward pass on the file's weights, and its mean squared error.
+    let imported = import(&bytes, &[]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let out = call_with_weights(plan, &imported.weights, [2, 3, 5, 5], &x);
+    let want: f32 = out[0].1.data().iter().zip(y.data()).map(|(o, t)| (o - t) * (o - t)).sum::<f32>() / 6.0;
+    let layer = OnnxLayer::new(&bytes).unwrap();
+    let weights = layer.weights.clone();
+    let config =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Adam::new(1e-2).into(), metrics: vec![] };
+    let mut trainer = Trainer::new(layer, config, Device::cpu().backend(0).unwrap());
+    let x = HostTensor::new(Shape::new([2, 3, 5, 5]), x).unwrap();
+    trainer.train_program(x.shape(), y.shape()).unwrap();
+    for (key, value) in &weights {
+        trainer.backend_mut().write_variable(key, value).unwrap();
+    }
+    let losses: Vec<f32> = (0..20).map(|_| trainer.train_step(&x, &y).unwrap().loss).collect();
+    assert!((losses[0] - want).abs() <= 1e-5 * want.max(1.0), "first loss {} against {want}", losses[0]);
+    assert!(losses[19] < losses[0], "{losses:?}");
+
+    // y = Conv(x, Conv(x, w0)): the second filter [1, 3, 5, 5] is an activation.
+    let w0 = [0.5f32, -1.0, 0.25, 1.0, 0.5, -0.5, -0.25, 0.75, 1.5];
+    let bytes = ModelProto {
+        ir_version: Some(8),
+        producer_name: None,
+        graph: Some(GraphProto {
+            name: Some("xcorr".into()),
+            node: vec![
+                node("Conv", "features", &["x", "w0"], &["f"], vec![attr_ints("kernel_shape", &[1, 1])]),
+                node("Conv", "xcorr", &["x", "f"], &["out"], vec![attr_ints("kernel_shape", &[5, 5])]),
+            ],
+            initializer: vec![tensor("w0", &[3, 3, 1, 1], &w0)],
+            input: vec![value("x", &[fixed(1), fixed(3), fixed(5), fixed(5)])],
+            output: vec![value("out", &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
+    }
+    .encode_to_vec();
+    let xs: Vec<f32> = (0..75).map(|i| ((i * 5 % 7) as f32 - 3.0) / 3.0).collect();
+    let imported = import(&bytes, &[]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let got = call_with_weights(plan, &imported.weights, [1, 3, 5, 5], &xs);
+    // out[f'] (one filter of 3 channels): Σ_c Σ_pixels x[c, p] · f[c, p], f[c, p] = Σ_k w0[c, k] x[k, p].
+    let mut want = 0.0f32;
+    for c in 0..3 {
+        for p in 0..25 {
+            let f: f32 = (0..3).map(|k| w0[c * 3 + k] * xs[k * 25 + p]).sum();
+            want += xs[c * 25 + p] * f;
+        }
+    }
+    let got = got[0].1.data()[0];
+    assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{got} against {want}");
+}
+
 fn attr_str(name: &str, s: &str) -> AttributeProto {
     AttributeProto {
         name: Some(name.into()),

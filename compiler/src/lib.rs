@@ -455,12 +455,12 @@ fn search_updates(
         // The updates left, tiled where that is allowed, and as they are: tiling is not always
         // smaller (an unseen 37-53-7-1 MLP at batch 13 planned 8,128 B with its last updates
         // tiled against 6,848 B without, when only the tiled graph was tried).
-        if options.tile_updates
-            && let Some(t) = tiled_updates::tile(&g, options.alignment)?
-        {
+        // As they are first, so that a tie keeps the untiled graph.
+        let tiled = if options.tile_updates { tiled_updates::tile(&g, options.alignment)? } else { None };
+        graphs.push(("+some-product", g, 0, n));
+        if let Some(t) = tiled {
             graphs.push(("+product+tiled", t.graph, t.updates, n));
         }
-        graphs.push(("+some-product", g, 0, n));
     }
     if let Some((g, n)) = all {
         graphs.push(("+product", g, 0, n));

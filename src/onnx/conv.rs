@@ -210,7 +210,7 @@ fn conv(imp: &mut Importer, n: &Node) -> Result<Tensor> {
     }
     let win = window(n, spatial, [h, wd], [kh, kw])?;
     // A plain filter stored HWIO (`nhwc::filters`) is read as it is.
-    let stored = imp.twin(n, 1).filter(|_| g == 1 && win.dilations == [1, 1] && spatial == 2);
+    let stored = imp.stored_filter(n).filter(|_| g == 1 && win.dilations == [1, 1] && spatial == 2);
     let filter = dilate(&block_diagonal(imp, &w4, g), win.dilations);
     let mut nhwc = channels_last(imp, n, &x4, spatial);
     let [top, left, bottom, right] = win.pads;

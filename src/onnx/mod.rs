@@ -295,7 +295,8 @@ fn trace(
         twins: HashMap::new(),
         worth_twin: nhwc::worth_it(graph),
         filters: nhwc::filters(graph),
-        channels_last: std::env::var("KILN_ONNX_CHANNELS_LAST").map_or(true, |v| v != "0"),
+        filter_params: HashMap::new(),
+        channels_last: nhwc::enabled(),
     };
     let Some(devices) = placement else {
         for init in &graph.initializer {
@@ -362,6 +363,9 @@ impl OnnxLayer {
                 Some((n.output.first().cloned().unwrap_or_default(), t, false))
             });
         let mut weights = Vec::new();
+        // Plain convolutions' filters are parameters stored HWIO, as each trace declares them
+        // (`Importer::stored_parameter`).
+        let filters = if nhwc::enabled() { nhwc::filters(graph) } else { HashSet::new() };
         for (name, t, from_initializer) in
             graph.initializer.iter().map(|i| (i.name.clone().unwrap_or_default(), i, true)).chain(constants)
         {
@@ -370,6 +374,11 @@ impl OnnxLayer {
             }
             let (dims, values) = tensor_values(t)?;
             if from_initializer || !uniform(&values) {
+                let (dims, values) =
+                    match nhwc::hwio(&dims, Some(&values)).filter(|_| filters.contains(&name)) {
+                        Some((hwio, Some(permuted))) => (hwio, permuted),
+                        _ => (dims, values),
+                    };
                 weights.push((name, HostTensor::new(Shape::new(dims), values)?));
             }
         }
@@ -808,6 +817,8 @@ pub(crate) struct Importer {
     worth_twin: HashSet<String>,
     /// Stored tensors read only as plain 2-D convolutions' filters (`nhwc::filters`).
     filters: HashSet<String>,
+    /// Their parameters, stored HWIO, by name.
+    filter_params: HashMap<String, Tensor>,
     /// Whether ops read their inputs' twins (`KILN_ONNX_CHANNELS_LAST=0`: never, every
     /// convolution and pooling permuting its input and output as before).
     channels_last: bool,
@@ -869,7 +880,7 @@ impl Importer {
         if let Some((hwio, values)) = self.hwio(name, &dims, Some(&values)) {
             let p = self.t.param(name, hwio.clone(), Init::Zeros);
             self.weights.push((name.to_string(), HostTensor::new(hwio, values.unwrap_or_default())?));
-            self.twins.insert(name.to_string(), p.clone());
+            self.filter_params.insert(name.to_string(), p.clone());
             return Ok(p.permute(&[3, 2, 0, 1]));
         }
         let shape = Shape::new(dims);
@@ -879,21 +890,18 @@ impl Importer {
     }
 
     /// Where `name` is a plain convolution's filter of `dims` [F, C, KH, KW]: its HWIO shape
-    /// [KH, KW, C, F] and `values` in that order.
+    /// [KH, KW, C, F] and `values` in that order (`nhwc::hwio`).
     fn hwio(&self, name: &str, dims: &[usize], values: Option<&[f32]>) -> Option<(Shape, Option<Vec<f32>>)> {
-        let &[f, c, kh, kw] = dims else { return None };
         if !self.channels_last || !self.filters.contains(name) {
             return None;
         }
-        let hwio = values.map(|v| {
-            let mut out = vec![0.0; v.len()];
-            for (i, &x) in v.iter().enumerate() {
-                let (fo, ci, a, b) = (i / (c * kh * kw), i / (kh * kw) % c, i / kw % kh, i % kw);
-                out[((a * kw + b) * c + ci) * f + fo] = x;
-            }
-            out
-        });
-        Some((Shape::new([kh, kw, c, f]), hwio))
+        nhwc::hwio(dims, values).map(|(d, v)| (Shape::new(d), v))
+    }
+
+    /// Input 1 of `n` where it is a filter parameter stored HWIO (`nhwc::filters`).
+    pub(crate) fn stored_filter(&self, n: &Node) -> Option<Tensor> {
+        let name = n.proto.input.get(1).filter(|_| self.channels_last)?;
+        self.filter_params.get(name).cloned()
     }
 
     /// A constant tensor: a fill where every value is the same, else a parameter named `name`
@@ -932,7 +940,7 @@ impl Importer {
         let t = match self.hwio(name, &dims, None) {
             Some((hwio, _)) => {
                 let p = self.t.param(name, hwio, Init::Constant(v));
-                self.twins.insert(name.to_string(), p.clone());
+                self.filter_params.insert(name.to_string(), p.clone());
                 p.permute(&[3, 2, 0, 1])
             }
             None => self.t.param(name, Shape::new(dims), Init::Constant(v)),

@@ -136,6 +136,26 @@ pub(super) fn filters(graph: &GraphProto) -> HashSet<String> {
     plain
 }
 
+/// Whether imports go channels-last (`KILN_ONNX_CHANNELS_LAST=0`: no, NCHW and OIHW as before).
+pub(super) fn enabled() -> bool {
+    std::env::var("KILN_ONNX_CHANNELS_LAST").map_or(true, |v| v != "0")
+}
+
+/// A filter's `dims` [F, C, KH, KW] as kiln's HWIO [KH, KW, C, F], and its `values` (OIHW) in
+/// that order; `None` for any other rank.
+pub(super) fn hwio(dims: &[usize], values: Option<&[f32]>) -> Option<(Vec<usize>, Option<Vec<f32>>)> {
+    let &[f, c, kh, kw] = dims else { return None };
+    let values = values.map(|v| {
+        let mut out = vec![0.0; v.len()];
+        for (i, &x) in v.iter().enumerate() {
+            let (fo, ci, a, b) = (i / (c * kh * kw), i / (kh * kw) % c, i / kw % kh, i % kw);
+            out[((a * kw + b) * c + ci) * f + fo] = x;
+        }
+        out
+    });
+    Some((vec![kh, kw, c, f], values))
+}
+
 /// `n` computed on its inputs' twins, when it is one of the ops above, its result is worth
 /// making channels-last (`worth_it`; global pooling always) and its inputs allow it; `None`
 /// leaves it to the NCHW importers.
@@ -186,6 +206,17 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
 /// [C, 1, 1], a per-pixel [N, 1, H, W], a scalar) as that reshape; any other input leaves the op
 /// to NCHW. The op's own importer runs on them (the inputs' values swapped for the call).
 fn elementwise_on_twins(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>> {
+    // Operands that do not broadcast in the file's layout are left to the NCHW importer, whose
+    // error names their NCHW shapes.
+    let mut dims: Option<Vec<usize>> = Some(Vec::new());
+    for i in 0..n.inputs() {
+        if let (Some(d), Some(Value::Tensor(t))) = (dims.as_ref(), imp.input(n, i).ok()) {
+            dims = super::layout::broadcast_dims(d, t.dims());
+        }
+    }
+    if dims.is_none_or(|d| d.len() != 4) {
+        return Ok(None);
+    }
     let mut swapped: Vec<(String, Value)> = Vec::new();
     for i in 0..n.inputs() {
         let Some(name) = n.proto.input.get(i).filter(|s| !s.is_empty()) else { continue };

@@ -246,6 +246,18 @@ pub fn generate_with_scratch(
             conv::backprop_input(l, s[0], s[1], window, out, scratch, conv::InputGradient::Plain)
         }
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
+            // Where no tap reads dx (a stride beyond the window: `conv_relu_grad` fuses stride 1
+            // only, where every tap reads), dx is 0 and the residual form is relu_grad(y, r):
+            // left to the two ops apart rather than generated here.
+            let (_, _, k) =
+                conv::backprop_input_dims(&crate::geometry::Geom::new(out, window, s[1].dims()[3]));
+            if s.len() == 4 && k == 0 {
+                return Err(KernelError::Unsupported {
+                    op: label.clone(),
+                    dtype: output.1,
+                    help: "no filter tap reads this input gradient: compute relu_grad(y, r) apart".into(),
+                });
+            }
             let then = if s.len() == 4 {
                 conv::InputGradient::ResidualReluGrad
             } else {
