@@ -98,7 +98,12 @@ pub(super) fn worth_it(graph: &GraphProto) -> HashSet<String> {
                 match op {
                     "Conv" | "MaxPool" | "AveragePool" | "GlobalAveragePool" | "GlobalMaxPool" => i == 0,
                     "BatchNormalization" => i == 0 && made(),
-                    op => (ELEMENTWISE.contains(&op) || op == "Concat") && made(),
+                    // Of channels only: a concatenation along another axis stays NCHW.
+                    "Concat" => {
+                        let axis = reader.attribute.iter().find(|a| a.name.as_deref() == Some("axis"));
+                        matches!(axis.and_then(|a| a.i), Some(1 | -3)) && made()
+                    }
+                    op => ELEMENTWISE.contains(&op) && made(),
                 }
             });
         if fits {
@@ -110,7 +115,8 @@ pub(super) fn worth_it(graph: &GraphProto) -> HashSet<String> {
 
 /// The stored tensors read only as the filter of plain 2-D convolutions (one group, no
 /// dilation): their parameters are made HWIO, kiln's filter layout, with an OIHW view for
-/// anything that asks (`Importer::filter_parameter`), so that no step permutes them. Every
+/// anything that asks (`Importer::stored_parameter`, read by `Importer::stored_filter`), so
+/// that no step permutes them. Every
 /// step of an imported ResNet-50 permuted all its filters (94 MB) and kept the copies for the
 /// backward pass: 41 of the 254.5 MB live at the peak of its training step at batch 2.
 pub(super) fn filters(graph: &GraphProto) -> HashSet<String> {
