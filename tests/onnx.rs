@@ -361,36 +361,31 @@ fn a_residual_block_runs_channels_last_and_computes_what_the_file_means() {
         [1.0f32, 0.25, 4.0, 2.0],
     );
     let pads = || vec![attr_ints("kernel_shape", &[3, 3]), attr_ints("pads", &[1, 1, 1, 1])];
-    let bytes = ModelProto {
-        ir_version: Some(8),
-        producer_name: None,
-        graph: Some(GraphProto {
-            name: Some("residual".into()),
-            node: vec![
-                node("Conv", "conv1", &["x", "w1", "b1"], &["y1"], pads()),
-                node("BatchNormalization", "bn", &["y1", "scale", "shift", "mean", "var"], &["z"], vec![]),
-                node("Relu", "relu1", &["z"], &["a"], vec![]),
-                node("Conv", "conv2", &["a", "w2"], &["y2"], pads()),
-                node("Add", "sum", &["y2", "a"], &["s"], vec![]),
-                node("Relu", "relu2", &["s"], &["r"], vec![]),
-                node("GlobalAveragePool", "gap", &["r"], &["g"], vec![]),
-                node("Flatten", "flat", &["g"], &["out"], vec![]),
-            ],
-            initializer: vec![
-                tensor("w1", &[c as i64, c as i64, 3, 3], &w1),
-                tensor("b1", &[c as i64], &b1),
-                tensor("w2", &[c as i64, c as i64, 3, 3], &w2),
-                tensor("scale", &[4], &scale),
-                tensor("shift", &[4], &shift),
-                tensor("mean", &[4], &mean),
-                tensor("var", &[4], &var),
-            ],
-            input: vec![value("x", &[fixed(n as i64), fixed(c as i64), fixed(h as i64), fixed(w as i64)])],
-            output: vec![value("out", &[])],
-        }),
-        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
-    }
-    .encode_to_vec();
+    let bytes = named_model(
+        "residual",
+        "out",
+        vec![
+            node("Conv", "conv1", &["x", "w1", "b1"], &["y1"], pads()),
+            node("BatchNormalization", "bn", &["y1", "scale", "shift", "mean", "var"], &["z"], vec![]),
+            node("Relu", "relu1", &["z"], &["a"], vec![]),
+            node("Conv", "conv2", &["a", "w2"], &["y2"], pads()),
+            node("Add", "sum", &["y2", "a"], &["s"], vec![]),
+            node("Relu", "relu2", &["s"], &["r"], vec![]),
+            node("GlobalAveragePool", "gap", &["r"], &["g"], vec![]),
+            node("Flatten", "flat", &["g"], &["out"], vec![]),
+        ],
+        vec![
+            tensor("w1", &[c as i64, c as i64, 3, 3], &w1),
+            tensor("b1", &[c as i64], &b1),
+            tensor("w2", &[c as i64, c as i64, 3, 3], &w2),
+            tensor("scale", &[4], &scale),
+            tensor("shift", &[4], &shift),
+            tensor("mean", &[4], &mean),
+            tensor("var", &[4], &var),
+        ],
+        vec![value("x", &[fixed(n as i64), fixed(c as i64), fixed(h as i64), fixed(w as i64)])],
+        13,
+    );
     let imported = import(&bytes, &[]).unwrap();
     let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
     let permutes: Vec<&str> = plan
@@ -503,28 +498,20 @@ fn an_imported_cnn_trains_as_a_layer_from_its_filters() {
     let filter =
         |seed: usize| -> Vec<f32> { (0..81).map(|i| (((i + seed) * 7 % 13) as f32 - 6.0) / 10.0).collect() };
     let pads = || vec![attr_ints("kernel_shape", &[3, 3]), attr_ints("pads", &[1, 1, 1, 1])];
-    let bytes = ModelProto {
-        ir_version: Some(8),
-        producer_name: None,
-        graph: Some(GraphProto {
-            name: Some("cnn".into()),
-            node: vec![
-                node("Conv", "conv1", &["x", "w1"], &["a"], pads()),
-                node("Relu", "relu", &["a"], &["r"], vec![]),
-                node("Conv", "conv2", &["r", "w2"], &["b"], pads()),
-                node("GlobalAveragePool", "gap", &["b"], &["g"], vec![]),
-                node("Flatten", "flat", &["g"], &["out"], vec![]),
-            ],
-            initializer: vec![
-                tensor("w1", &[3, 3, 3, 3], &filter(1)),
-                tensor("w2", &[3, 3, 3, 3], &filter(4)),
-            ],
-            input: vec![value("x", &[fixed(2), fixed(3), fixed(5), fixed(5)])],
-            output: vec![value("out", &[])],
-        }),
-        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
-    }
-    .encode_to_vec();
+    let bytes = named_model(
+        "cnn",
+        "out",
+        vec![
+            node("Conv", "conv1", &["x", "w1"], &["a"], pads()),
+            node("Relu", "relu", &["a"], &["r"], vec![]),
+            node("Conv", "conv2", &["r", "w2"], &["b"], pads()),
+            node("GlobalAveragePool", "gap", &["b"], &["g"], vec![]),
+            node("Flatten", "flat", &["g"], &["out"], vec![]),
+        ],
+        vec![tensor("w1", &[3, 3, 3, 3], &filter(1)), tensor("w2", &[3, 3, 3, 3], &filter(4))],
+        vec![value("x", &[fixed(2), fixed(3), fixed(5), fixed(5)])],
+        13,
+    );
     let x: Vec<f32> = (0..150).map(|i| ((i * 11 % 19) as f32 - 9.0) / 9.0).collect();
     let y = HostTensor::new(Shape::new([2, 3]), vec![0.5, -0.25, 1.0, 0.0, 0.75, -0.5]).unwrap();
     // The imported forward pass on the file's weights, and its mean squared error.
@@ -548,22 +535,17 @@ fn an_imported_cnn_trains_as_a_layer_from_its_filters() {
 
     // y = Conv(x, Conv(x, w0)): the second filter [1, 3, 5, 5] is an activation.
     let w0 = [0.5f32, -1.0, 0.25, 1.0, 0.5, -0.5, -0.25, 0.75, 1.5];
-    let bytes = ModelProto {
-        ir_version: Some(8),
-        producer_name: None,
-        graph: Some(GraphProto {
-            name: Some("xcorr".into()),
-            node: vec![
-                node("Conv", "features", &["x", "w0"], &["f"], vec![attr_ints("kernel_shape", &[1, 1])]),
-                node("Conv", "xcorr", &["x", "f"], &["out"], vec![attr_ints("kernel_shape", &[5, 5])]),
-            ],
-            initializer: vec![tensor("w0", &[3, 3, 1, 1], &w0)],
-            input: vec![value("x", &[fixed(1), fixed(3), fixed(5), fixed(5)])],
-            output: vec![value("out", &[])],
-        }),
-        opset_import: vec![OperatorSetIdProto { domain: None, version: Some(13) }],
-    }
-    .encode_to_vec();
+    let bytes = named_model(
+        "xcorr",
+        "out",
+        vec![
+            node("Conv", "features", &["x", "w0"], &["f"], vec![attr_ints("kernel_shape", &[1, 1])]),
+            node("Conv", "xcorr", &["x", "f"], &["out"], vec![attr_ints("kernel_shape", &[5, 5])]),
+        ],
+        vec![tensor("w0", &[3, 3, 1, 1], &w0)],
+        vec![value("x", &[fixed(1), fixed(3), fixed(5), fixed(5)])],
+        13,
+    );
     let xs: Vec<f32> = (0..75).map(|i| ((i * 5 % 7) as f32 - 3.0) / 3.0).collect();
     let imported = import(&bytes, &[]).unwrap();
     let plan = compile(imported.graph, &CompileOptions::default()).unwrap();

@@ -281,6 +281,7 @@ fn trace(
         .chain(graph.output.iter().filter_map(|o| o.name.as_ref()))
         .cloned()
         .collect();
+    let channels_last = nhwc::enabled();
     let mut importer = Importer {
         t: t.clone(),
         values: feeds,
@@ -293,10 +294,10 @@ fn trace(
         opset,
         rebatch,
         twins: HashMap::new(),
-        worth_twin: nhwc::worth_it(graph),
-        filters: nhwc::filters(graph),
+        worth_twin: if channels_last { nhwc::worth_it(graph) } else { HashSet::new() },
+        filters: if channels_last { nhwc::filters(graph) } else { HashSet::new() },
         filter_params: HashMap::new(),
-        channels_last: nhwc::enabled(),
+        channels_last,
     };
     let Some(devices) = placement else {
         for init in &graph.initializer {
@@ -819,22 +820,22 @@ pub(crate) struct Importer {
     filters: HashSet<String>,
     /// Their parameters, stored HWIO, by name.
     filter_params: HashMap<String, Tensor>,
-    /// Whether ops read their inputs' twins (`KILN_ONNX_CHANNELS_LAST=0`: never, every
-    /// convolution and pooling permuting its input and output as before).
+    /// Whether twins are kept (`KILN_ONNX_CHANNELS_LAST=0`: never, and no value is worth one
+    /// nor any filter stored HWIO: every convolution and pooling permutes its input, output and
+    /// filter as before).
     channels_last: bool,
 }
 
 impl Importer {
     /// Input `i`'s channels-last twin, where one was made.
     pub(crate) fn twin(&self, n: &Node, i: usize) -> Option<Tensor> {
-        let name = n.proto.input.get(i).filter(|_| self.channels_last)?;
-        self.twins.get(name).cloned()
+        self.twins.get(n.proto.input.get(i)?).cloned()
     }
 
     /// Output `i` made channels-last as `twin` ([N, H, W, C]): kept as the output's twin, and
     /// its NCHW value returned (a permute that only NCHW readers keep alive).
     pub(crate) fn nchw_of_twin(&mut self, n: &Node, i: usize, twin: Tensor) -> Tensor {
-        if let Some(name) = n.proto.output.get(i).filter(|s| !s.is_empty()) {
+        if let Some(name) = n.proto.output.get(i).filter(|s| !s.is_empty() && self.channels_last) {
             self.twins.insert(name.clone(), twin.clone());
         }
         twin.permute(&[0, 3, 1, 2])
@@ -874,8 +875,8 @@ impl Importer {
     }
 
     /// A parameter `name` holding the file's `values` of `dims`; a plain convolution's filter
-    /// (`nhwc::filters`) stored HWIO, kiln's layout, its twin, and returned as an OIHW view
-    /// that only a reader of the file's layout keeps alive.
+    /// (`nhwc::filters`) stored HWIO, kiln's layout (kept in `filter_params`), and returned as
+    /// an OIHW view that only a reader of the file's layout keeps alive.
     fn stored_parameter(&mut self, name: &str, dims: Vec<usize>, values: Vec<f32>) -> Result<Tensor> {
         if let Some((hwio, values)) = self.hwio(name, &dims, Some(&values)) {
             let p = self.t.param(name, hwio.clone(), Init::Zeros);
@@ -892,7 +893,7 @@ impl Importer {
     /// Where `name` is a plain convolution's filter of `dims` [F, C, KH, KW]: its HWIO shape
     /// [KH, KW, C, F] and `values` in that order (`nhwc::hwio`).
     fn hwio(&self, name: &str, dims: &[usize], values: Option<&[f32]>) -> Option<(Shape, Option<Vec<f32>>)> {
-        if !self.channels_last || !self.filters.contains(name) {
+        if !self.filters.contains(name) {
             return None;
         }
         nhwc::hwio(dims, values).map(|(d, v)| (Shape::new(d), v))
@@ -900,8 +901,7 @@ impl Importer {
 
     /// Input 1 of `n` where it is a filter parameter stored HWIO (`nhwc::filters`).
     pub(crate) fn stored_filter(&self, n: &Node) -> Option<Tensor> {
-        let name = n.proto.input.get(1).filter(|_| self.channels_last)?;
-        self.filter_params.get(name).cloned()
+        self.filter_params.get(n.proto.input.get(1)?).cloned()
     }
 
     /// A constant tensor: a fill where every value is the same, else a parameter named `name`
