@@ -236,10 +236,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         zero.insert(m.name, rows);
     }
-    let json = dir.join("data_parallel.json");
     let report = serde_json::json!({ "steps": out, "zero": zero, "overlap": overlap });
-    std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
-    println!("wrote {}", json.display());
+    kiln::results::write("data_parallel", "cpu", &report)?;
     Ok(())
 }
 

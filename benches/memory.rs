@@ -38,8 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{}", framework_table(&rows));
     println!("{}", kiln::compare::FRAMEWORK_ASSUMPTIONS);
     print!("{}", Goals::of(&rows).render());
-    let json = dir.join("memory.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&rows)?)?;
-    println!("wrote {} and {} SVGs in {}", json.display(), rows.len(), dir.display());
+    kiln::results::write("memory", "cpu", &rows)?;
+    println!("wrote {} SVGs in {}", rows.len(), dir.display());
     Ok(())
 }

@@ -83,7 +83,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
-    let json = dir.join("peers.json");
     let doc = serde_json::json!({
         "jax": xla.as_ref().map(|r| r.jax.clone()),
         "jaxlib": xla.as_ref().map(|r| r.jaxlib.clone()),
@@ -95,7 +94,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "assumptions": peers::ASSUMPTIONS,
         "rows": rows,
     });
-    std::fs::write(&json, serde_json::to_string_pretty(&doc)?)?;
-    println!("wrote {}", json.display());
+    kiln::results::write("peers", "cpu", &doc)?;
     Ok(())
 }

@@ -127,7 +127,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("planner.json"), serde_json::to_string_pretty(&rows)?)?;
-    println!("wrote {}", dir.join("planner.json").display());
+    kiln::results::write("planner", "cpu", &rows)?;
     Ok(())
 }

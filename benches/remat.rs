@@ -88,7 +88,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = kiln::report::output_dir();
     std::fs::create_dir_all(&dir)?;
     let json = serde_json::json!({ "runs": results, "smallest_fractions": smallest });
-    std::fs::write(dir.join("remat.json"), serde_json::to_string_pretty(&json)?)?;
-    println!("wrote {}", dir.join("remat.json").display());
+    kiln::results::write("remat", "cpu", &json)?;
     Ok(())
 }

@@ -315,8 +315,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
-    let json = dir.join("speed.json");
-    std::fs::write(&json, serde_json::to_string_pretty(&rows)?)?;
-    println!("wrote {}", json.display());
+    kiln::results::write("speed", "cpu", &rows)?;
     Ok(())
 }

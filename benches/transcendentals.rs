@@ -252,11 +252,6 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     }
     let dir = output_dir();
     std::fs::create_dir_all(&dir)?;
-    let path = dir.join("transcendentals.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&serde_json::json!({ "width": width, "rows": json }))?,
-    )?;
-    println!("wrote {}", path.display());
+    kiln::results::write("transcendentals", "cpu", &serde_json::json!({ "width": width, "rows": json }))?;
     Ok(())
 }

@@ -22,11 +22,14 @@ use std::time::Instant;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// A forward pass only (inference): the graph of `step::forward_graph`.
     Forward,
+    /// One training step: forward, backward and the optimizer's updates (`step::train_step_graph`).
     Train,
 }
 
 impl Mode {
+    /// The mode's name as tables and JSON print it: `forward` or `train`.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Forward => "forward",
@@ -34,6 +37,8 @@ impl Mode {
         }
     }
 
+    /// The mode a command-line word names (`forward` or `inference`, `train` or `training`);
+    /// `None` for any other word.
     pub fn parse(s: &str) -> Option<Mode> {
         match s {
             "forward" | "inference" => Some(Mode::Forward),
@@ -53,27 +58,48 @@ pub const EAGER_CALLS: usize = 2;
 /// One row of the memory benchmark (field names as documented in the README).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Comparison {
+    /// The model's name (a zoo name, or the name given to `compare_graph`).
     pub model: String,
+    /// Whether the row is a forward pass or a training step.
     pub mode: Mode,
+    /// The batch size: the first input's leading dimension.
     pub batch: usize,
+    /// The sum of every intermediate buffer's aligned bytes, no reuse (DESIGN.md's naive), in bytes.
     pub naive_bytes: usize,
+    /// The most bytes live at any one step of the chosen schedule: no arena of that schedule
+    /// is smaller.
     pub lower_bound_bytes: usize,
+    /// The planned arena's size in bytes (slots aligned to 64 bytes).
     pub arena_bytes: usize,
+    /// Bytes that outlive a call: parameters, optimizer state, constants and io.
     pub persistent_bytes: usize,
+    /// persistent + arena: every byte the plan holds, exact and unrounded.
     pub planned_total_bytes: usize,
     /// The plan's allocations (variable region, arena) each rounded to the device's 2 MiB
     /// granularity: counted as the allocators' reserved bytes are (`Plan::device_bytes`).
     pub device_bytes: usize,
+    /// The peak bytes live tensors held under kiln's eager executor with the BFC allocator
+    /// (TensorFlow's, allow_growth), over the last of `EAGER_CALLS` calls.
     pub eager_bfc_peak_in_use_bytes: usize,
+    /// The peak bytes the BFC allocator held from the device in the same eager run (whole
+    /// regions).
     pub eager_bfc_peak_reserved_bytes: usize,
+    /// TensorFlow's fragmentation, (reserved - in use - largest free chunk) / (reserved - in
+    /// use), at the BFC run's peak: the largest over the eager calls, 0 to 1.
     pub eager_bfc_fragmentation_at_peak: f64,
+    /// The peak bytes live tensors held under kiln's eager executor with PyTorch's caching
+    /// allocator model (no workspaces).
     pub eager_caching_peak_in_use_bytes: usize,
+    /// The peak bytes the caching allocator held from the device in the same eager run (whole
+    /// segments).
     pub eager_caching_peak_reserved_bytes: usize,
     /// The framework columns (`kiln_runtime::eager::framework`): kiln's eager op stream with
     /// what the framework adds on a GPU. PyTorch: caching allocator, a 32 MiB cuBLAS workspace
     /// per thread's handle and cuBLASLt's 1 MiB kept (the default, as measured with PyTorch 2.11
     /// on an H100) or cuBLAS's taken around each product, foreach Adam's temporaries.
     pub pytorch_caching_peak_reserved_bytes: usize,
+    /// The PyTorch column's reserved peak with cuBLAS's workspace taken around each product
+    /// instead of kept (`WorkspacePolicy::PerCall`), in bytes.
     pub pytorch_caching_per_call_workspace_peak_reserved_bytes: usize,
     /// PyTorch's own op stream for the step (`torch_stream`, the committed recording; zoo
     /// training steps at their default batch only) replayed through the caching model: alone,
@@ -81,16 +107,21 @@ pub struct Comparison {
     pub pytorch_replayed: Option<crate::torch_stream::Replayed>,
     /// TensorFlow (allow_growth): BFC allocator with convolution scratch (im2col-sized).
     pub tensorflow_bfc_peak_reserved_bytes: usize,
+    /// Wall time of `compile` (schedule search, liveness, placement) in ms.
     pub plan_ms: f64,
+    /// The number of steps (kernel launches) in the plan.
     pub steps: usize,
+    /// The placement heuristic whose arena won (`MemoryFigures::algorithm`).
     pub algorithm: String,
     /// JAX/XLA's buffer assignment for the same step (`peers`), when JAX could be had.
     pub xla_total_bytes: Option<usize>,
     /// The execution order that won, and every order tried with its planned total.
     pub schedule: String,
+    /// Every execution order tried, by name, with its planned total in bytes.
     pub schedules: Vec<(String, usize)>,
     /// Whether the eager runs executed the kernels (else they replayed the allocations only).
     pub eager_executed: bool,
+    /// The compiled plan the figures were read from (not serialised).
     #[serde(skip)]
     pub plan: Plan,
     /// BFC memory after every step of the last eager call.
@@ -99,6 +130,8 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// arena / lower bound: how far the placement is from the best any placement of the schedule
+    /// could do (1.0 is optimal).
     pub fn arena_over_bound(&self) -> f64 {
         crate::report::ratio(self.arena_bytes, self.lower_bound_bytes)
     }
@@ -136,6 +169,8 @@ impl Comparison {
     }
 }
 
+/// The graph `compare` plans for `m` in `mode`: its forward pass at `m`'s input shape, or its
+/// training step with `m`'s loss and optimizer.
 pub fn graph_of(m: &ZooModel, mode: Mode) -> Result<Graph> {
     let model = m.model();
     Ok(match mode {
@@ -442,6 +477,8 @@ fn geomean(values: &[f64]) -> f64 {
 }
 
 impl Goals {
+    /// Measures every goal over the benchmark's `rows` (a training-step goal over the `Train` rows
+    /// only; NaN or `None` where no row measures it).
     pub fn of(rows: &[Comparison]) -> Self {
         let worst_arena_over_bound = rows.iter().map(Comparison::arena_over_bound).fold(1.0, f64::max);
         let planned_above_eager_in_use = rows
@@ -476,6 +513,8 @@ impl Goals {
         }
     }
 
+    /// One line per goal: its threshold, the measured figure and `met` or `MISSED` (kiln / XLA
+    /// `skipped` when JAX could not be had).
     pub fn render(&self) -> String {
         let mark = |ok: bool| if ok { "met" } else { "MISSED" };
         let above = &self.planned_above_eager_in_use;

@@ -7,12 +7,14 @@ use kiln_runtime::{Backend, CpuBackend};
 /// A device to run plans on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
+    /// The host CPU, running plans on [`CpuBackend`].
     Cpu,
     /// CUDA device by ordinal.
     Cuda(usize),
 }
 
 impl Device {
+    /// The CPU device ([`Device::Cpu`]), always available.
     pub fn cpu() -> Self {
         Device::Cpu
     }

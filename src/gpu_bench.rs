@@ -6,7 +6,7 @@
 //! driver's used memory. Writes `gpu.json` beside the other results.
 
 use crate::compare::{Mode, graph_of};
-use crate::report::{bytes, output_dir, render_table};
+use crate::report::{bytes, render_table};
 use crate::zoo;
 use kiln_compiler::{CompileOptions, compile};
 use kiln_runtime::alloc::{Allocator, BfcAllocator};
@@ -60,7 +60,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// "skipped: no CUDA device (<reason>)" for a skip, as every GPU test and benchmark says it.
+    /// "skipped: no CUDA device (`<reason>`)" for a skip, as every GPU test and benchmark says it.
     pub fn skip_message(&self) -> Option<String> {
         match self {
             Outcome::Ran => None,
@@ -115,7 +115,8 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
             ]
         })
         .collect();
-    println!("device: {}", CudaBackend::new(0, 0)?.describe());
+    let device = CudaBackend::new(0, 0)?.describe();
+    println!("device: {device}");
     println!("{}", render_table(&headers, &cells));
     for r in &rows {
         let total: f64 = r.slowest_launches.iter().map(|l| l.2).sum();
@@ -124,10 +125,7 @@ pub fn run() -> Result<Outcome, Box<dyn std::error::Error>> {
             println!("  {ms:8.3} ms  {label}: {kernel}");
         }
     }
-    let dir = output_dir();
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("gpu.json"), serde_json::to_string_pretty(&rows)?)?;
-    println!("wrote {}", dir.join("gpu.json").display());
+    crate::results::write("gpu", &device, &rows)?;
     Ok(Outcome::Ran)
 }
 
@@ -277,9 +275,7 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
         );
         rows.push(row);
     }
-    let dir = output_dir();
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("gemm.json"), serde_json::to_string_pretty(&rows)?)?;
-    println!("wrote {}", dir.join("gemm.json").display());
+    let device = CudaBackend::new(0, 0)?.describe();
+    crate::results::write("gemm", &device, &rows)?;
     Ok(Outcome::Ran)
 }

@@ -16,6 +16,7 @@
 //! assert!(plan.memory.arena_bytes >= plan.memory.lower_bound_bytes);
 //! # Ok::<(), kiln::Error>(())
 //! ```
+#![warn(missing_docs)]
 
 pub mod compare;
 pub mod device;
@@ -26,6 +27,7 @@ pub mod onnx;
 pub mod peers;
 pub mod remat;
 pub mod report;
+pub mod results;
 pub mod seed;
 pub mod svg;
 pub mod torch_stream;
@@ -39,6 +41,7 @@ pub use kiln_compiler as compiler;
 pub use kiln_kernels as kernels;
 pub use kiln_runtime as runtime;
 
+/// The names most programs need: `use kiln::prelude::*;`.
 pub mod prelude {
     pub use crate::device::Device;
     pub use crate::error::{Error, Result};
@@ -55,7 +58,28 @@ pub mod prelude {
     pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};
 }
 
-/// The README's code blocks run as doctests, so the README cannot drift from the API.
+/// The README's and the book's code blocks run as doctests, so neither can drift from the API.
 #[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-struct ReadmeDoctests;
+mod docs {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    macro_rules! book {
+        ($($name:ident = $file:literal),* $(,)?) => {
+            $(#[doc = include_str!(concat!("../docs/src/", $file))] struct $name;)*
+        };
+    }
+    book! {
+        Introduction = "introduction.md",
+        GettingStarted = "getting-started.md",
+        Dsl = "dsl.md",
+        Training = "training.md",
+        MemoryPlanning = "memory-planning.md",
+        Devices = "devices.md",
+        Onnx = "onnx.md",
+        Gpu = "gpu.md",
+        CustomOps = "custom-ops.md",
+        ManyDevices = "many-devices.md",
+        Benchmarks = "benchmarks.md",
+        Architecture = "architecture.md",
+    }
+}

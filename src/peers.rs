@@ -71,10 +71,13 @@ assumptions:
 /// A model measured on both sides: a zoo entry or one of this module's three.
 #[derive(Clone, Debug)]
 pub struct PeerModel {
+    /// The model's name, as the zoo and `scripts/peers/xla_memory.py` know it.
     pub name: &'static str,
+    /// The batch size both sides compile for.
     pub batch: usize,
     /// Input and target shapes without the batch axis.
     pub x: Vec<usize>,
+    /// The target's shape without the batch axis (`[10]` for ten classes).
     pub y: Vec<usize>,
     /// Whether it is one of kiln's zoo models (the ones kiln's planner was developed on).
     pub in_zoo: bool,
@@ -99,6 +102,7 @@ impl PeerModel {
         }
     }
 
+    /// Builds the model's layers (a fresh `Sequential` each call).
     pub fn model(&self) -> Sequential {
         match &self.source {
             Source::Zoo(m) => m.model(),
@@ -106,6 +110,7 @@ impl PeerModel {
         }
     }
 
+    /// The model's loss, optimizer (Adam) and metrics for a training step.
     pub fn config(&self) -> TrainConfig {
         match &self.source {
             Source::Zoo(m) => m.config(),
@@ -113,10 +118,12 @@ impl PeerModel {
         }
     }
 
+    /// The input's shape with the batch axis first: `[batch, x...]`.
     pub fn x_shape(&self) -> Shape {
         batched(self.batch, &self.x)
     }
 
+    /// The target's shape with the batch axis first: `[batch, y...]`.
     pub fn y_shape(&self) -> Shape {
         batched(self.batch, &self.y)
     }
@@ -128,8 +135,11 @@ fn batched(batch: usize, dims: &[usize]) -> Shape {
     Shape::new(d)
 }
 
+/// `transformer-2`'s sequence length in tokens (its input is `[batch, 64]` token ids).
 pub const TRANSFORMER_2_SEQ: usize = 64;
+/// `transformer-2`'s vocabulary size: embedding rows and output logits per token.
 pub const TRANSFORMER_2_VOCAB: usize = 500;
+/// `transformer-2`'s model width (embedding size; the MLP is 4x wider).
 pub const TRANSFORMER_2_MODEL: usize = 128;
 
 /// The three models kiln's zoo does not have.
@@ -203,12 +213,20 @@ pub fn transformer_2() -> Sequential {
 /// One plan's memory figures (bytes).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct KilnFigures {
+    /// The parameters' bytes (the model's weights).
     pub parameter_bytes: usize,
+    /// The optimizer state's bytes (Adam's m and v and its iteration counter; 0 for a forward
+    /// pass).
     pub optimizer_state_bytes: usize,
+    /// The io region's bytes: the inputs and outputs, each in its own aligned slot.
     pub io_bytes: usize,
+    /// parameters + optimizer state + constants + io: the bytes outside the arena.
     pub persistent_bytes: usize,
+    /// The planned arena's bytes (every intermediate, 64-byte aligned slots).
     pub arena_bytes: usize,
+    /// The most bytes live at any one step of the chosen schedule: the arena's lower bound.
     pub lower_bound_bytes: usize,
+    /// persistent + arena: kiln's figure, compared with [`XlaFigures::total_bytes`].
     pub planned_total_bytes: usize,
 }
 
@@ -237,28 +255,43 @@ pub fn kiln_figures(m: &PeerModel, mode: Mode) -> Result<KilnFigures> {
 /// XLA's buffer assignment for one compiled function (bytes).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct XlaFigures {
+    /// The bytes of the function's arguments (parameters, inputs; for a training step also Adam's
+    /// state and counter), `memory_analysis().argument_size_in_bytes`.
     pub argument_bytes: usize,
+    /// The bytes of the function's outputs, `memory_analysis().output_size_in_bytes`.
     pub output_bytes: usize,
+    /// The bytes of XLA's temporary buffers (its intermediates' heap),
+    /// `memory_analysis().temp_size_in_bytes`.
     pub temp_bytes: usize,
+    /// The output bytes that reuse donated argument buffers (0 for a forward pass),
+    /// `memory_analysis().alias_size_in_bytes`.
     pub alias_bytes: usize,
     /// argument + output + temp - alias.
     pub total_bytes: usize,
     /// The same with jaxlib's default flags (YNNPACK library fusion on).
     pub default_flags_temp_bytes: usize,
+    /// argument + output + temp - alias with jaxlib's default flags (the "XLA default" column).
     pub default_flags_total_bytes: usize,
 }
 
+/// XLA's figures for one model as the script reports them: its forward pass and its Adam
+/// training step.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct XlaModel {
+    /// The batch size the script compiled for (the input's leading dimension).
     pub batch: usize,
-    /// The model's parameter count and bytes as the script declared them.
+    /// The number of parameter tensors and their bytes, as the script declared them.
     pub parameters: usize,
+    /// The parameters' bytes, 4 per f32 element, as the script counts them.
     pub parameter_bytes: usize,
+    /// The jitted forward pass's figures.
     pub forward: XlaFigures,
+    /// The jitted training step's figures (parameters, m, v and counter donated).
     pub train: XlaFigures,
 }
 
 impl XlaModel {
+    /// The figures of `mode`: `forward` or `train`.
     pub fn mode(&self, mode: Mode) -> &XlaFigures {
         match mode {
             Mode::Forward => &self.forward,
@@ -270,9 +303,13 @@ impl XlaModel {
 /// What the script prints.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct XlaReport {
+    /// The version of JAX the script ran with (`jax.__version__`).
     pub jax: String,
+    /// The version of jaxlib the script ran with (`jaxlib.__version__`).
     pub jaxlib: String,
+    /// The backend XLA compiled for (`jax.default_backend()`; `cpu` here).
     pub backend: String,
+    /// Each model's figures, by model name.
     pub models: BTreeMap<String, XlaModel>,
 }
 
@@ -532,12 +569,17 @@ pub fn torch_ddp_times(
 /// One model's PyTorch step times in milliseconds.
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 pub struct TorchTimes {
+    /// Each timed eager training step's wall time, ms.
     pub eager_ms: Vec<f64>,
+    /// Each timed `torch.compile`d training step's wall time, ms; empty unless compiled ones were
+    /// asked for.
     #[serde(default)]
     pub compile_ms: Vec<f64>,
     /// Forward passes (under `no_grad`), eager and compiled.
     #[serde(default)]
     pub forward_eager_ms: Vec<f64>,
+    /// Each timed `torch.compile`d forward pass's wall time, ms; empty unless compiled ones were
+    /// asked for.
     #[serde(default)]
     pub forward_compile_ms: Vec<f64>,
 }
@@ -545,8 +587,10 @@ pub struct TorchTimes {
 /// One model's JAX times in milliseconds: jitted training steps and forward passes.
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 pub struct JaxTimes {
+    /// Each timed jitted training step's wall time, ms (`train_step_ms` in the script's JSON).
     #[serde(rename = "train_step_ms")]
     pub train_ms: Vec<f64>,
+    /// Each timed jitted forward pass's wall time, ms.
     #[serde(default)]
     pub forward_ms: Vec<f64>,
 }
@@ -556,17 +600,25 @@ pub struct JaxTimes {
 /// One model and mode on both sides.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PeerRow {
+    /// The model's name.
     pub model: String,
+    /// Whether the row is a forward pass or a training step.
     pub mode: Mode,
+    /// The batch size both sides compiled for.
     pub batch: usize,
+    /// Whether the model is one of kiln's zoo models (the table marks the others with `*`).
     pub in_zoo: bool,
+    /// kiln's figures, read from the plan compiled with the default options.
     pub kiln: KilnFigures,
+    /// XLA's figures; `None` where JAX could not be had.
     pub xla: Option<XlaFigures>,
     /// kiln planned total / XLA total.
     pub kiln_over_xla: Option<f64>,
 }
 
 impl PeerRow {
+    /// The row of `m` in `mode` from both sides' figures, with kiln / XLA computed when XLA's are
+    /// given.
     pub fn new(m: &PeerModel, mode: Mode, kiln: KilnFigures, xla: Option<XlaFigures>) -> Self {
         let kiln_over_xla =
             xla.as_ref().map(|x| crate::report::ratio(kiln.planned_total_bytes, x.total_bytes));

@@ -17,30 +17,44 @@ use std::time::Instant;
 /// One model under one limit, beside the unconstrained plan.
 #[derive(Clone, Debug, Serialize)]
 pub struct RematRun {
+    /// The zoo model's name.
     pub model: String,
+    /// The training step's batch size.
     pub batch: usize,
     /// The limit is persistent + `fraction` x the unconstrained arena.
     pub fraction: f64,
+    /// The memory limit the limited plan was compiled under, in bytes.
     pub limit_bytes: usize,
+    /// The unconstrained plan's persistent bytes (parameters, optimizer state, constants, io).
     pub persistent_bytes: usize,
+    /// The unconstrained plan's arena, in bytes.
     pub free_arena_bytes: usize,
+    /// The unconstrained plan's planned total (persistent + arena), in bytes.
     pub free_total_bytes: usize,
     /// The plan under the limit; `None` (with `error`) when nothing fits.
     pub limited_arena_bytes: Option<usize>,
+    /// The limited plan's planned total in bytes; `None` when nothing fits.
     pub limited_total_bytes: Option<usize>,
+    /// What rematerialization recomputed to fit (values, ops, FLOPs, bytes before and after);
+    /// `None` when nothing fits or nothing had to be recomputed.
     pub remat: Option<RematFigures>,
+    /// The compile error of the limited plan when nothing fits the limit; `None` when it compiled.
     pub error: Option<String>,
     /// Compile times (ms): without and with the limit.
     pub free_compile_ms: f64,
+    /// The compile time under the limit, ms (the failed attempt's when nothing fits).
     pub limited_compile_ms: f64,
     /// Per step, both runs (empty when nothing fits).
     pub free_losses: Vec<f32>,
+    /// The limited plan's loss at each step (empty when nothing fits).
     pub limited_losses: Vec<f32>,
     /// Losses and every variable after the last step equal bit for bit.
     pub bit_identical: bool,
     /// Median step times (ms) and their ratio.
     pub free_step_ms: f64,
+    /// The limited plan's median step time, ms (0 when nothing fits).
     pub limited_step_ms: f64,
+    /// limited / unconstrained median step time: the cost of recomputation (0 when nothing fits).
     pub step_time_ratio: f64,
 }
 

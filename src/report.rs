@@ -6,21 +6,33 @@ use std::fmt::Write;
 /// The memory figures of one plan, in bytes.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct PlanMemory {
+    /// The plan's name: its traced graph's (`Graph::name`), as the table's first column shows.
     pub plan: String,
+    /// The sum of every intermediate buffer's aligned bytes: the arena with no reuse.
     pub naive_bytes: usize,
+    /// The most bytes live at any one step of the plan's schedule: no arena of that schedule is
+    /// smaller.
     pub lower_bound_bytes: usize,
+    /// The planned arena's bytes (slots aligned to 64 bytes by default).
     pub arena_bytes: usize,
+    /// The parameters' bytes (the model's weights).
     pub parameter_bytes: usize,
+    /// The optimizer state's bytes (Adam's m and v, SGD's momentum, counters; 0 for a forward pass).
     pub optimizer_state_bytes: usize,
+    /// The io region's bytes: the plan's inputs and outputs.
     pub io_bytes: usize,
+    /// parameters + optimizer state + constants + io: the bytes outside the arena.
     pub persistent_bytes: usize,
+    /// persistent + arena: everything the plan holds, exact.
     pub planned_total_bytes: usize,
     /// The plan's allocations (variable region, io, arena) each rounded to the device's 2 MiB.
     pub device_bytes: usize,
+    /// The placement heuristic whose arena won.
     pub algorithm: String,
 }
 
 impl PlanMemory {
+    /// Reads `plan`'s memory figures (its totals over every device).
     pub fn of(plan: &Plan) -> Self {
         let m = &plan.memory;
         PlanMemory {
@@ -49,6 +61,7 @@ impl PlanMemory {
     }
 }
 
+/// `a / b` as a float; 1.0 when both are 0 and infinity when only `b` is.
 pub fn ratio(a: usize, b: usize) -> f64 {
     if b == 0 { if a == 0 { 1.0 } else { f64::INFINITY } } else { a as f64 / b as f64 }
 }

@@ -40,10 +40,14 @@ pub struct ModelStream {
     /// and before anything else; the backward pass has its own (`FrameworkExtras`).
     #[serde(default)]
     pub products: Vec<(usize, u8)>,
+    /// PyTorch's allocated peak in bytes: `torch.cuda.max_memory_allocated()` less what was
+    /// allocated before recording (cuda), or the stream's own peak of live bytes (dispatch).
     pub max_memory_allocated: usize,
     /// PyTorch's own reserved peak (cuda captures only).
     #[serde(default)]
     pub max_memory_reserved: Option<usize>,
+    /// Bytes allocated before recording that PyTorch's peaks count but the stream lacks (the
+    /// inputs of a cuda capture); 0 when the stream has everything.
     #[serde(default)]
     pub inputs_bytes: usize,
     /// "cuda" or "dispatch".
@@ -54,12 +58,18 @@ pub struct ModelStream {
 /// What the script wrote: the streams, or why it skipped.
 #[derive(Clone, Debug, Deserialize)]
 pub struct Recording {
+    /// The PyTorch version that recorded (`torch.__version__`); `None` in a skipped recording.
     #[serde(default)]
     pub torch: Option<String>,
+    /// The CUDA device's name for a cuda capture, or a note that a dispatch capture ran on the
+    /// CPU; `None` in a skipped recording.
     #[serde(default)]
     pub device: Option<String>,
+    /// Each recorded zoo model's stream, by model name; empty when the script skipped.
     #[serde(default)]
     pub models: BTreeMap<String, ModelStream>,
+    /// Why the script recorded nothing (no PyTorch, no CUDA device for a cuda capture); `None`
+    /// when it recorded.
     #[serde(default)]
     pub skipped: Option<String>,
 }
@@ -70,6 +80,8 @@ pub struct Recording {
 pub const COMMITTED: &str = include_str!("../benches/data/torch_stream.json");
 
 impl Recording {
+    /// Parses the JSON `scripts/peers/torch_stream.py` wrote; an error when it is not such a
+    /// recording.
     pub fn parse(json: &str) -> Result<Self> {
         serde_json::from_str(json).map_err(|e| {
             Error::Runtime(RuntimeError::invalid(
@@ -144,6 +156,7 @@ pub fn replay(stream: &ModelStream, extras: &FrameworkExtras) -> Result<Allocato
 pub struct Replayed {
     /// The stream alone: peak bytes in live blocks, and reserved.
     pub peak_in_use: usize,
+    /// The stream alone: the peak bytes the caching allocator model reserved (whole segments).
     pub peak_reserved: usize,
     /// With PyTorch's default workspaces on an H100 (cuBLAS's and cuBLASLt's, kept from the first
     /// product: `framework` says why that is the default).

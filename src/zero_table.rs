@@ -28,11 +28,19 @@ use kiln_compiler::{CompileOptions, Plan, compile};
 /// One plan's per-rank figures, in bytes.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ZeroRow {
+    /// The number of data-parallel ranks N.
     pub ranks: usize,
+    /// The ZeRO stage: 0 (nothing sharded), 1 (optimizer state sharded) or 2 (optimizer state
+    /// and gradients sharded).
     pub stage: usize,
+    /// The rows of the batch each rank trains on (the model's batch; the global batch is N times
+    /// it).
     pub batch_per_rank: usize,
+    /// The parameters' bytes on one rank (whole at every stage).
     pub parameter_bytes: usize,
+    /// The optimizer state's bytes on one rank (1/N of it, padded, from stage 1).
     pub optimizer_state_bytes: usize,
+    /// The rank's planned arena: activations and the gradients live at its peak, among others.
     pub arena_bytes: usize,
     /// Parameters, optimizer state, io and arena: what one rank allocates.
     pub planned_total_bytes: usize,

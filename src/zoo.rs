@@ -36,22 +36,29 @@ pub enum Data {
 /// A zoo entry: everything needed to build, compile and feed the model.
 #[derive(Clone, Debug)]
 pub struct ZooModel {
+    /// The model's name (`seed-mlp`, `mlp`, `cnn`, `transformer`), as [`by_name`] finds it.
     pub name: &'static str,
+    /// The batch size its shapes and data are made for.
     pub batch: usize,
     /// Input and target shapes without the batch axis.
     pub x: Vec<usize>,
+    /// The target's shape without the batch axis (`[10]` for ten classes).
     pub y: Vec<usize>,
+    /// How [`ZooModel::batch_data`] draws the inputs.
     pub x_data: Data,
+    /// How [`ZooModel::batch_data`] draws the targets.
     pub y_data: Data,
     build: fn() -> Sequential,
     config: fn() -> TrainConfig,
 }
 
 impl ZooModel {
+    /// Builds the model's layers (a fresh `Sequential` each call).
     pub fn model(&self) -> Sequential {
         (self.build)()
     }
 
+    /// The model's loss, optimizer and metrics for a training step.
     pub fn config(&self) -> TrainConfig {
         (self.config)()
     }
@@ -62,10 +69,12 @@ impl ZooModel {
         self
     }
 
+    /// The input's shape with the batch axis first: `[batch, x...]`.
     pub fn x_shape(&self) -> Shape {
         batched(self.batch, &self.x)
     }
 
+    /// The target's shape with the batch axis first: `[batch, y...]`.
     pub fn y_shape(&self) -> Shape {
         batched(self.batch, &self.y)
     }
@@ -165,8 +174,11 @@ pub fn by_name(name: &str) -> Option<ZooModel> {
     all().into_iter().find(|m| m.name == name)
 }
 
+/// `transformer`'s sequence length in tokens (its input is `[batch, 128]` token ids).
 pub const TRANSFORMER_SEQ: usize = 128;
+/// `transformer`'s vocabulary size: embedding rows, id range and output logits per token.
 pub const TRANSFORMER_VOCAB: usize = 1000;
+/// `transformer`'s model width (embedding size; the MLP is 4x wider).
 pub const TRANSFORMER_MODEL: usize = 256;
 
 /// Softmax cross-entropy on logits, Adam(1e-3), accuracy.

@@ -1,6 +1,6 @@
 //! Every CUDA kernel of every zoo training step (batch 1) runs on the host and matches the CPU
 //! kernel of its step: the generated source compiled with the system C++ compiler against
-//! `kernels/tests/cuda_host/cuda_host.h` (CUDA's built-ins on host threads), launched with its
+//! `runtime/src/cuda/emulator/cuda_host.h` (CUDA's built-ins on host threads), launched with its
 //! grid and block on random operands of the step's shapes. Kernels with identical source run
 //! once; kernels of more than `MAX_THREADS` threads are left to a device (the test says how
 //! many). What the host cannot see: timing, coalescing, occupancy, and races the host schedule

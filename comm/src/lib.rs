@@ -46,7 +46,7 @@
 //! wake-ups per call. MPI moves the same bytes (an all-to-all of the shards, then an all-gather)
 //! through OpenMPI's shared-memory transport, plus one all-gather of 3 words per call for the
 //! checks; its fixed cost is microseconds (OpenMPI polls). Buckets of a few MiB amortise both.
-
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod check;

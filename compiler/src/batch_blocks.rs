@@ -21,7 +21,8 @@
 //!   value that leaves the region (an output, or the operand of a node outside it) with one
 //!   `Concat`; everything else is a block's and dies with it;
 //! - `compile` plans the graph as it is and split into 2, 4 and 8 blocks (blocks of at least
-//!   `MIN_BLOCK_ROWS` rows), and keeps the plan with the smallest planned total: the graph as it
+//!   one row, and only where a block's products still reuse each shared factor element
+//!   `MIN_REUSE` times), and keeps the plan with the smallest planned total: the graph as it
 //!   is on a tie, and wherever the joins cost more than the blocks save (a transformer's
 //!   forward pass, whose logits are its largest value). A memory limit the whole graph misses
 //!   can be met by a split one.
@@ -82,6 +83,7 @@ pub struct Region {
     /// Elements of the shared factors of the region's products, read once per block, and the
     /// products' multiply-adds (`Op::flops` / 2).
     pub shared_factor_elements: u64,
+    /// The region's products' multiply-adds (`Op::flops` / 2).
     pub product_macs: u64,
 }
 

@@ -29,9 +29,13 @@ use std::sync::{Arc, OnceLock, RwLock};
 /// `in0..` then `out` as parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CustomCuda {
+    /// The kernel's CUDA C source, compiled by NVRTC.
     pub source: String,
+    /// The name of the `__global__` function in `source` to launch.
     pub function: String,
+    /// The launch's grid: blocks along x, y and z.
     pub grid: [u32; 3],
+    /// The launch's block: threads along x, y and z.
     pub block: [u32; 3],
 }
 

@@ -5,8 +5,10 @@
 use crate::ir::DeviceId;
 use serde::{Deserialize, Serialize};
 
+/// One device a graph is compiled for: its id, name and memory limit.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceSpec {
+    /// The device's id: what `Tracer::on_device` places ops by, and `DevicePlan::device` names.
     pub id: DeviceId,
     /// "cpu:0", "gpu:0", "gpu:0/1" (logical device 1 of GPU 0), ...
     pub name: String,
@@ -15,10 +17,12 @@ pub struct DeviceSpec {
 }
 
 impl DeviceSpec {
+    /// Device `id` named `name`, without a memory limit.
     pub fn new(id: u32, name: impl Into<String>) -> Self {
         DeviceSpec { id: DeviceId(id), name: name.into(), memory_limit: None }
     }
 
+    /// Sets the memory limit to `bytes` (what the plan may hold on the device).
     pub fn with_limit(mut self, bytes: usize) -> Self {
         self.memory_limit = Some(bytes);
         self

@@ -22,6 +22,7 @@
 //! 8. `validate`, `limits` — the plan is checked before anything runs: its invariants, and that
 //!    it fits every device's memory limit; a training step that does not is rematerialized
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
+#![warn(missing_docs)]
 
 pub mod autodiff;
 pub mod batch_blocks;
@@ -71,8 +72,8 @@ pub struct CompileOptions {
     /// Every arena and io slot starts at a multiple of this many bytes: 64 by default, a cache
     /// line and an AVX-512 vector, four times what the CUDA kernels' float4 accesses need, and
     /// the alignment XLA:CPU gives the slices of its temporary buffer (`xla::cpu::Align()`), so
-    /// that the two buffer assignments are counted at one granularity. (It was 256 until
-    /// 2026-11-25: tiny models paid for it, seed-mlp's training arena 16,384 -> 15,680 B.)
+    /// that the two buffer assignments are counted at one granularity. A coarser alignment wastes
+    /// up to that many bytes less one per slot, which tiny models feel most.
     pub alignment: usize,
     /// The devices ops may be placed on (`Tracer::on_device`), with their memory limits.
     pub devices: Vec<DeviceSpec>,
@@ -141,6 +142,7 @@ impl CompileOptions {
         }
     }
 
+    /// The devices ops may be placed on, in place of the default one.
     pub fn with_devices(mut self, devices: Vec<DeviceSpec>) -> Self {
         self.devices = devices;
         self
@@ -200,7 +202,7 @@ impl CompileOptions {
         if !a.is_power_of_two() || !(4..=Self::MAX_ALIGNMENT).contains(&a) {
             return Err(CompileError::invalid(
                 format!("CompileOptions::alignment is {a}"),
-                "use a power of two from 4 to 1 MiB (the default, 256, suits every backend)",
+                "use a power of two from 4 to 1 MiB (the default, 64, suits every backend)",
             ));
         }
         if self.guard_bytes > guard::MAX_GUARD_BYTES {
@@ -239,7 +241,9 @@ impl CompileOptions {
 /// A graph after the default passes, with its execution order: what the planner plans, and
 /// what the eager executor runs op by op.
 pub struct Scheduled {
+    /// The graph after the default passes.
     pub graph: ir::Graph,
+    /// Its nodes in program order (`schedule::schedule`), each after its operands.
     pub order: Vec<ir::NodeId>,
 }
 

@@ -5,7 +5,7 @@
 //! a graph input is an arena buffer live from the first step (it is written before the run) to
 //! its last reader, a graph output one live from its producer to the last step (it is read after
 //! the run), so an input's bytes are reused once it is read and an output's are free until it is
-//! made. Two rules let values share a buffer:
+//! made. Four rules let values share a buffer:
 //! - a view (`reshape`) is its operand's buffer with another shape;
 //! - an elementwise op writes in place into an operand of its own shape whose buffer dies at that
 //!   op (its last reader, views of it included, is this op);
@@ -30,11 +30,16 @@ use crate::ir::{DeviceId, Graph, NodeId, Op, OpClass};
 use crate::scratch::Scratch;
 use std::collections::{HashMap, HashSet};
 
+/// What a buffer holds, and so where it is stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StorageClass {
+    /// An intermediate value: an arena slot, live from its producer to its last reader.
     Arena,
+    /// The graph input of that name: an arena slot, live from the first step to its last reader.
     Input(String),
+    /// The graph output of that name: an arena slot, live from its producer to the last step.
     Output(String),
+    /// The persistent variable of that key: stored outside the arena, live over every step.
     Variable(String),
     /// A step's scratch (`crate::scratch`): live at its step only, no value's storage.
     Scratch,
@@ -47,23 +52,29 @@ impl StorageClass {
     }
 }
 
+/// One buffer and the steps it is live over.
 #[derive(Clone, Debug)]
 pub struct BufferLife {
+    /// Its size in bytes, unaligned: its producer's value's (elements × dtype size) or the scratch's.
     pub bytes: usize,
+    /// What it holds (and whether the planner places it in the arena).
     pub class: StorageClass,
     /// The device whose memory holds the buffer (its producer's device).
     pub device: DeviceId,
     /// First and last step (inclusive) at which the buffer holds a live value.
     pub start: usize,
+    /// The last step (inclusive) at which it holds a live value.
     pub end: usize,
     /// The node whose value first occupies the buffer.
     pub producer: NodeId,
 }
 
+/// Every buffer of a scheduled graph with its lifetime, and which buffer each value is in.
 #[derive(Clone, Debug, Default)]
 pub struct Liveness {
     /// The nodes that run, in order: step `i` runs `steps[i]`.
     pub steps: Vec<NodeId>,
+    /// Every buffer; `buffer_of`, `scratch_of` and the planner refer to them by index.
     pub buffers: Vec<BufferLife>,
     /// The buffer of every node's value (effects have none).
     pub buffer_of: HashMap<NodeId, usize>,

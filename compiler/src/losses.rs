@@ -6,19 +6,23 @@ use crate::trace::Tensor;
 /// Keras's `backend.epsilon()`: the clamp of probabilities in binary cross-entropy.
 pub const EPSILON: f32 = 1e-7;
 
+/// The loss a training step minimises: the model's output against the targets, reduced to a
+/// scalar (the mean over the batch).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Loss {
-    /// On probabilities (a sigmoid output), clamped to [ε, 1-ε] as Keras does.
+    /// On probabilities (a sigmoid output), clamped to `[ε, 1-ε]` as Keras does.
     BinaryCrossEntropy,
     /// On logits with one-hot (or soft) labels over the last axis; stable through log_softmax.
     SoftmaxCrossEntropy,
+    /// The mean over every element of `(prediction - target)²`.
     MeanSquaredError,
-    /// On logits [.., classes] with integer class ids [..] (or [.., 1]) as targets, stored as
+    /// On logits `[.., classes]` with integer class ids `[..]` (or `[.., 1]`) as targets, stored as
     /// f32 (exact up to 2^24): log-softmax and the negative log-likelihood of the label, with
     /// no one-hot tensor fed or materialised (Keras `SparseCategoricalCrossentropy(from_logits
     /// =True)`, PyTorch `cross_entropy` with class indices). Rows whose label is `ignore_index`
     /// count for nothing, and the mean is over the other rows (PyTorch's `ignore_index`).
     SparseSoftmaxCrossEntropy {
+        /// A class id whose rows are left out of the loss and of its mean; `None`: every row counts.
         ignore_index: Option<usize>,
     },
     /// Any scalar the user computes from the model's output and the targets with the DSL's ops
@@ -60,6 +64,7 @@ impl Loss {
         Loss::Custom(CustomLoss { name: name.into(), f: std::sync::Arc::new(f) })
     }
 
+    /// The loss's name in reports (Keras's: `binary_crossentropy`, ...; a custom loss's own).
     pub fn name(&self) -> &str {
         match self {
             Loss::BinaryCrossEntropy => "binary_crossentropy",
@@ -113,6 +118,8 @@ fn same_shape(loss: &str, pred: &Tensor, target: &Tensor) -> Option<Tensor> {
     None
 }
 
+/// The mean binary cross-entropy of probabilities `pred` (clamped to `[ε, 1 - ε]`) against
+/// targets of the same shape in `[0, 1]`.
 #[track_caller]
 pub fn binary_crossentropy(pred: &Tensor, target: &Tensor) -> Tensor {
     if let Some(e) = same_shape("binary_crossentropy", pred, target) {
@@ -123,6 +130,8 @@ pub fn binary_crossentropy(pred: &Tensor, target: &Tensor) -> Tensor {
     -bce.mean(.., false)
 }
 
+/// The mean over rows of the cross-entropy of `logits` (softmax over the last axis, through
+/// log-softmax) against `labels` of the same shape (one-hot or soft).
 #[track_caller]
 pub fn softmax_crossentropy(logits: &Tensor, labels: &Tensor) -> Tensor {
     if let Some(e) = same_shape("softmax_crossentropy", logits, labels) {
@@ -165,8 +174,8 @@ fn class_ids(op: &str, logits: &Tensor, ids: &Tensor) -> Result<(Tensor, Tensor)
 }
 
 /// Sparse softmax cross-entropy (`Loss::SparseSoftmaxCrossEntropy`): the label's column is
-/// picked by comparing a [1, .., classes] iota with the labels, inside the fused reduction, so
-/// the [.., classes] one-hot exists in no buffer.
+/// picked by comparing a `[1, .., classes]` iota with the labels, inside the fused reduction, so
+/// the `[.., classes]` one-hot exists in no buffer.
 #[track_caller]
 pub fn sparse_softmax_crossentropy(logits: &Tensor, labels: &Tensor, ignore_index: Option<usize>) -> Tensor {
     let (labels, class) = match class_ids("sparse_softmax_crossentropy", logits, labels) {
@@ -184,6 +193,7 @@ pub fn sparse_softmax_crossentropy(logits: &Tensor, labels: &Tensor, ignore_inde
     }
 }
 
+/// The mean over every element of `(pred - target)²`; the shapes must be equal.
 #[track_caller]
 pub fn mean_squared_error(pred: &Tensor, target: &Tensor) -> Tensor {
     if let Some(e) = same_shape("mean_squared_error", pred, target) {
@@ -192,18 +202,20 @@ pub fn mean_squared_error(pred: &Tensor, target: &Tensor) -> Tensor {
     (pred - target).square().mean(.., false)
 }
 
+/// A metric reported beside the loss, as a scalar: the mean over the batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Metric {
     /// Fraction of predictions on the right side of 0.5 (Keras's `binary_accuracy`).
     BinaryAccuracy,
     /// Fraction of rows whose largest logit is at the label's one-hot position.
     CategoricalAccuracy,
-    /// Fraction of rows whose largest logit is at the class id given as the target ([..] or
-    /// [.., 1], f32), the metric beside `Loss::SparseSoftmaxCrossEntropy`.
+    /// Fraction of rows whose largest logit is at the class id given as the target (`[..]` or
+    /// `[.., 1]`, f32), the metric beside `Loss::SparseSoftmaxCrossEntropy`.
     SparseCategoricalAccuracy,
 }
 
 impl Metric {
+    /// The metric's name in reports (`accuracy` for each, as Keras names them).
     pub fn name(self) -> &'static str {
         match self {
             Metric::BinaryAccuracy => "accuracy",
@@ -212,6 +224,7 @@ impl Metric {
         }
     }
 
+    /// The scalar metric of `pred` against `target`.
     #[track_caller]
     pub fn apply(self, pred: &Tensor, target: &Tensor) -> Tensor {
         match self {

@@ -10,22 +10,33 @@ use std::collections::HashMap;
 /// One device's arena: the buffers placed in it (indices into `Liveness::buffers`), their
 /// intervals, and where the planner put them.
 pub struct DeviceArena {
+    /// The device the arena belongs to.
     pub spec: DeviceSpec,
+    /// The buffers placed in this arena, as indices into `Liveness::buffers`.
     pub buffers: Vec<usize>,
+    /// Each of those buffers' lifetime and size, in the same order, as the planner saw them.
     pub intervals: Vec<Interval>,
+    /// The planner's offsets for those buffers, in the same order, and the arena's size.
     pub placement: Placement,
 }
 
+/// Everything `plan` needs to turn a scheduled, planned graph into a `Plan`.
 pub struct Lowering<'a> {
+    /// The graph, after every pass.
     pub graph: &'a Graph,
+    /// Its buffers and lifetimes in the schedule's order.
     pub live: &'a Liveness,
+    /// One placed arena per device, in the plan's device order.
     pub arenas: &'a [DeviceArena],
+    /// The slot alignment in bytes, for variable slots and the aligned figures.
     pub alignment: usize,
     /// Guard mode's canary after every io slot (the arena placement already includes it).
     pub guard_bytes: usize,
 }
 
 impl Lowering<'_> {
+    /// Builds the plan: variables and their region offsets, buffers, values, steps, bindings and
+    /// each device's memory figures with their totals.
     pub fn plan(&self) -> Plan {
         let (graph, live, align) = (self.graph, self.live, self.alignment);
         let device_index: HashMap<u32, usize> =

@@ -7,21 +7,27 @@ use crate::trace::Tensor;
 /// Stochastic gradient descent, optionally with (Nesterov) momentum, as Keras 3's `SGD`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
+    /// The step size each update multiplies the gradient (or the velocity) by.
     pub learning_rate: f32,
+    /// The velocity's decay per step, in `[0, 1)`; 0 (the default) keeps no velocity variable.
     pub momentum: f32,
+    /// Whether the update looks ahead along the velocity (Nesterov momentum); false by default.
     pub nesterov: bool,
 }
 
 impl Sgd {
+    /// Plain SGD at `learning_rate`: no momentum.
     pub fn new(learning_rate: f32) -> Self {
         Sgd { learning_rate, momentum: 0.0, nesterov: false }
     }
 
+    /// Sets the momentum (a `velocity` slot per parameter when not 0).
     pub fn momentum(mut self, momentum: f32) -> Self {
         self.momentum = momentum;
         self
     }
 
+    /// Turns on Nesterov momentum.
     pub fn nesterov(mut self) -> Self {
         self.nesterov = true;
         self
@@ -31,21 +37,29 @@ impl Sgd {
 /// Adam with Keras's defaults: beta_1 0.9, beta_2 0.999, epsilon 1e-7.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Adam {
+    /// The step size of each update.
     pub learning_rate: f32,
+    /// The decay of the first-moment estimate `m` per step, in `[0, 1)`.
     pub beta_1: f32,
+    /// The decay of the second-moment estimate `v` per step, in `[0, 1)`.
     pub beta_2: f32,
+    /// Added to the square root of `v` in the update's denominator, for stability (above 0).
     pub epsilon: f32,
 }
 
 impl Adam {
+    /// Adam at `learning_rate` with Keras's betas and epsilon.
     pub fn new(learning_rate: f32) -> Self {
         Adam { learning_rate, beta_1: 0.9, beta_2: 0.999, epsilon: 1e-7 }
     }
 }
 
+/// The optimizer of a training step: which update ops `apply` appends.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Optimizer {
+    /// Stochastic gradient descent.
     Sgd(Sgd),
+    /// Adam (`m` and `v` slots per parameter and one shared step counter).
     Adam(Adam),
 }
 
@@ -66,9 +80,11 @@ pub fn slot_key(key: &str, slot: &str) -> String {
     format!("optimizer/{key}/{slot}")
 }
 
+/// The key of Adam's step counter (a scalar `VarRole::Counter`, advanced once per step).
 pub const ITERATIONS_KEY: &str = "optimizer/iterations";
 
 impl Optimizer {
+    /// `"sgd"` or `"adam"`, for messages and reports.
     pub fn name(&self) -> &'static str {
         match self {
             Optimizer::Sgd(_) => "sgd",

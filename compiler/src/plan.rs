@@ -11,9 +11,13 @@ use crate::ir::{DType, DeviceId, Init, Op, Shape, VarRole};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
+/// A compiled graph ready to run: its devices' arenas and figures, every buffer and value, the
+/// ordered steps, the variables, and the input and output bindings (all indices are into this plan).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
+    /// The traced graph's name (`Graph::name`), used in listings and messages.
     pub name: String,
+    /// The byte alignment of every arena slot, io slot and variable slot (64 by default).
     pub alignment: usize,
     /// Guard mode: the canary after every arena and io slot (`crate::guard`); 0 when off. The
     /// canary of a buffer at `offset` is `[offset + bytes, offset + bytes + guard_bytes)`.
@@ -21,15 +25,22 @@ pub struct Plan {
     pub guard_bytes: usize,
     /// The devices the plan uses, each with its own arena; storage refers to them by index.
     pub devices: Vec<DevicePlan>,
+    /// Every buffer of the plan; `Value::buffer` and `Step::scratch` index it.
     pub buffers: Vec<Buffer>,
+    /// Every value a step reads or writes (index `i` is `v{i}` in `render`).
     pub values: Vec<Value>,
+    /// The steps in execution order, across all devices.
     pub steps: Vec<Step>,
+    /// The persistent variables (parameters, optimizer state, counters, constants);
+    /// `Storage::Variable` indexes it.
     pub variables: Vec<VariableSpec>,
     /// The values of the constant variables (`VarRole::Constant`, from `const_fold`) by key,
     /// row-major f32: the backends write them when they make the variable.
     #[serde(default)]
     pub constants: std::collections::BTreeMap<String, Vec<f32>>,
+    /// The graph's inputs by name, each bound to the value the caller writes before a run.
     pub inputs: Vec<Binding>,
+    /// The graph's outputs by name, each bound to the value the caller reads after a run.
     pub outputs: Vec<Binding>,
     /// Totals over the devices.
     pub memory: MemoryFigures,
@@ -38,28 +49,52 @@ pub struct Plan {
 /// One device's part of a plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DevicePlan {
+    /// The device's id (`DeviceSpec::id`), as the graph's ops name it.
     pub device: DeviceId,
+    /// The device's name for messages ("cpu:0", "gpu:0", ...).
     pub name: String,
+    /// Bytes the plan may hold on this device (`MemoryFigures::held_bytes` is checked against it);
+    /// `None`: unlimited.
     pub memory_limit: Option<usize>,
+    /// This device's figures alone.
     pub memory: MemoryFigures,
 }
 
+/// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Storage {
     /// `offset` bytes into the arena of `plan.devices[device]`.
-    Arena { device: usize, offset: usize },
+    Arena {
+        /// The device's index in `plan.devices`.
+        device: usize,
+        /// Bytes from the start of that device's arena.
+        offset: usize,
+    },
     /// `offset` bytes into the io region (inputs and outputs) of `plan.devices[device]`.
-    Io { device: usize, offset: usize },
+    Io {
+        /// The device's index in `plan.devices`.
+        device: usize,
+        /// Bytes from the start of that device's io region.
+        offset: usize,
+    },
     /// The persistent variable `plan.variables[index]`.
-    Variable { index: usize },
+    Variable {
+        /// Index into `plan.variables`.
+        index: usize,
+    },
 }
 
+/// One piece of memory: its size, where it lives and the steps it is live over. Several values
+/// may share it (in-place results, views).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Buffer {
+    /// Its size in bytes (unaligned; the arena slot is aligned to `Plan::alignment`).
     pub bytes: usize,
+    /// Where it lives: an arena slot, an io slot or a variable.
     pub storage: Storage,
     /// Live from `first_step` to `last_step` inclusive.
     pub first_step: usize,
+    /// The last step (inclusive) that reads or writes it.
     pub last_step: usize,
     /// The op (and name) whose value first occupies the buffer.
     pub label: String,
@@ -67,10 +102,14 @@ pub struct Buffer {
     pub origin: Option<String>,
 }
 
+/// A tensor the steps read or write: a shape and dtype at an offset in a buffer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Value {
+    /// Index into `plan.buffers` of the buffer that holds it.
     pub buffer: usize,
+    /// Its shape (elements per axis).
     pub shape: Shape,
+    /// Its element type.
     pub dtype: DType,
     /// Bytes into its buffer where the value starts: 0 but for the members of a concatenation
     /// written in place and contiguous slices read in place (`liveness`), a multiple of
@@ -83,8 +122,10 @@ fn is_zero(n: &usize) -> bool {
     *n == 0
 }
 
+/// One op the backend runs, on one device, in the plan's order.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Step {
+    /// The op to run, with its attributes.
     pub op: Op,
     /// Operand values in order.
     pub inputs: Vec<usize>,
@@ -98,19 +139,27 @@ pub struct Step {
     pub scratch: Option<usize>,
     /// Index into `plan.devices`.
     pub device: usize,
+    /// The op's description for messages and listings: its kind and the scope path that traced it
+    /// (or the variable's key, the input's name).
     pub label: String,
     /// The user's source line that traced the op, when known.
     pub origin: Option<String>,
 }
 
+/// A persistent variable: allocated once, kept across runs, initialised at first use.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VariableSpec {
+    /// The variable's unique key (its scope path, e.g. `dense/kernel`), which checkpoints use.
     pub key: String,
     /// Index into `plan.devices`.
     pub device: usize,
+    /// Its shape (elements per axis).
     pub shape: Shape,
+    /// Its element type.
     pub dtype: DType,
+    /// What it holds: a parameter, optimizer state, a step counter or a folded constant.
     pub role: VarRole,
+    /// How a backend fills it the first time it makes it.
     pub init: Init,
     /// Byte offset in its device's variable region: every variable the plan declares on a
     /// device lives in one allocation (`MemoryFigures::variable_region_bytes`), in declaration
@@ -120,14 +169,18 @@ pub struct VariableSpec {
 }
 
 impl VariableSpec {
+    /// Its size in bytes: elements × the dtype's size (unaligned).
     pub fn bytes(&self) -> usize {
         self.shape.numel() * self.dtype.size_bytes()
     }
 }
 
+/// A named input or output of the plan.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Binding {
+    /// The name the caller uses for it (the traced input's name, or the output's).
     pub name: String,
+    /// Index into `plan.values` of the value it is bound to.
     pub value: usize,
 }
 
@@ -139,15 +192,19 @@ pub struct MemoryFigures {
     /// Max over steps of the aligned bytes live at that step, and the first step at that peak
     /// (canaries not counted, nor in `naive_bytes`: guard mode leaves both as they are).
     pub lower_bound_bytes: usize,
+    /// The step of the plan's order at which `lower_bound_bytes` is first reached (on the totals of
+    /// several devices, 0: each device's peak has its own step).
     pub lower_bound_step: usize,
     /// Sum of every intermediate value's aligned bytes: no reuse.
     pub naive_bytes: usize,
     /// Parameters, optimizer state (with counters), and the io region.
     pub parameter_bytes: usize,
+    /// Optimizer state and step counters (`VarRole::OptimizerState`, `VarRole::Counter`).
     pub optimizer_state_bytes: usize,
     /// Constants computed at compile time (`const_fold`), in the variable region.
     #[serde(default)]
     pub constant_bytes: usize,
+    /// The io region for inputs and outputs; 0 from `compile`, which plans them in the arena.
     pub io_bytes: usize,
     /// parameters + optimizer state + constants + io.
     pub persistent_bytes: usize,
@@ -156,12 +213,15 @@ pub struct MemoryFigures {
     pub variable_region_bytes: usize,
     /// The placement heuristic that won, and every one tried with its arena.
     pub algorithm: String,
+    /// Each placement heuristic tried, with the arena bytes it gave (empty on the totals of several
+    /// devices).
     pub tried: Vec<(String, usize)>,
     /// The execution order that won (`schedule::candidates`), and every one tried with its
     /// planned total bytes (set on the plan's totals only; above `SEARCH_PLACES_ALL_BELOW`
     /// nodes, persistent bytes plus the arena's lower bound).
     #[serde(default)]
     pub schedule: String,
+    /// Each candidate order tried, with its planned total bytes.
     #[serde(default)]
     pub schedules: Vec<(String, usize)>,
     /// How many optimizer updates run in blocks of rows (`tiled_updates`; set on the totals),
@@ -172,6 +232,7 @@ pub struct MemoryFigures {
     /// totals).
     #[serde(default)]
     pub fused_groups: usize,
+    /// The elementwise ops those fused groups replaced.
     #[serde(default)]
     pub fused_ops: usize,
     /// Log-softmaxes split into their row statistics (`log_softmax_split`; set on the totals)
@@ -179,6 +240,7 @@ pub struct MemoryFigures {
     /// five and two per reader).
     #[serde(default)]
     pub log_softmax_splits: usize,
+    /// The ops the splits added before fusion.
     #[serde(default)]
     pub split_added_ops: usize,
     /// Convolution input gradients fused with the ReLU gradient that read them
@@ -193,6 +255,7 @@ pub struct MemoryFigures {
     /// they replaced.
     #[serde(default)]
     pub folded_constants: usize,
+    /// The graph nodes those constants replaced.
     #[serde(default)]
     pub folded_ops: usize,
     /// The blocks of batch rows the forward pass runs in (`batch_blocks`; set on the totals),
@@ -272,14 +335,17 @@ impl Plan {
         self.alignment.max(BLOCK_ALIGN)
     }
 
+    /// The value at index `i` of `values` (`v{i}` in `render`); panics when out of range.
     pub fn value(&self, i: usize) -> &Value {
         &self.values[i]
     }
 
+    /// The input bound to `name`, or `None` when the plan has no such input.
     pub fn input(&self, name: &str) -> Option<&Binding> {
         self.inputs.iter().find(|b| b.name == name)
     }
 
+    /// The output bound to `name`, or `None` when the plan has no such output.
     pub fn output(&self, name: &str) -> Option<&Binding> {
         self.outputs.iter().find(|b| b.name == name)
     }

@@ -70,6 +70,7 @@ pub struct RematFigures {
     /// The planned total (persistent + arenas, every device) of the plan without
     /// rematerialization, and of the plan with it.
     pub bytes_before: usize,
+    /// The planned total with rematerialization, in bytes.
     pub bytes_after: usize,
 }
 

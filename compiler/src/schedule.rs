@@ -34,7 +34,9 @@ use std::collections::BinaryHeap;
 
 /// A named order.
 pub struct Candidate {
+    /// The order's name (`program`, `memory`, ...), reported in `MemoryFigures::schedule`.
     pub name: &'static str,
+    /// Every node of the graph, each after its operands and control predecessors.
     pub order: Vec<NodeId>,
 }
 

@@ -29,7 +29,9 @@ pub type ScratchBytes = fn(op: &Op, operands: &[(&Shape, DType)], output: &Shape
 /// must know of the target it plans for.
 #[derive(Clone, Copy)]
 pub struct ScratchRule {
+    /// The rule's name for messages and dumps (e.g. the backend's).
     pub name: &'static str,
+    /// The scratch bytes a kernel of a given op and shapes uses.
     pub bytes: ScratchBytes,
     /// Whether a forward pass runs in blocks of batch rows (`batch_blocks`) only where the whole
     /// graph misses its memory limit, rather than wherever a split plans smaller. A GPU wants
@@ -99,14 +101,17 @@ pub struct Scratch {
 }
 
 impl Scratch {
+    /// No step has scratch.
     pub fn none() -> Self {
         Scratch::default()
     }
 
+    /// The scratch bytes of step `n` (0 when it has none).
     pub fn bytes(&self, n: NodeId) -> usize {
         self.bytes.get(&n).copied().unwrap_or(0)
     }
 
+    /// Whether no step has scratch.
     pub fn is_empty(&self) -> bool {
         self.bytes.is_empty()
     }

@@ -14,11 +14,14 @@ use crate::trace::Tracer;
 /// DType::I32)` (or i64).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct InputSpec {
+    /// The input's shape.
     pub shape: Shape,
+    /// The input's element type (f32 for features, i32, i64 or bool for ids and masks).
     pub dtype: DType,
 }
 
 impl InputSpec {
+    /// An input of `shape` and `dtype`.
     pub fn new(shape: impl Into<Shape>, dtype: DType) -> Self {
         InputSpec { shape: shape.into(), dtype }
     }
@@ -73,8 +76,11 @@ pub fn evaluate_graph(
 /// What a training step computes besides the model.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
+    /// The loss the step minimises (output `loss`).
     pub loss: Loss,
+    /// The optimizer whose updates the step appends.
     pub optimizer: Optimizer,
+    /// The metrics the step also outputs, each under its name.
     pub metrics: Vec<Metric>,
 }
 

@@ -32,7 +32,9 @@ pub const BLOCKS: usize = 4;
 
 /// The graph with its updates tiled, and how many were.
 pub struct Tiled {
+    /// The graph with the tiled updates in place of the whole ones.
     pub graph: Graph,
+    /// How many updates were tiled.
     pub updates: usize,
 }
 

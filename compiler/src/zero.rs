@@ -19,7 +19,7 @@
 //! Being ops of the graph, the collectives are planned like any other step: the reduce-scatter's
 //! output and the all-gather's scratch are arena buffers, each collective sits where the planner
 //! put it (a gradient's as soon as the gradient is complete), and the per-rank arena and
-//! variables are known before anything runs. `kiln ranks` prints them for N = 1..64 from plans
+//! variables are known before anything runs. `kiln zero` prints them for N = 1..64 from plans
 //! alone.
 //!
 //! What kiln's figures show against ZeRO's formulas (params + grads + optimizer/N for stage 1,
@@ -60,6 +60,7 @@ impl ZeroStage {
         }
     }
 
+    /// The stage's number: 0, 1 or 2.
     pub fn number(self) -> usize {
         match self {
             ZeroStage::Off => 0,
@@ -76,6 +77,7 @@ pub struct Sharding {
     pub updates: usize,
     /// The optimizer state's bytes before (whole) and after (this rank's padded shards).
     pub state_bytes_whole: usize,
+    /// The optimizer state's bytes after sharding: this rank's padded shards.
     pub state_bytes_sharded: usize,
 }
 

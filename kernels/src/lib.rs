@@ -1,5 +1,6 @@
 //! kiln-kernels: for every op of the IR, a CPU implementation (`cpu`) and, for the CUDA backend,
 //! the CUDA C source that NVRTC compiles.
+#![warn(missing_docs)]
 
 mod check;
 pub mod cpu;

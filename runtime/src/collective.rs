@@ -117,6 +117,8 @@ pub struct AllReduceKernel {
 }
 
 impl AllReduceKernel {
+    /// The all-reduce of `n` f32 elements through `comm`: a sum, or for `ReduceOp::Mean` the sum
+    /// scaled by one over the rank count.
     pub fn new(comm: SharedComm, op: ReduceOp, n: usize) -> Self {
         AllReduceKernel { comm, n, mean: op == ReduceOp::Mean, failure: Mutex::new(None) }
     }

@@ -21,25 +21,35 @@ use std::fmt::Write;
 
 /// One mebibyte: TensorFlow's `memory_limit` unit.
 pub const MB: usize = 1 << 20;
+/// One gibibyte (`1 << 30` bytes).
 pub const GB: usize = 1 << 30;
 
+/// What kind of device a physical or logical device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// The host: run by the CPU backend, memory from the machine.
     Cpu,
+    /// A CUDA device: run by the CUDA backend.
     Gpu,
 }
 
+/// A device present on the machine, as `DeviceConfig::detect` found it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PhysicalDevice {
     /// "cpu:0", "gpu:0", ...
     pub name: String,
+    /// Whether it is the host or a CUDA device.
     pub kind: Kind,
     /// The CUDA ordinal for GPUs.
     pub ordinal: usize,
+    /// The device's whole memory in bytes (the machine's `MemTotal` for the CPU, the driver's
+    /// total for a GPU).
     pub total_bytes: usize,
     /// What plans, pools and limits may use: the total for the CPU; for a GPU the driver's free
     /// memory when it was detected, less a headroom for the context and the kernel compiler.
     pub usable_bytes: usize,
+    /// A one-line description for tables: `host (N threads)`, or a GPU's name, compute
+    /// capability, free memory and driver and CUDA versions.
     pub description: String,
 }
 
@@ -141,6 +151,7 @@ impl DeviceConfig {
         DeviceConfig { physical, settings, errors: Vec::new() }
     }
 
+    /// The physical devices present, the CPU first.
     pub fn physical(&self) -> &[PhysicalDevice] {
         &self.physical
     }
@@ -315,13 +326,19 @@ impl DeviceConfig {
     }
 }
 
+/// A device as plans and backends see it: a whole physical device, or one of the parts
+/// `set_logical_devices` split it into, with its own limit and arenas.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LogicalDevice {
     /// "cpu:0", "gpu:1", ...: numbered per kind over all physical devices.
     pub name: String,
+    /// The name of the physical device it is part of.
     pub physical: String,
+    /// The physical device's kind.
     pub kind: Kind,
+    /// The physical device's CUDA ordinal (0 for the CPU).
     pub ordinal: usize,
+    /// Its memory policy, limit and capacity.
     pub budget: DeviceBudget,
 }
 
@@ -335,6 +352,7 @@ impl LogicalDevice {
 /// One device's statistics: what kiln's plans and variables hold, and for a GPU the driver's view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceMemoryInfo {
+    /// What the backends hold on the device for plans and variables, as their accounts record it.
     pub planned: MemoryInfo,
     /// (free, total) bytes from the driver (what nvidia-smi shows), for GPUs.
     pub driver: Option<(usize, usize)>,
@@ -348,14 +366,18 @@ pub struct Devices {
 }
 
 impl Devices {
+    /// The physical devices present, the CPU first.
     pub fn physical(&self) -> &[PhysicalDevice] {
         &self.physical
     }
 
+    /// The logical devices, in the order of their physical devices (at least the CPU's).
     pub fn logical(&self) -> &[LogicalDevice] {
         &self.logical
     }
 
+    /// The logical device called `name` (e.g. `gpu:0`); an error listing the devices when there
+    /// is none.
     pub fn get(&self, name: &str) -> Result<&LogicalDevice> {
         self.logical.iter().find(|d| d.name == name).ok_or_else(|| {
             let known: Vec<&str> = self.logical.iter().map(|d| d.name.as_str()).collect();

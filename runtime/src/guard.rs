@@ -63,6 +63,7 @@ pub enum Region {
 pub struct Canary {
     /// The buffer (index into `plan.buffers`) whose end it guards.
     pub buffer: usize,
+    /// The region the slot and its canary lie in.
     pub region: Region,
     /// Its bytes in the region: `[offset + bytes, offset + bytes + guard_bytes)`.
     pub range: Range<usize>,
@@ -116,6 +117,7 @@ impl Guard {
         Some(Guard { canaries, fill, check, pattern: pattern(g) })
     }
 
+    /// Every canary of the plan: one per arena and io buffer, in `plan.buffers` order.
     pub fn canaries(&self) -> &[Canary] {
         &self.canaries
     }
@@ -180,19 +182,25 @@ impl Guard {
     "guard: step {step} ({kernel}{origin}) wrote past the end of buffer {buffer} ({slot}, {bytes} bytes at {slot_offset} in the {region}): its canary at bytes {canary_start}..{canary_end} was overwritten from byte {offset} on\n  help: the step's kernel writes out of bounds, so results computed without guard mode may be silently wrong; guard mode (KILN_GUARD=1 or CompileOptions::with_guard) checks every canary after every step, so this is the first step that overran: report it with the op, its shapes and the plan (Plan::render)"
 )]
 pub struct Overrun {
+    /// The index of the step that overran (into `plan.steps`).
     pub step: usize,
     /// The step's label: its op and name.
     pub kernel: String,
     /// " at FILE:LINE" where the op was traced, or empty.
     pub origin: String,
+    /// The overrun buffer (index into `plan.buffers`).
     pub buffer: usize,
     /// The buffer's label: the op and name that produced it.
     pub slot: String,
+    /// The buffer's size in bytes.
     pub bytes: usize,
+    /// The buffer's offset in its region, in bytes.
     pub slot_offset: usize,
     /// "arena of cpu:0", "io region of cpu:0".
     pub region: String,
+    /// The canary's first byte, as an offset in the region.
     pub canary_start: usize,
+    /// One past the canary's last byte, as an offset in the region.
     pub canary_end: usize,
     /// The first overwritten byte, in the region.
     pub offset: usize,

@@ -1,5 +1,5 @@
 //! Variable initialisers, as Keras computes them. Each variable draws from its own generator,
-//! seeded by the session seed and the variable's key, so values do not depend on the order in
+//! seeded by the backend's seed and the variable's key, so values do not depend on the order in
 //! which variables are first seen.
 
 use kiln_compiler::ir::{Init, Shape};
@@ -7,6 +7,8 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
+/// `shape.numel()` values of `init` for variable `key`, row-major, drawn from a generator seeded
+/// by `seed` and a hash of `key` (the same seed and key always give the same values).
 pub fn initial_values(init: Init, shape: &Shape, seed: u64, key: &str) -> Vec<f32> {
     let n = shape.numel();
     let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(key));

@@ -6,6 +6,7 @@
 //! - `store`, `init`: persistent variables and their initialisers;
 //! - `trainer`: Keras-like `fit` / `predict` over plans compiled per input shape and cached;
 //! - `alloc`: TensorFlow's BFC and PyTorch's caching allocator, for the eager baseline.
+#![warn(missing_docs)]
 
 pub mod alloc;
 pub mod backend;

@@ -16,13 +16,20 @@ use kiln_compiler::device::human_bytes;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+/// How a backend takes a device's memory (see the module's doc).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Policy {
+    /// Memory is allocated when needed, exactly sized: one allocation per loaded plan.
     Growth,
-    Preallocate { fraction: f64 },
+    /// One region is allocated up front and every arena, io region and variable is carved from it.
+    Preallocate {
+        /// The share of the device's limit (else of its capacity) taken up front, in `(0, 1]`.
+        fraction: f64,
+    },
 }
 
 impl Policy {
+    /// The policy for messages: `growth` or `preallocate N%`.
     pub fn describe(&self) -> String {
         match self {
             Policy::Growth => "growth".into(),
@@ -34,7 +41,10 @@ impl Policy {
 /// What a backend may take from one (logical) device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceBudget {
+    /// The device's name, as plans name their devices (e.g. `cpu:0`, `gpu:1`): it keys its
+    /// statistics in [`Tracker`].
     pub name: String,
+    /// How the backend takes the device's memory.
     pub policy: Policy,
     /// The most the device may hold, if limited.
     pub limit: Option<usize>,
@@ -70,12 +80,16 @@ impl DeviceBudget {
 /// What the memory of a device is used for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Purpose {
+    /// A plan's arena: its intermediate buffers at their planned offsets.
     Arena,
+    /// A plan's io region: its inputs and outputs, when planned apart from the arena.
     Io,
+    /// Persistent variables: parameters and optimizer state.
     Variable,
 }
 
 impl Purpose {
+    /// The purpose for messages, with its article (`an arena`, `an io region`, `a variable`).
     pub fn name(self) -> &'static str {
         match self {
             Purpose::Arena => "an arena",
@@ -90,9 +104,13 @@ impl Purpose {
 pub struct MemoryInfo {
     /// Bytes held for plans and variables now, and the most since the last reset.
     pub current: usize,
+    /// The most `current` has been since the tracker began or the last `reset_peak`, in bytes.
     pub peak: usize,
+    /// The part of `current` claimed for arenas, in bytes.
     pub arenas: usize,
+    /// The part of `current` claimed for io regions, in bytes.
     pub io: usize,
+    /// The part of `current` claimed for variables, in bytes.
     pub variables: usize,
     /// Bytes taken from the device (the preallocated region, or the sum of allocations).
     pub reserved: usize,
@@ -103,6 +121,8 @@ pub struct MemoryInfo {
 pub struct Tracker(Arc<Mutex<BTreeMap<String, MemoryInfo>>>);
 
 impl Tracker {
+    /// Adds `bytes` claimed for `purpose` on `device` to its current figure, that purpose's figure
+    /// and its peak, and `reserved` bytes newly taken from the device to its reserved figure.
     pub fn record(&self, device: &str, purpose: Purpose, bytes: usize, reserved: usize) {
         let mut map = self.0.lock().expect("tracker lock");
         let m = map.entry(device.to_string()).or_default();
@@ -116,6 +136,7 @@ impl Tracker {
         m.reserved += reserved;
     }
 
+    /// `device`'s statistics now (all zero for a device nothing was recorded on).
     pub fn info(&self, device: &str) -> MemoryInfo {
         self.0.lock().expect("tracker lock").get(device).copied().unwrap_or_default()
     }
@@ -131,6 +152,7 @@ impl Tracker {
 /// Bookkeeping of one device inside a backend: what it holds, under its budget.
 #[derive(Debug)]
 pub struct Account {
+    /// The device's name, policy, limit and capacity.
     pub budget: DeviceBudget,
     held: usize,
     /// For the preallocating policy: the pool's size and how much of it is carved.
@@ -139,6 +161,8 @@ pub struct Account {
 }
 
 impl Account {
+    /// An empty account under `budget`, reporting to `tracker`. Under the preallocating policy
+    /// the pool ([`DeviceBudget::pool_bytes`]) is recorded as reserved at once.
     pub fn new(budget: DeviceBudget, tracker: Tracker) -> Self {
         let pool = budget.pool_bytes().map(|b| (b, 0));
         if let Some((bytes, _)) = pool {
@@ -210,6 +234,7 @@ impl Account {
         Ok(())
     }
 
+    /// The bytes claimed on the device and not released, each claim rounded up to 256 bytes.
     pub fn held(&self) -> usize {
         self.held
     }

@@ -67,6 +67,7 @@ pub(crate) fn new_region<'p>(
 }
 
 impl VariableStore {
+    /// An empty store; variables it creates are initialised from `seed` and their keys.
     pub fn new(seed: u64) -> Self {
         VariableStore { seed, slots: Vec::new(), regions: Vec::new(), index: HashMap::new() }
     }
@@ -121,6 +122,7 @@ impl VariableStore {
         self.regions.iter().map(HostMem::len)
     }
 
+    /// The keys of the variables held, in the order they were created.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         self.slots.iter().map(|s| s.spec.key.as_str())
     }
@@ -131,12 +133,15 @@ impl VariableStore {
         Some((self.ptr(i), &self.slots[i].spec.shape))
     }
 
+    /// A copy of variable `key`'s values, or None when the store does not hold it.
     pub fn get(&self, key: &str) -> Option<HostTensor> {
         let s = &self.slots[*self.index.get(key)?];
         let data = self.regions[s.region].f32s(s.offset, s.spec.shape.numel());
         HostTensor::new(s.spec.shape.clone(), data.to_vec()).ok()
     }
 
+    /// Overwrites variable `key` with `value`; an error when the store does not hold it or the
+    /// shapes differ.
     pub fn set(&mut self, key: &str, value: &HostTensor) -> Result<()> {
         let Some(&i) = self.index.get(key) else {
             return Err(RuntimeError::invalid(

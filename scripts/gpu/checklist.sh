@@ -18,7 +18,7 @@ out=${OUT:-$root/target/kiln/gpu-run}
 r=/tmp/kiln-gpu-run/r
 rm -rf "$r"
 mkdir -p "$r"
-export KILN_OUT_DIR=$r KILN_CACHE_DIR=/tmp/kiln-cache RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+export KILN_OUT_DIR=$r KILN_RESULTS_DIR=$r/records KILN_CACHE_DIR=/tmp/kiln-cache RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 export KILN_REQUIRE_GPU=1
 if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
   lib=$(find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -n 1)

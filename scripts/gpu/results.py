@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""Assembles one GPU run's results file from the logs of `scripts/gpu/checklist.sh` (the
-folders the device tool brought back, unpacked from results.tgz) and prints the README's tables.
+"""Assembles one GPU run's results record from the logs of `scripts/gpu/checklist.sh` (the
+folders brought back from the GPU machine, unpacked from results.tgz), in the form of
+`kiln::results::Record` (bench "gpu-peers"), so that `kiln render-docs` renders the README's and
+the book's GPU tables from it.
 
-usage: results.py OUT.json DIR [DIR ...] [--gpu TEXT] [--method TEXT] [--date YYYY-MM-DD]
+usage: results.py OUT.json DIR [DIR ...] --gpu TEXT --commit HASH [--machine TEXT] [--method TEXT]
+       [--date YYYY-MM-DD]
+
+OUT.json goes under benches/results/, named DATE-gpu-peers-COMMIT.json.
 
 Each DIR is a checklist log folder; the later ones win where two hold the same file. Read:
 gpu.json (kiln bench-gpu), torch.json, torch_compile.json, jax.json (peers.py), gemm.json (kiln
@@ -33,6 +38,8 @@ def main():
     ap.add_argument("--gpu", default="")
     ap.add_argument("--method", default="")
     ap.add_argument("--date", default="")
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--machine", default="GPU host")
     a = ap.parse_args()
     kiln = load(a.dirs, "gpu.json") or []
     peers = {k: load(a.dirs, f"{k}.json") for k in ("torch", "torch_compile", "jax")}
@@ -63,39 +70,15 @@ def main():
             "torch_f32_tflops": t.get("f32_tflops"), "torch_tf32_tflops": t.get("tf32_tflops"),
         })
     versions = {k: (v or {}).get(k.split("_")[0]) for k, v in peers.items() if v}
-    result = {"date": a.date, "gpu": a.gpu, "peers": versions, "method": a.method, "models": models, "gemm": gemm}
+    result = {
+        "bench": "gpu-peers", "commit": a.commit, "date": a.date, "machine": a.machine, "device": a.gpu,
+        "data": {"peers": versions, "method": a.method, "models": models, "gemm": gemm},
+    }
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
 
-    def ms(fig, key="step_ms"):
-        return f"{fig[key]:.3f}" if fig and fig.get(key) is not None else "-"
-
-    print("| model | mode | kiln | PyTorch | torch.compile | JAX | kiln/JAX | kiln planned | PyTorch reserved "
-          "| kiln/PyTorch | XLA total | kiln/XLA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, modes in models.items():
-        for mode in ("train", "forward"):
-            r = modes.get(mode, {})
-            k, t, c, j = (r.get(p) for p in ("kiln", "torch", "torch_compile", "jax"))
-            if not k:
-                continue
-            ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"
-            planned = k["planned_total_bytes"]
-            reserved = (t or {}).get("max_memory_reserved")
-            xla = (j or {}).get("xla_total_bytes")
-            print(f"| {name} | {mode} | {ms(k)} | {ms(t)} | {ms(c)} | {ms(j)} "
-                  f"| {ratio(k['step_ms'], (j or {}).get('step_ms'))} | {planned:,} "
-                  f"| {reserved:,} | {planned / reserved:.3f} | {xla:,} | {planned / xla:.2f} |"
-                  if reserved and xla else
-                  f"| {name} | {mode} | {ms(k)} | {ms(t)} | {ms(c)} | {ms(j)} | - | {planned:,} | - | - | - | - |")
-    print()
-    print("| M x K x N | kiln | torch.matmul f32 | kiln/torch | torch TF32 |")
-    print("|---|---|---|---|---|")
-    for g in gemm:
-        tf = g["torch_f32_tflops"]
-        print(f"| {g['m']}x{g['k']}x{g['n']} | {g['kiln_tflops']:.2f} | {tf:.2f} | {g['kiln_tflops'] / tf:.2f} "
-              f"| {g['torch_tf32_tflops']:.2f} |" if tf else f"| {g['m']}x{g['k']}x{g['n']} | {g['kiln_tflops']:.2f} | - | - | - |")
+    print(f"wrote {a.out}: run `kiln render-docs` to render the README's and the book's tables")
     return 0
 
 

@@ -11,18 +11,26 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// The element type of a tensor: what a node's output, an input or a variable holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum DType {
+    /// 32-bit IEEE float: the type kiln computes in, and the default.
     #[default]
     F32,
+    /// 16-bit IEEE half float (2 bytes).
     F16,
+    /// 16-bit bfloat16, f32's exponent range with an 8-bit significand (2 bytes).
     BF16,
+    /// 32-bit signed integer: ids stored exactly.
     I32,
+    /// 64-bit signed integer: ids stored exactly (8 bytes).
     I64,
+    /// A boolean mask, one byte per element (0 or 1).
     Bool,
 }
 
 impl DType {
+    /// Bytes of one element: what the planner counts per element of a buffer of this type.
     pub fn size_bytes(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
@@ -42,6 +50,7 @@ impl DType {
         !self.is_float()
     }
 
+    /// The lower-case name (`f32`, `bf16`, `bool`) that dumps, plans and error messages print.
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",

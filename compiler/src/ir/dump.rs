@@ -13,6 +13,10 @@ use super::{DeviceId, Graph, NodeId};
 use std::collections::HashMap;
 use std::fmt::Write;
 
+/// The text form of `graph`: a header with its name and node count, one line per node in
+/// insertion order, numbered densely from `%0`
+/// (`%i = label(operands) after(control) : dtype shape`, `: effect` for effects, then
+/// `@deviceN` off device 0 and `# name` for a named node), then the named outputs.
 pub fn dump(graph: &Graph) -> String {
     let number: HashMap<NodeId, usize> = graph.node_ids().enumerate().map(|(i, n)| (n, i)).collect();
     let name = |n: &NodeId| format!("%{}", number[n]);

@@ -30,15 +30,20 @@ pub const MAX_FUSED_SLOTS: usize = 16;
 /// What an instruction reads: operand `i` of the fused op, or the value of instruction `i`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Ref {
+    /// Operand `i` of the program, read at the element's broadcast position.
     Operand(u32),
+    /// The value of instruction `i`, which comes before the reading instruction.
     Value(u32),
 }
 
 /// One elementwise op inside a fused group, with the same meaning as the op of that name.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Inst {
+    /// The unary op of one ref (`Op::Unary`).
     Unary(UnaryOp, Ref),
+    /// The binary op of two refs, in operand order (`Op::Binary`).
     Binary(BinaryOp, Ref, Ref),
+    /// `x op c` of the ref x and the constant c (`Op::Scalar`).
     Scalar(ScalarOp, f32, Ref),
     /// where(cond != 0, a, b), refs (cond, a, b).
     Select(Ref, Ref, Ref),
@@ -97,6 +102,7 @@ impl Inst {
 /// Where an instruction's value goes in the CPU kernel's chunk buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dest {
+    /// This chunk slot, from which later instructions read the value.
     Slot(usize),
     /// The last instruction writes the output.
     Output,
@@ -106,7 +112,10 @@ pub enum Dest {
 /// instruction `j` writes and `reads[j]` the slots it reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Registers {
+    /// Per instruction, where it writes its value.
     pub dest: Vec<Dest>,
+    /// Per instruction, the slots it reads, in the order of its refs (an operand's slot is its
+    /// index).
     pub reads: Vec<Vec<usize>>,
     /// Slots in use at the widest point.
     pub slots: usize,
@@ -116,8 +125,11 @@ pub struct Registers {
 /// then a reduction with an elementwise prologue, and its values are never stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FusedReduce {
+    /// How the values are combined: sum, mean or maximum.
     pub op: ReduceOp,
+    /// The reduced axes of the program's shape: distinct and ascending.
     pub axes: Vec<usize>,
+    /// Whether the reduced axes stay in the output as length 1 (else they are removed).
     pub keepdims: bool,
 }
 
@@ -126,7 +138,9 @@ pub struct FusedReduce {
 /// `i >= 1` is the op's operand `i + 1`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FusedMatMul {
+    /// Whether the product reads aᵀ: the first factor's last two axes swapped.
     pub transpose_a: bool,
+    /// Whether the product reads bᵀ: the second factor's last two axes swapped.
     pub transpose_b: bool,
 }
 
@@ -143,6 +157,8 @@ pub struct Fused {
     /// The shape the program computes over; every operand broadcasts to it. Without a
     /// reduction it is the output's shape.
     pub shape: Shape,
+    /// The instructions in order; the last one's value is the output element (or, with `reduce`,
+    /// what is reduced).
     pub insts: Vec<Inst>,
     /// A reduction of the program's values, whose result is the output.
     #[serde(default)]
@@ -161,6 +177,7 @@ pub struct Fused {
     /// epilogue's; the program before the reduction reads the others).
     #[serde(default)]
     pub epilogue: Vec<Inst>,
+    /// How many of the op's operands, the last ones, the epilogue reads; 0 without an epilogue.
     #[serde(default)]
     pub epilogue_operands: usize,
 }

@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::panic::Location;
 
+/// A node's index in a `Graph`: petgraph's stable index, which stays valid when other nodes are
+/// removed (a removed node's index may be reused by a later node).
 pub type NodeId = NodeIndex<u32>;
 
 /// Index of a device in the list a graph is compiled for (0 is the default device).
@@ -18,8 +20,11 @@ pub struct DeviceId(pub u32);
 /// Where in the user's source an op was traced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SourceLoc {
+    /// The source file's path, as `std::panic::Location::file` gives it.
     pub file: &'static str,
+    /// The line, counted from 1.
     pub line: u32,
+    /// The column, counted from 1.
     pub column: u32,
 }
 
@@ -35,13 +40,21 @@ impl fmt::Display for SourceLoc {
     }
 }
 
+/// One op of a graph with its output's type, its device and where it came from.
 #[derive(Clone, Debug)]
 pub struct Node {
+    /// The operation and its attributes.
     pub op: Op,
+    /// The output's shape (a scalar for effects, which produce no tensor).
     pub shape: Shape,
+    /// The output's element type.
     pub dtype: DType,
+    /// The device the op runs on and its output lives on.
     pub device: DeviceId,
+    /// A name given by the user (`Tensor::named`) or a pass, which dumps, plans and memory reports
+    /// show; None: the node is described by its op.
     pub name: Option<String>,
+    /// Where the user's source traced the op; None for nodes that passes made without one.
     pub origin: Option<SourceLoc>,
 }
 
@@ -62,6 +75,7 @@ impl Node {
     }
 }
 
+/// What an edge from one node to another means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Edge {
     /// The source node is operand `i` of the target.
@@ -70,6 +84,8 @@ pub enum Edge {
     Control,
 }
 
+/// A named dataflow graph: nodes (ops with their output types), operand and control edges between
+/// them, named outputs, and the values of its constant variables.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     name: String,
@@ -81,10 +97,12 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// An empty graph named `name`.
     pub fn new(name: impl Into<String>) -> Self {
         Graph { name: name.into(), ..Default::default() }
     }
 
+    /// The graph's name, as dumps and plans show it (`seed/forward`).
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -99,6 +117,7 @@ impl Graph {
         self.constants.get(key)
     }
 
+    /// Renames the graph.
     pub fn set_name(&mut self, name: impl Into<String>) {
         self.name = name.into();
     }
@@ -113,28 +132,35 @@ impl Graph {
         id
     }
 
+    /// Makes `after` run after `before` without data flowing between them; nothing if `before` is
+    /// `after` or such an edge exists already.
     pub fn add_control(&mut self, before: NodeId, after: NodeId) {
         if before != after && !self.g.edges_connecting(before, after).any(|e| *e.weight() == Edge::Control) {
             self.g.add_edge(before, after, Edge::Control);
         }
     }
 
+    /// Node `id`; panics if it is not in the graph.
     pub fn node(&self, id: NodeId) -> &Node {
         &self.g[id]
     }
 
+    /// Node `id`, to change in place; panics if it is not in the graph.
     pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
         &mut self.g[id]
     }
 
+    /// Whether node `id` is in the graph (added and not removed).
     pub fn contains(&self, id: NodeId) -> bool {
         self.g.contains_node(id)
     }
 
+    /// The number of nodes.
     pub fn len(&self) -> usize {
         self.g.node_count()
     }
 
+    /// Whether the graph has no node.
     pub fn is_empty(&self) -> bool {
         self.g.node_count() == 0
     }
@@ -326,15 +352,19 @@ impl Graph {
         Some(out)
     }
 
+    /// Removes node `id`, its edges and any output that names it; the node, or None if it was not
+    /// in the graph.
     pub fn remove(&mut self, id: NodeId) -> Option<Node> {
         self.outputs.retain(|(_, o)| *o != id);
         self.g.remove_node(id)
     }
 
+    /// The named outputs, (name, node), in the order they were first set.
     pub fn outputs(&self) -> &[(String, NodeId)] {
         &self.outputs
     }
 
+    /// The named outputs, to rename, reorder or drop in place.
     pub fn outputs_mut(&mut self) -> &mut Vec<(String, NodeId)> {
         &mut self.outputs
     }
@@ -348,6 +378,7 @@ impl Graph {
         }
     }
 
+    /// The node of the output named `name`, if any.
     pub fn output(&self, name: &str) -> Option<NodeId> {
         self.outputs.iter().find(|(n, _)| n == name).map(|(_, id)| *id)
     }
@@ -361,6 +392,7 @@ impl Graph {
         self.filter(|op| matches!(op, Op::Input { .. }))
     }
 
+    /// The first `Input` node fed under `name`, in insertion order, if any.
     pub fn input(&self, name: &str) -> Option<NodeId> {
         self.node_ids().find(|&n| matches!(&self.g[n].op, Op::Input { name: m, .. } if m == name))
     }
@@ -370,6 +402,7 @@ impl Graph {
         self.filter(|op| matches!(op, Op::Variable { .. }))
     }
 
+    /// The first `Variable` node with key `key`, in insertion order, if any.
     pub fn variable(&self, key: &str) -> Option<NodeId> {
         self.node_ids().find(|&n| matches!(&self.g[n].op, Op::Variable { key: k, .. } if k == key))
     }
@@ -379,6 +412,7 @@ impl Graph {
         self.filter(Op::is_effect)
     }
 
+    /// The underlying petgraph graph, for its algorithms (toposort, visits).
     pub fn petgraph(&self) -> &StableDiGraph<Node, Edge> {
         &self.g
     }

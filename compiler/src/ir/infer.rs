@@ -6,7 +6,10 @@ use super::{BinaryOp, DType, Grad, Op, Shape, Window2d};
 /// Why an op rejected its operands; the tracer adds the op, the operand shapes and the caller's line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpError {
+    /// What is wrong with the operands, naming their shapes or dtypes, as in
+    /// `operand dtypes differ: f32 and i64`.
     pub message: String,
+    /// What the caller can do about it (`cast the operands to one dtype ...`).
     pub help: String,
 }
 

@@ -8,8 +8,13 @@ use std::fmt::{self, Write};
 /// What a variable holds; the memory report breaks persistent bytes down by role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum VarRole {
+    /// A trained weight: updated by the optimizer and saved in checkpoints.
     Parameter,
+    /// An optimizer's per-variable state (SGD's velocity, Adam's m and v), of its variable's shape
+    /// (or of the rank's shard under ZeRO).
     OptimizerState,
+    /// A one-element step counter (Adam's iterations, dropout's step) that an `AssignAdd` advances;
+    /// the memory report counts it with the optimizer state.
     Counter,
     /// A value computed at compile time (`const_fold`): the plan carries its data
     /// (`Plan::constants`), the backends write it at load; never trained or checkpointed.
@@ -19,16 +24,24 @@ pub enum VarRole {
 /// How a variable is initialised the first time a runtime sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Init {
+    /// Every element 0.
     Zeros,
+    /// Every element this value.
     Constant(f32),
     /// Keras's default: U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
     GlorotUniform,
+    /// Samples of a normal distribution.
     Normal {
+        /// The distribution's mean.
         mean: f32,
+        /// The distribution's standard deviation, at least 0.
         std: f32,
     },
+    /// Samples uniform in `[low, high)`.
     Uniform {
+        /// The lower end of the range, included.
         low: f32,
+        /// The upper end of the range, excluded; above `low`.
         high: f32,
     },
 }
@@ -86,13 +99,21 @@ impl Init {
     }
 }
 
+/// An elementwise function of one operand (`Op::Unary`, and the unary instruction of a fused
+/// group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum UnaryOp {
+    /// -x.
     Neg,
+    /// |x|.
     Abs,
+    /// 1 where x > 0, -1 where x < 0, and x itself for ±0 and NaN.
     Sign,
+    /// max(x, 0), keeping NaN.
     Relu,
+    /// The logistic function 1 / (1 + e^-x), computed without overflow.
     Sigmoid,
+    /// The hyperbolic tangent.
     Tanh,
     /// Exact GELU, x·Φ(x) with the error function (Keras `approximate=False`, PyTorch default).
     Gelu,
@@ -100,11 +121,17 @@ pub enum UnaryOp {
     /// PyTorch `approximate="tanh"`, GPT-2's `gelu_new`): one op, so that a training step keeps
     /// only its input for the gradient, where the expression kept its every intermediate.
     GeluTanh,
+    /// e^x.
     Exp,
+    /// The natural logarithm ln(x).
     Log,
+    /// The square root √x.
     Sqrt,
+    /// The reciprocal square root 1 / √x.
     Rsqrt,
+    /// x·x.
     Square,
+    /// 1 / x.
     Reciprocal,
     /// The error function, erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (`jax.lax.erf`, `torch.erf`).
     Erf,
@@ -162,37 +189,56 @@ impl BinaryOp {
     }
 }
 
+/// An elementwise function of two operands (a, b), broadcast against each other by NumPy rules
+/// (`Op::Binary`); the backward ops (`ReluGrad` to `TanhGrad`) take operands of one shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum BinaryOp {
+    /// a + b.
     Add,
+    /// a - b.
     Sub,
+    /// a·b.
     Mul,
+    /// a / b.
     Div,
+    /// a raised to the power b (`f32::powf`).
     Pow,
+    /// The larger of a and b; NaN where either is NaN (NumPy's `maximum`).
     Maximum,
+    /// The smaller of a and b; NaN where either is NaN (NumPy's `minimum`).
     Minimum,
     /// Comparisons produce 1.0 where true and 0.0 where false.
     Greater,
+    /// 1.0 where a >= b, else 0.0.
     GreaterEqual,
+    /// 1.0 where a < b, else 0.0.
     Less,
+    /// 1.0 where a <= b, else 0.0.
     LessEqual,
+    /// 1.0 where a == b, else 0.0.
     Equal,
+    /// 1.0 where a != b, else 0.0 (1.0 where either is NaN).
     NotEqual,
     /// Backward helpers, operands (forward value, upstream gradient), as TensorFlow's ReluGrad etc.
     /// GeluGrad takes the forward input x; ReluGrad, SigmoidGrad and TanhGrad the forward output y
     /// (ReluGrad passes the gradient where its first operand is > 0: relu's input or output alike).
     ReluGrad,
+    /// `UnaryOp::Gelu`'s: (forward input x, upstream gradient dy) -> dy·(Φ(x) + x·φ(x)).
     GeluGrad,
     /// `UnaryOp::GeluTanh`'s: (forward input x, upstream gradient).
     GeluTanhGrad,
+    /// `UnaryOp::Sigmoid`'s: (forward output y, upstream gradient dy) -> dy·y·(1 - y).
     SigmoidGrad,
+    /// `UnaryOp::Tanh`'s: (forward output y, upstream gradient dy) -> dy·(1 - y²).
     TanhGrad,
 }
 
 /// `x op c` for a compile-time constant `c`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScalarOp {
+    /// x + c.
     Add,
+    /// x·c.
     Mul,
     /// c - x
     RSub,
@@ -200,22 +246,36 @@ pub enum ScalarOp {
     RDiv,
     /// x ^ c
     Pow,
+    /// max(x, c), keeping NaN.
     Max,
+    /// min(x, c), keeping NaN.
     Min,
+    /// 1.0 where x > c, else 0.0.
     Greater,
+    /// 1.0 where x >= c, else 0.0.
     GreaterEqual,
+    /// 1.0 where x < c, else 0.0.
     Less,
+    /// 1.0 where x <= c, else 0.0.
     LessEqual,
+    /// 1.0 where x == c, else 0.0.
     Equal,
 }
 
+/// How values are combined: by `Op::Reduce` and fused reductions over axes, by `Op::AllReduce` and
+/// `Op::ReduceScatter` over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ReduceOp {
+    /// The sum of the combined values.
     Sum,
+    /// The sum divided by the count of values combined (over ranks: the rank count).
     Mean,
+    /// The largest value, NaN propagating; refused by the collectives.
     Max,
 }
 
+/// How a 2-D window (`Window2d`) treats the input's border, as TensorFlow's `padding`: the padded
+/// elements are zeros for convolutions and left out of pooling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Padding {
     /// Output size ceil(in / stride); TensorFlow's split of the padding (extra on the far side).
@@ -224,8 +284,10 @@ pub enum Padding {
     Valid,
 }
 
+/// What a pooling op computes over each window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum PoolKind {
+    /// The window's largest element.
     Max,
     /// Average over the window's in-bounds elements (TensorFlow excludes padding from the count).
     Avg,
@@ -235,7 +297,9 @@ pub enum PoolKind {
 /// weight gradient `MatMulRows` computes (`tiled_updates`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Rows {
+    /// The first row of the block: its index along axis 0.
     pub start: usize,
+    /// The number of rows in the block.
     pub len: usize,
 }
 
@@ -266,7 +330,9 @@ impl Rows {
 /// (`padded`), so that every rank's plan has the same shapes; the padding is never read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Shard {
+    /// The number of ranks the tensor is split over.
     pub ranks: usize,
+    /// This rank's index, below `ranks`.
     pub rank: usize,
 }
 
@@ -291,8 +357,11 @@ impl Shard {
 /// Attributes of a 2-D window (convolution or pooling) over NHWC tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Window2d {
+    /// The window's height and width `[KH, KW]` in elements (a convolution's filter size).
     pub size: [usize; 2],
+    /// The step between neighbouring windows along height and width `[SH, SW]`, in elements.
     pub stride: [usize; 2],
+    /// How the input's border is padded.
     pub padding: Padding,
 }
 
@@ -333,30 +402,48 @@ impl Window2d {
     }
 }
 
+/// One operation of the IR with every attribute its output's shape depends on. Operands are listed
+/// in operand order, as `(a, b)`; what each op accepts and produces is checked by `ir::infer`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
     // ---- sources
+    /// A value the caller feeds at every run.
     Input {
+        /// The name the caller feeds it under.
         name: String,
+        /// The shape every fed value has.
         shape: Shape,
+        /// The element type of the fed values.
         dtype: DType,
     },
+    /// A persistent tensor (`VarRole`): the runtime initialises it once and keeps it from run to
+    /// run.
     Variable {
+        /// The scoped name (`dense_1/kernel`) the runtime, the plan and checkpoints know it by,
+        /// unique in a trace; it also seeds its initial values.
         key: String,
+        /// The stored tensor's shape.
         shape: Shape,
+        /// The stored tensor's element type.
         dtype: DType,
+        /// What the variable holds, for the memory report's breakdown.
         role: VarRole,
+        /// How the runtime fills the variable the first time it sees its key.
         init: Init,
     },
     /// A tensor of `shape` filled with `value`.
     Fill {
+        /// The value of every element.
         value: f32,
+        /// The output's shape (an f32 tensor).
         shape: Shape,
     },
     /// A tensor of `shape` whose every element is its index along `axis`, as f32 (exact up to
     /// 2^24): the source of position ids, triangular and causal masks (`Tensor::tril`).
     Iota {
+        /// The output's shape (an f32 tensor).
         shape: Shape,
+        /// The axis whose index every element holds; below the shape's rank.
         axis: usize,
     },
     /// (step) -> a tensor of `shape` of uniform values in [0, 1), a pure function of `seed`,
@@ -364,15 +451,24 @@ pub enum Op {
     /// (`uniform`): the same bits on every backend and every run, new ones every step. Dropout's
     /// generator.
     RandomUniform {
+        /// The output's shape (an f32 tensor).
         shape: Shape,
+        /// The seed that, with the step and each element's index, fixes every value.
         seed: u64,
     },
 
     // ---- elementwise (NumPy broadcasting between operands)
+    /// The unary op applied to every element of operand 0; the output has the operand's shape and
+    /// dtype.
     Unary(UnaryOp),
+    /// The binary op of operands 0 and 1, which share a dtype; the output has their broadcast
+    /// shape.
     Binary(BinaryOp),
+    /// `x op value` for every element x of operand 0; the output has the operand's shape and dtype.
     Scalar {
+        /// The function of x and the constant.
         op: ScalarOp,
+        /// The compile-time constant `c`.
         value: f32,
     },
     /// where(cond != 0, a, b), operands (cond, a, b).
@@ -384,25 +480,35 @@ pub enum Op {
     // ---- linear algebra
     /// Batched matrix product over the last two axes, batch axes broadcast.
     MatMul {
+        /// Whether the product reads aᵀ: operand 0's last two axes swapped.
         transpose_a: bool,
+        /// Whether the product reads bᵀ: operand 1's last two axes swapped.
         transpose_b: bool,
     },
     /// (a[M, K], b[M, N]) -> a[:, rows]ᵀ · b, [rows.len, N]: a block of rows of the weight
     /// gradient aᵀ·b, read from `a` in place. Tiled updates (`tiled_updates`) compute a
     /// gradient block by block, each consumed by its update before the next is made.
     MatMulRows {
+        /// The block of aᵀ's rows computed (columns of `a`): non-empty and within a's K columns.
         rows: Rows,
     },
 
     // ---- layout
     /// A view of the operand's buffer with another shape: no kernel, no copy.
     Reshape {
+        /// The new shape, with the operand's element count.
         shape: Shape,
     },
+    /// The operand's axes reordered (a transpose) into a buffer of its own.
     Permute {
+        /// For each output axis, the operand's axis it takes (output axis i is axis `perm[i]`); a
+        /// permutation of `0..rank`.
         perm: Vec<usize>,
     },
+    /// The operand broadcast to `shape` (NumPy rules, aligned at the right) and written out in
+    /// full.
     BroadcastTo {
+        /// The target shape; every axis of the operand equals its axis or is 1.
         shape: Shape,
     },
     /// An identity copy into a buffer of its own.
@@ -411,44 +517,69 @@ pub enum Op {
     /// zero (NaN -> 0, out of range saturates, as Rust's `as`), anything -> bool is `!= 0`,
     /// bool -> number is 0 or 1. Never in place (the sizes may differ).
     Cast {
+        /// The element type converted to.
         to: DType,
     },
+    /// The operands joined along `axis` in operand order; they share a dtype and agree on every
+    /// other axis.
     Concat {
+        /// The axis along which the operands are joined.
         axis: usize,
     },
+    /// The `len` consecutive indices from `start` along `axis` of the operand, every other axis
+    /// whole.
     Slice {
+        /// The axis sliced.
         axis: usize,
+        /// The first index taken along `axis`.
         start: usize,
+        /// How many indices are taken: above 0, ending within the axis.
         len: usize,
     },
     /// Zero padding along one axis: the inverse of `Slice`, used by its gradient.
     Pad {
+        /// The axis padded.
         axis: usize,
+        /// The number of zeros inserted before index 0 along `axis`.
         before: usize,
+        /// The number of zeros appended after the last index along `axis`.
         after: usize,
     },
 
     // ---- reductions and normalisers
+    /// Operand 0 reduced over `axes` by `op`.
     Reduce {
+        /// How the reduced elements are combined: sum, mean or maximum.
         op: ReduceOp,
+        /// The reduced axes: distinct, ascending, below the rank.
         axes: Vec<usize>,
+        /// Whether the reduced axes stay in the output as length 1 (else they are removed).
         keepdims: bool,
     },
+    /// Softmax along `axis`, computed stably (the maximum subtracted first); the output has the
+    /// operand's shape.
     Softmax {
+        /// The axis normalised over.
         axis: usize,
     },
+    /// The logarithm of the softmax along `axis`, computed stably in one op; the output has the
+    /// operand's shape.
     LogSoftmax {
+        /// The axis normalised over.
         axis: usize,
     },
 
     // ---- convolution and pooling, NHWC activations, HWIO filters
-    /// (x[N,H,W,C], w[KH,KW,C,F]) -> [N,OH,OW,F]; `window.size` equals (KH, KW).
+    /// (x `[N,H,W,C]`, w `[KH,KW,C,F]`) -> `[N,OH,OW,F]`; `window.size` equals (KH, KW).
     Conv2d {
+        /// The filter's size `[KH, KW]`, the stride and the padding.
         window: Window2d,
     },
     /// (dy, w) -> dx of shape `input`.
     Conv2dBackpropInput {
+        /// The forward convolution's window.
         window: Window2d,
+        /// The forward convolution's input shape `[N, H, W, C]`: the output's shape.
         input: Shape,
     },
     /// (dy, w, y) -> relu_grad(y, conv2d_backprop_input(dy, w)): a convolution's input gradient
@@ -457,26 +588,38 @@ pub enum Op {
     /// reaches y by another path, a residual connection's): relu_grad(y, r + dx), which may
     /// write over y or r.
     Conv2dBackpropInputReluGrad {
+        /// The forward convolution's window.
         window: Window2d,
+        /// The forward convolution's input shape `[N, H, W, C]`: the shape of y, of r and of the
+        /// output.
         input: Shape,
     },
     /// (x, dy) -> dw of shape [KH, KW, C, F].
     Conv2dBackpropFilter {
+        /// The forward convolution's window; its `size` gives the filter's KH and KW.
         window: Window2d,
     },
+    /// Pooling of an NHWC input over each window, per channel:
+    /// x `[N, H, W, C]` -> `[N, OH, OW, C]`.
     Pool2d {
+        /// Maximum or average over the window.
         kind: PoolKind,
+        /// The window's size, stride and padding.
         window: Window2d,
     },
     /// (x, dy) -> dx.
     Pool2dGrad {
+        /// The forward pooling's kind.
         kind: PoolKind,
+        /// The forward pooling's window.
         window: Window2d,
     },
     /// (dy) -> dx of shape `input`: average pooling's gradient, which needs the pooled input's
     /// shape only, not its values (so autodiff does not keep the input alive for it).
     AvgPool2dGrad {
+        /// The forward pooling's window.
         window: Window2d,
+        /// The pooled input's shape `[N, H, W, C]`: the output's shape.
         input: Shape,
     },
 
@@ -485,6 +628,7 @@ pub enum Op {
     Gather,
     /// (ids, dy) -> d table [vocab, ...]: rows scattered and summed.
     GatherGrad {
+        /// The table's row count V: the output's first axis.
         vocab: usize,
     },
 
@@ -493,13 +637,16 @@ pub enum Op {
     /// count), in rank order on every rank, so that every rank gets the same bits. The backend's
     /// communicator (`kiln_comm::Communicator`) carries the bytes; written over its operand.
     AllReduce {
+        /// `Sum` or `Mean` over the ranks (`ir::infer` refuses `Max`).
         op: ReduceOp,
     },
     /// This rank's shard (`Shard::range`) of the operand's elementwise reduction over every rank,
     /// 1-D, padded to `Shard::padded` elements (the padding is zero): ZeRO's gradient
     /// partition. Each shard is summed in rank order by the rank that owns it.
     ReduceScatter {
+        /// `Sum` or `Mean` over the ranks (`ir::infer` refuses `Max`).
         op: ReduceOp,
+        /// Which shard of the reduction this rank receives.
         shard: Shard,
     },
     /// An effect on a variable: every rank's shard of it (`Shard::range`, as the rank's sharded
@@ -507,11 +654,15 @@ pub enum Op {
     /// whole variable again (ZeRO's parameter all-gather). Its step's scratch holds this
     /// rank's shard while the communicator writes the variable.
     AllGather {
+        /// This rank and the rank count: which shard of the variable this rank sends.
         shard: Shard,
     },
 
     // ---- a user's op, by its registered name (`crate::custom`)
+    /// A user's op: its operands, output type, kernels and gradient come from the definition
+    /// registered under `name` (`crate::custom::register`).
     Custom {
+        /// The name the op is registered under.
         name: String,
     },
 
@@ -520,11 +671,18 @@ pub enum Op {
     /// the variable (and its state) are updated, from a gradient of just those rows. With
     /// `product`, the gradient is the product aᵀ·b of two operands in its place (`Grad`).
     ApplySgd {
+        /// The learning rate.
         lr: f32,
+        /// The velocity's decay: v = momentum·v - lr·g, then var += v; 0 for plain SGD (var -=
+        /// lr·g), which takes no velocity operand.
         momentum: f32,
+        /// Whether the step is Nesterov's: var += momentum·v - lr·g after updating v.
         nesterov: bool,
+        /// The block of rows updated (a tiled update); None for the whole variable.
         #[serde(default)]
         rows: Option<Rows>,
+        /// Whether the gradient is the product aᵀ·b of two operands (`Grad::Product`), which the
+        /// update's kernel computes; false: one stored gradient operand.
         #[serde(default)]
         product: bool,
         /// ZeRO: the update covers this rank's shard of the variable (`Shard::range` of its
@@ -538,12 +696,19 @@ pub enum Op {
     /// rows of the variable and its state are updated, from a gradient of just those rows. With
     /// `product`, (var, a, b, m, v, iterations): the gradient is aᵀ·b (`Grad`).
     ApplyAdam {
+        /// The learning rate, scaled each step by √(1 - β2^t) / (1 - β1^t).
         lr: f32,
+        /// The decay rate β1 of the first moment m.
         beta1: f32,
+        /// The decay rate β2 of the second moment v.
         beta2: f32,
+        /// ε, added to √v in the update's denominator: var -= α·m / (√v + ε).
         epsilon: f32,
+        /// The block of rows updated (a tiled update); None for the whole variable.
         #[serde(default)]
         rows: Option<Rows>,
+        /// Whether the gradient is the product aᵀ·b of two operands (`Grad::Product`), which the
+        /// update's kernel computes; false: one stored gradient operand.
         #[serde(default)]
         product: bool,
         /// ZeRO: the update covers this rank's shard of the variable (`Shard::range` of its
@@ -555,6 +720,7 @@ pub enum Op {
     },
     /// (var) += value.
     AssignAdd {
+        /// The constant added to every element of the variable (1 for a step counter).
         value: f32,
     },
 }
@@ -583,14 +749,24 @@ impl Grad {
 /// Broad classes the passes and the planner reason about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpClass {
+    /// `Input` and `Variable`: no operands; their values are fed or persistent.
     Source,
+    /// Each output element reads the operands at its own position only (unary, binary, scalar,
+    /// select, a fused group without product or reduction), so the output may be written over an
+    /// operand.
     Elementwise,
+    /// A reshape: the output is the operand's buffer with another shape, no kernel.
     View,
+    /// Every other op that produces a tensor: products, convolutions, reductions, normalisers,
+    /// pooling, layout copies, fills, gathers, tensor-producing collectives, custom ops.
     Compute,
+    /// Writes variable operands in place and produces no tensor: optimizer updates, `AssignAdd`,
+    /// `AllGather`.
     Effect,
 }
 
 impl Op {
+    /// The op's broad class (`OpClass`). A fused group with a product or a reduction is `Compute`.
     pub fn class(&self) -> OpClass {
         match self {
             Op::Input { .. } | Op::Variable { .. } => OpClass::Source,
@@ -670,6 +846,8 @@ impl Op {
         }
     }
 
+    /// Whether the op is an effect (`OpClass::Effect`): it writes its variable operands in place
+    /// and produces no tensor.
     pub fn is_effect(&self) -> bool {
         self.class() == OpClass::Effect
     }

@@ -2,19 +2,28 @@ use super::{Activation, Layer, invalid_layer};
 use crate::ir::{Init, Padding, Shape};
 use crate::trace::Tensor;
 
-/// 2-D convolution over NHWC inputs with an HWIO kernel [kh, kw, in, filters] (Keras `Conv2D`).
+/// 2-D convolution over NHWC inputs with an HWIO kernel `[kh, kw, in, filters]` (Keras `Conv2D`).
 #[derive(Clone, Debug)]
 pub struct Conv2D {
+    /// The number of output channels (the kernel's last axis; at least 1).
     pub filters: usize,
+    /// The kernel's window `[height, width]`, in elements.
     pub kernel: [usize; 2],
+    /// The step between windows `[along height, along width]`; `[1, 1]` by default.
     pub stride: [usize; 2],
+    /// `Padding::Valid` (none, the default) or `Padding::Same` (output size `ceil(in / stride)`).
     pub padding: Padding,
+    /// The activation applied after the bias (`Activation::Linear` by default: none).
     pub activation: Activation,
+    /// Whether a bias `[filters]` (zeros at first) is added; true by default.
     pub use_bias: bool,
+    /// The layer's scope name instead of the derived one (`conv2d`, `conv2d_1`, ...); `None`: derived.
     pub name: Option<String>,
 }
 
 impl Conv2D {
+    /// A convolution of `filters` output channels over a `kernel` window: stride 1, valid padding,
+    /// a bias, no activation, Glorot-uniform kernel.
     pub fn new(filters: usize, kernel: [usize; 2]) -> Self {
         Conv2D {
             filters,
@@ -27,29 +36,35 @@ impl Conv2D {
         }
     }
 
+    /// Sets the stride `[along height, along width]`.
     pub fn stride(mut self, stride: [usize; 2]) -> Self {
         self.stride = stride;
         self
     }
 
+    /// Sets the padding.
     pub fn padding(mut self, padding: Padding) -> Self {
         self.padding = padding;
         self
     }
 
+    /// `Padding::Same`: output height and width are the input's divided by the stride, rounded up.
     pub fn same(self) -> Self {
         self.padding(Padding::Same)
     }
 
+    /// Sets the activation applied to the output.
     pub fn activation(mut self, activation: Activation) -> Self {
         self.activation = activation;
         self
     }
 
+    /// Applies ReLU to the output.
     pub fn relu(self) -> Self {
         self.activation(Activation::Relu)
     }
 
+    /// Names the layer's scope `name` in place of the derived one (variables `name/kernel`, ...).
     pub fn named(mut self, name: &str) -> Self {
         self.name = Some(name.to_string());
         self
@@ -104,26 +119,34 @@ impl Layer for Conv2D {
 /// stride defaults to the window.
 #[derive(Clone, Debug)]
 pub struct Pool2D {
+    /// True for max pooling, false for average pooling.
     pub max: bool,
+    /// The pooling window `[height, width]`, in elements.
     pub window: [usize; 2],
+    /// The step between windows `[along height, along width]`; the window by default.
     pub stride: [usize; 2],
+    /// `Padding::Valid` (the default) or `Padding::Same`.
     pub padding: Padding,
 }
 
 impl Pool2D {
+    /// Max pooling over `window`, stride the window, valid padding.
     pub fn max(window: [usize; 2]) -> Self {
         Pool2D { max: true, window, stride: window, padding: Padding::Valid }
     }
 
+    /// Average pooling over `window`, stride the window, valid padding.
     pub fn avg(window: [usize; 2]) -> Self {
         Pool2D { max: false, window, stride: window, padding: Padding::Valid }
     }
 
+    /// Sets the stride `[along height, along width]`.
     pub fn stride(mut self, stride: [usize; 2]) -> Self {
         self.stride = stride;
         self
     }
 
+    /// Sets the padding.
     pub fn padding(mut self, padding: Padding) -> Self {
         self.padding = padding;
         self
@@ -147,7 +170,7 @@ impl Layer for Pool2D {
     }
 }
 
-/// [N, ...] -> [N, product of the rest] (a view, no copy).
+/// `[N, ...]` -> `[N, product of the rest]` (a view, no copy).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Flatten;
 

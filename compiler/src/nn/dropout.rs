@@ -16,12 +16,16 @@ use crate::trace::Tensor;
 /// The step counter every dropout layer of a model reads.
 pub const STEP_KEY: &str = "dropout/step";
 
+/// Inverted dropout (see the module's doc): zeroes elements with probability `rate` in training
+/// steps, the identity at inference.
 #[derive(Clone, Debug)]
 pub struct Dropout {
+    /// The probability that an element is zeroed, in `[0, 1)`; 0 makes the layer the identity.
     pub rate: f32,
 }
 
 impl Dropout {
+    /// A dropout layer of the given rate (checked when the layer is traced).
     pub fn new(rate: f32) -> Self {
         Dropout { rate }
     }

@@ -2,17 +2,20 @@ use super::{Layer, invalid_layer};
 use crate::ir::Init;
 use crate::trace::Tensor;
 
-/// Rows of a [vocab, dim] table looked up by integer ids (i32, i64, or whole f32s); Keras `Embedding`,
-/// initialised uniform in [-0.05, 0.05].
+/// Rows of a `[vocab, dim]` table looked up by integer ids (i32, i64, or whole f32s); Keras `Embedding`,
+/// initialised uniform in `[-0.05, 0.05]`.
 #[derive(Clone, Debug)]
 pub struct Embedding {
+    /// The table's rows: ids run from 0 to `vocab - 1`.
     pub vocab: usize,
+    /// The width of each row: the size of the output's new last axis.
     pub dim: usize,
     /// The key of a table shared with other layers (`tied`), if any.
     pub tied: Option<String>,
 }
 
 impl Embedding {
+    /// A table of `vocab` rows of `dim` values, the layer's own (`embeddings` in its scope).
     pub fn new(vocab: usize, dim: usize) -> Self {
         Embedding { vocab, dim, tied: None }
     }
@@ -49,15 +52,17 @@ impl Layer for Embedding {
 }
 
 /// A learned position embedding added to a sequence (GPT-2's `wpe`): `x[.., T, d]` plus the
-/// first T rows of a [max_len, d] table, initialised uniform in [-0.05, 0.05]. Without it a
+/// first T rows of a `[max_len, d]` table, initialised uniform in `[-0.05, 0.05]`. Without it a
 /// causal attention stack cannot tell positions apart. A sequence longer than `max_len` is an
 /// error naming the layer.
 #[derive(Clone, Debug)]
 pub struct PositionEmbedding {
+    /// The most positions the table holds (its rows); a longer sequence is an error.
     pub max_len: usize,
 }
 
 impl PositionEmbedding {
+    /// A table for sequences of up to `max_len` positions (`positions` in the layer's scope).
     pub fn new(max_len: usize) -> Self {
         PositionEmbedding { max_len }
     }
@@ -102,11 +107,14 @@ impl Layer for PositionEmbedding {
 /// parameter `key` (`Embedding::tied`); declared here first, it is made here.
 #[derive(Clone, Debug)]
 pub struct TiedOutput {
+    /// The key of the embedding table this head reads (an `Embedding::tied` key, no scope).
     pub key: String,
+    /// The table's rows: the size of the logits' last axis.
     pub vocab: usize,
 }
 
 impl TiedOutput {
+    /// A head reading the table `key` of `vocab` rows (its width is the input's last axis).
     pub fn new(key: &str, vocab: usize) -> Self {
         TiedOutput { key: key.to_string(), vocab }
     }

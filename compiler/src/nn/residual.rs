@@ -7,6 +7,7 @@ pub struct Residual {
 }
 
 impl Residual {
+    /// Wraps `inner`: the layer's output is `x + inner(x)`, which needs `inner` to keep `x`'s shape.
     pub fn new(inner: impl Layer + 'static) -> Self {
         Residual { inner: Box::new(inner) }
     }

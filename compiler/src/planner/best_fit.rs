@@ -184,6 +184,8 @@ pub struct GapChoice {
 }
 
 impl GapChoice {
+    /// A choice for a buffer of `size` bytes that takes the best hole so far once `budget` holes
+    /// (at least 1) were offered.
     pub fn new(size: usize, budget: usize) -> Self {
         GapChoice { size, budget: budget.max(1), seen: 0, best: None }
     }

@@ -25,10 +25,14 @@ use serde::{Deserialize, Serialize};
 
 use super::timeline::Timeline;
 
+/// An order in which best fit visits the buffers (see the module's doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Heuristic {
+    /// Aligned size, largest first; ties by earliest start.
     Size,
+    /// The most bytes live at any step of the buffer's lifetime, largest first; then size, largest first.
     Breadth,
+    /// Start step, earliest first; then size, largest first.
     Start,
 }
 

@@ -33,6 +33,7 @@ pub struct IntervalIndex {
 }
 
 impl IntervalIndex {
+    /// An empty index over the slots `0..slots`.
     pub fn new(slots: usize) -> Self {
         let leaves = slots.max(1).next_power_of_two();
         IntervalIndex { leaves, nodes: vec![Node::default(); 2 * leaves] }

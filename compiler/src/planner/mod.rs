@@ -6,7 +6,7 @@
 //! the placement are separate, several orders are tried ([`heuristics`]) through one best-fit
 //! placement ([`best_fit`], TensorFlow Lite's arena planner idea) and the smallest arena is kept.
 //! [`lower_bound`] (no arena can be smaller) and [`naive_bytes`] (no reuse) frame the result, and
-//! [`verify`] checks any placement independently of how it was made.
+//! [`verify()`] checks any placement independently of how it was made.
 //!
 //! Modules, one job each:
 //! - [`timeline`]: schedule steps compressed to the distinct start steps, and the live-bytes profile.
@@ -16,7 +16,7 @@
 //! - [`best_fit`]: places buffers in a given order, each into the smallest hole that fits.
 //! - [`heuristics`]: the orders tried (size, breadth, start).
 //! - [`bound`]: the lower bound and the no-reuse size.
-//! - [`verify`]: the independent checker.
+//! - [`mod@verify`]: the independent checker.
 //! - [`workloads`]: synthetic interval sets (MLP and transformer training steps, random mixes) for
 //!   tests, benches and reports.
 //!
@@ -46,12 +46,16 @@ use serde::{Deserialize, Serialize};
 /// One buffer to place: `bytes` (unaligned), live from schedule step `start` to `end` inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Interval {
+    /// The buffer's size in bytes, unaligned (the planner aligns it).
     pub bytes: usize,
+    /// The first schedule step at which the buffer is live.
     pub start: usize,
+    /// The last schedule step (inclusive) at which the buffer is live.
     pub end: usize,
 }
 
 impl Interval {
+    /// A buffer of `bytes` live from step `start` to `end` inclusive.
     pub fn new(bytes: usize, start: usize, end: usize) -> Self {
         Interval { bytes, start, end }
     }

@@ -44,6 +44,7 @@ struct Many {
 }
 
 impl RangeSet {
+    /// An empty set.
     pub fn new() -> Self {
         Self::default()
     }
@@ -83,10 +84,12 @@ impl RangeSet {
         }
     }
 
+    /// Whether the set holds no range.
     pub fn is_empty(&self) -> bool {
         matches!(self.repr, Repr::Empty)
     }
 
+    /// The number of disjoint ranges (not bytes).
     pub fn len(&self) -> usize {
         self.ranges().len()
     }

@@ -28,6 +28,7 @@ pub struct Timeline {
     pub spans: Vec<Span>,
     /// Aligned bytes live at each slot.
     pub live: Vec<usize>,
+    /// The alignment in bytes each interval's size is rounded up to in `live`.
     pub alignment: usize,
 }
 

@@ -24,6 +24,7 @@ pub struct OpTrace {
 pub struct Buf(usize);
 
 impl OpTrace {
+    /// An empty trace: the first op runs at step 0.
     pub fn new() -> Self {
         Self::default()
     }
@@ -97,10 +98,15 @@ pub fn mlp_training(batch: usize, dims: &[usize]) -> Vec<Interval> {
 /// Sizes of a pre-norm transformer block's training step.
 #[derive(Clone, Copy, Debug)]
 pub struct TransformerDims {
+    /// Sequences per batch.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// The model width (features per token).
     pub model: usize,
+    /// Attention heads (the probabilities are `heads * seq^2` per sequence).
     pub heads: usize,
+    /// Transformer blocks in the stack.
     pub layers: usize,
     /// Weight gradients live until one optimizer op after the backward pass (as with gradient
     /// accumulation or a fused multi-tensor update) instead of being consumed right away.

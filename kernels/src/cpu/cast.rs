@@ -13,7 +13,9 @@ use kiln_compiler::ir::{DType, Shape};
 /// One element's value, widened: what every conversion goes through.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scalar {
+    /// An `f32` element's value.
     F(f32),
+    /// An `i32`, `i64` or `bool` element's value (`bool` as 0 or 1), widened to `i64`.
     I(i64),
 }
 

@@ -65,7 +65,10 @@ use kiln_compiler::scratch::ScratchRule;
 /// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CudaKernel {
+    /// The CUDA C translation unit that NVRTC compiles (every function the launches name).
     pub source: String,
+    /// The launches that compute the step, in the order they must run (empty when there is
+    /// nothing to compute).
     pub launches: Vec<Launch>,
     /// Short description for profiles, e.g. "matmul 32x100x10 (... tile 16x16x16 ...)".
     pub describe: String,
@@ -74,11 +77,15 @@ pub struct CudaKernel {
 /// One kernel launch: a function of the source, its geometry and its pointer arguments.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Launch {
+    /// The name of the `extern "C" __global__` function of the source to launch.
     pub function: String,
+    /// The grid's size in blocks, `[x, y, z]`.
     pub grid: [u32; 3],
+    /// The block's size in threads, `[x, y, z]`.
     pub block: [u32; 3],
     /// Dynamic shared memory in bytes (the generated kernels use static shared memory: 0).
     pub shared_bytes: u32,
+    /// The kernel's pointer parameters, in the function's parameter order.
     pub args: Vec<Arg>,
 }
 
@@ -87,8 +94,11 @@ pub struct Launch {
 /// generated with scratch, which use at most the bytes they were given).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arg {
+    /// The device address of the step's operand with this index (0-based).
     Input(usize),
+    /// The device address of the step's output.
     Output,
+    /// The device address of the step's scratch.
     Scratch,
 }
 

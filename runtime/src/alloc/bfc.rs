@@ -116,10 +116,13 @@ impl BfcOptions {
 /// One chunk, as `BFCAllocator::RecordMemoryMap` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChunkInfo {
+    /// The chunk's start address.
     pub addr: u64,
+    /// The chunk's size in bytes (rounded; a chunk in use may be larger than its request).
     pub size: usize,
     /// Bytes requested for a chunk in use, 0 for a free chunk.
     pub requested: usize,
+    /// Whether a live block occupies the chunk.
     pub in_use: bool,
     /// The bin a free chunk sits in; `None` for a chunk in use.
     pub bin: Option<usize>,

@@ -140,19 +140,26 @@ impl CachingOptions {
 /// One block of a segment, as `torch.cuda.memory_snapshot()` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
+    /// The block's start address.
     pub addr: u64,
+    /// The block's size in bytes (rounded; an allocated block may be larger than its request).
     pub size: usize,
     /// Bytes requested for an allocated block, 0 for a cached free block.
     pub requested: usize,
+    /// Whether the block is allocated (false: cached, free for reuse).
     pub allocated: bool,
 }
 
 /// One segment (one `cudaMalloc`) with its blocks in address order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentInfo {
+    /// The segment's start address (what the region source returned).
     pub addr: u64,
+    /// The segment's size in bytes.
     pub size: usize,
+    /// The pool the segment serves: small or large requests.
     pub pool: Pool,
+    /// The segment's blocks in address order, covering it without gaps.
     pub blocks: Vec<BlockInfo>,
 }
 

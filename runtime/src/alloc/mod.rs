@@ -143,13 +143,20 @@ pub enum AllocError {
         fmt_bytes(*.in_use), fmt_bytes(*.largest_free), fmt_detail(.detail)
     )]
     OutOfMemory {
+        /// The allocator's name (its options' `name`).
         allocator: String,
+        /// The bytes the caller asked for.
         requested: usize,
+        /// The request rounded as the allocator serves it (its bin or block size), in bytes.
         rounded: usize,
         /// The allocator's memory limit; `None` when only the device bounds it.
         limit: Option<usize>,
+        /// Bytes the allocator held from the device when it failed.
         reserved: usize,
+        /// Bytes held by live blocks when it failed.
         in_use: usize,
+        /// The largest free chunk (BFC) or cached block (caching allocator) when it failed, in
+        /// bytes.
         largest_free: usize,
         /// Extra context, e.g. what the device said; may be empty.
         detail: String,
@@ -159,16 +166,34 @@ pub enum AllocError {
         "{allocator}: double free: {addr:#x} is not a live allocation (it was already freed, or is not the \
          start of a block). Free each block once, by the address `allocate` returned"
     )]
-    DoubleFree { allocator: String, addr: u64 },
+    DoubleFree {
+        /// The allocator's name.
+        allocator: String,
+        /// The address passed to `deallocate`.
+        addr: u64,
+    },
     /// The address is not in any region this allocator holds.
     #[error(
         "{allocator}: unknown address {addr:#x}: it lies in no region of this allocator; free blocks with the \
          allocator that allocated them"
     )]
-    UnknownAddress { allocator: String, addr: u64 },
+    UnknownAddress {
+        /// The allocator's name.
+        allocator: String,
+        /// The address passed to `deallocate`.
+        addr: u64,
+    },
     /// A region source refused a region.
     #[error("device {source_name} refused a region of {}: {reason}", fmt_bytes(*.bytes))]
-    DeviceRefused { source_name: String, bytes: usize, reason: String },
+    DeviceRefused {
+        /// The region source's name (the device it takes memory from).
+        source_name: String,
+        /// The size of the refused region, in bytes.
+        bytes: usize,
+        /// Why: an empty region, the source's capacity exceeded, an exhausted address space, or the
+        /// driver's or the system allocator's refusal.
+        reason: String,
+    },
 }
 
 /// Formats a byte count for messages, e.g. `2.00 MiB (2097152 B)`.

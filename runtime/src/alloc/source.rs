@@ -45,11 +45,24 @@ impl<S: RegionSource + ?Sized> RegionSource for Box<S> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SourceEvent {
     /// A region was handed out.
-    Alloc { base: u64, bytes: usize },
+    Alloc {
+        /// The region's start address.
+        base: u64,
+        /// The region's size in bytes.
+        bytes: usize,
+    },
     /// A region was returned.
-    Free { base: u64, bytes: usize },
+    Free {
+        /// The region's start address.
+        base: u64,
+        /// The region's size in bytes, as the allocator gave it back.
+        bytes: usize,
+    },
     /// A request was refused (capacity exceeded).
-    Refused { bytes: usize },
+    Refused {
+        /// The size of the refused request in bytes.
+        bytes: usize,
+    },
 }
 
 /// A simulated device: addresses from a counter, no memory behind them.

@@ -19,7 +19,9 @@ use std::sync::{Arc, Mutex};
 /// A loaded kernel function, ready to launch on the driver that loaded it.
 #[derive(Clone, Debug)]
 pub enum Function {
+    /// A function of a module loaded by cudarc's driver on a CUDA device.
     Cuda(CudaFunction),
+    /// A function of the emulated device's host build of the kernel source.
     Host(emulator::HostFunction),
 }
 
@@ -44,6 +46,7 @@ impl std::fmt::Debug for Recording {
 pub trait Driver: Send + Sync {
     /// Identifies the physical device within the process: backends of one id share its books.
     fn id(&self) -> String;
+    /// The device's ordinal, name, compute capability and total memory.
     fn info(&self) -> &DeviceInfo;
     /// The driver's and the compiler's versions, for reports and errors.
     fn versions(&self) -> String;
@@ -98,6 +101,7 @@ pub trait Driver: Send + Sync {
     /// stream around it (the emulated device, which has no clock of its own: the host's clock
     /// between two synchronisations). Waits for the work to finish.
     fn time(&self, queue: &mut dyn FnMut() -> Result<()>) -> Result<f64>;
+    /// How many kernels were compiled or found in the caches, and the time spent compiling.
     fn compile_stats(&self) -> CompileStats;
     /// "NVRTC 13.0 (cubin for sm_90)" or "host C++ (c++)".
     fn compiler_description(&self) -> String;
@@ -142,6 +146,9 @@ pub struct CudaDriver {
 }
 
 impl CudaDriver {
+    /// The driver of CUDA device `ordinal`: a new context and stream on it, and an NVRTC compiler
+    /// for its architecture; an error (never a panic) when the driver, the device or NVRTC is
+    /// missing.
     pub fn new(ordinal: usize) -> Result<Self> {
         let found = probe::probe();
         found.usable().map_err(RuntimeError::Cuda)?;
@@ -161,6 +168,7 @@ impl CudaDriver {
         Ok(CudaDriver { info, ctx, stream, compiler, modules: Mutex::new(HashMap::new()) })
     }
 
+    /// The NVRTC compiler (and caches) this driver's kernels are built with.
     pub fn compiler(&self) -> &NvrtcCompiler {
         &self.compiler
     }

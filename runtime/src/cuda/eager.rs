@@ -20,6 +20,8 @@ pub struct CudaSource {
 }
 
 impl CudaSource {
+    /// A source of regions on `backend`'s device, through its driver, named as the backend
+    /// describes itself in short.
     pub fn new(backend: &CudaBackend) -> Self {
         CudaSource { driver: backend.driver().clone(), name: backend.describe_short(), regions: 0 }
     }
@@ -65,6 +67,8 @@ pub struct CudaEager {
 }
 
 impl CudaEager {
+    /// An eager executor's device on `backend`'s device, sharing its driver and kernel caches;
+    /// each op's kernel is generated and loaded on first use, then cached by op and shapes.
     pub fn new(backend: &CudaBackend) -> Self {
         CudaEager {
             name: backend.describe_short(),

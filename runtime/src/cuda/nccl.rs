@@ -19,8 +19,9 @@
 //! The bootstrap: rank 0 makes the group's id (`ncclGetUniqueId`), the host communicator
 //! (in-process ranks or MPI) broadcasts its 128 bytes, every rank joins (`ncclCommInitRank`).
 //!
-//! Not yet run on a GPU: the build machines have none and the lent machines have one GPU, where
-//! NCCL refuses two ranks; one rank runs the same calls (`tests/gpu.rs`).
+//! Checked on one GPU: NCCL refuses two ranks on one device, so `tests/gpu.rs` runs one rank
+//! through the same calls (an all-reduce, reduce-scatters and all-gathers) against a host-staged
+//! rank; two ranks on two GPUs have not run.
 
 use crate::error::{Result, RuntimeError};
 use cudarc::nccl::result as nccl;
@@ -105,10 +106,12 @@ impl Nccl {
         Ok(Nccl { comm, rank, size })
     }
 
+    /// This rank's number in the NCCL group, `0..size()`.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// How many ranks (GPUs) the group has.
     pub fn size(&self) -> usize {
         self.size
     }

@@ -23,20 +23,27 @@ use std::time::Instant;
 /// How many kernels came from where, and the time spent compiling.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct CompileStats {
+    /// Kernels compiled by NVRTC (cache misses; a source asked for twice in one call counts once).
     pub compiled: usize,
+    /// Kernels found in the in-memory cache.
     pub from_memory: usize,
+    /// Kernels read from the disk cache.
     pub from_disk: usize,
+    /// Wall-clock seconds spent compiling the misses, summed over calls.
     pub compile_seconds: f64,
 }
 
 /// What the driver loads: a cubin for the device's architecture, or PTX for its JIT.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Image {
+    /// Machine code for the device's own `sm_XY`, loaded without the driver's JIT.
     Cubin(Vec<u8>),
+    /// PTX for `compute_XY`, which the driver's JIT compiles at load.
     Ptx(String),
 }
 
 impl Image {
+    /// The image's kind for reports: `cubin` or `PTX`.
     pub fn describe(&self) -> &'static str {
         match self {
             Image::Cubin(_) => "cubin",
@@ -45,6 +52,8 @@ impl Image {
     }
 }
 
+/// Compiles kernel sources for one device's architecture with NVRTC, through an in-memory and
+/// an on-disk cache (see the module's doc), counting where each kernel came from.
 pub struct NvrtcCompiler {
     /// `compute_90` for an sm_90 device: PTX the driver finishes for the exact chip at load.
     arch: String,
@@ -100,14 +109,17 @@ impl NvrtcCompiler {
         self
     }
 
+    /// The PTX target, e.g. `compute_90`.
     pub fn arch(&self) -> &str {
         &self.arch
     }
 
+    /// NVRTC's version as (major, minor).
     pub fn version(&self) -> (i32, i32) {
         self.version
     }
 
+    /// How many kernels came from where so far, and the time spent compiling.
     pub fn stats(&self) -> CompileStats {
         *self.stats.lock().expect("stats lock")
     }

@@ -13,25 +13,34 @@ use std::sync::OnceLock;
 /// The NVRTC library's file name for the CUDA major version cudarc was built for.
 pub const NVRTC_SONAME: &str = "libnvrtc.so.13";
 
+/// The NVRTC library that was loaded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvrtcInfo {
     /// Where it was found ("loader search path" when found by name).
     pub location: String,
+    /// NVRTC's version as (major, minor), from `nvrtcVersion`.
     pub version: (i32, i32),
 }
 
+/// One CUDA device the driver reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {
+    /// The device's CUDA ordinal (its index in the driver's list).
     pub ordinal: usize,
+    /// The device's name as the driver gives it, e.g. `NVIDIA H100 80GB HBM3`.
     pub name: String,
+    /// The compute capability as (major, minor), e.g. (9, 0) for `sm_90`.
     pub compute_capability: (i32, i32),
+    /// The device's total memory in bytes.
     pub total_bytes: usize,
 }
 
 /// What was found, and why not where nothing was.
 #[derive(Clone, Debug)]
 pub struct CudaProbe {
+    /// The NVRTC library loaded, or why none could be.
     pub nvrtc: Result<NvrtcInfo, String>,
+    /// The devices the driver reports (possibly none), or why the driver could not be asked.
     pub devices: Result<Vec<DeviceInfo>, String>,
     /// The devices are the emulated device (`KILN_CUDA_EMULATE=1`), which needs no NVRTC.
     pub emulated: bool,

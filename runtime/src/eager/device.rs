@@ -5,15 +5,20 @@ use crate::error::{Result, RuntimeError};
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_kernels::cpu;
 
+/// A device the eager executor runs ops on, addressed by the blocks its allocator hands out:
+/// the CPU ([`CpuEager`]) or a CUDA device (`CudaEager`).
 pub trait EagerDevice {
+    /// The device's name for reports and errors (e.g. `cpu`, `cuda:0`).
     fn name(&self) -> String;
     /// Writes `bytes` at `addr` (a live block of at least that many bytes).
     fn write_bytes(&mut self, addr: u64, bytes: &[u8]) -> Result<()>;
     /// Reads `n` bytes at `addr` (a live block of at least that many bytes).
     fn read_bytes(&mut self, addr: u64, n: usize) -> Result<Vec<u8>>;
+    /// Writes the f32 values `data` at `addr` (a live block of at least `4 * data.len()` bytes).
     fn write(&mut self, addr: u64, data: &[f32]) -> Result<()> {
         self.write_bytes(addr, bytemuck::cast_slice(data))
     }
+    /// Reads `n` f32 values at `addr` (a live block of at least `4 * n` bytes).
     fn read(&mut self, addr: u64, n: usize) -> Result<Vec<f32>> {
         let bytes = self.read_bytes(addr, n * 4)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())

@@ -41,7 +41,9 @@ pub enum WorkspacePolicy {
 /// A workspace a library takes from the framework's allocator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Workspace {
+    /// The workspace's size in bytes.
     pub bytes: usize,
+    /// When it is taken and freed.
     pub policy: WorkspacePolicy,
 }
 
@@ -97,6 +99,7 @@ impl FrameworkExtras {
         FrameworkExtras { conv_scratch: true, ..Default::default() }
     }
 
+    /// Whether these are no extras at all (kiln's own eager column).
     pub fn is_none(&self) -> bool {
         *self == FrameworkExtras::default()
     }

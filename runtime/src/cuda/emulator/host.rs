@@ -91,6 +91,7 @@ impl std::fmt::Debug for HostFunction {
 }
 
 impl HostFunction {
+    /// The kernel function's name in the generated source.
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -1,0 +1,430 @@
+//! Benchmark results as files, and the tables the README and the book render from them.
+//!
+//! Every benchmark writes its figures twice: `target/kiln/NAME.json` (the bench's own rows, for
+//! whoever ran it) and a [`Record`] under `benches/results/` named `DATE-BENCH-COMMIT.json`,
+//! which says what was measured, on which commit, date, machine and device. The records are the
+//! history: older ones stay, and the tables in `README.md` and `docs/src/benchmarks.md` are
+//! rendered from the newest record of each kind by `kiln render-docs`, never typed by hand
+//! (`tests/docs.rs` fails when a table differs from what its record renders).
+//!
+//! A table sits in a Markdown file between `<!-- results:NAME -->` and `<!-- /results:NAME -->`;
+//! [`render_into`] replaces what is between the markers.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// One benchmark run: what ran, where and when, and its figures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    /// The benchmark: `memory`, `speed`, `peers`, `gpu-peers`, ...
+    pub bench: String,
+    /// The commit measured (`git rev-parse --short HEAD`, `-dirty` when the tree had changes).
+    pub commit: String,
+    /// The date of the run (UTC, `YYYY-MM-DD`).
+    pub date: String,
+    /// The machine: CPU model, logical cores and vector extensions.
+    pub machine: String,
+    /// The device the figures are of: `cpu`, or the GPU with its driver and CUDA version.
+    pub device: String,
+    /// The bench's figures, as it writes them to `target/kiln/NAME.json`.
+    pub data: Value,
+}
+
+/// The folder of result records: `KILN_RESULTS_DIR` where set (a machine that runs a built
+/// binary away from its checkout), else `benches/results` in the repository.
+pub fn results_dir() -> PathBuf {
+    match std::env::var_os("KILN_RESULTS_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("benches").join("results"),
+    }
+}
+
+/// Writes `data` as bench `bench`'s record of today's run on `device` into [`results_dir`], and
+/// returns the file's path.
+pub fn record(bench: &str, device: &str, data: &impl Serialize) -> std::io::Result<PathBuf> {
+    let rec = Record {
+        bench: bench.to_string(),
+        commit: commit(),
+        date: today(),
+        machine: machine(),
+        device: device.to_string(),
+        data: serde_json::to_value(data).map_err(std::io::Error::other)?,
+    };
+    let dir = results_dir();
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}-{}-{}.json", rec.date, bench, rec.commit));
+    let text = serde_json::to_string_pretty(&rec).map_err(std::io::Error::other)?;
+    std::fs::write(&path, text + "\n")?;
+    Ok(path)
+}
+
+/// What every benchmark calls with its figures: writes `target/kiln/BENCH.json` (the figures
+/// alone) and the run's [`Record`] under `benches/results/`, and prints both paths.
+pub fn write(bench: &str, device: &str, data: &impl Serialize) -> std::io::Result<()> {
+    let dir = crate::report::output_dir();
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{bench}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(data).map_err(std::io::Error::other)?)?;
+    let rec = record(bench, device, data)?;
+    println!("wrote {} and {}", path.display(), rec.display());
+    Ok(())
+}
+
+/// The commit checked out in the repository, `-dirty` when its tree has uncommitted changes;
+/// outside a git checkout, `KILN_COMMIT` where set, else `unknown`.
+pub fn commit() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(c) if !c.is_empty() => {
+            let dirty =
+                git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            if dirty { format!("{c}-dirty") } else { c }
+        }
+        _ => std::env::var("KILN_COMMIT")
+            .ok()
+            .filter(|c| !c.is_empty())
+            .unwrap_or_else(|| "unknown".to_string()),
+    }
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`.
+pub fn today() -> String {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    civil_date(secs / 86_400)
+}
+
+/// The proleptic Gregorian date of `days` since 1970-01-01 (Howard Hinnant's civil-from-days).
+fn civil_date(days: u64) -> String {
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The machine in words: CPU model, logical cores, and the widest vector extension the CPU has.
+pub fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags")).unwrap_or("");
+    let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+    let isa = if has("avx512f") {
+        ", AVX-512"
+    } else if has("avx2") {
+        ", AVX2"
+    } else {
+        ""
+    };
+    format!("{model}, {cores} cores{isa}")
+}
+
+/// Every record in `dir` (files that do not parse as a [`Record`] are older formats: skipped).
+pub fn records(dir: &Path) -> std::io::Result<Vec<Record>> {
+    let mut out = Vec::new();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    paths.sort();
+    for p in paths {
+        let text = std::fs::read_to_string(&p)?;
+        if let Ok(rec) = serde_json::from_str::<Record>(&text) {
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+/// The newest record of `bench` (by date, then by file order), if any.
+pub fn latest<'a>(records: &'a [Record], bench: &str) -> Option<&'a Record> {
+    records.iter().filter(|r| r.bench == bench).max_by(|a, b| a.date.cmp(&b.date))
+}
+
+/// A rendered table: its marker name and its Markdown.
+pub struct Rendered {
+    /// The marker name (`<!-- results:NAME -->`).
+    pub name: &'static str,
+    /// The Markdown between the markers.
+    pub markdown: String,
+}
+
+/// Every table kiln's documents show, rendered from the newest records in `dir`. A table whose
+/// record is missing says so instead of showing figures.
+pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
+    let recs = records(dir)?;
+    let t = |name, f: fn(&Record) -> String, bench| Rendered {
+        name,
+        markdown: latest(&recs, bench)
+            .map(f)
+            .unwrap_or_else(|| format!("(no `{bench}` record in benches/results yet)\n")),
+    };
+    Ok(vec![
+        t("memory-train", |r| memory_table(r, "train"), "memory"),
+        t("memory-forward", |r| memory_table(r, "forward"), "memory"),
+        t("speed-cpu-train", |r| speed_table(r, "train"), "speed"),
+        t("speed-cpu-forward", |r| speed_table(r, "forward"), "speed"),
+        t("gpu-train", |r| gpu_table(r, "train"), "gpu-peers"),
+        t("gpu-forward", |r| gpu_table(r, "forward"), "gpu-peers"),
+    ])
+}
+
+/// Replaces the text between each table's markers in `text`; markers absent from `text` are
+/// skipped. Errors when a start marker has no end marker.
+pub fn render_into(text: &str, tables: &[Rendered]) -> Result<String, String> {
+    let mut out = text.to_string();
+    for t in tables {
+        let start = format!("<!-- results:{} -->", t.name);
+        let end = format!("<!-- /results:{} -->", t.name);
+        let Some(s) = out.find(&start) else { continue };
+        let body = s + start.len();
+        let Some(e) = out[body..].find(&end).map(|e| body + e) else {
+            return Err(format!("`{start}` has no `{end}` after it"));
+        };
+        out.replace_range(body..e, &format!("\n{}", t.markdown));
+    }
+    Ok(out)
+}
+
+fn get<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(k))
+}
+
+fn num(v: &Value, path: &[&str]) -> Option<f64> {
+    get(v, path).and_then(Value::as_f64)
+}
+
+/// Bytes in decimal units, three significant digits: `27.2 KB`, `36.6 MB`, `1.23 GB`.
+fn size(bytes: Option<f64>) -> String {
+    let Some(b) = bytes else { return "-".to_string() };
+    let (v, unit) = match b {
+        b if b >= 1e9 => (b / 1e9, "GB"),
+        b if b >= 1e6 => (b / 1e6, "MB"),
+        b if b >= 1e3 => (b / 1e3, "KB"),
+        b => return format!("{b:.0} B"),
+    };
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.digits$} {unit}")
+}
+
+fn ms(t: Option<f64>) -> String {
+    t.map_or("-".to_string(), |t| if t < 1.0 { format!("{t:.3}") } else { format!("{t:.2}") })
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => {
+            let r = a / b;
+            if r >= 0.1 { format!("{r:.2}") } else { format!("{r:.2e}") }
+        }
+        _ => "-".to_string(),
+    }
+}
+
+fn markdown_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut s = format!("| {} |\n", headers.join(" | "));
+    s += &format!(
+        "|{}\n",
+        headers.iter().enumerate().map(|(i, _)| if i == 0 { "---|" } else { "---:|" }).collect::<String>()
+    );
+    for r in rows {
+        s += &format!("| {} |\n", r.join(" | "));
+    }
+    s
+}
+
+fn provenance(r: &Record, how: &str) -> String {
+    format!("\n{how}, commit `{}`, {}. Machine: {}. Device: {}.\n", r.commit, r.date, r.machine, r.device)
+}
+
+/// The zoo's models first, in the zoo's order, then any other by name.
+fn model_order(name: &str) -> (usize, String) {
+    let zoo = ["seed-mlp", "mlp", "cnn", "transformer"];
+    (zoo.iter().position(|m| *m == name).unwrap_or(zoo.len()), name.to_string())
+}
+
+fn rows_of<'a>(r: &'a Record, key: Option<&str>) -> Vec<&'a Value> {
+    let v = match key {
+        Some(k) => r.data.get(k),
+        None => Some(&r.data),
+    };
+    v.and_then(Value::as_array).map(|a| a.iter().collect()).unwrap_or_default()
+}
+
+/// The memory table: kiln's plan beside eager allocators, PyTorch's replayed stream and XLA.
+fn memory_table(r: &Record, mode: &str) -> String {
+    let rows: Vec<Vec<String>> = rows_of(r, None)
+        .into_iter()
+        .filter(|v| v.get("mode").and_then(Value::as_str) == Some(mode))
+        .map(|v| {
+            let dev = num(v, &["device_bytes"]);
+            let planned = num(v, &["planned_total_bytes"]);
+            let torch = num(v, &["pytorch_replayed", "workspace_peak_reserved"]);
+            let xla = num(v, &["xla_total_bytes"]);
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                size(planned),
+                size(dev),
+                format!(
+                    "{:.3}",
+                    num(v, &["arena_bytes"]).unwrap_or(0.0)
+                        / num(v, &["lower_bound_bytes"]).unwrap_or(1.0).max(1.0)
+                ),
+                size(num(v, &["eager_bfc_peak_reserved_bytes"])),
+                size(torch),
+                ratio(dev, torch),
+                size(xla),
+                ratio(planned, xla),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "kiln planned",
+            "kiln device",
+            "arena / lower bound",
+            "eager BFC reserved",
+            "PyTorch reserved",
+            "kiln / PyTorch",
+            "XLA",
+            "kiln / XLA",
+        ],
+        &rows,
+    );
+    s += &provenance(r, "`cargo bench --bench memory`");
+    s
+}
+
+/// The CPU speed table: kiln beside JAX jit, PyTorch eager and torch.compile.
+fn speed_table(r: &Record, mode: &str) -> String {
+    let rows: Vec<Vec<String>> = rows_of(r, None)
+        .into_iter()
+        .filter(|v| v.get("mode").and_then(Value::as_str) == Some(mode))
+        .map(|v| {
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                ms(num(v, &["kiln_ms"])),
+                ms(num(v, &["jax_ms"])),
+                ms(num(v, &["torch_ms"])),
+                ms(num(v, &["torch_compile_ms"])),
+                num(v, &["kiln_over_fastest_peer"]).map_or("-".into(), |x| format!("{x:.2}")),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "kiln ms",
+            "JAX jit ms",
+            "PyTorch eager ms",
+            "torch.compile ms",
+            "kiln / fastest peer",
+        ],
+        &rows,
+    );
+    s += &provenance(r, "`cargo bench --bench speed` (medians of interleaved rounds)");
+    s
+}
+
+/// The GPU table: kiln's plan beside PyTorch eager and JAX jit on one GPU, time and memory.
+fn gpu_table(r: &Record, mode: &str) -> String {
+    let models = r.data.get("models").and_then(Value::as_object);
+    let mut models: Vec<(&String, &Value)> = models.into_iter().flatten().collect();
+    models.sort_by_key(|(name, _)| model_order(name));
+    let rows: Vec<Vec<String>> = models
+        .into_iter()
+        .filter_map(|(name, m)| {
+            let m = m.get(mode)?;
+            let kiln = num(m, &["kiln", "step_ms"]);
+            let torch = num(m, &["torch", "step_ms"]);
+            let jax = num(m, &["jax", "step_ms"]);
+            let fastest = [torch, jax].into_iter().flatten().reduce(f64::min);
+            let planned = num(m, &["kiln", "planned_total_bytes"]);
+            let torch_alloc = num(m, &["torch", "max_memory_allocated"]);
+            let xla = num(m, &["jax", "xla_total_bytes"]);
+            Some(vec![
+                name.clone(),
+                ms(kiln),
+                ms(torch),
+                ms(jax),
+                ratio(kiln, fastest),
+                size(planned),
+                size(torch_alloc),
+                size(num(m, &["torch", "max_memory_reserved"])),
+                size(xla),
+                ratio(planned, torch_alloc),
+                ratio(planned, xla),
+            ])
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "kiln ms",
+            "PyTorch ms",
+            "JAX ms",
+            "kiln / fastest",
+            "kiln planned",
+            "PyTorch allocated",
+            "PyTorch reserved",
+            "XLA",
+            "kiln / PyTorch allocated",
+            "kiln / XLA",
+        ],
+        &rows,
+    );
+    s += &provenance(r, "`kiln bench-gpu` and `scripts/gpu/peers.py`");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_date(0), "1970-01-01");
+        assert_eq!(civil_date(11_016), "2000-02-29");
+        assert_eq!(civil_date(20_785), "2026-11-28");
+    }
+
+    #[test]
+    fn markers_are_replaced_and_an_unclosed_one_is_an_error() {
+        let t = [Rendered { name: "x", markdown: "new\n".into() }];
+        let text = "a\n<!-- results:x -->\nold\n<!-- /results:x -->\nb\n";
+        assert_eq!(render_into(text, &t).unwrap(), "a\n<!-- results:x -->\nnew\n<!-- /results:x -->\nb\n");
+        assert!(render_into("<!-- results:x -->", &t).is_err());
+        assert_eq!(render_into("none", &t).unwrap(), "none");
+    }
+}
