@@ -21,7 +21,14 @@ struct Result {
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (x, y) = seed::data(42);
-    let opts = FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose: false };
+    let opts = FitOptions {
+        epochs: 5,
+        batch_size: 32,
+        shuffle: true,
+        seed: 1,
+        verbose: false,
+        stop_on_non_finite: false,
+    };
     let (mut times, mut compiles) = (Vec::new(), Vec::new());
     let mut device = String::new();
     for _ in 0..31 {
@@ -57,7 +64,6 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     );
     let dir = kiln::report::output_dir();
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("seed.json"), serde_json::to_string_pretty(&r)?)?;
-    println!("wrote {}", dir.join("seed.json").display());
+    kiln::results::write("seed", "cpu", &r)?;
     Ok(())
 }

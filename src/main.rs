@@ -12,7 +12,7 @@ use std::time::Instant;
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "A graph-mode tensor compiler with static memory planning")]
 struct Cli {
-    /// Do not draw progress bars or per-epoch lines.
+    /// Do not draw progress bars or print epochs as they end (the summary lists them instead).
     #[arg(long)]
     quiet: bool,
     /// Also write a picture of the seed model's training plan beside the eager allocator (SVG).
@@ -144,6 +144,75 @@ enum Command {
         #[arg(long, value_name = "DEVICE=SIZE")]
         device: Vec<String>,
     },
+    /// Print this command-line reference as Markdown (the book's CLI chapter is its output).
+    #[command(hide = true)]
+    HelpMarkdown,
+    /// Regenerate the documents' generated parts: docs/src/cli.md from the command line's own
+    /// definition, and the results tables of README.md and docs/src/benchmarks.md from the newest
+    /// records in benches/results. With --check, write nothing and fail where a file differs.
+    #[command(hide = true)]
+    RenderDocs {
+        /// Fail (exit 1) where a generated part differs from the file instead of writing it.
+        #[arg(long)]
+        check: bool,
+    },
+}
+
+/// The command-line reference in Markdown, generated from the definitions above.
+fn cli_markdown() -> String {
+    let options = clap_markdown::MarkdownOptions::new()
+        .title("CLI reference".to_string())
+        .show_footer(false)
+        .show_table_of_contents(true);
+    clap_markdown::help_markdown_custom::<Cli>(&options)
+}
+
+/// Writes (or with `check`, compares) every generated part of the documents.
+fn render_docs(check: bool) -> ExitCode {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let tables = match kiln::results::render_all(&kiln::results::results_dir()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: reading benches/results: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut stale = Vec::new();
+    let mut files: Vec<(PathBuf, Result<String, String>)> =
+        vec![(root.join("docs/src/cli.md"), Ok(cli_markdown()))];
+    for doc in ["README.md", "docs/src/benchmarks.md"] {
+        let path = root.join(doc);
+        let rendered = std::fs::read_to_string(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))
+            .and_then(|text| kiln::results::render_into(&text, &tables).map_err(|e| format!("{doc}: {e}")));
+        files.push((path, rendered));
+    }
+    for (path, rendered) in files {
+        let rendered = match rendered {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if std::fs::read_to_string(&path).ok().as_deref() == Some(rendered.as_str()) {
+            continue;
+        }
+        if check {
+            stale.push(path.display().to_string());
+        } else if let Err(e) = std::fs::write(&path, rendered) {
+            eprintln!("error: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        } else {
+            println!("wrote {}", path.display());
+        }
+    }
+    if stale.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("out of date (run `cargo run --release -- render-docs`): {}", stale.join(", "));
+        ExitCode::FAILURE
+    }
 }
 
 /// The exit status of `kiln bench-gpu` when there is no usable CUDA device: the user asked for a
@@ -169,7 +238,7 @@ fn main() -> ExitCode {
         }
         Command::Memory { device, .. } if !device.is_empty() => Err(invalid(
             "--device is read for ONNX models".into(),
-            "split a zoo model with kiln::placement::split_sequential (examples/split_model.rs)".into(),
+            "split a zoo model with kiln::prelude::split_sequential (examples/split_model.rs)".into(),
         )),
         Command::Memory { model, mode, batch, svg, steps, .. } => {
             memory(&model, &mode, batch, svg.as_deref(), steps)
@@ -197,6 +266,11 @@ fn main() -> ExitCode {
             devices(&limit, &growth, &fraction, &logical, seed, visible.as_deref())
         }
         Command::TorchStream { file } => torch_stream(file.as_deref()),
+        Command::HelpMarkdown => {
+            print!("{}", cli_markdown());
+            Ok(())
+        }
+        Command::RenderDocs { check } => return render_docs(check),
         Command::Train { model, batch, steps, dim, data, cpu } => {
             train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu)
         }
@@ -318,8 +392,9 @@ fn memory_onnx(
     let Some(mode) = Mode::parse(mode) else {
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
-    let bytes = read_model(path)?;
-    let sizes = kiln::onnx::train::sizes(&bytes, batch, dims)?;
+    let file = read_model(path)?;
+    // The flags are checked before the file is decoded, so that a mistyped one is named first.
+    kiln::onnx::train::flags(batch, dims)?;
     let mut specs = Vec::new();
     for (i, d) in devices.iter().enumerate() {
         let Some((name, size)) = d.split_once('=') else {
@@ -328,7 +403,10 @@ fn memory_onnx(
         let bytes = kiln::runtime::devices::parse_bytes(size).map_err(|e| in_flag("--device", d, e))?;
         specs.push(kiln::compiler::device::DeviceSpec::new(i as u32, name).with_limit(bytes));
     }
-    let imported = kiln::onnx::import(&bytes, &sizes)?;
+    // Read once: decoded, checked, its external data mapped from the file's directory.
+    let model = kiln::onnx::OnnxModel::from_bytes_at(&file, path)?;
+    let sizes = kiln::onnx::train::sizes(&model, batch, dims)?;
+    let imported = model.import(&sizes)?;
     let graph = match mode {
         Mode::Forward => imported.graph,
         // A training step of the model as a layer, with a mean-squared-error loss against
@@ -345,7 +423,7 @@ fn memory_onnx(
                 .first()
                 .map(|&(_, n)| g.node(n).shape.clone())
                 .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
-            let layer = kiln::onnx::OnnxLayer::new(&bytes)?;
+            let layer = model.layer()?;
             let config = kiln::onnx::train::fine_tuning();
             kiln::compiler::step::train_step_graph(&layer, &x, &y, &config)?
         }
@@ -365,12 +443,14 @@ fn memory_onnx(
         println!("wrote {}", out.display());
     }
     if !specs.is_empty() {
-        print!("{}", kiln::onnx::train::fit(&bytes, &sizes, mode == Mode::Train, &specs)?);
+        print!("{}", kiln::onnx::train::fit(&model, &sizes, mode == Mode::Train, &specs)?);
     }
     Ok(())
 }
 
-/// The bytes of the model file at `path`, or an error naming it.
+/// The bytes of the model file at `path`, or an error naming it. They are read into a
+/// `kiln::onnx::OnnxModel` with `from_bytes_at(&bytes, path)`, which reads the file's external
+/// data from its directory.
 fn read_model(path: &str) -> kiln::Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| {
         invalid(format!("cannot read the model {path}: {e}"), "check the path to the .onnx file".into())
@@ -387,7 +467,8 @@ fn train_onnx(
     cpu: bool,
 ) -> kiln::Result<()> {
     let bytes = read_model(path)?;
-    let sizes = kiln::onnx::train::sizes(&bytes, Some(batch), dims)?;
+    // The flags and the data are checked before the file is decoded.
+    kiln::onnx::train::flags(Some(batch), dims)?;
     let data = match data {
         None => None,
         Some(file) => {
@@ -403,9 +484,12 @@ fn train_onnx(
             Some((take("x")?, take("y")?))
         }
     };
+    // Read once: decoded, checked, its external data mapped from the file's directory.
+    let model = kiln::onnx::OnnxModel::from_bytes_at(&bytes, path)?;
+    let sizes = kiln::onnx::train::sizes(&model, Some(batch), dims)?;
     let (device, why) = if cpu { (Device::cpu(), "--cpu".to_string()) } else { Device::best() };
     println!("kiln: training {path} on {device} ({why})");
-    let run = kiln::onnx::train::train(&bytes, &sizes, steps, &device, data, |i, loss| {
+    let run = kiln::onnx::train::train(&model, &sizes, steps, &device, data, |i, loss| {
         println!("step {:>4}: loss {loss:.6}", i + 1);
     })?;
     print!("{}", kiln::onnx::train::summary(&run));

@@ -9,7 +9,9 @@ use kiln_runtime::{FitOptions, History, HostTensor, Trainer};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+/// The number of rows (samples) in the seed run's data set.
 pub const ROWS: usize = 1000;
+/// The number of input features per row (the seed model's input width).
 pub const FEATURES: usize = 100;
 
 /// Uniform [0, 1) inputs and random 0/1 labels, as `np.random.random` and `np.random.randint(2)`.
@@ -24,17 +26,23 @@ pub fn data(seed: u64) -> (HostTensor, HostTensor) {
 
 /// The result of a seed run: the trainer (with its plans) and the per-epoch history.
 pub struct SeedRun {
+    /// The trainer after the run: its plans (one per batch shape), backend and compile time.
     pub trainer: Trainer,
+    /// The loss and metrics logged at the end of each epoch.
     pub history: History,
+    /// Whether `fit` printed each epoch's line as it ended (then [`summary`] does not repeat
+    /// them).
+    pub epochs_printed: bool,
 }
 
 /// Trains the seed model on `device`; `verbose` draws progress bars and epoch lines.
 pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
     let (x, y) = data(42);
     let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7)?);
-    let opts = FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose };
+    let opts =
+        FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose, stop_on_non_finite: false };
     let history = trainer.fit(&x, &y, &opts)?;
-    Ok(SeedRun { trainer, history })
+    Ok(SeedRun { trainer, history, epochs_printed: verbose })
 }
 
 /// Trains the seed model data-parallel on `ranks` in-process ranks on `device` (each rank a
@@ -45,14 +53,20 @@ pub fn run_ranks(device: &Device, ranks: usize, verbose: bool) -> Result<(SeedRu
     let (x, y) = data(42);
     let train = |rank: usize, comm: kiln_comm::LocalComm| -> Result<(SeedRun, Vec<u32>)> {
         let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.rank_backend(7, comm)?);
-        let opts =
-            FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose: verbose && rank == 0 };
+        let opts = FitOptions {
+            epochs: 5,
+            batch_size: 32,
+            shuffle: true,
+            seed: 1,
+            verbose: verbose && rank == 0,
+            stop_on_non_finite: false,
+        };
         let history = trainer.fit(&x, &y, &opts)?;
         let mut bits = Vec::new();
         for v in trainer.plans()[0].variables.iter().filter(|v| !v.key.starts_with("optimizer/")) {
             bits.extend(trainer.backend().read_variable(&v.key)?.data().iter().map(|w| w.to_bits()));
         }
-        Ok((SeedRun { trainer, history }, bits))
+        Ok((SeedRun { trainer, history, epochs_printed: verbose && rank == 0 }, bits))
     };
     let mut comms = kiln_comm::local_group(ranks.max(1));
     let first = comms.remove(0);
@@ -78,11 +92,14 @@ pub fn run_ranks(device: &Device, ranks: usize, verbose: bool) -> Result<(SeedRu
     })
 }
 
-/// The run's epochs, timing and memory report, as `cargo run --release` prints them.
+/// The run's epochs (unless `fit` printed them already: one line per epoch either way), timing
+/// and memory report, as `cargo run --release` prints them.
 pub fn summary(run: &SeedRun, elapsed: std::time::Duration) -> String {
     let mut s = String::new();
-    for (i, logs) in run.history.epochs.iter().enumerate() {
-        s.push_str(&format!("epoch {}: {}\n", i + 1, kiln_runtime::trainer::format_logs(logs)));
+    if !run.epochs_printed {
+        for (i, logs) in run.history.epochs.iter().enumerate() {
+            s.push_str(&format!("epoch {}: {}\n", i + 1, kiln_runtime::trainer::format_logs(logs)));
+        }
     }
     s.push_str(&format!(
         "trained in {:.1} ms (compile {:.2} ms) on {}\n",

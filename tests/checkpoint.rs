@@ -84,14 +84,24 @@ fn a_checkpoint_of_another_model_is_refused_with_every_difference() {
     };
     let mut other = Trainer::new(wider, config, Device::cpu().backend(0).unwrap());
     other.train_program(x.shape(), y.shape()).unwrap();
+    let snapshot = |t: &Trainer| -> Vec<Vec<u32>> {
+        t.plans()[0].variables.iter().map(|v| bits(&t.backend().read_variable(&v.key).unwrap())).collect()
+    };
+    let all_before = snapshot(&other);
     let before = other.backend().read_variable("dense/kernel").unwrap();
     let e = other.load(&path).unwrap_err().to_string();
     assert!(e.contains("does not fit the model"), "{e}");
     assert!(e.contains("`dense/kernel` is [100, 10] in the file, [100, 16] in the model"), "{e}");
     assert!(e.contains("`optimizer/dense/kernel/m` is in the file but not in the model"), "{e}");
     assert!(e.contains("`optimizer/dense/kernel/velocity` ([100, 16]) is missing from the file"), "{e}");
+    // What a full load needs, and the weights-only alternative.
+    assert!(e.contains("a full `load` needs every one of the 8 variables the trainer holds"), "{e}");
+    assert!(e.contains("`Trainer::load_weights`"), "{e}");
+    // The parameters differ too: not taken for a weights-only file.
+    assert!(!e.contains("weights-only file (published weights?)"), "{e}");
     let after = other.backend().read_variable("dense/kernel").unwrap();
     assert_eq!(bits(&before), bits(&after), "a refused checkpoint changed nothing");
+    assert_eq!(snapshot(&other), all_before, "nor any other variable");
 }
 
 #[test]

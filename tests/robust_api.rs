@@ -745,20 +745,20 @@ fn load_and_run(plan: Plan, feeds: &[Feed], seed: u64) {
 }
 
 /// The tensors made so far, and a second trace for cross-trace mistakes.
-struct Session {
+struct Calls {
     t: Tracer,
     other: Tracer,
     made: Vec<Tensor>,
 }
 
-impl Session {
+impl Calls {
     fn get(&self, i: usize) -> Tensor {
         self.made[i % self.made.len()].clone()
     }
 
     fn apply(&mut self, probe: &Probe, index: usize) {
         let t = self.t.clone();
-        let go = |s: &mut Session| {
+        let go = |s: &mut Calls| {
             let r = s.call(&probe.call, index);
             s.made.push(r);
         };
@@ -999,7 +999,7 @@ fn run_eager(graph: kiln::compiler::ir::Graph, feeds: &[Feed]) {
 fn run_program(p: &Program) {
     let t = Tracer::new("probe");
     let x = t.input("x", p.first.clone());
-    let mut s = Session { t: t.clone(), other: Tracer::new("other"), made: vec![x] };
+    let mut s = Calls { t: t.clone(), other: Tracer::new("other"), made: vec![x] };
     for (i, c) in p.calls.iter().enumerate() {
         s.apply(c, i);
     }
@@ -1248,6 +1248,7 @@ fn run_model(c: &ModelCase) {
                 shuffle: true,
                 seed: 0,
                 verbose: false,
+                stop_on_non_finite: false,
             };
             let _ = trainer.fit(&xs, &ys, &opts);
             let _ = trainer.predict(&xs);
@@ -1635,4 +1636,154 @@ fn device_and_host_errors_name_the_thing_and_the_value() {
     assert!(e.contains("more elements than a usize counts"), "{e}");
     let e = HostTensor::from_fn([1 << 40, 1 << 20], |_| 0.0).unwrap_err().to_string();
     assert!(e.contains("cannot allocate"), "{e}");
+}
+
+// Defects that probes of bad input found, one test per class of input.
+
+#[test]
+fn shape_back_names_no_axis_at_zero_or_past_the_rank() {
+    let s = Shape::from([2, 3]);
+    assert_eq!((s.back(0), s.back(1), s.back(2), s.back(3), s.back(usize::MAX)), (1, 3, 2, 1, 1));
+    assert_eq!(Shape::scalar().back(0), 1);
+}
+
+#[test]
+fn zero_row_batches_keep_their_feature_sizes() {
+    let t = Tracer::new("zero");
+    let x = t.input("x", [0, 5, 3]);
+    assert_eq!(x.flatten().dims(), &[0, 15]);
+    assert_eq!(Flatten.forward(&x).dims(), &[0, 15]);
+    let y = t.input("y", [4, 0, 3]);
+    assert_eq!(y.flatten().dims(), &[4, 0]);
+}
+
+#[test]
+fn zero_row_batches_predict_an_empty_result() {
+    let model = Sequential::new().add(Dense::new(10).relu()).add(Dense::new(1).sigmoid());
+    let config =
+        TrainConfig { loss: Loss::BinaryCrossEntropy, optimizer: Adam::new(0.01).into(), metrics: vec![] };
+    let mut trainer = Trainer::new(model, config, Box::new(CpuBackend::new(0)));
+    let none = HostTensor::new([0, 100], vec![]).unwrap();
+    let out = trainer.predict(&none).expect("a zero-row batch predicts zero rows");
+    assert_eq!(out.shape().dims(), &[0, 1]);
+    // The same trainer still predicts real rows afterwards.
+    let some = HostTensor::new([3, 100], vec![0.5; 300]).unwrap();
+    assert_eq!(trainer.predict(&some).unwrap().shape().dims(), &[3, 1]);
+}
+
+#[test]
+fn a_device_name_the_backend_lacks_is_refused_not_unlimited() {
+    let devices = DeviceConfig::cpu(GB).set_memory_limit("cpu:0", 16 * 1024).build().unwrap();
+    let mut backend = devices.backend(&["cpu:0"], 0).unwrap();
+    let t = Tracer::new("wide");
+    let x = t.input("x", [64, 64]);
+    t.output("y", &(x.relu() + 1.0).exp());
+    let graph = t.finish().unwrap();
+    // "cpu:O" (the letter O) is not the backend's cpu:0: its plan must not escape cpu:0's limit.
+    let plan = compile(graph, &CompileOptions::device("cpu:O", None)).unwrap();
+    let Err(e) = backend.load(plan) else { panic!("a plan for an unknown device was loaded") };
+    let e = e.to_string();
+    assert!(e.contains("cpu:O") && e.contains("cpu:0"), "{e}");
+}
+
+#[test]
+fn feeding_the_wrong_number_of_values_says_how_many() {
+    let t = Tracer::new("count");
+    let x = t.input("x", [8, 16]);
+    t.output("y", &x.relu());
+    let mut cpu = CpuBackend::new(0);
+    let p = cpu.load(compile(t.finish().unwrap(), &CompileOptions::default()).unwrap()).unwrap();
+    let e = cpu.set_input(p, "x", &Shape::from([8, 16]), &[0.0; 100]).unwrap_err().to_string();
+    assert!(e.contains("100 values") && e.contains("128"), "{e}");
+}
+
+#[test]
+fn layer_errors_name_the_callers_line() {
+    let here = file!();
+    // Applied directly.
+    let t = Tracer::new("direct");
+    let x = t.input("x", [4, 3]);
+    let _ = Dense::new(0).forward(&x);
+    let e = t.finish().unwrap_err().to_string();
+    assert!(e.contains(here), "a layer applied directly: {e}");
+    // Inside a Sequential.
+    let t = Tracer::new("sequential");
+    let x = t.input("x", [4, 3]);
+    let _ = Sequential::new().add(Dense::new(2)).add(Dense::new(0)).forward(&x);
+    let e = t.finish().unwrap_err().to_string();
+    assert!(e.contains(here), "a layer inside a Sequential: {e}");
+    // A shape mistake inside a layer (a 2-D input to a convolution).
+    let t = Tracer::new("conv");
+    let x = t.input("x", [4, 3]);
+    let _ = Sequential::new().add(Conv2D::new(2, [3, 3])).forward(&x);
+    let e = t.finish().unwrap_err().to_string();
+    assert!(e.contains(here), "a shape mistake inside a layer: {e}");
+    // Through a trainer: the line that trained it.
+    let model = Sequential::new().add(Dense::new(0));
+    let config =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Sgd::new(0.1).into(), metrics: vec![] };
+    let mut trainer = Trainer::new(model, config, Box::new(CpuBackend::new(0)));
+    let x = HostTensor::new([2, 3], vec![0.0; 6]).unwrap();
+    let y = HostTensor::new([2, 1], vec![0.0; 2]).unwrap();
+    let e = trainer.train_step(&x, &y).unwrap_err().to_string();
+    assert!(e.contains(here), "a layer traced by a trainer: {e}");
+}
+
+#[test]
+fn the_out_of_memory_help_names_a_path_the_facade_exports() {
+    // The help text names `kiln::prelude::split_sequential`: that path must exist.
+    let _ = kiln::prelude::split_sequential;
+    let t = Tracer::new("big");
+    let x = t.input("x", [256, 256]);
+    t.output("y", &x.matmul(&x).relu());
+    let e =
+        compile(t.finish().unwrap(), &CompileOptions::device("cpu:0", Some(1024))).unwrap_err().to_string();
+    assert!(e.contains("kiln::prelude::split_sequential"), "{e}");
+}
+
+/// Sizes from 2^36 to 2^62 elements: more than a test machine can hold, so every allocation
+/// they decide must be refused with an error.
+fn huge() -> BoxedStrategy<usize> {
+    (36u32..=62)
+        .prop_flat_map(|bits| (1usize << bits)..=(1usize << bits).saturating_mul(2).min(1 << 62))
+        .boxed()
+}
+
+fn huge_sizes_are_refused(&n: &usize) {
+    // A host tensor of that many elements.
+    assert!(HostTensor::zeros([n]).is_err(), "HostTensor::zeros([{n}])");
+    assert!(HostTensor::from_fn([n, 1], |_| 0.0).is_err(), "HostTensor::from_fn([{n}, 1])");
+    // A graph whose input has that many rows: refused when traced, compiled or loaded.
+    let t = Tracer::new("huge");
+    let x = t.input("x", [n, 64]);
+    t.output("y", &(x.relu() + 1.0));
+    let refused = match t.finish() {
+        Err(_) => true,
+        Ok(g) => match compile(g, &CompileOptions::default()) {
+            Err(_) => true,
+            Ok(plan) => CpuBackend::new(0).load(plan).is_err(),
+        },
+    };
+    assert!(refused, "a graph with an input of {n} x 64 floats was loaded");
+    // The eager executor making a value of that many rows.
+    let t = Tracer::new("huge-eager");
+    let x = t.input("x", [1, 64]);
+    t.output("y", &(t.fill(1.0, [n, 64]) + &x));
+    if let Ok(g) = t.finish() {
+        let small = HostTensor::zeros([1, 64]).unwrap();
+        // A real host source under a 1 TiB limit: the host refuses what the limit allows.
+        let source = kiln::runtime::alloc::HostSource::new();
+        let allocator = kiln::runtime::alloc::BfcAllocator::new(source, 1 << 40);
+        let mut eager =
+            kiln::runtime::eager::EagerExecutor::new(allocator, 0, kiln::runtime::eager::CpuEager);
+        if let Ok(s) = kiln::compiler::optimize(g) {
+            let run = eager.run(&s.graph, &s.order, &[("x", &small)]);
+            assert!(run.is_err(), "eager made a value of {n} x 64 floats");
+        }
+    }
+}
+
+#[test]
+fn sizes_up_to_2_pow_62_are_errors_never_aborts() {
+    property("huge sizes", 64, huge(), huge_sizes_are_refused);
 }

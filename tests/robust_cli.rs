@@ -165,3 +165,63 @@ fn a_closed_stdout_pipe_is_no_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn the_main_job_prints_each_epoch_once_when_stdout_is_not_a_terminal() {
+    for args in [&[][..], &["--quiet"][..]] {
+        let out = Command::new(KILN).args(args).output().expect("run kiln");
+        assert!(out.status.success(), "kiln {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let epoch_lines = text.lines().filter(|l| l.to_lowercase().starts_with("epoch ")).count();
+        assert_eq!(epoch_lines, 5, "kiln {args:?} should print 5 epoch lines, printed:\n{text}");
+    }
+}
+
+/// Runs kiln with its address space limited to `bytes` (RLIMIT_AS): an allocation the limit
+/// refuses must end in an error, never an abort.
+#[cfg(unix)]
+fn run_limited(args: &[&str], bytes: u64) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(KILN);
+    cmd.args(args).env_remove("RUST_BACKTRACE");
+    // SAFETY: the closure runs in the child between fork and exec and calls only setrlimit,
+    // which is async-signal-safe; the struct it passes lives on the closure's stack.
+    unsafe {
+        cmd.pre_exec(move || {
+            let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    cmd.output().expect("the kiln binary runs")
+}
+
+#[cfg(unix)]
+#[test]
+fn a_batch_too_large_for_the_host_is_an_error_not_an_abort() {
+    for args in [
+        &["memory", "cnn", "--batch", "100000"][..],
+        &["memory", "mlp", "--batch", "4000000", "--mode", "forward"][..],
+    ] {
+        let out = run_limited(args, 4_000_000_000);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "kiln {args:?} should fail with an error, got {:?}:\n{stderr}",
+            out.status
+        );
+        assert!(
+            stderr.contains("out of memory") || stderr.contains("cannot allocate"),
+            "kiln {args:?}:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("memory allocation of"),
+            "kiln {args:?}:\n{stderr}"
+        );
+    }
+}

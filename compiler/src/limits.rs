@@ -10,16 +10,28 @@ use std::fmt;
 /// What a plan needs on one device and why it does not fit.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OutOfMemory {
+    /// The plan's name (`Plan::name`).
     pub plan: String,
+    /// The device's name ("gpu:0", ...).
     pub device: String,
+    /// The device's memory limit, in bytes.
     pub limit: usize,
+    /// The bytes the plan holds on the device (`MemoryFigures::held_bytes`: variable region, io
+    /// region and arena); more than `limit`.
     pub needed: usize,
+    /// The planned arena on the device, in bytes.
     pub arena: usize,
+    /// The arena's lower bound on the device (no placement of this schedule is smaller), in bytes.
     pub lower_bound: usize,
+    /// The device's parameter bytes.
     pub parameters: usize,
+    /// The device's optimizer state bytes (counters included).
     pub optimizer_state: usize,
+    /// The device's io region, in bytes.
     pub io: usize,
+    /// The step at which the device's live bytes peak (its lower bound's step).
     pub peak_step: usize,
+    /// The number of steps in the plan.
     pub steps: usize,
     /// The op running at the peak step, with its source line.
     pub peak_op: String,
@@ -67,7 +79,7 @@ impl fmt::Display for OutOfMemory {
         write!(
             f,
             "  help: {} more is needed. Reduce the batch size (activations grow with it), place some layers on \
-             another device (`Tracer::on_device`, or `kiln::placement::split_sequential` to split a Sequential \
+             another device (`Tracer::on_device`, or `kiln::prelude::split_sequential` to split a Sequential \
              model), or raise this device's memory limit",
             human_bytes(over)
         )

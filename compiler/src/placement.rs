@@ -18,12 +18,14 @@ use std::ops::Range;
 
 /// A `Sequential` model (owned or borrowed) whose layer ranges run on the given devices.
 pub struct Placed<M: AsRef<Sequential>> {
+    /// The model whose layers are placed.
     pub model: M,
     /// (device, layers), in layer order, covering every layer once.
     pub ranges: Vec<(DeviceId, Range<usize>)>,
 }
 
 impl<M: AsRef<Sequential>> Placed<M> {
+    /// Places `model`'s layers by `ranges` (checked when the model is traced).
     pub fn new(model: M, ranges: Vec<(DeviceId, Range<usize>)>) -> Self {
         Placed { model, ranges }
     }
@@ -60,11 +62,13 @@ impl<M: AsRef<Sequential>> Layer for Placed<M> {
                 "give contiguous layer ranges, in order, that cover every layer once (0..a, a..b, ..., ..n)",
             );
         }
-        let mut h = x.clone();
-        for (device, range) in &self.ranges {
-            h = t.on_device(*device, || self.model.as_ref().forward_range(&h, range.clone()));
-        }
-        h
+        t.attributed_to(std::panic::Location::caller(), || {
+            let mut h = x.clone();
+            for (device, range) in &self.ranges {
+                h = t.on_device(*device, || self.model.as_ref().forward_range(&h, range.clone()));
+            }
+            h
+        })
     }
 
     fn kind(&self) -> &'static str {
@@ -79,6 +83,7 @@ pub struct Split {
     pub ranges: Vec<(String, Range<usize>, Vec<String>)>,
     /// The same ranges by device id, ready for `Placed`.
     pub placement: Vec<(DeviceId, Range<usize>)>,
+    /// The training step's plan with these ranges, compiled under the devices' limits.
     pub plan: Plan,
     /// What the units are ("layers", "nodes").
     pub units: String,

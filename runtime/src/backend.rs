@@ -6,8 +6,11 @@ use crate::tensor::HostTensor;
 use kiln_compiler::Plan;
 use kiln_compiler::ir::{DType, Shape};
 
+/// A program loaded on a backend: the index `Backend::load` returned, valid on that backend only.
 pub type ProgramId = usize;
 
+/// A device that runs plans: `load` binds a plan once (memory, variables, kernels), then each
+/// call feeds inputs, runs every step and reads outputs. Implemented by the CPU and CUDA backends.
 pub trait Backend {
     /// The device, for reports: "cpu (2 threads)".
     fn describe(&self) -> String;
@@ -75,7 +78,7 @@ pub trait Backend {
     fn set_input_tensor(&mut self, program: ProgramId, name: &str, t: &HostTensor) -> Result<()> {
         match t.dtype() {
             DType::F32 => self.set_input(program, name, t.shape(), t.data()),
-            d => self.set_input_bytes(program, name, t.shape(), d, &t.to_bytes()),
+            d => self.set_input_bytes(program, name, t.shape(), d, &t.to_bytes()?),
         }
     }
 
@@ -87,8 +90,12 @@ pub trait Backend {
     /// Copies output `name` back to the host.
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor>;
 
+    /// Copies variable `key` (a parameter or optimizer state) back to the host; an error when
+    /// no loaded plan declared it.
     fn read_variable(&self, key: &str) -> Result<HostTensor>;
 
+    /// Overwrites variable `key` with `value`, which must have the variable's shape (e.g. to
+    /// restore a checkpoint).
     fn write_variable(&mut self, key: &str, value: &HostTensor) -> Result<()>;
 
     /// Feeds `inputs`, runs, and returns every output by name. Every input of the plan must be
@@ -173,7 +180,21 @@ pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize, dtype: DT
             help: format!("feed the dtype the input was declared with: make the tensor with {how}"),
         });
     }
-    if &v.shape != shape || shape.numel() != len {
+    if &v.shape == shape && shape.numel() != len {
+        return Err(RuntimeError::invalid(
+            format!(
+                "input `{name}` expects {}{} ({} values) but was given {len} values",
+                v.dtype,
+                v.shape,
+                shape.numel()
+            ),
+            format!(
+                "pass exactly {} values, one per element of the shape, in row-major order",
+                shape.numel()
+            ),
+        ));
+    }
+    if &v.shape != shape {
         return Err(RuntimeError::InputShape {
             name: name.into(),
             expected: v.shape.clone(),
@@ -190,8 +211,20 @@ pub fn check_input(plan: &Plan, name: &str, shape: &Shape, len: usize, dtype: DT
 /// first step, an output to the last); plans made by hand may use the io region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Slot {
-    Arena { device: usize, offset: usize },
-    Io { device: usize, offset: usize },
+    /// In the arena of the plan's device `device`.
+    Arena {
+        /// The index of the device in the plan (`plan.devices`).
+        device: usize,
+        /// Bytes from the start of that device's arena.
+        offset: usize,
+    },
+    /// In the io region of the plan's device `device`.
+    Io {
+        /// The index of the device in the plan (`plan.devices`).
+        device: usize,
+        /// Bytes from the start of that device's io region.
+        offset: usize,
+    },
 }
 
 /// Where output `name` of `plan` lives: its value and its slot.
@@ -227,6 +260,7 @@ pub fn io_slot(plan: &Plan, value: usize, name: &str) -> Result<Slot> {
 pub struct Feeds(Vec<bool>);
 
 impl Feeds {
+    /// No input of `plan` fed yet.
     pub fn new(plan: &Plan) -> Self {
         Feeds(vec![false; plan.inputs.len()])
     }
@@ -254,7 +288,6 @@ impl Feeds {
     }
 }
 
-/// The error for a program id a backend did not hand out.
 /// Refuses reading output `name` of `plan` before any run of it started (`ran`): its memory
 /// holds nothing the plan computed yet.
 pub fn check_ran(ran: bool, plan: &Plan, name: &str) -> Result<()> {
@@ -267,6 +300,7 @@ pub fn check_ran(ran: bool, plan: &Plan, name: &str) -> Result<()> {
     ))
 }
 
+/// The error for a program id a backend did not hand out (`loaded`: how many it has loaded).
 pub fn no_program(program: ProgramId, loaded: usize) -> RuntimeError {
     RuntimeError::invalid(
         format!("no program {program}: this backend has loaded {loaded}"),

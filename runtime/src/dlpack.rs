@@ -26,45 +26,69 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
-/// `DLDeviceType`: the values kiln uses.
+/// `DLDeviceType` `kDLCPU`: host memory.
 pub const KDL_CPU: i32 = 1;
+/// `DLDeviceType` `kDLCUDA`: CUDA device memory.
 pub const KDL_CUDA: i32 = 2;
-/// `DLDataTypeCode`.
+/// `DLDataTypeCode` `kDLInt`: signed integers (kiln's i32 and i64).
 pub const KDL_INT: u8 = 0;
+/// `DLDataTypeCode` `kDLFloat`: IEEE floating point (kiln's f32).
 pub const KDL_FLOAT: u8 = 2;
+/// `DLDataTypeCode` `kDLBool`: booleans, one byte each (kiln's bool).
 pub const KDL_BOOL: u8 = 6;
 
+/// DLPack's `DLDevice`: where a tensor's memory lives.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DLDevice {
+    /// The kind of device: [`KDL_CPU`] or [`KDL_CUDA`] for the tensors kiln makes.
     pub device_type: i32,
+    /// The device's ordinal within its kind (0 for the CPU, the CUDA device number otherwise).
     pub device_id: i32,
 }
 
+/// DLPack's `DLDataType`: an element type as a type code, a width and a vector length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DLDataType {
+    /// The type code: [`KDL_INT`], [`KDL_FLOAT`] or [`KDL_BOOL`] for the dtypes kiln exchanges.
     pub code: u8,
+    /// The width of one lane in bits (32 for f32 and i32, 64 for i64, 8 for bool).
     pub bits: u8,
+    /// The number of lanes per element; kiln exchanges scalars only (1).
     pub lanes: u16,
 }
 
+/// DLPack's `DLTensor`: a borrowed description of an n-dimensional array.
 #[repr(C)]
 pub struct DLTensor {
+    /// The base address of the memory (a host pointer, or a device pointer for CUDA).
     pub data: *mut c_void,
+    /// Where the memory lives.
     pub device: DLDevice,
+    /// The number of dimensions (0 for a scalar).
     pub ndim: i32,
+    /// The element type.
     pub dtype: DLDataType,
+    /// `ndim` dimension sizes, in elements.
     pub shape: *mut i64,
     /// Null: compact row-major.
+    /// Otherwise `ndim` strides, in elements (not bytes).
     pub strides: *mut i64,
+    /// The offset of the first element from `data`, in bytes.
     pub byte_offset: u64,
 }
 
+/// DLPack's `DLManagedTensor`: a [`DLTensor`] with the deleter that frees it, the unit that
+/// changes hands between libraries.
 #[repr(C)]
 pub struct DLManagedTensor {
+    /// The tensor's description.
     pub dl_tensor: DLTensor,
+    /// The producer's private context, for its deleter (kiln's holds the shape and any owned data).
     pub manager_ctx: *mut c_void,
+    /// Frees the tensor and its context; called once by whoever holds it last (None: nothing to
+    /// free).
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
@@ -186,14 +210,18 @@ impl<'a> Dlpack<'a> {
         self.tensor().data as u64 + self.tensor().byte_offset
     }
 
+    /// Where the tensor's memory lives (device type and ordinal).
     pub fn device(&self) -> DLDevice {
         self.tensor().device
     }
 
+    /// The element type in kiln's terms; an error for a DLPack type kiln has no dtype for.
     pub fn dtype(&self) -> Result<DType> {
         kiln_dtype(self.tensor().dtype)
     }
 
+    /// The shape, in elements; an error when the rank is negative, the shape pointer is null or a
+    /// dimension is negative.
     pub fn shape(&self) -> Result<Shape> {
         let t = self.tensor();
         if t.ndim < 0 || (t.ndim > 0 && t.shape.is_null()) {
@@ -282,7 +310,7 @@ pub fn dlpack_from_host(t: HostTensor) -> Result<Dlpack<'static>> {
         let mut v = t.into_data();
         (v.as_mut_ptr() as *mut c_void, Box::new(v))
     } else {
-        let bytes = t.to_bytes();
+        let bytes = t.to_bytes()?;
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(&bytes);
         (words.as_mut_ptr() as *mut c_void, Box::new(words))

@@ -55,6 +55,8 @@ impl Buf {
     }
 }
 
+/// Runs a graph op by op with every value in a fresh buffer of its own and the CPU kernels (see
+/// the module's doc): the reference the planned and eager executors must agree with exactly.
 pub struct ReferenceInterpreter {
     seed: u64,
     variables: HashMap<String, Vec<f32>>,
@@ -104,7 +106,7 @@ impl ReferenceInterpreter {
                             "feed the shape and dtype the graph was traced with",
                         ));
                     }
-                    Some(Buf::from_bytes(&t.to_bytes()))
+                    Some(Buf::from_bytes(&t.to_bytes()?))
                 }
                 Op::Variable { key, shape, init, .. } => {
                     let seed = self.seed;

@@ -5,6 +5,8 @@
 use crate::error::{Result, RuntimeError};
 use kiln_compiler::ir::{DType, Shape};
 
+/// A tensor in host memory, row-major: its shape, its values as f32 and, for an i32, i64 or
+/// bool tensor, its exact values and dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
     shape: Shape,
@@ -60,14 +62,29 @@ impl HostTensor {
         self.exact.as_ref().map(|(_, v)| v.as_slice())
     }
 
-    /// The elements as a device holds them: little-endian, each of the tensor's dtype's size.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// The elements as a device holds them: little-endian, each of the tensor's dtype's size; an
+    /// error when the host cannot allocate the copy (its size is the caller's tensor's).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let len = self.exact.as_ref().map_or(self.data.len(), |(_, v)| v.len());
+        let bytes = len.saturating_mul(self.dtype().size_bytes());
+        let mut out = Vec::new();
+        out.try_reserve_exact(bytes).map_err(|e| {
+            RuntimeError::invalid(
+                format!(
+                    "copying {}{} to bytes needs {bytes} bytes, which the host cannot allocate ({e})",
+                    self.dtype(),
+                    self.shape
+                ),
+                "use a smaller tensor (fewer rows per batch)",
+            )
+        })?;
         match &self.exact {
-            None => self.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Some((DType::I32, v)) => v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
-            Some((DType::Bool, v)) => v.iter().map(|&x| u8::from(x != 0)).collect(),
-            Some((_, v)) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            None => self.data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            Some((DType::I32, v)) => v.iter().for_each(|&x| out.extend_from_slice(&(x as i32).to_le_bytes())),
+            Some((DType::Bool, v)) => out.extend(v.iter().map(|&x| u8::from(x != 0))),
+            Some((_, v)) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         }
+        Ok(out)
     }
 
     /// A tensor of `shape` and `dtype` from the bytes a device holds (`to_bytes`' layout); an
@@ -116,6 +133,7 @@ impl HostTensor {
         Ok(HostTensor { data, shape, exact: None })
     }
 
+    /// An f32 scalar (shape `[]`) holding `v`.
     pub fn scalar(v: f32) -> Self {
         HostTensor { shape: Shape::scalar(), data: vec![v], exact: None }
     }
@@ -129,10 +147,12 @@ impl HostTensor {
         Ok(HostTensor { data, shape, exact: None })
     }
 
+    /// The tensor's shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
 
+    /// The values as f32, row-major, one per element (an exact tensor's values converted).
     pub fn data(&self) -> &[f32] {
         &self.data
     }
@@ -144,6 +164,7 @@ impl HostTensor {
         &mut self.data
     }
 
+    /// The f32 values, row-major, without a copy (an exact tensor's exact values are dropped).
     pub fn into_data(self) -> Vec<f32> {
         self.data
     }

@@ -10,7 +10,7 @@ use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kiln_compiler::ir::{DType, Shape, Shard};
+use kiln_compiler::ir::{DType, Shape, Shard, VarRole};
 use kiln_compiler::nn::Layer;
 use kiln_compiler::step::{
     InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph_in_blocks,
@@ -24,31 +24,50 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// How [`Trainer::fit`] walks the data.
 #[derive(Clone, Debug)]
 pub struct FitOptions {
+    /// Passes over the whole data (0 trains nothing).
     pub epochs: usize,
+    /// Rows per optimizer step (over all ranks of a data-parallel run); must be positive. The
+    /// last batch of an epoch holds the remaining rows.
     pub batch_size: usize,
     /// Shuffle the rows every epoch (Keras's default).
     pub shuffle: bool,
+    /// Seed of the shuffle's random order (the same seed gives the same batches).
     pub seed: u64,
     /// Progress bar and one line per epoch on stderr.
     pub verbose: bool,
+    /// Stop with an error as soon as a batch's loss is NaN or infinite, naming the epoch and
+    /// the batch (Keras's `TerminateOnNaN` callback). Off by default, as in Keras: `fit` then
+    /// trains on and the epoch's loss reads NaN.
+    pub stop_on_non_finite: bool,
 }
 
 impl Default for FitOptions {
     fn default() -> Self {
-        FitOptions { epochs: 1, batch_size: 32, shuffle: true, seed: 0, verbose: true }
+        FitOptions {
+            epochs: 1,
+            batch_size: 32,
+            shuffle: true,
+            seed: 0,
+            verbose: true,
+            stop_on_non_finite: false,
+        }
     }
 }
 
 /// Loss and metrics of one step, or averaged over an epoch (weighted by batch rows, as Keras).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Logs {
+    /// The loss's value.
     pub loss: f32,
+    /// Each metric's name and value, in the order of the training configuration's metrics.
     pub metrics: Vec<(String, f32)>,
 }
 
 impl Logs {
+    /// The value of the metric called `name`, if it was computed.
     pub fn metric(&self, name: &str) -> Option<f32> {
         self.metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
     }
@@ -93,11 +112,15 @@ impl RowWeighted {
     }
 }
 
+/// What [`Trainer::fit`] returns, as Keras's `History`.
 #[derive(Clone, Debug, Default)]
 pub struct History {
+    /// Each epoch's loss and metrics, averaged over its rows, in epoch order.
     pub epochs: Vec<Logs>,
 }
 
+/// A model, its loss, metrics and optimizer, and the backend that runs them: `fit`, `evaluate`,
+/// `predict` and `train_step` over plans compiled per input shape on first use and cached.
 pub struct Trainer {
     model: Box<dyn Layer>,
     config: TrainConfig,
@@ -116,6 +139,9 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// A trainer of `model` with the loss, metrics and optimizer of `config`, running on
+    /// `backend`. Plans are compiled with default options and the backend's scratch rule
+    /// (change them with `with_options`); nothing is compiled until first use.
     pub fn new(model: impl Layer + 'static, config: TrainConfig, backend: Box<dyn Backend>) -> Self {
         let scratch = backend.scratch_rule();
         Trainer {
@@ -162,6 +188,7 @@ impl Trainer {
         self
     }
 
+    /// How much of a data-parallel step's state is sharded over the ranks (`with_zero_stage`).
     pub fn zero_stage(&self) -> ZeroStage {
         self.zero
     }
@@ -174,14 +201,17 @@ impl Trainer {
         self
     }
 
+    /// The options plans are compiled with.
     pub fn options(&self) -> &CompileOptions {
         &self.options
     }
 
+    /// The backend that holds the variables and runs the plans.
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
     }
 
+    /// The backend, mutably (e.g. to read or write variables, or to run a loaded program).
     pub fn backend_mut(&mut self) -> &mut dyn Backend {
         self.backend.as_mut()
     }
@@ -208,12 +238,29 @@ impl Trainer {
     /// The variables every loaded plan declares (parameters, optimizer state, counters), by key;
     /// not the constants folded at compile time, which the plans carry.
     fn variables(&self) -> BTreeMap<String, Shape> {
+        self.variable_roles().into_iter().map(|(k, (shape, _))| (k, shape)).collect()
+    }
+
+    /// `variables`, each with its role.
+    fn variable_roles(&self) -> BTreeMap<String, (Shape, VarRole)> {
         self.plans()
             .into_iter()
             .flat_map(|p| p.variables.iter())
-            .filter(|v| v.role != kiln_compiler::ir::VarRole::Constant)
-            .map(|v| (v.key.clone(), v.shape.clone()))
+            .filter(|v| v.role != VarRole::Constant)
+            .map(|v| (v.key.clone(), (v.shape.clone(), v.role)))
             .collect()
+    }
+
+    /// The variables this trainer holds that hold NaN or infinite values, by key, with how many
+    /// each holds (what to look at when a loss turns NaN; `checkpoint::non_finite`). Empty when
+    /// every value is finite.
+    pub fn non_finite_variables(&self) -> Result<Vec<(String, usize)>> {
+        let values = self
+            .variables()
+            .into_keys()
+            .map(|k| Ok((self.backend.read_variable(&k)?, k)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(checkpoint::non_finite(values.iter().map(|(t, k)| (k.as_str(), t))))
     }
 
     /// The optimizer-state variables this rank holds a shard of (ZeRO, `with_zero_stage`), by
@@ -327,11 +374,15 @@ impl Trainer {
     /// training step first (`train_program(x_shape, y_shape)`), so that the optimizer's state
     /// exists to be loaded. With ZeRO each rank takes its shard of the whole state the file
     /// holds, so a checkpoint saved on any rank count, sharded or not, resumes a sharded run.
+    ///
+    /// A file of the model's weights alone (published weights, or a file another tool wrote)
+    /// lacks the optimizer's state: load it with [`load_weights`](Self::load_weights). A file
+    /// holding NaN or infinite values loads, with a warning on stderr naming the variables.
     #[track_caller]
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let variables = self.variables();
-        if variables.is_empty() {
+        let roles = self.variable_roles();
+        if roles.is_empty() {
             return Err(RuntimeError::invalid(
                 format!("Trainer::load({}): the trainer holds no variables yet", path.display()),
                 "call `train_program(x_shape, y_shape)` first, so that the model's variables and the \
@@ -341,23 +392,60 @@ impl Trainer {
         let file = checkpoint::read(path)?;
         // Sharded state is saved whole (`save`): this rank takes its shard of it.
         let sharded = self.sharded_state();
-        let mut variables = variables;
+        let mut variables: BTreeMap<String, Shape> =
+            roles.iter().map(|(k, (shape, _))| (k.clone(), shape.clone())).collect();
         for (key, (whole, _)) in &sharded {
             variables.insert(key.clone(), whole.clone());
         }
         let differences = file.differences(&variables);
         if !differences.is_empty() {
+            let count = |role: VarRole| roles.values().filter(|(_, r)| *r == role).count();
+            let (parameters, state) = (count(VarRole::Parameter), count(VarRole::OptimizerState));
+            let counters: Vec<String> = roles
+                .iter()
+                .filter(|(_, (_, r))| *r == VarRole::Counter)
+                .map(|(k, _)| format!("`{k}`"))
+                .collect();
+            let mut needs = vec![format!("the model's {parameters} parameter{}", plural(parameters))];
+            if state > 0 {
+                needs.push(format!(
+                    "the optimizer's {state} state variable{} (`optimizer/<parameter>/<slot>`)",
+                    plural(state)
+                ));
+            }
+            if !counters.is_empty() {
+                needs.push(format!("the counter{} {}", plural(counters.len()), counters.join(", ")));
+            }
+            // The file fits the model's parameters and lacks only the rest: a weights-only file.
+            let weights_only = roles
+                .iter()
+                .filter(|(_, (_, r))| *r == VarRole::Parameter)
+                .all(|(k, (shape, _))| file.tensors.get(k).is_some_and(|t| t.shape() == shape));
+            let hint = if weights_only {
+                "\n    the file holds the model's parameters but not the rest: a weights-only file \
+                 (published weights?) loads with `Trainer::load_weights`"
+            } else {
+                ""
+            };
             return Err(RuntimeError::invalid(
                 format!(
-                    "Trainer::load({}): the checkpoint does not fit the model ({} difference{}):\n    {}",
+                    "Trainer::load({}): the checkpoint does not fit the model ({} difference{}):\n    {}{hint}",
                     path.display(),
                     differences.len(),
                     if differences.len() == 1 { "" } else { "s" },
                     differences.join("\n    ")
                 ),
-                "load a checkpoint saved from this model, with the same optimizer and layer sizes",
+                format!(
+                    "a full `load` needs every one of the {} variables the trainer holds, by the keys and \
+                     shapes `save` writes: {}; load a checkpoint saved from this model with the same \
+                     optimizer and layer sizes, or, for a file of the model's weights alone, call \
+                     `Trainer::load_weights`, which sets the parameters and leaves the optimizer's state fresh",
+                    roles.len(),
+                    needs.join(", ")
+                ),
             ));
         }
+        warn_non_finite("Trainer::load", path, &file.non_finite());
         for (key, value) in &file.tensors {
             match sharded.get(key) {
                 Some((_, shard)) => {
@@ -370,6 +458,66 @@ impl Trainer {
                 }
                 None => self.backend.write_variable(key, value)?,
             }
+        }
+        Ok(())
+    }
+
+    /// Sets the model's parameters (the variables of role `Parameter`: kernels, biases,
+    /// embeddings) from the safetensors file at `path`, and nothing else: the optimizer's state
+    /// and counters are left as they are, fresh on a trainer that has not trained yet, so that
+    /// published weights start a fine-tuning run (PyTorch's `model.load_state_dict`, Keras's
+    /// `load_weights`). The file may hold more: the optimizer's state (`optimizer/...`) and the
+    /// trainer's other non-parameter variables are ignored. Every parameter the model has must
+    /// be in the file with its shape, as f32, and no other name may be there (a parameter of
+    /// another model); any difference is an error listing them all, and nothing is written
+    /// then. Compile a program first (`train_program(x_shape, y_shape)` to fine-tune, or
+    /// `predict` once), so that the parameters exist. A file holding NaN or infinite values
+    /// loads, with a warning on stderr naming the variables.
+    #[track_caller]
+    pub fn load_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let roles = self.variable_roles();
+        let parameters: BTreeMap<String, Shape> = roles
+            .iter()
+            .filter(|(_, (_, r))| *r == VarRole::Parameter)
+            .map(|(k, (shape, _))| (k.clone(), shape.clone()))
+            .collect();
+        if parameters.is_empty() {
+            return Err(RuntimeError::invalid(
+                format!("Trainer::load_weights({}): the trainer holds no parameters yet", path.display()),
+                "call `train_program(x_shape, y_shape)` (or `predict`) first, so that the model's \
+                 parameters exist to be loaded",
+            ));
+        }
+        let file = checkpoint::read(path)?;
+        // Not parameters: the model's other variables, and any optimizer's state or counter.
+        let ignored = |key: &str| {
+            roles.contains_key(key) || key.starts_with("optimizer/") || NON_PARAMETER_KEYS.contains(&key)
+        };
+        let differences = file.differences_ignoring(&parameters, ignored);
+        if !differences.is_empty() {
+            return Err(RuntimeError::invalid(
+                format!(
+                    "Trainer::load_weights({}): the file does not fit the model's parameters ({} difference{}):\n    {}",
+                    path.display(),
+                    differences.len(),
+                    if differences.len() == 1 { "" } else { "s" },
+                    differences.join("\n    ")
+                ),
+                format!(
+                    "the file must hold each of the model's {} parameter{} by its key (such as `{}`), with \
+                     its shape, as F32; load weights saved from this model, with the same layer sizes",
+                    parameters.len(),
+                    plural(parameters.len()),
+                    parameters.keys().next().map_or("", |k| k.as_str()),
+                ),
+            ));
+        }
+        let weights: Vec<(&str, &HostTensor)> =
+            parameters.keys().filter_map(|k| Some((k.as_str(), file.tensors.get(k)?))).collect();
+        warn_non_finite("Trainer::load_weights", path, &checkpoint::non_finite(weights.iter().copied()));
+        for (key, value) in weights {
+            self.backend.write_variable(key, value)?;
         }
         Ok(())
     }
@@ -570,7 +718,8 @@ impl Trainer {
     /// `opts.batch_size` rows; the last batch of an epoch holds the remaining rows. Zero epochs
     /// train nothing and return an empty history (as Keras's `fit(epochs=0)`). On a rank of a
     /// data-parallel run every rank is given the whole data and trains on its shard of each
-    /// batch, as `train_step` does.
+    /// batch, as `train_step` does. With `opts.stop_on_non_finite`, a batch whose loss is NaN
+    /// or infinite ends training with an error naming the epoch and the batch.
     #[track_caller]
     pub fn fit(&mut self, x: &HostTensor, y: &HostTensor, opts: &FitOptions) -> Result<History> {
         let rows = x.shape().dims().first().copied().unwrap_or(0);
@@ -605,7 +754,26 @@ impl Trainer {
                 self.feed_rows(id, "x", x, &mine, &mut xb)?;
                 self.feed_rows(id, "y", y, &mine, &mut yb)?;
                 self.backend.run(id)?;
-                sums.add(&self.logs(id)?, idx.len());
+                let logs = self.logs(id)?;
+                if opts.stop_on_non_finite && !logs.loss.is_finite() {
+                    bar.finish_and_clear();
+                    return Err(RuntimeError::invalid(
+                        format!(
+                            "Trainer::fit: the loss became non-finite ({}) at epoch {} of {}, batch {} of \
+                             {batches} (`stop_on_non_finite` stopped training; the weights are those after \
+                             this batch's update)",
+                            logs.loss,
+                            epoch + 1,
+                            opts.epochs,
+                            b + 1
+                        ),
+                        "lower the learning rate (the usual cause: the weights diverged), check the inputs \
+                         and targets for NaN or infinite values and for scale, list the variables that hold \
+                         them with `Trainer::non_finite_variables`, and rerun with KILN_GUARD=1 to rule out \
+                         a kernel writing out of bounds",
+                    ));
+                }
+                sums.add(&logs, idx.len());
                 bar.inc(1);
             }
             let logs = sums.mean();
@@ -634,6 +802,7 @@ fn spec(t: &HostTensor) -> InputSpec {
     InputSpec::new(t.shape().clone(), t.dtype())
 }
 
+/// `logs` as Keras prints them: `loss: 0.1234 - accuracy: 0.9876`, four decimals each.
 pub fn format_logs(logs: &Logs) -> String {
     let mut s = format!("loss: {:.4}", logs.loss);
     for (n, v) in &logs.metrics {
@@ -652,4 +821,34 @@ fn progress_bar(batches: usize, epoch: usize, opts: &FitOptions) -> ProgressBar 
     bar.set_style(style);
     bar.set_message(format!("{}/{}", epoch + 1, opts.epochs));
     bar
+}
+
+/// Counters that are no parameter although outside `optimizer/` (dropout's step,
+/// `kiln_compiler::nn::Dropout`), which `load_weights` ignores in a file.
+const NON_PARAMETER_KEYS: [&str; 1] = ["dropout/step"];
+
+/// `"s"` unless `n` is 1.
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+/// Warns on stderr that the file at `path`, loaded by `what`, holds non-finite values in the
+/// variables `bad` (name, count); nothing when `bad` is empty. Loading goes on, as PyTorch and
+/// Keras load such files, but the next step's loss will be NaN.
+fn warn_non_finite(what: &str, path: &Path, bad: &[(String, usize)]) {
+    if bad.is_empty() {
+        return;
+    }
+    let total: usize = bad.iter().map(|(_, n)| n).sum();
+    let names: Vec<String> = bad.iter().map(|(k, n)| format!("`{k}` ({n})")).collect();
+    eprintln!(
+        "warning: {what}({}): {total} non-finite value{} (NaN or infinite) in {} variable{}: {}; the next \
+         step's loss will be NaN (the run that saved it diverged? resume from an earlier checkpoint, \
+         with a lower learning rate)",
+        path.display(),
+        plural(total),
+        bad.len(),
+        plural(bad.len()),
+        names.join(", ")
+    );
 }

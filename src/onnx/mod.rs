@@ -29,14 +29,27 @@
 //! Anything else — an op, attribute, mode or dtype outside what is mapped — is an error naming
 //! the op, the node and what is supported, never a different computation.
 //!
+//! Before anything is traced, the model is checked as onnx's checker would check it (`check`:
+//! IR version and opset, single static assignment, topological order, initializers, attribute
+//! types and required attributes, element types against the operators' constraints, sizes
+//! against kiln's limit), and the data of tensors kept in external files is mapped from the
+//! model's directory, never outside it (`external`; for a model read from its file:
+//! `OnnxModel::open`, `import_file`). Both happen once, in [`OnnxModel`], which everything that
+//! reads a model takes (bytes are read into one on each call). A bool graph input (a mask) is a
+//! bool input of kiln's, read as the 0.0/1.0 tensor comparisons give. [`Imported::load`]
+//! compiles, loads and writes the file's weights in one call: a plan loaded without them would
+//! compute with zeros.
+//!
 //! `tests/onnx_conformance.rs` runs ONNX's own backend node tests (the `onnx` package's data)
 //! against this importer; `tests/onnx.rs` holds the cases that data lacks.
 //!
 //! A model of one input and one output is also a layer (`OnnxLayer`): each trace replays its
 //! nodes on the layer's input, so it goes through autodiff and trains like a traced model.
 
+mod check;
 mod conv;
 mod elementwise;
+mod external;
 mod layout;
 mod nhwc;
 mod norm;
@@ -46,14 +59,19 @@ pub mod train;
 
 use crate::error::{Error, Result};
 use kiln_compiler::CompileError;
+use kiln_compiler::CompileOptions;
 use kiln_compiler::ir::{DType, DeviceId, Graph, Init, Shape};
 use kiln_compiler::passes::{DeadCode, Pass};
 use kiln_compiler::trace::{Tensor, Tracer};
-use kiln_runtime::HostTensor;
+use kiln_runtime::{Backend, HostTensor, ProgramId};
 use prost::Message;
 use proto::{AttributeProto, ModelProto, NodeProto, TensorProto};
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+pub use check::IR_VERSIONS;
 
 /// The `dims` entry that re-batches a model exported with a fixed batch of 1 (`--batch N` on a
 /// batch-1 export): every input whose static first axis is 1 takes this size there (another
@@ -171,11 +189,19 @@ pub const SUPPORTED: &[&str] = &[
 ];
 
 /// An imported model: its forward graph (inputs and outputs named as in the file), the values
-/// of its parameters by variable key, and its inputs' shapes.
+/// of its parameters by variable key, and its inputs' shapes. Run it with [`Imported::load`],
+/// which writes the weights (a plan of `graph` loaded by hand computes with zeros until
+/// [`Imported::load_into`] writes them).
 pub struct Imported {
+    /// The forward graph, traced from the file's nodes, with dead code removed.
     pub graph: Graph,
+    /// The stored parameter values (initializers and non-uniform float `Constant`s) by variable
+    /// key, each a variable of `graph`; a plain convolution's filter is stored HWIO.
     pub weights: Vec<(String, HostTensor)>,
+    /// The fed inputs (graph inputs that no initializer names), in the file's order, with their
+    /// shapes after sizing the symbolic dimensions.
     pub inputs: Vec<(String, Shape)>,
+    /// The default ONNX domain's opset version the model imports, within [`OPSETS`].
     pub opset: i64,
 }
 
@@ -187,18 +213,131 @@ fn unsupported(what: impl Into<String>, help: impl Into<String>) -> Error {
     Error::from(CompileError::unsupported(what, help))
 }
 
-/// Reads an ONNX file; `dims` sizes its symbolic dimensions (`("batch", 32)`).
-pub fn import_file(path: impl AsRef<std::path::Path>, dims: &[(String, usize)]) -> Result<Imported> {
-    let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| {
-        invalid(format!("cannot read the ONNX file {}: {e}", path.display()), "pass the path of a .onnx file")
-    })?;
-    import(&bytes, dims)
+/// Reads an ONNX file; `dims` sizes its symbolic dimensions (`("batch", 32)`). Tensors whose
+/// data the file keeps outside (external data, every model over 2 GB) are read from the file's
+/// directory (`external`); errors of the checker name the file. Short for
+/// `OnnxModel::open(path)?.import(dims)`.
+pub fn import_file(path: impl AsRef<Path>, dims: &[(String, usize)]) -> Result<Imported> {
+    OnnxModel::open(path)?.import(dims)
 }
 
-/// Imports an ONNX model from its bytes; `dims` sizes its symbolic dimensions.
+/// Imports an ONNX model from its bytes; `dims` sizes its symbolic dimensions. A model whose
+/// tensors keep their data in external files is refused: import it with [`import_file`].
 pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
-    let (model, opset) = decode(bytes)?;
+    OnnxModel::from_bytes(bytes)?.import(dims)
+}
+
+fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| {
+        invalid(format!("cannot read the ONNX file {}: {e}", path.display()), "pass the path of a .onnx file")
+    })
+}
+
+/// An ONNX model read once: decoded, checked as onnx's checker does (`check`), and with the
+/// data of the tensors it keeps in external files mapped from its directory (`external`).
+/// Whatever reads a model takes one ([`OnnxModel::import`], [`OnnxModel::layer`], the functions
+/// of [`train`]), so that a file with external data is read from its path once, and a model
+/// held in memory from its bytes.
+#[derive(Clone)]
+pub struct OnnxModel {
+    model: ModelProto,
+    opset: i64,
+    file: Option<PathBuf>,
+}
+
+impl OnnxModel {
+    /// The model of the file at `path`; its external data is read from the file's directory,
+    /// and the checker's errors name the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        Self::from_bytes_at(&read(path)?, path)
+    }
+
+    /// The model of `bytes`, whose tensors must hold their own data: one that keeps it in
+    /// external files is refused (open it with [`OnnxModel::open`]).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let (model, opset) = decode(bytes, None)?;
+        Ok(OnnxModel { model, opset, file: None })
+    }
+
+    /// The model of `bytes`, read from the file at `path`: its external data is read from that
+    /// file's directory, and the checker's errors name the file.
+    pub fn from_bytes_at(bytes: &[u8], path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let (model, opset) = decode(bytes, Some(path))?;
+        Ok(OnnxModel { model, opset, file: Some(path.to_path_buf()) })
+    }
+
+    /// The file the model was read from, if any.
+    pub fn path(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// The default ONNX domain's opset version the model imports, within [`OPSETS`].
+    pub fn opset(&self) -> i64 {
+        self.opset
+    }
+
+    /// The model's messages, external data included (as `raw_data`).
+    pub fn proto(&self) -> &ModelProto {
+        &self.model
+    }
+
+    /// The model as a graph; `dims` sizes its symbolic dimensions (`("batch", 32)`).
+    pub fn import(&self, dims: &[(String, usize)]) -> Result<Imported> {
+        import_model(&self.model, self.opset, dims)
+    }
+
+    /// The model as a layer ([`OnnxLayer`]): it must have one (non-initializer) input and one
+    /// output.
+    pub fn layer(&self) -> Result<OnnxLayer> {
+        self.clone().into_layer()
+    }
+
+    /// [`OnnxModel::layer`], without copying the model's messages.
+    pub fn into_layer(self) -> Result<OnnxLayer> {
+        OnnxLayer::from_model(self.model, self.opset)
+    }
+
+    /// The symbolic names of the model's inputs' first axes (what `--batch N` sizes).
+    pub fn batch_dims(&self) -> Vec<String> {
+        batch_names(&self.model)
+    }
+}
+
+/// What reads a model accepts: an [`OnnxModel`] (read once, from a file or from bytes), or the
+/// bytes of a model whose tensors hold their own data (`&[u8]`, `&Vec<u8>`), decoded and
+/// checked on each call. A model with external data is given as an `OnnxModel::open`.
+pub trait ModelSource {
+    /// The model, read.
+    fn model(&self) -> Result<Cow<'_, OnnxModel>>;
+}
+
+impl ModelSource for OnnxModel {
+    fn model(&self) -> Result<Cow<'_, OnnxModel>> {
+        Ok(Cow::Borrowed(self))
+    }
+}
+
+impl ModelSource for [u8] {
+    fn model(&self) -> Result<Cow<'_, OnnxModel>> {
+        OnnxModel::from_bytes(self).map(Cow::Owned)
+    }
+}
+
+impl ModelSource for Vec<u8> {
+    fn model(&self) -> Result<Cow<'_, OnnxModel>> {
+        self.as_slice().model()
+    }
+}
+
+impl<const N: usize> ModelSource for [u8; N] {
+    fn model(&self) -> Result<Cow<'_, OnnxModel>> {
+        self.as_slice().model()
+    }
+}
+
+fn import_model(model: &ModelProto, opset: i64, dims: &[(String, usize)]) -> Result<Imported> {
     let graph = model.graph.as_ref().ok_or_else(no_graph)?;
     let t = Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into()));
     let mut inputs = Vec::new();
@@ -214,7 +353,19 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
             rebatch = rebatch.or((to != 1).then_some(to));
         }
         let x = t.input_typed(&name, shape.clone(), dtype);
-        feeds.insert(name.clone(), if dtype.is_exact() { Value::Ids(x) } else { Value::Tensor(x) });
+        if let Some(e) = t.error() {
+            return Err(invalid(
+                format!("graph input `{name}`: {e}"),
+                "check the input's declared type and shape",
+            ));
+        }
+        // A bool input (a mask) is read as the 0.0/1.0 tensor comparisons give (`booleans`).
+        let value = match dtype {
+            DType::Bool => Value::Tensor(x.cast(DType::F32)),
+            d if d.is_exact() => Value::Ids(x),
+            _ => Value::Tensor(x),
+        };
+        feeds.insert(name.clone(), value);
         inputs.push((name, shape));
     }
     let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch, None)?;
@@ -229,36 +380,64 @@ pub fn import(bytes: &[u8], dims: &[(String, usize)]) -> Result<Imported> {
     Ok(Imported { graph, weights, inputs, opset })
 }
 
+impl Imported {
+    /// Writes every imported weight into `backend` (`Backend::write_variable`), which must have
+    /// loaded a plan of this model's graph: until they are written, the parameters hold zeros
+    /// (or their fill), and the model computes something other than the file. [`Imported::load`]
+    /// compiles, loads and writes in one call.
+    pub fn load_into<B: Backend + ?Sized>(&self, backend: &mut B) -> Result<()> {
+        write_weights(&self.weights, backend)
+    }
+
+    /// The documented way to run an imported model: compiles its graph with `options`, loads the
+    /// plan into `backend` and writes every weight of the file into it, so that the program it
+    /// returns computes what the file means (no parameter is left at zeros).
+    pub fn load<B: Backend + ?Sized>(self, backend: &mut B, options: &CompileOptions) -> Result<ProgramId> {
+        let plan = kiln_compiler::compile(self.graph, options)?;
+        let id = backend.load(plan)?;
+        write_weights(&self.weights, backend)?;
+        Ok(id)
+    }
+}
+
+fn write_weights<B: Backend + ?Sized>(weights: &[(String, HostTensor)], backend: &mut B) -> Result<()> {
+    for (key, value) in weights {
+        backend.write_variable(key, value).map_err(|e| {
+            invalid(
+                format!("cannot write the imported weight `{key}` ({}): {e}", value.shape()),
+                "load a plan compiled from this import's graph into the backend first",
+            )
+        })?;
+    }
+    Ok(())
+}
+
 fn no_graph() -> Error {
     invalid("the model has no graph", "export the model with its graph")
 }
 
-/// The model and the default domain's opset, checked.
-fn decode(bytes: &[u8]) -> Result<(ModelProto, i64)> {
-    let model = ModelProto::decode(bytes).map_err(|e| {
+/// The model, checked as onnx's checker does (`check`), with its external data read from the
+/// directory of `file` (`external`), and the default domain's opset.
+fn decode(bytes: &[u8], file: Option<&Path>) -> Result<(ModelProto, i64)> {
+    let mut model = ModelProto::decode(bytes).map_err(|e| {
+        let at = file.map(|p| format!("{}: ", p.display())).unwrap_or_default();
         invalid(
-            format!("the bytes are not an ONNX model: {e}"),
+            format!("{at}the bytes are not an ONNX model: {e}"),
             "pass an ONNX file (a serialised ModelProto)",
         )
     })?;
-    let opset = model
-        .opset_import
-        .iter()
-        .filter(|o| o.domain.as_deref().unwrap_or("").is_empty() || o.domain.as_deref() == Some("ai.onnx"))
-        .filter_map(|o| o.version)
-        .max()
-        .unwrap_or(1);
-    if !OPSETS.contains(&opset) {
-        return Err(unsupported(
-            format!("the model imports ONNX opset {opset}"),
-            format!(
-                "kiln reads opsets {} to {}; convert the model (onnx.version_converter)",
-                OPSETS.start(),
-                OPSETS.end()
-            ),
-        ));
-    }
+    let opset = check::model(&model, bytes, file)?;
+    external::resolve(&mut model, file)?;
     Ok((model, opset))
+}
+
+/// How messages name node `index`: by its name, or by its index where it has none.
+pub(crate) fn who(index: usize, node: &NodeProto) -> String {
+    let op = node.op_type.as_deref().unwrap_or("");
+    match node.name.as_deref().filter(|n| !n.is_empty()) {
+        Some(name) => format!("node `{name}` ({op})"),
+        None => format!("node #{index} ({op})"),
+    }
 }
 
 /// Named values: a graph's outputs, or its parameters' values.
@@ -288,7 +467,16 @@ fn trace(
         floats: HashMap::new(),
         converted: HashMap::new(),
         used,
-        booleans: HashSet::new(),
+        // Bool graph inputs (masks) are fed as 0.0/1.0 tensors.
+        booleans: graph
+            .input
+            .iter()
+            .filter(|i| {
+                i.r#type.as_ref().and_then(|t| t.tensor_type.as_ref()).and_then(|t| t.elem_type)
+                    == Some(proto::BOOL)
+            })
+            .filter_map(|i| i.name.clone())
+            .collect(),
         stored: HashSet::new(),
         weights: Vec::new(),
         opset,
@@ -345,8 +533,18 @@ pub struct OnnxLayer {
 
 impl OnnxLayer {
     /// The model of `bytes`, which must have one (non-initializer) input and one output.
+    /// A model with external data is refused: open it with [`OnnxLayer::open`].
     pub fn new(bytes: &[u8]) -> Result<Self> {
-        let (model, opset) = decode(bytes)?;
+        OnnxModel::from_bytes(bytes)?.into_layer()
+    }
+
+    /// The model of the file at `path` (its external data read from the file's directory), which
+    /// must have one (non-initializer) input and one output.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        OnnxModel::open(path)?.into_layer()
+    }
+
+    fn from_model(model: ModelProto, opset: i64) -> Result<Self> {
         let graph = model.graph.as_ref().ok_or_else(no_graph)?;
         let inputs =
             graph.input.iter().filter(|i| !graph.initializer.iter().any(|t| t.name == i.name)).count();
@@ -501,9 +699,13 @@ impl kiln_compiler::nn::Layer for PlacedOnnx<'_> {
     }
 }
 
-/// The symbolic names of the models' inputs' first axes (what `--batch N` sizes).
+/// The symbolic names of the models' inputs' first axes (what `--batch N` sizes); none where
+/// `bytes` are no model ([`OnnxModel::batch_dims`] for a model read).
 pub fn batch_dims(bytes: &[u8]) -> Vec<String> {
-    let Ok(model) = ModelProto::decode(bytes) else { return Vec::new() };
+    ModelProto::decode(bytes).map(|m| batch_names(&m)).unwrap_or_default()
+}
+
+fn batch_names(model: &ModelProto) -> Vec<String> {
     let mut names: Vec<String> = model
         .graph
         .iter()
@@ -518,8 +720,63 @@ pub fn batch_dims(bytes: &[u8]) -> Vec<String> {
     names
 }
 
-/// An input's shape, symbolic dimensions sized from `dims`, and its dtype: f32, or i64 / i32
-/// for an integer input (ids, fed as `HostTensor::from_i64` / `from_i32`).
+/// Whether `--batch batch` can apply to `model`: some fed input's first axis is
+/// symbolic (sized by name) or a static 1 (re-batched, `STATIC_BATCH`), or every fed input
+/// already has that batch. Otherwise the file was exported with a fixed batch, and planning it
+/// would plan that batch under the requested one's name: an error naming it.
+pub(crate) fn check_batch(model: &ModelProto, batch: usize) -> Result<()> {
+    let Some(graph) = model.graph.as_ref() else { return Ok(()) };
+    let fed = graph.input.iter().filter(|i| !graph.initializer.iter().any(|t| t.name == i.name));
+    let mut fixed = Vec::new();
+    for input in fed {
+        let first = input
+            .r#type
+            .as_ref()
+            .and_then(|t| t.tensor_type.as_ref())
+            .and_then(|t| t.shape.as_ref())
+            .and_then(|s| s.dim.first());
+        let name = input.name.clone().unwrap_or_default();
+        match first {
+            // A symbolic first axis takes the batch; so does a batch-1 export.
+            Some(d) if d.dim_param.as_deref().is_some_and(|p| !p.is_empty()) => return Ok(()),
+            Some(d) if d.dim_value == Some(1) => return Ok(()),
+            Some(d) => match d.dim_value {
+                Some(v) => fixed.push((name, v)),
+                None => return Ok(()),
+            },
+            None => fixed.push((name, 0)),
+        }
+    }
+    if fixed.is_empty() || fixed.iter().all(|&(_, v)| v == batch as i64) {
+        return Ok(());
+    }
+    let mut batches: Vec<i64> = fixed.iter().map(|&(_, v)| v).filter(|&v| v > 0).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    let inputs: Vec<String> = fixed.iter().map(|(n, v)| format!("`{n}` ({v})")).collect();
+    let (what, pass) = match batches.as_slice() {
+        [b] => (format!("a fixed batch of {b}"), format!(" or pass --batch {b}")),
+        [] => ("no batch axis (rank-0 inputs)".to_string(), String::new()),
+        many => (
+            format!("fixed first axes of {}", many.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")),
+            String::new(),
+        ),
+    };
+    Err(invalid(
+        format!(
+            "--batch {batch} cannot apply: the file's inputs have {what} (first axes: {}), neither symbolic nor 1",
+            inputs.join(", ")
+        ),
+        format!(
+            "re-export the model with a dynamic batch axis (torch.onnx.export(..., dynamic_axes={{\"{}\": {{0: \"batch\"}}}})){pass}",
+            fixed[0].0
+        ),
+    ))
+}
+
+/// An input's shape, symbolic dimensions sized from `dims`, and its dtype: f32, i64 / i32 for an
+/// integer input (ids, fed as `HostTensor::from_i64` / `from_i32`), or bool for a mask (fed as
+/// `HostTensor::from_bool`).
 fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<(Shape, DType)> {
     let name = input.name.as_deref().unwrap_or("");
     let tensor = input.r#type.as_ref().and_then(|t| t.tensor_type.as_ref()).ok_or_else(|| {
@@ -529,10 +786,11 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
         proto::FLOAT => DType::F32,
         proto::INT64 => DType::I64,
         proto::INT32 => DType::I32,
+        proto::BOOL => DType::Bool,
         other => {
             return Err(unsupported(
-                format!("input `{name}` has element type {other} (not float, int32 or int64)"),
-                "kiln computes in f32 and takes integer inputs as ids",
+                format!("input `{name}` has element type {other} (not float, int32, int64 or bool)"),
+                "kiln computes in f32, takes integer inputs as ids and bool inputs as masks",
             ));
         }
     };
@@ -569,6 +827,9 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
                 ));
             }
         }
+    }
+    if let Some(why) = check::over_limit(&format!("graph input `{name}`"), &out, dtype.size_bytes()) {
+        return Err(invalid(why, check::SIZE_HELP));
     }
     Ok((Shape::new(out), dtype))
 }
@@ -702,10 +963,10 @@ impl Node<'_> {
 /// A tensor's values as f32 and its shape; integers and doubles converted.
 fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
     let name = t.name.as_deref().unwrap_or("");
-    if t.data_location == Some(1) {
-        return Err(unsupported(
-            format!("tensor `{name}` keeps its data in an external file"),
-            "save the model with its data inside (onnx.save_model(..., save_as_external_data=False))",
+    if t.data_location == Some(proto::EXTERNAL) {
+        return Err(invalid(
+            format!("tensor `{name}` keeps its data in an external file that was not read"),
+            "import the model with `import_file`, which reads external data from the model's directory",
         ));
     }
     let dims = tensor_dims(t)?;
@@ -1057,10 +1318,7 @@ impl Importer {
 
     fn node(&mut self, index: usize, proto: &NodeProto) -> Result<()> {
         let op = proto.op_type.clone().unwrap_or_default();
-        let who = match proto.name.as_deref().filter(|n| !n.is_empty()) {
-            Some(name) => format!("node `{name}` ({op})"),
-            None => format!("node #{index} ({op})"),
-        };
+        let who = who(index, proto);
         if let Some(d) = proto.domain.as_deref().filter(|d| !d.is_empty() && *d != "ai.onnx") {
             return Err(unsupported(
                 format!("{who} is in the domain `{d}`"),

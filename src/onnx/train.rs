@@ -4,8 +4,12 @@
 //! against targets of the output's shape and the optimizer Adam: what a fine-tuning step of the
 //! model holds in memory, whatever head the user will put on it. Batch normalisation runs in
 //! training mode where the file says so, dropout where the file has it.
+//!
+//! Each function takes the model as a [`ModelSource`]: an [`OnnxModel`](super::OnnxModel) read
+//! once (the CLI opens the file, so that its external data is read from the file's directory),
+//! or the bytes of a model held in memory.
 
-use super::{OnnxLayer, import};
+use super::ModelSource;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::report::{PlanMemory, table};
@@ -22,8 +26,31 @@ fn invalid(what: String, help: &str) -> Error {
 }
 
 /// Symbolic sizes from `--batch N` (every input's first axis: a symbolic one by its name, a
-/// static one re-batched, `onnx::STATIC_BATCH`) and `--dim NAME=N`.
-pub fn sizes(bytes: &[u8], batch: Option<usize>, dims: &[String]) -> Result<Vec<(String, usize)>> {
+/// static one re-batched, `onnx::STATIC_BATCH`) and `--dim NAME=N`. A batch that cannot apply
+/// (the file's inputs have a fixed batch other than 1, and not N) is an error saying so; so are
+/// the flags [`flags`] refuses, before the model is read.
+pub fn sizes(
+    model: &(impl ModelSource + ?Sized),
+    batch: Option<usize>,
+    dims: &[String],
+) -> Result<Vec<(String, usize)>> {
+    let mut sizes = flags(batch, dims)?;
+    if let Some(b) = batch {
+        // A batch no input can take (every first axis a fixed size other than 1) is an error,
+        // not a plan of the file's own batch under the requested one's name.
+        let model = model.model()?;
+        super::check_batch(model.proto(), b)?;
+        sizes.extend(model.batch_dims().into_iter().map(|n| (n, b)));
+        // A model exported with a fixed batch is re-batched.
+        sizes.push((super::STATIC_BATCH.to_string(), b));
+    }
+    Ok(sizes)
+}
+
+/// The sizes `--dim NAME=N` gives, once `--batch` and `--dim` are checked without the model: a
+/// batch of 0 or a `--dim` other than NAME=N (N at least 1) is an error. What [`sizes`] starts
+/// from; the CLI calls it first, so that a mistyped flag is named before the file is read.
+pub fn flags(batch: Option<usize>, dims: &[String]) -> Result<Vec<(String, usize)>> {
     let mut sizes: Vec<(String, usize)> = Vec::new();
     for d in dims {
         let parsed = d.split_once('=').and_then(|(n, v)| Some((n.to_string(), v.parse::<usize>().ok()?)));
@@ -32,13 +59,8 @@ pub fn sizes(bytes: &[u8], batch: Option<usize>, dims: &[String]) -> Result<Vec<
             _ => return Err(invalid(format!("--dim {d}"), "write NAME=N with N at least 1")),
         }
     }
-    if let Some(b) = batch {
-        if b == 0 {
-            return Err(invalid("--batch 0".into(), "use a batch size of at least 1"));
-        }
-        sizes.extend(super::batch_dims(bytes).into_iter().map(|n| (n, b)));
-        // A model exported with a fixed batch is re-batched.
-        sizes.push((super::STATIC_BATCH.to_string(), b));
+    if batch == Some(0) {
+        return Err(invalid("--batch 0".into(), "use a batch size of at least 1"));
     }
     Ok(sizes)
 }
@@ -46,8 +68,8 @@ pub fn sizes(bytes: &[u8], batch: Option<usize>, dims: &[String]) -> Result<Vec<
 /// The model's input and output shapes at `sizes`: what a training step of it as a layer
 /// reads (x) and is compared with (y). A model whose input is not a float tensor is refused
 /// (ids need data of their own, not random floats).
-pub fn shapes(bytes: &[u8], sizes: &[(String, usize)]) -> Result<(Shape, Shape)> {
-    let imported = import(bytes, sizes)?;
+pub fn shapes(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<(Shape, Shape)> {
+    let imported = model.model()?.import(sizes)?;
     let g = &imported.graph;
     let x = match g.inputs().as_slice() {
         [x] if g.node(*x).dtype == DType::F32 => g.node(*x).shape.clone(),
@@ -89,26 +111,33 @@ pub fn fine_tuning() -> TrainConfig {
 
 /// A finished run: the losses of every step and the trainer (plans, backend, memory).
 pub struct OnnxTraining {
+    /// The loss of each training step, in step order.
     pub losses: Vec<f32>,
+    /// The trainer after the last step: its plans, its backend (with the trained weights) and
+    /// its compile time.
     pub trainer: Trainer,
+    /// The shape of the model's one input (the batch fed every step).
     pub x: Shape,
+    /// The shape of the model's one output (the targets' shape).
     pub y: Shape,
+    /// The wall time of the training steps, compilation and weight loading excluded.
     pub elapsed: Duration,
 }
 
-/// Trains the model of `bytes` for `steps` steps of one batch each on `device`: inputs uniform
+/// Trains `model` for `steps` steps of one batch each on `device`: inputs uniform
 /// in [0, 1) and targets standard normal (seeded), or `data` (x, y) when given. The file's
 /// weights are the starting point.
 pub fn train(
-    bytes: &[u8],
+    model: &(impl ModelSource + ?Sized),
     sizes: &[(String, usize)],
     steps: usize,
     device: &Device,
     data: Option<(HostTensor, HostTensor)>,
     mut each: impl FnMut(usize, f32),
 ) -> Result<OnnxTraining> {
-    let (x_shape, y_shape) = shapes(bytes, sizes)?;
-    let layer = OnnxLayer::new(bytes)?;
+    let model = model.model()?;
+    let (x_shape, y_shape) = shapes(&*model, sizes)?;
+    let layer = model.into_owned().into_layer()?;
     let weights = layer.weights.clone();
     let config = fine_tuning();
     let (x, y) = match data {
@@ -184,14 +213,20 @@ pub fn summary(run: &OnnxTraining) -> String {
 /// plan compiled under the devices' limits.
 // The closures return the compiler's own error (`split_units` takes it as it is), which is large.
 #[allow(clippy::result_large_err)]
-pub fn fit(bytes: &[u8], sizes: &[(String, usize)], train: bool, devices: &[DeviceSpec]) -> Result<String> {
+pub fn fit(
+    model: &(impl ModelSource + ?Sized),
+    sizes: &[(String, usize)],
+    train: bool,
+    devices: &[DeviceSpec],
+) -> Result<String> {
     use kiln_compiler::device::human_bytes;
     use kiln_compiler::{CompileError, CompileOptions, compile};
     let Some(first) = devices.first() else {
         return Err(invalid("no --device given".into(), "give devices as --device gpu:0=24GB"));
     };
-    let (x, y) = shapes(bytes, sizes)?;
-    let layer = OnnxLayer::new(bytes)?;
+    let model = model.model()?;
+    let (x, y) = shapes(&*model, sizes)?;
+    let layer = model.into_owned().into_layer()?;
     let config = fine_tuning();
     let graph_of = |model: &dyn kiln_compiler::nn::Layer| {
         if train {

@@ -3,22 +3,28 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+/// A tensor's dimensions, outermost first (row-major), in elements; rank 0 is a scalar of one
+/// element.
 #[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub struct Shape(Vec<usize>);
 
 impl Shape {
+    /// The shape with these dimensions, outermost first.
     pub fn new(dims: impl Into<Vec<usize>>) -> Self {
         Shape(dims.into())
     }
 
+    /// The rank-0 shape: one element, no axes.
     pub fn scalar() -> Self {
         Shape(Vec::new())
     }
 
+    /// The dimensions, outermost first; empty for a scalar.
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
 
+    /// The number of axes (0 for a scalar).
     pub fn rank(&self) -> usize {
         self.0.len()
     }
@@ -40,9 +46,10 @@ impl Shape {
         self.checked_numel()?.checked_mul(dtype.size_bytes())
     }
 
-    /// Dimension `i` counted from the end (`back(1)` is the last axis); 1 past the rank.
+    /// Dimension `i` counted from the end (`back(1)` is the last axis); 1 past the rank, and 1 for
+    /// `back(0)`, which names no axis (as a broadcast reads a missing axis).
     pub fn back(&self, i: usize) -> usize {
-        if i <= self.0.len() { self.0[self.0.len() - i] } else { 1 }
+        if (1..=self.0.len()).contains(&i) { self.0[self.0.len() - i] } else { 1 }
     }
 
     /// Row-major strides in elements.

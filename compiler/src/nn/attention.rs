@@ -1,7 +1,7 @@
 use super::{Dense, Layer, invalid_layer};
 use crate::trace::Tensor;
 
-/// Multi-head scaled dot-product self-attention over [batch, seq, model] inputs, composed from
+/// Multi-head scaled dot-product self-attention over `[batch, seq, model]` inputs, composed from
 /// the DSL's ops: projections, a split into heads (reshape + permute), softmax(q·kᵀ/√d)·v, a merge
 /// of the heads and an output projection (Keras `MultiHeadAttention` with query = key = value).
 /// With `causal`, a position attends to itself and the positions before it only (a decoder's
@@ -10,21 +10,27 @@ use crate::trace::Tensor;
 /// `use_bias=False`, PyTorch's `bias=False`).
 #[derive(Clone, Debug)]
 pub struct MultiHeadAttention {
+    /// The number of heads; it must divide the model width (the input's last axis).
     pub heads: usize,
+    /// Whether each position attends only to itself and the positions before it.
     pub causal: bool,
+    /// Whether the query, key, value and output projections have biases.
     pub use_bias: bool,
 }
 
 impl MultiHeadAttention {
+    /// Attention with `heads` heads, not causal, with biases.
     pub fn new(heads: usize) -> Self {
         MultiHeadAttention { heads, causal: false, use_bias: true }
     }
 
+    /// Sets whether the attention is causal (a decoder's).
     pub fn causal(mut self, causal: bool) -> Self {
         self.causal = causal;
         self
     }
 
+    /// Sets whether the four projections have biases.
     pub fn use_bias(mut self, use_bias: bool) -> Self {
         self.use_bias = use_bias;
         self
@@ -47,7 +53,7 @@ impl Layer for MultiHeadAttention {
 }
 
 impl MultiHeadAttention {
-    /// Self-attention over `x` [batch, seq, model] where `padding`, when given, is [batch, seq]
+    /// Self-attention over `x` `[batch, seq, model]` where `padding`, when given, is `[batch, seq]`
     /// with 1.0 (or true, or any nonzero id) at real tokens and 0.0 (false) at padding: no query attends to a padded key (Keras's
     /// `attention_mask` from a padding mask, PyTorch's `key_padding_mask` inverted). The mask is
     /// added to the scores as -1e9 where a key is padding, with the causal mask when `causal`;
@@ -55,6 +61,10 @@ impl MultiHeadAttention {
     /// it from a model's own layer (`impl Layer`), which receives the mask beside its input.
     #[track_caller]
     pub fn attend(&self, x: &Tensor, padding: Option<&Tensor>) -> Tensor {
+        x.tracer().attributed_to(std::panic::Location::caller(), || self.attend_here(x, padding))
+    }
+
+    fn attend_here(&self, x: &Tensor, padding: Option<&Tensor>) -> Tensor {
         let t = x.tracer();
         let (b, s, d) = match x.dims() {
             [b, s, d] => (*b, *s, *d),

@@ -27,6 +27,9 @@ use crate::trace::Tensor;
 
 /// A model or a piece of one: a function from one tensor to another that may declare parameters.
 pub trait Layer {
+    /// Traces the layer on `x` and returns its output, declaring the layer's variables on first use.
+    /// Errors name the caller's line (every implementation is `#[track_caller]`).
+    #[track_caller]
     fn forward(&self, x: &Tensor) -> Tensor;
 
     /// The name scope `Sequential` derives (Keras style: `dense`, `dense_1`, ...).

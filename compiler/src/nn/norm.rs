@@ -9,6 +9,7 @@ use crate::trace::Tensor;
 /// when porting a model.
 #[derive(Clone, Debug)]
 pub struct LayerNorm {
+    /// Added to the variance before the reciprocal square root (finite, >= 0; 1e-3 by default).
     pub epsilon: f32,
     /// A learned offset `beta` (Keras `center`; PyTorch `bias`).
     pub center: bool,
@@ -17,20 +18,24 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
+    /// Keras's defaults: epsilon 1e-3, with a learned scale and offset.
     pub fn new() -> Self {
         LayerNorm { epsilon: 1e-3, center: true, scale: true }
     }
 
+    /// Sets epsilon (PyTorch's default is 1e-5).
     pub fn epsilon(mut self, epsilon: f32) -> Self {
         self.epsilon = epsilon;
         self
     }
 
+    /// Whether to learn the offset `beta` (`[last axis]`, zeros at first).
     pub fn center(mut self, center: bool) -> Self {
         self.center = center;
         self
     }
 
+    /// Whether to learn the scale `gamma` (`[last axis]`, ones at first).
     pub fn scale(mut self, scale: bool) -> Self {
         self.scale = scale;
         self
@@ -44,15 +49,17 @@ impl Default for LayerNorm {
 }
 
 /// An epsilon mistake as a traced error naming the layer.
+#[track_caller]
 fn check_epsilon(x: &Tensor, kind: &'static str, epsilon: f32, default: &str) -> Option<Tensor> {
-    (!(epsilon.is_finite() && epsilon >= 0.0)).then(|| {
-        invalid_layer(
-            x,
-            kind,
-            format!("epsilon is {epsilon}"),
-            &format!("use a small finite epsilon >= 0 ({default})"),
-        )
-    })
+    if epsilon.is_finite() && epsilon >= 0.0 {
+        return None;
+    }
+    Some(invalid_layer(
+        x,
+        kind,
+        format!("epsilon is {epsilon}"),
+        &format!("use a small finite epsilon >= 0 ({default})"),
+    ))
 }
 
 impl Layer for LayerNorm {
@@ -86,21 +93,25 @@ impl Layer for LayerNorm {
 /// no centring and no offset. Epsilon is 1e-6 by default, Keras's and flax's.
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
+    /// Added to the mean square before the reciprocal square root (finite, >= 0; 1e-6 by default).
     pub epsilon: f32,
     /// A learned scale `gamma` (on by default).
     pub scale: bool,
 }
 
 impl RmsNorm {
+    /// Epsilon 1e-6, with a learned scale.
     pub fn new() -> Self {
         RmsNorm { epsilon: 1e-6, scale: true }
     }
 
+    /// Sets epsilon.
     pub fn epsilon(mut self, epsilon: f32) -> Self {
         self.epsilon = epsilon;
         self
     }
 
+    /// Whether to learn the scale `gamma` (`[last axis]`, ones at first).
     pub fn scale(mut self, scale: bool) -> Self {
         self.scale = scale;
         self

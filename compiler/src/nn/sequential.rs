@@ -9,6 +9,7 @@ pub struct Sequential {
 }
 
 impl Sequential {
+    /// A model with no layers yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -20,18 +21,22 @@ impl Sequential {
         self
     }
 
+    /// Appends a layer in place.
     pub fn push(&mut self, layer: impl Layer + 'static) {
         self.layers.push(Box::new(layer));
     }
 
+    /// How many layers the model has.
     pub fn len(&self) -> usize {
         self.layers.len()
     }
 
+    /// Whether the model has no layers.
     pub fn is_empty(&self) -> bool {
         self.layers.is_empty()
     }
 
+    /// The layers, in the order they run.
     pub fn layers(&self) -> &[Box<dyn Layer>] {
         &self.layers
     }
@@ -55,6 +60,8 @@ impl Sequential {
 
     /// Applies layers `range` only (used to split a model over devices). A range outside the
     /// model's layers is an error (recorded in the trace), naming the range and the layer count.
+    /// An error inside a layer is reported at the caller's line.
+    #[track_caller]
     pub fn forward_range(&self, x: &Tensor, range: std::ops::Range<usize>) -> Tensor {
         if range.start > range.end || range.end > self.layers.len() {
             return invalid_layer(
@@ -66,11 +73,13 @@ impl Sequential {
         }
         let names = self.scope_names();
         let tracer = x.tracer();
-        let mut h = x.clone();
-        for i in range {
-            h = tracer.scope(&names[i], || self.layers[i].forward(&h));
-        }
-        h
+        tracer.attributed_to(std::panic::Location::caller(), || {
+            let mut h = x.clone();
+            for i in range {
+                h = tracer.scope(&names[i], || self.layers[i].forward(&h));
+            }
+            h
+        })
     }
 }
 

@@ -28,6 +28,10 @@ struct TraceState {
     variables: HashMap<String, NodeId>,
     /// Whether the model is traced for a training step (`Dropout` drops only then).
     training: bool,
+    /// The line ops and errors are attributed to while a layer is traced
+    /// (`Tracer::attributed_to`): the user's, where the layer was applied, rather than the line
+    /// inside kiln that recorded them.
+    attributed_to: Option<&'static Location<'static>>,
 }
 
 /// Records a graph. Cheap to clone: clones share one graph.
@@ -46,6 +50,7 @@ pub struct Tensor {
 }
 
 impl Tracer {
+    /// A tracer recording into a new empty graph named `name`.
     pub fn new(name: impl Into<String>) -> Self {
         Self::resume(Graph::new(name))
     }
@@ -89,6 +94,8 @@ impl Tracer {
         self.input_typed(name, shape, DType::F32)
     }
 
+    /// A graph input of `dtype` (f32, or i32, i64, bool for ids and masks; other dtypes are
+    /// recorded errors, as is a second input of the same name).
     #[track_caller]
     pub fn input_typed(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Tensor {
         let loc = Location::caller();
@@ -173,6 +180,7 @@ impl Tracer {
         shared: bool,
         loc: &'static Location<'static>,
     ) -> Tensor {
+        let loc = self.attribution(loc);
         let key = self.scoped(name);
         if let Err(message) = supported_dtype(dtype, false) {
             return self.fail("variable", loc, format!("variable `{key}`: {message}"), &[], DTYPE_HELP);
@@ -277,12 +285,12 @@ impl Tracer {
         std::mem::replace(&mut self.state.borrow_mut().device, device)
     }
 
-    /// Runs `f` with every op it records placed on `device`.
     /// The device ops are placed on now (`on_device`, `set_device`).
     pub fn current_device(&self) -> DeviceId {
         self.state.borrow().device
     }
 
+    /// Runs `f` with every op it records placed on `device`, then restores the previous device.
     pub fn on_device<R>(&self, device: DeviceId, f: impl FnOnce() -> R) -> R {
         let prev = std::mem::replace(&mut self.state.borrow_mut().device, device);
         let r = f();
@@ -399,7 +407,19 @@ impl Tracer {
     }
 
     /// Records `op` on `operands` at `loc`, checking shapes and dtypes.
+    /// `loc`, or the line `attributed_to` set where `loc` is inside this crate (a layer's own
+    /// op): an op the user wrote, in a closure layer say, keeps its own line.
+    fn attribution(&self, loc: &'static Location<'static>) -> &'static Location<'static> {
+        let src = file!().strip_suffix("trace/mod.rs").or_else(|| file!().strip_suffix("trace\\mod.rs"));
+        let own = src.is_some_and(|src| loc.file().starts_with(src));
+        match self.state.borrow().attributed_to {
+            Some(at) if own => at,
+            _ => loc,
+        }
+    }
+
     pub(crate) fn record_at(&self, op: Op, operands: &[&Tensor], loc: &'static Location<'static>) -> Tensor {
+        let loc = self.attribution(loc);
         if operands.iter().any(|t| !self.owns(t)) {
             return self.fail(
                 op.name(),
@@ -428,6 +448,22 @@ impl Tracer {
         }
     }
 
+    /// Runs `f` with every op it records inside kiln's layers, and their errors, attributed to
+    /// `loc` (the outermost call wins): how a layer applied by `Sequential` or a training step
+    /// names the caller's line in errors and memory reports, not the line inside kiln that
+    /// recorded the op. Ops recorded by the caller's own code keep their lines.
+    pub fn attributed_to<R>(&self, loc: &'static Location<'static>, f: impl FnOnce() -> R) -> R {
+        let outer = self.state.borrow().attributed_to.is_some();
+        if !outer {
+            self.state.borrow_mut().attributed_to = Some(loc);
+        }
+        let r = f();
+        if !outer {
+            self.state.borrow_mut().attributed_to = None;
+        }
+        r
+    }
+
     fn fail(
         &self,
         op: &str,
@@ -436,6 +472,7 @@ impl Tracer {
         operands: &[&Tensor],
         help: &str,
     ) -> Tensor {
+        let loc = self.attribution(loc);
         let list: Vec<String> = operands.iter().map(|t| format!("{}{}", t.dtype, t.shape)).collect();
         let e = CompileError::Op {
             op: op.to_string(),
@@ -479,18 +516,22 @@ fn supported_dtype(dtype: DType, input: bool) -> std::result::Result<(), String>
 }
 
 impl Tensor {
+    /// The tensor's shape (as inferred when it was recorded; a scalar when poisoned).
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
 
+    /// The size of every axis, outermost first.
     pub fn dims(&self) -> &[usize] {
         self.shape.dims()
     }
 
+    /// The number of axes (0 for a scalar).
     pub fn rank(&self) -> usize {
         self.shape.rank()
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -505,6 +546,7 @@ impl Tensor {
         self.id
     }
 
+    /// The tracer that recorded the tensor, sharing its graph.
     pub fn tracer(&self) -> Tracer {
         Tracer { state: self.state.clone() }
     }

@@ -7,7 +7,9 @@ use std::panic::Location;
 
 /// The right-hand side of a binary op: a tensor or an f32 constant.
 pub enum Operand {
+    /// A tensor of the same trace, broadcast against the left-hand side.
     Tensor(Tensor),
+    /// A constant applied to every element (a scalar op where the op has one, else a broadcast fill).
     Scalar(f32),
 }
 
@@ -41,13 +43,35 @@ macro_rules! unary {
 
 impl Tensor {
     unary! {
-        neg => Neg, abs => Abs, sign => Sign, relu => Relu, sigmoid => Sigmoid, tanh => Tanh,
+        /// `-x` elementwise.
+        neg => Neg,
+        /// `|x|` elementwise.
+        abs => Abs,
+        /// 1 where x > 0, -1 where x < 0, and x itself for ±0 and NaN, elementwise.
+        sign => Sign,
+        /// `max(x, 0)` elementwise, keeping NaN.
+        relu => Relu,
+        /// The logistic function 1 / (1 + e^-x) elementwise.
+        sigmoid => Sigmoid,
+        /// The hyperbolic tangent elementwise.
+        tanh => Tanh,
         /// Exact GELU: x·Φ(x).
         gelu => Gelu,
         /// GELU's tanh approximation, x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))/2, as one op (JAX's
         /// `gelu(approximate=True)`, PyTorch's `gelu(approximate="tanh")`).
         gelu_tanh => GeluTanh,
-        exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, square => Square, reciprocal => Reciprocal,
+        /// e^x elementwise.
+        exp => Exp,
+        /// The natural logarithm elementwise.
+        log => Log,
+        /// The square root elementwise.
+        sqrt => Sqrt,
+        /// The reciprocal square root 1 / √x elementwise.
+        rsqrt => Rsqrt,
+        /// `x · x` elementwise.
+        square => Square,
+        /// 1 / x elementwise.
+        reciprocal => Reciprocal,
         /// The error function.
         erf => Erf,
     }
@@ -64,11 +88,13 @@ impl Tensor {
         }
     }
 
+    /// `self + rhs` elementwise (a tensor broadcasts, as NumPy's; an f32 is a scalar op).
     #[track_caller]
     pub fn add(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Add, Some(ScalarOp::Add))
     }
 
+    /// `self - rhs` elementwise, broadcasting.
     #[track_caller]
     pub fn sub(&self, rhs: impl Into<Operand>) -> Tensor {
         match rhs.into() {
@@ -77,11 +103,13 @@ impl Tensor {
         }
     }
 
+    /// `self · rhs` elementwise, broadcasting.
     #[track_caller]
     pub fn mul(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Mul, Some(ScalarOp::Mul))
     }
 
+    /// `self / rhs` elementwise, broadcasting (an f32 divisor becomes a product by its reciprocal).
     #[track_caller]
     pub fn div(&self, rhs: impl Into<Operand>) -> Tensor {
         match rhs.into() {
@@ -96,11 +124,13 @@ impl Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Pow, Some(ScalarOp::Pow))
     }
 
+    /// The larger of `self` and `rhs` elementwise, broadcasting; NaN where either is NaN.
     #[track_caller]
     pub fn maximum(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Maximum, Some(ScalarOp::Max))
     }
 
+    /// The smaller of `self` and `rhs` elementwise, broadcasting; NaN where either is NaN.
     #[track_caller]
     pub fn minimum(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Minimum, Some(ScalarOp::Min))
@@ -138,16 +168,19 @@ impl Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Greater, Some(ScalarOp::Greater))
     }
 
+    /// 1.0 where `self >= rhs`, else 0.0.
     #[track_caller]
     pub fn ge(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::GreaterEqual, Some(ScalarOp::GreaterEqual))
     }
 
+    /// 1.0 where `self < rhs`, else 0.0.
     #[track_caller]
     pub fn lt(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Less, Some(ScalarOp::Less))
     }
 
+    /// 1.0 where `self <= rhs`, else 0.0.
     #[track_caller]
     pub fn le(&self, rhs: impl Into<Operand>) -> Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::LessEqual, Some(ScalarOp::LessEqual))
@@ -159,6 +192,7 @@ impl Tensor {
         self.binary_or_scalar(rhs.into(), BinaryOp::Equal, Some(ScalarOp::Equal))
     }
 
+    /// 1.0 where not equal, else 0.0 (1.0 where either is NaN).
     #[track_caller]
     pub fn ne(&self, rhs: impl Into<Operand>) -> Tensor {
         match rhs.into() {
@@ -197,11 +231,10 @@ impl Tensor {
         self.record(Op::MatMul { transpose_a, transpose_b }, &[self, rhs])
     }
 
-    /// A view with another shape (no copy).
-    /// Class ids (f32, any shape) -> [..., classes] rows of 0.0 with a 1.0 at each id: the ids
+    /// Class ids (f32, any shape) -> `[..., classes]` rows of 0.0 with a 1.0 at each id: the ids
     /// compared with an iota over the classes, which fusion computes inside whatever reads the
     /// result (`fusion`: no one-hot tensor is stored where its readers fuse). An id outside
-    /// [0, classes) gives a row of zeros, as `jax.nn.one_hot` does.
+    /// `[0, classes)` gives a row of zeros, as `jax.nn.one_hot` does.
     #[track_caller]
     pub fn one_hot(&self, classes: usize) -> Tensor {
         if classes == 0 {
@@ -218,19 +251,24 @@ impl Tensor {
         self.reshape(column).cast(DType::F32).eq(self.tracer().iota([classes], 0))
     }
 
+    /// A view with another shape of as many elements (no copy).
     #[track_caller]
     pub fn reshape(&self, shape: impl Into<Shape>) -> Tensor {
         self.record(Op::Reshape { shape: shape.into() }, &[self])
     }
 
-    /// Collapses every axis after the first: [N, ...] -> [N, rest].
+    /// Collapses every axis after the first: `[N, ...]` -> `[N, rest]`.
     #[track_caller]
     pub fn flatten(&self) -> Tensor {
         let n = self.dims().first().copied().unwrap_or(1);
-        let rest = self.shape().numel() / n.max(1);
+        // The product of the trailing axes, not numel / n: a batch of 0 rows keeps its feature
+        // size ([0, 5, 3] -> [0, 15]).
+        let rest =
+            self.dims().iter().skip(1).try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(usize::MAX);
         self.reshape([n, rest])
     }
 
+    /// The axes reordered: output axis `i` is input axis `perm[i]`.
     #[track_caller]
     pub fn permute(&self, perm: &[usize]) -> Tensor {
         self.record(Op::Permute { perm: perm.to_vec() }, &[self])
@@ -254,6 +292,7 @@ impl Tensor {
         self.transpose(-2, -1)
     }
 
+    /// The tensor repeated along new or size-1 axes to `shape` (NumPy's broadcasting rules).
     #[track_caller]
     pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Tensor {
         self.record(Op::BroadcastTo { shape: shape.into() }, &[self])
@@ -291,16 +330,20 @@ impl Tensor {
         self.tracer().record_at(Op::Reduce { op, axes, keepdims }, &[self], loc)
     }
 
+    /// The sum over `axes` (`..` for all); `keepdims` keeps them as size-1 axes.
     #[track_caller]
     pub fn sum(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
         self.reduce(ReduceOp::Sum, axes.axes(), keepdims)
     }
 
+    /// The mean over `axes` (`..` for all); `keepdims` keeps them as size-1 axes.
     #[track_caller]
     pub fn mean(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
         self.reduce(ReduceOp::Mean, axes.axes(), keepdims)
     }
 
+    /// The largest value over `axes` (`..` for all), NaN propagating; `keepdims` keeps them as
+    /// size-1 axes.
     #[track_caller]
     pub fn max(&self, axes: impl IntoAxes, keepdims: bool) -> Tensor {
         self.reduce(ReduceOp::Max, axes.axes(), keepdims)
@@ -315,11 +358,13 @@ impl Tensor {
         }
     }
 
+    /// Softmax along `axis` (negative counts from the end): `exp(x - max) / sum(exp(x - max))`.
     #[track_caller]
     pub fn softmax(&self, axis: isize) -> Tensor {
         self.along(axis, |axis| Op::Softmax { axis }, "softmax")
     }
 
+    /// Log-softmax along `axis` (negative counts from the end): `x - max - log(sum(exp(x - max)))`.
     #[track_caller]
     pub fn log_softmax(&self, axis: isize) -> Tensor {
         self.along(axis, |axis| Op::LogSoftmax { axis }, "log_softmax")
@@ -349,7 +394,7 @@ impl Tensor {
         }
     }
 
-    /// 2-D convolution: `self` is NHWC, `filter` is [KH, KW, C, F].
+    /// 2-D convolution: `self` is NHWC, `filter` is `[KH, KW, C, F]`.
     #[track_caller]
     pub fn conv2d(&self, filter: &Tensor, stride: [usize; 2], padding: Padding) -> Tensor {
         let size = match filter.dims() {
@@ -359,17 +404,19 @@ impl Tensor {
         self.record(Op::Conv2d { window: Window2d { size, stride, padding } }, &[self, filter])
     }
 
+    /// Max pooling over NHWC `self`: windows of `size` `[height, width]` every `stride`.
     #[track_caller]
     pub fn max_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
         self.record(Op::Pool2d { kind: PoolKind::Max, window: Window2d { size, stride, padding } }, &[self])
     }
 
+    /// Average pooling over NHWC `self`: windows of `size` `[height, width]` every `stride`.
     #[track_caller]
     pub fn avg_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
         self.record(Op::Pool2d { kind: PoolKind::Avg, window: Window2d { size, stride, padding } }, &[self])
     }
 
-    /// Rows of `self` (a [V, ...] table) picked by `ids` (integers stored as f32).
+    /// Rows of `self` (a `[V, ...]` table) picked by `ids` (integers stored as f32).
     #[track_caller]
     pub fn gather(&self, ids: &Tensor) -> Tensor {
         self.record(Op::Gather, &[self, ids])

@@ -150,6 +150,9 @@ fn host_alloc(device: &str, bytes: usize, what: &str) -> Result<HostBuffer> {
     })
 }
 
+/// The CPU backend: runs plans in host memory, one arena (and io region) per plan device, with
+/// kernels prepared once at load from `kiln_kernels::cpu` (rayon splits large work); variables
+/// live in its [`VariableStore`].
 pub struct CpuBackend {
     store: VariableStore,
     devices: Vec<HostDevice>,
@@ -162,6 +165,9 @@ pub struct CpuBackend {
     comm: Option<crate::collective::SharedComm>,
     /// Whether all-reduces and reduce-scatters run beside the steps after them (`overlap`).
     overlap: bool,
+    /// Built for named devices (`with_budgets`): a plan may use those alone, so that a misspelt
+    /// device name is an error, never a way around a device's limit.
+    fixed_devices: bool,
 }
 
 impl CpuBackend {
@@ -198,14 +204,17 @@ impl CpuBackend {
             programs: Vec::new(),
             comm: None,
             overlap: overlap::enabled(),
+            fixed_devices: false,
         }
     }
 
-    /// A backend for devices with these budgets (plans may use any of them by name; a device
-    /// name no budget mentions grows without limit), reporting to `tracker`.
+    /// A backend for devices with these budgets (plans may use any of them by name, and no
+    /// other: a plan naming a device no budget mentions is refused at load), reporting to
+    /// `tracker`. With no budgets, as [`CpuBackend::new`], any device name grows without limit.
     /// Preallocating budgets take their region now: an error names the device when the machine
     /// cannot give it.
     pub fn with_budgets(seed: u64, budgets: Vec<DeviceBudget>, tracker: Tracker) -> Result<Self> {
+        let fixed_devices = !budgets.is_empty();
         let devices =
             budgets.into_iter().map(|b| HostDevice::new(b, tracker.clone())).collect::<Result<_>>()?;
         Ok(CpuBackend {
@@ -216,25 +225,32 @@ impl CpuBackend {
             programs: Vec::new(),
             comm: None,
             overlap: overlap::enabled(),
+            fixed_devices,
         })
     }
 
+    /// The variables this backend holds (every loaded plan's parameters and optimizer state).
     pub fn store(&self) -> &VariableStore {
         &self.store
     }
 
+    /// The per-device memory statistics this backend reports to.
     pub fn tracker(&self) -> &Tracker {
         &self.tracker
     }
 
-    fn device(&mut self, name: &str) -> usize {
+    fn device(&mut self, name: &str) -> Result<usize> {
         match self.devices.iter().position(|d| d.account.budget.name == name) {
-            Some(i) => i,
+            Some(i) => Ok(i),
+            None if self.fixed_devices => Err(RuntimeError::unknown_device(
+                name,
+                self.devices.iter().map(|d| d.account.budget.name.as_str()),
+            )),
             None => {
                 // An unlimited growth budget preallocates nothing, so this cannot fail.
                 let account = Account::new(DeviceBudget::unlimited(name), self.tracker.clone());
                 self.devices.push(HostDevice { account, pool: None });
-                self.devices.len() - 1
+                Ok(self.devices.len() - 1)
             }
         }
     }
@@ -370,7 +386,7 @@ impl CpuBackend {
         if let Some(comm) = self.comm.as_ref().filter(|_| collectives) {
             crate::collective::agree_on_plan(&plan, comm)?;
         }
-        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect();
+        let devices: Vec<usize> = plan.devices.iter().map(|d| self.device(&d.name)).collect::<Result<_>>()?;
         // One block per plan device (`take_block`): the variables it adds (taken when the store
         // creates them, after it checked the held ones), its io region and its arena, which the
         // caller's region replaces.

@@ -30,7 +30,7 @@ use crate::alloc::{Allocator, AllocatorStats, Block};
 use crate::error::{Result, RuntimeError};
 use crate::init::node_values;
 use crate::tensor::HostTensor;
-use kiln_compiler::ir::{Graph, NodeId, Op, OpClass, Shape, VarRole};
+use kiln_compiler::ir::{DType, Graph, NodeId, Op, OpClass, Shape, VarRole};
 use std::collections::HashMap;
 
 /// Memory after one op.
@@ -38,14 +38,18 @@ use std::collections::HashMap;
 pub struct MemorySample {
     /// Index among the ops that ran a kernel: the same numbering as a plan's steps.
     pub step: usize,
+    /// Bytes held by live blocks after the op (the allocator's `in_use`).
     pub in_use: usize,
+    /// Bytes the allocator held from the device after the op (its `reserved`).
     pub reserved: usize,
 }
 
 /// What one eager call did.
 #[derive(Clone, Debug)]
 pub struct EagerRun {
+    /// The graph's outputs by name, read back from the device, in the graph's output order.
     pub outputs: Vec<(String, HostTensor)>,
+    /// Memory after each op that ran a kernel, in the order they ran.
     pub samples: Vec<MemorySample>,
     /// Statistics when the call returned (peaks since the executor was made or last reset).
     pub stats: AllocatorStats,
@@ -58,6 +62,9 @@ struct Storage {
     refs: usize,
 }
 
+/// Runs a graph op by op on an [`EagerDevice`], every tensor allocated from the growth allocator
+/// `A` when its op runs and freed after its last reader: the eager baseline that plans are
+/// compared with.
 pub struct EagerExecutor<A: Allocator> {
     allocator: A,
     device: Box<dyn EagerDevice>,
@@ -96,10 +103,12 @@ impl<A: Allocator> EagerExecutor<A> {
         self
     }
 
+    /// The allocator every tensor, variable and workspace comes from (for its statistics).
     pub fn allocator(&self) -> &A {
         &self.allocator
     }
 
+    /// The allocator, mutably (e.g. to reset its peaks between calls).
     pub fn allocator_mut(&mut self) -> &mut A {
         &mut self.allocator
     }
@@ -209,7 +218,12 @@ impl<A: Allocator> EagerExecutor<A> {
                         });
                     }
                     let block = self.alloc(node.bytes(), name)?;
-                    self.device.write_bytes(block.addr, &data.to_bytes())?;
+                    if data.dtype() == DType::F32 && cfg!(target_endian = "little") {
+                        // f32 values as the device holds them: no copy of a caller-sized input.
+                        self.device.write_bytes(block.addr, bytemuck::cast_slice(data.data()))?;
+                    } else {
+                        self.device.write_bytes(block.addr, &data.to_bytes()?)?;
+                    }
                     // The caller holds its inputs until the call returns: one extra reference.
                     storage_of.insert(n, storage.len());
                     storage.push(Storage { block, refs: 2 });
