@@ -328,7 +328,7 @@ fn memory_table(r: &Record, mode: &str) -> String {
 fn speed_table(r: &Record, mode: &str) -> String {
     let rows: Vec<Vec<String>> = rows_of(r, None)
         .into_iter()
-        .filter(|v| v.get("mode").and_then(Value::as_str) == Some(mode))
+        .filter(|v| v.get("mode").and_then(Value::as_str).is_some_and(|m| m.eq_ignore_ascii_case(mode)))
         .map(|v| {
             vec![
                 v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
