@@ -1,6 +1,7 @@
-//! A picture of a plan: the arena as a chart (x = schedule step, y = offset, one rectangle per
-//! buffer, its op on hover), and beside it, over the same steps, what the eager allocator held
-//! from the device (reserved) and what live tensors held (in use), against the plan's total.
+//! A picture of a plan: the arena as a chart (x = plan step, y = offset, one rectangle per
+//! buffer, its op on hover), and beside it, over the eager run's own ops (unfused, so more of
+//! them than the plan has steps), what the eager allocator held from the device (reserved) and
+//! what live tensors held (in use), against the plan's total.
 
 use crate::report::bytes;
 use kiln_compiler::Plan;
@@ -37,7 +38,7 @@ fn colour(label: &str) -> &'static str {
     PALETTE[h % PALETTE.len()]
 }
 
-fn axes(s: &mut String, x0: f64, title: &str, steps: usize, top: usize) {
+fn axes(s: &mut String, x0: f64, title: &str, x_label: &str, top: usize) {
     let _ = writeln!(
         s,
         r#"<text x="{}" y="24" font-size="15" font-weight="bold">{}</text>"#,
@@ -51,9 +52,10 @@ fn axes(s: &mut String, x0: f64, title: &str, steps: usize, top: usize) {
     );
     let _ = writeln!(
         s,
-        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle">schedule step (0..{steps})</text>"#,
+        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle">{}</text>"#,
         x0 + PAD + W / 2.0,
-        PAD + H + 28.0
+        PAD + H + 28.0,
+        escape(x_label)
     );
     for i in 0..=4 {
         let v = top as f64 * i as f64 / 4.0;
@@ -89,7 +91,7 @@ pub fn plan_svg(plan: &Plan, eager: Option<&[MemorySample]>, title: &str) -> Str
         &mut s,
         0.0,
         &format!("{title}: arena {} B (lower bound {} B)", bytes(m.arena_bytes), bytes(m.lower_bound_bytes)),
-        steps,
+        &format!("plan step (0..{steps})"),
         top,
     );
     let sx = W / steps as f64;
@@ -119,12 +121,15 @@ pub fn plan_svg(plan: &Plan, eager: Option<&[MemorySample]>, title: &str) -> Str
         bytes(m.lower_bound_bytes)
     );
 
-    // Beside it: the eager allocator over the same steps, against the planned total.
+    // Beside it: the eager allocator over its own op stream (unfused, so it has more ops than
+    // the plan has steps), against the planned total.
     if let Some(samples) = eager {
         let x0 = W + 2.0 * PAD + 20.0;
         let planned = m.planned_total_bytes();
         let top = samples.iter().map(|p| p.reserved).max().unwrap_or(0).max(planned).max(1);
-        axes(&mut s, x0, "eager (BFC, allow_growth) vs planned total", steps, top);
+        let ops = samples.iter().map(|p| p.step + 1).max().unwrap_or(1);
+        axes(&mut s, x0, "eager (BFC, allow_growth) vs planned total", &format!("eager op (0..{ops})"), top);
+        let sx = W / ops as f64;
         let sy = H / top as f64;
         let line = |pick: fn(&MemorySample) -> usize| -> String {
             samples

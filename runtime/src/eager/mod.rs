@@ -36,7 +36,8 @@ use std::collections::HashMap;
 /// Memory after one op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct MemorySample {
-    /// Index among the ops that ran a kernel: the same numbering as a plan's steps.
+    /// Index among the ops of the eager run that ran a kernel (the eager op stream is unfused:
+    /// its numbering is its own, not a plan's steps).
     pub step: usize,
     /// Bytes held by live blocks after the op (the allocator's `in_use`).
     pub in_use: usize,
