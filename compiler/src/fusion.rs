@@ -128,6 +128,18 @@ fn reads_a_value_of_its_shape(graph: &Graph, members: &[NodeId], p: NodeId) -> b
     })
 }
 
+/// Whether the product `p` with a transposed first factor would wait, as the group's GEMM, for
+/// a computed value of its shape that its epilogue reads: such an epilogue cannot write over
+/// that value (`Op::may_write_over`), so fused, the product runs only once the value is made and
+/// the product's own factors are held until then, where unfused it runs when its factors are
+/// ready and the sum is made in place. A tied table's gradient, gᵀ·h + the embedding's
+/// `gather_grad`, held the [rows, vocab] logits' gradient over the gather's gradient
+/// (`transpose_operands`' tied head: arena 557,120 B fused, 459,328 B apart).
+fn waits_for_a_value(graph: &Graph, members: &[NodeId], p: NodeId) -> bool {
+    matches!(graph.node(p).op, Op::MatMul { transpose_a: true, .. })
+        && reads_a_value_of_its_shape(graph, members, p)
+}
+
 /// Readers of `p` are all in `set`, and (unless `ordered_after` allows them) nothing else follows
 /// it by a control edge.
 fn read_only_by(graph: &Graph, p: NodeId, set: &HashSet<NodeId>, ordered_after: bool) -> bool {
@@ -160,6 +172,7 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
                 .any(|&m| source(graph.node(m)) || matches!(graph.node(m).op, Op::RandomUniform { .. }));
             let matmul = search.product(&members).filter(|&p| {
                 !with_source
+                    && !waits_for_a_value(graph, &members, p)
                     && match products {
                         Products::All => true,
                         // A convolution's epilogue never writes over its operands

@@ -7,6 +7,8 @@
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
 //!    then `const_fold` — values computed from constants alone are computed here, once —,
 //!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
+//!    `transpose_operands` — a transpose feeding a product becomes the product's operand flag,
+//!    read in place —,
 //!    `product_updates` — an update computes its own weight gradient, never stored —,
 //!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
 //!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
@@ -56,6 +58,7 @@ pub mod scratch;
 pub mod step;
 pub mod tiled_updates;
 pub mod trace;
+pub mod transpose_operands;
 pub mod validate;
 pub mod zero;
 
@@ -110,6 +113,10 @@ pub struct CompileOptions {
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
     /// and every kernel reduces within its blocks.
     pub scratch: Option<scratch::ScratchRule>,
+    /// Whether a transpose (a permute of the last two axes) feeding a product is read in place
+    /// through the product's operand flag instead of copied (`transpose_operands`; on by
+    /// default, or as `KILN_TRANSPOSE_OPERANDS=0` says).
+    pub transpose_operands: bool,
 }
 
 impl Default for CompileOptions {
@@ -129,6 +136,7 @@ impl Default for CompileOptions {
             cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
             recompute_budget: cheap_remat::FLOPS_BUDGET,
             scratch: None,
+            transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -182,6 +190,12 @@ impl CompileOptions {
     /// `recompute_budget`: the share of a step's FLOPs cheap recomputation may add.
     pub fn with_recompute_budget(mut self, share: f64) -> Self {
         self.recompute_budget = share;
+        self
+    }
+
+    /// Transposes read in place by products on or off, whatever `KILN_TRANSPOSE_OPERANDS` says.
+    pub fn with_transpose_operands(mut self, on: bool) -> Self {
+        self.transpose_operands = on;
         self
     }
 
@@ -273,6 +287,9 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     }
     pool_relu_grad::rewrite(&mut graph)?;
     if pad_sums::rewrite(&mut graph)? > 0 {
+        passes::default_pipeline().run(&mut graph)?;
+    }
+    if options.transpose_operands && transpose_operands::rewrite(&mut graph)?.changed() {
         passes::default_pipeline().run(&mut graph)?;
     }
     let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
