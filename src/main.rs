@@ -106,7 +106,9 @@ enum Command {
         /// Size a symbolic dimension of the model's inputs: NAME=N. Repeatable.
         #[arg(long, value_name = "NAME=N")]
         dim: Vec<String>,
-        /// A safetensors file holding tensors `x` and `y` (one batch) to train on instead of random data.
+        /// A safetensors file holding one batch to train on instead of random data: a tensor per
+        /// model input, named as the model's inputs (`x` for a model of one input), and the
+        /// targets `y`; F32, I32, I64 or BOOL, as the inputs take.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
         /// Train on the CPU even where a GPU is present.
@@ -469,21 +471,8 @@ fn train_onnx(
     let bytes = read_model(path)?;
     // The flags and the data are checked before the file is decoded.
     kiln::onnx::train::flags(Some(batch), dims)?;
-    let data = match data {
-        None => None,
-        Some(file) => {
-            let tensors = kiln::runtime::checkpoint::read(file)?.tensors;
-            let take = |name: &str| {
-                tensors.get(name).cloned().ok_or_else(|| {
-                    invalid(
-                        format!("{} holds no f32 tensor `{name}`", file.display()),
-                        "store the batch as f32 tensors `x` and `y`".into(),
-                    )
-                })
-            };
-            Some((take("x")?, take("y")?))
-        }
-    };
+    // One tensor per model input, named as the model's inputs (`x` for a model of one), and `y`.
+    let data = data.map(kiln::onnx::train::read_data).transpose()?;
     // Read once: decoded, checked, its external data mapped from the file's directory.
     let model = kiln::onnx::OnnxModel::from_bytes_at(&bytes, path)?;
     let sizes = kiln::onnx::train::sizes(&model, Some(batch), dims)?;

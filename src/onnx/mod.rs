@@ -44,7 +44,10 @@
 //! against this importer; `tests/onnx.rs` holds the cases that data lacks.
 //!
 //! A model of one input and one output is also a layer (`OnnxLayer`): each trace replays its
-//! nodes on the layer's input, so it goes through autodiff and trains like a traced model.
+//! nodes on the layer's input, so it goes through autodiff and trains like a traced model. A
+//! model of several inputs (ids, masks, features) is a layer whose one input packs them, rows
+//! kept together (`OnnxModel::into_packed_layer`, `PackedInput`), so that the `Trainer`, built
+//! around one input and one target, trains it unchanged.
 
 mod check;
 mod conv;
@@ -299,6 +302,54 @@ impl OnnxModel {
         OnnxLayer::from_model(self.model, self.opset)
     }
 
+    /// The model as a layer of all its inputs, sized by `sizes` (`("batch", 32)`): a model of
+    /// one input is [`OnnxModel::into_layer`]'s layer, whose `x` is that input in its own dtype
+    /// (f32 features, i32/i64 ids, a bool mask); a model of several (BERT's `input_ids`,
+    /// `attention_mask`, `token_type_ids`) is a layer whose one input `x` packs them
+    /// ([`OnnxLayer::packing`], [`OnnxLayer::pack`]). Every input then needs the batch as its
+    /// first axis; the other axes are fixed at `sizes`. It must have one output.
+    pub fn into_packed_layer(self, sizes: &[(String, usize)]) -> Result<OnnxLayer> {
+        let graph = self.model.graph.as_ref().ok_or_else(no_graph)?;
+        let fed: Vec<_> =
+            graph.input.iter().filter(|i| !graph.initializer.iter().any(|t| t.name == i.name)).collect();
+        if fed.len() < 2 {
+            return self.into_layer();
+        }
+        let mut packing = Vec::with_capacity(fed.len());
+        let mut batch: Option<(usize, String)> = None;
+        for input in fed {
+            let name = input.name.clone().unwrap_or_default();
+            let (shape, dtype) = input_shape(input, sizes)?;
+            let Some((&rows, row)) = shape.dims().split_first() else {
+                return Err(unsupported(
+                    format!("input `{name}` is a scalar, with no batch axis"),
+                    "a model of several inputs trains with the batch as every input's first axis",
+                ));
+            };
+            match &batch {
+                Some((b, first)) if *b != rows => {
+                    return Err(unsupported(
+                        format!("input `{name}` has {rows} rows (its first axis) and input `{first}` {b}"),
+                        "a model of several inputs trains with the batch as every input's first axis: \
+                         size them alike with --batch / --dim",
+                    ));
+                }
+                Some(_) => {}
+                None => batch = Some((rows, name.clone())),
+            }
+            packing.push(PackedInput { name, row: row.to_vec(), dtype });
+        }
+        if graph.output.len() != 1 {
+            return Err(unsupported(
+                format!("the model has {} outputs", graph.output.len()),
+                "a model trains as a layer with one output; plan others with `import`",
+            ));
+        }
+        let mut layer = OnnxLayer::build(self.model, self.opset)?;
+        layer.packing = Some(packing);
+        Ok(layer)
+    }
+
     /// The symbolic names of the model's inputs' first axes (what `--batch N` sizes).
     pub fn batch_dims(&self) -> Vec<String> {
         batch_names(&self.model)
@@ -529,6 +580,31 @@ pub struct OnnxLayer {
     opset: i64,
     /// The file's parameters by variable key.
     pub weights: Vec<(String, HostTensor)>,
+    /// How `x` carries several graph inputs (`OnnxModel::into_packed_layer`); `None`: `x` is
+    /// the graph's one input.
+    packing: Option<Vec<PackedInput>>,
+}
+
+/// One graph input of a layer of several ([`OnnxModel::into_packed_layer`]). Such a layer's
+/// input `x` is f32 `[rows, columns]`: each row holds every input's row flattened, one input
+/// after another in the file's order, ids and masks as exact f32 values (ids below 2^24, masks
+/// 0 or 1). The layer slices each input back out of `x` and casts ids to their dtype, so the
+/// `Trainer` (built around one `x`) feeds, shards and splits the rows of all of them at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackedInput {
+    /// The graph input's name.
+    pub name: String,
+    /// Its dimensions after the batch axis.
+    pub row: Vec<usize>,
+    /// Its element type in the file: f32, i32 or i64 (ids) or bool (a mask).
+    pub dtype: DType,
+}
+
+impl PackedInput {
+    /// How many columns of the packed `x` the input takes: its row's element count.
+    pub fn columns(&self) -> usize {
+        self.row.iter().product()
+    }
 }
 
 impl OnnxLayer {
@@ -551,9 +627,15 @@ impl OnnxLayer {
         if inputs != 1 || graph.output.len() != 1 {
             return Err(unsupported(
                 format!("the model has {inputs} inputs and {} outputs", graph.output.len()),
-                "a model trains as a layer with one input and one output; plan others with `import`",
+                "a model trains as a layer with one input and one output; train one of several inputs \
+                 with `OnnxModel::into_packed_layer`, plan others with `import`",
             ));
         }
+        Self::build(model, opset)
+    }
+
+    fn build(model: ModelProto, opset: i64) -> Result<Self> {
+        let graph = model.graph.as_ref().ok_or_else(no_graph)?;
         // Float initializers, and the float `Constant` nodes that become parameters holding
         // their values (`Importer::constant`; equal values need none: `Init::Constant`).
         let constants =
@@ -581,7 +663,72 @@ impl OnnxLayer {
                 weights.push((name, HostTensor::new(Shape::new(dims), values)?));
             }
         }
-        Ok(OnnxLayer { model, opset, weights })
+        Ok(OnnxLayer { model, opset, weights, packing: None })
+    }
+
+    /// How the layer's input `x` carries the graph's inputs: `None` for a model of one input
+    /// (`x` is that input), else each input's place in the packed `x` ([`PackedInput`]).
+    pub fn packing(&self) -> Option<&[PackedInput]> {
+        self.packing.as_deref()
+    }
+
+    /// The layer's input `x` for a batch of the graph's inputs given by name: for a layer of
+    /// one input, that tensor itself; for a packed layer, the f32 `[rows, columns]` tensor
+    /// [`PackedInput`] describes. A missing input, a shape other than `[rows, ...row]` (rows
+    /// alike for all), an f32 tensor for an id or mask input that is not integral, or an id
+    /// of 2^24 or more (not exact in f32) is an error naming the input.
+    pub fn pack(&self, inputs: &[(&str, &HostTensor)]) -> Result<HostTensor> {
+        let Some(packing) = &self.packing else {
+            return match inputs {
+                [(_, t)] => Ok((*t).clone()),
+                _ => Err(invalid(
+                    format!("{} tensors given for a layer of one input", inputs.len()),
+                    "give the layer's one input",
+                )),
+            };
+        };
+        let mut parts = Vec::with_capacity(packing.len());
+        let mut rows: Option<usize> = None;
+        for p in packing {
+            let Some(&(_, t)) = inputs.iter().find(|(n, _)| *n == p.name) else {
+                return Err(invalid(
+                    format!("no tensor for the model's input `{}`", p.name),
+                    "give a tensor for every input of the model, named as the model names it",
+                ));
+            };
+            let n = *rows.get_or_insert(t.shape().dims().first().copied().unwrap_or(0));
+            let mut want = vec![n];
+            want.extend(&p.row);
+            if t.shape().dims() != want.as_slice() {
+                return Err(invalid(
+                    format!("input `{}` is {}; the model takes {}", p.name, t.shape(), Shape::new(want)),
+                    "give every input of the batch the model's shape at these sizes, with as many rows",
+                ));
+            }
+            if p.dtype.is_exact() {
+                const EXACT: f32 = (1u32 << 24) as f32;
+                let bad = match t.ints() {
+                    Some(ints) => ints.iter().find(|v| v.unsigned_abs() >= 1 << 24).map(|&v| v as f32),
+                    None => t.data().iter().find(|v| v.fract() != 0.0 || v.abs() >= EXACT).copied(),
+                };
+                if let Some(v) = bad {
+                    return Err(invalid(
+                        format!("input `{}` ({}) holds {v}, not an integer below 2^24", p.name, p.dtype),
+                        "give ids and masks as integers (ids below 2^24, masks 0 or 1)",
+                    ));
+                }
+            }
+            parts.push((t.data(), p.columns()));
+        }
+        let rows = rows.unwrap_or(0);
+        let columns: usize = parts.iter().map(|(_, c)| c).sum();
+        let mut data = Vec::with_capacity(rows.saturating_mul(columns));
+        for r in 0..rows {
+            for (values, c) in &parts {
+                data.extend_from_slice(&values[r * c..(r + 1) * c]);
+            }
+        }
+        Ok(HostTensor::new(Shape::new([rows, columns]), data)?)
     }
 
     /// The indices of the graph's computing nodes (every node but the `Constant`s and
@@ -654,14 +801,54 @@ impl OnnxLayer {
         let Some(graph) = self.model.graph.as_ref() else {
             return t.report("onnx", "the model has no graph", &[x], "");
         };
-        let input = graph.input.iter().find(|i| !graph.initializer.iter().any(|t| t.name == i.name));
+        let fed: Vec<_> =
+            graph.input.iter().filter(|i| !graph.initializer.iter().any(|t| t.name == i.name)).collect();
         // A batch-1 export applied to a batch of another size is re-batched (`STATIC_BATCH`).
-        let rebatch = match (input.is_some_and(batch_of_one), x.dims().first()) {
+        let rebatch = match (fed.iter().any(|i| batch_of_one(i)), x.dims().first()) {
             (true, Some(&to)) if to != 1 => Some(to),
             _ => None,
         };
-        let input = input.and_then(|i| i.name.clone()).unwrap_or_default();
-        let feeds = HashMap::from([(input, Value::Tensor(x.clone()))]);
+        // An input as the importer reads it: a bool mask as its 0.0/1.0 tensor, ids as ids.
+        let value = |t: Tensor, dtype: DType| match dtype {
+            DType::Bool => Value::Tensor(t.cast(DType::F32)),
+            d if d.is_exact() => Value::Ids(t.cast(d)),
+            _ => Value::Tensor(t),
+        };
+        let feeds = match &self.packing {
+            None => {
+                let input = fed.first().and_then(|i| i.name.clone()).unwrap_or_default();
+                HashMap::from([(input, value(x.clone(), x.dtype()))])
+            }
+            Some(packing) => {
+                let columns: usize = packing.iter().map(PackedInput::columns).sum();
+                if x.dtype() != DType::F32 || x.dims().len() != 2 || x.dims()[1] != columns {
+                    return t.report(
+                        "onnx",
+                        format!(
+                            "the packed input of a model of {} inputs is {}{}, not f32 [rows, {columns}]",
+                            packing.len(),
+                            x.dtype(),
+                            x.shape()
+                        ),
+                        &[x],
+                        "feed the layer `OnnxLayer::pack`'s tensor",
+                    );
+                }
+                let rows = x.dims()[0];
+                let mut start = 0;
+                let mut feeds = HashMap::new();
+                for p in packing {
+                    let mut dims = vec![rows];
+                    dims.extend(&p.row);
+                    let part = x.slice(1, start, p.columns()).reshape(dims);
+                    start += p.columns();
+                    // Bools are packed as 0.0/1.0 already.
+                    let dtype = if p.dtype == DType::Bool { DType::F32 } else { p.dtype };
+                    feeds.insert(p.name.clone(), value(part, dtype));
+                }
+                feeds
+            }
+        };
         let devices = (!placement.is_empty()).then(|| self.node_devices(placement, t.current_device()));
         match trace(&t, graph, self.opset, feeds, rebatch, devices.as_deref()) {
             Ok((outputs, _)) => match outputs.into_iter().next() {

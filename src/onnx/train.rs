@@ -3,7 +3,10 @@
 //! from a safetensors file), with the plan's memory report. The loss is the mean squared error
 //! against targets of the output's shape and the optimizer Adam: what a fine-tuning step of the
 //! model holds in memory, whatever head the user will put on it. Batch normalisation runs in
-//! training mode where the file says so, dropout where the file has it.
+//! training mode where the file says so, dropout where the file has it. A model of several
+//! inputs (a transformer's `input_ids`, `attention_mask`, `token_type_ids`) trains as one layer
+//! whose input packs them (`OnnxModel::into_packed_layer`); random ids are drawn inside the
+//! table each id input indexes, so that the step computes what real ids make it compute.
 //!
 //! Each function takes the model as a [`ModelSource`]: an [`OnnxModel`](super::OnnxModel) read
 //! once (the CLI opens the file, so that its external data is read from the file's directory),
@@ -15,10 +18,11 @@ use crate::error::{Error, Result};
 use crate::report::{PlanMemory, table};
 use kiln_compiler::device::DeviceSpec;
 use kiln_compiler::ir::{DType, Shape};
-use kiln_compiler::step::TrainConfig;
+use kiln_compiler::step::{InputSpec, TrainConfig};
 use kiln_runtime::{HostTensor, Trainer};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 fn invalid(what: String, help: &str) -> Error {
@@ -65,37 +69,242 @@ pub fn flags(batch: Option<usize>, dims: &[String]) -> Result<Vec<(String, usize
     Ok(sizes)
 }
 
-/// The model's input and output shapes at `sizes`: what a training step of it as a layer
-/// reads (x) and is compared with (y). A model whose input is not a float tensor is refused
-/// (ids need data of their own, not random floats).
-pub fn shapes(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<(Shape, Shape)> {
-    let imported = model.model()?.import(sizes)?;
+/// One input of a model at given sizes: what a training batch holds for it, and what random
+/// data draws for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInput {
+    /// The graph input's name (`input_ids`, `attention_mask`, ...).
+    pub name: String,
+    /// Its shape at the sizes.
+    pub shape: Shape,
+    /// Its element type: f32 features, i32 or i64 ids, a bool mask.
+    pub dtype: DType,
+    /// For an integer input, the rows of the table it indexes (the first operand of the
+    /// `Gather` it feeds, through casts and reshapes; the smallest where it feeds several):
+    /// its ids must lie in [0, rows). `None` where no such table is found.
+    pub table_rows: Option<usize>,
+}
+
+impl ModelInput {
+    /// Whether random data fills the input with ones: a bool input, or an integer one that
+    /// indexes no table and is named as a mask (`attention_mask`).
+    pub fn is_mask(&self) -> bool {
+        self.dtype == DType::Bool
+            || (self.dtype.is_exact()
+                && self.table_rows.is_none()
+                && self.name.to_lowercase().contains("mask"))
+    }
+}
+
+/// The model's inputs at `sizes`, in the file's order (initializers excluded), each with the
+/// table its ids index where it has one.
+pub fn inputs(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<Vec<ModelInput>> {
+    let model = model.model()?;
+    let imported = model.import(sizes)?;
+    Ok(model_inputs(&model, &imported))
+}
+
+fn model_inputs(model: &super::OnnxModel, imported: &super::Imported) -> Vec<ModelInput> {
     let g = &imported.graph;
-    let x = match g.inputs().as_slice() {
-        [x] if g.node(*x).dtype == DType::F32 => g.node(*x).shape.clone(),
-        [x] => {
+    let proto = model.proto().graph.as_ref();
+    imported
+        .inputs
+        .iter()
+        .map(|(name, shape)| {
+            let dtype = g.input(name).map_or(DType::F32, |n| g.node(n).dtype);
+            let table_rows = if dtype.is_exact() { proto.and_then(|p| table_rows(p, name)) } else { None };
+            ModelInput { name: name.clone(), shape: shape.clone(), dtype, table_rows }
+        })
+        .collect()
+}
+
+/// The rows of the tables value `input` indexes: the first operand of each `Gather` whose
+/// indices it is, through ops that keep ids ids (casts, reshapes, slices); the smallest.
+fn table_rows(graph: &super::proto::GraphProto, input: &str) -> Option<usize> {
+    let mut names = vec![input.to_string()];
+    let mut rows: Option<usize> = None;
+    let mut i = 0;
+    while let Some(v) = names.get(i).cloned() {
+        i += 1;
+        for n in &graph.node {
+            let op = n.op_type.as_deref().unwrap_or("");
+            let reads = |k: usize| n.input.get(k) == Some(&v);
+            if op == "Gather" && reads(1) {
+                let axis = n.attribute.iter().find(|a| a.name.as_deref() == Some("axis")).and_then(|a| a.i);
+                let table = n.input.first().and_then(|t| stored_dims(graph, t, 0));
+                let r = table.and_then(|dims| {
+                    let axis = axis.unwrap_or(0);
+                    let axis = if axis < 0 { axis + dims.len() as i64 } else { axis };
+                    usize::try_from(*dims.get(usize::try_from(axis).ok()?)?).ok()
+                });
+                if let Some(r) = r {
+                    rows = Some(rows.map_or(r, |m| m.min(r)));
+                }
+            } else if matches!(
+                op,
+                "Cast" | "Reshape" | "Unsqueeze" | "Squeeze" | "Flatten" | "Identity" | "Expand" | "Slice"
+            ) && reads(0)
+            {
+                for o in &n.output {
+                    if !names.contains(o) {
+                        names.push(o.clone());
+                    }
+                }
+            }
+        }
+    }
+    rows
+}
+
+/// The dims of stored tensor `name`: an initializer, a `Constant`'s value, or either through
+/// `Identity` / `Cast`.
+fn stored_dims(graph: &super::proto::GraphProto, name: &str, depth: usize) -> Option<Vec<i64>> {
+    if let Some(t) = graph.initializer.iter().find(|t| t.name.as_deref() == Some(name)) {
+        return Some(t.dims.clone());
+    }
+    let n = graph.node.iter().find(|n| n.output.first().map(String::as_str) == Some(name))?;
+    match n.op_type.as_deref()? {
+        "Constant" => n
+            .attribute
+            .iter()
+            .find(|a| a.name.as_deref() == Some("value"))?
+            .t
+            .as_ref()
+            .map(|t| t.dims.clone()),
+        "Identity" | "Cast" if depth < 16 => stored_dims(graph, n.input.first()?, depth + 1),
+        _ => None,
+    }
+}
+
+/// The input and output shapes of the model as a layer at `sizes`: x is what a training step of
+/// it reads (the one input's shape, or, for a model of several inputs, the `[rows, columns]`
+/// they are packed into: `OnnxModel::into_packed_layer`) and y what it is compared with.
+pub fn shapes(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<(Shape, Shape)> {
+    let (x, y) = specs(model, sizes)?;
+    Ok((x.shape, y))
+}
+
+/// [`shapes`], with the layer's input dtype: the one input's (f32, i32 or i64 ids, a bool
+/// mask), or f32 for the packed input of several.
+pub fn specs(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<(InputSpec, Shape)> {
+    let model = model.model()?;
+    let imported = model.import(sizes)?;
+    specs_of(&model_inputs(&model, &imported), &imported)
+}
+
+/// [`specs`] of an imported model whose inputs are `inputs`.
+fn specs_of(inputs: &[ModelInput], imported: &super::Imported) -> Result<(InputSpec, Shape)> {
+    let x = match inputs {
+        [] => {
             return Err(invalid(
-                format!("the model's input is {:?}, not f32", g.node(*x).dtype),
-                "train a model of integer inputs from its own data with the API (`OnnxLayer` and `Trainer`)",
+                "the model has no inputs".into(),
+                "a model trains as a layer of its inputs: export it with at least one",
             ));
         }
-        inputs => {
-            return Err(invalid(
-                format!("the model has {} inputs", inputs.len()),
-                "a model trains as a layer with one input and one output",
-            ));
+        [x] => InputSpec::new(x.shape.clone(), x.dtype),
+        several => {
+            let rows = several[0].shape.dims().first().copied().unwrap_or(1);
+            let columns =
+                several.iter().map(|i| i.shape.dims().iter().skip(1).product::<usize>()).sum::<usize>();
+            InputSpec::new(Shape::new([rows, columns]), DType::F32)
         }
     };
+    let g = &imported.graph;
     let y = match g.outputs() {
         [(_, y)] => g.node(*y).shape.clone(),
         outputs => {
             return Err(invalid(
                 format!("the model has {} outputs", outputs.len()),
-                "a model trains as a layer with one input and one output",
+                "a model trains as a layer with one output",
             ));
         }
     };
     Ok((x, y))
+}
+
+/// One batch to train on: a tensor per model input, by the input's name (`x` stands for the
+/// input of a model of one), and the targets `y`.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// The inputs by name: f32 features, i32/i64 ids, bool masks (or f32 holding integers).
+    pub inputs: Vec<(String, HostTensor)>,
+    /// The targets, of the model's output's shape.
+    pub y: HostTensor,
+}
+
+/// The batch in the safetensors file at `path`: `y` and one tensor per model input, each F32,
+/// I32, I64 or BOOL. The file is checked as a checkpoint is (`kiln_runtime::checkpoint::read`)
+/// before its integer tensors are read; a tensor of another dtype, or no `y`, is an error
+/// naming it.
+pub fn read_data(path: &Path) -> Result<Batch> {
+    let checkpoint = kiln_runtime::checkpoint::read(path)?;
+    let mut tensors = checkpoint.tensors;
+    if !checkpoint.other_dtypes.is_empty() {
+        tensors.extend(read_exact_tensors(path, &checkpoint.other_dtypes)?);
+    }
+    let y = tensors.remove("y").ok_or_else(|| {
+        invalid(
+            format!("{} holds no tensor `y`", path.display()),
+            "store the targets as `y` beside one tensor per model input, named as the model's inputs",
+        )
+    })?;
+    // Targets of ints (class ids) are compared as the f32 values they hold.
+    let y = match y.dtype() {
+        DType::F32 => y,
+        _ => HostTensor::new(y.shape().clone(), y.data().to_vec())?,
+    };
+    Ok(Batch { inputs: tensors.into_iter().collect(), y })
+}
+
+/// The tensors `dtypes` names (all of the file's tensors that are not F32), read from the
+/// safetensors file at `path`, whose header `checkpoint::read` has checked: I32, I64 and BOOL.
+fn read_exact_tensors(
+    path: &Path,
+    dtypes: &std::collections::BTreeMap<String, String>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        invalid(format!("cannot read {}: {e}", path.display()), "check the path of the --data file")
+    })?;
+    let malformed = || {
+        invalid(
+            format!("{} is not a safetensors file", path.display()),
+            "write the batch with a safetensors writer",
+        )
+    };
+    let n = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(malformed)?;
+    let header_end = usize::try_from(n).ok().and_then(|n| n.checked_add(8)).ok_or_else(malformed)?;
+    let header: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..header_end).ok_or_else(malformed)?).map_err(|_| malformed())?;
+    let mut out = Vec::new();
+    for (name, dtype) in dtypes {
+        let dtype = match dtype.as_str() {
+            "I32" => DType::I32,
+            "I64" => DType::I64,
+            "BOOL" => DType::Bool,
+            other => {
+                return Err(invalid(
+                    format!("{}: tensor `{name}` is {other}", path.display()),
+                    "store inputs and targets as F32, I32, I64 or BOOL",
+                ));
+            }
+        };
+        let entry = &header[name.as_str()];
+        let dims: Option<Vec<usize>> = entry["shape"]
+            .as_array()
+            .and_then(|a| a.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect());
+        let range = entry["data_offsets"].as_array().and_then(|a| match a.as_slice() {
+            [b, e] => Some((usize::try_from(b.as_u64()?).ok()?, usize::try_from(e.as_u64()?).ok()?)),
+            _ => None,
+        });
+        let (Some(dims), Some((b, e))) = (dims, range) else { return Err(malformed()) };
+        let data = header_end
+            .checked_add(b)
+            .zip(header_end.checked_add(e))
+            .and_then(|(b, e)| bytes.get(b..e))
+            .ok_or_else(malformed)?;
+        out.push((name.clone(), HostTensor::from_bytes(Shape::new(dims), dtype, data)?));
+    }
+    Ok(out)
 }
 
 /// The training step an imported model is planned and trained with: the mean squared error
@@ -116,59 +325,93 @@ pub struct OnnxTraining {
     /// The trainer after the last step: its plans, its backend (with the trained weights) and
     /// its compile time.
     pub trainer: Trainer,
-    /// The shape of the model's one input (the batch fed every step).
+    /// The shape of the layer's input fed every step: the model's one input, or the
+    /// `[rows, columns]` its several inputs are packed into (`inputs` lists them).
     pub x: Shape,
     /// The shape of the model's one output (the targets' shape).
     pub y: Shape,
+    /// The model's inputs, in the file's order.
+    pub inputs: Vec<ModelInput>,
     /// The wall time of the training steps, compilation and weight loading excluded.
     pub elapsed: Duration,
 }
 
-/// Trains `model` for `steps` steps of one batch each on `device`: inputs uniform
-/// in [0, 1) and targets standard normal (seeded), or `data` (x, y) when given. The file's
-/// weights are the starting point.
+/// Trains `model` for `steps` steps of one batch each on `device`, on `data` or, without it,
+/// on random data (seeded): f32 inputs uniform in [0, 1), ids uniform over the rows of the
+/// table they index (0 or 1 where none is found), masks all ones ([`ModelInput::is_mask`]),
+/// targets standard normal. A model of several inputs trains as the layer
+/// `OnnxModel::into_packed_layer` makes. The file's weights are the starting point. Data of
+/// other shapes than the model's at `sizes`, a missing or unknown input, or an id outside its
+/// table is an error naming the input.
 pub fn train(
     model: &(impl ModelSource + ?Sized),
     sizes: &[(String, usize)],
     steps: usize,
     device: &Device,
-    data: Option<(HostTensor, HostTensor)>,
+    data: Option<Batch>,
     mut each: impl FnMut(usize, f32),
 ) -> Result<OnnxTraining> {
     let model = model.model()?;
-    let (x_shape, y_shape) = shapes(&*model, sizes)?;
-    let layer = model.into_owned().into_layer()?;
+    let imported = model.import(sizes)?;
+    let inputs = model_inputs(&model, &imported);
+    let (x_spec, y_shape) = specs_of(&inputs, &imported)?;
+    drop(imported);
+    let layer = model.into_owned().into_packed_layer(sizes)?;
     let weights = layer.weights.clone();
     let config = fine_tuning();
-    let (x, y) = match data {
-        Some((x, y)) => {
-            if x.shape() != &x_shape || y.shape() != &y_shape {
+    let (feeds, y) = match data {
+        Some(batch) => (checked_feeds(&inputs, batch.inputs)?, {
+            if batch.y.shape() != &y_shape {
                 return Err(invalid(
                     format!(
-                        "the data holds x {} and y {}; the model at these sizes takes {} and gives {}",
-                        x.shape(),
-                        y.shape(),
-                        x_shape,
+                        "the data's y is {}; the model at these sizes gives {}",
+                        batch.y.shape(),
                         y_shape
                     ),
-                    "size the model with --batch / --dim to the data, or give data of the model's shapes",
+                    "size the model with --batch / --dim to the data, or give targets of the model's output shape",
                 ));
             }
-            (x, y)
-        }
+            batch.y
+        }),
         None => {
             let mut rng = StdRng::seed_from_u64(1);
-            let x = HostTensor::from_fn(x_shape.clone(), |_| rng.random::<f32>())?;
+            let mut feeds = Vec::with_capacity(inputs.len());
+            for input in &inputs {
+                let shape = input.shape.clone();
+                let t = if input.dtype == DType::F32 {
+                    HostTensor::from_fn(shape, |_| rng.random::<f32>())?
+                } else {
+                    let n = shape.numel();
+                    let values: Vec<i64> = if input.is_mask() {
+                        vec![1; n]
+                    } else {
+                        let rows = input.table_rows.unwrap_or(2).max(1) as i64;
+                        (0..n).map(|_| rng.random_range(0..rows)).collect()
+                    };
+                    match input.dtype {
+                        DType::Bool => {
+                            HostTensor::from_bool(shape, values.iter().map(|&v| v != 0).collect())?
+                        }
+                        DType::I32 => {
+                            HostTensor::from_i32(shape, values.iter().map(|&v| v as i32).collect())?
+                        }
+                        _ => HostTensor::from_i64(shape, values)?,
+                    }
+                };
+                feeds.push((input.name.clone(), t));
+            }
             let y = HostTensor::from_fn(y_shape.clone(), |_| {
                 // Box-Muller: standard normal targets.
                 let (u, v) = (rng.random::<f32>().max(f32::MIN_POSITIVE), rng.random::<f32>());
                 (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
             })?;
-            (x, y)
+            (feeds, y)
         }
     };
+    let named: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let x = layer.pack(&named)?;
     let mut trainer = Trainer::new(layer, config, device.backend(7)?);
-    trainer.train_program(x.shape().clone(), y.shape().clone())?;
+    trainer.train_program(InputSpec::new(x.shape().clone(), x.dtype()), y.shape().clone())?;
     // The file's values of the constants the step reads as parameters (a constant only folded
     // into an attribute, or read by nothing, is no variable).
     let declared: std::collections::HashSet<String> =
@@ -183,15 +426,96 @@ pub fn train(
         each(i, loss);
         losses.push(loss);
     }
-    Ok(OnnxTraining { losses, trainer, x: x_shape, y: y_shape, elapsed: start.elapsed() })
+    Ok(OnnxTraining { losses, trainer, x: x_spec.shape, y: y_shape, inputs, elapsed: start.elapsed() })
+}
+
+/// The data's inputs in the model's order, each checked: every input given (`x` for the one
+/// input of a model of one), none unknown, each of the input's shape, ids inside their table,
+/// masks 0 or 1.
+fn checked_feeds(
+    inputs: &[ModelInput],
+    mut given: Vec<(String, HostTensor)>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let names = || inputs.iter().map(|i| format!("`{}`", i.name)).collect::<Vec<_>>().join(", ");
+    if let ([one], [(name, _)]) = (inputs, given.as_mut_slice())
+        && name == "x"
+    {
+        *name = one.name.clone();
+    }
+    if let Some((unknown, _)) = given.iter().find(|(n, _)| !inputs.iter().any(|i| &i.name == n)) {
+        return Err(invalid(
+            format!("the data holds `{unknown}`, which is no input of the model (its inputs: {})", names()),
+            "name each tensor as the model's input it feeds (`x` for a model of one input), and the targets `y`",
+        ));
+    }
+    let mut feeds = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let Some(i) = given.iter().position(|(n, _)| n == &input.name) else {
+            return Err(invalid(
+                format!(
+                    "the data holds no tensor for the model's input `{}` (its inputs: {})",
+                    input.name,
+                    names()
+                ),
+                "store one tensor per model input, named as the model names it, beside the targets `y`",
+            ));
+        };
+        let (name, t) = given.swap_remove(i);
+        if t.shape() != &input.shape {
+            return Err(invalid(
+                format!(
+                    "the data's `{name}` is {}; the model at these sizes takes {}",
+                    t.shape(),
+                    input.shape
+                ),
+                "size the model with --batch / --dim to the data, or give data of the model's shapes",
+            ));
+        }
+        let range = match input.dtype {
+            DType::Bool => Some((2, "a mask holds 0 or 1".to_string())),
+            // ONNX's Gather counts a negative id from the table's end.
+            d if d.is_exact() => input
+                .table_rows
+                .map(|r| (r, format!("it indexes a table of {r} rows: ids lie in [-{r}, {r})"))),
+            _ => None,
+        };
+        if let Some((rows, why)) = range {
+            let low = if input.dtype == DType::Bool { 0 } else { -(rows as i64) };
+            let bad = match t.ints() {
+                Some(ints) => {
+                    ints.iter().position(|&v| v < low || v >= rows as i64).map(|p| (p, ints[p] as f64))
+                }
+                None => t
+                    .data()
+                    .iter()
+                    .position(|&v| v.fract() != 0.0 || v < low as f32 || v >= rows as f32)
+                    .map(|p| (p, t.data()[p] as f64)),
+            };
+            if let Some((at, v)) = bad {
+                return Err(invalid(
+                    format!("the data's input `{name}` holds {v} at element {at}: {why}"),
+                    "give ids the model's tables hold (its vocabulary), masks of 0 and 1",
+                ));
+            }
+        }
+        feeds.push((name, t));
+    }
+    Ok(feeds)
 }
 
 /// The run's summary: steps, time, the backend's report and the plans' memory table.
 pub fn summary(run: &OnnxTraining) -> String {
+    let x = match run.inputs.as_slice() {
+        [_] | [] => format!("x {}", run.x),
+        several => several
+            .iter()
+            .map(|i| format!("{} {}{}", i.name, i.dtype, i.shape))
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
     let mut s = format!(
-        "trained {} steps (x {}, y {}) in {:.2} s (compile {:.2} s) on {}\n",
+        "trained {} steps ({x}, y {}) in {:.2} s (compile {:.2} s) on {}\n",
         run.losses.len(),
-        run.x,
         run.y,
         run.elapsed.as_secs_f64(),
         run.trainer.compile_time().as_secs_f64(),
@@ -225,8 +549,8 @@ pub fn fit(
         return Err(invalid("no --device given".into(), "give devices as --device gpu:0=24GB"));
     };
     let model = model.model()?;
-    let (x, y) = shapes(&*model, sizes)?;
-    let layer = model.into_owned().into_layer()?;
+    let (x, y) = specs(&*model, sizes)?;
+    let layer = model.into_owned().into_packed_layer(sizes)?;
     let config = fine_tuning();
     let graph_of = |model: &dyn kiln_compiler::nn::Layer| {
         if train {

@@ -1,0 +1,277 @@
+//! `kiln train` on the inputs transformer exports have: int64 `input_ids` that index an
+//! embedding table and an `attention_mask` (int64 or bool) beside them. The models are written
+//! here with the schema's messages (no Python), trained through the library (`onnx::train`) and
+//! through the `kiln` binary, on random data and on a `--data` safetensors batch.
+
+use kiln::onnx::proto::*;
+use kiln::prelude::*;
+use prost::Message;
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use std::path::{Path, PathBuf};
+
+/// Rows of the embedding table: every id lies in [0, VOCAB).
+const VOCAB: i64 = 16;
+const WIDTH: i64 = 4;
+const OUT: i64 = 3;
+
+fn node(
+    op: &str,
+    name: &str,
+    inputs: &[&str],
+    outputs: &[&str],
+    attribute: Vec<AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        op_type: Some(op.into()),
+        name: Some(name.into()),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        attribute,
+        ..Default::default()
+    }
+}
+
+fn tensor(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: dims.to_vec(),
+        data_type: Some(FLOAT),
+        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        ..Default::default()
+    }
+}
+
+fn ints(name: &str, values: &[i64]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: vec![values.len() as i64],
+        data_type: Some(INT64),
+        int64_data: values.to_vec(),
+        ..Default::default()
+    }
+}
+
+fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            tensor_type: Some(TensorType {
+                elem_type: Some(elem),
+                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
+            }),
+        }),
+    }
+}
+
+fn named(p: &str) -> Dimension {
+    Dimension { dim_value: None, dim_param: Some(p.into()) }
+}
+
+fn attr_int(name: &str, i: i64) -> AttributeProto {
+    AttributeProto { name: Some(name.into()), i: Some(i), r#type: Some(2), ..Default::default() }
+}
+
+fn values(n: i64, seed: i64) -> Vec<f32> {
+    (0..n).map(|i| (((i + seed) * 7 % 11) as f32 - 5.0) / 10.0).collect()
+}
+
+/// A tiny BERT: `input_ids` int64 [batch, S] -> Gather from `embeddings` [VOCAB, WIDTH]; an
+/// `attention_mask` (int64, or bool when `bool_mask`) [batch, S] -> Cast to float -> Unsqueeze
+/// -> times a learned scale, added to the embeddings -> MatMul [WIDTH, OUT] -> `out`
+/// [batch, S, OUT]. Without `mask`, the ids alone (a GPT-2 of one input).
+fn tiny_bert(mask: bool, bool_mask: bool) -> Vec<u8> {
+    let mut nodes = vec![node("Gather", "embed", &["embeddings", "input_ids"], &["h"], vec![])];
+    let mut input = vec![typed("input_ids", INT64, &[named("batch"), named("S")])];
+    let mut initializer = vec![
+        tensor("embeddings", &[VOCAB, WIDTH], &values(VOCAB * WIDTH, 1)),
+        tensor("head", &[WIDTH, OUT], &values(WIDTH * OUT, 3)),
+    ];
+    let hidden = if mask {
+        input.push(typed(
+            "attention_mask",
+            if bool_mask { BOOL } else { INT64 },
+            &[named("batch"), named("S")],
+        ));
+        initializer.push(ints("axes", &[2]));
+        initializer.push(tensor("scale", &[WIDTH], &[0.5, -0.25, 1.0, 0.75]));
+        nodes.extend([
+            node("Cast", "mask_float", &["attention_mask"], &["m"], vec![attr_int("to", 1)]),
+            node("Unsqueeze", "mask_axis", &["m", "axes"], &["m3"], vec![]),
+            node("Mul", "mask_term", &["m3", "scale"], &["term"], vec![]),
+            node("Add", "masked", &["h", "term"], &["h2"], vec![]),
+        ]);
+        "h2"
+    } else {
+        "h"
+    };
+    nodes.push(node("MatMul", "head", &[hidden, "head"], &["out"], vec![]));
+    ModelProto {
+        ir_version: Some(8),
+        producer_name: Some("kiln tests".into()),
+        graph: Some(GraphProto {
+            name: Some("tiny_bert".into()),
+            node: nodes,
+            initializer,
+            input,
+            output: vec![typed("out", FLOAT, &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(17) }],
+    }
+    .encode_to_vec()
+}
+
+fn sizes() -> Vec<(String, usize)> {
+    vec![("batch".into(), 2), ("S".into(), 8)]
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln_onnx_train_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// The `kiln` binary's status, stdout and stderr.
+fn kiln(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A safetensors batch of `input_ids` (int64), an int64 `attention_mask` and f32 targets `y`.
+fn write_batch(path: &Path, ids: &[i64]) {
+    let ids: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mask: Vec<u8> = (0..16i64).flat_map(|i| i64::from(i % 8 < 6).to_le_bytes()).collect();
+    let y: Vec<u8> = values(2 * 8 * OUT, 5).iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views = [
+        ("input_ids", TensorView::new(Dtype::I64, vec![2, 8], &ids).unwrap()),
+        ("attention_mask", TensorView::new(Dtype::I64, vec![2, 8], &mask).unwrap()),
+        ("y", TensorView::new(Dtype::F32, vec![2, 8, OUT as usize], &y).unwrap()),
+    ];
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// The library finds the table each id input indexes, draws ids inside it and masks of ones,
+/// and trains a model of ids and a mask (int64 or bool) as one layer: finite losses that fall.
+#[test]
+fn a_model_of_ids_and_a_mask_trains_through_the_library() {
+    let bytes = tiny_bert(true, false);
+    let inputs = kiln::onnx::train::inputs(&bytes, &sizes()).unwrap();
+    let summary: Vec<_> =
+        inputs.iter().map(|i| (i.name.as_str(), i.dtype, i.table_rows, i.is_mask())).collect();
+    assert_eq!(
+        summary,
+        [("input_ids", DType::I64, Some(VOCAB as usize), false), ("attention_mask", DType::I64, None, true)]
+    );
+    // The layer packs both inputs, rows together: 8 ids and 8 mask values a row.
+    let (x, y) = kiln::onnx::train::shapes(&bytes, &sizes()).unwrap();
+    assert_eq!((x, y), (Shape::new([2, 16]), Shape::new([2, 8, 3])));
+    for bool_mask in [false, true] {
+        let bytes = tiny_bert(true, bool_mask);
+        let run = kiln::onnx::train::train(&bytes, &sizes(), 3, &Device::cpu(), None, |_, _| {}).unwrap();
+        let l = &run.losses;
+        assert!(l.iter().all(|v| v.is_finite()) && l[2] < l[0], "bool mask {bool_mask}: {l:?}");
+        let text = kiln::onnx::train::summary(&run);
+        assert!(text.contains("input_ids i64[2, 8], attention_mask"), "{text}");
+    }
+    // The ids alone (one integer input): the layer's input is the ids themselves.
+    let bytes = tiny_bert(false, false);
+    let (x, _) = kiln::onnx::train::specs(&bytes, &sizes()).unwrap();
+    assert_eq!((x.shape, x.dtype), (Shape::new([2, 8]), DType::I64));
+    let run = kiln::onnx::train::train(&bytes, &sizes(), 3, &Device::cpu(), None, |_, _| {}).unwrap();
+    assert!(run.losses.iter().all(|v| v.is_finite()) && run.losses[2] < run.losses[0], "{:?}", run.losses);
+}
+
+/// `kiln train` takes the model of ids and a mask, on random data and on a `--data` batch of
+/// int64 tensors named as the model's inputs; an id outside the table is an error naming the
+/// input, not a crash.
+#[test]
+fn the_cli_trains_a_model_of_ids_and_a_mask() {
+    let model = temp("tiny_bert.onnx");
+    std::fs::write(&model, tiny_bert(true, false)).unwrap();
+    let file = model.to_str().unwrap();
+    let args = ["train", file, "--batch", "2", "--steps", "2", "--cpu", "--dim", "S=8"];
+    let (ok, stdout, stderr) = kiln(&args);
+    assert!(ok, "{stdout}\n{stderr}");
+    for want in
+        ["step    1: loss", "step    2: loss", "input_ids i64[2, 8], attention_mask i64[2, 8], y [2, 8, 3]"]
+    {
+        assert!(stdout.contains(want), "`{want}` in:\n{stdout}");
+    }
+    // A batch from a file.
+    let data = temp("batch.safetensors");
+    let ids: Vec<i64> = (0..16).map(|i| (i * 5) % VOCAB).collect();
+    write_batch(&data, &ids);
+    let mut with_data = args.to_vec();
+    with_data.extend(["--data", data.to_str().unwrap()]);
+    let (ok, stdout, stderr) = kiln(&with_data);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("step    2: loss"), "{stdout}");
+    // An id the table does not hold.
+    let mut bad = ids.clone();
+    bad[3] = 99;
+    write_batch(&data, &bad);
+    let (ok, stdout, stderr) = kiln(&with_data);
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("error:") && stderr.contains("`input_ids` holds 99") && stderr.contains("16 rows"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let _ = std::fs::remove_file(&model);
+    let _ = std::fs::remove_file(&data);
+}
+
+/// `--data` files hold I32 ids and BOOL masks as well, and `x` names the one input of a model
+/// of one; a tensor that is no input of the model is an error naming it.
+#[test]
+fn data_files_of_int32_ids_bool_masks_and_x() {
+    let path = temp("int32_bool.safetensors");
+    let ids: Vec<u8> = (0..16i32).flat_map(|i| (i % 16).to_le_bytes()).collect();
+    let mask: Vec<u8> = (0..16).map(|i| u8::from(i % 8 < 5)).collect();
+    let y: Vec<u8> = values(2 * 8 * OUT, 2).iter().flat_map(|v| v.to_le_bytes()).collect();
+    let y_view = || TensorView::new(Dtype::F32, vec![2, 8, OUT as usize], &y).unwrap();
+    let write = |names: [&str; 2]| {
+        let views = [
+            (names[0], TensorView::new(Dtype::I32, vec![2, 8], &ids).unwrap()),
+            (names[1], TensorView::new(Dtype::BOOL, vec![2, 8], &mask).unwrap()),
+            ("y", y_view()),
+        ];
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+    };
+    write(["input_ids", "attention_mask"]);
+    let batch = kiln::onnx::train::read_data(&path).unwrap();
+    let dtypes: Vec<_> = batch.inputs.iter().map(|(n, t)| (n.as_str(), t.dtype())).collect();
+    assert_eq!(dtypes, [("attention_mask", DType::Bool), ("input_ids", DType::I32)]);
+    let run =
+        kiln::onnx::train::train(&tiny_bert(true, true), &sizes(), 2, &Device::cpu(), Some(batch), |_, _| {})
+            .unwrap();
+    assert!(run.losses.iter().all(|v| v.is_finite()), "{:?}", run.losses);
+    // A name the model does not have.
+    write(["input_ids", "attention"]);
+    let batch = kiln::onnx::train::read_data(&path).unwrap();
+    let e =
+        kiln::onnx::train::train(&tiny_bert(true, true), &sizes(), 1, &Device::cpu(), Some(batch), |_, _| {})
+            .err()
+            .unwrap()
+            .to_string();
+    assert!(e.contains("`attention`, which is no input of the model"), "{e}");
+    // `x` for the ids of a model of one input.
+    let views = [("x", TensorView::new(Dtype::I32, vec![2, 8], &ids).unwrap()), ("y", y_view())];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let batch = kiln::onnx::train::read_data(&path).unwrap();
+    let run = kiln::onnx::train::train(
+        &tiny_bert(false, false),
+        &sizes(),
+        2,
+        &Device::cpu(),
+        Some(batch),
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(run.losses.iter().all(|v| v.is_finite()), "{:?}", run.losses);
+    let _ = std::fs::remove_file(&path);
+}
