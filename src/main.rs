@@ -412,22 +412,14 @@ fn memory_onnx(
     let graph = match mode {
         Mode::Forward => imported.graph,
         // A training step of the model as a layer, with a mean-squared-error loss against
-        // targets of its output's shape and Adam: what a fine-tuning step holds in memory.
+        // targets of its output's shape and Adam: what a fine-tuning step holds in memory. A
+        // model of several inputs (ids, masks) is the layer `kiln train` trains: its inputs
+        // packed into one batch.
         Mode::Train => {
-            let x = imported
-                .inputs
-                .first()
-                .map(|(_, s)| s.clone())
-                .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
-            let g = &imported.graph;
-            let y = g
-                .outputs()
-                .first()
-                .map(|&(_, n)| g.node(n).shape.clone())
-                .unwrap_or_else(|| kiln::prelude::Shape::new([1]));
-            let layer = model.layer()?;
+            let (x, y) = kiln::onnx::train::specs(&model, &sizes)?;
+            let layer = model.clone().into_packed_layer(&sizes)?;
             let config = kiln::onnx::train::fine_tuning();
-            kiln::compiler::step::train_step_graph(&layer, &x, &y, &config)?
+            kiln::compiler::step::train_step_graph(&layer, x, &y, &config)?
         }
     };
     let feeds = kiln::compare::feeds_for(&graph, 1)?;

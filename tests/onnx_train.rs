@@ -225,6 +225,20 @@ fn the_cli_trains_a_model_of_ids_and_a_mask() {
     let _ = std::fs::remove_file(&data);
 }
 
+/// `kiln memory --mode train` plans the step `kiln train` runs, for models of ids and masks too.
+#[test]
+fn the_cli_plans_a_training_step_of_a_model_of_ids_and_a_mask() {
+    for (name, bool_mask) in [("tiny_bert_plan.onnx", false), ("tiny_bert_plan_bool.onnx", true)] {
+        let model = temp(name);
+        std::fs::write(&model, tiny_bert(true, bool_mask)).unwrap();
+        let file = model.to_str().unwrap();
+        let (ok, stdout, stderr) = kiln(&["memory", file, "--mode", "train", "--batch", "2", "--dim", "S=8"]);
+        assert!(ok, "{stdout}\n{stderr}");
+        assert!(stdout.contains("train") && stdout.contains("arena"), "{stdout}");
+        let _ = std::fs::remove_file(&model);
+    }
+}
+
 /// `--data` files hold I32 ids and BOOL masks as well, and `x` names the one input of a model
 /// of one; a tensor that is no input of the model is an error naming it.
 #[test]

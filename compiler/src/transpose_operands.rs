@@ -24,7 +24,12 @@
 //! gemm crate picks its microkernel by the operands' strides, and a column-major operand can
 //! sum k otherwise (a 6x4 · (5x4)ᵀ product differs from the copied one in the last bit), and
 //! the result rewrite swaps the GEMM's M and N. Results are within float rounding of the plans
-//! with the copies (`tests/transpose_operands.rs`; its tied head trains bit for bit).
+//! with the copies (`tests/transpose_operands.rs`; its tied head trains bit for bit). Because
+//! every plan kiln makes gives the bits of the eager executor and of the reference interpreter
+//! on the graph as written (`tests/robust_graphs.rs` holds 5,000 random graphs to that), the
+//! rewrite is **off by default**: `CompileOptions::with_transpose_operands(true)` or
+//! `KILN_TRANSPOSE_OPERANDS=1` turns it on. On by default needs the CPU products to sum a
+//! flagged operand in the copied operand's order.
 //!
 //! Measured (2-core build machine, 64-byte slots, `tests/transpose_operands.rs`'s ONNX heads,
 //! vocab 512, width 64, 4 x 32 tokens): the tied head's forward arena 425,984 -> 294,912 B (the
