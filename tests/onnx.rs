@@ -7,46 +7,9 @@ use kiln::onnx::{SUPPORTED, import};
 use kiln::prelude::*;
 use prost::Message;
 
-fn attr_int(name: &str, i: i64) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), i: Some(i), r#type: Some(2), ..Default::default() }
-}
-
-fn tensor(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: dims.to_vec(),
-        data_type: Some(FLOAT),
-        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        ..Default::default()
-    }
-}
-
-fn ints(name: &str, values: &[i64]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: vec![values.len() as i64],
-        data_type: Some(INT64),
-        int64_data: values.to_vec(),
-        ..Default::default()
-    }
-}
-
-fn node(
-    op: &str,
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    attribute: Vec<AttributeProto>,
-) -> NodeProto {
-    NodeProto {
-        op_type: Some(op.into()),
-        name: Some(name.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute,
-        ..Default::default()
-    }
-}
+#[path = "common/onnx_proto.rs"]
+mod onnx_proto;
+use onnx_proto::*;
 
 fn value(name: &str, dims: &[Dimension]) -> ValueInfoProto {
     ValueInfoProto {
@@ -62,10 +25,6 @@ fn value(name: &str, dims: &[Dimension]) -> ValueInfoProto {
 
 fn fixed(v: i64) -> Dimension {
     Dimension { dim_value: Some(v), dim_param: None }
-}
-
-fn named(p: &str) -> Dimension {
-    Dimension { dim_value: None, dim_param: Some(p.into()) }
 }
 
 fn model(
@@ -228,10 +187,6 @@ fn the_cli_plans_an_onnx_file() {
     let out = run(&["train", p, "--batch", "0", "--cpu"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--batch 0"));
     let _ = std::fs::remove_file(&path);
-}
-
-fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), ints: v.to_vec(), r#type: Some(7), ..Default::default() }
 }
 
 /// A small NCHW convnet as exporters write it — Conv (explicit pads, bias), Relu, MaxPool,
@@ -560,19 +515,6 @@ fn an_imported_cnn_trains_as_a_layer_from_its_filters() {
     }
     let got = got[0].1.data()[0];
     assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{got} against {want}");
-}
-
-fn attr_str(name: &str, s: &str) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        s: Some(s.as_bytes().to_vec()),
-        r#type: Some(3),
-        ..Default::default()
-    }
-}
-
-fn attr_float(name: &str, f: f32) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), f: Some(f), r#type: Some(1), ..Default::default() }
 }
 
 fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {

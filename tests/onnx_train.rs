@@ -10,47 +10,14 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use std::path::{Path, PathBuf};
 
+#[path = "common/onnx_proto.rs"]
+mod onnx_proto;
+use onnx_proto::*;
+
 /// Rows of the embedding table: every id lies in [0, VOCAB).
 const VOCAB: i64 = 16;
 const WIDTH: i64 = 4;
 const OUT: i64 = 3;
-
-fn node(
-    op: &str,
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    attribute: Vec<AttributeProto>,
-) -> NodeProto {
-    NodeProto {
-        op_type: Some(op.into()),
-        name: Some(name.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute,
-        ..Default::default()
-    }
-}
-
-fn tensor(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: dims.to_vec(),
-        data_type: Some(FLOAT),
-        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        ..Default::default()
-    }
-}
-
-fn ints(name: &str, values: &[i64]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: vec![values.len() as i64],
-        data_type: Some(INT64),
-        int64_data: values.to_vec(),
-        ..Default::default()
-    }
-}
 
 fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
     ValueInfoProto {
@@ -62,14 +29,6 @@ fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
             }),
         }),
     }
-}
-
-fn named(p: &str) -> Dimension {
-    Dimension { dim_value: None, dim_param: Some(p.into()) }
-}
-
-fn attr_int(name: &str, i: i64) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), i: Some(i), r#type: Some(2), ..Default::default() }
 }
 
 fn values(n: i64, seed: i64) -> Vec<f32> {

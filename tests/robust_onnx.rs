@@ -10,70 +10,12 @@ use kiln::prelude::*;
 use prost::Message;
 use std::path::{Path, PathBuf};
 
-fn attr_int(name: &str, i: i64) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), i: Some(i), r#type: Some(2), ..Default::default() }
-}
-
-fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), ints: v.to_vec(), r#type: Some(7), ..Default::default() }
-}
-
-fn attr_str(name: &str, s: &str) -> AttributeProto {
-    AttributeProto {
-        name: Some(name.into()),
-        s: Some(s.as_bytes().to_vec()),
-        r#type: Some(3),
-        ..Default::default()
-    }
-}
-
-fn attr_float(name: &str, f: f32) -> AttributeProto {
-    AttributeProto { name: Some(name.into()), f: Some(f), r#type: Some(1), ..Default::default() }
-}
-
-fn tensor(name: &str, dims: &[i64], values: &[f32]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: dims.to_vec(),
-        data_type: Some(FLOAT),
-        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        ..Default::default()
-    }
-}
-
-fn ints(name: &str, values: &[i64]) -> TensorProto {
-    TensorProto {
-        name: Some(name.into()),
-        dims: vec![values.len() as i64],
-        data_type: Some(INT64),
-        int64_data: values.to_vec(),
-        ..Default::default()
-    }
-}
-
-fn node(
-    op: &str,
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    attribute: Vec<AttributeProto>,
-) -> NodeProto {
-    NodeProto {
-        op_type: Some(op.into()),
-        name: Some(name.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute,
-        ..Default::default()
-    }
-}
+#[path = "common/onnx_proto.rs"]
+mod onnx_proto;
+use onnx_proto::*;
 
 fn fixed(v: i64) -> Dimension {
     Dimension { dim_value: Some(v), dim_param: None }
-}
-
-fn named(p: &str) -> Dimension {
-    Dimension { dim_value: None, dim_param: Some(p.into()) }
 }
 
 fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {

@@ -11,6 +11,10 @@ use kiln::prelude::*;
 use kiln::zoo;
 use prost::Message;
 
+#[path = "common/onnx_proto.rs"]
+mod onnx_proto;
+use onnx_proto::*;
+
 fn options(on: bool) -> CompileOptions {
     CompileOptions::default().with_transpose_operands(on)
 }
@@ -178,23 +182,6 @@ fn zoo_training_plans_do_not_grow() {
         let off = compile(graph, &options(false)).unwrap();
         assert!(on.memory.planned_total_bytes() <= off.memory.planned_total_bytes(), "{}", m.name);
         assert!(on.steps.len() <= off.steps.len(), "{}", m.name);
-    }
-}
-
-fn node(
-    op: &str,
-    name: &str,
-    inputs: &[&str],
-    outputs: &[&str],
-    attribute: Vec<AttributeProto>,
-) -> NodeProto {
-    NodeProto {
-        op_type: Some(op.into()),
-        name: Some(name.into()),
-        input: inputs.iter().map(|s| s.to_string()).collect(),
-        output: outputs.iter().map(|s| s.to_string()).collect(),
-        attribute,
-        ..Default::default()
     }
 }
 
