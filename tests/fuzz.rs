@@ -200,7 +200,6 @@ fn load_checkpoint(bytes: &[u8]) -> Result<(), String> {
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let path = dir.join(format!("{:?}.safetensors", std::thread::current().id()).replace(['(', ')'], ""));
     std::fs::write(&path, bytes).map_err(|e| e.to_string())?;
-    let _ = kiln::runtime::checkpoint::read(&path);
     let mut t = trainer();
     let before = variables(&t);
     let loaded = t.load(&path);
