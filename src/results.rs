@@ -269,19 +269,18 @@ fn model_order(name: &str) -> (usize, String) {
     (zoo.iter().position(|m| *m == name).unwrap_or(zoo.len()), name.to_string())
 }
 
-fn rows_of<'a>(r: &'a Record, key: Option<&str>) -> Vec<&'a Value> {
-    let v = match key {
-        Some(k) => r.data.get(k),
-        None => Some(&r.data),
-    };
-    v.and_then(Value::as_array).map(|a| a.iter().collect()).unwrap_or_default()
+/// The record's rows (its data is an array of them) of `mode` (`train` or `forward`, in any
+/// case: benches write their mode names as their enums serialise).
+fn rows_in_mode<'a>(r: &'a Record, mode: &str) -> Vec<&'a Value> {
+    let rows = r.data.as_array().map(|a| a.iter()).into_iter().flatten();
+    rows.filter(|v| v.get("mode").and_then(Value::as_str).is_some_and(|m| m.eq_ignore_ascii_case(mode)))
+        .collect()
 }
 
 /// The memory table: kiln's plan beside eager allocators, PyTorch's replayed stream and XLA.
 fn memory_table(r: &Record, mode: &str) -> String {
-    let rows: Vec<Vec<String>> = rows_of(r, None)
+    let rows: Vec<Vec<String>> = rows_in_mode(r, mode)
         .into_iter()
-        .filter(|v| v.get("mode").and_then(Value::as_str) == Some(mode))
         .map(|v| {
             let dev = num(v, &["device_bytes"]);
             let planned = num(v, &["planned_total_bytes"]);
@@ -326,9 +325,8 @@ fn memory_table(r: &Record, mode: &str) -> String {
 
 /// The CPU speed table: kiln beside JAX jit, PyTorch eager and torch.compile.
 fn speed_table(r: &Record, mode: &str) -> String {
-    let rows: Vec<Vec<String>> = rows_of(r, None)
+    let rows: Vec<Vec<String>> = rows_in_mode(r, mode)
         .into_iter()
-        .filter(|v| v.get("mode").and_then(Value::as_str).is_some_and(|m| m.eq_ignore_ascii_case(mode)))
         .map(|v| {
             vec![
                 v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
