@@ -99,7 +99,9 @@ fn eligible(graph: &Graph, r: NodeId) -> Option<Found> {
     let alone =
         |n: NodeId, user: NodeId| graph.users(n) == [user] && !graph.outputs().iter().any(|(_, o)| *o == n);
     let [y, g] = graph.operands(r)[..] else { return None };
-    let is_input_gradient = |c: NodeId| matches!(graph.node(c).op, Op::Conv2dBackpropInput { .. });
+    // Dense windows only: a grouped or dilated input gradient has no masked (in-place) kernel.
+    let is_input_gradient =
+        |c: NodeId| matches!(graph.node(c).op, Op::Conv2dBackpropInput { window, .. } if window.is_dense());
     let (c, residual) = if is_input_gradient(g) {
         (g, None)
     } else if graph.node(g).op == Op::Binary(BinaryOp::Add) && alone(g, r) {
@@ -139,7 +141,7 @@ mod tests {
 
     fn graph(stride: usize) -> Graph {
         let mut g = Graph::new("t");
-        let window = Window2d { size: [3, 3], stride: [stride; 2], padding: Padding::Same };
+        let window = Window2d::new([3, 3], [stride; 2], Padding::Same);
         let out = 8 / stride;
         let y = g.add_input("y", &[1, 8, 8, 2]);
         let dy = g.add_input("dy", &[1, out, out, 3]);
@@ -175,7 +177,7 @@ mod tests {
     /// relu_grad(y, r + dx) (or dx + r), dx a stride-1 input gradient read by the sum alone.
     fn residual_graph(dx_first: bool, dx_read_elsewhere: bool) -> Graph {
         let mut g = Graph::new("t");
-        let window = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let window = Window2d::new([3, 3], [1, 1], Padding::Same);
         let y = g.add_input("y", &[1, 8, 8, 2]);
         let r = g.add_input("r", &[1, 8, 8, 2]);
         let dy = g.add_input("dy", &[1, 8, 8, 3]);
@@ -213,7 +215,7 @@ mod tests {
         // relu_grad(y1, relu_grad(y2, r + dx2) + dx1): the inner pair's result is the outer
         // sum's other operand, replaced by the inner rewrite whichever runs first.
         let mut g = Graph::new("t");
-        let window = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let window = Window2d::new([3, 3], [1, 1], Padding::Same);
         let shape = [1, 8, 8, 2];
         let (y1, y2, r) = (g.add_input("y1", &shape), g.add_input("y2", &shape), g.add_input("r", &shape));
         let (dy1, dy2) = (g.add_input("dy1", &[1, 8, 8, 3]), g.add_input("dy2", &[1, 8, 8, 3]));

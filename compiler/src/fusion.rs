@@ -439,7 +439,8 @@ impl Search<'_> {
     /// epilogue (a bias, an activation, a residual).
     fn product(&self, members: &[NodeId]) -> Option<NodeId> {
         self.head(members, |p, node| {
-            matches!(node.op, Op::MatMul { .. } | Op::Conv2d { .. })
+            // A grouped or dilated convolution has no GEMM-shaped kernel with an epilogue.
+            (matches!(node.op, Op::MatMul { .. }) || matches!(node.op, Op::Conv2d { window } if window.is_dense()))
                 && self.graph.operands(p).iter().all(|&f| self.graph.node(f).shape.numel() > 0)
         })
     }

@@ -77,7 +77,7 @@ mod tests {
     use crate::ir::{Padding, Shape, UnaryOp, Window2d};
 
     fn window() -> Window2d {
-        Window2d { size: [2, 2], stride: [2, 2], padding: Padding::Valid }
+        Window2d::new([2, 2], [2, 2], Padding::Valid)
     }
 
     /// y = relu(x), p = max_pool(y), and the two gradients of a given dy.

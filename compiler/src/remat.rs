@@ -841,7 +841,7 @@ mod tests {
         let mm = Op::MatMul { transpose_a: false, transpose_b: false };
         let (a, b, c) = (Shape::new([4, 8, 16]), Shape::new([16, 32]), Shape::new([4, 8, 32]));
         assert_eq!(mm.flops(&[&a, &b], &c), 2 * 4 * 8 * 32 * 16);
-        let window = crate::ir::Window2d { size: [3, 3], stride: [1, 1], padding: crate::ir::Padding::Same };
+        let window = crate::ir::Window2d::new([3, 3], [1, 1], crate::ir::Padding::Same);
         let (x, w, y) = (Shape::new([2, 8, 8, 3]), Shape::new([3, 3, 3, 16]), Shape::new([2, 8, 8, 16]));
         let conv = Op::Conv2d { window };
         assert_eq!(conv.flops(&[&x, &w], &y), 2 * 2 * 8 * 8 * 16 * 9 * 3);

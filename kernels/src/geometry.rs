@@ -20,6 +20,11 @@ pub(crate) struct Geom {
     pub sw: usize,
     pub ph: usize,
     pub pw: usize,
+    /// The dilation: input elements between neighbouring taps (1: dense taps).
+    pub dh: usize,
+    pub dw: usize,
+    /// Channel groups: input channels C/G of group g meet output channels F/G of group g.
+    pub groups: usize,
 }
 
 impl Geom {
@@ -31,7 +36,13 @@ impl Geom {
         let (ow, pw) = window.out_and_pad(1, w).expect("checked by infer");
         let [kh, kw] = window.size;
         let [sh, sw] = window.stride;
-        Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw }
+        let [dh, dw] = window.dilation;
+        Geom { n, h, w, c, oh, ow, f, kh, kw, sh, sw, ph, pw, dh, dw, groups: window.groups }
+    }
+
+    /// Whether the window is dense (one group, no dilation): the GEMM-shaped kernels' case.
+    pub fn is_dense(&self) -> bool {
+        self.groups == 1 && self.dh == 1 && self.dw == 1
     }
 
     /// Whether the windows cover the input exactly once each element (`Window2d::tiles`): a
@@ -39,6 +50,8 @@ impl Geom {
     pub fn tiles(&self) -> bool {
         self.sh == self.kh
             && self.sw == self.kw
+            && self.dh == 1
+            && self.dw == 1
             && self.ph == 0
             && self.pw == 0
             && self.oh * self.kh == self.h
@@ -50,10 +63,18 @@ impl Geom {
         Geom::new(x, window, x.dims()[3])
     }
 
-    /// "3x3 stride 1x1 pad 1x1, 8x32x32x3 -> 8x32x32x16", for kernel descriptions.
+    /// "3x3 stride 1x1 pad 1x1, 8x32x32x3 -> 8x32x32x16", for kernel descriptions (a dilation
+    /// and a group count other than 1 follow the padding).
     pub fn text(&self) -> String {
+        let mut extra = String::new();
+        if self.dh != 1 || self.dw != 1 {
+            extra += &format!(" dilation {}x{}", self.dh, self.dw);
+        }
+        if self.groups != 1 {
+            extra += &format!(" groups {}", self.groups);
+        }
         format!(
-            "{}x{} stride {}x{} pad {}x{}, {}x{}x{}x{} -> {}x{}x{}x{}",
+            "{}x{} stride {}x{} pad {}x{}{extra}, {}x{}x{}x{} -> {}x{}x{}x{}",
             self.kh,
             self.kw,
             self.sh,

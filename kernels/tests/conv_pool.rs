@@ -7,7 +7,7 @@ use common::*;
 use kiln_compiler::ir::{DType, Op, Padding, PoolKind, Shape, Window2d};
 
 fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
-    Window2d { size, stride, padding }
+    Window2d::new(size, stride, padding)
 }
 
 /// For each output position along an axis, the input position of tap 0 (may be negative).

@@ -80,7 +80,7 @@ impl Case {
 }
 
 fn win(size: [usize; 2], stride: [usize; 2], padding: Padding) -> Window2d {
-    Window2d { size, stride, padding }
+    Window2d::new(size, stride, padding)
 }
 
 const UNARY: [UnaryOp; 15] = UnaryOp::ALL;

@@ -210,7 +210,7 @@ fn prepare_rejects_what_it_cannot_run() {
     let e = prepare(&relu, &f32s(1), (&wrong, DType::F32)).err().expect("wrong output");
     assert!(matches!(e, KernelError::Shape { .. }) && e.to_string().contains("[3, 2]"), "{e}");
     let conv = Op::Conv2d {
-        window: Window2d { size: [3, 3], stride: [1, 1], padding: kiln_compiler::ir::Padding::Valid },
+        window: Window2d::new([3, 3], [1, 1], kiln_compiler::ir::Padding::Valid),
     };
     let x = Shape::from([1, 2, 2, 1]);
     let w = Shape::from([3, 3, 1, 1]);

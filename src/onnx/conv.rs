@@ -312,7 +312,7 @@ fn conv_transpose(imp: &mut Importer, n: &Node) -> Result<Tensor> {
         }
     }
     let gradient_shape = Shape::new([batch, full[0] - extra[0], full[1] - extra[1], fg * g]);
-    let window = Window2d { size: effective, stride: win.strides, padding: Padding::Valid };
+    let window = Window2d::new(effective, win.strides, Padding::Valid);
     let filter = dilate(&block_diagonal(imp, &w4, g), win.dilations).permute(&[2, 3, 1, 0]);
     let dy = x4.permute(&[0, 2, 3, 1]);
     let mut y = dy.record(Op::Conv2dBackpropInput { window, input: gradient_shape }, &[&dy, &filter]);

@@ -399,7 +399,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let (x, dy) = (shape(0), shape(1));
             rank_is(x, 4, "input (NHWC)")?;
             rank_is(dy, 4, "gradient (NHWC)")?;
-            let w = Shape::new([window.size[0], window.size[1], x.dims()[3], dy.dims()[3]]);
+            let w = Shape::new([window.size[0], window.size[1], x.dims()[3] / window.groups.max(1), dy.dims()[3]]);
             let expected = conv2d(x, &w, window)?;
             if &expected != dy {
                 return err(
@@ -722,6 +722,12 @@ fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool) -> Result<Shape, OpError> {
 }
 
 fn spatial(x: &Shape, window: &Window2d) -> Result<[usize; 2], OpError> {
+    if window.dilation.iter().any(|&d| d == 0 || d > Window2d::MAX_SIDE) {
+        return err(
+            format!("a dilation of {}x{}", window.dilation[0], window.dilation[1]),
+            format!("give dilations from 1 to {}", Window2d::MAX_SIDE),
+        );
+    }
     let mut out = [0; 2];
     for (axis, o) in out.iter_mut().enumerate() {
         let input = x.dims()[1 + axis];
@@ -733,7 +739,7 @@ fn spatial(x: &Shape, window: &Window2d) -> Result<[usize; 2], OpError> {
                         "a {}x{} window with stride {}x{} does not fit the input {x}",
                         window.size[0], window.size[1], window.stride[0], window.stride[1]
                     ),
-                    "use 'same' padding, a smaller window, or a larger input",
+                    "use 'same' padding, a smaller window or dilation, a larger input, or pads smaller than the window",
                 );
             }
         }
@@ -744,14 +750,21 @@ fn spatial(x: &Shape, window: &Window2d) -> Result<[usize; 2], OpError> {
 fn conv2d(x: &Shape, w: &Shape, window: &Window2d) -> Result<Shape, OpError> {
     rank_is(x, 4, "input (NHWC)")?;
     rank_is(w, 4, "filter (HWIO)")?;
-    if w.dims()[2] != x.dims()[3] {
+    let (c, f, g) = (x.dims()[3], w.dims()[3], window.groups);
+    if g == 0 || c % g != 0 || f % g != 0 {
+        return err(
+            format!("{g} groups over the input {x} and the filter {w}"),
+            "give a group count that divides both the input's and the filter's channels",
+        );
+    }
+    if w.dims()[2] != c / g {
         return err(
             format!(
-                "the filter {w} expects {} input channels, the input {x} has {}",
+                "the filter {w} expects {} input channels per group, the input {x} has {} in each of {g}",
                 w.dims()[2],
-                x.dims()[3]
+                c / g
             ),
-            "the filter's third axis must equal the input's channel count",
+            "the filter's third axis must equal the input's channel count divided by the groups",
         );
     }
     if w.dims()[..2] != window.size {
@@ -766,6 +779,15 @@ fn conv2d(x: &Shape, w: &Shape, window: &Window2d) -> Result<Shape, OpError> {
 
 fn pool2d(x: &Shape, window: &Window2d) -> Result<Shape, OpError> {
     rank_is(x, 4, "input (NHWC)")?;
+    if window.dilation != [1, 1] || window.groups != 1 {
+        return err(
+            format!(
+                "a pooling window with dilation {}x{} and {} groups",
+                window.dilation[0], window.dilation[1], window.groups
+            ),
+            "pool with dilation 1x1 and one group",
+        );
+    }
     let [oh, ow] = spatial(x, window)?;
     Ok(Shape::new([x.dims()[0], oh, ow, x.dims()[3]]))
 }
@@ -794,14 +816,14 @@ mod tests {
 
     #[test]
     fn conv_and_pool_shapes() {
-        let w = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let w = Window2d::new([3, 3], [1, 1], Padding::Same);
         let s = [Shape::from([8, 32, 32, 3]), Shape::from([3, 3, 3, 16])];
         assert_eq!(infer(&Op::Conv2d { window: w }, &f32s(&s)).unwrap().0, Shape::from([8, 32, 32, 16]));
-        let p = Window2d { size: [2, 2], stride: [2, 2], padding: Padding::Valid };
+        let p = Window2d::new([2, 2], [2, 2], Padding::Valid);
         let x = [Shape::from([8, 31, 31, 16])];
         let pool = Op::Pool2d { kind: PoolKind::Max, window: p };
         assert_eq!(infer(&pool, &f32s(&x)).unwrap().0, Shape::from([8, 15, 15, 16]));
-        let s2 = Window2d { size: [3, 3], stride: [2, 2], padding: Padding::Same };
+        let s2 = Window2d::new([3, 3], [2, 2], Padding::Same);
         assert_eq!(s2.out_and_pad(0, 7), Some((4, 1)));
         // The input gradient through ReLU: (dy, w, y), y of the input's shape.
         let input = Shape::from([8, 32, 32, 3]);

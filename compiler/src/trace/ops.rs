@@ -401,19 +401,19 @@ impl Tensor {
             [kh, kw, _, _] => [*kh, *kw],
             _ => [0, 0],
         };
-        self.record(Op::Conv2d { window: Window2d { size, stride, padding } }, &[self, filter])
+        self.record(Op::Conv2d { window: Window2d::new(size, stride, padding) }, &[self, filter])
     }
 
     /// Max pooling over NHWC `self`: windows of `size` `[height, width]` every `stride`.
     #[track_caller]
     pub fn max_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
-        self.record(Op::Pool2d { kind: PoolKind::Max, window: Window2d { size, stride, padding } }, &[self])
+        self.record(Op::Pool2d { kind: PoolKind::Max, window: Window2d::new(size, stride, padding) }, &[self])
     }
 
     /// Average pooling over NHWC `self`: windows of `size` `[height, width]` every `stride`.
     #[track_caller]
     pub fn avg_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
-        self.record(Op::Pool2d { kind: PoolKind::Avg, window: Window2d { size, stride, padding } }, &[self])
+        self.record(Op::Pool2d { kind: PoolKind::Avg, window: Window2d::new(size, stride, padding) }, &[self])
     }
 
     /// Rows of `self` (a `[V, ...]` table) picked by `ids` (integers stored as f32).

@@ -823,8 +823,8 @@ mod tests {
     fn a_fused_convolution_computes_the_unfused_bits() {
         use kiln_compiler::ir::{DType, Op, Padding, UnaryOp, Window2d, infer};
         let cases = [
-            ([3, 21, 9, 5], Window2d { size: [3, 3], stride: [2, 2], padding: Padding::Valid }, 260),
-            ([2, 13, 10, 3], Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same }, 7),
+            ([3, 21, 9, 5], Window2d::new([3, 3], [2, 2], Padding::Valid), 260),
+            ([2, 13, 10, 3], Window2d::new([3, 3], [1, 1], Padding::Same), 7),
         ];
         for (x, window, f) in cases {
             let (xs, ws, bs) = (Shape::new(x), Shape::new([3, 3, x[3], f]), Shape::new([f]));

@@ -147,7 +147,7 @@ mod tests {
 
     #[test]
     fn im2col_scratch_of_a_convolution_and_its_gradients() {
-        let w = Window2d { size: [3, 3], stride: [1, 1], padding: Padding::Same };
+        let w = Window2d::new([3, 3], [1, 1], Padding::Same);
         let (x, dy, k) = (Shape::from([2, 8, 8, 3]), Shape::from([2, 8, 8, 5]), Shape::from([3, 3, 3, 5]));
         let rows = 2 * 8 * 8;
         let forward = conv_scratch_bytes(&Op::Conv2d { window: w }, &[&x, &k], &dy);
