@@ -404,6 +404,21 @@ impl Tensor {
         self.record(Op::Conv2d { window: Window2d::new(size, stride, padding) }, &[self, filter])
     }
 
+    /// 2-D convolution over a full window: `self` is NHWC `[N, H, W, C]`, `filter` is
+    /// `[KH, KW, C / groups, F]` with `window.size == [KH, KW]`; grouped, depthwise
+    /// (`groups == C`) and dilated convolutions and explicit, asymmetric padding are one op.
+    #[track_caller]
+    pub fn conv2d_window(&self, filter: &Tensor, window: Window2d) -> Tensor {
+        self.record(Op::Conv2d { window }, &[self, filter])
+    }
+
+    /// Max (`PoolKind::Max`) or average pooling over NHWC `self` with a full window (explicit
+    /// padding included: a maximum never sees the padding, an average does not count it).
+    #[track_caller]
+    pub fn pool2d_window(&self, kind: PoolKind, window: Window2d) -> Tensor {
+        self.record(Op::Pool2d { kind, window }, &[self])
+    }
+
     /// Max pooling over NHWC `self`: windows of `size` `[height, width]` every `stride`.
     #[track_caller]
     pub fn max_pool2d(&self, size: [usize; 2], stride: [usize; 2], padding: Padding) -> Tensor {
