@@ -408,9 +408,8 @@ fn memory_onnx(
     // Read once: decoded, checked, its external data mapped from the file's directory.
     let model = kiln::onnx::OnnxModel::from_bytes_at(&file, path)?;
     let sizes = kiln::onnx::train::sizes(&model, batch, dims)?;
-    let imported = model.import(&sizes)?;
     let graph = match mode {
-        Mode::Forward => imported.graph,
+        Mode::Forward => model.import(&sizes)?.graph,
         // A training step of the model as a layer, with a mean-squared-error loss against
         // targets of its output's shape and Adam: what a fine-tuning step holds in memory. A
         // model of several inputs (ids, masks) is the layer `kiln train` trains: its inputs

@@ -248,3 +248,68 @@ fn data_files_of_int32_ids_bool_masks_and_x() {
     assert!(run.losses.iter().all(|v| v.is_finite()), "{:?}", run.losses);
     let _ = std::fs::remove_file(&path);
 }
+
+/// A training-mode export's random ops: `Dropout` with `training_mode` true and stochastic
+/// depth's `RandomUniformLike` -> `GreaterOrEqual` -> `Cast` -> `Div` -> `Mul` (torchvision's
+/// EfficientNet), x [batch, 4] -> MatMul [4, 3] -> `out`.
+fn training_export() -> Vec<u8> {
+    let training_mode = TensorProto {
+        name: Some("training_mode".into()),
+        dims: vec![],
+        data_type: Some(BOOL),
+        int32_data: vec![1],
+        ..Default::default()
+    };
+    let nodes = vec![
+        node("MatMul", "dense", &["x", "w"], &["h"], vec![]),
+        node("Dropout", "drop", &["h", "ratio", "training_mode"], &["d"], vec![]),
+        node("RandomUniformLike", "draw", &["keep_shape"], &["u"], vec![]),
+        node("GreaterOrEqual", "survives", &["u", "p"], &["s"], vec![]),
+        node("Cast", "as_float", &["s"], &["sf"], vec![attr_int("to", 1)]),
+        node("Div", "rescale", &["sf", "q"], &["scale"], vec![]),
+        node("Mul", "depth", &["d", "scale"], &["out"], vec![]),
+    ];
+    let initializer = vec![
+        tensor("w", &[4, 3], &values(12, 2)),
+        tensor("ratio", &[], &[0.25]),
+        training_mode,
+        tensor("keep_shape", &[2, 1], &[0.0, 0.0]),
+        tensor("p", &[], &[0.2]),
+        tensor("q", &[], &[0.8]),
+    ];
+    ModelProto {
+        ir_version: Some(8),
+        producer_name: Some("kiln tests".into()),
+        graph: Some(GraphProto {
+            name: Some("training_export".into()),
+            node: nodes,
+            initializer,
+            input: vec![typed(
+                "x",
+                FLOAT,
+                &[named("batch"), Dimension { dim_value: Some(4), dim_param: None }],
+            )],
+            output: vec![typed("out", FLOAT, &[])],
+        }),
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(17) }],
+    }
+    .encode_to_vec()
+}
+
+/// `kiln memory --mode train` and `kiln train` take a training-mode export: its dropout drops
+/// and its `RandomUniformLike` draws from kiln's generator in the step (an inference import
+/// refuses a dropout in training mode).
+#[test]
+fn a_training_mode_export_with_dropout_and_stochastic_depth_plans_and_trains() {
+    let model = temp("training_export.onnx");
+    std::fs::write(&model, training_export()).unwrap();
+    let file = model.to_str().unwrap();
+    let (ok, stdout, stderr) = kiln(&["memory", file, "--mode", "train", "--batch", "2"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("train") && stdout.contains("arena"), "{stdout}");
+    let (ok, stdout, stderr) = kiln(&["train", file, "--batch", "2", "--steps", "3", "--cpu"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("step    3: loss"), "{stdout}");
+    assert!(!stdout.contains("NaN") && !stdout.contains("inf"), "{stdout}");
+    let _ = std::fs::remove_file(&model);
+}

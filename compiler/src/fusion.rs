@@ -440,7 +440,8 @@ impl Search<'_> {
     fn product(&self, members: &[NodeId]) -> Option<NodeId> {
         self.head(members, |p, node| {
             // A grouped or dilated convolution has no GEMM-shaped kernel with an epilogue.
-            (matches!(node.op, Op::MatMul { .. }) || matches!(node.op, Op::Conv2d { window } if window.is_dense()))
+            (matches!(node.op, Op::MatMul { .. })
+                || matches!(node.op, Op::Conv2d { window } if window.is_dense()))
                 && self.graph.operands(p).iter().all(|&f| self.graph.node(f).shape.numel() > 0)
         })
     }

@@ -209,9 +209,7 @@ fn prepare_rejects_what_it_cannot_run() {
     let wrong = Shape::from([3, 2]);
     let e = prepare(&relu, &f32s(1), (&wrong, DType::F32)).err().expect("wrong output");
     assert!(matches!(e, KernelError::Shape { .. }) && e.to_string().contains("[3, 2]"), "{e}");
-    let conv = Op::Conv2d {
-        window: Window2d::new([3, 3], [1, 1], kiln_compiler::ir::Padding::Valid),
-    };
+    let conv = Op::Conv2d { window: Window2d::new([3, 3], [1, 1], kiln_compiler::ir::Padding::Valid) };
     let x = Shape::from([1, 2, 2, 1]);
     let w = Shape::from([3, 3, 1, 1]);
     let e = prepare(&conv, &[(&x, DType::F32), (&w, DType::F32)], (&x, DType::F32)).err().expect("too small");

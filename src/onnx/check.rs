@@ -839,6 +839,12 @@ fn attribute_schema(op: &str, opset: i64) -> Vec<(&'static str, i32, bool)> {
         "SpaceToDepth" => v.push(("blocksize", A_INT, true)),
         "Trilu" => v.push(("upper", A_INT, false)),
         "EyeLike" => v.extend([("dtype", A_INT, false), ("k", A_INT, false)]),
+        "RandomUniformLike" => v.extend([
+            ("dtype", A_INT, false),
+            ("high", A_FLOAT, false),
+            ("low", A_FLOAT, false),
+            ("seed", A_FLOAT, false),
+        ]),
         "NegativeLogLikelihoodLoss" | "SoftmaxCrossEntropyLoss" => {
             v.extend([("ignore_index", A_INT, false), ("reduction", A_STRING, false)])
         }
@@ -996,6 +1002,7 @@ fn signature(op: &str, opset: i64) -> Option<Signature> {
             &[],
         ),
         "Trilu" => fixed(vec![p("input", "T", ANY), p("k", "tensor(int64)", INT64)], &[]),
+        "RandomUniformLike" => fixed(vec![p("input", "T1", ANY)], &[]),
         "Dropout" if opset >= 12 => fixed(
             vec![p("data", "T", FLOATS), p("ratio", "T1", FLOATS), p("training_mode", "T2", BOOLEAN)],
             &[],
@@ -1039,7 +1046,7 @@ fn output_type(node: &NodeProto, op: &str, i: usize, input: &dyn Fn(usize) -> Op
             Some(t) => t.data_type.filter(|&t| t != 0),
             None => Some(proto::FLOAT),
         },
-        ("EyeLike", 0) => match attr("dtype").and_then(|a| a.i) {
+        ("EyeLike" | "RandomUniformLike", 0) => match attr("dtype").and_then(|a| a.i) {
             Some(t) => i32::try_from(t).ok().filter(|&t| t > 0),
             None => input(0),
         },

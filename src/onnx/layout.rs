@@ -630,6 +630,20 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
             let keep = if n.int("upper", 1) != 0 { offset.ge(k) } else { offset.le(k) };
             Value::Tensor(keep.select(&x, &imp.t.fill(0.0, [])))
         }
+        "RandomUniformLike" => {
+            // Uniform values in [low, high) of the input's shape (stochastic depth's draw in a
+            // training export): kiln's generator, a pure function of the node's seed, the step
+            // counter dropout reads and each element's index, so that the bits are the same on
+            // every backend and new every step.
+            let x = imp.tensor(n, 0)?;
+            if n.attr("dtype").and_then(|a| a.i).is_some_and(|t| t != i64::from(super::proto::FLOAT)) {
+                return Err(n.unsupported("draws a dtype other than float", "draw f32 values"));
+            }
+            let (low, high) = (n.float("low", 0.0), n.float("high", 1.0));
+            let name = n.proto.output.first().cloned().unwrap_or_default();
+            let u = kiln_compiler::nn::uniform_per_step(&imp.t, x.shape().clone(), &name);
+            Value::Tensor(if (low, high) == (0.0, 1.0) { u } else { u * (high - low) + low })
+        }
         "EyeLike" => {
             let d = dims_of(&imp.input(n, 0)?);
             let &[r, c] = d.as_slice() else {

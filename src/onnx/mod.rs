@@ -151,6 +151,7 @@ pub const SUPPORTED: &[&str] = &[
     "PRelu",
     "Pad",
     "Pow",
+    "RandomUniformLike",
     "Range",
     "Reciprocal",
     "ReduceL1",
@@ -288,7 +289,14 @@ impl OnnxModel {
 
     /// The model as a graph; `dims` sizes its symbolic dimensions (`("batch", 32)`).
     pub fn import(&self, dims: &[(String, usize)]) -> Result<Imported> {
-        import_model(&self.model, self.opset, dims)
+        import_model(&self.model, self.opset, dims, false)
+    }
+
+    /// [`OnnxModel::import`] as a training step traces the model: dropout drops and batch
+    /// norms normalise by the batch (a training-mode export imports so), for what a step needs
+    /// to know of the model (its inputs' and output's shapes).
+    pub(crate) fn import_for_training(&self, dims: &[(String, usize)]) -> Result<Imported> {
+        import_model(&self.model, self.opset, dims, true)
     }
 
     /// The model as a layer ([`OnnxLayer`]): it must have one (non-initializer) input and one
@@ -388,9 +396,15 @@ impl<const N: usize> ModelSource for [u8; N] {
     }
 }
 
-fn import_model(model: &ModelProto, opset: i64, dims: &[(String, usize)]) -> Result<Imported> {
+fn import_model(
+    model: &ModelProto,
+    opset: i64,
+    dims: &[(String, usize)],
+    training: bool,
+) -> Result<Imported> {
     let graph = model.graph.as_ref().ok_or_else(no_graph)?;
     let t = Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into()));
+    t.set_training(training);
     let mut inputs = Vec::new();
     let mut feeds = HashMap::new();
     let mut rebatch = None;

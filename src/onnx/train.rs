@@ -100,7 +100,7 @@ impl ModelInput {
 /// table its ids index where it has one.
 pub fn inputs(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<Vec<ModelInput>> {
     let model = model.model()?;
-    let imported = model.import(sizes)?;
+    let imported = model.import_for_training(sizes)?;
     Ok(model_inputs(&model, &imported))
 }
 
@@ -188,7 +188,7 @@ pub fn shapes(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) ->
 /// mask), or f32 for the packed input of several.
 pub fn specs(model: &(impl ModelSource + ?Sized), sizes: &[(String, usize)]) -> Result<(InputSpec, Shape)> {
     let model = model.model()?;
-    let imported = model.import(sizes)?;
+    let imported = model.import_for_training(sizes)?;
     specs_of(&model_inputs(&model, &imported), &imported)
 }
 
@@ -352,7 +352,7 @@ pub fn train(
     mut each: impl FnMut(usize, f32),
 ) -> Result<OnnxTraining> {
     let model = model.model()?;
-    let imported = model.import(sizes)?;
+    let imported = model.import_for_training(sizes)?;
     let inputs = model_inputs(&model, &imported);
     let (x_spec, y_shape) = specs_of(&inputs, &imported)?;
     drop(imported);

@@ -399,7 +399,12 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let (x, dy) = (shape(0), shape(1));
             rank_is(x, 4, "input (NHWC)")?;
             rank_is(dy, 4, "gradient (NHWC)")?;
-            let w = Shape::new([window.size[0], window.size[1], x.dims()[3] / window.groups.max(1), dy.dims()[3]]);
+            let w = Shape::new([
+                window.size[0],
+                window.size[1],
+                x.dims()[3] / window.groups.max(1),
+                dy.dims()[3],
+            ]);
             let expected = conv2d(x, &w, window)?;
             if &expected != dy {
                 return err(

@@ -36,6 +36,23 @@ fn seed_of(scope: &str) -> u64 {
     scope.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01B3))
 }
 
+/// Uniform values in [0, 1) of `shape`, new every training step: dropout's generator
+/// (`Op::RandomUniform` of a seed from the scope and `name`, and the step counter `STEP_KEY`,
+/// advanced once per step however many layers draw), for any op that draws (an imported
+/// `RandomUniformLike`: stochastic depth).
+pub fn uniform_per_step(t: &crate::trace::Tracer, shape: Shape, name: &str) -> Tensor {
+    let first = t.with_graph(|g| g.variable(STEP_KEY).is_none());
+    let step = t.tied_variable(STEP_KEY, Shape::scalar(), DType::F32, VarRole::Counter, Init::Zeros);
+    if first {
+        // Advanced after every reader of this step's value (effects are ordered after their
+        // variable's readers).
+        step.record(Op::AssignAdd { value: 1.0 }, &[&step]);
+    }
+    let scope = t.scope_path();
+    let seed = if name.is_empty() { seed_of(&scope) } else { seed_of(&format!("{scope}/{name}")) };
+    t.random_uniform(shape, seed, &step)
+}
+
 impl Layer for Dropout {
     fn forward(&self, x: &Tensor) -> Tensor {
         if !(0.0..1.0).contains(&self.rate) {
@@ -50,14 +67,7 @@ impl Layer for Dropout {
         if !t.training() || self.rate == 0.0 {
             return x.clone();
         }
-        let first = t.with_graph(|g| g.variable(STEP_KEY).is_none());
-        let step = t.tied_variable(STEP_KEY, Shape::scalar(), DType::F32, VarRole::Counter, Init::Zeros);
-        if first {
-            // Advanced after every reader of this step's value (effects are ordered after their
-            // variable's readers), once per step however many layers drop.
-            step.record(Op::AssignAdd { value: 1.0 }, &[&step]);
-        }
-        let keep = t.random_uniform(x.shape().clone(), seed_of(&t.scope_path()), &step).ge(self.rate);
+        let keep = uniform_per_step(&t, x.shape().clone(), "").ge(self.rate);
         x * &keep * (1.0 / (1.0 - self.rate))
     }
 

@@ -15,9 +15,9 @@ mod sequential;
 
 pub use activation::Activation;
 pub use attention::MultiHeadAttention;
-pub use conv::{Conv2D, Flatten, Pool2D};
+pub use conv::{Conv2D, DepthwiseConv2D, Flatten, Pool2D};
 pub use dense::Dense;
-pub use dropout::Dropout;
+pub use dropout::{Dropout, uniform_per_step};
 pub use embedding::{Embedding, PositionEmbedding, TiedOutput};
 pub use norm::{LayerNorm, RmsNorm};
 pub use residual::Residual;

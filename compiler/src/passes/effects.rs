@@ -21,6 +21,7 @@ impl Pass for OrderEffects {
             for var in mutated {
                 for reader in storage_readers(graph, var) {
                     if reader != effect
+                        && !later_update(graph, reader, effect, var)
                         && !disjoint_blocks(graph, reader, effect)
                         && !gathers_after(graph, reader, effect)
                     {
@@ -39,6 +40,18 @@ fn gathers_after(graph: &Graph, reader: NodeId, effect: NodeId) -> bool {
     matches!(graph.node(reader).op, Op::AllGather { .. })
         && graph.node(effect).op.is_effect()
         && graph.node(effect).op.shard().is_some()
+}
+
+/// Whether `reader` is itself an update of `var` recorded after `effect`: two updates of one
+/// variable each read what the other writes, and they run in the order they were recorded (an
+/// edge each way would be a cycle). An imported model may update one stored tensor twice: an
+/// exporter that merges equal initializers can make one tensor of ones both a batch norm's
+/// scale (trained) and another's running variance (updated by the step).
+fn later_update(graph: &Graph, reader: NodeId, effect: NodeId, var: NodeId) -> bool {
+    let op = &graph.node(reader).op;
+    op.is_effect()
+        && reader.index() > effect.index()
+        && op.mutated_operands().iter().any(|&i| graph.operands(reader).get(i) == Some(&var))
 }
 
 /// Whether `a` and `b` are updates of disjoint blocks of rows.
@@ -70,4 +83,45 @@ fn storage_readers(graph: &Graph, id: NodeId) -> Vec<NodeId> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Init;
+    use crate::trace::Tracer;
+
+    /// Two updates of one variable (an exporter's merged initializer: one batch norm's scale and
+    /// another's running variance) run in the order recorded, after every other reader.
+    #[test]
+    fn two_updates_of_one_variable_are_ordered_without_a_cycle() {
+        let t = Tracer::new("two updates");
+        let v = t.param("shared", [4], Init::Constant(1.0));
+        let x = t.input("x", [4]);
+        t.output("y", &(&x * &v));
+        let sgd = |lr: f32| Op::ApplySgd {
+            lr,
+            momentum: 0.0,
+            nesterov: false,
+            rows: None,
+            product: false,
+            shard: None,
+        };
+        let first = v.record(sgd(0.1), &[&v, &x]);
+        let second = v.record(sgd(0.2), &[&v, &(&x * 2.0)]);
+        let mut g = t.finish().unwrap();
+        crate::passes::default_pipeline().run(&mut g).expect("no cycle");
+        let order = petgraph::algo::toposort(g.petgraph(), None).unwrap();
+        let at = |n: NodeId| order.iter().position(|&m| m == n).unwrap();
+        let (first, second) = (first.id().unwrap(), second.id().unwrap());
+        assert!(at(first) < at(second), "the updates run in the order they were recorded");
+        let var = g.operands(first)[0];
+        for reader in storage_readers(&g, var).into_iter().filter(|&r| !g.node(r).op.is_effect()) {
+            assert!(
+                at(reader) < at(first),
+                "{} reads the variable before its updates",
+                g.node(reader).describe()
+            );
+        }
+    }
 }
