@@ -3,7 +3,7 @@
 mod common;
 
 use common::{Draw, check_gradients};
-use kiln::compiler::ir::{Padding, Shape};
+use kiln::compiler::ir::{Padding, PoolKind, Shape, Window2d};
 use kiln::compiler::losses;
 use kiln::prelude::*;
 
@@ -125,6 +125,54 @@ grad_test!(
     [0, 1],
     |x: &[Tensor]| { x[0].conv2d(&x[1], [2, 2], Padding::Same) }
 );
+/// A window over `size` with a stride, explicit pads `[top, left, bottom, right]`, a dilation
+/// and a group count.
+fn window(size: [usize; 2], stride: usize, pads: [usize; 4], dilation: usize, groups: usize) -> Window2d {
+    let padding = Padding::Explicit { before: [pads[0], pads[1]], after: [pads[2], pads[3]] };
+    Window2d::new(size, [stride; 2], padding).dilated([dilation; 2]).grouped(groups)
+}
+grad_test!(
+    conv2d_depthwise,
+    [([2, 5, 6, 4], Draw::Normal), ([3, 3, 1, 4], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 3], 1, [1, 1, 1, 1], 1, 4)) }
+);
+grad_test!(
+    conv2d_depthwise_multiplier_stride2_asymmetric,
+    [([1, 7, 6, 3], Draw::Normal), ([3, 3, 1, 6], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 3], 2, [0, 1, 1, 0], 1, 3)) }
+);
+grad_test!(
+    conv2d_grouped,
+    [([2, 5, 5, 6], Draw::Normal), ([3, 2, 3, 4], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 2], 1, [1, 0, 1, 1], 1, 2)) }
+);
+grad_test!(
+    conv2d_dilated,
+    [([1, 7, 7, 2], Draw::Normal), ([3, 3, 2, 3], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 3], 1, [2, 2, 2, 2], 2, 1)) }
+);
+grad_test!(
+    conv2d_dilated_grouped_stride2,
+    [([1, 9, 8, 4], Draw::Normal), ([3, 3, 2, 4], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 3], 2, [1, 2, 0, 1], 2, 2)) }
+);
+grad_test!(
+    conv2d_dense_asymmetric_pads,
+    [([1, 6, 6, 2], Draw::Normal), ([3, 3, 2, 3], Draw::Normal)],
+    [0, 1],
+    |x: &[Tensor]| { x[0].conv2d_window(&x[1], window([3, 3], 2, [0, 0, 1, 1], 1, 1)) }
+);
+grad_test!(max_pool2d_asymmetric_pads, [([1, 6, 5, 2], Draw::Distinct)], [0], |x: &[Tensor]| {
+    x[0].pool2d_window(PoolKind::Max, window([3, 3], 2, [0, 1, 1, 1], 1, 1))
+});
+grad_test!(avg_pool2d_asymmetric_pads, [([2, 5, 5, 2], Draw::Normal)], [0], |x: &[Tensor]| {
+    x[0].pool2d_window(PoolKind::Avg, window([3, 3], 2, [1, 0, 1, 2], 1, 1))
+});
 grad_test!(max_pool2d, [([2, 4, 4, 3], Draw::Distinct)], [0], |x: &[Tensor]| x[0].max_pool2d(
     [2, 2],
     [2, 2],

@@ -995,6 +995,62 @@ fn large_cases() -> Vec<Case> {
     ]
 }
 
+/// Convolutions over non-dense windows (`cuda::grouped_conv`: groups, depthwise, dilation,
+/// asymmetric explicit pads), every op of each: generated and checked here; their values are
+/// compared with a scalar reference on the host by `cuda_grouped_conv.rs`.
+fn non_dense_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    let explicit = Padding::Explicit { before: [1, 0], after: [0, 2] };
+    let geoms: Vec<([usize; 4], Window2d, usize)> = vec![
+        ([2, 7, 7, 4], win([3, 3], [1, 1], Padding::Same).grouped(4), 8),
+        ([2, 6, 7, 12], win([3, 3], [2, 2], explicit).grouped(3), 6),
+        ([1, 9, 9, 3], win([3, 3], [1, 1], Padding::Valid).dilated([2, 2]), 5),
+        ([2, 9, 8, 8], win([3, 2], [2, 1], Padding::Same).dilated([2, 3]).grouped(2), 4),
+    ];
+    for (i, (x, w, f)) in geoms.iter().enumerate() {
+        let wshape = [w.size[0], w.size[1], x[3] / w.groups, *f];
+        let out = infer(
+            &Op::Conv2d { window: *w },
+            &[(&Shape::from(*x), DType::F32), (&Shape::from(wshape), DType::F32)],
+        )
+        .unwrap()
+        .0;
+        let o = out.dims().to_vec();
+        let input = Shape::from(*x);
+        v.push(case(format!("non_dense_conv2d_{i}"), Op::Conv2d { window: *w }, &[x, &wshape]));
+        let bi = Op::Conv2dBackpropInput { window: *w, input: input.clone() };
+        v.push(case(format!("non_dense_conv2d_backprop_input_{i}"), bi, &[&o, &wshape]));
+        let bf = Op::Conv2dBackpropFilter { window: *w };
+        v.push(case(format!("non_dense_conv2d_backprop_filter_{i}"), bf, &[x, &o]));
+        let rg = Op::Conv2dBackpropInputReluGrad { window: *w, input };
+        v.push(case(format!("non_dense_conv2d_backprop_input_relu_grad_{i}"), rg.clone(), &[&o, &wshape, x]));
+        v.push(case(
+            format!("non_dense_conv2d_backprop_input_residual_relu_grad_{i}"),
+            rg,
+            &[&o, &wshape, x, x],
+        ));
+        let fused = Op::Fused(Fused {
+            shape: out.clone(),
+            insts: vec![
+                Inst::Binary(BinaryOp::Add, Ref::Operand(0), Ref::Operand(1)),
+                Inst::Unary(UnaryOp::Relu, Ref::Value(0)),
+            ],
+            reduce: None,
+            matmul: None,
+            conv: Some(*w),
+            epilogue: Vec::new(),
+            epilogue_operands: 0,
+        });
+        v.push(case(format!("non_dense_conv2d_bias_relu_{i}"), fused, &[x, &wshape, &[*f]]));
+    }
+    for c in &mut v {
+        // No scratch: `split` asks for what the kernel wants, which is none.
+        assert_eq!(c.scratch_bytes(), 0, "{}", c.name);
+        c.scratch = true;
+    }
+    v
+}
+
 /// The products `kiln bench-gemm` measures (M x K x N: 4096³ and the zoo's): generated and
 /// compiled only (and dumped, for register checks with ptxas).
 fn bench_cases() -> Vec<Case> {
@@ -1131,7 +1187,13 @@ fn check(c: &Case, k: &CudaKernel) {
 fn every_op_generates_valid_launches() {
     let all = cases();
     let mut names = std::collections::HashSet::new();
-    for c in all.iter().chain(&random_cases()).chain(&large_cases()).chain(&bench_cases()) {
+    for c in all
+        .iter()
+        .chain(&random_cases())
+        .chain(&large_cases())
+        .chain(&bench_cases())
+        .chain(&non_dense_cases())
+    {
         assert!(names.insert(c.name.clone()), "duplicate case {}", c.name);
         let k = c.generate();
         check(c, &k);

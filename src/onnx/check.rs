@@ -839,6 +839,7 @@ fn attribute_schema(op: &str, opset: i64) -> Vec<(&'static str, i32, bool)> {
         "SpaceToDepth" => v.push(("blocksize", A_INT, true)),
         "Trilu" => v.push(("upper", A_INT, false)),
         "EyeLike" => v.extend([("dtype", A_INT, false), ("k", A_INT, false)]),
+        "Mod" => v.push(("fmod", A_INT, false)),
         "RandomUniformLike" => v.extend([
             ("dtype", A_INT, false),
             ("high", A_FLOAT, false),
@@ -911,7 +912,7 @@ fn signature(op: &str, opset: i64) -> Option<Signature> {
     let fixed =
         |params: Vec<Param>, float_only: &'static [usize]| Signature { params, variadic: false, float_only };
     Some(match op {
-        "Add" | "Sub" | "Mul" | "Div" => fixed(vec![p("A", "T", NUMERIC), p("B", "T", NUMERIC)], &[]),
+        "Add" | "Sub" | "Mul" | "Div" | "Mod" => fixed(vec![p("A", "T", NUMERIC), p("B", "T", NUMERIC)], &[]),
         "Pow" => fixed(vec![p("X", "T", NUMERIC), p("Y", "T1", NUMERIC)], &[0]),
         "Equal" => fixed(vec![p("A", "T", COMPARABLE), p("B", "T", COMPARABLE)], &[]),
         "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" => {

@@ -16,6 +16,19 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
     {
         return Ok(Some(vec![Value::Ints(fold2(n, &a, &b, f)?)]));
     }
+    if op == "Mod" {
+        // Folded integers only (shape arithmetic: an exporter's `size % heads`); ONNX's fmod 0
+        // takes the divisor's sign (Python's %), fmod 1 the dividend's (C's fmod).
+        let c_style = n.int("fmod", 0) != 0;
+        let (Value::Ints(a), Value::Ints(b)) = (imp.input(n, 0)?, imp.input(n, 1)?) else {
+            return Err(n.unsupported(
+                "takes the remainder of computed values",
+                "kiln folds Mod over constant integers (shape arithmetic)",
+            ));
+        };
+        let f = |a: i64, b: i64| if c_style { a.checked_rem(b) } else { a.checked_rem_euclid(b).map(|r| if r != 0 && b < 0 { r + b } else { r }) };
+        return Ok(Some(vec![Value::Ints(fold2(n, &a, &b, f)?)]));
+    }
     let x = |imp: &mut Importer| imp.tensor(n, 0);
     let y = match op {
         "Add" => x(imp)?.add(&imp.tensor(n, 1)?),

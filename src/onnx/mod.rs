@@ -142,6 +142,7 @@ pub const SUPPORTED: &[&str] = &[
     "Mean",
     "MeanVarianceNormalization",
     "Min",
+    "Mod",
     "Mish",
     "Mul",
     "Neg",

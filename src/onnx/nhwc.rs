@@ -113,8 +113,8 @@ pub(super) fn worth_it(graph: &GraphProto) -> HashSet<String> {
     worth
 }
 
-/// The stored tensors read only as the filter of plain 2-D convolutions (one group, no
-/// dilation): their parameters are made HWIO, kiln's filter layout, with an OIHW view for
+/// The stored tensors read only as the filter of 2-D convolutions (grouped and dilated ones
+/// too: ONNX's [F, C/G, KH, KW] is kiln's [KH, KW, C/G, F]): their parameters are made HWIO, kiln's filter layout, with an OIHW view for
 /// anything that asks (`Importer::stored_parameter`, read by `Importer::stored_filter`), so
 /// that no step permutes them. Every
 /// step of an imported ResNet-50 permuted all its filters (94 MB) and kept the copies for the
@@ -123,10 +123,7 @@ pub(super) fn filters(graph: &GraphProto) -> HashSet<String> {
     let mut plain = HashSet::new();
     let mut other = HashSet::new();
     for node in &graph.node {
-        let attr = |name: &str| node.attribute.iter().find(|a| a.name.as_deref() == Some(name));
-        let group = attr("group").and_then(|a| a.i).unwrap_or(1);
-        let dilated = attr("dilations").is_some_and(|a| a.ints.iter().any(|&d| d != 1));
-        let conv = node.op_type.as_deref() == Some("Conv") && group == 1 && !dilated;
+        let conv = node.op_type.as_deref() == Some("Conv");
         for (i, name) in node.input.iter().enumerate() {
             if conv && i == 1 {
                 plain.insert(name.clone());

@@ -110,6 +110,37 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             };
             one(gx)
         }
+        Op::Attention { scale, causal } => {
+            let (q, k, v) = (&x[0], &x[1], &x[2]);
+            let (s, t) = (q.shape().back(2), k.shape().back(2));
+            let op = Op::AttentionGrad { scale: *scale, causal: *causal };
+            let mut operands = vec![q, k, v, y, g];
+            operands.extend(x.get(3));
+            let packed = g.record(op, &operands);
+            let axis = q.rank() as isize - 2;
+            let mut grads = vec![
+                Some(packed.slice(axis, 0, s)),
+                Some(packed.slice(axis, s, t)),
+                Some(packed.slice(axis, s + t, t)),
+            ];
+            if let Some(bias) = x.get(3) {
+                // A bias's gradient is the scores' (a learned bias's: a position bias); composed
+                // from the probabilities, and dropped as dead code where the bias is a mask.
+                let mut scores = q.matmul_t(k, false, true) * *scale + bias;
+                if *causal {
+                    let shift = t as f32 - s as f32;
+                    let rows = g.tracer().iota([s, t], 0) + shift;
+                    let allowed = g.tracer().iota([s, t], 1).le(&rows);
+                    scores = scores + (allowed - 1.0).mul(1e9);
+                }
+                let p = scores.softmax(-1);
+                let dp = g.matmul_t(v, false, true);
+                let ds = &p * (dp - (g * y).sum(-1, true));
+                grads.push(Some(sum_to(&ds, bias.shape())));
+            }
+            Ok(grads)
+        }
+        Op::AttentionGrad { .. } => Err(second_order(op)),
         Op::Softmax { axis } => {
             let dot = (g * y).sum(*axis as isize, true);
             one(y * (g - dot))

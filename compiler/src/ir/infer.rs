@@ -468,6 +468,50 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             check_shard(shard)?;
             Ok((Shape::scalar(), dtype(0)))
         }
+        Op::Attention { scale, .. } | Op::AttentionGrad { scale, .. } => {
+            let grad = matches!(op, Op::AttentionGrad { .. });
+            let (q, k, v) = (shape(0), shape(1), shape(2));
+            let d = same_dtype(&(0..operands.len()).collect::<Vec<_>>())?;
+            if d != DType::F32 || !scale.is_finite() {
+                return err(format!("{d} operands with scale {scale}"), "attend over f32 values with a finite scale");
+            }
+            let r = q.rank();
+            let lead_ok = r >= 2 && k.rank() == r && v.rank() == r && q.dims()[..r - 2] == k.dims()[..r - 2];
+            if !lead_ok || v.dims()[..r - 1] != k.dims()[..r - 1] || q.back(1) != k.back(1) || v.back(1) != q.back(1) {
+                return err(
+                    format!("q {q}, k {k} and v {v}"),
+                    "pass q [.., S, D], k [.., T, D] and v [.., T, D] with the same leading axes",
+                );
+            }
+            let (s_len, t_len) = (q.back(2), k.back(2));
+            let rest = if grad { 5 } else { 3 };
+            if grad && (shape(3) != q || shape(4) != q) {
+                return err(
+                    format!("output {} and its gradient {} for queries {q}", shape(3), shape(4)),
+                    "pass the attention's output and the gradient of it, both of the queries' shape",
+                );
+            }
+            if operands.len() == rest + 1 {
+                let bias = shape(rest);
+                let mut full = q.dims()[..r - 1].to_vec();
+                full.push(t_len);
+                let fits = bias.rank() <= r
+                    && bias.dims().iter().rev().zip(full.iter().rev()).all(|(&b, &f)| b == 1 || b == f);
+                if !fits {
+                    return err(
+                        format!("bias {bias} for scores [.., {s_len}, {t_len}]"),
+                        "pass a bias that broadcasts to the scores' shape",
+                    );
+                }
+            }
+            if grad {
+                let mut dims = q.dims().to_vec();
+                dims[r - 2] = s_len + 2 * t_len;
+                Ok((Shape::new(dims), d))
+            } else {
+                Ok((q.clone(), d))
+            }
+        }
         Op::GatherGrad { vocab } => {
             let (ids, dy) = (shape(0), shape(1));
             if dy.rank() < ids.rank() || dy.dims()[..ids.rank()] != *ids.dims() {
@@ -658,6 +702,8 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::GatherGrad { .. } => 2..=2,
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1..=1,
         Op::Select => 3..=3,
+        Op::Attention { .. } => 3..=4,
+        Op::AttentionGrad { .. } => 5..=6,
         Op::Conv2dBackpropInputReluGrad { .. } => 3..=4,
         Op::Fused(_) => 1..=crate::ir::fused::MAX_FUSED_OPERANDS + 1,
         Op::Concat { .. } => 1..=usize::MAX,

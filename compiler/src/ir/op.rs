@@ -697,6 +697,32 @@ pub enum Op {
         input: Shape,
     },
 
+    // ---- attention
+    /// Scaled dot-product attention as one op (FlashAttention's algorithm): (q `[.., S, D]`,
+    /// k `[.., T, D]`, v `[.., T, D]`, optionally a bias broadcastable to `[.., S, T]` added to
+    /// the scores) -> softmax(scale · q·kᵀ + bias (+ the causal mask)) · v, `[.., S, D]`. The
+    /// leading axes (batch, heads) are the operands' own, equal in all three. The probabilities
+    /// are never stored: kernels go over the keys a tile at a time with a running maximum and
+    /// sum per row, and the gradient (`AttentionGrad`) recomputes them, so no `[.., S, T]`
+    /// value lives from the forward pass to the backward.
+    Attention {
+        /// The factor of the scores, 1/√D for scaled dot-product attention.
+        scale: f32,
+        /// Whether query i attends only to keys j ≤ i + (T - S) (a decoder's mask, aligned to the
+        /// last query; S = T for self-attention).
+        causal: bool,
+    },
+    /// The gradient of `Attention`: (q, k, v, o, do, optional bias) -> dq, dk and dv packed along
+    /// the second-to-last axis, `[.., S + 2T, D]` (dq rows 0..S, dk S..S+T, dv S+T..S+2T), the
+    /// bias getting none (a mask). It recomputes each row's log-sum-exp and the probabilities a
+    /// tile at a time from q and k, and Dᵢ = Σ doᵢ·oᵢ from o and do.
+    AttentionGrad {
+        /// The forward op's scale.
+        scale: f32,
+        /// The forward op's mask.
+        causal: bool,
+    },
+
     // ---- embedding
     /// (table[V, ...], ids[...]) -> [ids..., table[1..]]: rows of the table, ids as f32 integers.
     Gather,
@@ -938,6 +964,18 @@ impl Op {
         let operand = |i: usize| operands.get(i).copied();
         match self {
             Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => 0,
+            // Per row of queries and key: q·k (2D) and p·v (2D).
+            Op::Attention { .. } => {
+                let t = operand(1).map_or(0, |k| k.back(2)) as u64;
+                4 * n(output) * t
+            }
+            // Per query row and key: the log-sum-exp pass (2D), the scores again (2D), dv, dp,
+            // dq and dk (2D each): 12·S·T·D.
+            Op::AttentionGrad { .. } => {
+                let q = operand(0).map_or(0, n);
+                let t = operand(1).map_or(0, |k| k.back(2)) as u64;
+                12 * q * t
+            }
             Op::Unary(op) => op.flops_per_element() * n(output),
             Op::Binary(op) => op.flops_per_element() * n(output),
             Op::Fill { .. }
@@ -1127,6 +1165,8 @@ impl Op {
             Op::Pool2dGrad { kind: PoolKind::Avg, .. } | Op::AvgPool2dGrad { .. } => "avg_pool2d_grad",
             Op::Gather => "gather",
             Op::GatherGrad { .. } => "gather_grad",
+            Op::Attention { .. } => "attention",
+            Op::AttentionGrad { .. } => "attention_grad",
             Op::AllReduce { .. } => "all_reduce",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGather { .. } => "all_gather",
@@ -1221,6 +1261,9 @@ impl Op {
             | Op::Pool2d { window: w, .. }
             | Op::Pool2dGrad { window: w, .. }
             | Op::AvgPool2dGrad { window: w, .. } => window(&mut s, w),
+            Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
+                let _ = write!(s, "[scale {scale}{}]", if *causal { ", causal" } else { "" });
+            }
             Op::GatherGrad { vocab } => {
                 let _ = write!(s, "[vocab {vocab}]");
             }

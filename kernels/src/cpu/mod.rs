@@ -14,6 +14,7 @@
 //! - `layout`: fill, copy, permute, broadcast_to, concat, slice, pad.
 //! - `reduce`, `softmax`: reductions and the normalisers along an axis.
 //! - `matmul`, `conv`, `pool`: the GEMM-based ops and pooling.
+//! - `grouped_conv`: grouped, depthwise and dilated convolutions and their gradients, direct loops.
 //! - `gather`: embedding lookup and its gradient.
 //! - `cast`: conversions between f32, i32, i64 and bool.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
@@ -33,6 +34,7 @@ mod custom;
 mod elementwise;
 mod fused;
 mod gather;
+mod grouped_conv;
 mod layout;
 mod math;
 mod matmul;
@@ -105,6 +107,13 @@ pub fn prepare(
                 help: "a collective is run by the backend's communicator (`CpuBackend::with_communicator`), not by a kernel".into(),
             });
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            return Err(KernelError::Unsupported {
+                op: name.into(),
+                dtype: output.1,
+                help: "attention has no kernel on this backend yet".into(),
+            });
+        }
         Op::Fill { value, .. } => layout::fill(*value, out),
         Op::Iota { axis, .. } => layout::iota(*axis, out),
         Op::RandomUniform { seed, .. } => layout::random_uniform(*seed, out),
@@ -114,6 +123,13 @@ pub fn prepare(
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
             (_, Some(m), _) => fused::fused_matmul(f, m, &s)?,
+            (_, None, Some(window)) if !window.is_dense() => {
+                return Err(KernelError::Unsupported {
+                    op: name.into(),
+                    dtype: output.1,
+                    help: "a fused convolution must be dense (one group, no dilation): the fusion pass leaves grouped, depthwise and dilated convolutions unfused".into(),
+                });
+            }
             (_, None, Some(window)) => fused::fused_conv2d(f, window, &s)?,
             (Some(r), None, None) => fused::fused_reduce(f, r, &s, out)?,
             (None, None, None) => fused::fused(f, &s, out)?,
@@ -130,6 +146,18 @@ pub fn prepare(
         Op::Reduce { op: rop, axes, keepdims: _ } => reduce::reduce(*rop, name, s[0], axes),
         Op::Softmax { axis } => softmax::softmax(s[0], *axis, false),
         Op::LogSoftmax { axis } => softmax::softmax(s[0], *axis, true),
+        // Grouped, depthwise and dilated windows have their own direct kernels; the GEMM-shaped
+        // ones of `conv` take dense windows only.
+        Op::Conv2d { window } if !window.is_dense() => grouped_conv::conv2d(s[0], s[1], window),
+        Op::Conv2dBackpropInput { window, .. } if !window.is_dense() => {
+            grouped_conv::backprop_input(s[0], s[1], window, out)
+        }
+        Op::Conv2dBackpropInputReluGrad { window, .. } if !window.is_dense() => {
+            grouped_conv::backprop_input_relu_grad(s[0], s[1], window, out, s.len() == 4)
+        }
+        Op::Conv2dBackpropFilter { window } if !window.is_dense() => {
+            grouped_conv::backprop_filter(s[0], s[1], window)
+        }
         Op::Conv2d { window } => conv::conv2d(s[0], s[1], window, out),
         Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(s[0], s[1], window, out),
         Op::Conv2dBackpropInputReluGrad { window, .. } => {

@@ -13,8 +13,15 @@
 //!   batch of output positions and the output small, which is what the K-parallel GEMM is for
 //!   (every block reduces its outputs over all positions; deterministic, see `gemm`).
 //!
-//! Padding follows `Window2d::out_and_pad` (TensorFlow's SAME split), as the CPU kernels do.
-//! The bounds checks that a geometry cannot fail are left out of the source.
+//! Dense windows only (one group, taps next to each other): `grouped_conv` has the kernels of
+//! grouped, depthwise and dilated convolutions, and `cuda::generate` routes them there.
+//!
+//! Padding follows `Window2d::out_and_pad` (TensorFlow's SAME split, or `Padding::Explicit`'s
+//! pads), as the CPU kernels do. Only the padding before (ph, pw) enters the index arithmetic;
+//! the padding after is implied by the output extent (OH, OW), and the loaders test each index
+//! against 0 and the input's extent (`Geom::inside`, the input gradient's conditions), so
+//! asymmetric pads (before != after, either side 0) need nothing more. The bounds checks that a
+//! geometry cannot fail are left out of the source.
 
 use super::codegen::{Code, header, idx_type, int};
 use super::elementwise::Map;
@@ -160,6 +167,7 @@ fn conv2d_then(
     epilogue: Option<(&Fused, &[&Shape])>,
 ) -> CudaKernel {
     let g = Geom::new(x, window, w.dims()[3]);
+    debug_assert!(g.is_dense(), "non-dense windows go to grouped_conv");
     let mut all = vec![x, w];
     all.extend(epilogue.map_or(&[][..], |(_, extra)| extra));
     let head = header(label, &all, Some(out));
@@ -207,6 +215,39 @@ pub(crate) enum InputGradient {
     ResidualReluGrad,
 }
 
+/// The epilogue that takes an input gradient element `x0` (at linear index `i` of dx) through
+/// `then`, reading y (and r) from the launch arguments `Input(2)` (and `Input(3)`): None for
+/// `InputGradient::Plain`. Shared with the direct kernels of non-dense windows (`grouped_conv`).
+pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str) -> Option<Epilogue> {
+    match then {
+        InputGradient::Plain => None,
+        InputGradient::ReluGrad => {
+            let program = Fused::elementwise(
+                dx.clone(),
+                vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
+            );
+            Some(Epilogue {
+                definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
+                extra: vec![Arg::Input(2)],
+            })
+        }
+        InputGradient::ResidualReluGrad => {
+            // x0 the product, x1 y, x2 r: relu_grad(y, r + dx).
+            let program = Fused::elementwise(
+                dx.clone(),
+                vec![
+                    Inst::Binary(BinaryOp::Add, Ref::Operand(2), Ref::Operand(0)),
+                    Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Value(0)),
+                ],
+            );
+            Some(Epilogue {
+                definition: super::elementwise::epilogue_function(&program, &[dx, dx, dx], ty, ""),
+                extra: vec![Arg::Input(2), Arg::Input(3)],
+            })
+        }
+    }
+}
+
 /// The convolution's input gradient; through ReLU's gradient (and a residual gradient's sum)
 /// the GEMM stores it through an epilogue (`gemm::Sink::Epilogue`), each element's y and r read
 /// by the thread that stores it, so dx may be y's or r's own buffer.
@@ -220,6 +261,7 @@ pub(crate) fn backprop_input(
     then: InputGradient,
 ) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
+    debug_assert!(g.is_dense(), "non-dense windows go to grouped_conv");
     let operands: Vec<&Shape> = match then {
         InputGradient::Plain => vec![dy, w],
         InputGradient::ReluGrad => vec![dy, w, dx],
@@ -289,33 +331,7 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: match then {
-            InputGradient::Plain => Sink::Output,
-            InputGradient::ReluGrad => {
-                let program = Fused::elementwise(
-                    dx.clone(),
-                    vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
-                );
-                Sink::Epilogue(Epilogue {
-                    definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
-                    extra: vec![Arg::Input(2)],
-                })
-            }
-            InputGradient::ResidualReluGrad => {
-                // x0 the product, x1 y, x2 r: relu_grad(y, r + dx).
-                let program = Fused::elementwise(
-                    dx.clone(),
-                    vec![
-                        Inst::Binary(BinaryOp::Add, Ref::Operand(2), Ref::Operand(0)),
-                        Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Value(0)),
-                    ],
-                );
-                Sink::Epilogue(Epilogue {
-                    definition: super::elementwise::epilogue_function(&program, &[dx, dx, dx], ty, ""),
-                    extra: vec![Arg::Input(2), Arg::Input(3)],
-                })
-            }
-        },
+        sink: input_gradient_epilogue(then, dx, ty).map_or(Sink::Output, Sink::Epilogue),
         scratch,
     };
     finish(head, gemm, describe)
@@ -330,6 +346,7 @@ pub(crate) fn backprop_filter(
     scratch: usize,
 ) -> CudaKernel {
     let g = Geom::new(x, window, dy.dims()[3]);
+    debug_assert!(g.is_dense(), "non-dense windows go to grouped_conv");
     let head = header(label, &[x, dy], Some(dw));
     let describe = format!("conv2d_backprop_filter {}", g.text());
     let (m, n, k) = backprop_filter_dims(&g);

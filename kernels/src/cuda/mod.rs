@@ -39,7 +39,8 @@
 //!   ops share.
 //! - `layout`: fill, copy, permute (tiled transposes), broadcast_to, concat, slice, pad.
 //! - `reduce`, `softmax`: reductions and the normalisers along an axis.
-//! - `gemm`: the tiled, register-blocked GEMM; `matmul` and `conv` build on it.
+//! - `gemm`: the tiled, register-blocked GEMM; `matmul` and `conv` (dense windows) build on it.
+//! - `grouped_conv`: direct convolution kernels for non-dense windows (groups, dilation).
 //! - `pool`: pooling and its gradients; `gather`: embedding lookup and its gradient.
 //! - `optim`: the in-place training effects.
 
@@ -49,6 +50,7 @@ mod conv;
 mod elementwise;
 mod gather;
 mod gemm;
+mod grouped_conv;
 mod layout;
 mod math;
 mod matmul;
@@ -130,8 +132,8 @@ pub fn allow_tf32() -> bool {
 pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_bytes, blocks_only_to_fit: true };
 
 /// The scratch bytes the kernel of `op` uses when given enough (`SCRATCH`); 0 for every op but
-/// the GEMM-based ones and reductions, and for invalid or empty operands (whose kernel uses
-/// none).
+/// the GEMM-based ones (dense convolutions only: a non-dense window's direct kernels use none)
+/// and reductions, and for invalid or empty operands (whose kernel uses none).
 pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
     if crate::check::check(op, inputs, (output, DType::F32), "the CUDA kernels").is_err() {
         return 0;
@@ -145,6 +147,8 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
         Op::MatMul { transpose_a, .. } => matmul::dims(s[0], s[1], *transpose_a, output),
         Op::Fused(f) => match (&f.matmul, &f.conv, &f.reduce) {
             (Some(mm), _, _) => matmul::dims(s[0], s[1], mm.transpose_a, output),
+            // A non-dense window's kernels (`grouped_conv`) use no scratch.
+            (None, Some(window), _) if !window.is_dense() => return 0,
             (None, Some(window), _) => {
                 let (m, n, k) = conv::forward_dims(&window_geom(s[0], window, s[1].dims()[3]));
                 (m, n, k, 1)
@@ -154,6 +158,14 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
         },
         Op::Reduce { op: rop, axes, .. } => return reduce::scratch_wanted(*rop, s[0], axes),
         Op::MatMulRows { rows } => (rows.len, s[1].dims()[1], s[0].dims()[0], 1),
+        Op::Conv2d { window }
+        | Op::Conv2dBackpropInput { window, .. }
+        | Op::Conv2dBackpropInputReluGrad { window, .. }
+        | Op::Conv2dBackpropFilter { window }
+            if !window.is_dense() =>
+        {
+            return 0;
+        }
         Op::Conv2d { window } => {
             let (m, n, k) = conv::forward_dims(&window_geom(s[0], window, s[1].dims()[3]));
             (m, n, k, 1)
@@ -226,6 +238,13 @@ pub fn generate_with_scratch(
                 help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers itself, through host memory and its communicator (`CudaBackend::with_communicator`) or through NCCL (`CudaBackend::with_nccl`)".into(),
             });
         }
+        Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            return Err(KernelError::Unsupported {
+                op: name.into(),
+                dtype: output.1,
+                help: "attention has no kernel on this backend yet".into(),
+            });
+        }
         Op::Fill { value, .. } => layout::fill(l, *value, out),
         Op::Iota { axis, .. } => layout::iota(l, *axis, out),
         Op::RandomUniform { seed, .. } => elementwise::random_uniform(l, *seed, s[0], out),
@@ -235,6 +254,9 @@ pub fn generate_with_scratch(
         Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
             (_, Some(m), _) => matmul::fused_matmul(l, f, m, &s, out, scratch),
+            (_, None, Some(window)) if !window.is_dense() => {
+                grouped_conv::conv2d(l, s[0], s[1], window, out, Some((f, &s[2..])))
+            }
             (_, None, Some(window)) => conv::fused_conv2d(l, f, window, &s, out, scratch),
             (Some(r), None, None) => reduce::fused_reduce(l, f, r, &s, out, scratch),
             (None, None, None) => elementwise::fused(l, f, &s, out),
@@ -251,6 +273,22 @@ pub fn generate_with_scratch(
         Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out, scratch),
         Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false),
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
+        // Non-dense windows (groups, dilation): direct kernels, no scratch.
+        Op::Conv2d { window } if !window.is_dense() => grouped_conv::conv2d(l, s[0], s[1], window, out, None),
+        Op::Conv2dBackpropInput { window, .. } if !window.is_dense() => {
+            grouped_conv::backprop_input(l, s[0], s[1], window, out, conv::InputGradient::Plain)
+        }
+        Op::Conv2dBackpropInputReluGrad { window, .. } if !window.is_dense() => {
+            let then = if s.len() == 4 {
+                conv::InputGradient::ResidualReluGrad
+            } else {
+                conv::InputGradient::ReluGrad
+            };
+            grouped_conv::backprop_input(l, s[0], s[1], window, out, then)
+        }
+        Op::Conv2dBackpropFilter { window } if !window.is_dense() => {
+            grouped_conv::backprop_filter(l, s[0], s[1], window, out)
+        }
         Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
         Op::Conv2dBackpropInput { window, .. } => {
             conv::backprop_input(l, s[0], s[1], window, out, scratch, conv::InputGradient::Plain)

@@ -1,7 +1,10 @@
 //! 2-D max and average pooling over NHWC tensors, and their gradients, one thread per element.
 //!
-//! Windows follow `Window2d::out_and_pad` (TensorFlow's SAME split); average pooling divides by
-//! the number of in-bounds elements, as 1 / count times the sum (the CPU's rounding).
+//! Windows follow `Window2d::out_and_pad` (TensorFlow's SAME split, or `Padding::Explicit`'s
+//! pads, asymmetric ones included: only the padding before enters the index arithmetic, the
+//! padding after is implied by the output extent). Each window is clipped to the input, so a
+//! maximum never sees the padding (as if it were -inf) and average pooling divides by the number
+//! of in-bounds elements, as 1 / count times the sum (the CPU's rounding).
 //!
 //! - forward: a thread per output element (n, oh, ow, c) walks its window in row-major order;
 //!   c is innermost, so a warp reads 32 adjacent channels.
