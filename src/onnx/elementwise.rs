@@ -26,7 +26,13 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
                 "kiln folds Mod over constant integers (shape arithmetic)",
             ));
         };
-        let f = |a: i64, b: i64| if c_style { a.checked_rem(b) } else { a.checked_rem_euclid(b).map(|r| if r != 0 && b < 0 { r + b } else { r }) };
+        let f = |a: i64, b: i64| {
+            if c_style {
+                a.checked_rem(b)
+            } else {
+                a.checked_rem_euclid(b).map(|r| if r != 0 && b < 0 { r + b } else { r })
+            }
+        };
         return Ok(Some(vec![Value::Ints(fold2(n, &a, &b, f)?)]));
     }
     let x = |imp: &mut Importer| imp.tensor(n, 0);

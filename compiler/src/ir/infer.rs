@@ -473,11 +473,18 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let (q, k, v) = (shape(0), shape(1), shape(2));
             let d = same_dtype(&(0..operands.len()).collect::<Vec<_>>())?;
             if d != DType::F32 || !scale.is_finite() {
-                return err(format!("{d} operands with scale {scale}"), "attend over f32 values with a finite scale");
+                return err(
+                    format!("{d} operands with scale {scale}"),
+                    "attend over f32 values with a finite scale",
+                );
             }
             let r = q.rank();
             let lead_ok = r >= 2 && k.rank() == r && v.rank() == r && q.dims()[..r - 2] == k.dims()[..r - 2];
-            if !lead_ok || v.dims()[..r - 1] != k.dims()[..r - 1] || q.back(1) != k.back(1) || v.back(1) != q.back(1) {
+            if !lead_ok
+                || v.dims()[..r - 1] != k.dims()[..r - 1]
+                || q.back(1) != k.back(1)
+                || v.back(1) != q.back(1)
+            {
                 return err(
                     format!("q {q}, k {k} and v {v}"),
                     "pass q [.., S, D], k [.., T, D] and v [.., T, D] with the same leading axes",
