@@ -380,6 +380,29 @@ const TORCH_ENV: PythonEnv = PythonEnv {
     venv: "torch-venv",
 };
 
+/// PyTorch with torchvision, transformers and onnx, for the real-scale comparison
+/// (`benches/realscale.rs`): exports and PyTorch's recorded streams of the architectures of
+/// `scripts/realscale/models.py`.
+pub const REALSCALE_PINS: [&str; 5] =
+    ["torch==2.15.0", "torchvision==0.29.2", "transformers==4.46.3", "onnx==1.23.2", "numpy"];
+
+/// Names an interpreter that already has `REALSCALE_PINS`' packages.
+pub const REALSCALE_PYTHON_ENV: &str = "KILN_REALSCALE_PYTHON";
+
+const REALSCALE_ENV: PythonEnv = PythonEnv {
+    what: "torch, torchvision, transformers and onnx",
+    imports: "import torch, torchvision, transformers, onnx",
+    pins: &REALSCALE_PINS,
+    variable: REALSCALE_PYTHON_ENV,
+    venv: "realscale-venv",
+};
+
+/// The real-scale comparison's interpreter (`REALSCALE_PYTHON_ENV`, or a virtual environment
+/// under target/kiln made on first use), or why there is none.
+pub fn realscale_python() -> std::result::Result<PathBuf, String> {
+    python_with(&REALSCALE_ENV).map_err(|Skip(why)| why)
+}
+
 /// An interpreter that imports `env`'s modules: the one its variable names, or its virtual
 /// environment under `target/kiln` (made and filled on first use; the time it took is printed).
 fn python_with(env: &PythonEnv) -> std::result::Result<PathBuf, Skip> {

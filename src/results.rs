@@ -186,6 +186,7 @@ pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
         t("speed-cpu-forward", |r| speed_table(r, "forward"), "speed"),
         t("gpu-train", |r| gpu_table(r, "train"), "gpu-peers"),
         t("gpu-forward", |r| gpu_table(r, "forward"), "gpu-peers"),
+        t("realscale", realscale_table, "realscale"),
     ])
 }
 
@@ -320,6 +321,58 @@ fn memory_table(r: &Record, mode: &str) -> String {
         &rows,
     );
     s += &provenance(r, "`cargo bench --bench memory`");
+    s
+}
+
+/// The real-scale table: one training step of each architecture, kiln's plan beside PyTorch's
+/// replayed stream (eager attention and SDPA), and the step's plan time.
+fn realscale_table(r: &Record) -> String {
+    let rows: Vec<Vec<String>> = r
+        .data
+        .as_array()
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let dev = num(v, &["kiln_device_bytes"]);
+            let torch = num(v, &["pytorch_reserved_bytes"]);
+            let sdpa = num(v, &["pytorch_sdpa_reserved_bytes"]);
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                size(dev),
+                size(torch),
+                size(sdpa),
+                ratio(dev, torch),
+                ratio(dev, sdpa),
+                ratio(num(v, &["kiln_eager_caching_reserved_bytes"]), torch),
+                format!(
+                    "{:.3}",
+                    num(v, &["kiln_arena_bytes"]).unwrap_or(0.0)
+                        / num(v, &["kiln_lower_bound_bytes"]).unwrap_or(1.0).max(1.0)
+                ),
+                num(v, &["step_gflop"]).map_or("-".into(), |g| format!("{g:.1}")),
+                num(v, &["kiln_plan_ms"]).map_or("-".into(), |t| format!("{:.1} s", t / 1e3)),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "kiln device",
+            "PyTorch reserved",
+            "PyTorch SDPA",
+            "kiln / PyTorch",
+            "kiln / SDPA",
+            "kiln eager / PyTorch",
+            "arena / lower bound",
+            "GFLOP",
+            "plan time",
+        ],
+        &rows,
+    );
+    s += &provenance(r, "`cargo bench --bench realscale`");
     s
 }
 

@@ -21,10 +21,13 @@ have and that cannot be told apart by size. The recording for the committed
 `benches/data/torch_stream.json` is made this way (PyTorch from PyPI, no GPU needed).
 
 usage: torch_stream.py [--capture cuda|dispatch] OUT.json [MODEL ...]
-       (default: cuda where a device is present, else dispatch; models seed-mlp mlp cnn transformer)
+       (default: cuda where a device is present, else dispatch; models seed-mlp mlp cnn transformer,
+       or the real-scale ones of scripts/realscale/models.py: resnet50 efficientnet_b0
+       mobilenet_v3_small vit_b_16 gpt2 gpt2-sdpa bert bert-sdpa)
 """
 
 import json
+import os
 import sys
 
 
@@ -280,6 +283,12 @@ def main():
         return 0
     torch.manual_seed(0)
     zoo = models(torch, nn)
+    if any(n not in zoo for n in names):
+        # The real-scale architectures (scripts/realscale/models.py): torchvision, transformers.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realscale"))
+        import models as realscale
+
+        zoo.update(realscale.specs(torch, nn))
     if capture == "cuda":
         device = torch.cuda.get_device_name()
         streams = {n: record_cuda(torch, nn, n, zoo[n], torch.device("cuda")) for n in names if n in zoo}

@@ -17,74 +17,18 @@ models: resnet50 efficientnet_b0 mobilenet_v3_small vit_b_16 gpt2 bert
 import os
 import sys
 
-# name: (batch, builder, example inputs maker, input names)
-DEFAULT_BATCH = {
-    "resnet50": 32,
-    "efficientnet_b0": 32,
-    "mobilenet_v3_small": 2,
-    "vit_b_16": 16,
-    "gpt2": 4,
-    "bert": 8,
-}
-SEQ = 256
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
 
-
-def vision(name):
-    import torchvision
-
-    return getattr(torchvision.models, name)(weights=None)
-
-
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_positions=1024, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
-    model = GPT2LMHeadModel(cfg)
-    model.config.return_dict = False
-    return model
-
-
-def bert():
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = BertModel(cfg, add_pooling_layer=False)
-    model.config.return_dict = False
-    return model
-
-
-class Logits:
-    """Wraps a transformers model so that the export has one output (its first)."""
-
-    def __new__(cls, inner):
-        import torch
-
-        class M(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = inner
-
-            def forward(self, *xs):
-                return self.inner(*xs)[0]
-
-        return M()
+DEFAULT_BATCH = models.BATCH
 
 
 def export(name, out_dir, batch, train):
     import torch
 
     torch.manual_seed(0)
-    if name in ("gpt2", "bert"):
-        model = Logits(gpt2() if name == "gpt2" else bert())
-        ids = torch.randint(0, 1000, (batch, SEQ), dtype=torch.int64)
-        if name == "gpt2":
-            args, names = (ids,), ["input_ids"]
-        else:
-            args, names = (ids, torch.ones(batch, SEQ, dtype=torch.int64)), ["input_ids", "attention_mask"]
-    else:
-        model = vision(name)
-        size = 224
-        args, names = (torch.randn(batch, 3, size, size),), ["x"]
+    model = models.build(name)
+    args, names = models.example(torch, name, batch)
     model.train(train)
     path = os.path.join(out_dir, f"{name}.onnx" if train else f"{name}-eval.onnx")
     torch.onnx.export(

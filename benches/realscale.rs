@@ -1,0 +1,226 @@
+//! `cargo bench --bench realscale`: kiln's plan of one training step of real architectures at
+//! the batches they train at, beside PyTorch's own allocation stream for the same step.
+//!
+//! Each model of `scripts/realscale/models.py` (torchvision's ResNet-50, EfficientNet-B0,
+//! MobileNetV3-small and ViT-B/16; transformers' GPT-2 small and BERT-base; random weights) is
+//! exported to ONNX (opset 17, TorchScript, training mode, BatchNorm kept as a node, no
+//! constant folding) and planned as `kiln memory MODEL --mode train` plans it: MSE against a
+//! target of the output's shape, Adam. PyTorch trains the same module two steps with the same
+//! loss and optimizer while `scripts/peers/torch_stream.py` records its ATen allocation stream
+//! on the CPU (transformers with eager attention and with SDPA), replayed through kiln's model
+//! of the CUDA caching allocator, with PyTorch's H100 cuBLAS workspaces
+//! (`kiln::torch_stream`). Exports and recordings are kept under target/kiln/realscale.
+//!
+//! Assumptions beside the table: PyTorch's figure is its reserved peak on the replayed stream
+//! (2 MiB/20 MiB segments, as a GPU run reserves), kiln's the bytes its plan asks of a device
+//! (arena and persistent buffers rounded as a device allocates); both hold parameters,
+//! gradients, Adam's moments, the batch and the target. PyTorch's inputs are fed as it runs
+//! (two steps recorded, the peak over both); no cuDNN workspace on either side.
+//!
+//! `KILN_REALSCALE_MODELS=resnet50,gpt2` picks models; the interpreter is
+//! `KILN_REALSCALE_PYTHON` or a virtual environment made under target/kiln on first use.
+
+use kiln::compare::feeds_for;
+use kiln::runtime::eager::{FrameworkExtras, WorkspacePolicy};
+use kiln::torch_stream::{Recording, replay};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+const MODELS: [(&str, usize, bool); 6] = [
+    ("gpt2", 4, true),
+    ("resnet50", 32, false),
+    ("vit_b_16", 16, false),
+    ("bert", 8, true),
+    ("efficientnet_b0", 32, false),
+    ("mobilenet_v3_small", 2, false),
+];
+
+#[derive(Serialize)]
+struct Row {
+    model: String,
+    batch: usize,
+    kiln_planned_total_bytes: usize,
+    kiln_device_bytes: usize,
+    kiln_arena_bytes: usize,
+    kiln_lower_bound_bytes: usize,
+    kiln_eager_caching_reserved_bytes: usize,
+    kiln_plan_ms: f64,
+    pytorch_reserved_bytes: Option<usize>,
+    pytorch_sdpa_reserved_bytes: Option<usize>,
+    kiln_over_pytorch: Option<f64>,
+    kiln_over_pytorch_sdpa: Option<f64>,
+    kiln_eager_over_pytorch: Option<f64>,
+    step_gflop: f64,
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{what} failed:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(())
+}
+
+/// PyTorch's reserved peak for `name` on its recorded stream (recorded once into `dir`).
+fn pytorch_reserved(python: &Path, dir: &Path, name: &str) -> Result<usize, String> {
+    let path = dir.join(format!("{name}-stream.json"));
+    if !path.exists() {
+        let start = Instant::now();
+        let script = "scripts/peers/torch_stream.py";
+        run(
+            Command::new(python).args([script, "--capture", "dispatch"]).arg(&path).arg(name),
+            &format!("recording {name}"),
+        )?;
+        eprintln!("{name}: PyTorch's stream recorded in {:.0} s", start.elapsed().as_secs_f64());
+    }
+    let json = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let rec = Recording::parse(&json).map_err(|e| e.to_string())?;
+    let stream = rec.models.get(name).ok_or_else(|| format!("{} has no {name}", path.display()))?;
+    let stats =
+        replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent)).map_err(|e| e.to_string())?;
+    Ok(stats.peak_reserved)
+}
+
+fn export(python: &Path, dir: &Path, name: &str, batch: usize) -> Result<PathBuf, String> {
+    // One folder per batch: an export's shapes are fixed.
+    let dir = &dir.join(format!("batch{batch}"));
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join(format!("{name}.onnx"));
+    if !path.exists() {
+        run(
+            Command::new(python)
+                .arg("scripts/realscale/export.py")
+                .arg(dir)
+                .arg(name)
+                .args(["--batch", &batch.to_string()]),
+            &format!("exporting {name}"),
+        )?;
+    }
+    Ok(path)
+}
+
+/// kiln's training step of the export, as `kiln memory --mode train` builds it, and the step's
+/// floating-point work (`Op::flops` over its graph).
+fn kiln_step(path: &Path) -> kiln::Result<(kiln::compare::Comparison, u64)> {
+    let model = kiln::onnx::OnnxModel::open(path)?;
+    let sizes = kiln::onnx::train::sizes(&model, None, &[])?;
+    let (x, y) = kiln::onnx::train::specs(&model, &sizes)?;
+    let layer = model.clone().into_packed_layer(&sizes)?;
+    let graph = kiln::compiler::step::train_step_graph(&layer, x, &y, &kiln::onnx::train::fine_tuning())?;
+    let flops = graph
+        .node_ids()
+        .map(|n| {
+            let shapes: Vec<&kiln::compiler::ir::Shape> =
+                graph.operands(n).iter().map(|&o| &graph.node(o).shape).collect();
+            graph.node(n).op.flops(&shapes, &graph.node(n).shape)
+        })
+        .sum();
+    let feeds = feeds_for(&graph, 1)?;
+    let feed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Ok((kiln::compare::compare_graph(&path.display().to_string(), graph, &feed, false)?, flops))
+}
+
+fn mb(b: usize) -> String {
+    let v = b as f64 / 1e6;
+    let s = format!("{v:.0}");
+    let digits: Vec<char> = s.chars().collect();
+    let mut out = String::new();
+    for (i, c) in digits.iter().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(*c);
+    }
+    out
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let python = match kiln::peers::realscale_python() {
+        Ok(p) => p,
+        Err(why) => {
+            println!("skipped: {why}");
+            return Ok(());
+        }
+    };
+    let dir = kiln::report::output_dir().join("realscale");
+    std::fs::create_dir_all(&dir)?;
+    let pick = std::env::var("KILN_REALSCALE_MODELS").ok();
+    let mut rows = Vec::new();
+    for (name, batch, sdpa) in MODELS {
+        if pick.as_deref().is_some_and(|p| !p.split(',').any(|m| m == name)) {
+            continue;
+        }
+        let path = match export(&python, &dir, name, batch) {
+            Ok(p) => p,
+            Err(why) => {
+                println!("{name}: skipped: {why}");
+                continue;
+            }
+        };
+        let start = Instant::now();
+        let (c, flops) = kiln_step(&path)?;
+        eprintln!(
+            "{name}: kiln planned in {:.1} s (compile {:.0} ms)",
+            start.elapsed().as_secs_f64(),
+            c.plan_ms
+        );
+        let recorded = |name: &str| match pytorch_reserved(&python, &dir, name) {
+            Ok(b) => Some(b),
+            Err(why) => {
+                println!("{name}: PyTorch not recorded: {why}");
+                None
+            }
+        };
+        let torch = recorded(name);
+        let torch_sdpa = if sdpa { recorded(&format!("{name}-sdpa")) } else { None };
+        let ratio = |d: Option<usize>| d.map(|d| c.device_bytes as f64 / d as f64);
+        rows.push(Row {
+            model: name.into(),
+            batch,
+            kiln_planned_total_bytes: c.planned_total_bytes,
+            kiln_device_bytes: c.device_bytes,
+            kiln_arena_bytes: c.arena_bytes,
+            kiln_lower_bound_bytes: c.lower_bound_bytes,
+            kiln_eager_caching_reserved_bytes: c.eager_caching_peak_reserved_bytes,
+            kiln_plan_ms: c.plan_ms,
+            pytorch_reserved_bytes: torch,
+            pytorch_sdpa_reserved_bytes: torch_sdpa,
+            kiln_over_pytorch: ratio(torch),
+            kiln_over_pytorch_sdpa: ratio(torch_sdpa),
+            kiln_eager_over_pytorch: torch.map(|t| c.eager_caching_peak_reserved_bytes as f64 / t as f64),
+            step_gflop: flops as f64 / 1e9,
+        });
+    }
+    println!(
+        "| model, batch | kiln device | PyTorch reserved | PyTorch SDPA | kiln / PyTorch | kiln / SDPA | kiln eager / PyTorch | arena / bound | GFLOP | plan time |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let opt = |v: Option<usize>| v.map_or("-".to_string(), mb);
+        let ratio = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        println!(
+            "| {}, {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {:.1} s |",
+            r.model,
+            r.batch,
+            mb(r.kiln_device_bytes),
+            opt(r.pytorch_reserved_bytes),
+            opt(r.pytorch_sdpa_reserved_bytes),
+            ratio(r.kiln_over_pytorch),
+            ratio(r.kiln_over_pytorch_sdpa),
+            ratio(r.kiln_eager_over_pytorch),
+            r.kiln_arena_bytes as f64 / r.kiln_lower_bound_bytes.max(1) as f64,
+            r.step_gflop,
+            r.kiln_plan_ms / 1e3,
+        );
+    }
+    println!(
+        "MB = 10^6 B. kiln: the bytes its plan asks of a device; PyTorch: reserved peak of its recorded"
+    );
+    println!(
+        "stream replayed through the caching-allocator model with cuBLAS's workspaces; XLA: not measured here."
+    );
+    kiln::results::write("realscale", "cpu", &rows)?;
+    Ok(())
+}
