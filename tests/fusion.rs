@@ -223,9 +223,10 @@ fn a_product_written_over_its_epilogue_operand_computes_the_unfused_bits() {
     }
 }
 
-/// A causal language model with the sparse loss: the causal mask's iotas, the class-index row
-/// and the label mask `ids == iota` are instructions of the fused groups that read them (copied
-/// into each), never buffers, and training computes the unfused bits.
+/// A causal language model with the sparse loss: the class-index row and the label mask
+/// `ids == iota` are instructions of the fused groups that read them (copied into each), never
+/// buffers, and training computes the unfused bits. (The causal mask is the attention op's own
+/// flag, without iotas.)
 #[test]
 fn iotas_and_label_masks_fuse_into_their_readers_and_train_the_same_bits() {
     use kiln::compiler::nn::{Embedding, MultiHeadAttention};
@@ -244,7 +245,7 @@ fn iotas_and_label_masks_fuse_into_their_readers_and_train_the_same_bits() {
     let fused = compile(graph.clone(), &options(true)).unwrap();
     let plain = compile(graph, &options(false)).unwrap();
     let iotas = |p: &Plan| p.steps.iter().filter(|s| matches!(s.op, Op::Iota { .. })).count();
-    assert!(iotas(&plain) >= 2, "the unfused plan makes its iotas");
+    assert!(iotas(&plain) >= 1, "the unfused plan makes its iotas");
     assert_eq!(iotas(&fused), 0, "every iota is an instruction");
     let label_masks = fused
         .steps

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{Draw, check_gradients};
-use kiln::compiler::ir::{Padding, PoolKind, Shape, Window2d};
+use kiln::compiler::ir::{Op, Padding, PoolKind, Shape, Window2d};
 use kiln::compiler::losses;
 use kiln::prelude::*;
 
@@ -124,6 +124,41 @@ grad_test!(
     [([1, 6, 6, 2], Draw::Normal), ([3, 3, 2, 2], Draw::Normal)],
     [0, 1],
     |x: &[Tensor]| { x[0].conv2d(&x[1], [2, 2], Padding::Same) }
+);
+// ---- attention (`Op::Attention`, differentiated through `Op::AttentionGrad`)
+grad_test!(
+    attention,
+    [([2, 3, 5, 4], Draw::Normal), ([2, 3, 7, 4], Draw::Normal), ([2, 3, 7, 4], Draw::Normal)],
+    [0, 1, 2],
+    |x: &[Tensor]| { x[0].attention(&x[1], &x[2], None, 0.5, false) }
+);
+grad_test!(
+    attention_causal,
+    [([1, 2, 6, 3], Draw::Normal), ([1, 2, 6, 3], Draw::Normal), ([1, 2, 6, 3], Draw::Normal)],
+    [0, 1, 2],
+    |x: &[Tensor]| { x[0].attention(&x[1], &x[2], None, 0.7, true) }
+);
+grad_test!(
+    attention_causal_fewer_queries_with_learned_bias,
+    [([2, 4, 3], Draw::Normal), ([2, 6, 3], Draw::Normal), ([2, 6, 3], Draw::Normal), ([4, 6], Draw::Normal)],
+    [0, 1, 2, 3],
+    |x: &[Tensor]| { x[0].attention(&x[1], &x[2], Some(&x[3]), 0.6, true) }
+);
+grad_test!(
+    attention_padding_mask,
+    [
+        ([2, 2, 5, 4], Draw::Normal),
+        ([2, 2, 5, 4], Draw::Normal),
+        ([2, 2, 5, 4], Draw::Normal),
+        ([2, 1, 1, 5], Draw::Mask)
+    ],
+    [0, 1, 2],
+    |x: &[Tensor]| {
+        x[0].record(
+            Op::Attention { scale: 0.5, causal: false },
+            &[&x[0], &x[1], &x[2], &(x[3].mul(1e9) - 1e9)],
+        )
+    }
 );
 /// A window over `size` with a stride, explicit pads `[top, left, bottom, right]`, a dilation
 /// and a group count.

@@ -26,6 +26,7 @@
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 #![warn(missing_docs)]
 
+pub mod attention_rewrite;
 pub mod autodiff;
 pub mod batch_blocks;
 pub mod cheap_remat;

@@ -1,6 +1,7 @@
 //! The graphs kiln compiles for a model: an inference call, and a training step (forward, loss,
 //! metrics, backward, optimizer updates), each traced for one set of input shapes.
 
+use crate::attention_rewrite;
 use crate::autodiff;
 use crate::batch_blocks;
 use crate::error::{CompileError, Result};
@@ -47,7 +48,9 @@ pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result
     let x = t.input_typed("x", x_spec.shape, x_spec.dtype);
     let y = model.forward(&x);
     t.output("y", &y);
-    t.finish()
+    let mut graph = t.finish()?;
+    attention_rewrite::rewrite(&mut graph)?;
+    Ok(graph)
 }
 
 /// The graph of an evaluation on inputs `x` and targets `y`: the training step's `loss` and
@@ -70,7 +73,9 @@ pub fn evaluate_graph(
         t.output(m.name(), &m.apply(&pred, &y));
     }
     t.set_device(previous);
-    t.finish()
+    let mut graph = t.finish()?;
+    attention_rewrite::rewrite(&mut graph)?;
+    Ok(graph)
 }
 
 /// What a training step computes besides the model.
@@ -146,6 +151,9 @@ pub fn train_step_graph_in_blocks(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
+    // Composed attention as one op before autodiff, so that its gradient keeps no [.., S, T]
+    // value from the forward pass.
+    attention_rewrite::rewrite(&mut graph)?;
     if blocks > 1
         && let Some(region) = batch_blocks::region_with(&graph, batch, batch_blocks::Sources::Values)
     {

@@ -2,7 +2,8 @@ use super::{Dense, Layer, invalid_layer};
 use crate::trace::Tensor;
 
 /// Multi-head scaled dot-product self-attention over `[batch, seq, model]` inputs, composed from
-/// the DSL's ops: projections, a split into heads (reshape + permute), softmax(q·kᵀ/√d)·v, a merge
+/// the DSL's ops: projections, a split into heads (reshape + permute), softmax(q·kᵀ/√d)·v (one
+/// `Op::Attention`, which never stores the scores), a merge
 /// of the heads and an output projection (Keras `MultiHeadAttention` with query = key = value).
 /// With `causal`, a position attends to itself and the positions before it only (a decoder's
 /// self-attention, Keras's `use_causal_mask`): the masked scores get -1e9 before the softmax, so
@@ -98,11 +99,7 @@ impl MultiHeadAttention {
         let project = |name: &str| t.scope(name, || self.dense(d).forward(x));
         let split = |p: Tensor| p.reshape([b, s, h, dh]).permute(&[0, 2, 1, 3]);
         let (q, k, v) = (split(project("query")), split(project("key")), split(project("value")));
-        let mut scores = q.matmul_t(&k, false, true) * (1.0 / (dh as f32).sqrt());
-        if self.causal {
-            // 0 where allowed, -1e9 where masked, broadcast over batch and heads.
-            scores = scores + (t.causal_mask(s) - 1.0).mul(1e9);
-        }
+        let mut bias = None;
         if let Some(keep) = padding {
             if keep.dims() != [b, s] {
                 return invalid_layer(
@@ -112,12 +109,15 @@ impl MultiHeadAttention {
                     "give a [batch, seq] mask of 1.0 at tokens and 0.0 at padding",
                 );
             }
-            // Over the keys: [b, 1, 1, s], broadcast over heads and queries. A bool or integer
-            // mask (true / nonzero at tokens) is read as 1.0 / 0.0.
+            // Over the keys: [b, 1, 1, s], broadcast over heads and queries: 0 at tokens, -1e9
+            // at padding. A bool or integer mask (true / nonzero at tokens) is read as 1.0 / 0.0.
             let keep = keep.cast(crate::ir::DType::F32).ne(0.0);
-            scores = scores + (keep.reshape([b, 1, 1, s]) - 1.0).mul(1e9);
+            bias = Some((keep.reshape([b, 1, 1, s]) - 1.0).mul(1e9));
         }
-        let context = scores.softmax(-1).matmul(&v);
+        // One op (`Op::Attention`): the [b, h, s, s] scores and probabilities are never stored,
+        // and the causal mask (-1e9 on hidden scores) is the op's own.
+        let scale = 1.0 / (dh as f32).sqrt();
+        let context = q.attention(&k, &v, bias.as_ref(), scale, self.causal);
         let merged = context.permute(&[0, 2, 1, 3]).reshape([b, s, d]);
         t.scope("output", || self.dense(d).forward(&merged))
     }

@@ -231,6 +231,24 @@ impl Tensor {
         self.record(Op::MatMul { transpose_a, transpose_b }, &[self, rhs])
     }
 
+    /// Scaled dot-product attention as one op (`Op::Attention`): `self` the queries `[.., S, D]`,
+    /// `k` and `v` `[.., T, D]`, `bias` (a mask of 0 / -1e9, or a position bias) broadcast to
+    /// `[.., S, T]`: softmax(scale · q·kᵀ + bias) · v, `[.., S, D]`. With `causal`, query i sees
+    /// keys j <= i + (T - S) only (the others get -1e9 added to their scores).
+    #[track_caller]
+    pub fn attention(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        bias: Option<&Tensor>,
+        scale: f32,
+        causal: bool,
+    ) -> Tensor {
+        let mut operands = vec![self, k, v];
+        operands.extend(bias);
+        self.record(Op::Attention { scale, causal }, &operands)
+    }
+
     /// Class ids (f32, any shape) -> `[..., classes]` rows of 0.0 with a 1.0 at each id: the ids
     /// compared with an iota over the classes, which fusion computes inside whatever reads the
     /// result (`fusion`: no one-hot tensor is stored where its readers fuse). An id outside

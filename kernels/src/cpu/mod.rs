@@ -27,6 +27,7 @@
 //! its input and filter gradients 1.5-2x that (their GEMMs contract over only 16 channels, see
 //! `conv`).
 
+mod attention;
 mod broadcast;
 pub mod cast;
 mod conv;
@@ -107,13 +108,8 @@ pub fn prepare(
                 help: "a collective is run by the backend's communicator (`CpuBackend::with_communicator`), not by a kernel".into(),
             });
         }
-        Op::Attention { .. } | Op::AttentionGrad { .. } => {
-            return Err(KernelError::Unsupported {
-                op: name.into(),
-                dtype: output.1,
-                help: "attention has no kernel on this backend yet".into(),
-            });
-        }
+        Op::Attention { scale, causal } => attention::attention(&s, *scale, *causal, false),
+        Op::AttentionGrad { scale, causal } => attention::attention(&s, *scale, *causal, true),
         Op::Fill { value, .. } => layout::fill(*value, out),
         Op::Iota { axis, .. } => layout::iota(*axis, out),
         Op::RandomUniform { seed, .. } => layout::random_uniform(*seed, out),

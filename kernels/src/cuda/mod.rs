@@ -42,8 +42,10 @@
 //! - `gemm`: the tiled, register-blocked GEMM; `matmul` and `conv` (dense windows) build on it.
 //! - `grouped_conv`: direct convolution kernels for non-dense windows (groups, dilation).
 //! - `pool`: pooling and its gradients; `gather`: embedding lookup and its gradient.
+//! - `attention`: fused (flash) attention and its gradient, no scores in global memory.
 //! - `optim`: the in-place training effects.
 
+mod attention;
 mod cast;
 mod codegen;
 mod conv;
@@ -238,13 +240,8 @@ pub fn generate_with_scratch(
                 help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers itself, through host memory and its communicator (`CudaBackend::with_communicator`) or through NCCL (`CudaBackend::with_nccl`)".into(),
             });
         }
-        Op::Attention { .. } | Op::AttentionGrad { .. } => {
-            return Err(KernelError::Unsupported {
-                op: name.into(),
-                dtype: output.1,
-                help: "attention has no kernel on this backend yet".into(),
-            });
-        }
+        Op::Attention { scale, causal } => attention::attention(l, &s, out, *scale, *causal),
+        Op::AttentionGrad { scale, causal } => attention::attention_grad(l, &s, out, *scale, *causal),
         Op::Fill { value, .. } => layout::fill(l, *value, out),
         Op::Iota { axis, .. } => layout::iota(l, *axis, out),
         Op::RandomUniform { seed, .. } => elementwise::random_uniform(l, *seed, s[0], out),

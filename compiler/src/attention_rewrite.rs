@@ -1,0 +1,286 @@
+//! Attention that a graph composes itself (an imported ONNX model, a hand-written layer), as one
+//! `Op::Attention`: softmax(c · q·kᵀ + bias) · v, matched as
+//!
+//! - a product of q and k: `MatMul(q, k, transpose_b)`, or `MatMul(q, Permute(k'))` where the
+//!   permutation's last two axes are swapped (a permutation that also moves heads gives k as the
+//!   same permutation with those two axes back in place, a new `Permute`);
+//! - optionally scaled by a scalar constant (`Scalar` product, or `Mul` / `Div` by a one-element
+//!   `Fill`), after the product, on q, on k, or several of these (the factors multiply);
+//! - optionally plus a bias (`Add`) that broadcasts into the scores and depends on no trained
+//!   parameter (a mask from the inputs and constants; a learned position bias stays composed);
+//! - a softmax over the last axis, read only by
+//! - a product with v: `MatMul(p, v)`, v `[.., T, D]` with q's leading axes and head width.
+//!
+//! The scores, their scaled and biased forms and the probabilities must have no other reader, no
+//! output and no control edge. Run before autodiff (`step`): the op's gradient recomputes the
+//! probabilities, so that no `[.., S, T]` value is kept from the forward pass to the backward.
+
+use crate::error::{CompileError, Result};
+use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op, ScalarOp, Shape, VarRole, infer};
+
+/// Replaces every matched composition of `graph` by one `Op::Attention`; the count replaced.
+/// The graph is renumbered afterwards (operands before users, dense ids) when anything changed.
+pub fn rewrite(graph: &mut Graph) -> Result<usize> {
+    let softmaxes: Vec<NodeId> =
+        graph.node_ids().filter(|&n| matches!(graph.node(n).op, Op::Softmax { .. })).collect();
+    let mut count = 0;
+    for sm in softmaxes {
+        if !graph.contains(sm) {
+            continue;
+        }
+        if let Some(m) = find(graph, sm) {
+            apply(graph, m);
+            count += 1;
+        }
+    }
+    if count > 0 {
+        *graph = graph
+            .compacted()
+            .ok_or_else(|| CompileError::Internal("attention_rewrite made a cycle".into()))?;
+    }
+    Ok(count)
+}
+
+/// One match: the operands of the new op and the nodes it replaces.
+struct Match {
+    q: NodeId,
+    /// k `[.., T, D]`, or the operand of a permutation that gives it (`k_perm`).
+    k: NodeId,
+    k_perm: Option<Vec<usize>>,
+    v: NodeId,
+    bias: Option<NodeId>,
+    scale: f32,
+    /// The final product, whose readers the new op takes over.
+    product: NodeId,
+    /// Nodes that may be left without readers.
+    chain: Vec<NodeId>,
+}
+
+/// Whether `n` is read once, by operand, and is neither an output nor ordered by control edges.
+fn private(graph: &Graph, n: NodeId) -> bool {
+    graph.users(n).len() == 1
+        && graph.successors(n).count() == 1
+        && graph.control_predecessors(n).is_empty()
+        && !graph.outputs().iter().any(|(_, o)| *o == n)
+}
+
+/// The value of a one-element constant fill.
+fn constant(graph: &Graph, n: NodeId) -> Option<f32> {
+    match &graph.node(n).op {
+        Op::Fill { value, shape } if shape.numel() == 1 => Some(*value),
+        _ => None,
+    }
+}
+
+/// `n` as (x, c) where n = c·x for a scalar constant c, of x's shape.
+fn scaled(graph: &Graph, n: NodeId) -> Option<(NodeId, f32)> {
+    let ops = graph.operands(n);
+    let (x, c) = match &graph.node(n).op {
+        Op::Scalar { op: ScalarOp::Mul, value } => (ops[0], *value),
+        Op::Binary(BinaryOp::Mul) => match (constant(graph, ops[0]), constant(graph, ops[1])) {
+            (_, Some(c)) => (ops[0], c),
+            (Some(c), None) => (ops[1], c),
+            _ => return None,
+        },
+        Op::Binary(BinaryOp::Div) => (ops[0], 1.0 / constant(graph, ops[1])?),
+        _ => return None,
+    };
+    (graph.node(x).shape == graph.node(n).shape && c.is_finite()).then_some((x, c))
+}
+
+/// Whether `n` reads a trained parameter, directly or not.
+fn reads_parameter(graph: &Graph, n: NodeId) -> bool {
+    graph
+        .ancestors(&[n])
+        .into_iter()
+        .any(|a| matches!(graph.node(a).op, Op::Variable { role: VarRole::Parameter, .. }))
+}
+
+/// The scores' product behind `n` (optionally scaled): (product, q, k, k's permutation, scale,
+/// nodes passed).
+#[allow(clippy::type_complexity)]
+fn scores(
+    graph: &Graph,
+    n: NodeId,
+) -> Option<(NodeId, NodeId, NodeId, Option<Vec<usize>>, f32, Vec<NodeId>)> {
+    let mut chain = vec![];
+    let (mut prod, mut scale) = (n, 1.0f32);
+    if let Some((x, c)) = scaled(graph, n) {
+        if !private(graph, n) {
+            return None;
+        }
+        chain.push(n);
+        (prod, scale) = (x, c);
+    }
+    let Op::MatMul { transpose_a: false, transpose_b } = graph.node(prod).op else { return None };
+    if !private(graph, prod) {
+        return None;
+    }
+    chain.push(prod);
+    let ops = graph.operands(prod);
+    let (mut q, kt) = (ops[0], ops[1]);
+    let (mut k, mut perm) = (kt, None);
+    if !transpose_b {
+        let Op::Permute { perm: p } = &graph.node(kt).op else { return None };
+        let r = p.len();
+        let mut p = p.clone();
+        p.swap(r - 2, r - 1);
+        chain.push(kt);
+        k = graph.operands(kt)[0];
+        perm = (!p.iter().enumerate().all(|(i, &a)| i == a)).then_some(p);
+    }
+    if let Some((x, c)) = scaled(graph, q) {
+        chain.push(q);
+        (q, scale) = (x, scale * c);
+    }
+    if let Some((x, c)) = scaled(graph, k) {
+        chain.push(k);
+        (k, scale) = (x, scale * c);
+    }
+    Some((prod, q, k, perm, scale, chain))
+}
+
+fn find(graph: &Graph, sm: NodeId) -> Option<Match> {
+    let node = graph.node(sm);
+    let Op::Softmax { axis } = node.op else { return None };
+    if axis + 1 != node.shape.rank()
+        || node.shape.rank() < 2
+        || node.dtype != DType::F32
+        || !private(graph, sm)
+    {
+        return None;
+    }
+    let product = graph.users(sm)[0];
+    if graph.node(product).op != (Op::MatMul { transpose_a: false, transpose_b: false }) {
+        return None;
+    }
+    let ops = graph.operands(product);
+    if ops[0] != sm || ops[1] == sm {
+        return None;
+    }
+    let v = ops[1];
+    let x = graph.operands(sm)[0];
+    let mut chain = vec![product, sm];
+    let (s, bias) = match graph.node(x).op {
+        Op::Binary(BinaryOp::Add) if private(graph, x) => {
+            let ab = graph.operands(x);
+            let side = (0..2).find(|&i| {
+                graph.node(ab[i]).shape == graph.node(x).shape && scores(graph, ab[i]).is_some()
+            })?;
+            chain.push(x);
+            (ab[side], Some(ab[1 - side]))
+        }
+        _ => (x, None),
+    };
+    let (_, q, k, k_perm, scale, passed) = scores(graph, s)?;
+    chain.extend(passed);
+    if bias.is_some_and(|b| reads_parameter(graph, b)) {
+        return None;
+    }
+    // The op's own checks: q, k and v of one head width and leading axes, the bias broadcasting.
+    let k_shape = match &k_perm {
+        Some(p) => {
+            let d = graph.node(k).shape.dims();
+            Shape::new(p.iter().map(|&a| d[a]).collect::<Vec<_>>())
+        }
+        None => graph.node(k).shape.clone(),
+    };
+    let mut shapes = vec![&graph.node(q).shape, &k_shape, &graph.node(v).shape];
+    if let Some(b) = bias {
+        shapes.push(&graph.node(b).shape);
+    }
+    let typed: Vec<(&Shape, DType)> = shapes.iter().map(|&s| (s, DType::F32)).collect();
+    let all_f32 = [q, k, v].into_iter().chain(bias).all(|n| graph.node(n).dtype == DType::F32);
+    let op = Op::Attention { scale, causal: false };
+    match infer(&op, &typed) {
+        Ok((out, _)) if all_f32 && out == graph.node(product).shape => {}
+        _ => return None,
+    }
+    Some(Match { q, k, k_perm, v, bias, scale, product, chain })
+}
+
+fn apply(graph: &mut Graph, m: Match) {
+    let template = graph.node(m.product).clone();
+    let k = match &m.k_perm {
+        Some(perm) => {
+            let kn = graph.node(m.k).clone();
+            let d = kn.shape.dims();
+            let shape = Shape::new(perm.iter().map(|&a| d[a]).collect::<Vec<_>>());
+            graph.add(Node { op: Op::Permute { perm: perm.clone() }, shape, ..kn }, &[m.k])
+        }
+        None => m.k,
+    };
+    let mut operands = vec![m.q, k, m.v];
+    operands.extend(m.bias);
+    let attention =
+        graph.add(Node { op: Op::Attention { scale: m.scale, causal: false }, ..template }, &operands);
+    graph.replace_uses(m.product, attention);
+    // The replaced nodes that nothing reads any more, readers first.
+    let mut changed = true;
+    while changed {
+        changed = false;
+        for &n in &m.chain {
+            let dead = graph.contains(n)
+                && graph.successors(n).count() == 0
+                && graph.control_predecessors(n).is_empty()
+                && !graph.outputs().iter().any(|(_, o)| *o == n)
+                && !graph.node(n).op.is_effect();
+            if dead {
+                graph.remove(n);
+                changed = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::Tracer;
+
+    fn count(graph: &Graph, f: impl Fn(&Op) -> bool) -> usize {
+        graph.node_ids().filter(|&n| f(&graph.node(n).op)).count()
+    }
+
+    /// The composed forms (transpose_b or a head permutation of k, a scale after the product or
+    /// on q, a mask bias) become one op each; a bias from a parameter, or probabilities read
+    /// twice, stay composed.
+    #[test]
+    fn composed_attention_becomes_one_op() {
+        let t = Tracer::new("composed");
+        let q = t.input("q", [2, 3, 5, 4]);
+        let k = t.input("k", [2, 3, 7, 4]);
+        let v = t.input("v", [2, 3, 7, 4]);
+        let mask = t.input("mask", [2, 1, 1, 7]);
+        // softmax(q·kᵀ / 2 + mask) · v
+        let a = (q.matmul_t(&k, false, true) * 0.5 + &mask).softmax(-1).matmul(&v);
+        // k as [b, t, h, d] with a combined permutation, the scale on q.
+        let kb = t.input("kb", [2, 7, 3, 4]);
+        let b = q.mul(0.25).matmul(&kb.permute(&[0, 2, 3, 1])).softmax(-1).matmul(&v);
+        // A learned bias stays.
+        let w = t.param("w", [5, 7], crate::ir::Init::Constant(0.0));
+        let c = (q.matmul_t(&k, false, true) + &w).softmax(-1).matmul(&v);
+        // Probabilities read twice stay.
+        let p = q.matmul_t(&k, false, true).softmax(-1);
+        let d = p.matmul(&v) + p.sum(-1, true);
+        t.output("a", &a);
+        t.output("b", &b);
+        t.output("c", &c);
+        t.output("d", &d);
+        let mut g = t.finish().unwrap();
+        assert_eq!(count(&g, |o| matches!(o, Op::Softmax { .. })), 4);
+        assert_eq!(rewrite(&mut g).unwrap(), 2);
+        assert_eq!(count(&g, |o| matches!(o, Op::Attention { .. })), 2);
+        assert_eq!(count(&g, |o| matches!(o, Op::Softmax { .. })), 2);
+        let scales: Vec<Op> = g
+            .node_ids()
+            .map(|n| g.node(n).op.clone())
+            .filter(|o| matches!(o, Op::Attention { .. }))
+            .collect();
+        assert!(scales.contains(&Op::Attention { scale: 0.5, causal: false }));
+        assert!(scales.contains(&Op::Attention { scale: 0.25, causal: false }));
+        for (i, n) in g.node_ids().enumerate() {
+            assert!(g.operands(n).iter().all(|&o| o < n), "node {i} reads a later node");
+        }
+    }
+}
