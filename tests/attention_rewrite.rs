@@ -59,6 +59,41 @@ fn rewritten_attention_computes_the_composed_values() {
     }
 }
 
+/// Exported forms: a causal `where(mask, w, min)` then a padding bias (transformers' GPT-2), and
+/// q and kᵀ each scaled by a constant's square root (PyTorch's SDPA decomposition, ViT's export).
+#[test]
+fn masked_selects_and_split_scales_compute_the_composed_values() {
+    let t = Tracer::new("exported");
+    let q = t.input("q", [2, 3, 6, 8]);
+    let k = t.input("k", [2, 3, 6, 8]);
+    let v = t.input("v", [2, 3, 6, 8]);
+    let keep = t.input("keep", [2, 1, 1, 6]);
+    let causal = t.causal_mask(6).reshape([1, 1, 6, 6]);
+    let low = t.fill(f32::MIN, Shape::scalar());
+    let w = q.matmul_t(&k, false, true).div(8f32.sqrt());
+    let a = (causal.select(&w, &low) + &(keep - 1.0).mul(1e9)).softmax(-1).matmul(&v);
+    let root = t.fill(0.125, Shape::scalar()).sqrt().sqrt();
+    let b = (&q * &root).matmul(&(&k.permute(&[0, 1, 3, 2]) * &root)).softmax(-1).matmul(&v);
+    t.output("a", &a);
+    t.output("b", &b);
+    let composed = t.finish().unwrap();
+    let mut fused = composed.clone();
+    assert_eq!(rewrite(&mut fused).unwrap(), 2);
+    assert_eq!(count(&fused, |o| matches!(o, Op::Softmax { .. })), 0);
+    let mut keep = host(&[2, 1, 1, 6], 0);
+    for (i, x) in keep.data_mut().iter_mut().enumerate() {
+        *x = if i % 5 == 4 { 0.0 } else { 1.0 };
+    }
+    let (q, k, v) = (host(&[2, 3, 6, 8], 1), host(&[2, 3, 6, 8], 2), host(&[2, 3, 6, 8], 3));
+    let inputs = [("q", &q), ("k", &k), ("v", &v), ("keep", &keep)];
+    let (want, got) = (run(composed, &inputs), run(fused, &inputs));
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        for (x, y) in w.data().iter().zip(g.data()) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "{name}: {x} vs {y}");
+        }
+    }
+}
+
 /// Self-attention composed by hand from parameters.
 struct Composed;
 

@@ -16,7 +16,7 @@
 //! probabilities, so that no `[.., S, T]` value is kept from the forward pass to the backward.
 
 use crate::error::{CompileError, Result};
-use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op, ScalarOp, Shape, VarRole, infer};
+use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op, ScalarOp, Shape, UnaryOp, VarRole, infer};
 
 /// Replaces every matched composition of `graph` by one `Op::Attention`; the count replaced.
 /// The graph is renumbered afterwards (operands before users, dense ids) when anything changed.
@@ -49,6 +49,10 @@ struct Match {
     k_perm: Option<Vec<usize>>,
     v: NodeId,
     bias: Option<NodeId>,
+    /// A masking `Select`'s mask and fill: the bias gets `select(mask, 0, fill)` added.
+    mask: Option<(NodeId, f32)>,
+    /// The shape of the bias the op reads (the bias's and the mask's broadcast).
+    bias_shape: Option<Shape>,
     scale: f32,
     /// The final product, whose readers the new op takes over.
     product: NodeId,
@@ -64,12 +68,44 @@ fn private(graph: &Graph, n: NodeId) -> bool {
         && !graph.outputs().iter().any(|(_, o)| *o == n)
 }
 
-/// The value of a one-element constant fill.
+/// The value of a one-element constant: a fill, or unary, binary, scalar ops and float casts
+/// over such constants (an exporter's `sqrt(1 / sqrt(d))` or `0 + 64 ^ 0.5` of a head width).
 fn constant(graph: &Graph, n: NodeId) -> Option<f32> {
-    match &graph.node(n).op {
-        Op::Fill { value, shape } if shape.numel() == 1 => Some(*value),
-        _ => None,
+    let node = graph.node(n);
+    if node.shape.numel() != 1 || node.dtype != DType::F32 {
+        return None;
     }
+    let operand = || graph.operands(n).first().and_then(|&o| constant(graph, o));
+    let v = match &node.op {
+        Op::Fill { value, .. } => *value,
+        Op::Cast { to: DType::F32 } => operand()?,
+        Op::Unary(u) => {
+            let x = operand()?;
+            match u {
+                UnaryOp::Sqrt => x.sqrt(),
+                UnaryOp::Rsqrt => 1.0 / x.sqrt(),
+                UnaryOp::Reciprocal => 1.0 / x,
+                UnaryOp::Neg => -x,
+                _ => return None,
+            }
+        }
+        Op::Binary(b) => {
+            let [x, y] = graph.operands(n)[..] else { return None };
+            let (x, y) = (constant(graph, x)?, constant(graph, y)?);
+            match b {
+                BinaryOp::Add => x + y,
+                BinaryOp::Sub => x - y,
+                BinaryOp::Mul => x * y,
+                BinaryOp::Div => x / y,
+                BinaryOp::Pow => x.powf(y),
+                _ => return None,
+            }
+        }
+        Op::Scalar { op: ScalarOp::Mul, value } => operand()? * value,
+        Op::Scalar { op: ScalarOp::Add, value } => operand()? + value,
+        _ => return None,
+    };
+    v.is_finite().then_some(v)
 }
 
 /// `n` as (x, c) where n = c·x for a scalar constant c, of x's shape.
@@ -119,6 +155,16 @@ fn scores(
     chain.push(prod);
     let ops = graph.operands(prod);
     let (mut q, kt) = (ops[0], ops[1]);
+    let (mut kt, mut k_scale) = (kt, 1.0f32);
+    if !transpose_b && let Some((x, c)) = scaled(graph, kt) {
+        // A scale on kᵀ (PyTorch's decomposition scales q and kᵀ by √scale each).
+        if !private(graph, kt) {
+            return None;
+        }
+        chain.push(kt);
+        (kt, k_scale) = (x, c);
+    }
+    scale *= k_scale;
     let (mut k, mut perm) = (kt, None);
     if !transpose_b {
         let Op::Permute { perm: p } = &graph.node(kt).op else { return None };
@@ -161,17 +207,34 @@ fn find(graph: &Graph, sm: NodeId) -> Option<Match> {
     let v = ops[1];
     let x = graph.operands(sm)[0];
     let mut chain = vec![product, sm];
-    let (s, bias) = match graph.node(x).op {
+    // The scores behind an optional masking `Select` (transformers' `where(mask, w, min)`).
+    let masked = |n: NodeId| -> Option<(NodeId, Option<(NodeId, f32)>)> {
+        if let Op::Select = graph.node(n).op {
+            let [m, w, c] = graph.operands(n)[..] else { return None };
+            let fill = constant(graph, c).filter(|&c| c <= -1e4)?;
+            let ok = private(graph, n)
+                && graph.node(w).shape == graph.node(n).shape
+                && matches!(graph.node(m).dtype, DType::F32 | DType::Bool)
+                && !reads_parameter(graph, m)
+                && scores(graph, w).is_some();
+            return ok.then_some((w, Some((m, fill))));
+        }
+        scores(graph, n).map(|_| (n, None))
+    };
+    let (x, bias) = match graph.node(x).op {
         Op::Binary(BinaryOp::Add) if private(graph, x) => {
             let ab = graph.operands(x);
-            let side = (0..2).find(|&i| {
-                graph.node(ab[i]).shape == graph.node(x).shape && scores(graph, ab[i]).is_some()
-            })?;
+            let side = (0..2)
+                .find(|&i| graph.node(ab[i]).shape == graph.node(x).shape && masked(ab[i]).is_some())?;
             chain.push(x);
             (ab[side], Some(ab[1 - side]))
         }
         _ => (x, None),
     };
+    let (s, mask) = masked(x)?;
+    if mask.is_some() {
+        chain.push(x);
+    }
     let (_, q, k, k_perm, scale, passed) = scores(graph, s)?;
     chain.extend(passed);
     if bias.is_some_and(|b| reads_parameter(graph, b)) {
@@ -185,9 +248,20 @@ fn find(graph: &Graph, sm: NodeId) -> Option<Match> {
         }
         None => graph.node(k).shape.clone(),
     };
+    let bias_shape = match (bias, mask) {
+        (Some(b), None) => Some(graph.node(b).shape.clone()),
+        (None, Some((m, _))) => Some(graph.node(m).shape.clone()),
+        (Some(b), Some((m, _))) => {
+            let (a, c) = (graph.node(b).shape.dims(), graph.node(m).shape.dims());
+            let r = a.len().max(c.len());
+            let at = |d: &[usize], i: usize| if i + d.len() >= r { d[i + d.len() - r] } else { 1 };
+            Some(Shape::new((0..r).map(|i| at(a, i).max(at(c, i))).collect::<Vec<_>>()))
+        }
+        (None, None) => None,
+    };
     let mut shapes = vec![&graph.node(q).shape, &k_shape, &graph.node(v).shape];
-    if let Some(b) = bias {
-        shapes.push(&graph.node(b).shape);
+    if let Some(b) = &bias_shape {
+        shapes.push(b);
     }
     let typed: Vec<(&Shape, DType)> = shapes.iter().map(|&s| (s, DType::F32)).collect();
     let all_f32 = [q, k, v].into_iter().chain(bias).all(|n| graph.node(n).dtype == DType::F32);
@@ -196,7 +270,7 @@ fn find(graph: &Graph, sm: NodeId) -> Option<Match> {
         Ok((out, _)) if all_f32 && out == graph.node(product).shape => {}
         _ => return None,
     }
-    Some(Match { q, k, k_perm, v, bias, scale, product, chain })
+    Some(Match { q, k, k_perm, v, bias, mask, bias_shape, scale, product, chain })
 }
 
 fn apply(graph: &mut Graph, m: Match) {
@@ -210,8 +284,29 @@ fn apply(graph: &mut Graph, m: Match) {
         }
         None => m.k,
     };
+    // where(mask, w, fill) is w + where(mask, 0, fill) for a fill far below any score: the
+    // masked probabilities are 0 either way.
+    let mut bias = m.bias;
+    if let Some((mask, fill)) = m.mask {
+        let scalar = |graph: &mut Graph, value: f32| {
+            let op = Op::Fill { value, shape: Shape::scalar() };
+            graph.add(Node { op, shape: Shape::scalar(), dtype: DType::F32, ..template.clone() }, &[])
+        };
+        let (zero, low) = (scalar(graph, 0.0), scalar(graph, fill));
+        let shape = graph.node(mask).shape.clone();
+        let select = graph
+            .add(Node { op: Op::Select, shape, dtype: DType::F32, ..template.clone() }, &[mask, zero, low]);
+        bias = Some(match bias {
+            Some(b) => {
+                let shape = m.bias_shape.clone().expect("a bias shape with a bias");
+                let op = Op::Binary(BinaryOp::Add);
+                graph.add(Node { op, shape, dtype: DType::F32, ..template.clone() }, &[b, select])
+            }
+            None => select,
+        });
+    }
     let mut operands = vec![m.q, k, m.v];
-    operands.extend(m.bias);
+    operands.extend(bias);
     let attention =
         graph.add(Node { op: Op::Attention { scale: m.scale, causal: false }, ..template }, &operands);
     graph.replace_uses(m.product, attention);
@@ -282,5 +377,39 @@ mod tests {
         for (i, n) in g.node_ids().enumerate() {
             assert!(g.operands(n).iter().all(|&o| o < n), "node {i} reads a later node");
         }
+    }
+
+    /// transformers' and PyTorch's exported forms: scores masked by `where(mask, w, min)` (and
+    /// a padding bias added after), and q and kᵀ each scaled by √scale with a scale computed
+    /// from constants.
+    #[test]
+    fn masked_selects_and_scales_on_both_factors_become_one_op() {
+        let t = Tracer::new("exported");
+        let q = t.input("q", [2, 3, 5, 4]);
+        let k = t.input("k", [2, 3, 5, 4]);
+        let v = t.input("v", [2, 3, 5, 4]);
+        let causal = t.input("causal", [1, 1, 5, 5]);
+        let padding = t.input("padding", [2, 1, 1, 5]);
+        let low = t.fill(-3.0e38, Shape::scalar());
+        let w = q.matmul_t(&k, false, true).mul(0.5);
+        let a = causal.select(&w, &low).softmax(-1).matmul(&v);
+        let b = (causal.select(&q.matmul_t(&k, false, true), &low) + &padding).softmax(-1).matmul(&v);
+        let root = t.fill(0.25, Shape::scalar()).sqrt();
+        let kt = k.permute(&[0, 1, 3, 2]);
+        let c = (&q * &root).matmul(&(&kt * &root)).softmax(-1).matmul(&v);
+        t.output("a", &a);
+        t.output("b", &b);
+        t.output("c", &c);
+        let mut g = t.finish().unwrap();
+        assert_eq!(rewrite(&mut g).unwrap(), 3);
+        assert_eq!(count(&g, |o| matches!(o, Op::Softmax { .. })), 0);
+        let scales: Vec<Op> = g
+            .node_ids()
+            .map(|n| g.node(n).op.clone())
+            .filter(|o| matches!(o, Op::Attention { .. }))
+            .collect();
+        assert!(scales.contains(&Op::Attention { scale: 0.5, causal: false }));
+        assert!(scales.contains(&Op::Attention { scale: 1.0, causal: false }));
+        assert!(scales.contains(&Op::Attention { scale: 0.25, causal: false }));
     }
 }

@@ -1482,7 +1482,17 @@ impl Importer {
                 "kiln's tensors are f32",
             ));
         }
-        let values = ints.values.iter().map(|&v| v as f32).collect();
+        let values: Vec<f32> = ints.values.iter().map(|&v| v as f32).collect();
+        if let Some(t) = self.converted.get(name) {
+            return Ok(t.clone());
+        }
+        // An integer tensor read as floats (a mask, an index table) is a constant of the graph,
+        // not a weight: nothing trains it (a stored causal mask had been trained with Adam).
+        if values.len() > 1 && !uniform(&values) {
+            let t = self.t.constant_values(name, ints.dims.clone(), values);
+            self.converted.insert(name.to_string(), t.clone());
+            return Ok(t);
+        }
         self.constant(name, ints.dims.clone(), values, false)
     }
 

@@ -169,6 +169,27 @@ impl Tracer {
         self.declare(name, shape.into(), dtype, role, init, false, Location::caller())
     }
 
+    /// A constant tensor of `values` (row-major f32): a variable of role `Constant` whose values
+    /// the graph carries (`Graph::constant`), never trained or checkpointed (a mask or an index
+    /// table an imported model stores). A mismatched value count poisons the trace.
+    #[track_caller]
+    pub fn constant_values(&self, name: &str, shape: impl Into<Shape>, values: Vec<f32>) -> Tensor {
+        let shape = shape.into();
+        let loc = Location::caller();
+        if values.len() != shape.numel() {
+            let why = format!("constant `{name}` of shape {shape} given {} values", values.len());
+            return self.fail("variable", loc, why, &[], "give one value per element");
+        }
+        let t = self.declare(name, shape, DType::F32, VarRole::Constant, Init::Zeros, false, loc);
+        if let Some(id) = t.id {
+            let mut state = self.state.borrow_mut();
+            if let Op::Variable { key, .. } = state.graph.node(id).op.clone() {
+                state.graph.set_constant(key, values.into());
+            }
+        }
+        t
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn declare(
         &self,
