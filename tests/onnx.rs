@@ -1066,3 +1066,37 @@ fn only_a_batch_of_one_is_rebatched() {
     let imported = import(&bytes, &[(kiln::onnx::STATIC_BATCH.into(), 8)]).unwrap();
     assert_eq!(imported.inputs, [("x".to_string(), Shape::new([3, 4]))]);
 }
+
+/// An integer tensor the file stores and reads as floats (a causal mask, as GPT-2's exports
+/// store one) is a constant of the graph: computed with its values, never a trained weight.
+#[test]
+fn stored_integer_masks_are_constants_not_weights() {
+    let mask = TensorProto {
+        name: Some("mask".into()),
+        dims: vec![1, 4],
+        data_type: Some(INT64),
+        int64_data: vec![1, 0, 1, 1],
+        ..Default::default()
+    };
+    let nodes = vec![
+        node("Cast", "as_float", &["mask"], &["m"], vec![attr_int("to", 1)]),
+        node("Mul", "masked", &["x", "m"], &["probs"], vec![]),
+    ];
+    let bytes = model(nodes, vec![mask], vec![value("x", &[fixed(2), fixed(4)])], 17);
+    let imported = import(&bytes, &[]).unwrap();
+    assert!(imported.weights.is_empty(), "no weight for the mask: {:?}", imported.weights);
+    let g = &imported.graph;
+    let trained = g.node_ids().filter(|&n| {
+        matches!(
+            g.node(n).op,
+            kiln::compiler::ir::Op::Variable { role: kiln::compiler::ir::VarRole::Parameter, .. }
+        )
+    });
+    assert_eq!(trained.count(), 0);
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    let mut cpu = CpuBackend::new(0);
+    let id = cpu.load(plan).unwrap();
+    let x = HostTensor::new(Shape::new([2, 4]), (1..=8).map(|v| v as f32).collect()).unwrap();
+    let y = cpu.call(id, &[("x", &x)]).unwrap().remove(0).1;
+    assert_eq!(y.data(), [1.0, 0.0, 3.0, 4.0, 5.0, 0.0, 7.0, 8.0]);
+}
