@@ -251,12 +251,7 @@ fn find(graph: &Graph, sm: NodeId) -> Option<Match> {
     let bias_shape = match (bias, mask) {
         (Some(b), None) => Some(graph.node(b).shape.clone()),
         (None, Some((m, _))) => Some(graph.node(m).shape.clone()),
-        (Some(b), Some((m, _))) => {
-            let (a, c) = (graph.node(b).shape.dims(), graph.node(m).shape.dims());
-            let r = a.len().max(c.len());
-            let at = |d: &[usize], i: usize| if i + d.len() >= r { d[i + d.len() - r] } else { 1 };
-            Some(Shape::new((0..r).map(|i| at(a, i).max(at(c, i))).collect::<Vec<_>>()))
-        }
+        (Some(b), Some((m, _))) => Some(Shape::broadcast(&graph.node(b).shape, &graph.node(m).shape)?),
         (None, None) => None,
     };
     let mut shapes = vec![&graph.node(q).shape, &k_shape, &graph.node(v).shape];

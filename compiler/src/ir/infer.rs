@@ -502,8 +502,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                 let bias = shape(rest);
                 let mut full = q.dims()[..r - 1].to_vec();
                 full.push(t_len);
-                let fits = bias.rank() <= r
-                    && bias.dims().iter().rev().zip(full.iter().rev()).all(|(&b, &f)| b == 1 || b == f);
+                let fits = bias.broadcasts_to(&Shape::new(full));
                 if !fits {
                     return err(
                         format!("bias {bias} for scores [.., {s_len}, {t_len}]"),
