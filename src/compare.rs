@@ -374,6 +374,24 @@ pub fn table(rows: &[Comparison]) -> String {
         let tried: Vec<String> = r.schedules.iter().map(|(n, b)| format!("{n} {}", bytes(*b))).collect();
         let _ = writeln!(out, "  {} {}: {}", r.model, r.mode.name(), tried.join(", "));
     }
+    for r in rows {
+        if let Some(s) = &r.plan.memory.saved_values {
+            let _ = writeln!(
+                out,
+                "{} {}: kept for the backward pass {} -> {}, {} ops recomputed ({}, {:.2}% of the step)",
+                r.model,
+                r.mode.name(),
+                bytes(s.kept_bytes_before),
+                bytes(s.kept_bytes_after),
+                s.recomputed_ops,
+                kiln_compiler::remat::human_flops(s.recomputed_flops),
+                100.0 * s.recomputed_flops as f64 / s.step_flops.max(1) as f64
+            );
+        }
+        if let Some(m) = &r.plan.memory.remat {
+            let _ = writeln!(out, "{} {}: {}", r.model, r.mode.name(), m.summary());
+        }
+    }
     out
 }
 

@@ -410,7 +410,14 @@ fn overlapped_collectives_train_the_bits_of_collectives_in_line() {
             kiln::comm::run_local_ranks(2, |_, comm| {
                 let mut backend = CpuBackend::new(3).with_communicator(comm);
                 backend.set_overlap(overlap);
-                let mut t = Trainer::new(m.model(), m.config(), Box::new(backend)).with_zero_stage(stage);
+                // Without recomputation beyond 1/1000 of the step (`saved_values`,
+                // `cheap_remat`), which makes another order the smallest: this step's smallest
+                // order is then an overlapped one.
+                let options = CompileOptions { save_minimal: false, ..CompileOptions::default() }
+                    .with_recompute_budget(0.001);
+                let mut t = Trainer::new(m.model(), m.config(), Box::new(backend))
+                    .with_options(options)
+                    .with_zero_stage(stage);
                 let losses: Vec<u32> =
                     data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss.to_bits()).collect();
                 let plan = t.plans()[0].clone();

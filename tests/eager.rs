@@ -82,7 +82,8 @@ fn eager_frees_everything_but_variables() {
     let run = eager.run(&s.graph, &s.order, &[("x", &x), ("y", &y)]).unwrap();
     // The eager executor runs the graph as it is: the plan to compare with is the untiled,
     // unfused one.
-    let options = CompileOptions { tile_updates: false, ..CompileOptions::default() }.with_fusion(false);
+    let options = CompileOptions { tile_updates: false, save_minimal: false, ..CompileOptions::default() }
+        .with_fusion(false);
     let plan = compile(s.graph.clone(), &options).unwrap();
     let variable_bytes: usize = plan.variables.iter().map(|v| v.bytes().div_ceil(256) * 256).sum();
     assert_eq!(run.stats.in_use, variable_bytes, "after a call only variables remain allocated");

@@ -231,7 +231,9 @@ fn a_failing_kernel_is_named_at_its_step_when_every_launch_synchronises() {
     }
     let plan = train_plan("seed-mlp", 4);
     let kernels = cuda::plan_kernels(&plan).unwrap();
-    let (step, target) = (3, kernels[3].launches[0].function.clone());
+    // Step 3's kernel, injected at its first launch: the step that first launches it.
+    let target = kernels[3].launches[0].function.clone();
+    let step = kernels.iter().position(|k| k.launches.iter().any(|l| l.function == target)).unwrap();
     let (x, y) = zoo::by_name("seed-mlp").unwrap().with_batch(4).batch_data(1).unwrap();
     let run = |sync: bool| -> String {
         let device = EmulatedDevice::new(GB).unwrap();

@@ -15,8 +15,10 @@ use prost::Message;
 mod onnx_proto;
 use onnx_proto::*;
 
+/// The rewrite alone: without the minimum cut (`saved_values`), which would recompute a
+/// weight's transposed copy in the backward pass and change the copies counted here.
 fn options(on: bool) -> CompileOptions {
-    CompileOptions::default().with_transpose_operands(on)
+    CompileOptions { save_minimal: false, ..CompileOptions::default() }.with_transpose_operands(on)
 }
 
 fn permutes(plan: &Plan) -> usize {

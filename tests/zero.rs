@@ -180,8 +180,15 @@ fn each_rank_plans_its_share_of_the_optimizer_state() {
             }
         }
     }
-    // Stage 2 frees each whole gradient at its reduce-scatter: never a larger arena than stage 1.
-    assert!(plan(&m, ZeroStage::Two, 4).memory.arena_bytes <= plan(&m, ZeroStage::One, 4).memory.arena_bytes);
+    // Stage 2 frees each whole gradient at its reduce-scatter: never a larger arena than stage 1,
+    // compared without recomputation (whose greedy search can take more from one than the other:
+    // at 2% of the step, 2,589,952 B at stage 1 and 2,740,352 B at stage 2).
+    let arena = |stage| {
+        let mut g = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
+        shard_optimizer_state(&mut g, stage, Shard { ranks: 4, rank: 0 }).unwrap();
+        compile(g, &CompileOptions::default().with_recompute_budget(0.0)).unwrap().memory.arena_bytes
+    };
+    assert!(arena(ZeroStage::Two) <= arena(ZeroStage::One));
 }
 
 #[test]

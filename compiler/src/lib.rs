@@ -8,7 +8,8 @@
 //!    then `const_fold` — values computed from constants alone are computed here, once —,
 //!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
 //!    `transpose_operands` (opt-in) — a transpose feeding a product becomes its operand flag,
-//!    read in place —,
+//!    read in place —, `saved_values` — a training step keeps, of the forward values its backward
+//!    pass reads, what a minimum cut chooses, and recomputes the rest —,
 //!    `product_updates` — an update computes its own weight gradient, never stored —,
 //!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
 //!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
@@ -54,6 +55,7 @@ pub mod planner;
 pub mod pool_relu_grad;
 pub mod product_updates;
 pub mod remat;
+pub mod saved_values;
 pub mod schedule;
 pub mod scratch;
 pub mod step;
@@ -105,10 +107,10 @@ pub struct CompileOptions {
     /// Whether a training step recomputes values that cost next to nothing to remake, without a
     /// memory limit (`cheap_remat`; with fusion on, by default, or as `KILN_CHEAP_REMAT=0` says).
     pub cheap_remat: bool,
-    /// The largest share of a training step's FLOPs (`ir::Op::flops`) that `cheap_remat` may
-    /// add: `cheap_remat::FLOPS_BUDGET`, 1/1000, by default. Memory against time: at 1/100 the
-    /// zoo's transformer also recomputes its GELU (training arena 25.1 instead of 29.2 MB, 121
-    /// plan steps instead of 120, about 0.55 ms more of a 42 ms CPU step).
+    /// The largest share of a training step's FLOPs (`ir::Op::flops`) that recomputation without
+    /// a memory limit may add: `saved_values::FLOPS_BUDGET`, 2%, by default. The minimum cut
+    /// (`saved_values`) takes what it needs of it first, `cheap_remat` the rest. Memory against
+    /// time: at 1/1000 the zoo's transformer keeps its GELU outputs.
     pub recompute_budget: f64,
     /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
@@ -120,6 +122,10 @@ pub struct CompileOptions {
     /// order than the graph as written, and a plan would no longer give the eager executor's
     /// and the reference interpreter's bits.
     pub transpose_operands: bool,
+    /// Whether a training step keeps, of the forward values its backward pass reads, only what a
+    /// minimum cut chooses, recomputing the rest within `recompute_budget` (`saved_values`; on
+    /// by default, or as `KILN_SAVE_MINIMAL=0` says).
+    pub save_minimal: bool,
 }
 
 impl Default for CompileOptions {
@@ -137,9 +143,10 @@ impl Default for CompileOptions {
                 .filter(|&n| n >= 2),
             fold_constants: std::env::var("KILN_FOLD").map_or(true, |v| v != "0"),
             cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
-            recompute_budget: cheap_remat::FLOPS_BUDGET,
+            recompute_budget: saved_values::FLOPS_BUDGET,
             scratch: None,
             transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").is_ok_and(|v| v == "1"),
+            save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -190,7 +197,14 @@ impl CompileOptions {
         self
     }
 
-    /// `recompute_budget`: the share of a step's FLOPs cheap recomputation may add.
+    /// The minimum cut of what a training step keeps for its backward pass on or off, whatever
+    /// `KILN_SAVE_MINIMAL` says.
+    pub fn with_save_minimal(mut self, on: bool) -> Self {
+        self.save_minimal = on;
+        self
+    }
+
+    /// `recompute_budget`: the share of a step's FLOPs recomputation without a limit may add.
     pub fn with_recompute_budget(mut self, share: f64) -> Self {
         self.recompute_budget = share;
         self
@@ -231,7 +245,7 @@ impl CompileOptions {
         if !(self.recompute_budget.is_finite() && self.recompute_budget >= 0.0) {
             return Err(CompileError::invalid(
                 format!("CompileOptions::recompute_budget is {}", self.recompute_budget),
-                "use a share of the step's FLOPs from 0 (recompute nothing) up, 0.001 by default",
+                "use a share of the step's FLOPs from 0 (recompute nothing) up, 0.02 by default",
             ));
         }
         if self.devices.is_empty() {
@@ -295,17 +309,28 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     if options.transpose_operands && transpose_operands::rewrite(&mut graph)?.changed() {
         passes::default_pipeline().run(&mut graph)?;
     }
+    let saved = if options.save_minimal {
+        saved_values::rewrite(&mut graph, options.recompute_budget)?
+    } else {
+        plan::SavedValuesFigures::default()
+    };
     let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
     let mut plan = match region {
         Some(region) => compile_blocked(graph, &region, options),
         None if cheap_remat::applies(&graph, options) => {
             let plan = compile_rewritten(graph.clone(), options)?;
-            Ok(cheap_remat::shrink(&graph, options, plan, |g, o| compile_rewritten_with(g, o, false)))
+            // What the cut recomputes comes out of the same budget.
+            let used = saved.recomputed_flops as f64 / saved.step_flops.max(1) as f64;
+            let rest = options.clone().with_recompute_budget((options.recompute_budget - used).max(0.0));
+            Ok(cheap_remat::shrink(&graph, &rest, plan, |g, o| compile_rewritten_with(g, o, false)))
         }
         None => compile_rewritten(graph, options),
     }?;
     plan.memory.folded_constants = folded.constants;
     plan.memory.folded_ops = folded.ops;
+    if saved.recomputed_ops > 0 {
+        plan.memory.saved_values = Some(saved);
+    }
     Ok(plan)
 }
 

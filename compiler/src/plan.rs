@@ -265,6 +265,26 @@ pub struct MemoryFigures {
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
     pub remat: Option<crate::remat::RematFigures>,
+    /// What the training step recomputes in its backward pass instead of keeping
+    /// (`saved_values`; set on the totals), if anything.
+    #[serde(default)]
+    pub saved_values: Option<SavedValuesFigures>,
+}
+
+/// The forward values a training step recomputes in its backward pass instead of keeping
+/// (`saved_values`): what the minimum cut chose, and what it costs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedValuesFigures {
+    /// Ops added to the backward pass (views aside).
+    pub recomputed_ops: usize,
+    /// FLOPs those ops add per step (`ir::Op::flops`).
+    pub recomputed_flops: u64,
+    /// The step's FLOPs before the rewrite.
+    pub step_flops: u64,
+    /// Bytes of the forward values the backward pass reads (sources aside), before the rewrite.
+    pub kept_bytes_before: usize,
+    /// The same after it: what is kept for the backward pass.
+    pub kept_bytes_after: usize,
 }
 
 impl MemoryFigures {
