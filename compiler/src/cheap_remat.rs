@@ -7,10 +7,16 @@
 //! normalised input is kept for the scale's gradient). PyTorch's min-cut partitioner in
 //! `torch.compile` recomputes such pointwise ops by default for the same reason.
 //!
-//! This pass asks `remat` for a plan a little smaller each time, `max(1 MiB, 1/32)` of the bytes
-//! held, and keeps each one whose recomputation stays within what `CompileOptions::recompute_budget`
-//! leaves after `saved_values` (2% of the step's work in all, by default)
-//! (`Op::flops`). Where no such plan fits, it asks for half the step again, down to `MIN_STEP`.
+//! This pass asks `remat` for a plan a little smaller each time, `max(1 MiB, 1/(4 x tries))` of
+//! the bytes held (`tries`: 8, fewer above 2,000 nodes, each try being a compilation), and keeps
+//! each one whose recomputation (`Op::flops`) stays within what
+//! `CompileOptions::recompute_budget` leaves after `saved_values` (2% of the step's work in all,
+//! by default). Where no such plan fits, it asks for half the step again, down to `MIN_STEP`.
+//! Each try plans only the order and the graph the whole search chose
+//! (`CompileOptions::schedule`). On the real-scale training steps (2,500-3,600 nodes, 5-6 tries)
+//! compiling takes 0.5-0.85 s instead of 2-4.3 s with 8 tries of every order and graph, at
+//! planned totals from 1,625 MB instead of 1,676 MB (ResNet-50) to 2,231 MB instead of 2,221 MB
+//! (ViT-B/16).
 //! The recomputed values are the same kernels on the same operands, so the results are the
 //! same bits. Unlike recomputation under a limit, the graph keeps its fused products (no
 //! re-fusion without them), so only the recomputed ops are added: the transformer's step goes
@@ -36,6 +42,19 @@ pub const MAX_NODES: usize = 5_000;
 
 /// At most this many smaller plans are tried.
 pub const MAX_TRIES: usize = 8;
+
+/// Nodes times tries: a graph of more than `TRY_WORK / MAX_TRIES` nodes gets fewer tries (at
+/// least `MIN_TRIES`), each a compilation of the whole graph, so that compiling stays near its
+/// budget (about 150 ms a try at 3,000 nodes on a 2-core build machine).
+pub const TRY_WORK: usize = 16_000;
+
+/// The fewest tries a graph gets.
+pub const MIN_TRIES: usize = 2;
+
+/// The tries `graph` gets: `MAX_TRIES`, fewer above `TRY_WORK / MAX_TRIES` nodes.
+pub fn tries(graph: &ir::Graph) -> usize {
+    (TRY_WORK / graph.len().max(1)).clamp(MIN_TRIES, MAX_TRIES)
+}
 
 /// The smallest step below the bytes held that is tried.
 pub const MIN_STEP: usize = 1 << 18;
@@ -79,15 +98,18 @@ pub fn shrink(
     // give where a smaller one would still pay (the GPT example's one-hot step in 4 blocks of
     // rows: 6.29 MB kept at the first miss, 5.19 MB two halvings later).
     let mut shift = 0;
-    for _ in 0..MAX_TRIES {
+    let tries = tries(graph);
+    for _ in 0..tries {
         let now = held(&best);
-        let step = (now / 32).max(1 << 20) >> shift;
+        let step = (now / (4 * tries)).max(1 << 20) >> shift;
         if step < MIN_STEP {
             break;
         }
         let mut limited = options.clone();
         limited.devices[0].memory_limit = Some(now.saturating_sub(step));
-        let smaller = compile(graph.clone(), &limited).ok().filter(|p| {
+        limited.schedule = Some(best.memory.schedule.clone());
+        let tried = compile(graph.clone(), &limited);
+        let smaller = tried.ok().filter(|p| {
             p.memory.remat.as_ref().is_some_and(|r| r.recomputed_flops <= budget) && held(p) < now
         });
         match smaller {

@@ -126,6 +126,11 @@ pub struct CompileOptions {
     /// minimum cut chooses, recomputing the rest within `recompute_budget` (`saved_values`; on
     /// by default, or as `KILN_SAVE_MINIMAL=0` says).
     pub save_minimal: bool,
+    /// Plan only the candidate order this plan's schedule name starts with (`schedule::named`),
+    /// and only the graph its marks name ("+tiled", "+product", ...; `search_updates`):
+    /// `cheap_remat` plans its tries as the whole search chose, a fraction of the work. `None`
+    /// (the default): every candidate.
+    pub schedule: Option<String>,
 }
 
 impl Default for CompileOptions {
@@ -147,6 +152,7 @@ impl Default for CompileOptions {
             scratch: None,
             transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").is_ok_and(|v| v == "1"),
             save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
+            schedule: None,
         }
     }
 }
@@ -515,6 +521,16 @@ fn search_updates(
         graphs.push(("+product", g, 0, n));
     }
     graphs.insert(0, ("", graph, 0, 0));
+    // A schedule asked for by name (`CompileOptions::schedule`) names its graph too.
+    if let Some(wanted) = options.schedule.as_deref() {
+        let suffix = ["+product+tiled", "+some-product", "+product", "+tiled"]
+            .into_iter()
+            .find(|s| wanted.ends_with(s))
+            .unwrap_or("");
+        if graphs.iter().any(|(s, ..)| *s == suffix) {
+            graphs.retain(|(s, ..)| *s == suffix);
+        }
+    }
     let mut variants = Vec::with_capacity(graphs.len());
     let mut tried = Vec::new();
     for (suffix, g, tiled, products) in graphs {
@@ -540,8 +556,11 @@ fn search_updates(
 
 /// Graphs with more nodes than this rank the candidate orders by their lower bound (the arena
 /// sits within 2% of it) and place only the winner, so that a 100k-node graph still compiles in
-/// well under a second; smaller graphs place every candidate.
-pub const SEARCH_PLACES_ALL_BELOW: usize = 20_000;
+/// well under a second; smaller graphs place every candidate. 2,000: the real-scale training
+/// steps (2,500-3,600 nodes) planned the same totals with every candidate placed (ResNet-50,
+/// ViT-B/16, BERT, GPT-2, EfficientNet-B0, MobileNetV3: byte for byte) in up to 2.5 s less
+/// (ViT-B/16: 4.3 -> 1.7 s, before `cheap_remat` took fewer tries).
+pub const SEARCH_PLACES_ALL_BELOW: usize = 2_000;
 
 /// The schedule search: plans the graph in every candidate order and keeps the plan with the
 /// smallest planned total (the first such in `schedule::candidates`' order: the `+overlap` orders
@@ -562,7 +581,7 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         plan.memory.schedules = chosen.memory.schedules;
         return Ok(plan);
     }
-    let candidates = schedule::candidates(graph)?;
+    let candidates = schedule::named(schedule::candidates(graph)?, options.schedule.as_deref());
     let scratch = scratch::of_graph(graph, options.scratch.as_ref());
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {

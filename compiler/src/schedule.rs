@@ -141,6 +141,20 @@ pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
     Ok(overlapped.into_iter().chain(all).collect())
 }
 
+/// The candidate whose name a plan's schedule name `wanted` starts with (the longest such: a
+/// plan's name adds the search's marks, "+tiled", "+product", "+blocks2", to its order's), or
+/// every candidate where `wanted` is `None` or names none of them.
+pub fn named(candidates: Vec<Candidate>, wanted: Option<&str>) -> Vec<Candidate> {
+    let Some(wanted) = wanted else { return candidates };
+    let fits = |c: &Candidate| {
+        wanted.strip_prefix(c.name).is_some_and(|rest| rest.is_empty() || rest.starts_with('+'))
+    };
+    let Some(best) = candidates.iter().filter(|c| fits(c)).map(|c| c.name.len()).max() else {
+        return candidates;
+    };
+    candidates.into_iter().filter(|c| fits(c) && c.name.len() == best).take(1).collect()
+}
+
 /// Whether the runtime may run `op` while the steps after it run (`kiln_runtime`'s `overlap`):
 /// an all-reduce or a reduce-scatter.
 pub fn overlaps(op: &Op) -> bool {
