@@ -92,8 +92,8 @@ enum Command {
         steps: usize,
     },
     /// Train an ONNX model as a layer (MSE against targets of its output's shape, Adam) on random
-    /// data or a batch from a safetensors file, on the best device present, and print its memory
-    /// report.
+    /// data or a batch from a safetensors or .npz file, on the best device present, and print its
+    /// memory report.
     Train {
         /// The model file (.onnx).
         model: String,
@@ -106,9 +106,9 @@ enum Command {
         /// Size a symbolic dimension of the model's inputs: NAME=N. Repeatable.
         #[arg(long, value_name = "NAME=N")]
         dim: Vec<String>,
-        /// A safetensors file holding one batch to train on instead of random data: a tensor per
-        /// model input, named as the model's inputs (`x` for a model of one input), and the
-        /// targets `y`; F32, I32, I64 or BOOL, as the inputs take.
+        /// A safetensors or NumPy .npz file holding one batch to train on instead of random data:
+        /// a tensor per model input, named as the model's inputs (`x` for a model of one input),
+        /// and the targets `y`; F32, I32, I64 or BOOL, as the inputs take.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
         /// Train on the CPU even where a GPU is present.

@@ -313,3 +313,82 @@ fn a_training_mode_export_with_dropout_and_stochastic_depth_plans_and_trains() {
     assert!(!stdout.contains("NaN") && !stdout.contains("inf"), "{stdout}");
     let _ = std::fs::remove_file(&model);
 }
+
+/// One `.npy` array: version 1.0 header (`descr`, C or Fortran order, shape), then `data`.
+fn npy(descr: &str, fortran: bool, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let order = if fortran { "True" } else { "False" };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': {shape}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// An `.npz` of `arrays` (name, .npy bytes), each stored or deflated as `np.savez` and
+/// `np.savez_compressed` write them.
+fn write_npz(path: &Path, arrays: &[(&str, Vec<u8>)], deflated: bool) {
+    use std::io::Write;
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    let method = if deflated { zip::CompressionMethod::Deflated } else { zip::CompressionMethod::Stored };
+    let options = zip::write::SimpleFileOptions::default().compression_method(method);
+    for (name, bytes) in arrays {
+        zip.start_file(format!("{name}.npy"), options).unwrap();
+        zip.write_all(bytes).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+/// `--data` takes NumPy's `.npz` as well (stored or deflated): int64 ids, a bool mask and f32
+/// targets train the model of ids and a mask; an array of another dtype, in Fortran order,
+/// big-endian or shorter than its shape is an error naming the array, not a crash.
+#[test]
+fn data_files_from_numpy_npz() {
+    let ids: Vec<u8> = (0..16i64).flat_map(|i| ((i * 3) % VOCAB).to_le_bytes()).collect();
+    let mask: Vec<u8> = (0..16).map(|i| u8::from(i % 8 < 6)).collect();
+    let y: Vec<u8> = values(2 * 8 * OUT, 4).iter().flat_map(|v| v.to_le_bytes()).collect();
+    let y_shape = [2, 8, OUT as usize];
+    let path = temp("batch.npz");
+    for deflated in [false, true] {
+        let arrays = [
+            ("input_ids", npy("<i8", false, &[2, 8], &ids)),
+            ("attention_mask", npy("|b1", false, &[2, 8], &mask)),
+            ("y", npy("<f4", false, &y_shape, &y)),
+        ];
+        write_npz(&path, &arrays, deflated);
+        let batch = kiln::onnx::train::read_data(&path).unwrap();
+        let dtypes: Vec<_> = batch.inputs.iter().map(|(n, t)| (n.as_str(), t.dtype())).collect();
+        assert_eq!(dtypes, [("attention_mask", DType::Bool), ("input_ids", DType::I64)]);
+        assert_eq!(batch.y.shape(), &Shape::new(y_shape));
+        let run = kiln::onnx::train::train(
+            &tiny_bert(true, true),
+            &sizes(),
+            2,
+            &Device::cpu(),
+            Some(batch),
+            |_, _| {},
+        )
+        .unwrap();
+        assert!(run.losses.iter().all(|v| v.is_finite()), "deflated {deflated}: {:?}", run.losses);
+    }
+    let f64s: Vec<u8> = (0..16).flat_map(|i| f64::from(i).to_le_bytes()).collect();
+    let big: Vec<u8> = (0..16i64).flat_map(|i| i.to_be_bytes()).collect();
+    for (array, want) in [
+        (npy("<f8", false, &[2, 8], &f64s), "is <f8"),
+        (npy("<i8", true, &[2, 8], &ids), "Fortran order"),
+        (npy(">i8", false, &[2, 8], &big), "big-endian"),
+        (npy("<i8", false, &[2, 8, 1000000000000], &ids), "stores 128 bytes"),
+        (b"not an array".to_vec(), "no .npy header"),
+    ] {
+        write_npz(&path, &[("input_ids", array), ("y", npy("<f4", false, &y_shape, &y))], false);
+        let e = kiln::onnx::train::read_data(&path).err().unwrap().to_string();
+        assert!(e.contains("array `input_ids`") && e.contains(want) && e.contains("np.savez"), "{e}");
+    }
+    let _ = std::fs::remove_file(&path);
+}

@@ -56,6 +56,7 @@ mod external;
 mod layout;
 mod nhwc;
 mod norm;
+pub mod npz;
 pub mod proto;
 mod reduce;
 pub mod train;

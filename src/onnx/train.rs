@@ -232,16 +232,22 @@ pub struct Batch {
     pub y: HostTensor,
 }
 
-/// The batch in the safetensors file at `path`: `y` and one tensor per model input, each F32,
-/// I32, I64 or BOOL. The file is checked as a checkpoint is (`kiln_runtime::checkpoint::read`)
-/// before its integer tensors are read; a tensor of another dtype, or no `y`, is an error
-/// naming it.
+/// The batch in the safetensors or `.npz` file at `path`: `y` and one tensor per model input,
+/// each F32, I32, I64 or BOOL. A safetensors file is checked as a checkpoint is
+/// (`kiln_runtime::checkpoint::read`) before its integer tensors are read; an `.npz` (a zip
+/// archive, `np.savez`) is read by `npz::read`. A tensor of another dtype, or no `y`, is an
+/// error naming it.
 pub fn read_data(path: &Path) -> Result<Batch> {
-    let checkpoint = kiln_runtime::checkpoint::read(path)?;
-    let mut tensors = checkpoint.tensors;
-    if !checkpoint.other_dtypes.is_empty() {
-        tensors.extend(read_exact_tensors(path, &checkpoint.other_dtypes)?);
-    }
+    let mut tensors: std::collections::BTreeMap<String, HostTensor> = if super::npz::is_npz(path) {
+        super::npz::read(path)?.into_iter().collect()
+    } else {
+        let checkpoint = kiln_runtime::checkpoint::read(path)?;
+        let mut tensors = checkpoint.tensors;
+        if !checkpoint.other_dtypes.is_empty() {
+            tensors.extend(read_exact_tensors(path, &checkpoint.other_dtypes)?);
+        }
+        tensors.into_iter().collect()
+    };
     let y = tensors.remove("y").ok_or_else(|| {
         invalid(
             format!("{} holds no tensor `y`", path.display()),
