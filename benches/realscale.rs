@@ -53,6 +53,11 @@ struct Row {
     kiln_over_pytorch_sdpa: Option<f64>,
     kiln_eager_over_pytorch: Option<f64>,
     step_gflop: f64,
+    /// The plan's product FLOPs (matrix products, convolutions, attention and their gradients,
+    /// recomputation included; what PyTorch's counter counts), in GFLOP.
+    kiln_product_gflop: f64,
+    /// PyTorch's `FlopCounterMode` over the same forward pass, 3x (the step's products), in GFLOP.
+    pytorch_product_gflop: Option<f64>,
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
@@ -122,6 +127,58 @@ fn kiln_step(path: &Path) -> kiln::Result<(kiln::compare::Comparison, u64)> {
     Ok((kiln::compare::compare_graph(&path.display().to_string(), graph, &feed, false)?, flops))
 }
 
+/// The product FLOPs of a plan: matrix products, convolutions and their gradients, attention
+/// and its gradient, a fused product's own (not its epilogue's), an update's gradient product.
+fn product_flops(plan: &kiln::compiler::Plan) -> u64 {
+    use kiln::compiler::ir::Op;
+    plan.steps
+        .iter()
+        .map(|s| {
+            let shapes: Vec<&kiln::compiler::ir::Shape> =
+                s.inputs.iter().map(|&v| &plan.values[v].shape).collect();
+            let scalar = kiln::compiler::ir::Shape::scalar();
+            let out = s.output.map_or(&scalar, |o| &plan.values[o].shape);
+            match &s.op {
+                Op::Fused(f) => f.product().map_or(0, |p| p.flops(&shapes[..shapes.len().min(2)], &f.shape)),
+                Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. } => {
+                    let m = shapes.get(1).map_or(0, |a| a.dims().first().copied().unwrap_or(1)) as u64;
+                    2 * shapes.first().map_or(0, |v| v.numel() as u64) * m
+                }
+                Op::MatMul { .. }
+                | Op::MatMulRows { .. }
+                | Op::Conv2d { .. }
+                | Op::Conv2dBackpropInput { .. }
+                | Op::Conv2dBackpropInputReluGrad { .. }
+                | Op::Conv2dBackpropFilter { .. }
+                | Op::Attention { .. }
+                | Op::AttentionGrad { .. } => s.op.flops(&shapes, out),
+                _ => 0,
+            }
+        })
+        .sum()
+}
+
+/// PyTorch's count of the forward pass's products, 3x: a training step's, each product's
+/// backward pass being twice its forward (`scripts/realscale/flops.py`, kept in `dir`).
+fn pytorch_step_flops(python: &Path, dir: &Path, name: &str, batch: usize) -> Result<f64, String> {
+    let path = dir.join(format!("{name}-flops-batch{batch}.json"));
+    if !path.exists() {
+        run(
+            Command::new(python)
+                .arg("scripts/realscale/flops.py")
+                .arg(&path)
+                .arg(name)
+                .arg(batch.to_string()),
+            &format!("counting {name}'s FLOPs"),
+        )?;
+    }
+    let json = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&json).map_err(|e| e.to_string())?;
+    let forward =
+        v["forward_flops"].as_f64().ok_or_else(|| format!("{} has no forward_flops", path.display()))?;
+    Ok(3.0 * forward)
+}
+
 fn mb(b: usize) -> String {
     let v = b as f64 / 1e6;
     let s = format!("{v:.0}");
@@ -173,6 +230,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 None
             }
         };
+        let products = product_flops(&c.plan) as f64 / 1e9;
+        let torch_products = match pytorch_step_flops(&python, &dir, name, batch) {
+            Ok(f) => Some(f / 1e9),
+            Err(why) => {
+                println!("{name}: PyTorch's FLOPs not counted: {why}");
+                None
+            }
+        };
         let torch = recorded(name);
         let torch_sdpa = if sdpa { recorded(&format!("{name}-sdpa")) } else { None };
         let ratio = |d: Option<usize>| d.map(|d| c.device_bytes as f64 / d as f64);
@@ -191,17 +256,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             kiln_over_pytorch_sdpa: ratio(torch_sdpa),
             kiln_eager_over_pytorch: torch.map(|t| c.eager_caching_peak_reserved_bytes as f64 / t as f64),
             step_gflop: flops as f64 / 1e9,
+            kiln_product_gflop: products,
+            pytorch_product_gflop: torch_products,
         });
     }
     println!(
-        "| model, batch | kiln device | PyTorch reserved | PyTorch SDPA | kiln / PyTorch | kiln / SDPA | kiln eager / PyTorch | arena / bound | GFLOP | plan time |"
+        "| model, batch | kiln device | PyTorch reserved | PyTorch SDPA | kiln / PyTorch | kiln / SDPA | kiln eager / PyTorch | arena / bound | GFLOP | product FLOPs / 3x PyTorch's forward | plan time |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let opt = |v: Option<usize>| v.map_or("-".to_string(), mb);
         let ratio = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
         println!(
-            "| {}, {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {:.1} s |",
+            "| {}, {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {:.1} s |",
             r.model,
             r.batch,
             mb(r.kiln_device_bytes),
@@ -212,6 +279,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ratio(r.kiln_eager_over_pytorch),
             r.kiln_arena_bytes as f64 / r.kiln_lower_bound_bytes.max(1) as f64,
             r.step_gflop,
+            ratio(r.pytorch_product_gflop.map(|t| r.kiln_product_gflop / t)),
             r.kiln_plan_ms / 1e3,
         );
     }

@@ -352,6 +352,7 @@ fn realscale_table(r: &Record) -> String {
                         / num(v, &["kiln_lower_bound_bytes"]).unwrap_or(1.0).max(1.0)
                 ),
                 num(v, &["step_gflop"]).map_or("-".into(), |g| format!("{g:.1}")),
+                ratio(num(v, &["kiln_product_gflop"]), num(v, &["pytorch_product_gflop"])),
                 num(v, &["kiln_plan_ms"]).map_or("-".into(), |t| format!("{:.1} s", t / 1e3)),
             ]
         })
@@ -368,6 +369,7 @@ fn realscale_table(r: &Record) -> String {
             "kiln eager / PyTorch",
             "arena / lower bound",
             "GFLOP",
+            "product FLOPs / 3x PyTorch's forward",
             "plan time",
         ],
         &rows,
