@@ -802,7 +802,7 @@ fn is_view(g: &Graph, n: NodeId) -> bool {
 }
 
 /// The node whose buffer a view (of a view...) reads; `n` itself when it is not a view.
-fn root(g: &Graph, n: NodeId) -> NodeId {
+pub(crate) fn root(g: &Graph, n: NodeId) -> NodeId {
     let mut r = n;
     while is_view(g, r) {
         match g.operands(r).first() {
@@ -820,7 +820,8 @@ fn recomputable(node: &Node) -> bool {
     matches!(node.op.class(), OpClass::Elementwise | OpClass::Compute) && !node.op.is_collective()
 }
 
-fn node_flops(g: &Graph, n: NodeId) -> u64 {
+/// `Op::flops` of node `n` of `g`.
+pub(crate) fn node_flops(g: &Graph, n: NodeId) -> u64 {
     let shapes: Vec<Shape> = g.operands(n).iter().map(|&o| g.node(o).shape.clone()).collect();
     let refs: Vec<&Shape> = shapes.iter().collect();
     g.node(n).op.flops(&refs, &g.node(n).shape)

@@ -39,7 +39,8 @@
 //! The rewrite runs before fusion, so a recomputed chain becomes one fused op like any other.
 
 use crate::error::Result;
-use crate::ir::{Graph, Node, NodeId, Op, OpClass, Shape};
+use crate::ir::{Graph, Node, NodeId, Op, OpClass};
+use crate::remat::{node_flops, root};
 use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::visit::EdgeRef;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -357,22 +358,4 @@ fn cheap(node: &Node) -> bool {
 /// Values held whatever the backward pass reads: sources (variables, inputs).
 fn is_held_anyway(g: &Graph, n: NodeId) -> bool {
     g.node(root(g, n)).op.class() == OpClass::Source
-}
-
-/// The node whose buffer a view (of a view...) reads; `n` itself when it is not a view.
-fn root(g: &Graph, n: NodeId) -> NodeId {
-    let mut r = n;
-    while g.node(r).op.class() == OpClass::View {
-        match g.operands(r).first() {
-            Some(&o) => r = o,
-            None => break,
-        }
-    }
-    r
-}
-
-fn node_flops(g: &Graph, n: NodeId) -> u64 {
-    let shapes: Vec<Shape> = g.operands(n).iter().map(|&o| g.node(o).shape.clone()).collect();
-    let refs: Vec<&Shape> = shapes.iter().collect();
-    g.node(n).op.flops(&refs, &g.node(n).shape)
 }
