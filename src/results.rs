@@ -23,6 +23,10 @@ pub struct Record {
     pub commit: String,
     /// The date of the run (UTC, `YYYY-MM-DD`).
     pub date: String,
+    /// The time of day of the run (UTC, `HH:MM:SS`), which orders a day's records of one bench;
+    /// empty in records written before it was kept (they count as the day's earliest).
+    #[serde(default)]
+    pub time: String,
     /// The machine: CPU model, logical cores and vector extensions.
     pub machine: String,
     /// The device the figures are of: `cpu`, or the GPU with its driver and CUDA version.
@@ -47,6 +51,7 @@ pub fn record(bench: &str, device: &str, data: &impl Serialize) -> std::io::Resu
         bench: bench.to_string(),
         commit: commit(),
         date: today(),
+        time: time_of_day(),
         machine: machine(),
         device: device.to_string(),
         data: serde_json::to_value(data).map_err(std::io::Error::other)?,
@@ -103,6 +108,14 @@ pub fn today() -> String {
     civil_date(secs / 86_400)
 }
 
+/// The time of day (UTC) as `HH:MM:SS`.
+pub fn time_of_day() -> String {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let s = secs % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3_600, s / 60 % 60, s % 60)
+}
+
 /// The proleptic Gregorian date of `days` since 1970-01-01 (Howard Hinnant's civil-from-days).
 fn civil_date(days: u64) -> String {
     let z = days as i64 + 719_468;
@@ -156,9 +169,9 @@ pub fn records(dir: &Path) -> std::io::Result<Vec<Record>> {
     Ok(out)
 }
 
-/// The newest record of `bench` (by date, then by file order), if any.
+/// The newest record of `bench` (by date, then time of day, then file order), if any.
 pub fn latest<'a>(records: &'a [Record], bench: &str) -> Option<&'a Record> {
-    records.iter().filter(|r| r.bench == bench).max_by(|a, b| a.date.cmp(&b.date))
+    records.iter().filter(|r| r.bench == bench).max_by(|a, b| (&a.date, &a.time).cmp(&(&b.date, &b.time)))
 }
 
 /// A rendered table: its marker name and its Markdown.
@@ -470,6 +483,30 @@ mod tests {
         assert_eq!(civil_date(0), "1970-01-01");
         assert_eq!(civil_date(11_016), "2000-02-29");
         assert_eq!(civil_date(20_785), "2026-11-28");
+    }
+
+    /// A day's records of one bench: the latest time of day wins, whatever the commits' names
+    /// (file order sorts them by hash); a record without a time is the day's earliest.
+    #[test]
+    fn the_latest_record_of_a_day_is_the_latest_run() {
+        let rec = |commit: &str, date: &str, time: &str| Record {
+            bench: "memory".into(),
+            commit: commit.into(),
+            date: date.into(),
+            time: time.into(),
+            machine: String::new(),
+            device: "cpu".into(),
+            data: Value::Null,
+        };
+        let records = [
+            rec("0aaaaaa", "2026-11-28", "07:30:00"),
+            rec("fffffff", "2026-11-28", ""),
+            rec("bbbbbbb", "2026-11-28", "06:00:00"),
+            rec("ccccccc", "2026-11-27", "23:59:59"),
+        ];
+        assert_eq!(latest(&records, "memory").map(|r| r.commit.as_str()), Some("0aaaaaa"));
+        assert!(latest(&records, "speed").is_none());
+        assert!(time_of_day().len() == 8 && time_of_day().as_bytes()[2] == b':');
     }
 
     #[test]

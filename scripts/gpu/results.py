@@ -17,6 +17,7 @@ the ratios the tables print.
 
 import argparse
 import json
+import time
 import os
 import sys
 
@@ -71,7 +72,8 @@ def main():
         })
     versions = {k: (v or {}).get(k.split("_")[0]) for k, v in peers.items() if v}
     result = {
-        "bench": "gpu-peers", "commit": a.commit, "date": a.date, "machine": a.machine, "device": a.gpu,
+        "bench": "gpu-peers", "commit": a.commit, "date": a.date,
+        "time": time.strftime("%H:%M:%S", time.gmtime()), "machine": a.machine, "device": a.gpu,
         "data": {"peers": versions, "method": a.method, "models": models, "gemm": gemm},
     }
     with open(a.out, "w") as f:
