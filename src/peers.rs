@@ -20,6 +20,11 @@
 //! CPU wheels, [`JAX_PINS`]) or from the interpreter named by `KILN_PEERS_PYTHON`. Where neither can
 //! be had (no python3, no network, no wheel), [`xla_figures`] prints `skipped: <reason>` on stderr
 //! and returns `Ok(None)`.
+//!
+//! The real-scale comparison (`benches/realscale.rs`) has an XLA column of its own:
+//! [`realscale_xla_figures`] compiles the Flax versions of its models' training steps
+//! (`scripts/realscale/xla.py`) in an environment with Flax, optax and transformers
+//! ([`REALSCALE_XLA_PINS`], `KILN_REALSCALE_XLA_PYTHON`).
 
 use crate::compare::Mode;
 use crate::error::{Error, Result};
@@ -403,6 +408,96 @@ pub fn realscale_python() -> std::result::Result<PathBuf, String> {
     python_with(&REALSCALE_ENV).map_err(|Skip(why)| why)
 }
 
+/// JAX, Flax, optax and transformers (its Flax classes) for the real-scale comparison's XLA
+/// column: `scripts/realscale/xla.py` compiles the Flax versions of the real-scale models'
+/// training steps on jaxlib's CPU backend. transformers 4.46's Flax models import and trace
+/// under jax 0.10 and flax 0.12 (flax pulls orbax and tensorstore; about 0.9 GB in all).
+pub const REALSCALE_XLA_PINS: [&str; 6] =
+    ["jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8", "optax==0.2.8", "transformers==4.46.3", "numpy"];
+
+/// Names an interpreter that already has `REALSCALE_XLA_PINS`' packages.
+pub const REALSCALE_XLA_PYTHON_ENV: &str = "KILN_REALSCALE_XLA_PYTHON";
+
+const REALSCALE_XLA_ENV: PythonEnv = PythonEnv {
+    what: "jax, flax, optax and transformers' Flax models",
+    imports: "import jax, jaxlib, flax, optax; from transformers import FlaxGPT2LMHeadModel",
+    pins: &REALSCALE_XLA_PINS,
+    variable: REALSCALE_XLA_PYTHON_ENV,
+    venv: "realscale-xla-venv",
+};
+
+/// The real-scale XLA column's interpreter (`REALSCALE_XLA_PYTHON_ENV`, or a virtual environment
+/// under target/kiln made on first use), or why there is none.
+pub fn realscale_xla_python() -> std::result::Result<PathBuf, String> {
+    python_with(&REALSCALE_XLA_ENV).map_err(|Skip(why)| why)
+}
+
+/// XLA's figures for one training step of a real-scale model's Flax version, as
+/// `scripts/realscale/xla.py` reports them.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RealscaleXlaModel {
+    /// The step's buffer assignment: arguments (parameters, BatchNorm statistics, Adam's state,
+    /// inputs, target), outputs, temporaries and what the outputs reuse of the donated
+    /// arguments, compiled with YNNPACK library fusion off where jaxlib has it; the default
+    /// flags' temp and total beside.
+    #[serde(flatten)]
+    pub figures: XlaFigures,
+    /// The Flax model's trainable elements (PyTorch's `sum(p.numel())` for the same
+    /// architecture).
+    pub parameters: usize,
+    /// The parameters' bytes, 4 per f32 element.
+    pub parameter_bytes: usize,
+    /// BatchNorm's running statistics' elements (0 without BatchNorm).
+    pub batch_stats: usize,
+    /// The batch the step was compiled for (`scripts/realscale/models.py`'s).
+    pub batch: usize,
+}
+
+/// What `scripts/realscale/xla.py` prints.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct RealscaleXlaReport {
+    /// `jax.__version__`.
+    pub jax: String,
+    /// `jaxlib.__version__`.
+    pub jaxlib: String,
+    /// `flax.__version__`.
+    pub flax: String,
+    /// `optax.__version__`.
+    pub optax: String,
+    /// `transformers.__version__`.
+    pub transformers: String,
+    /// The backend XLA compiled for (`cpu`).
+    pub backend: String,
+    /// Whether the main figures were compiled with YNNPACK library fusion off (false where
+    /// jaxlib has no such flag: then they are the default flags' figures).
+    pub ynn_fusion_off: bool,
+    /// Each model's figures, by the name `scripts/realscale/models.py` gives it.
+    pub models: BTreeMap<String, RealscaleXlaModel>,
+}
+
+/// The real-scale XLA script, in the source tree.
+pub fn realscale_xla_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/realscale/xla.py")
+}
+
+/// XLA's buffer assignment for one training step of the Flax versions of `models` (names of
+/// `scripts/realscale/models.py`: `gpt2`, `resnet50`, `vit_b_16`, `bert`, `efficientnet_b0`,
+/// `mobilenet_v3_small`), or `Ok(None)` after printing `skipped: <reason>` on stderr where the
+/// interpreter cannot be had ([`realscale_xla_python`]). A script that fails once its packages
+/// import, or prints what does not parse or lacks a model, is an error. Compiling takes about
+/// half a minute per model on two cores; nothing is run.
+pub fn realscale_xla_figures(models: &[&str]) -> Result<Option<RealscaleXlaReport>> {
+    let script = realscale_xla_script();
+    let args = ["--models".to_string(), models.join(",")];
+    let Some(stdout) = run_env_script(&REALSCALE_XLA_ENV, &script, &args)? else { return Ok(None) };
+    let report: RealscaleXlaReport = serde_json::from_slice(&stdout)
+        .map_err(|e| script_error(format!("{} printed no report that parses: {e}", script.display())))?;
+    if let Some(missing) = models.iter().find(|m| !report.models.contains_key(**m)) {
+        return Err(script_error(format!("{} printed no figures for {missing}", script.display())));
+    }
+    Ok(Some(report))
+}
+
 /// An interpreter that imports `env`'s modules: the one its variable names, or its virtual
 /// environment under `target/kiln` (made and filled on first use; the time it took is printed).
 fn python_with(env: &PythonEnv) -> std::result::Result<PathBuf, Skip> {
@@ -460,27 +555,29 @@ fn script_error(what: String) -> Error {
 /// printed, or `Ok(None)` after printing `skipped: <reason>` on stderr where JAX cannot be had.
 /// A script that fails once JAX imports is an error.
 fn run_script(models: &[&str], extra: &[String]) -> Result<Option<Vec<u8>>> {
-    let python = match python_with(&JAX_ENV) {
+    let mut args = vec!["--models".to_string(), models.join(",")];
+    args.extend_from_slice(extra);
+    run_env_script(&JAX_ENV, &script_path(), &args)
+}
+
+/// Runs `script` with `args` in `env`'s interpreter (JAX on the CPU) and returns its stdout, or
+/// `Ok(None)` after printing `skipped: <reason>` on stderr where the interpreter cannot be had.
+/// A script that fails once the interpreter is had is an error.
+fn run_env_script(env: &PythonEnv, script: &Path, args: &[String]) -> Result<Option<Vec<u8>>> {
+    let python = match python_with(env) {
         Ok(p) => p,
         Err(Skip(why)) => {
             eprintln!("skipped: {why}");
             return Ok(None);
         }
     };
-    let script = script_path();
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg("--models")
-        .arg(models.join(","))
-        .args(extra)
-        .env("JAX_PLATFORMS", "cpu")
-        .output()?;
+    let out = Command::new(&python).arg(script).args(args).env("JAX_PLATFORMS", "cpu").output()?;
     if !out.status.success() {
         return Err(script_error(format!(
             "{} {} {} failed ({}): {}",
             python.display(),
             script.display(),
-            extra.join(" "),
+            args.join(" "),
             out.status,
             tail(&out.stderr)
         )));
