@@ -17,8 +17,16 @@
 //! gradients, Adam's moments, the batch and the target. PyTorch's inputs are fed as it runs
 //! (two steps recorded, the peak over both); no cuDNN workspace on either side.
 //!
+//! XLA's column: the Flax versions of the same models (transformers' Flax GPT-2, BERT, ViT and
+//! ResNet-50; EfficientNet-B0 and MobileNetV3-small in flax.linen), the same step (MSE, Adam,
+//! parameters and optimizer state donated) in one `jax.jit`, compiled (never run) on jaxlib's
+//! CPU backend by `scripts/realscale/xla.py`: argument + output + temp - alias of its buffer
+//! assignment, with YNNPACK library fusion off (every intermediate an XLA buffer) and with the
+//! default flags beside. kiln / XLA compares kiln's planned total, unrounded as XLA's is.
+//!
 //! `KILN_REALSCALE_MODELS=resnet50,gpt2` picks models; the interpreter is
-//! `KILN_REALSCALE_PYTHON` or a virtual environment made under target/kiln on first use.
+//! `KILN_REALSCALE_PYTHON` or a virtual environment made under target/kiln on first use, and
+//! XLA's `KILN_REALSCALE_XLA_PYTHON` or another such environment (`kiln::peers::realscale_xla_python`).
 
 use kiln::compare::feeds_for;
 use kiln::runtime::eager::{FrameworkExtras, WorkspacePolicy};
@@ -58,6 +66,19 @@ struct Row {
     kiln_product_gflop: f64,
     /// PyTorch's `FlopCounterMode` over the same forward pass, 3x (the step's products), in GFLOP.
     pytorch_product_gflop: Option<f64>,
+    /// XLA's buffer assignment for the Flax version's training step, argument + output + temp -
+    /// alias, YNNPACK library fusion off (`scripts/realscale/xla.py`).
+    xla_total_bytes: Option<usize>,
+    /// XLA's temporaries in the same compilation.
+    xla_temp_bytes: Option<usize>,
+    /// XLA's total with jaxlib's default flags (YNNPACK library fusion on).
+    xla_default_flags_total_bytes: Option<usize>,
+    /// The Flax model's trainable elements (the same architecture as PyTorch's: the same count).
+    xla_parameters: Option<usize>,
+    /// kiln's planned total over XLA's total (both unrounded).
+    kiln_over_xla: Option<f64>,
+    /// The versions XLA's figures come from: `jax X, flax Y, transformers Z`.
+    xla_versions: Option<String>,
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
@@ -204,9 +225,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = kiln::report::output_dir().join("realscale");
     std::fs::create_dir_all(&dir)?;
     let pick = std::env::var("KILN_REALSCALE_MODELS").ok();
+    let picked: Vec<&str> = MODELS
+        .iter()
+        .map(|m| m.0)
+        .filter(|name| pick.as_deref().is_none_or(|p| p.split(',').any(|m| m == *name)))
+        .collect();
+    let start = Instant::now();
+    let xla = match kiln::peers::realscale_xla_figures(&picked) {
+        Ok(Some(report)) => {
+            eprintln!(
+                "XLA: the Flax versions compiled in {:.0} s (jax {}, flax {}, transformers {})",
+                start.elapsed().as_secs_f64(),
+                report.jax,
+                report.flax,
+                report.transformers
+            );
+            Some(report)
+        }
+        Ok(None) => {
+            println!("XLA: skipped (its interpreter could not be had; reason above)");
+            None
+        }
+        Err(e) => {
+            println!("XLA: not measured: {e}");
+            None
+        }
+    };
     let mut rows = Vec::new();
     for (name, batch, sdpa) in MODELS {
-        if pick.as_deref().is_some_and(|p| !p.split(',').any(|m| m == name)) {
+        if !picked.contains(&name) {
             continue;
         }
         let path = match export(&python, &dir, name, batch) {
@@ -241,6 +288,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let torch = recorded(name);
         let torch_sdpa = if sdpa { recorded(&format!("{name}-sdpa")) } else { None };
         let ratio = |d: Option<usize>| d.map(|d| c.device_bytes as f64 / d as f64);
+        let flax = xla.as_ref().and_then(|r| r.models.get(name));
+        if let Some(f) = flax {
+            eprintln!(
+                "{name}: XLA {} MB (temp {} MB, default flags {} MB), {} parameters",
+                mb(f.figures.total_bytes),
+                mb(f.figures.temp_bytes),
+                mb(f.figures.default_flags_total_bytes),
+                f.parameters
+            );
+        }
         rows.push(Row {
             model: name.into(),
             batch,
@@ -258,17 +315,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             step_gflop: flops as f64 / 1e9,
             kiln_product_gflop: products,
             pytorch_product_gflop: torch_products,
+            xla_total_bytes: flax.map(|f| f.figures.total_bytes),
+            xla_temp_bytes: flax.map(|f| f.figures.temp_bytes),
+            xla_default_flags_total_bytes: flax.map(|f| f.figures.default_flags_total_bytes),
+            xla_parameters: flax.map(|f| f.parameters),
+            kiln_over_xla: flax.map(|f| c.planned_total_bytes as f64 / f.figures.total_bytes.max(1) as f64),
+            xla_versions: xla
+                .as_ref()
+                .map(|r| format!("jax {}, flax {}, transformers {}", r.jax, r.flax, r.transformers)),
         });
     }
     println!(
-        "| model, batch | kiln device | PyTorch reserved | PyTorch SDPA | kiln / PyTorch | kiln / SDPA | kiln eager / PyTorch | arena / bound | GFLOP | product FLOPs / 3x PyTorch's forward | plan time |"
+        "| model, batch | kiln device | PyTorch reserved | PyTorch SDPA | kiln / PyTorch | kiln / SDPA | kiln eager / PyTorch | XLA (Flax) | kiln planned / XLA | XLA default flags | arena / bound | GFLOP | product FLOPs / 3x PyTorch's forward | plan time |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let opt = |v: Option<usize>| v.map_or("-".to_string(), mb);
         let ratio = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
         println!(
-            "| {}, {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {:.1} s |",
+            "| {}, {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {:.1} s |",
             r.model,
             r.batch,
             mb(r.kiln_device_bytes),
@@ -277,6 +342,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ratio(r.kiln_over_pytorch),
             ratio(r.kiln_over_pytorch_sdpa),
             ratio(r.kiln_eager_over_pytorch),
+            opt(r.xla_total_bytes),
+            ratio(r.kiln_over_xla),
+            opt(r.xla_default_flags_total_bytes),
             r.kiln_arena_bytes as f64 / r.kiln_lower_bound_bytes.max(1) as f64,
             r.step_gflop,
             ratio(r.pytorch_product_gflop.map(|t| r.kiln_product_gflop / t)),
@@ -286,9 +354,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "MB = 10^6 B. kiln: the bytes its plan asks of a device; PyTorch: reserved peak of its recorded"
     );
+    println!("stream replayed through the caching-allocator model with cuBLAS's workspaces; XLA: buffer");
     println!(
-        "stream replayed through the caching-allocator model with cuBLAS's workspaces; XLA: not measured here."
+        "assignment (argument + output + temp - alias) of the Flax version's jitted step on jaxlib's CPU backend,"
     );
+    println!("YNNPACK library fusion off; default flags beside.");
     kiln::results::write("realscale", "cpu", &rows)?;
     Ok(())
 }

@@ -338,7 +338,8 @@ fn memory_table(r: &Record, mode: &str) -> String {
 }
 
 /// The real-scale table: one training step of each architecture, kiln's plan beside PyTorch's
-/// replayed stream (eager attention and SDPA), and the step's plan time.
+/// replayed stream (eager attention and SDPA) and XLA's buffer assignment for the Flax version
+/// (records older than that column show `-`), and the step's plan time.
 fn realscale_table(r: &Record) -> String {
     let rows: Vec<Vec<String>> = r
         .data
@@ -359,6 +360,8 @@ fn realscale_table(r: &Record) -> String {
                 ratio(dev, torch),
                 ratio(dev, sdpa),
                 ratio(num(v, &["kiln_eager_caching_reserved_bytes"]), torch),
+                size(num(v, &["xla_total_bytes"])),
+                ratio(num(v, &["kiln_planned_total_bytes"]), num(v, &["xla_total_bytes"])),
                 format!(
                     "{:.3}",
                     num(v, &["kiln_arena_bytes"]).unwrap_or(0.0)
@@ -380,6 +383,8 @@ fn realscale_table(r: &Record) -> String {
             "kiln / PyTorch",
             "kiln / SDPA",
             "kiln eager / PyTorch",
+            "XLA (Flax)",
+            "kiln planned / XLA",
             "arena / lower bound",
             "GFLOP",
             "product FLOPs / 3x PyTorch's forward",
@@ -387,6 +392,13 @@ fn realscale_table(r: &Record) -> String {
         ],
         &rows,
     );
+    let versions = r.data.as_array().into_iter().flatten().find_map(|v| v.get("xla_versions")?.as_str());
+    if let Some(versions) = versions {
+        s += &format!(
+            "\nXLA: the buffer assignment (argument + output + temp - alias) of the Flax version's \
+             jitted step on jaxlib's CPU backend, YNNPACK library fusion off ({versions}).\n"
+        );
+    }
     s += &provenance(r, "`cargo bench --bench realscale`");
     s
 }
