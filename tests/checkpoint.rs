@@ -5,7 +5,6 @@
 use kiln::prelude::*;
 use kiln::runtime::checkpoint;
 use kiln::zoo;
-use std::path::PathBuf;
 
 fn batch(seed: u64) -> (HostTensor, HostTensor) {
     zoo::by_name("seed-mlp").unwrap().batch_data(seed).unwrap()
@@ -13,12 +12,6 @@ fn batch(seed: u64) -> (HostTensor, HostTensor) {
 
 fn trainer(seed: u64) -> Trainer {
     Trainer::new(zoo::seed_mlp(), zoo::seed_config(), Device::cpu().backend(seed).unwrap())
-}
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-checkpoint-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
 }
 
 fn bits(t: &HostTensor) -> Vec<u32> {
@@ -32,7 +25,8 @@ fn a_resumed_run_continues_bit_for_bit() {
     for _ in 0..3 {
         a.train_step(&x, &y).unwrap();
     }
-    let path = temp("resume.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("resume.safetensors");
     a.save(&path).unwrap();
     let expected: Vec<u32> = (0..4).map(|_| a.train_step(&x, &y).unwrap().loss.to_bits()).collect();
 
@@ -54,7 +48,8 @@ fn the_file_is_safetensors_named_by_variable_keys() {
     let (x, y) = batch(4);
     let mut t = trainer(2);
     t.train_step(&x, &y).unwrap();
-    let path = temp("names.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("names.safetensors");
     t.save(&path).unwrap();
     let file = checkpoint::read(&path).unwrap();
     let kernel = &file.tensors["dense/kernel"];
@@ -70,7 +65,8 @@ fn a_checkpoint_of_another_model_is_refused_with_every_difference() {
     let (x, y) = batch(5);
     let mut seed = trainer(3);
     seed.train_step(&x, &y).unwrap();
-    let path = temp("seed.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("seed.safetensors");
     seed.save(&path).unwrap();
 
     // Wider hidden layer and SGD with momentum: other shapes, other optimizer state.
@@ -106,6 +102,9 @@ fn a_checkpoint_of_another_model_is_refused_with_every_difference() {
 
 #[test]
 fn loading_without_variables_or_from_a_bad_file_is_an_error() {
+    // This test's files, removed when it ends (passed or not).
+    let tmp = tempfile::tempdir().unwrap();
+    let temp = |name: &str| tmp.path().join(name);
     let mut t = trainer(4);
     let path = temp("early.safetensors");
     let e = t.save(&path).unwrap_err().to_string();

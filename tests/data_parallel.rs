@@ -241,9 +241,8 @@ fn trainers_on_ranks_train_as_one_and_resume_on_another_rank_count() {
     let m = zoo::by_name("mlp").unwrap();
     let cfg = TrainConfig { optimizer: Optimizer::Sgd(Sgd::new(0.05)), ..m.config() };
     let data = batches(&m, 24, 3);
-    let dir = std::env::temp_dir().join(format!("kiln-dp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ckpt = dir.join("two-ranks.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("two-ranks.safetensors");
     let comms = kiln::comm::local_group(2);
     let runs: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -281,7 +280,6 @@ fn trainers_on_ranks_train_as_one_and_resume_on_another_rank_count() {
     resumed.load(&ckpt).unwrap();
     let third = resumed.train_step(&data[2].0, &data[2].1).unwrap().loss;
     assert!((third - losses[2]).abs() <= 1e-5 * losses[2].abs(), "resumed {third} vs {}", losses[2]);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A batch the rank count does not divide is padded by repeating its first rows, as PyTorch's

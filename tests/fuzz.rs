@@ -100,7 +100,12 @@ fn mutate(rng: &mut StdRng, corpus: &[Vec<u8>]) -> Vec<u8> {
 
 /// Runs `f` on `input` in a thread of its own: a panic or a run past the deadline fails the
 /// test, with the input saved for a reproducer.
-fn check(reader: &str, case: usize, input: Vec<u8>, f: fn(&[u8]) -> Result<(), String>) {
+fn check(
+    reader: &str,
+    case: usize,
+    input: Vec<u8>,
+    f: impl Fn(&[u8]) -> Result<(), String> + Send + std::panic::RefUnwindSafe + 'static,
+) {
     let (tx, rx) = mpsc::channel();
     let data = input.clone();
     std::thread::spawn(move || {
@@ -195,9 +200,8 @@ fn variables(t: &Trainer) -> Vec<(String, Vec<u32>)> {
         .collect()
 }
 
-fn load_checkpoint(bytes: &[u8]) -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("kiln-fuzz-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+/// Loads `bytes` as a checkpoint, written to a file in `dir`.
+fn load_checkpoint(dir: &Path, bytes: &[u8]) -> Result<(), String> {
     let path = dir.join(format!("{:?}.safetensors", std::thread::current().id()).replace(['(', ')'], ""));
     std::fs::write(&path, bytes).map_err(|e| e.to_string())?;
     let mut t = trainer();
@@ -216,16 +220,18 @@ fn checkpoint_loading_never_panics_or_hangs() {
     let corpus = corpus("safetensors");
     let iters = env_number("KILN_FUZZ_ITERS", 400) as usize;
     let mut rng = StdRng::seed_from_u64(env_number("KILN_FUZZ_SEED", 1));
+    // The cases' files, removed when the test ends (passed or not).
+    let tmp = tempfile::tempdir().unwrap();
     let mut loaded = 0;
     for case in 0..iters {
         let input = mutate(&mut rng, &corpus);
-        let dir = std::env::temp_dir();
-        let probe = dir.join(format!("kiln-fuzz-probe-{}.safetensors", std::process::id()));
+        let probe = tmp.path().join("kiln-fuzz-probe.safetensors");
         if std::fs::write(&probe, &input).is_ok() {
             loaded += usize::from(kiln::runtime::checkpoint::read(&probe).is_ok());
             let _ = std::fs::remove_file(&probe);
         }
-        check("checkpoint", case, input, load_checkpoint);
+        let dir = tmp.path().to_path_buf();
+        check("checkpoint", case, input, move |bytes| load_checkpoint(&dir, bytes));
     }
     println!("checkpoints: {iters} cases, {loaded} read");
 }

@@ -65,8 +65,9 @@ fn every_zoo_kernel_compiles_to_ptx_for_sm_90() {
 #[test]
 fn compiled_kernels_are_cached_in_memory_and_on_disk() {
     let Some(_) = compiler() else { return };
-    let dir = std::env::temp_dir().join(format!("kiln-ptx-cache-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // A cache directory not yet made, in one removed when the test ends.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kiln-ptx-cache-test");
     let source = "extern \"C\" __global__ void kiln_probe(float* out) { out[threadIdx.x] = 1.0f; }";
     let a = NvrtcCompiler::new((9, 0)).unwrap().with_disk_cache(Some(dir.clone()));
     let first = a.compile(source).unwrap();
@@ -78,7 +79,6 @@ fn compiled_kernels_are_cached_in_memory_and_on_disk() {
     assert_eq!((b.stats().compiled, b.stats().from_disk), (0, 1), "a second process compiles nothing");
     let other_arch = NvrtcCompiler::new((8, 0)).unwrap();
     assert_ne!(other_arch.key(source), a.key(source), "the key includes the architecture");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -160,7 +160,8 @@ fn truncated_and_corrupted_files_never_panic() {
 /// train` trains it.
 #[test]
 fn the_cli_plans_an_onnx_file() {
-    let path = std::env::temp_dir().join(format!("kiln-test-{}.onnx", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("kiln-test.onnx");
     std::fs::write(&path, mlp()).unwrap();
     let run =
         |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap();
@@ -186,7 +187,6 @@ fn the_cli_plans_an_onnx_file() {
     assert!(losses.len() == 5 && losses[4] < losses[0], "{losses:?}");
     let out = run(&["train", p, "--batch", "0", "--cpu"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--batch 0"));
-    let _ = std::fs::remove_file(&path);
 }
 
 /// A small NCHW convnet as exporters write it — Conv (explicit pads, bias), Relu, MaxPool,

@@ -8,7 +8,7 @@ use kiln::prelude::*;
 use prost::Message;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 #[path = "common/onnx_proto.rs"]
 mod onnx_proto;
@@ -84,12 +84,6 @@ fn sizes() -> Vec<(String, usize)> {
     vec![("batch".into(), 2), ("S".into(), 8)]
 }
 
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln_onnx_train_{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
 /// The `kiln` binary's status, stdout and stderr.
 fn kiln(args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().unwrap();
@@ -149,7 +143,8 @@ fn a_model_of_ids_and_a_mask_trains_through_the_library() {
 /// input, not a crash.
 #[test]
 fn the_cli_trains_a_model_of_ids_and_a_mask() {
-    let model = temp("tiny_bert.onnx");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny_bert.onnx");
     std::fs::write(&model, tiny_bert(true, false)).unwrap();
     let file = model.to_str().unwrap();
     let args = ["train", file, "--batch", "2", "--steps", "2", "--cpu", "--dim", "S=8"];
@@ -161,7 +156,7 @@ fn the_cli_trains_a_model_of_ids_and_a_mask() {
         assert!(stdout.contains(want), "`{want}` in:\n{stdout}");
     }
     // A batch from a file.
-    let data = temp("batch.safetensors");
+    let data = tmp.path().join("batch.safetensors");
     let ids: Vec<i64> = (0..16).map(|i| (i * 5) % VOCAB).collect();
     write_batch(&data, &ids);
     let mut with_data = args.to_vec();
@@ -180,21 +175,19 @@ fn the_cli_trains_a_model_of_ids_and_a_mask() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
-    let _ = std::fs::remove_file(&model);
-    let _ = std::fs::remove_file(&data);
 }
 
 /// `kiln memory --mode train` plans the step `kiln train` runs, for models of ids and masks too.
 #[test]
 fn the_cli_plans_a_training_step_of_a_model_of_ids_and_a_mask() {
+    let tmp = tempfile::tempdir().unwrap();
     for (name, bool_mask) in [("tiny_bert_plan.onnx", false), ("tiny_bert_plan_bool.onnx", true)] {
-        let model = temp(name);
+        let model = tmp.path().join(name);
         std::fs::write(&model, tiny_bert(true, bool_mask)).unwrap();
         let file = model.to_str().unwrap();
         let (ok, stdout, stderr) = kiln(&["memory", file, "--mode", "train", "--batch", "2", "--dim", "S=8"]);
         assert!(ok, "{stdout}\n{stderr}");
         assert!(stdout.contains("train") && stdout.contains("arena"), "{stdout}");
-        let _ = std::fs::remove_file(&model);
     }
 }
 
@@ -202,7 +195,8 @@ fn the_cli_plans_a_training_step_of_a_model_of_ids_and_a_mask() {
 /// of one; a tensor that is no input of the model is an error naming it.
 #[test]
 fn data_files_of_int32_ids_bool_masks_and_x() {
-    let path = temp("int32_bool.safetensors");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("int32_bool.safetensors");
     let ids: Vec<u8> = (0..16i32).flat_map(|i| (i % 16).to_le_bytes()).collect();
     let mask: Vec<u8> = (0..16).map(|i| u8::from(i % 8 < 5)).collect();
     let y: Vec<u8> = values(2 * 8 * OUT, 2).iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -246,7 +240,6 @@ fn data_files_of_int32_ids_bool_masks_and_x() {
     )
     .unwrap();
     assert!(run.losses.iter().all(|v| v.is_finite()), "{:?}", run.losses);
-    let _ = std::fs::remove_file(&path);
 }
 
 /// A training-mode export's random ops: `Dropout` with `training_mode` true and stochastic
@@ -301,7 +294,8 @@ fn training_export() -> Vec<u8> {
 /// refuses a dropout in training mode).
 #[test]
 fn a_training_mode_export_with_dropout_and_stochastic_depth_plans_and_trains() {
-    let model = temp("training_export.onnx");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("training_export.onnx");
     std::fs::write(&model, training_export()).unwrap();
     let file = model.to_str().unwrap();
     let (ok, stdout, stderr) = kiln(&["memory", file, "--mode", "train", "--batch", "2"]);
@@ -311,7 +305,6 @@ fn a_training_mode_export_with_dropout_and_stochastic_depth_plans_and_trains() {
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("step    3: loss"), "{stdout}");
     assert!(!stdout.contains("NaN") && !stdout.contains("inf"), "{stdout}");
-    let _ = std::fs::remove_file(&model);
 }
 
 /// One `.npy` array: version 1.0 header (`descr`, C or Fortran order, shape), then `data`.
@@ -350,11 +343,12 @@ fn write_npz(path: &Path, arrays: &[(&str, Vec<u8>)], deflated: bool) {
 /// big-endian or shorter than its shape is an error naming the array, not a crash.
 #[test]
 fn data_files_from_numpy_npz() {
+    let tmp = tempfile::tempdir().unwrap();
     let ids: Vec<u8> = (0..16i64).flat_map(|i| ((i * 3) % VOCAB).to_le_bytes()).collect();
     let mask: Vec<u8> = (0..16).map(|i| u8::from(i % 8 < 6)).collect();
     let y: Vec<u8> = values(2 * 8 * OUT, 4).iter().flat_map(|v| v.to_le_bytes()).collect();
     let y_shape = [2, 8, OUT as usize];
-    let path = temp("batch.npz");
+    let path = tmp.path().join("batch.npz");
     for deflated in [false, true] {
         let arrays = [
             ("input_ids", npy("<i8", false, &[2, 8], &ids)),
@@ -390,5 +384,4 @@ fn data_files_from_numpy_npz() {
         let e = kiln::onnx::train::read_data(&path).err().unwrap().to_string();
         assert!(e.contains("array `input_ids`") && e.contains(want) && e.contains("np.savez"), "{e}");
     }
-    let _ = std::fs::remove_file(&path);
 }

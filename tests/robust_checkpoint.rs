@@ -10,7 +10,7 @@ use kiln::runtime::checkpoint;
 use kiln::zoo;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn batch(seed: u64) -> (HostTensor, HostTensor) {
     zoo::by_name("seed-mlp").unwrap().batch_data(seed).unwrap()
@@ -26,12 +26,6 @@ fn trained(seed: u64) -> Trainer {
     let mut t = trainer(seed);
     t.train_step(&x, &y).unwrap();
     t
-}
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-robust-checkpoint-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
 }
 
 fn bits(t: &HostTensor) -> Vec<u32> {
@@ -72,20 +66,20 @@ fn refused(t: &mut Trainer, path: &PathBuf, needles: &[&str]) -> String {
     e
 }
 
-/// A file of an 8-byte header length `len` (the header's own length by default), `header`
-/// and `data`.
-fn raw(name: &str, len: Option<u64>, header: &[u8], data: &[u8]) -> PathBuf {
+/// A file `name` in `dir` of an 8-byte header length `len` (the header's own length by
+/// default), `header` and `data`.
+fn raw(dir: &Path, name: &str, len: Option<u64>, header: &[u8], data: &[u8]) -> PathBuf {
     let mut bytes = len.unwrap_or(header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header);
     bytes.extend_from_slice(data);
-    let path = temp(name);
+    let path = dir.join(name);
     std::fs::write(&path, bytes).unwrap();
     path
 }
 
-/// A file of the JSON header `header` followed by `data_len` zero bytes.
-fn with_header(name: &str, header: &str, data_len: usize) -> PathBuf {
-    raw(name, None, header.as_bytes(), &vec![0u8; data_len])
+/// A file `name` in `dir` of the JSON header `header` followed by `data_len` zero bytes.
+fn with_header(dir: &Path, name: &str, header: &str, data_len: usize) -> PathBuf {
+    raw(dir, name, None, header.as_bytes(), &vec![0u8; data_len])
 }
 
 /// The seed MLP's `dense/kernel` ([100, 10]) and `dense/bias` ([10]) entries with these offsets.
@@ -98,8 +92,10 @@ fn two(kernel: [u64; 2], bias: [u64; 2]) -> String {
 
 #[test]
 fn a_well_formed_pair_of_tensors_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     // The baseline of the cases below: the same layout, unbroken, reads.
-    let path = with_header("good.safetensors", &two([0, 4000], [4000, 4040]), 4040);
+    let path = with_header(dir, "good.safetensors", &two([0, 4000], [4000, 4040]), 4040);
     let file = checkpoint::read(&path).unwrap();
     assert_eq!(file.tensors["dense/kernel"].shape().dims(), [100, 10]);
     assert_eq!(file.tensors["dense/bias"].shape().dims(), [10]);
@@ -107,31 +103,35 @@ fn a_well_formed_pair_of_tensors_reads() {
 
 #[test]
 fn truncated_data_names_the_tensor_and_the_missing_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(1);
     // Bias at the end, 20 of its 40 bytes absent.
-    let path = with_header("truncated.safetensors", &two([0, 4000], [4000, 4040]), 4020);
+    let path = with_header(dir, "truncated.safetensors", &two([0, 4000], [4000, 4040]), 4020);
     let e = refused(&mut t, &path, &["truncated", "`dense/bias`", "20 of its 40 bytes are missing"]);
     assert!(!e.contains("not fully covered"), "{e}");
     // The kernel cut, the bias wholly past the end.
-    let path = with_header("truncated2.safetensors", &two([0, 4000], [4000, 4040]), 1000);
+    let path = with_header(dir, "truncated2.safetensors", &two([0, 4000], [4000, 4040]), 1000);
     refused(
         &mut t,
         &path,
         &["`dense/kernel`", "3000 of its 4000 bytes are missing", "1 more tensor (`dense/bias`)"],
     );
     // A checkpoint `save` wrote, cut short.
-    let whole = temp("whole.safetensors");
+    let whole = dir.join("whole.safetensors");
     t.save(&whole).unwrap();
     let bytes = std::fs::read(&whole).unwrap();
-    let cut = temp("cut.safetensors");
+    let cut = dir.join("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() - 7]).unwrap();
     refused(&mut t, &cut, &["truncated", "bytes are missing", "7 bytes missing in all"]);
 }
 
 #[test]
 fn a_range_that_disagrees_with_shape_and_dtype_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(2);
-    let path = with_header("short_range.safetensors", &two([0, 4000], [4000, 4036]), 4036);
+    let path = with_header(dir, "short_range.safetensors", &two([0, 4000], [4000, 4036]), 4036);
     refused(
         &mut t,
         &path,
@@ -141,42 +141,50 @@ fn a_range_that_disagrees_with_shape_and_dtype_is_named() {
 
 #[test]
 fn reversed_offsets_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(3);
-    let path = with_header("reversed.safetensors", &two([0, 4000], [4040, 4000]), 4040);
+    let path = with_header(dir, "reversed.safetensors", &two([0, 4000], [4040, 4000]), 4040);
     refused(&mut t, &path, &["`dense/bias`", "[4040, 4000]", "reversed"]);
 }
 
 #[test]
 fn overlapping_offsets_name_both_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(4);
     // The bias begins 20 bytes inside the kernel.
-    let path = with_header("overlap.safetensors", &two([0, 4000], [3980, 4020]), 4020);
+    let path = with_header(dir, "overlap.safetensors", &two([0, 4000], [3980, 4020]), 4020);
     refused(&mut t, &path, &["`dense/kernel`", "`dense/bias`", "overlap", "3980..4020"]);
 }
 
 #[test]
 fn gapped_offsets_name_the_gap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(5);
-    let path = with_header("gap.safetensors", &two([0, 4000], [4004, 4044]), 4044);
+    let path = with_header(dir, "gap.safetensors", &two([0, 4000], [4004, 4044]), 4044);
     refused(&mut t, &path, &["bytes 4000..4004", "`dense/kernel`", "`dense/bias`", "gap"]);
     // Data before the first tensor.
-    let path = with_header("gap_first.safetensors", &two([8, 4008], [4008, 4048]), 4048);
+    let path = with_header(dir, "gap_first.safetensors", &two([8, 4008], [4008, 4048]), 4048);
     refused(&mut t, &path, &["bytes 0..8", "first tensor `dense/kernel`", "gap"]);
     // Data after the last one.
-    let path = with_header("trailing.safetensors", &two([0, 4000], [4000, 4040]), 4050);
+    let path = with_header(dir, "trailing.safetensors", &two([0, 4000], [4000, 4040]), 4050);
     refused(&mut t, &path, &["10 bytes", "after the last tensor `dense/bias`", "belong to no tensor"]);
 }
 
 #[test]
 fn an_overflowing_shape_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(6);
     let header =
         r#"{"dense/kernel":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}}"#;
-    let path = with_header("overflow.safetensors", header, 0);
+    let path = with_header(dir, "overflow.safetensors", header, 0);
     refused(&mut t, &path, &["`dense/kernel`", "[4294967296, 4294967296, 16]", "overflows"]);
     // Elements that fit, bytes that do not.
     let header = r#"{"dense/kernel":{"dtype":"F64","shape":[2305843009213693952,1],"data_offsets":[0,0]}}"#;
-    let path = with_header("overflow_bytes.safetensors", header, 0);
+    let path = with_header(dir, "overflow_bytes.safetensors", header, 0);
     refused(&mut t, &path, &["`dense/kernel`", "overflows"]);
     // An offset of more than 64 bits, a negative one, a fraction.
     for (i, (offsets, why)) in [
@@ -188,42 +196,48 @@ fn an_overflowing_shape_is_named() {
     .enumerate()
     {
         let header = format!(r#"{{"dense/bias":{{"dtype":"F32","shape":[10],"data_offsets":{offsets}}}}}"#);
-        let path = with_header(&format!("bad_offset{i}.safetensors"), &header, 40);
+        let path = with_header(dir, &format!("bad_offset{i}.safetensors"), &header, 40);
         refused(&mut t, &path, &["`dense/bias`", "`data_offsets` entry", why]);
     }
 }
 
 #[test]
 fn duplicate_tensor_names_are_called_duplicates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(7);
     // Two entries for the bias, both well formed on their own: serde_json would keep the last.
     let header = r#"{"dense/bias":{"dtype":"F32","shape":[10],"data_offsets":[0,40]},"dense/bias":{"dtype":"F32","shape":[10],"data_offsets":[40,80]}}"#;
-    let path = with_header("duplicate.safetensors", header, 80);
+    let path = with_header(dir, "duplicate.safetensors", header, 80);
     refused(&mut t, &path, &["`dense/bias`", "appears twice", "duplicate"]);
     // A field given twice inside one entry.
     let header = r#"{"dense/bias":{"dtype":"F32","shape":[10],"shape":[5],"data_offsets":[0,40]}}"#;
-    let path = with_header("duplicate_field.safetensors", header, 40);
+    let path = with_header(dir, "duplicate_field.safetensors", header, 40);
     refused(&mut t, &path, &["`dense/bias`", "`shape` appears twice", "duplicate"]);
     // A metadata key given twice.
     let header = r#"{"__metadata__":{"format":"a","format":"b"}}"#;
-    let path = with_header("duplicate_metadata.safetensors", header, 0);
+    let path = with_header(dir, "duplicate_metadata.safetensors", header, 0);
     refused(&mut t, &path, &["`__metadata__`", "`format` appears twice", "duplicate"]);
 }
 
 #[test]
 fn non_string_metadata_is_called_metadata() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(8);
     let header =
         r#"{"__metadata__":{"format":1},"dense/bias":{"dtype":"F32","shape":[10],"data_offsets":[0,40]}}"#;
-    let path = with_header("metadata_number.safetensors", header, 40);
+    let path = with_header(dir, "metadata_number.safetensors", header, 40);
     refused(&mut t, &path, &["`__metadata__`", "`format`", "a number, not a string"]);
     let header = r#"{"__metadata__":["format"]}"#;
-    let path = with_header("metadata_array.safetensors", header, 0);
+    let path = with_header(dir, "metadata_array.safetensors", header, 0);
     refused(&mut t, &path, &["`__metadata__` is an array", "strings to strings"]);
 }
 
 #[test]
 fn malformed_entries_name_the_tensor_and_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(9);
     let cases = [
         (r#"{"dense/bias":{"dtype":"F32","shape":[10]}}"#, "has no `data_offsets`"),
@@ -237,39 +251,43 @@ fn malformed_entries_name_the_tensor_and_the_field() {
         (r#"{"dense/bias":[0,40]}"#, "its entry is an array"),
     ];
     for (i, (header, why)) in cases.into_iter().enumerate() {
-        let path = with_header(&format!("entry{i}.safetensors"), header, 40);
+        let path = with_header(dir, &format!("entry{i}.safetensors"), header, 40);
         refused(&mut t, &path, &["`dense/bias`", why]);
     }
 }
 
 #[test]
 fn a_huge_or_lying_header_length_is_an_error_not_an_abort() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(10);
     let header = two([0, 4000], [4000, 4040]);
     // 2^62: no allocation is attempted.
-    let path = raw("huge.safetensors", Some(1 << 62), header.as_bytes(), &[0; 4040]);
+    let path = raw(dir, "huge.safetensors", Some(1 << 62), header.as_bytes(), &[0; 4040]);
     refused(&mut t, &path, &["header length", "4611686018427387904", "more than the 100000000 bytes"]);
     // Within the limit, past the end of the file.
-    let path = raw("past_end.safetensors", Some(9000), header.as_bytes(), &[0; 40]);
+    let path = raw(dir, "past_end.safetensors", Some(9000), header.as_bytes(), &[0; 40]);
     refused(&mut t, &path, &["header length", "9000 bytes", "only"]);
     // Fewer than 8 bytes in all.
-    let path = temp("tiny.safetensors");
+    let path = dir.join("tiny.safetensors");
     std::fs::write(&path, [1u8, 2, 3]).unwrap();
     refused(&mut t, &path, &["holds 3 bytes", "fewer than the 8 bytes"]);
 }
 
 #[test]
 fn a_header_that_is_not_json_names_the_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut t = trained(11);
-    let path = with_header("not_json.safetensors", r#"{"dense/bias": nope}"#, 0);
+    let path = with_header(dir, "not_json.safetensors", r#"{"dense/bias": nope}"#, 0);
     refused(&mut t, &path, &["not valid JSON", "byte 15 of the header (byte 23 of the file)"]);
-    let path = with_header("trailing_comma.safetensors", r#"{"__metadata__":{"a":"b"},}"#, 0);
+    let path = with_header(dir, "trailing_comma.safetensors", r#"{"__metadata__":{"a":"b"},}"#, 0);
     refused(&mut t, &path, &["not valid JSON", "byte 26 of the header"]);
-    let path = with_header("not_object.safetensors", "[1, 2]", 0);
+    let path = with_header(dir, "not_object.safetensors", "[1, 2]", 0);
     refused(&mut t, &path, &["must be a JSON object", "byte 0 of the header"]);
-    let path = with_header("after.safetensors", "{} {}", 0);
+    let path = with_header(dir, "after.safetensors", "{} {}", 0);
     refused(&mut t, &path, &["after the header's JSON object", "byte 3 of the header"]);
-    let path = raw("not_utf8.safetensors", None, b"{\"dense\xff\":1}", &[]);
+    let path = raw(dir, "not_utf8.safetensors", None, b"{\"dense\xff\":1}", &[]);
     refused(&mut t, &path, &["not valid UTF-8", "byte 7 of the header (byte 15 of the file)", "0xff"]);
     // Deep nesting in a skipped field is bounded, not a stack overflow.
     let deep = format!(
@@ -277,12 +295,14 @@ fn a_header_that_is_not_json_names_the_byte() {
         "[".repeat(100_000),
         "]".repeat(100_000)
     );
-    let path = with_header("deep.safetensors", &deep, 40);
+    let path = with_header(dir, "deep.safetensors", &deep, 40);
     refused(&mut t, &path, &["nested deeper than"]);
 }
 
 #[test]
 fn a_weights_only_file_starts_fine_tuning_with_fresh_optimizer_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let (x, y) = batch(12);
     let mut source = trained(12);
     for _ in 0..3 {
@@ -293,7 +313,7 @@ fn a_weights_only_file_starts_fine_tuning_with_fresh_optimizer_state() {
     let values: Vec<(String, HostTensor)> =
         parameters.iter().map(|k| (k.clone(), source.backend().read_variable(k).unwrap())).collect();
     // Written by the safetensors crate, as published weights would be: parameters only.
-    let weights = temp("weights.safetensors");
+    let weights = dir.join("weights.safetensors");
     let bytes: Vec<(&str, Vec<u8>)> = values
         .iter()
         .map(|(k, t)| (k.as_str(), t.data().iter().flat_map(|v| v.to_le_bytes()).collect()))
@@ -342,7 +362,7 @@ fn a_weights_only_file_starts_fine_tuning_with_fresh_optimizer_state() {
     assert_eq!(snapshot(&tuned), snapshot(&by_hand));
 
     // A full checkpoint loads as weights too: its optimizer state is ignored.
-    let full = temp("full.safetensors");
+    let full = dir.join("full.safetensors");
     source.save(&full).unwrap();
     let mut fresh = trainer(7);
     fresh.train_program(x.shape(), y.shape()).unwrap();
@@ -359,12 +379,14 @@ fn a_weights_only_file_starts_fine_tuning_with_fresh_optimizer_state() {
 
 #[test]
 fn load_weights_refuses_missing_mismatched_and_foreign_parameters_naming_each() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let (x, y) = batch(13);
     let mut t = trained(13);
     let kernel = vec![0u8; 4 * 100 * 12];
     let bias = vec![0u8; 4 * 10];
     let other = vec![0u8; 4 * 3];
-    let path = temp("bad_weights.safetensors");
+    let path = dir.join("bad_weights.safetensors");
     safetensors::serialize_to_file(
         [
             ("dense/kernel", TensorView::new(Dtype::F32, vec![100, 12], &kernel).unwrap()),
@@ -393,9 +415,11 @@ fn load_weights_refuses_missing_mismatched_and_foreign_parameters_naming_each() 
 
 #[test]
 fn non_finite_values_are_listed_and_load_with_a_warning() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let (x, y) = batch(14);
     let source = trained(14);
-    let path = temp("finite.safetensors");
+    let path = dir.join("finite.safetensors");
     source.save(&path).unwrap();
     assert!(checkpoint::read(&path).unwrap().non_finite().is_empty());
 
@@ -413,7 +437,7 @@ fn non_finite_values_are_listed_and_load_with_a_warning() {
     file.tensors.insert("dense/kernel".into(), kernel);
     file.tensors.insert("dense/bias".into(), bias);
     let values: Vec<(String, HostTensor)> = file.tensors.into_iter().collect();
-    let nan = temp("nan.safetensors");
+    let nan = dir.join("nan.safetensors");
     checkpoint::save(&nan, &values).unwrap();
 
     let read = checkpoint::read(&nan).unwrap();

@@ -157,12 +157,12 @@ fn a_value_produced_twice_is_refused() {
     let e = refused(&inputs_twice.encode_to_vec(), "an input declared twice");
     assert_has(&e, &["'x' has been used as graph input names multiple times"]);
     // From a file, the error names it.
-    let dir = temp_dir("ssa");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let path = dir.join("twice.onnx");
     std::fs::write(&path, &twice).unwrap();
     let e = import_file(&path, &[]).err().expect("two producers").to_string();
     assert_has(&e, &[&format!("{}: node `b` (Sigmoid)", path.display())]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// An input read before the node that makes it, or made by nothing, is refused naming the
@@ -569,13 +569,6 @@ fn dimensions_over_kilns_limit_are_named() {
 
 // External data.
 
-fn temp_dir(what: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-robust-onnx-{}-{what}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 const W: [f32; 6] = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5];
 const B: [f32; 2] = [0.1, -0.2];
 
@@ -638,9 +631,10 @@ fn run_affine(imported: kiln::onnx::Imported) -> Vec<f32> {
 /// the model's bytes alone are refused with a pointer to `import_file`.
 #[test]
 fn external_data_loads_from_the_model_directory() {
-    let dir = temp_dir("external");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let path = write_external(
-        &dir,
+        dir,
         external("w", &[3, 2], "weights.bin", 16, Some(24)),
         external("b", &[2], "./weights.bin", 48, None),
     );
@@ -663,7 +657,6 @@ fn external_data_loads_from_the_model_directory() {
     assert_eq!(w.1.data(), &W);
     let e = import(&std::fs::read(&path).unwrap(), &sizes).err().unwrap().to_string();
     assert_has(&e, &["tensor `w` keeps its data in the external file `weights.bin`", "import_file"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `kiln memory` and `kiln train` read a model with external data from its path (the data
@@ -671,7 +664,8 @@ fn external_data_loads_from_the_model_directory() {
 /// functions of `onnx::train` take it where they take bytes.
 #[test]
 fn the_cli_reads_external_data_beside_the_model() {
-    let dir = temp_dir("cli");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let mut data = vec![0xAB; 16];
     data.extend(le(&W));
     data.extend([0xCD; 8]);
@@ -713,7 +707,6 @@ fn the_cli_reads_external_data_beside_the_model() {
     // Its bytes alone are refused, pointing to the path.
     let e = kiln::onnx::train::shapes(&std::fs::read(&path).unwrap(), &sizes).err().unwrap().to_string();
     assert_has(&e, &["keeps its data in the external file `weights.bin`", "OnnxModel::open"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The refusal `import_file` gives a model whose `w` is `w`, in `dir`.
@@ -726,21 +719,22 @@ fn refused_external(dir: &Path, w: TensorProto) -> String {
 
 #[test]
 fn external_data_at_an_absolute_path_is_refused() {
-    let dir = temp_dir("absolute");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let target = dir.join("weights.bin");
-    let e = refused_external(&dir, external("w", &[3, 2], target.to_str().unwrap(), 16, Some(24)));
+    let e = refused_external(dir, external("w", &[3, 2], target.to_str().unwrap(), 16, Some(24)));
     assert_has(
         &e,
         &[
             "Location of external TensorProto ( tensor name: w) should be a relative path, but it is an absolute path",
         ],
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn external_data_outside_the_model_directory_is_refused() {
-    let dir = temp_dir("dotdot");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let inner = dir.join("model");
     std::fs::create_dir_all(&inner).unwrap();
     std::fs::write(dir.join("secret.bin"), le(&W)).unwrap();
@@ -748,13 +742,13 @@ fn external_data_outside_the_model_directory_is_refused() {
         let e = refused_external(&inner, external("w", &[3, 2], location, 0, Some(24)));
         assert_has(&e, &[&format!("but the '{location}' points outside the directory")]);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 #[cfg(unix)]
 fn external_data_through_a_symbolic_link_is_refused() {
-    let dir = temp_dir("symlink");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let (inner, outside) = (dir.join("model"), dir.join("outside"));
     std::fs::create_dir_all(&inner).unwrap();
     std::fs::create_dir_all(&outside).unwrap();
@@ -769,36 +763,35 @@ fn external_data_through_a_symbolic_link_is_refused() {
     std::os::unix::fs::symlink(&outside, inner.join("sub")).unwrap();
     let e = refused_external(&inner, external("w", &[3, 2], "sub/secret.bin", 0, Some(24)));
     assert_has(&e, &["but the 'sub/secret.bin' points outside the directory"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn external_data_past_the_end_of_its_file_is_refused() {
-    let dir = temp_dir("past-end");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     // weights.bin holds 56 bytes.
-    let e = refused_external(&dir, external("w", &[3, 2], "weights.bin", 40, Some(24)));
+    let e = refused_external(dir, external("w", &[3, 2], "weights.bin", 40, Some(24)));
     assert_has(
         &e,
         &[
             "tensor `w`: its external data at offset 40, 24 bytes long, runs past the end of `weights.bin` (56 bytes)",
         ],
     );
-    let e = refused_external(&dir, external("w", &[3, 2], "weights.bin", usize::MAX, None));
+    let e = refused_external(dir, external("w", &[3, 2], "weights.bin", usize::MAX, None));
     assert_has(&e, &["runs past the end"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn external_data_of_a_length_other_than_the_tensors_is_refused() {
-    let dir = temp_dir("length");
-    let e = refused_external(&dir, external("w", &[3, 2], "weights.bin", 16, Some(20)));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let e = refused_external(dir, external("w", &[3, 2], "weights.bin", 16, Some(20)));
     assert_has(
         &e,
         &[
             "tensor `w`: its external data's length is 20 bytes, but its shape [3, 2] of tensor(float) (4 bytes each) holds 24",
         ],
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A bool graph input (an exported attention or padding mask) is a bool input of kiln's, fed
@@ -853,7 +846,8 @@ fn a_batch_that_cannot_apply_is_an_error() {
         let sizes = kiln::onnx::train::sizes(&ok, Some(8), &[]).unwrap();
         assert_eq!(import(&ok, &sizes).unwrap().inputs[0].1, Shape::new([8, 4]));
     }
-    let dir = temp_dir("batch");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let path = dir.join("fixed.onnx");
     std::fs::write(&path, &fixed_batch).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
@@ -862,7 +856,6 @@ fn a_batch_that_cannot_apply_is_an_error() {
         .unwrap();
     assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
     assert_has(&String::from_utf8_lossy(&out.stderr), &["fixed batch of 2", "--batch 2"]);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `Imported::load` (compile, load, write every weight) is the documented way to run an

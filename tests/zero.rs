@@ -35,16 +35,9 @@ fn train(
     })
 }
 
-/// A checkpoint path of this test run.
-fn temp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-zero-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
 /// `ranks` in-process ranks with `stage`: load `from` (when given), train on `data`, save to
-/// `to` (rank 0's file; every rank saves, a collective under ZeRO); every rank's parameters
-/// (key order) and losses.
+/// `to` (rank 0's file; every rank saves, a collective under ZeRO, the others beside it); every
+/// rank's parameters (key order) and losses.
 fn resume(
     m: &ZooModel,
     stage: ZeroStage,
@@ -69,7 +62,7 @@ fn resume(
         }
         let losses: Vec<f32> = data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect();
         let name = to.file_name().unwrap().to_string_lossy();
-        let mine = if rank == 0 { to.to_path_buf() } else { temp(&format!("rank{rank}-{name}")) };
+        let mine = if rank == 0 { to.to_path_buf() } else { to.with_file_name(format!("rank{rank}-{name}")) };
         t.save(&mine).unwrap();
         let params = keys.iter().map(|k| t.backend().read_variable(k).unwrap().data().to_vec()).collect();
         (params, losses)
@@ -93,6 +86,9 @@ fn a_sharded_checkpoint_is_whole_and_resumes_on_another_rank_count() {
     let m = zoo::by_name("mlp").unwrap();
     let data = batches(&m, 12, 4);
     let (first, then) = data.split_at(2);
+    // The checkpoints of this test, removed when it ends.
+    let tmp = tempfile::tempdir().unwrap();
+    let temp = |name: &str| tmp.path().join(name);
     let (zero_file, plain_file) = (temp("zero.safetensors"), temp("plain.safetensors"));
     resume(&m, ZeroStage::Two, 2, None, first, &zero_file);
     resume(&m, ZeroStage::Off, 2, None, first, &plain_file);
