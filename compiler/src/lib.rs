@@ -7,7 +7,7 @@
 //! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
 //!    then `const_fold` — values computed from constants alone are computed here, once —,
 //!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
-//!    `transpose_operands` (opt-in) — a transpose feeding a product becomes its operand flag,
+//!    `transpose_operands` — a transpose feeding a product becomes its operand flag,
 //!    read in place —, `saved_values` — a training step keeps, of the forward values its backward
 //!    pass reads, what a minimum cut chooses, and recomputes the rest —,
 //!    `product_updates` — an update computes its own weight gradient, never stored —,
@@ -117,10 +117,10 @@ pub struct CompileOptions {
     /// and every kernel reduces within its blocks.
     pub scratch: Option<scratch::ScratchRule>,
     /// Whether a transpose (a permute of the last two axes) feeding a product is read in place
-    /// through the product's operand flag instead of copied (`transpose_operands`). Off by
-    /// default, or as `KILN_TRANSPOSE_OPERANDS=1` says: the CPU's products then sum in another
-    /// order than the graph as written, and a plan would no longer give the eager executor's
-    /// and the reference interpreter's bits.
+    /// through the product's operand flag instead of copied (`transpose_operands`). On by
+    /// default, or as `KILN_TRANSPOSE_OPERANDS=0` says: every product sums each element in one
+    /// order whatever its operands' layout (`kiln_kernels::cpu::matmul`), so a plan still gives
+    /// the eager executor's and the reference interpreter's bits.
     pub transpose_operands: bool,
     /// Whether a training step keeps, of the forward values its backward pass reads, only what a
     /// minimum cut chooses, recomputing the rest within `recompute_budget` (`saved_values`; on
@@ -150,7 +150,7 @@ impl Default for CompileOptions {
             cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
             recompute_budget: saved_values::FLOPS_BUDGET,
             scratch: None,
-            transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").is_ok_and(|v| v == "1"),
+            transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").map_or(true, |v| v != "0"),
             save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
             schedule: None,
         }

@@ -20,16 +20,13 @@
 //!   of a transposed parameter (autodiff runs before the pipeline): the tied head's table
 //!   gradient was hᵀ·g, [d, vocab], then a [vocab, d] copy; it is now gᵀ·h, made as stored.
 //!
-//! Every element is the same sum over k, but not always in the same order on the CPU: the
-//! gemm crate picks its microkernel by the operands' strides, and a column-major operand can
-//! sum k otherwise (a 6x4 · (5x4)ᵀ product differs from the copied one in the last bit), and
-//! the result rewrite swaps the GEMM's M and N. Results are within float rounding of the plans
-//! with the copies (`tests/transpose_operands.rs`; its tied head trains bit for bit). Because
-//! every plan kiln makes gives the bits of the eager executor and of the reference interpreter
-//! on the graph as written (`tests/robust_graphs.rs` holds 5,000 random graphs to that), the
-//! rewrite is **off by default**: `CompileOptions::with_transpose_operands(true)` or
-//! `KILN_TRANSPOSE_OPERANDS=1` turns it on. On by default needs the CPU products to sum a
-//! flagged operand in the copied operand's order.
+//! Every element is the same sum over k in the same order: the CPU's products sum each element
+//! as one chain of fused multiply-adds per 512 of k whatever the operands' strides and whatever
+//! M and N (`kiln_kernels::cpu::matmul::Gemm::run`; the gemm crate alone picked another kernel
+//! by the strides in thin and small products, and another depth split by M and N). So the
+//! rewrite keeps every CPU plan at the bits of the eager executor and the reference interpreter
+//! on the graph as written (`tests/robust_graphs.rs`, 5,000 random graphs) and is **on by default**;
+//! `CompileOptions::with_transpose_operands(false)` or `KILN_TRANSPOSE_OPERANDS=0` turns it off.
 //!
 //! Measured (2-core build machine, 64-byte slots, `tests/transpose_operands.rs`'s ONNX heads,
 //! vocab 512, width 64, 4 x 32 tokens): the tied head's forward arena 425,984 -> 294,912 B (the

@@ -42,8 +42,36 @@ pub(crate) struct Gemm {
     pub out_rs: isize,
 }
 
+/// The depth of one call to the gemm crate. It splits no depth of at most 512 itself (its
+/// small-size path takes `min(k, 512)`, its cache-sized path `max(.., 512).min(k)` before
+/// evening the chunks out), so that every product element is the same sum whatever the
+/// product's M, N and strides: one fused multiply-add chain from zero per chunk of `KC`, the
+/// chunks added to the output in order.
+const KC: usize = 512;
+
+/// Products this thin or small leave the gemm crate's packed kernel: it picks a kernel by the
+/// operands' strides there (dot products along k, or a GEMV), which sums k in another order
+/// (measured: `transposed_operands_sum_in_the_copied_operands_order`). Such products run
+/// `Gemm::direct`, which sums in the packed kernel's order.
+fn stride_sensitive(m: usize, n: usize, k: usize) -> bool {
+    m <= 1 || n <= 1 || k <= 2 || m * n <= 256
+}
+
+/// a·b + c rounded once, as the gemm crate's microkernels compute on every x86-64 CPU with FMA
+/// (AVX2 and AVX-512 alike).
+#[inline(always)]
+fn fused(a: f32, b: f32, c: f32) -> f32 {
+    a.mul_add(b, c)
+}
+
 impl Gemm {
     /// out = A·B, or out += A·B with `accumulate`.
+    ///
+    /// Every element is summed in one order whatever the strides, M and N: chunks of `KC` along
+    /// k, each a fused multiply-add chain from zero, added to the output in order. So a product
+    /// that reads an operand transposed through its strides gives the bits of the same product
+    /// on a transposed copy, a product split into row blocks (fused epilogues) or batches gives
+    /// the bits of the whole, and (A·B)ᵀ computed as Bᵀ·Aᵀ gives the bits of A·B transposed.
     ///
     /// # Safety
     /// The pointers are valid for the strided matrices; the output does not overlap the operands,
@@ -57,6 +85,41 @@ impl Gemm {
         accumulate: bool,
         parallel: bool,
     ) {
+        if self.k == 0 {
+            // SAFETY: forwarded contract; with k = 0 nothing is read.
+            unsafe { self.chunk(0, a, b, out, accumulate, parallel) };
+            return;
+        }
+        let mut k0 = 0;
+        while k0 < self.k {
+            let kb = KC.min(self.k - k0);
+            // SAFETY: k0 + kb <= k: the chunk's operand columns/rows lie inside the matrices
+            // the caller vouched for.
+            unsafe {
+                let (ak, bk) = (a.offset(k0 as isize * self.a.1), b.offset(k0 as isize * self.b.0));
+                self.chunk(kb, ak, bk, out, accumulate || k0 > 0, parallel);
+            }
+            k0 += kb;
+        }
+    }
+
+    /// One chunk of depth `kb` (at most `KC`).
+    ///
+    /// # Safety
+    /// As `run`, for an m x kb left and kb x n right operand.
+    unsafe fn chunk(
+        &self,
+        kb: usize,
+        a: *const f32,
+        b: *const f32,
+        out: *mut f32,
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        if kb > 0 && stride_sensitive(self.m, self.n, kb) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.direct(kb, a, b, out, accumulate) };
+        }
         let par = if parallel { Parallelism::Rayon(0) } else { Parallelism::None };
         // SAFETY: forwarded contract. gemm computes dst = alpha*dst + beta*lhs*rhs and does not
         // read dst when read_dst is false.
@@ -64,7 +127,7 @@ impl Gemm {
             gemm(
                 self.m,
                 self.n,
-                self.k,
+                kb,
                 out,
                 1,
                 self.out_rs,
@@ -82,6 +145,64 @@ impl Gemm {
                 false,
                 par,
             )
+        }
+    }
+
+    /// A thin or small chunk in the packed kernel's order: per element a fused multiply-add
+    /// chain over the chunk's k from zero, then stored (or added to the output once). Blocks of
+    /// `BI` rows x `BJ` columns keep independent chains side by side (a column vector runs `BI`
+    /// at once, a row vector vectorises along its columns).
+    ///
+    /// # Safety
+    /// As `run`, for an m x kb left and kb x n right operand.
+    unsafe fn direct(&self, kb: usize, a: *const f32, b: *const f32, out: *mut f32, accumulate: bool) {
+        const BI: usize = 8;
+        const BJ: usize = 32;
+        let (m, n) = (self.m, self.n);
+        let mut acc = [[0.0f32; BJ]; BI];
+        for i0 in (0..m).step_by(BI) {
+            let bi = BI.min(m - i0);
+            for j0 in (0..n).step_by(BJ) {
+                let bj = BJ.min(n - j0);
+                for row in &mut acc[..bi] {
+                    row[..bj].fill(0.0);
+                }
+                for kk in 0..kb {
+                    // SAFETY: kk < kb, j0 + bj <= n, i0 + bi <= m: every element read lies in
+                    // the m x kb and kb x n matrices the caller vouched for.
+                    unsafe {
+                        let brow = b.offset(kk as isize * self.b.0 + j0 as isize * self.b.1);
+                        let mut bv = [0.0f32; BJ];
+                        if self.b.1 == 1 {
+                            bv[..bj].copy_from_slice(std::slice::from_raw_parts(brow, bj));
+                        } else {
+                            for (jj, v) in bv[..bj].iter_mut().enumerate() {
+                                *v = *brow.offset(jj as isize * self.b.1);
+                            }
+                        }
+                        for (ii, row) in acc[..bi].iter_mut().enumerate() {
+                            let x = *a.offset((i0 + ii) as isize * self.a.0 + kk as isize * self.a.1);
+                            for (c, &y) in row[..bj].iter_mut().zip(&bv[..bj]) {
+                                *c = fused(x, y, *c);
+                            }
+                        }
+                    }
+                }
+                for (ii, row) in acc[..bi].iter().enumerate() {
+                    // SAFETY: row i0 + ii < m, columns j0 .. j0 + bj <= n of the output.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out.offset((i0 + ii) as isize * self.out_rs + j0 as isize),
+                            bj,
+                        )
+                    };
+                    if accumulate {
+                        o.iter_mut().zip(&row[..bj]).for_each(|(o, &c)| *o += c);
+                    } else {
+                        o.copy_from_slice(&row[..bj]);
+                    }
+                }
+            }
         }
     }
 }
@@ -235,46 +356,79 @@ mod tests {
         t
     }
 
-    /// A product reading an operand transposed through its strides gives the bits of the same
-    /// product on a transposed copy wherever the gemm crate runs its packed kernel: everywhere but
-    /// thin or small products (m or n at most 1, k at most 2, m x n at most 256), where it picks
-    /// a kernel by the operands' strides (measured here: 612 of the 2,880 cases tried differ, all
-    /// of them there). What reading transposes in place by default (`transpose_operands`) can
-    /// rely on.
+    /// The bits of one m x k x n product, `ta`/`tb` reading the operand transposed through its
+    /// strides (from the transposed copies `at`/`bt`), rows `r0..r1` of it only.
+    fn product(
+        (m, n, k): (usize, usize, usize),
+        (a, at): (&[f32], &[f32]),
+        (b, bt): (&[f32], &[f32]),
+        ta: bool,
+        tb: bool,
+        (r0, r1): (usize, usize),
+    ) -> Vec<u32> {
+        let g = Gemm {
+            m: r1 - r0,
+            n,
+            k,
+            a: if ta { (1, m as isize) } else { (k as isize, 1) },
+            b: if tb { (1, k as isize) } else { (n as isize, 1) },
+            out_rs: n as isize,
+        };
+        let mut out = vec![0.0f32; (r1 - r0) * n];
+        let (pa, pb) = (if ta { at } else { a }, if tb { bt } else { b });
+        let first = if ta { r0 } else { r0 * k };
+        // SAFETY: the buffers hold m x k, k x n and (r1 - r0) x n elements as the strides read,
+        // from row r0 on.
+        unsafe { g.run(pa[first..].as_ptr(), pb.as_ptr(), out.as_mut_ptr(), false, false) };
+        out.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Every element of a product is one sum in one order, whatever reaches the kernel: an
+    /// operand read transposed through its strides gives the bits of a transposed copy, a block
+    /// of rows the bits of those rows of the whole (thin blocks run `Gemm::direct`, so its order
+    /// is the packed kernel's), and Bᵀ·Aᵀ the bits of A·B transposed — thin, small and deep
+    /// (k past `KC`) products included. What reading transposes in place (`transpose_operands`)
+    /// and fused row blocks rely on.
     #[test]
-    fn transposed_operands_sum_in_the_copied_operands_order() {
+    fn a_product_sums_in_one_order_whatever_its_layout() {
         let sizes = [1usize, 2, 3, 5, 8, 13, 16, 17, 31, 64, 100, 257];
         let mut bad = Vec::new();
         for &m in &sizes {
             for &n in &sizes {
-                for &k in &[1usize, 2, 3, 7, 16, 64, 130, 600] {
+                for &k in &[1usize, 2, 3, 7, 16, 64, 130, 600, 1100] {
                     let a = values(m * k, (m * 31 + k) as u32);
                     let b = values(k * n, (n * 17 + k) as u32);
                     let (at, bt) = (transposed(&a, m, k), transposed(&b, k, n));
-                    let run = |ta: bool, tb: bool| {
-                        let g = Gemm {
-                            m,
-                            n,
-                            k,
-                            a: if ta { (1, m as isize) } else { (k as isize, 1) },
-                            b: if tb { (1, k as isize) } else { (n as isize, 1) },
-                            out_rs: n as isize,
-                        };
-                        let mut out = vec![0.0f32; m * n];
-                        let (pa, pb) = (if ta { &at } else { &a }, if tb { &bt } else { &b });
-                        // SAFETY: the buffers hold m x k, k x n and m x n elements as the strides read.
-                        unsafe { g.run(pa.as_ptr(), pb.as_ptr(), out.as_mut_ptr(), false, false) };
-                        out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
-                    };
-                    let want = run(false, false);
+                    let run = |ta, tb, rows| product((m, n, k), (&a, &at), (&b, &bt), ta, tb, rows);
+                    let want = run(false, false, (0, m));
                     for (ta, tb) in [(true, false), (false, true), (true, true)] {
-                        if run(ta, tb) != want && !(m <= 1 || n <= 1 || k <= 2 || m * n <= 256) {
-                            bad.push((m, n, k, ta, tb));
+                        if run(ta, tb, (0, m)) != want {
+                            bad.push(format!("{m}x{k}x{n} ta {ta} tb {tb}"));
                         }
+                    }
+                    for (r0, r1) in [(0, 1), (m / 2, m), (m - 1, m), (0, m.min(7))] {
+                        if r0 < r1 && run(false, false, (r0, r1))[..] != want[r0 * n..r1 * n] {
+                            bad.push(format!("{m}x{k}x{n} rows {r0}..{r1}"));
+                        }
+                    }
+                    // Bᵀ·Aᵀ, [n, m], read from the same buffers, transposed back.
+                    let swapped = product((n, m, k), (&bt, &b), (&at, &a), true, true, (0, n));
+                    if transposed_bits(&swapped, n, m) != want {
+                        bad.push(format!("{m}x{k}x{n} swapped"));
                     }
                 }
             }
         }
         assert!(bad.is_empty(), "{} differ: {:?}", bad.len(), &bad[..bad.len().min(40)]);
+    }
+
+    fn transposed_bits(x: &[u32], rows: usize, cols: usize) -> Vec<u32> {
+        let mut t = vec![0; x.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = x[r * cols + c];
+            }
+        }
+        t
     }
 }
