@@ -678,6 +678,39 @@ fn an_embedding_gathers_rows_by_integer_ids() {
     assert!(e.contains("node `add` (Add)") && e.contains("integer input `ids`"), "{e}");
 }
 
+/// `GatherElements` with indices fed at run time (int64, a graph input; ONNX's node tests give
+/// them as constants): out[i][j] = data[i][idx[i][j]] along axis 1, data[idx[i][j]][j] along
+/// axis 0, negative indices counting from the end, indices shorter than the data on the other
+/// axis; an index tensor of another rank is an error naming the node.
+#[test]
+fn gather_elements_picks_by_computed_indices() {
+    let data: Vec<f32> = (0..12).map(|i| i as f32 * 1.5 - 4.0).collect(); // [3, 4]
+    let at = |r: usize, c: usize| data[r * 4 + c];
+    let one = |axis: i64, idims: [i64; 2], ids: Vec<i64>| {
+        let bytes = graph(
+            vec![node("GatherElements", "pick", &["x", "idx"], &["y"], vec![attr_int("axis", axis)])],
+            vec![tensor("x", &[3, 4], &data)],
+            vec![typed("idx", INT64, &[fixed(idims[0]), fixed(idims[1])])],
+            17,
+        );
+        let shape = Shape::new([idims[0] as usize, idims[1] as usize]);
+        run(&bytes, &[("idx", HostTensor::from_i64(shape, ids).unwrap())]).unwrap()
+    };
+    let y = one(1, [3, 2], vec![3, 0, -1, 1, 2, 2]);
+    assert_eq!(y.shape(), &Shape::new([3, 2]));
+    close(y.data(), &[at(0, 3), at(0, 0), at(1, 3), at(1, 1), at(2, 2), at(2, 2)], "axis 1");
+    let y = one(0, [2, 3], vec![2, 0, 1, -3, 2, 0]);
+    close(y.data(), &[at(2, 0), at(0, 1), at(1, 2), at(0, 0), at(2, 1), at(0, 2)], "axis 0");
+    let bytes = graph(
+        vec![node("GatherElements", "pick", &["x", "idx"], &["y"], vec![])],
+        vec![tensor("x", &[3, 4], &data)],
+        vec![typed("idx", INT64, &[fixed(3)])],
+        17,
+    );
+    let e = import(&bytes, &[]).err().expect("indices of another rank").to_string();
+    assert!(e.contains("node `pick` (GatherElements)") && e.contains("indices of shape [3]"), "{e}");
+}
+
 /// The shape subgraph an exporter writes before a Reshape — Shape, Gather, Unsqueeze, Concat
 /// with a constant — folds at import: the Reshape gets a constant shape.
 #[test]

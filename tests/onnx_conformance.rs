@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The fewest node tests that must pass (what the importer reached; raise it with coverage).
-const FLOOR: usize = 583;
+const FLOOR: usize = 604;
 
 /// Relative and absolute tolerance of a float output.
 const TOLERANCE: f32 = 1e-4;

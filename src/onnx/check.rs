@@ -766,7 +766,9 @@ fn attribute_schema(op: &str, opset: i64) -> Vec<(&'static str, i32, bool)> {
             ("transA", A_INT, false),
             ("transB", A_INT, false),
         ]),
-        "Softmax" | "LogSoftmax" | "Hardmax" | "Flatten" | "Gather" => v.push(("axis", A_INT, false)),
+        "Softmax" | "LogSoftmax" | "Hardmax" | "Flatten" | "Gather" | "GatherElements" => {
+            v.push(("axis", A_INT, false))
+        }
         "Concat" => v.push(("axis", A_INT, true)),
         "Split" => {
             v.push(("axis", A_INT, false));
@@ -973,7 +975,7 @@ fn signature(op: &str, opset: i64) -> Option<Signature> {
         | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => {
             fixed(vec![p("data", "T", NUMERIC | BOOLEAN)], &[0])
         }
-        "Gather" => fixed(vec![p("data", "T", ANY), p("indices", "Tind", INDICES)], &[]),
+        "Gather" | "GatherElements" => fixed(vec![p("data", "T", ANY), p("indices", "Tind", INDICES)], &[]),
         "Reshape" => fixed(vec![p("data", "T", ANY), p("shape", "tensor(int64)", INT64)], &[]),
         "Expand" => fixed(vec![p("input", "T", ANY), p("shape", "tensor(int64)", INT64)], &[]),
         "Tile" => fixed(vec![p("input", "T", ANY), p("repeats", "T1", INT64)], &[]),

@@ -529,6 +529,7 @@ pub(super) fn import(imp: &mut Importer, n: &Node) -> Result<Option<Vec<Value>>>
             v
         }
         "Gather" => gather(imp, n)?,
+        "GatherElements" => gather_elements(imp, n)?,
         "Split" => return split(imp, n).map(Some),
         "Expand" => {
             let shape = imp.ints(n, 1)?;
@@ -726,6 +727,84 @@ fn gather(imp: &mut Importer, n: &Node) -> Result<Value> {
             let ids = ids.cast(DType::F32);
             let ids = ids.add(&(ids.lt(0.0) * d as f32));
             Ok(Value::Tensor(gather_axis(&x, axis, &ids)))
+        }
+    }
+}
+
+/// `GatherElements`: out[i..] = data[i.. with axis' coordinate replaced by indices[i..]], of the
+/// indices' shape. One gather from the flattened data: each element's flat position is the
+/// index times the axis' stride plus its other coordinates' offset (`Iota`s, or computed here
+/// where the indices are constants). Its gradient is the gather's (a scatter-add).
+fn gather_elements(imp: &mut Importer, n: &Node) -> Result<Value> {
+    let data = imp.input(n, 0)?;
+    let dims = dims_of(&data);
+    let axis = n.axis(n.int("axis", 0), dims.len())?;
+    let indices = imp.input(n, 1)?;
+    let idims = dims_of(&indices);
+    if idims.len() != dims.len()
+        || idims.iter().zip(&dims).enumerate().any(|(a, (&i, &d))| a != axis && i > d)
+    {
+        return Err(n.invalid(
+            format!("indices of shape {idims:?} for data of shape {dims:?}"),
+            "give indices of the data's rank, no longer than the data on every axis but `axis`",
+        ));
+    }
+    let total: usize = dims.iter().product();
+    if total > 1 << 24 {
+        return Err(n.unsupported(
+            format!("gathers from {total} elements"),
+            "kiln moves gather positions as f32, exact up to 2^24 elements",
+        ));
+    }
+    let strides: Vec<usize> = (0..dims.len()).map(|a| dims[a + 1..].iter().product()).collect();
+    let d = dims[axis];
+    let flat_data = reshaped(n, data, vec![total])?;
+    match indices {
+        Value::Ints(ix) => {
+            let mut flat = Vec::with_capacity(ix.values.len());
+            let mut coord = vec![0usize; idims.len()];
+            for &i in &ix.values {
+                let j = if i < 0 { i + d as i64 } else { i };
+                let j = usize::try_from(j).ok().filter(|&j| j < d).ok_or_else(|| {
+                    n.invalid(
+                        format!("index {i} is outside an axis of {d}"),
+                        format!("indices run from -{d} to {}", d as i64 - 1),
+                    )
+                })?;
+                let other: usize = coord
+                    .iter()
+                    .zip(&strides)
+                    .enumerate()
+                    .filter(|(a, _)| *a != axis)
+                    .map(|(_, (c, s))| c * s)
+                    .sum();
+                flat.push(other + j * strides[axis]);
+                for a in (0..coord.len()).rev() {
+                    coord[a] += 1;
+                    if coord[a] < idims[a] {
+                        break;
+                    }
+                    coord[a] = 0;
+                }
+            }
+            let picked = take_value(imp, n, flat_data, 0, &flat)?;
+            reshaped(n, picked, idims)
+        }
+        Value::Ids(ids) | Value::Tensor(ids) => {
+            let Value::Tensor(x) = flat_data else {
+                return Err(n.unsupported(
+                    "gathers from integer data by computed indices",
+                    "kiln gathers computed indices from float tensors",
+                ));
+            };
+            // Negative ids count from the end of the axis (in f32: exact below 2^24).
+            let ids = ids.cast(DType::F32);
+            let ids = ids.add(&(ids.lt(0.0) * d as f32));
+            let mut flat = ids * strides[axis] as f32;
+            for a in (0..dims.len()).filter(|&a| a != axis && idims[a] > 1) {
+                flat = flat.add(&(imp.t.iota(idims.clone(), a) * strides[a] as f32));
+            }
+            Ok(Value::Tensor(x.gather(&flat)))
         }
     }
 }

@@ -116,6 +116,7 @@ pub const SUPPORTED: &[&str] = &[
     "EyeLike",
     "Flatten",
     "Gather",
+    "GatherElements",
     "Gelu",
     "Gemm",
     "GlobalAveragePool",
