@@ -585,40 +585,68 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
     let scratch = scratch::of_graph(graph, options.scratch.as_ref());
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {
-        let plans = par_map(&candidates, |c| plan_order(graph, &c.order, &scratch, devices, options));
-        let mut best: Option<(Plan, &str)> = None;
-        for (c, plan) in candidates.iter().zip(plans) {
-            let plan = plan?;
-            let total = plan.memory.planned_total_bytes();
-            tried.push((c.name.to_string(), total));
-            if best.as_ref().is_none_or(|(b, _)| total < b.memory.planned_total_bytes()) {
-                best = Some((plan, c.name));
+        // Branch and bound: every order's liveness and arena lower bound (cheap), then orders
+        // placed two at a time from the lowest bound up, skipping each that cannot beat the best
+        // plan so far (a bound above its planned total, or equal and later in the list, which
+        // loses the tie). Placement sits at the bound on every plan, so few are placed.
+        let lives = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
+            let live = liveness::analyze(graph, &c.order, &scratch)?;
+            check_sizes(&live, options.alignment, options.guard_bytes)?;
+            Ok((arena_bound(&live, devices, options), live))
+        });
+        let mut lives: Vec<(usize, usize, liveness::Liveness)> = lives
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| r.map(|(bound, live)| (bound, i, live)))
+            .collect::<Result<_>>()?;
+        lives.sort_by_key(|&(bound, i, _)| (bound, i));
+        let mut totals: Vec<Option<usize>> = vec![None; candidates.len()];
+        let mut best: Option<(Plan, usize)> = None;
+        let mut rest = lives.as_slice();
+        while !rest.is_empty() {
+            let beats = |&(bound, i, _): &(usize, usize, liveness::Liveness),
+                         best: &Option<(Plan, usize)>| {
+                best.as_ref().is_none_or(|(b, j)| {
+                    let (other, total) = (b.memory.persistent_bytes, b.memory.planned_total_bytes());
+                    bound + other < total || (bound + other == total && i < *j)
+                })
+            };
+            let batch: Vec<&(usize, usize, liveness::Liveness)> =
+                rest.iter().take(2).filter(|c| beats(c, &best)).collect();
+            rest = &rest[rest.len().min(2)..];
+            if batch.is_empty() {
+                if rest.first().is_none_or(|c| !beats(c, &best)) {
+                    break;
+                }
+                continue;
+            }
+            let plans = par_map(&batch, |(_, _, live)| plan_live(graph, live, devices, options));
+            for (&&(_, i, _), plan) in batch.iter().zip(plans) {
+                let plan = plan?;
+                let total = plan.memory.planned_total_bytes();
+                totals[i] = Some(total);
+                if best.as_ref().is_none_or(|(b, j)| {
+                    total < b.memory.planned_total_bytes()
+                        || (total == b.memory.planned_total_bytes() && i < *j)
+                }) {
+                    best = Some((plan, i));
+                }
             }
         }
-        let (mut plan, name) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
-        plan.memory.schedule = name.to_string();
+        let (mut plan, i) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
+        // Orders not placed report their bound with the best plan's bytes outside the arena.
+        let other = plan.memory.persistent_bytes;
+        let mut rows: Vec<(usize, usize)> =
+            lives.iter().map(|&(bound, j, _)| (j, totals[j].unwrap_or(bound + other))).collect();
+        rows.sort_unstable();
+        tried.extend(rows.into_iter().map(|(j, total)| (candidates[j].name.to_string(), total)));
+        plan.memory.schedule = candidates[i].name.to_string();
         plan
     } else {
         let bounds = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
             let live = liveness::analyze(graph, &c.order, &scratch)?;
             check_sizes(&live, options.alignment, options.guard_bytes)?;
-            let bound = devices
-                .iter()
-                .map(|spec| {
-                    let intervals: Vec<Interval> = live
-                        .buffers
-                        .iter()
-                        .filter(|b| b.class.in_arena() && b.device == spec.id)
-                        .map(|b| Interval {
-                            bytes: b.bytes + options.guard_bytes,
-                            start: b.start,
-                            end: b.end,
-                        })
-                        .collect();
-                    planner::lower_bound(&intervals, options.alignment).bytes
-                })
-                .sum();
-            Ok((bound, live))
+            Ok((arena_bound(&live, devices, options), live))
         });
         let mut best: Option<(usize, &schedule::Candidate, liveness::Liveness)> = None;
         for (c, result) in candidates.iter().zip(bounds) {
@@ -638,6 +666,23 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
     };
     plan.memory.schedules = tried;
     Ok(plan)
+}
+
+/// The arena's lower bound of one order's liveness, summed over the devices (slots with their
+/// canaries in guard mode): no placement of that order is smaller.
+fn arena_bound(live: &liveness::Liveness, devices: &[DeviceSpec], options: &CompileOptions) -> usize {
+    devices
+        .iter()
+        .map(|spec| {
+            let intervals: Vec<Interval> = live
+                .buffers
+                .iter()
+                .filter(|b| b.class.in_arena() && b.device == spec.id)
+                .map(|b| Interval { bytes: b.bytes + options.guard_bytes, start: b.start, end: b.end })
+                .collect();
+            planner::lower_bound(&intervals, options.alignment).bytes
+        })
+        .sum()
 }
 
 /// `f` over `items` on up to two threads (the build machines have two cores), in order.
