@@ -581,7 +581,8 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         plan.memory.schedules = chosen.memory.schedules;
         return Ok(plan);
     }
-    let candidates = schedule::named(schedule::candidates(graph)?, options.schedule.as_deref());
+    let wanted = options.schedule.as_deref();
+    let candidates = schedule::named(schedule::candidates_for(graph, wanted)?, wanted);
     let scratch = scratch::of_graph(graph, options.scratch.as_ref());
     let mut tried = Vec::new();
     let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {

@@ -109,34 +109,59 @@ fn program(graph: &Graph, t: &Tables) -> Result<Vec<NodeId>> {
 
 /// Every order `compile` tries, program order first (computed on two threads).
 pub fn candidates(graph: &Graph) -> Result<Vec<Candidate>> {
+    candidates_for(graph, None)
+}
+
+/// `candidates`, computing only the orders a plan's schedule name `wanted` can name
+/// (`named` picks among them): a search that plans one order (`CompileOptions::schedule`, each
+/// of `cheap_remat`'s tries and `remat`'s rounds) does not make the others.
+pub fn candidates_for(graph: &Graph, wanted: Option<&str>) -> Result<Vec<Candidate>> {
+    let want = |name: &str| wanted.is_none_or(|w| w.starts_with(name));
     let t = Tables::new(graph);
+    let walk = |reversed: bool| {
+        let name = if reversed { "depth-first-reversed" } else { "depth-first" };
+        // "depth-first" is a prefix of the reversed walks' names: a reversed name wants only them.
+        let only_reversed = !reversed && wanted.is_some_and(|w| w.starts_with("depth-first-reversed"));
+        (want(name) && !only_reversed).then(|| depth_first(graph, &t, reversed)).transpose()
+    };
     let ((p, m), (d, r)) = std::thread::scope(|scope| {
-        let other = scope.spawn(|| (depth_first(graph, &t, false), depth_first(graph, &t, true)));
-        let here = (program(graph, &t), memory_greedy(graph, &t, None));
+        let other = scope.spawn(|| (walk(false), walk(true)));
+        let memory = want("memory") || want("row-blocks-memory");
+        let here = (program(graph, &t), memory.then(|| memory_greedy(graph, &t, None)).transpose());
         (here, other.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
     });
     let p = p?;
-    let blocks = row_blocks_of(graph, &t, &p);
-    let life = Lifetimes::new(graph, &t);
-    let mut all = vec![
-        Candidate { name: "program", order: p },
-        Candidate { name: "memory", order: m? },
-        Candidate { name: "depth-first", order: d? },
-        Candidate { name: "depth-first-reversed", order: r? },
-    ];
+    let blocks = if want("row-blocks") { row_blocks_of(graph, &t, &p) } else { None };
+    let mut all = vec![Candidate { name: "program", order: p }];
+    if let Some(m) = m? {
+        all.push(Candidate { name: "memory", order: m });
+    }
+    let mut walks = Vec::new();
+    if let Some(d) = d? {
+        walks.push(("depth-first-hoisted", all.len()));
+        all.push(Candidate { name: "depth-first", order: d });
+    }
+    if let Some(r) = r? {
+        walks.push(("depth-first-reversed-hoisted", all.len()));
+        all.push(Candidate { name: "depth-first-reversed", order: r });
+    }
+    let life = if walks.is_empty() { None } else { Some(Lifetimes::new(graph, &t)) };
     // The walks with their freeing ops run early, where that moves any: a candidate beside
     // them, not in their place, since a step that frees sooner can cost a recomputation or an
     // in-place write elsewhere (the zoo transformer's cheap recomputation at 1% of its FLOPs
     // plans 10.4 MB from the walk as it is, 14.6 MB from it hoisted).
-    for (walk, name) in [(2, "depth-first-hoisted"), (3, "depth-first-reversed-hoisted")] {
-        let order = hoisted(graph, &t, &life, all[walk].order.clone());
+    for (name, walk) in walks {
+        let Some(life) = life.as_ref().filter(|_| want(name)) else { continue };
+        let order = hoisted(graph, &t, life, all[walk].order.clone());
         if order != all[walk].order {
             all.push(Candidate { name, order });
         }
     }
     if let Some(block) = blocks {
         all.push(Candidate { name: "row-blocks", order: row_blocks(graph, &t, &block)? });
-        all.push(Candidate { name: "row-blocks-memory", order: memory_greedy(graph, &t, Some(&block))? });
+        if want("row-blocks-memory") {
+            all.push(Candidate { name: "row-blocks-memory", order: memory_greedy(graph, &t, Some(&block))? });
+        }
     }
     // Each order with its collectives' readers deferred, first: `compile` keeps the first of
     // equally small plans, so the overlap is taken wherever it costs no byte.
