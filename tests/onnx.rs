@@ -681,7 +681,8 @@ fn an_embedding_gathers_rows_by_integer_ids() {
 /// `GatherElements` with indices fed at run time (int64, a graph input; ONNX's node tests give
 /// them as constants): out[i][j] = data[i][idx[i][j]] along axis 1, data[idx[i][j]][j] along
 /// axis 0, negative indices counting from the end, indices shorter than the data on the other
-/// axis; an index tensor of another rank is an error naming the node.
+/// axis; an index past its axis is refused at run time, an index tensor of another rank at
+/// import, naming the node.
 #[test]
 fn gather_elements_picks_by_computed_indices() {
     let data: Vec<f32> = (0..12).map(|i| i as f32 * 1.5 - 4.0).collect(); // [3, 4]
@@ -694,13 +695,17 @@ fn gather_elements_picks_by_computed_indices() {
             17,
         );
         let shape = Shape::new([idims[0] as usize, idims[1] as usize]);
-        run(&bytes, &[("idx", HostTensor::from_i64(shape, ids).unwrap())]).unwrap()
+        run(&bytes, &[("idx", HostTensor::from_i64(shape, ids).unwrap())])
     };
-    let y = one(1, [3, 2], vec![3, 0, -1, 1, 2, 2]);
+    let y = one(1, [3, 2], vec![3, 0, -1, 1, 2, 2]).unwrap();
     assert_eq!(y.shape(), &Shape::new([3, 2]));
     close(y.data(), &[at(0, 3), at(0, 0), at(1, 3), at(1, 1), at(2, 2), at(2, 2)], "axis 1");
-    let y = one(0, [2, 3], vec![2, 0, 1, -3, 2, 0]);
+    let y = one(0, [2, 3], vec![2, 0, 1, -3, 2, 0]).unwrap();
     close(y.data(), &[at(2, 0), at(0, 1), at(1, 2), at(0, 0), at(2, 1), at(0, 2)], "axis 0");
+    // An index past its axis (which flattened would land in the next row) is refused.
+    for bad in [4, -5] {
+        assert!(one(1, [3, 2], vec![0, bad, 0, 0, 0, 0]).is_err(), "index {bad} on an axis of 4");
+    }
     let bytes = graph(
         vec![node("GatherElements", "pick", &["x", "idx"], &["y"], vec![])],
         vec![tensor("x", &[3, 4], &data)],

@@ -217,11 +217,12 @@ pub struct MemoryFigures {
     /// devices).
     pub tried: Vec<(String, usize)>,
     /// The execution order that won (`schedule::candidates`), and every one tried with its
-    /// planned total bytes (set on the plan's totals only; above `SEARCH_PLACES_ALL_BELOW`
-    /// nodes, persistent bytes plus the arena's lower bound).
+    /// planned total bytes (set on the plan's totals only; for an order not placed, because its
+    /// lower bound could not beat the best plan or the graph has `SEARCH_PLACES_ALL_BELOW` nodes
+    /// or more, persistent bytes plus the arena's lower bound).
     #[serde(default)]
     pub schedule: String,
-    /// Each candidate order tried, with its planned total bytes.
+    /// Each candidate order tried, with its planned total bytes (or bound, as above).
     #[serde(default)]
     pub schedules: Vec<(String, usize)>,
     /// How many optimizer updates run in blocks of rows (`tiled_updates`; set on the totals),

@@ -457,15 +457,16 @@ fn memory_greedy(graph: &Graph, t: &Tables, block: Option<&[u32]>) -> Result<Vec
 
 /// `order` with each op that frees more than it allocates run as early as it can free it: right
 /// after the last of its predecessors and of the other readers of the values it is the last
-/// reader of. Between the two places every step then holds (freed - allocated) bytes fewer, so
-/// no step holds more. The walks from the sinks reach an op only in its turn: in GPT-2 small's
+/// reader of. Between the two places each step then holds (freed - allocated) bytes fewer by
+/// this count, which knows nothing of in-place writes and views placed at an offset: a
+/// heuristic, offered beside the walk it starts from (`candidates_for`). The walks from the sinks reach an op only in its turn: in GPT-2 small's
 /// training step (4 x 256 tokens) `depth-first-reversed` ran the loss, which reads the difference
 /// of the logits and the target, after the whole backward pass, and the tied token table's
 /// head gradient (dlogitsᵀ·h, summed with the embedding's gradient at the end) there too,
 /// keeping two [4, 256, 50257] values (412 MB) alive through it. An op is moved only after
 /// ops that stay where they are (its new place is then after each of its predecessors).
-fn hoisted(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>) -> Vec<NodeId> {
-    let order = views_first(graph, t, order);
+fn hoisted(graph: &Graph, t: &Tables, life: &Lifetimes, given: Vec<NodeId>) -> Vec<NodeId> {
+    let order = views_first(graph, t, given.clone());
     let bound = t.present.len();
     let mut pos = vec![0usize; bound];
     for (p, n) in order.iter().enumerate() {
@@ -501,7 +502,7 @@ fn hoisted(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>) -> V
         }
     }
     if !moved.iter().any(|&m| m) {
-        return order;
+        return given;
     }
     let mut out = Vec::with_capacity(order.len());
     for n in &order {

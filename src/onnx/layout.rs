@@ -800,7 +800,11 @@ fn gather_elements(imp: &mut Importer, n: &Node) -> Result<Value> {
             // Negative ids count from the end of the axis (in f32: exact below 2^24).
             let ids = ids.cast(DType::F32);
             let ids = ids.add(&(ids.lt(0.0) * d as f32));
-            let mut flat = ids * strides[axis] as f32;
+            let mut flat = ids.clone() * strides[axis] as f32;
+            // An index outside the axis (after counting from the end) would land in another row
+            // of the flattened data: pushed past its end instead, so that the gather refuses it.
+            let outside = ids.lt(0.0).add(ids.ge(d as f32));
+            flat = flat.add(&(outside * (2 * total) as f32));
             for a in (0..dims.len()).filter(|&a| a != axis && idims[a] > 1) {
                 flat = flat.add(&(imp.t.iota(idims.clone(), a) * strides[a] as f32));
             }

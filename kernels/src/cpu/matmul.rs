@@ -51,7 +51,7 @@ const KC: usize = 512;
 
 /// Products this thin or small leave the gemm crate's packed kernel: it picks a kernel by the
 /// operands' strides there (dot products along k, or a GEMV), which sums k in another order
-/// (measured: `transposed_operands_sum_in_the_copied_operands_order`). Such products run
+/// (measured: `a_product_sums_in_one_order_whatever_its_layout`). Such products run
 /// `Gemm::direct`, which sums in the packed kernel's order.
 fn stride_sensitive(m: usize, n: usize, k: usize) -> bool {
     m <= 1 || n <= 1 || k <= 2 || m * n <= 256
@@ -67,7 +67,7 @@ fn fused(a: f32, b: f32, c: f32) -> f32 {
 impl Gemm {
     /// out = A·B, or out += A·B with `accumulate`.
     ///
-    /// Every element is summed in one order whatever the strides, M and N: chunks of `KC` along
+    /// Every element is summed in one order whatever the (non-negative) strides, M and N: chunks of `KC` along
     /// k, each a fused multiply-add chain from zero, added to the output in order. So a product
     /// that reads an operand transposed through its strides gives the bits of the same product
     /// on a transposed copy, a product split into row blocks (fused epilogues) or batches gives
@@ -85,6 +85,10 @@ impl Gemm {
         accumulate: bool,
         parallel: bool,
     ) {
+        debug_assert!(self.a.0 >= 0 && self.a.1 >= 0 && self.b.0 >= 0 && self.b.1 >= 0, "negative strides");
+        if self.m == 0 || self.n == 0 {
+            return;
+        }
         if self.k == 0 {
             // SAFETY: forwarded contract; with k = 0 nothing is read.
             unsafe { self.chunk(0, a, b, out, accumulate, parallel) };
