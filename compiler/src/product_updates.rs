@@ -86,9 +86,7 @@ fn foldable(graph: &Graph, effect: NodeId) -> Option<NodeId> {
     let w = &graph.node(var).shape;
     let shapes = sa.rank() == 2 && sb.rank() == 2 && sa.dims()[0] > 0 && w.rank() == 2 && *w == g.shape;
     // The kernel reads the factors while it writes the variable and its state.
-    let written: Vec<NodeId> =
-        node.op.mutated_operands().iter().filter_map(|&i| operands.get(i)).map(|&n| root(graph, n)).collect();
-    let apart = factors.iter().all(|&f| !written.contains(&root(graph, f)));
+    let apart = factors_apart(graph, effect, &factors);
     let devices = factors.iter().all(|&f| graph.node(f).device == node.device);
     // The folded op runs where both ran: nothing the product must precede may have to run
     // before the update.
@@ -113,6 +111,22 @@ fn pays(graph: &Graph, effect: NodeId, grad: NodeId) -> bool {
 }
 
 /// The node whose buffer `id` is: through reshapes (views) to their source.
+/// Whether none of `factors` is (a reshape of) something the update `effect` writes: a kernel
+/// that reads them while it writes the variable a block at a time (a product update, tiled
+/// updates) would read rows it already changed.
+pub(crate) fn factors_apart(graph: &Graph, effect: NodeId, factors: &[NodeId]) -> bool {
+    let operands = graph.operands(effect);
+    let written: Vec<NodeId> = graph
+        .node(effect)
+        .op
+        .mutated_operands()
+        .iter()
+        .filter_map(|&i| operands.get(i))
+        .map(|&n| root(graph, n))
+        .collect();
+    factors.iter().all(|&f| !written.contains(&root(graph, f)))
+}
+
 fn root(graph: &Graph, mut id: NodeId) -> NodeId {
     while matches!(graph.node(id).op, Op::Reshape { .. }) {
         match graph.operands(id).first() {

@@ -77,7 +77,16 @@ fn tileable(graph: &Graph, effect: NodeId) -> Option<NodeId> {
     let matrices = ab.len() == 2 && ab.iter().all(|&x| graph.node(x).shape.rank() == 2);
     let w = &graph.node(var).shape;
     let same_device = ab.iter().all(|&x| graph.node(x).device == node.device) && g.device == node.device;
-    (product && only_reader && matrices && same_device && w.rank() == 2 && *w == g.shape && w.dims()[0] >= 2)
+    // Each block's product reads the factors after the blocks before it were applied.
+    let apart = crate::product_updates::factors_apart(graph, effect, &ab);
+    (product
+        && only_reader
+        && matrices
+        && same_device
+        && apart
+        && w.rank() == 2
+        && *w == g.shape
+        && w.dims()[0] >= 2)
         .then_some(grad)
 }
 
@@ -189,5 +198,19 @@ mod tests {
         let mut graph = t.finish().unwrap();
         crate::passes::default_pipeline().run(&mut graph).unwrap();
         assert!(tile(&graph, 256).unwrap().is_none(), "no update, nothing to tile");
+    }
+
+    /// A gradient whose factor is the variable it updates (wᵀ·w) is not tiled: each block's
+    /// product would read rows the blocks before it had already changed.
+    #[test]
+    fn a_gradient_reading_its_own_variable_is_left_whole() {
+        let t = crate::trace::Tracer::new("own");
+        let w = t.param("w", [8, 8], Init::GlorotUniform);
+        let g = w.matmul_t(&w, true, false);
+        crate::optim::Optimizer::from(crate::optim::Sgd::new(0.1)).apply(&[(w.clone(), "w".into(), g)]);
+        t.output("w", &w.reshape([64]));
+        let mut graph = t.finish().unwrap();
+        crate::passes::default_pipeline().run(&mut graph).unwrap();
+        assert!(tile(&graph, 64).unwrap().is_none(), "wᵀ·w updating w stays whole");
     }
 }
