@@ -59,8 +59,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "peers"))
 import models  # noqa: E402
+from xla_memory import raw_figures  # noqa: E402  (the zoo's XLA figures, counted alike)
 
 F32 = jnp.float32
 LR, ADAM_EPS = 1e-3, 1e-7
@@ -367,23 +370,6 @@ def has_ynn_fusion():
         return True
     except Exception:
         return False
-
-
-def raw_figures(compiled):
-    m = compiled.memory_analysis()
-    arg, out, temp, alias = (
-        int(m.argument_size_in_bytes),
-        int(m.output_size_in_bytes),
-        int(m.temp_size_in_bytes),
-        int(m.alias_size_in_bytes),
-    )
-    return {
-        "argument_bytes": arg,
-        "output_bytes": out,
-        "temp_bytes": temp,
-        "alias_bytes": alias,
-        "total_bytes": arg + out + temp - alias,
-    }
 
 
 def count(tree):
