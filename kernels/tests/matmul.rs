@@ -99,3 +99,70 @@ fn empty_contraction_gives_zeros() {
     let got = run(&Op::MatMul { transpose_a: false, transpose_b: false }, &[&a, &b]);
     assert_eq!(got.data, vec![0.0; 12]);
 }
+
+/// A product with an epilogue written over an epilogue operand (`Op::may_write_over`: any
+/// rank, either factor transposed) gives the bits it gives into a buffer of its own: batches
+/// folded into the rows and not, broadcast factors, outputs wider than a tile's rows (blocks of
+/// columns, the epilogue a row at a time), operands broadcast along rows, columns and batches.
+#[test]
+fn a_product_written_over_its_epilogue_operand_gives_its_own_bits() {
+    use kiln_compiler::ir::fused::{FusedMatMul, Inst, Ref};
+    use kiln_compiler::ir::{BinaryOp, Fused, Shape, UnaryOp};
+    // (m, k, n, a batch, b batch, extra operand dims)
+    let cases: [(usize, usize, usize, &[usize], &[usize], &[usize]); 8] = [
+        (7, 5, 9, &[], &[], &[9]),
+        (33, 17, 70, &[3], &[], &[70]),
+        (5, 8, 3000, &[2], &[], &[1]),
+        (20, 12, 9000, &[2], &[], &[2, 20, 1]),
+        (6, 4, 11, &[2, 3], &[3], &[2, 1, 6, 1]),
+        (9, 6, 5, &[4], &[4], &[9, 5]),
+        (3, 64, 70000, &[], &[], &[70000]),
+        (150, 3, 700, &[2], &[1], &[2, 1, 1]),
+    ];
+    for (i, &(m, k, n, ba, bb, extra)) in cases.iter().enumerate() {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (a, b) = operands((m, k, n), ta, tb, ba, bb, 100 + i as u64);
+            let out = out_shape(&Op::MatMul { transpose_a: ta, transpose_b: tb }, &[&a, &b]);
+            let (over, other) = (rand(out.dims(), 7 + i as u64), rand(extra, 8 + i as u64));
+            // gelu(A·B * over + other) - over
+            let op = Op::Fused(Fused {
+                matmul: Some(FusedMatMul { transpose_a: ta, transpose_b: tb }),
+                ..Fused::elementwise(
+                    Shape::from(out.dims()),
+                    vec![
+                        Inst::Binary(BinaryOp::Mul, Ref::Operand(0), Ref::Operand(1)),
+                        Inst::Binary(BinaryOp::Add, Ref::Value(0), Ref::Operand(2)),
+                        Inst::Unary(UnaryOp::Gelu, Ref::Value(1)),
+                        Inst::Binary(BinaryOp::Sub, Ref::Value(2), Ref::Operand(1)),
+                    ],
+                )
+            });
+            assert!(op.may_write_over(2, &out) && !op.may_write_over(0, &out) && !op.may_write_over(1, &out));
+            let apart = run(&op, &[&a, &b, &over, &other]);
+            let product = run(&Op::MatMul { transpose_a: ta, transpose_b: tb }, &[&a, &b]);
+            let want: Vec<f32> = (0..out.numel())
+                .map(|e| {
+                    let x =
+                        product.data[e] * over.data[e] + other.data[broadcast_index_of(e, out.dims(), extra)];
+                    let g = run(&Op::Unary(UnaryOp::Gelu), &[&T::new(&[1], vec![x])]).data[0];
+                    g - over.data[e]
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let case = format!("case {i} ta {ta} tb {tb}");
+            assert_eq!(bits(&apart.data), bits(&want), "{case}: fused against product then epilogue");
+            let (kernel, _) = kernel(&op, &[&a, &b, &over, &other]);
+            let mut bufs = [a.data.clone(), b.data.clone(), over.data.clone(), other.data.clone()];
+            let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|b| b.as_mut_ptr() as *mut u8).collect();
+            // SAFETY: buffers sized from the shapes, distinct allocations; the output is operand
+            // 2's buffer, which has the output's shape and which the op allows (asserted above).
+            unsafe { kernel.run(&ptrs, ptrs[2]) };
+            assert_eq!(bits(&bufs[2]), bits(&apart.data), "{case}: written over operand 2");
+        }
+    }
+}
+
+/// The flat index into an operand of `dims`, broadcast to `out`, of output element `e`.
+fn broadcast_index_of(e: usize, out: &[usize], dims: &[usize]) -> usize {
+    broadcast_index(&unravel(e, out), dims)
+}

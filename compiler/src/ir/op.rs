@@ -888,10 +888,10 @@ impl Op {
     /// `i` (one of the output's shape, read last by this op: `liveness` plans that, `validate`
     /// checks it). Elementwise ops: any operand, each element is read before it is written. A
     /// fused matrix product (no reduction; a fused convolution never): an operand of its
-    /// epilogue, never a factor, when the product is 2-D and its first factor is not
-    /// transposed. The CPU then computes it in blocks of output rows into a bounded tile, and
-    /// each block's epilogue reads the operand's rows before writing them (a row block of an
-    /// untransposed first factor is contiguous); a CUDA thread reads an element's epilogue operands before it stores the element. Writing
+    /// epilogue, never a factor, at any rank and with either factor transposed. The CPU then
+    /// computes it in blocks of output rows and columns into a bounded tile, and each block's
+    /// epilogue reads the operand's elements in the block before writing them; a CUDA thread
+    /// reads an element's epilogue operands before it stores the element. Writing
     /// relu's gradient over the activation it reads saves one activation-sized buffer at a
     /// dense layer's backward step (seed-mlp's training arena 15,680 -> 14,400 B). Max pooling's
     /// gradient: over x (operand 0) where the windows tile it, each window's x read before its
@@ -902,10 +902,7 @@ impl Op {
             // A convolution's epilogue (`Fused::conv`) never: the CPU stores each block of
             // rows before its epilogue reads the block's operands.
             Op::Fused(f) if f.has_product() || f.reduce.is_some() => {
-                f.reduce.is_none()
-                    && f.matmul.as_ref().is_some_and(|m| !m.transpose_a)
-                    && output.rank() == 2
-                    && i >= 2
+                f.reduce.is_none() && f.matmul.is_some() && i >= 2
             }
             Op::Custom { name } => crate::custom::lookup(name).is_some_and(|c| c.in_place() == Some(i)),
             // Over x where the windows tile it: the kernels then work a window at a time, reading

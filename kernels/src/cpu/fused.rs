@@ -490,9 +490,8 @@ impl CpuKernel for FusedReduceKernel {
 pub(crate) struct FusedMatMulKernel {
     product: Box<dyn CpuKernel>,
     epilogue: FusedKernel,
-    /// The path for a run that writes over an epilogue operand (`Op::may_write_over`); `None`
-    /// where the op may not (a product that is not 2-D or whose first factor is transposed).
-    rows: Option<RowBlocks>,
+    /// The path for a run that writes over an epilogue operand (`Op::may_write_over`).
+    rows: RowBlocks,
     desc: String,
 }
 
@@ -500,106 +499,196 @@ pub(crate) struct FusedMatMulKernel {
 /// take. The tile is the kernel's, outside the arena, like them.
 pub(crate) const TILE_FLOATS: usize = 1 << 16;
 
-/// A 2-D fused product that writes over an operand of its epilogue: the output is made in
-/// blocks of rows, each block's product into the tile, then the epilogue from the tile and the
-/// block's rows of every operand into the block's rows of the output. Every operand row a block
-/// reads belongs to that block, so the rows written are never read again. The product of a
-/// block is the same GEMM on fewer rows of the first factor: its sums run over k in the same
-/// order, and `tests/fusion.rs` holds the fused plans bitwise to the unfused ones.
+/// A fused product that writes over an operand of its epilogue, at any rank and with either
+/// factor transposed. The output is seen as R rows of n (R the product of its leading axes) and
+/// made in blocks of rows and columns: each block's product into the tile, then the epilogue
+/// from the tile and the block's elements of every operand into the block's elements of the
+/// output. Every element of a written-over operand that a block reads is one the block then
+/// writes, and no later block reads it. A block's product is the same GEMM on fewer rows and
+/// columns: its sums run over k in the same order (`Gemm::run`), and `tests/fusion.rs` holds the
+/// fused plans bitwise to the unfused ones.
+///
+/// Blocks are whole rows where a tile holds at least 16 of them (the epilogue then runs once
+/// per block); wider outputs (GPT-2's logits, n = 50,257) take 64 rows of 1,024 columns, the
+/// epilogue a row at a time, so that a block's GEMM still reuses its packed panels (a block of
+/// one row of 65,536 columns would stream the whole second factor once per output row).
 struct RowBlocks {
-    /// The output's rows.
-    m: usize,
-    /// The product of one whole block: `gemm.m` rows of `gemm.n`, contracting `gemm.k`.
+    /// The product of a whole block (`gemm.m` rows of `gemm.n` columns) and, per output matrix
+    /// of the batch, the element offsets of its factors (`matmul::layout`; a batch folded into
+    /// the rows is one matrix of `rows` rows).
     gemm: super::matmul::Gemm,
+    batches: Vec<(usize, usize)>,
+    /// Rows of one output matrix and the output's columns.
+    rows: usize,
+    n: usize,
     parallel: bool,
-    /// Epilogue kernels for a whole block and for the last, shorter one.
-    whole: FusedKernel,
-    tail: Option<FusedKernel>,
-    /// Per epilogue operand (after the product): its elements per output row when it has one
-    /// row per output row, `None` when it is broadcast along the rows.
-    row_elements: Vec<Option<usize>>,
+    /// Whether every operand is read a whole block at a time (blocks of whole rows, each
+    /// operand one row per output row or the same row for all); otherwise a row at a time.
+    whole_rows: bool,
+    /// Epilogue kernels by (rows, columns) of what they run over.
+    kernels: Vec<((usize, usize), FusedKernel)>,
+    /// Per epilogue operand (after the factors): how an output row finds its elements.
+    reads: Vec<RowRead>,
     tile: std::sync::Mutex<Vec<f32>>,
 }
 
-impl RowBlocks {
-    fn new(program: &Fused, matmul: &FusedMatMul, operands: &[&Shape]) -> Result<Option<Self>, KernelError> {
-        let shape = &program.shape;
-        if matmul.transpose_a || shape.rank() != 2 || operands[0].rank() != 2 || operands[1].rank() != 2 {
-            return Ok(None);
-        }
-        let (m, n) = (shape.dims()[0], shape.dims()[1]);
-        let k = operands[0].dims()[1];
-        let block = (TILE_FLOATS / n.max(1)).clamp(1, m.max(1));
-        let row_elements: Vec<Option<usize>> = operands[2..]
-            .iter()
-            .map(|s| {
-                let d = s.dims();
-                let rows = if d.len() == 2 { d[0] } else { 1 };
-                (rows == m && m > 1).then(|| d.last().copied().unwrap_or(1))
-            })
-            .collect();
-        let epilogue_for = |rows: usize| -> Result<FusedKernel, KernelError> {
-            let out = Shape::from([rows, n].as_slice());
-            let shapes: Vec<Shape> = operands[2..]
-                .iter()
-                .zip(&row_elements)
-                .map(|(s, r)| match r {
-                    Some(cols) => Shape::from([rows, *cols].as_slice()),
-                    None => (*s).clone(),
-                })
-                .collect();
-            let mut all: Vec<&Shape> = vec![&out];
-            all.extend(shapes.iter());
-            fused_kernel(&Fused { matmul: None, shape: out.clone(), ..program.clone() }, &all, &out)
+/// Where an epilogue operand's elements for output row `r` start: the row's index along the
+/// output's leading axes dotted with the operand's broadcast strides, times `cols`, the
+/// operand's last axis (the output's n, or 1 where it broadcasts along the row).
+struct RowRead {
+    lead: Vec<usize>,
+    strides: Vec<usize>,
+    cols: usize,
+}
+
+impl RowRead {
+    fn new(operand: &Shape, out: &Shape) -> Self {
+        let (od, d) = (out.dims(), operand.dims());
+        let lead_out = &od[..od.len() - 1];
+        let (lead, cols) = match d.split_last() {
+            Some((&c, lead)) => (lead, c),
+            None => (&[][..], 1),
         };
-        let tail = m % block;
-        let sb = if matmul.transpose_b { (1, k as isize) } else { (n as isize, 1) };
-        let gemm = super::matmul::Gemm { m: block, n, k, a: (k as isize, 1), b: sb, out_rs: n as isize };
-        Ok(Some(RowBlocks {
-            m,
-            gemm,
-            parallel: block * n * k >= super::matmul::SERIAL_MACS,
-            whole: epilogue_for(block)?,
-            tail: if tail > 0 { Some(epilogue_for(tail)?) } else { None },
-            row_elements,
+        let strides =
+            super::broadcast::broadcast_strides(lead, lead_out).iter().map(|&s| s as usize).collect();
+        RowRead { lead: lead_out.to_vec(), strides, cols }
+    }
+
+    /// The element offset of output row `r`'s elements.
+    fn offset(&self, mut r: usize) -> usize {
+        let mut at = 0;
+        for (&dim, &stride) in self.lead.iter().zip(&self.strides).rev() {
+            at += (r % dim) * stride;
+            r /= dim;
+        }
+        at * self.cols
+    }
+
+    /// Row r's elements start at r * cols: one row of the operand per output row.
+    fn per_row(&self) -> bool {
+        let mut running = 1;
+        self.lead.iter().zip(&self.strides).rev().all(|(&dim, &stride)| {
+            let ok = dim == 1 || stride == running;
+            running *= dim;
+            ok
+        })
+    }
+
+    /// Every output row reads the same elements.
+    fn shared(&self) -> bool {
+        self.strides.iter().all(|&s| s == 0)
+    }
+}
+
+impl RowBlocks {
+    fn new(program: &Fused, matmul: &FusedMatMul, operands: &[&Shape]) -> Result<Self, KernelError> {
+        let shape = &program.shape;
+        let (gemm, batches) =
+            super::matmul::layout(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
+        let (rows, n) = (gemm.m, gemm.n);
+        let block_rows = if n <= TILE_FLOATS / 16 { TILE_FLOATS / n.max(1) } else { 64 };
+        let block_rows = block_rows.clamp(1, rows.max(1));
+        let block_cols = (TILE_FLOATS / block_rows).clamp(1, n.max(1));
+        let reads: Vec<RowRead> = operands[2..].iter().map(|s| RowRead::new(s, shape)).collect();
+        let whole_rows = block_cols == n && reads.iter().all(|r| r.per_row() || r.shared());
+        let sizes: Vec<(usize, usize)> = if whole_rows {
+            [block_rows, rows % block_rows].iter().filter(|&&r| r > 0).map(|&r| (r, n)).collect()
+        } else {
+            [block_cols, n % block_cols].iter().filter(|&&c| c > 0).map(|&c| (1, c)).collect()
+        };
+        let kernels = sizes
+            .into_iter()
+            .map(|(r, c)| {
+                let out = Shape::from([r, c].as_slice());
+                let shapes: Vec<Shape> = reads
+                    .iter()
+                    .map(|read| {
+                        let cols = if read.cols == n { c } else { read.cols };
+                        let r = if whole_rows && !read.shared() { r } else { 1 };
+                        Shape::from([r, cols].as_slice())
+                    })
+                    .collect();
+                let mut all: Vec<&Shape> = vec![&out];
+                all.extend(shapes.iter());
+                let program = Fused { matmul: None, shape: out.clone(), ..program.clone() };
+                Ok(((r, c), fused_kernel(&program, &all, &out)?))
+            })
+            .collect::<Result<_, KernelError>>()?;
+        Ok(RowBlocks {
+            gemm: super::matmul::Gemm { m: block_rows, n: block_cols, out_rs: block_cols as isize, ..gemm },
+            batches,
+            rows,
+            n,
+            parallel: block_rows * block_cols * gemm.k >= super::matmul::SERIAL_MACS,
+            whole_rows,
+            kernels,
+            reads,
             tile: std::sync::Mutex::new(Vec::new()),
-        }))
+        })
+    }
+
+    fn kernel(&self, rows: usize, cols: usize) -> &FusedKernel {
+        let found = self.kernels.iter().find(|(size, _)| *size == (rows, cols));
+        &found.expect("a kernel for every block size `new` makes").1
     }
 
     /// # Safety
     /// `inputs` are the op's operands (factors first), valid for their shapes; `output` is valid
-    /// for m x n floats and overlaps no factor (`Op::may_write_over` never allows it).
+    /// for the output's floats and overlaps no factor (`Op::may_write_over` never allows it).
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let mut tile = self.tile.lock().unwrap_or_else(|e| e.into_inner());
-        let (block, n, k) = (self.gemm.m, self.gemm.n, self.gemm.k);
-        tile.resize(block * n, 0.0);
-        let (a, b) = (inputs[0] as *const f32, inputs[1] as *const f32);
-        let extra = inputs.len() - 2;
-        let mut r0 = 0;
-        while r0 < self.m {
-            let rows = block.min(self.m - r0);
-            let gemm = super::matmul::Gemm { m: rows, ..self.gemm };
-            let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
-            ins[0] = tile.as_mut_ptr() as *mut u8;
-            for (j, r) in self.row_elements.iter().enumerate() {
-                let base = inputs[2 + j] as *mut f32;
-                // SAFETY: an operand with one row per output row holds m rows of `cols`.
-                ins[1 + j] = match r {
-                    Some(cols) => unsafe { base.add(r0 * cols) as *mut u8 },
-                    None => base as *mut u8,
-                };
+        let (block_rows, block_cols, n) = (self.gemm.m, self.gemm.n, self.n);
+        tile.resize(block_rows * block_cols, 0.0);
+        let (a, b, out) = (inputs[0] as *const f32, inputs[1] as *const f32, output as *mut f32);
+        let operand = |j: usize| inputs[2 + j] as *mut f32;
+        let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
+        let extra = self.reads.len();
+        for (matrix, &(a_at, b_at)) in self.batches.iter().enumerate() {
+            let mut r0 = 0;
+            while r0 < self.rows {
+                let rows = block_rows.min(self.rows - r0);
+                let mut c0 = 0;
+                while c0 < n {
+                    let cols = block_cols.min(n - c0);
+                    let gemm = super::matmul::Gemm { m: rows, n: cols, out_rs: cols as isize, ..self.gemm };
+                    // SAFETY: `layout` gave the matrix's factor offsets for these shapes; rows
+                    // r0.. of A and columns c0.. of B lie inside them (r0 + rows <= m, c0 +
+                    // cols <= n); the tile holds rows x cols floats and is the kernel's own.
+                    unsafe {
+                        let a = a.add(a_at).offset(r0 as isize * self.gemm.a.0);
+                        let b = b.add(b_at).offset(c0 as isize * self.gemm.b.1);
+                        gemm.run(a, b, tile.as_mut_ptr(), false, self.parallel);
+                    }
+                    let first = matrix * self.rows + r0;
+                    // SAFETY (both branches): each operand pointer is its elements for the
+                    // block's output rows (`RowRead::offset`) and columns c0.. where it has n
+                    // of them; the epilogue reads them and the tile, then writes the same
+                    // output elements, each element read before it is written (the elementwise
+                    // contract). A written-over operand has the output's shape, so it reads
+                    // exactly the elements the block writes, which no later block reads.
+                    if self.whole_rows {
+                        ins[0] = tile.as_mut_ptr() as *mut u8;
+                        for (j, read) in self.reads.iter().enumerate() {
+                            ins[1 + j] = unsafe { operand(j).add(read.offset(first)) } as *mut u8;
+                        }
+                        let kernel = self.kernel(rows, n);
+                        unsafe { kernel.run(&ins[..=extra], out.add(first * n) as *mut u8) };
+                    } else {
+                        let kernel = self.kernel(1, cols);
+                        for i in 0..rows {
+                            let row = first + i;
+                            ins[0] = unsafe { tile.as_mut_ptr().add(i * cols) } as *mut u8;
+                            for (j, read) in self.reads.iter().enumerate() {
+                                let at = read.offset(row) + if read.cols == n { c0 } else { 0 };
+                                ins[1 + j] = unsafe { operand(j).add(at) } as *mut u8;
+                            }
+                            unsafe { kernel.run(&ins[..=extra], out.add(row * n + c0) as *mut u8) };
+                        }
+                    }
+                    c0 += cols;
+                }
+                r0 += rows;
             }
-            let kernel = if rows == block { &self.whole } else { self.tail.as_ref().unwrap_or(&self.whole) };
-            // SAFETY: the block's rows of the first factor (contiguous, untransposed) and the
-            // second factor are valid; the tile holds block x n floats and is the kernel's own.
-            // The epilogue reads the tile and this block's rows of each operand and writes this
-            // block's rows of the output, each element read before it is written (the
-            // elementwise contract), rows no later block reads.
-            unsafe {
-                gemm.run(a.add(r0 * k), b, tile.as_mut_ptr(), false, self.parallel);
-                kernel.run(&ins[..=extra], (output as *mut f32).add(r0 * n) as *mut u8);
-            }
-            r0 += rows;
         }
     }
 }
@@ -686,12 +775,10 @@ impl CpuKernel for FusedConvKernel {
 impl CpuKernel for FusedMatMulKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let (epilogue_inputs, extra) = epilogue_inputs(inputs, output);
-        if let Some(rows) = &self.rows
-            && inputs[2..].contains(&output)
-        {
+        if inputs[2..].contains(&output) {
             // SAFETY: run's contract; the output overlaps an epilogue operand only, planned so
-            // by `Op::may_write_over`, which allows it only where `rows` exists.
-            return unsafe { rows.run(inputs, output) };
+            // by `Op::may_write_over`.
+            return unsafe { self.rows.run(inputs, output) };
         }
         // SAFETY: run's contract: the factors and the output are valid and disjoint (a product
         // never writes over its factors), so the product kernel's contract holds; the epilogue

@@ -1,7 +1,7 @@
 //! Batched matrix products on the `gemm` crate.
 //!
 //! Operands are read in place through row and column strides, so a transposed operand costs
-//! nothing. Batch axes broadcast (NumPy rules): `prepare` lists, for every output matrix, the
+//! nothing. Batch axes broadcast (NumPy rules): `layout` lists, for every output matrix, the
 //! offsets of its two operand matrices. When the right operand has no batch and the left one is
 //! a plain stack of row-major matrices ([B, M, K] @ [K, N], a dense layer on a sequence), the
 //! batch folds into M and the product is one GEMM.
@@ -219,7 +219,10 @@ struct MatMul {
     desc: String,
 }
 
-pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> Box<dyn CpuKernel> {
+/// The product's GEMM and, per output matrix, the element offsets of its A and B matrices
+/// : operand strides read transposes in place, batch axes
+/// broadcast, and a [B, M, K] @ [K, N] product folds its batch into M (one GEMM, one entry).
+pub(crate) fn layout(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> (Gemm, Vec<(usize, usize)>) {
     let r = out.rank();
     let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
     let k = if ta { a.back(2) } else { a.back(1) };
@@ -258,6 +261,15 @@ pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> B
             })
             .collect()
     };
+    (g, batches)
+}
+
+pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> Box<dyn CpuKernel> {
+    let (g, batches) = layout(a, b, ta, tb, out);
+    let r = out.rank();
+    let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
+    let k = g.k;
+    let batch: usize = out.dims()[..r - 2].iter().product();
     let macs = batch * m * n * k;
     let per_batch = m * n * k;
     let threads = if macs < SERIAL_MACS {
