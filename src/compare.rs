@@ -375,7 +375,7 @@ pub fn table(rows: &[Comparison]) -> String {
         let _ = writeln!(out, "  {} {}: {}", r.model, r.mode.name(), tried.join(", "));
     }
     for r in rows {
-        if let Some(s) = &r.plan.memory.saved_values {
+        if let Some(s) = &r.plan.memory.rewrites.saved_values {
             let _ = writeln!(
                 out,
                 "{} {}: kept for the backward pass {} -> {}, {} ops recomputed ({}, {:.2}% of the step)",
@@ -384,7 +384,7 @@ pub fn table(rows: &[Comparison]) -> String {
                 bytes(s.kept_bytes_before),
                 bytes(s.kept_bytes_after),
                 s.recomputed_ops,
-                kiln_compiler::remat::human_flops(s.recomputed_flops),
+                kiln_compiler::plan::human_flops(s.recomputed_flops),
                 100.0 * s.recomputed_flops as f64 / s.step_flops.max(1) as f64
             );
         }

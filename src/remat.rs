@@ -7,7 +7,7 @@
 
 use crate::error::Result;
 use crate::zoo::ZooModel;
-use kiln_compiler::remat::RematFigures;
+use kiln_compiler::plan::RematFigures;
 use kiln_compiler::step::train_step_graph;
 use kiln_compiler::{CompileOptions, Plan, compile};
 use kiln_runtime::{Backend, CpuBackend, HostTensor};

@@ -38,8 +38,12 @@ fn a_mask_built_from_fills_and_layouts_is_a_constant_of_the_plan() {
         let options = CompileOptions::default().with_fusion(fuse);
         let folded = compile(graph.clone(), &options).unwrap();
         let plain = compile(graph.clone(), &options.clone().with_constant_folding(false)).unwrap();
-        assert_eq!(folded.memory.folded_constants, 1, "fuse {fuse}: {}", folded.render());
-        assert!(folded.memory.folded_ops >= 16, "8 fills, 8 pads, the concat: {}", folded.memory.folded_ops);
+        assert_eq!(folded.memory.rewrites.folded_constants, 1, "fuse {fuse}: {}", folded.render());
+        assert!(
+            folded.memory.rewrites.folded_ops >= 16,
+            "8 fills, 8 pads, the concat: {}",
+            folded.memory.rewrites.folded_ops
+        );
         let layout =
             |p: &Plan| p.steps.iter().filter(|s| matches!(s.op, Op::Pad { .. } | Op::Concat { .. })).count();
         assert_eq!(layout(&folded), 0, "no pad or concat runs");

@@ -43,13 +43,13 @@ fn every_zoo_step_is_fused_and_trains_bit_for_bit_as_unfused() {
         let fused = compile(graph.clone(), &options(true)).unwrap();
         let plain = compile(graph, &options(false)).unwrap();
         let name = m.name;
-        assert!(fused.memory.fused_groups > 0, "{name}: nothing fused");
-        assert_eq!(plain.memory.fused_groups, 0);
+        assert!(fused.memory.rewrites.fused_groups > 0, "{name}: nothing fused");
+        assert_eq!(plain.memory.rewrites.fused_groups, 0);
         assert_eq!(
-            fused.steps.len() + fused.memory.fused_ops - fused.memory.fused_groups
+            fused.steps.len() + fused.memory.rewrites.fused_ops - fused.memory.rewrites.fused_groups
                 + fused.memory.product_updates
-                + fused.memory.conv_relu_grads,
-            plain.steps.len() + fused.memory.split_added_ops,
+                + fused.memory.rewrites.conv_relu_grads,
+            plain.steps.len() + fused.memory.rewrites.split_added_ops,
             "{name}: every fused op stands for the steps it replaced"
         );
         assert!(fused.steps.iter().any(|s| matches!(s.op, Op::Fused(_))));
@@ -167,7 +167,7 @@ fn random_elementwise_graphs_fuse_to_the_same_bits() {
         let graph = t.finish().unwrap();
         let fused = compile(graph.clone(), &options(true)).unwrap();
         let plain = compile(graph, &options(false)).unwrap();
-        fused_somewhere += usize::from(fused.memory.fused_groups > 0);
+        fused_somewhere += usize::from(fused.memory.rewrites.fused_groups > 0);
         let feeds: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let (a, _) = run(&fused, &feeds, 1);
         let (b, _) = run(&plain, &feeds, 1);

@@ -256,7 +256,7 @@ fn gpu_a_folded_constant_is_loaded_and_read() {
     t.output("y", &y);
     let graph = t.finish().unwrap();
     let plan = compile(graph, &CompileOptions::default().with_scratch(gpu.scratch_rule())).unwrap();
-    assert_eq!(plan.memory.folded_constants, 1, "{}", plan.render());
+    assert_eq!(plan.memory.rewrites.folded_constants, 1, "{}", plan.render());
     let xv = draw(&Shape::from([3, 6]), Draw::Normal, &mut StdRng::seed_from_u64(9));
     let mut cpu = CpuBackend::new(3);
     let (c, g) = (cpu.load(plan.clone()).unwrap(), gpu.load(plan).unwrap());

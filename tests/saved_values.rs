@@ -99,8 +99,8 @@ fn batch_norm_keeps_its_input_and_statistics_only() {
         let graph = train_step_graph(&model, xs.clone(), ys.clone(), &cfg).unwrap();
         let keep = compile(graph.clone(), &options(false)).unwrap();
         let cut = compile(graph, &options(true)).unwrap();
-        assert!(keep.memory.saved_values.is_none());
-        let s = cut.memory.saved_values.as_ref().expect("values recomputed");
+        assert!(keep.memory.rewrites.saved_values.is_none());
+        let s = cut.memory.rewrites.saved_values.as_ref().expect("values recomputed");
         assert!(s.kept_bytes_after * 2 < s.kept_bytes_before, "silu {silu}: {s:?}");
         assert!(s.recomputed_flops as f64 <= s.step_flops as f64 * saved_values::FLOPS_BUDGET, "{s:?}");
         assert!(
@@ -122,7 +122,7 @@ fn the_transformer_trains_to_the_same_bits() {
     let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let keep = compile(graph.clone(), &options(false)).unwrap();
     let cut = compile(graph, &options(true)).unwrap();
-    assert!(cut.memory.saved_values.is_some());
+    assert!(cut.memory.rewrites.saved_values.is_some());
     assert!(cut.memory.arena_bytes < keep.memory.arena_bytes);
     let (x, y) = m.batch_data(1).unwrap();
     let run = |plan: &Plan| {

@@ -4,14 +4,17 @@
 //! 1. `trace` — the Rust DSL records a model into an `ir::Graph`; `nn` builds layers on it.
 //! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
 //!    the optimizer's in-place updates (`optim`) to the same graph.
-//! 3. `passes` — verification, CSE, dead-code elimination, output copies, effect ordering;
-//!    then `const_fold` — values computed from constants alone are computed here, once —,
+//! 3. `rewrites` — the graph rewrites as `passes::Pass`es in `passes::Pipeline`s, each saying
+//!    what it changed and the pipeline recording it (`plan::RewriteFigures`): `passes` —
+//!    verification, CSE, dead-code elimination, output copies, effect ordering, the cleanup
+//!    after every rewrite that changed the graph —; then, to a fixed point,
+//!    `const_fold` — values computed from constants alone are computed here, once —,
 //!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
 //!    `transpose_operands` — a transpose feeding a product becomes its operand flag,
-//!    read in place —, `saved_values` — a training step keeps, of the forward values its backward
+//!    read in place —; then `saved_values` — a training step keeps, of the forward values its backward
 //!    pass reads, what a minimum cut chooses, and recomputes the rest —,
-//!    `product_updates` — an update computes its own weight gradient, never stored —,
-//!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
+//!    and for each graph the search plans, `product_updates` — an update computes its own
+//!    weight gradient, never stored —, `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
 //!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
 //!    stays unfused); a graph without effects is also planned in blocks of batch rows
 //!    (`batch_blocks`: each block's intermediates die before the next), kept where smaller.
@@ -55,6 +58,7 @@ pub mod planner;
 pub mod pool_relu_grad;
 pub mod product_updates;
 pub mod remat;
+pub mod rewrites;
 pub mod saved_values;
 pub mod schedule;
 pub mod scratch;
@@ -299,44 +303,30 @@ pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
 pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
-    passes::default_pipeline().run(&mut graph)?;
-    let folded = if options.fold_constants {
-        const_fold::fold(&mut graph)?
-    } else {
-        const_fold::FoldFigures::default()
-    };
-    if folded.constants > 0 {
-        passes::default_pipeline().run(&mut graph)?;
-    }
-    pool_relu_grad::rewrite(&mut graph)?;
-    if pad_sums::rewrite(&mut graph)? > 0 {
-        passes::default_pipeline().run(&mut graph)?;
-    }
-    if options.transpose_operands && transpose_operands::rewrite(&mut graph)?.changed() {
-        passes::default_pipeline().run(&mut graph)?;
-    }
-    let saved = if options.save_minimal {
-        saved_values::rewrite(&mut graph, options.recompute_budget)?
-    } else {
-        plan::SavedValuesFigures::default()
-    };
+    // The rewrites, each recorded by the pipeline (`rewrites::before_search`).
+    let rewritten = rewrites::before_search(options).run(&mut graph)?;
+    // The search over plan variants: block counts of a forward pass, or recomputation within
+    // the budget of a training step, or the graph's own variants (`search_updates`).
     let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
     let mut plan = match region {
         Some(region) => compile_blocked(graph, &region, options),
         None if cheap_remat::applies(&graph, options) => {
             let plan = compile_rewritten(graph.clone(), options)?;
             // What the cut recomputes comes out of the same budget.
-            let used = saved.recomputed_flops as f64 / saved.step_flops.max(1) as f64;
+            let used = rewritten
+                .figures
+                .saved_values
+                .as_ref()
+                .map_or(0.0, |s| s.recomputed_flops as f64 / s.step_flops.max(1) as f64);
             let rest = options.clone().with_recompute_budget((options.recompute_budget - used).max(0.0));
             Ok(cheap_remat::shrink(&graph, &rest, plan, |g, o| compile_rewritten_with(g, o, false)))
         }
         None => compile_rewritten(graph, options),
     }?;
-    plan.memory.folded_constants = folded.constants;
-    plan.memory.folded_ops = folded.ops;
-    if saved.recomputed_ops > 0 {
-        plan.memory.saved_values = Some(saved);
-    }
+    // The figures of every rewrite, those before the search first.
+    let mut figures = rewritten.figures;
+    figures.merge(&plan.memory.rewrites);
+    plan.memory.rewrites = figures;
     Ok(plan)
 }
 
@@ -396,54 +386,55 @@ fn compile_rewritten(graph: ir::Graph, options: &CompileOptions) -> Result<Plan>
 /// before recomputation (so that activations can be remade from pre-activations), which cheap
 /// recomputation does not do (it keeps every product's epilogue: fewer steps).
 fn compile_rewritten_with(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
-    let (conv_relu_grads, split) = if options.fuse {
-        (conv_relu_grad::rewrite(&mut graph)?, log_softmax_split::split(&mut graph)?)
-    } else {
-        (0, log_softmax_split::SplitFigures::default())
-    };
+    let lowered = rewrites::before_fusion(options).run(&mut graph)?;
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
-    let fuse = |graph: &mut ir::Graph, products: fusion::Products| -> Result<fusion::FusionFigures> {
-        if options.fuse { fusion::fuse(graph, products) } else { Ok(fusion::FusionFigures::default()) }
-    };
-    let mut fused = fuse(&mut graph, fusion::Products::All)?;
+    let mut fused = rewrites::fusion(options, fusion::Products::All).run(&mut graph)?;
     let devices = devices_used(&graph, options)?;
-    let mut variants = search_updates(graph, &devices, options)?;
-    for (_, plan) in &mut variants {
-        plan.memory.fused_groups = fused.groups;
-        plan.memory.fused_ops = fused.ops;
-        plan.memory.log_softmax_splits = split.split;
-        plan.memory.split_added_ops = split.added_ops;
-        plan.memory.conv_relu_grads = conv_relu_grads;
-    }
-    let Err(oom) = limits::check(&variants[0].1) else {
-        return Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least"));
+    let variants = search_updates(graph, &devices, options)?;
+    let plan = match limits::check(&variants[0].1) {
+        Ok(()) => Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least")),
+        Err(oom) if variants[0].0.effects().is_empty() => Err(CompileError::OutOfMemory(oom)),
+        Err(oom) => {
+            // Recomputation works on a finer graph: forward products stay apart from their
+            // epilogues, so that an activation can be recomputed from its pre-activation
+            // without redoing the product; backward ones keep theirs (written over the
+            // activation they read).
+            let variants = match unfused {
+                Some(mut graph) if fused.rewrites > 0 => {
+                    fused = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
+                    search_updates(graph, &devices, options)?
+                }
+                _ => variants,
+            };
+            fit(variants, &devices, options, oom)
+        }
     };
-    if variants[0].0.effects().is_empty() {
-        return Err(CompileError::OutOfMemory(oom));
-    }
-    // Recomputation works on a finer graph: forward products stay apart from their epilogues,
-    // so that an activation can be recomputed from its pre-activation without redoing the
-    // product; backward ones keep theirs (written over the activation they read).
-    if let (true, Some(mut graph)) = (fused.groups > 0, unfused) {
-        fused = fuse(&mut graph, fusion::Products::OverValues)?;
-        variants = search_updates(graph, &devices, options)?;
-    }
-    // A training step over a limit: recompute values instead of keeping them, in each graph
-    // the search planned (tiled updates change what is live, so either may fit), the smaller
-    // planned total first.
+    // The figures of the rewrites this graph took, set once.
+    plan.map(|mut plan| {
+        let mut figures = lowered.figures;
+        figures.merge(&fused.figures);
+        plan.memory.rewrites = figures;
+        plan
+    })
+}
+
+/// A training step over a limit: recompute values instead of keeping them (`remat`), in each
+/// graph the search planned (tiled updates change what is live, so either may fit), the
+/// smaller planned total first; the first that fits, or the error of the one that came closest.
+fn fit(
+    variants: Vec<(ir::Graph, Plan)>,
+    devices: &[DeviceSpec],
+    options: &CompileOptions,
+    oom: Box<limits::OutOfMemory>,
+) -> Result<Plan> {
     let mut failure: Option<Box<limits::OutOfMemory>> = None;
     for (graph, plan) in variants {
         let needed = limits::check(&plan).err().map_or(0, |o| o.needed);
-        let outcome = remat::fit(&graph, &devices, options, plan)?;
+        let outcome = remat::fit(&graph, devices, options, plan)?;
         match limits::check(&outcome.plan) {
             Ok(()) => {
                 let mut plan = outcome.plan;
-                plan.memory.fused_groups = fused.groups;
-                plan.memory.fused_ops = fused.ops;
-                plan.memory.log_softmax_splits = split.split;
-                plan.memory.split_added_ops = split.added_ops;
-                plan.memory.conv_relu_grads = conv_relu_grads;
                 if !outcome.figures.recomputed.is_empty() {
                     plan.memory.remat = Some(outcome.figures);
                 }

@@ -229,47 +229,126 @@ pub struct MemoryFigures {
     /// 0 where the untiled graph planned smaller.
     #[serde(default)]
     pub tiled_updates: usize,
-    /// Fused ops in the plan's graph and the elementwise ops they replaced (`fusion`; set on the
-    /// totals).
-    #[serde(default)]
-    pub fused_groups: usize,
-    /// The elementwise ops those fused groups replaced.
-    #[serde(default)]
-    pub fused_ops: usize,
-    /// Log-softmaxes split into their row statistics (`log_softmax_split`; set on the totals)
-    /// and the ops that added before fusion (each split removes one op and adds the statistics'
-    /// five and two per reader).
-    #[serde(default)]
-    pub log_softmax_splits: usize,
-    /// The ops the splits added before fusion.
-    #[serde(default)]
-    pub split_added_ops: usize,
-    /// Convolution input gradients fused with the ReLU gradient that read them
-    /// (`conv_relu_grad`; set on the totals): each replaces two ops.
-    #[serde(default)]
-    pub conv_relu_grads: usize,
+    /// What the graph rewrites did (`RewriteFigures`; set on the totals), its fields at this
+    /// level in the JSON.
+    #[serde(flatten)]
+    pub rewrites: RewriteFigures,
     /// Optimizer updates that compute their own gradient product (`product_updates`; set on the
     /// totals): each replaces two ops, and the gradient is never stored.
     #[serde(default)]
     pub product_updates: usize,
-    /// Constants folded at compile time (`const_fold`; set on the totals) and the graph nodes
-    /// they replaced.
-    #[serde(default)]
-    pub folded_constants: usize,
-    /// The graph nodes those constants replaced.
-    #[serde(default)]
-    pub folded_ops: usize,
     /// The blocks of batch rows the forward pass runs in (`batch_blocks`; set on the totals),
     /// 0 where the graph planned smaller whole.
     #[serde(default)]
     pub batch_blocks: usize,
     /// What rematerialization recomputed to fit a memory limit (set on the totals), if anything.
     #[serde(default)]
-    pub remat: Option<crate::remat::RematFigures>,
+    pub remat: Option<RematFigures>,
+}
+
+/// What rematerialization (`remat`) did to a plan (`MemoryFigures::remat`, set on the plan's totals).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RematFigures {
+    /// The recomputed values, as reports name them (op and layer), in the order chosen.
+    pub recomputed: Vec<String>,
+    /// Ops added to the step: the recomputed values and the operands recomputed with them.
+    #[serde(default)]
+    pub recomputed_ops: usize,
+    /// FLOPs added per step (`Op::flops` estimates).
+    pub recomputed_flops: u64,
+    /// The planned total (persistent + arenas, every device) of the plan without
+    /// rematerialization, and of the plan with it.
+    pub bytes_before: usize,
+    /// The planned total with rematerialization, in bytes.
+    pub bytes_after: usize,
+}
+
+impl RematFigures {
+    /// Bytes saved against the plan without rematerialization.
+    pub fn bytes_saved(&self) -> usize {
+        self.bytes_before.saturating_sub(self.bytes_after)
+    }
+
+    /// One line for reports: `3 values recomputed (5 ops, 237.0 MFLOP a step), 38.52 MiB -> ...`.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} values recomputed ({} ops, {} a step), planned total {} -> {} ({} saved)",
+            self.recomputed.len(),
+            self.recomputed_ops,
+            human_flops(self.recomputed_flops),
+            crate::device::human_bytes(self.bytes_before),
+            crate::device::human_bytes(self.bytes_after),
+            crate::device::human_bytes(self.bytes_saved())
+        )
+    }
+}
+
+/// FLOPs as reports print them: `237.0 MFLOP`.
+pub fn human_flops(flops: u64) -> String {
+    const UNITS: [&str; 5] = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP"];
+    let mut v = flops as f64;
+    let mut u = 0;
+    while v >= 1000.0 && u + 1 < UNITS.len() {
+        v /= 1000.0;
+        u += 1;
+    }
+    if u == 0 { format!("{flops} FLOP") } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
+/// What the graph rewrites before the schedule search did (`passes::PassLog`, recorded once by
+/// `compile` on the plan's totals): each counts what it replaced.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RewriteFigures {
+    /// Each pass that changed the graph, with how many rewrites it made, in the order they ran
+    /// (a pass run again in a fixed-point group is listed again).
+    #[serde(default)]
+    pub passes: Vec<(String, usize)>,
+    /// Fused ops in the plan's graph and the elementwise ops they replaced (`fusion`).
+    #[serde(default)]
+    pub fused_groups: usize,
+    /// The elementwise ops those fused groups replaced.
+    #[serde(default)]
+    pub fused_ops: usize,
+    /// Log-softmaxes split into their row statistics (`log_softmax_split`) and the ops that
+    /// added before fusion (each split removes one op and adds the statistics' five and two per
+    /// reader).
+    #[serde(default)]
+    pub log_softmax_splits: usize,
+    /// The ops the splits added before fusion.
+    #[serde(default)]
+    pub split_added_ops: usize,
+    /// Convolution input gradients fused with the ReLU gradient that read them
+    /// (`conv_relu_grad`): each replaces two ops.
+    #[serde(default)]
+    pub conv_relu_grads: usize,
+    /// Constants folded at compile time (`const_fold`) and the graph nodes they replaced.
+    #[serde(default)]
+    pub folded_constants: usize,
+    /// The graph nodes those constants replaced.
+    #[serde(default)]
+    pub folded_ops: usize,
     /// What the training step recomputes in its backward pass instead of keeping
-    /// (`saved_values`; set on the totals), if anything.
+    /// (`saved_values`), if anything.
     #[serde(default)]
     pub saved_values: Option<SavedValuesFigures>,
+}
+
+impl RewriteFigures {
+    /// Adds `other`'s counts to these (a pass run again adds to what it did before) and takes
+    /// its saved values where it has them.
+    pub fn merge(&mut self, other: &RewriteFigures) {
+        self.passes.extend(other.passes.iter().cloned());
+        self.fused_groups += other.fused_groups;
+        self.fused_ops += other.fused_ops;
+        self.log_softmax_splits += other.log_softmax_splits;
+        self.split_added_ops += other.split_added_ops;
+        self.conv_relu_grads += other.conv_relu_grads;
+        self.folded_constants += other.folded_constants;
+        self.folded_ops += other.folded_ops;
+        if other.saved_values.is_some() {
+            self.saved_values.clone_from(&other.saved_values);
+        }
+    }
 }
 
 /// The forward values a training step recomputes in its backward pass instead of keeping
@@ -396,6 +475,11 @@ impl Plan {
                 m.parameter_bytes,
                 m.optimizer_state_bytes
             );
+        }
+        if !self.memory.rewrites.passes.is_empty() {
+            let passes: Vec<String> =
+                self.memory.rewrites.passes.iter().map(|(name, n)| format!("{name} {n}")).collect();
+            let _ = writeln!(s, "  rewrites: {}", passes.join(", "));
         }
         if let Some(r) = &self.memory.remat {
             let _ = writeln!(s, "  rematerialization: {}", r.summary());

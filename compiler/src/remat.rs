@@ -53,58 +53,9 @@ use crate::error::Result;
 use crate::ir::{DeviceId, Graph, Node, NodeId, Op, OpClass, Shape};
 use crate::liveness::{self, Liveness};
 use crate::plan::{Plan, Storage};
+use crate::plan::{RematFigures, human_flops};
 use crate::{CompileOptions, limits, schedule, search};
-use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
-
-/// What rematerialization did to a plan (`MemoryFigures::remat`, set on the plan's totals).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RematFigures {
-    /// The recomputed values, as reports name them (op and layer), in the order chosen.
-    pub recomputed: Vec<String>,
-    /// Ops added to the step: the recomputed values and the operands recomputed with them.
-    #[serde(default)]
-    pub recomputed_ops: usize,
-    /// FLOPs added per step (`Op::flops` estimates).
-    pub recomputed_flops: u64,
-    /// The planned total (persistent + arenas, every device) of the plan without
-    /// rematerialization, and of the plan with it.
-    pub bytes_before: usize,
-    /// The planned total with rematerialization, in bytes.
-    pub bytes_after: usize,
-}
-
-impl RematFigures {
-    /// Bytes saved against the plan without rematerialization.
-    pub fn bytes_saved(&self) -> usize {
-        self.bytes_before.saturating_sub(self.bytes_after)
-    }
-
-    /// One line for reports: `3 values recomputed (5 ops, 237.0 MFLOP a step), 38.52 MiB -> ...`.
-    pub fn summary(&self) -> String {
-        format!(
-            "{} values recomputed ({} ops, {} a step), planned total {} -> {} ({} saved)",
-            self.recomputed.len(),
-            self.recomputed_ops,
-            human_flops(self.recomputed_flops),
-            human_bytes(self.bytes_before),
-            human_bytes(self.bytes_after),
-            human_bytes(self.bytes_saved())
-        )
-    }
-}
-
-/// FLOPs as reports print them: `237.0 MFLOP`.
-pub fn human_flops(flops: u64) -> String {
-    const UNITS: [&str; 5] = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP"];
-    let mut v = flops as f64;
-    let mut u = 0;
-    while v >= 1000.0 && u + 1 < UNITS.len() {
-        v /= 1000.0;
-        u += 1;
-    }
-    if u == 0 { format!("{flops} FLOP") } else { format!("{v:.1} {}", UNITS[u]) }
-}
 
 /// At most this many values are recomputed and this many rounds run per strategy; at most this
 /// many rounds in a row may leave the need where it was (peaks of one height).

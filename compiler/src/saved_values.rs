@@ -58,7 +58,7 @@ const MAX_CUTS: usize = 24;
 /// A capacity no cut can pay.
 const INFINITE: u64 = 1 << 62;
 
-/// What the rewrite did to a graph (`plan::MemoryFigures::saved_values`).
+/// What the rewrite did to a graph (`plan::RewriteFigures::saved_values`).
 pub use crate::plan::SavedValuesFigures;
 
 /// Keeps, of the forward values the backward pass reads, what the cut chooses, and recomputes

@@ -133,11 +133,14 @@ impl Graph {
     }
 
     /// Makes `after` run after `before` without data flowing between them; nothing if `before` is
-    /// `after` or such an edge exists already.
-    pub fn add_control(&mut self, before: NodeId, after: NodeId) {
-        if before != after && !self.g.edges_connecting(before, after).any(|e| *e.weight() == Edge::Control) {
+    /// `after` or such an edge exists already. Whether it added the edge.
+    pub fn add_control(&mut self, before: NodeId, after: NodeId) -> bool {
+        let new =
+            before != after && !self.g.edges_connecting(before, after).any(|e| *e.weight() == Edge::Control);
+        if new {
             self.g.add_edge(before, after, Edge::Control);
         }
+        new
     }
 
     /// Node `id`; panics if it is not in the graph.

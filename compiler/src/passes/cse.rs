@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::Result;
 use crate::ir::{Graph, NodeId, OpClass};
 use std::collections::HashMap;
@@ -12,9 +12,10 @@ impl Pass for CommonSubexpressions {
         "cse"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
         let mut seen: HashMap<(String, Vec<NodeId>, String), NodeId> = HashMap::new();
         let ids: Vec<NodeId> = graph.node_ids().collect();
+        let mut merged = 0;
         for id in ids {
             let node = graph.node(id);
             if matches!(node.op.class(), OpClass::Source | OpClass::Effect)
@@ -32,12 +33,13 @@ impl Pass for CommonSubexpressions {
                         graph.node_mut(first).name = name;
                     }
                     graph.remove(id);
+                    merged += 1;
                 }
                 None => {
                     seen.insert(key, id);
                 }
             }
         }
-        Ok(())
+        Ok(Changes::count(merged))
     }
 }

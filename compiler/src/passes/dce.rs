@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::Result;
 use crate::ir::{Graph, NodeId};
 use std::collections::HashSet;
@@ -12,15 +12,16 @@ impl Pass for DeadCode {
         "dead_code"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
         let mut roots: Vec<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
         roots.extend(graph.effects());
         roots.extend(graph.inputs());
         let live: HashSet<NodeId> = graph.ancestors(&roots);
         let dead: Vec<NodeId> = graph.node_ids().filter(|n| !live.contains(n)).collect();
+        let removed = dead.len();
         for n in dead {
             graph.remove(n);
         }
-        Ok(())
+        Ok(Changes::count(removed))
     }
 }

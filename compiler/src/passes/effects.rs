@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::Result;
 use crate::ir::{Graph, NodeId, Op, OpClass};
 
@@ -13,7 +13,8 @@ impl Pass for OrderEffects {
         "order_effects"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
+        let mut added = 0;
         for effect in graph.effects() {
             let operands = graph.operands(effect);
             let mutated: Vec<NodeId> =
@@ -25,12 +26,12 @@ impl Pass for OrderEffects {
                         && !disjoint_blocks(graph, reader, effect)
                         && !gathers_after(graph, reader, effect)
                     {
-                        graph.add_control(reader, effect);
+                        added += usize::from(graph.add_control(reader, effect));
                     }
                 }
             }
         }
-        Ok(())
+        Ok(Changes::count(added))
     }
 }
 

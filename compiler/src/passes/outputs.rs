@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::Result;
 use crate::ir::{Graph, Node, OpClass};
 
@@ -12,7 +12,8 @@ impl Pass for MaterializeOutputs {
         "materialize_outputs"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
+        let mut copies = 0;
         let outputs = graph.outputs().to_vec();
         for (i, (name, id)) in outputs.into_iter().enumerate() {
             let node = graph.node(id);
@@ -23,7 +24,8 @@ impl Pass for MaterializeOutputs {
                 Node { op: crate::ir::Op::Copy, name: Some(name.clone()), origin: None, ..node.clone() };
             let c = graph.add(copy, &[id]);
             graph.outputs_mut()[i].1 = c;
+            copies += 1;
         }
-        Ok(())
+        Ok(Changes::count(copies))
     }
 }

@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::{CompileError, Result};
 use crate::ir::{Graph, Node, NodeId, Op};
 use std::collections::HashMap;
@@ -13,7 +13,8 @@ impl Pass for InsertTransfers {
         "insert_transfers"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
+        let mut moved = 0;
         let mut copies: HashMap<(NodeId, u32), NodeId> = HashMap::new();
         let ids: Vec<NodeId> = graph.node_ids().collect();
         for n in ids {
@@ -49,8 +50,9 @@ impl Pass for InsertTransfers {
                     graph.add(node, &[o])
                 });
                 graph.replace_operand(n, i, copy);
+                moved += 1;
             }
         }
-        Ok(())
+        Ok(Changes::count(moved))
     }
 }

@@ -1,4 +1,4 @@
-use super::Pass;
+use super::{Changes, Pass};
 use crate::error::{CompileError, Result};
 use crate::ir::{self, Graph};
 
@@ -11,7 +11,7 @@ impl Pass for Verify {
         "verify"
     }
 
-    fn run(&self, graph: &mut Graph) -> Result<()> {
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
         for id in graph.node_ids() {
             let node = graph.node(id);
             let operands = graph.operands(id);
@@ -34,6 +34,6 @@ impl Pass for Verify {
         if petgraph::algo::is_cyclic_directed(graph.petgraph()) {
             return Err(CompileError::Internal(format!("graph {:?} has a cycle", graph.name())));
         }
-        Ok(())
+        Ok(Changes::default())
     }
 }
