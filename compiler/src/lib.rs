@@ -74,6 +74,7 @@ pub use error::{CompileError, Result};
 pub use plan::Plan;
 
 use lower::DeviceArena;
+use passes::PassLog;
 use planner::Interval;
 
 /// How a graph is compiled.
@@ -116,6 +117,11 @@ pub struct CompileOptions {
     /// (`saved_values`) takes what it needs of it first, `cheap_remat` the rest. Memory against
     /// time: at 1/1000 the zoo's transformer keeps its GELU outputs.
     pub recompute_budget: f64,
+    /// At most this many FLOPs a step that recomputation under a memory limit (`remat`) may add;
+    /// `None` (the default): as many as fitting takes. `cheap_remat` sets it to what its budget
+    /// leaves, so that a try over it gives up, or fits by cheaper values, instead of fitting by
+    /// costlier ones and being thrown away (the zoo's transformer: each such try 4.5 ms).
+    pub remat_flops_cap: Option<u64>,
     /// The scratch a step's kernel may use (`scratch`), as the backend that will run the plan
     /// says (`Backend::scratch_rule`; `kiln_kernels::cuda::SCRATCH`); `None`: no step has any,
     /// and every kernel reduces within its blocks.
@@ -153,6 +159,7 @@ impl Default for CompileOptions {
             fold_constants: std::env::var("KILN_FOLD").map_or(true, |v| v != "0"),
             cheap_remat: std::env::var("KILN_CHEAP_REMAT").map_or(true, |v| v != "0"),
             recompute_budget: saved_values::FLOPS_BUDGET,
+            remat_flops_cap: None,
             scratch: None,
             transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").map_or(true, |v| v != "0"),
             save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
@@ -311,7 +318,10 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     let mut plan = match region {
         Some(region) => compile_blocked(graph, &region, options),
         None if cheap_remat::applies(&graph, options) => {
-            let plan = compile_rewritten(graph.clone(), options)?;
+            let tries = cheap_remat::tries(&graph);
+            // Each try plans the same lowered graph: it is lowered once.
+            let lowered = lower(graph, options, false)?;
+            let plan = plan_lowered(lowered.clone(), options)?;
             // What the cut recomputes comes out of the same budget.
             let used = rewritten
                 .figures
@@ -319,7 +329,9 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
                 .as_ref()
                 .map_or(0.0, |s| s.recomputed_flops as f64 / s.step_flops.max(1) as f64);
             let rest = options.clone().with_recompute_budget((options.recompute_budget - used).max(0.0));
-            Ok(cheap_remat::shrink(&graph, &rest, plan, |g, o| compile_rewritten_with(g, o, false)))
+            Ok(cheap_remat::shrink(&lowered.graph, tries, &rest, plan, |graph, o| {
+                plan_lowered(Lowered { graph, ..lowered.clone() }, o)
+            }))
         }
         None => compile_rewritten(graph, options),
     }?;
@@ -385,11 +397,34 @@ fn compile_rewritten(graph: ir::Graph, options: &CompileOptions) -> Result<Plan>
 /// `compile_rewritten`; with `refuse`, a step over its limit is fused again without products
 /// before recomputation (so that activations can be remade from pre-activations), which cheap
 /// recomputation does not do (it keeps every product's epilogue: fewer steps).
-fn compile_rewritten_with(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
-    let lowered = rewrites::before_fusion(options).run(&mut graph)?;
+fn compile_rewritten_with(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
+    plan_lowered(lower(graph, options, refuse)?, options)
+}
+
+/// A graph after the rewrites every planned graph takes (`rewrites::before_fusion`, then
+/// `rewrites::fusion`), with their figures.
+#[derive(Clone)]
+struct Lowered {
+    graph: ir::Graph,
+    /// The graph before fusion, kept where a memory limit may ask for recomputation.
+    unfused: Option<ir::Graph>,
+    before_fusion: PassLog,
+    fusion: PassLog,
+}
+
+/// `graph` lowered for planning (`Lowered`); with `refuse`, its unfused graph kept.
+fn lower(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Lowered> {
+    let before_fusion = rewrites::before_fusion(options).run(&mut graph)?;
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
-    let mut fused = rewrites::fusion(options, fusion::Products::All).run(&mut graph)?;
+    let fusion = rewrites::fusion(options, fusion::Products::All).run(&mut graph)?;
+    Ok(Lowered { graph, unfused, before_fusion, fusion })
+}
+
+/// The plan of a lowered graph: the search over its variants (`search_updates`), and over a
+/// limit recomputation (`fit`); the figures of its rewrites set on the plan, once.
+fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
+    let Lowered { graph, unfused, before_fusion, mut fusion } = lowered;
     let devices = devices_used(&graph, options)?;
     let variants = search_updates(graph, &devices, options)?;
     let plan = match limits::check(&variants[0].1) {
@@ -401,8 +436,8 @@ fn compile_rewritten_with(mut graph: ir::Graph, options: &CompileOptions, refuse
             // without redoing the product; backward ones keep theirs (written over the
             // activation they read).
             let variants = match unfused {
-                Some(mut graph) if fused.rewrites > 0 => {
-                    fused = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
+                Some(mut graph) if fusion.rewrites > 0 => {
+                    fusion = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
                     search_updates(graph, &devices, options)?
                 }
                 _ => variants,
@@ -410,10 +445,9 @@ fn compile_rewritten_with(mut graph: ir::Graph, options: &CompileOptions, refuse
             fit(variants, &devices, options, oom)
         }
     };
-    // The figures of the rewrites this graph took, set once.
     plan.map(|mut plan| {
-        let mut figures = lowered.figures;
-        figures.merge(&fused.figures);
+        let mut figures = before_fusion.figures;
+        figures.merge(&fusion.figures);
         plan.memory.rewrites = figures;
         plan
     })
@@ -556,7 +590,8 @@ pub const SEARCH_PLACES_ALL_BELOW: usize = 2_000;
 
 /// The schedule search: plans the graph in the candidate orders that can win (by their arena's
 /// lower bound) and keeps the plan with the smallest planned total (the first such in `schedule::candidates`' order: the `+overlap` orders
-/// of a data-parallel graph, then program order, win ties). In guard mode the
+/// of a data-parallel graph, then program order, win ties), and validates it (`validate`; the
+/// orders placed and dropped are not checked). In guard mode the
 /// order is chosen as without it (canaries would tip the choice and change what runs) and then
 /// planned with the canaries.
 pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &CompileOptions) -> Result<Plan> {
@@ -571,7 +606,7 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         let mut plan = plan_order(graph, &order, &scratch, devices, options)?;
         plan.memory.schedule = chosen.memory.schedule;
         plan.memory.schedules = chosen.memory.schedules;
-        return Ok(plan);
+        return validated(plan);
     }
     let wanted = options.schedule.as_deref();
     let some = schedule::candidates_for(graph, wanted)?;
@@ -663,7 +698,7 @@ pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &Compil
         plan
     };
     plan.memory.schedules = tried;
-    Ok(plan)
+    validated(plan)
 }
 
 /// The arena's lower bound of one order's liveness, summed over the devices (slots with their
@@ -683,19 +718,22 @@ fn arena_bound(live: &liveness::Liveness, devices: &[DeviceSpec], options: &Comp
         .sum()
 }
 
-/// `f` over `items` on up to two threads (the build machines have two cores), in order.
+/// `f` over `items` in two halves (the build machines have two cores), in order, on rayon's
+/// pool: its threads outlive the call, where a thread started per call cost more than placing
+/// a zoo plan's order.
 fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    if items.len() < 2 {
+        return items.iter().map(&f).collect();
+    }
     let half = items.len().div_ceil(2);
     let (a, b) = items.split_at(half);
-    std::thread::scope(|scope| {
-        let second = scope.spawn(|| b.iter().map(&f).collect::<Vec<R>>());
-        let mut out: Vec<R> = a.iter().map(&f).collect();
-        out.extend(second.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
-        out
-    })
+    let (mut out, second) =
+        rayon::join(|| a.iter().map(&f).collect::<Vec<R>>(), || b.iter().map(&f).collect::<Vec<R>>());
+    out.extend(second);
+    out
 }
 
-/// One order's plan: liveness, arena placement per device, lowering, validation.
+/// One order's plan: liveness, arena placement per device, lowering.
 fn plan_order(
     graph: &ir::Graph,
     order: &[ir::NodeId],
@@ -708,7 +746,8 @@ fn plan_order(
     plan_live(graph, &live, devices, options)
 }
 
-/// The plan of one order's liveness: arena placement per device, lowering, validation.
+/// The plan of one order's liveness: arena placement per device, lowering (not validated:
+/// `search` validates the plan it keeps).
 fn plan_live(
     graph: &ir::Graph,
     live: &liveness::Liveness,
@@ -747,6 +786,12 @@ fn plan_live(
         guard_bytes: options.guard_bytes,
     }
     .plan();
+    Ok(plan)
+}
+
+/// `plan` if it passes `validate` (every plan `search` returns does; the orders it places and
+/// drops are not checked).
+fn validated(plan: Plan) -> Result<Plan> {
     validate::validate(&plan)
         .map_err(|e| CompileError::Internal(format!("plan {:?} failed validation: {e}", plan.name)))?;
     Ok(plan)

@@ -227,6 +227,11 @@ fn greedy(
         applied.extend(chosen);
         g = next;
         plan = p;
+        // Past the FLOPs the caller allows (`CompileOptions::remat_flops_cap`) it gives up: the
+        // caller would throw the plan away.
+        if options.remat_flops_cap.is_some_and(|cap| applied.iter().map(|a| a.flops).sum::<u64>() > cap) {
+            break;
+        }
         if stalls > MAX_STALLS {
             break;
         }
@@ -389,8 +394,12 @@ struct Peak {
 
 impl Peak {
     fn analyze(g: &Graph, plan: &Plan, oom: &limits::OutOfMemory, device: DeviceId) -> Result<Option<Peak>> {
-        let Some(order) = schedule::candidates(g)?.into_iter().find(|c| c.name == plan.memory.schedule)
-        else {
+        // The plan's order, made alone; its name may carry its graph's mark ("+product").
+        let wanted = plan.memory.schedule.as_str();
+        let named = schedule::named(schedule::candidates_for(g, Some(wanted))?, Some(wanted));
+        let Some(order) = named.into_iter().find(|c| {
+            wanted.strip_prefix(c.name).is_some_and(|rest| rest.is_empty() || rest.starts_with('+'))
+        }) else {
             return Ok(None);
         };
         let order = order.order;

@@ -126,12 +126,13 @@ pub fn candidates_for(graph: &Graph, wanted: Option<&str>) -> Result<Vec<Candida
         let only_reversed = !reversed && wanted.is_some_and(|w| w.starts_with("depth-first-reversed"));
         (want(name) && !only_reversed).then(|| depth_first(graph, &t, reversed)).transpose()
     };
-    let ((p, m), (d, r)) = std::thread::scope(|scope| {
-        let other = scope.spawn(|| (walk(false), walk(true)));
-        let memory = want("memory") || want("row-blocks-memory");
-        let here = (program(graph, &t), memory.then(|| memory_greedy(graph, &t, None)).transpose());
-        (here, other.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-    });
+    let memory = want("memory") || want("row-blocks-memory");
+    // On rayon's pool, whose threads outlive the call: a search runs this once per plan it
+    // makes, and starting a thread each time cost more than the walks on the zoo's graphs.
+    let ((p, m), (d, r)) = rayon::join(
+        || (program(graph, &t), memory.then(|| memory_greedy(graph, &t, None)).transpose()),
+        || (walk(false), walk(true)),
+    );
     let p = p?;
     let blocks = if want("row-blocks") { row_blocks_of(graph, &t, &p) } else { None };
     let mut all = vec![Candidate { name: "program", order: p }];
