@@ -108,18 +108,19 @@ fn empty_contraction_gives_zeros() {
 fn a_product_written_over_its_epilogue_operand_gives_its_own_bits() {
     use kiln_compiler::ir::fused::{FusedMatMul, Inst, Ref};
     use kiln_compiler::ir::{BinaryOp, Fused, Shape, UnaryOp};
-    // (m, k, n, a batch, b batch, extra operand dims)
-    let cases: [(usize, usize, usize, &[usize], &[usize], &[usize]); 8] = [
-        (7, 5, 9, &[], &[], &[9]),
-        (33, 17, 70, &[3], &[], &[70]),
-        (5, 8, 3000, &[2], &[], &[1]),
-        (20, 12, 9000, &[2], &[], &[2, 20, 1]),
-        (6, 4, 11, &[2, 3], &[3], &[2, 1, 6, 1]),
-        (9, 6, 5, &[4], &[4], &[9, 5]),
-        (3, 64, 70000, &[], &[], &[70000]),
-        (150, 3, 700, &[2], &[1], &[2, 1, 1]),
+    // (m, k, n), a's batch, b's batch, the broadcast operand's dims.
+    type Case = ((usize, usize, usize), &'static [usize], &'static [usize], &'static [usize]);
+    let cases: [Case; 8] = [
+        ((7, 5, 9), &[], &[], &[9]),
+        ((33, 17, 70), &[3], &[], &[70]),
+        ((5, 8, 3000), &[2], &[], &[1]),
+        ((20, 12, 9000), &[2], &[], &[2, 20, 1]),
+        ((6, 4, 11), &[2, 3], &[3], &[2, 1, 6, 1]),
+        ((9, 6, 5), &[4], &[4], &[9, 5]),
+        ((3, 64, 70000), &[], &[], &[70000]),
+        ((150, 3, 700), &[2], &[1], &[2, 1, 1]),
     ];
-    for (i, &(m, k, n, ba, bb, extra)) in cases.iter().enumerate() {
+    for (i, &((m, k, n), ba, bb, extra)) in cases.iter().enumerate() {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (a, b) = operands((m, k, n), ta, tb, ba, bb, 100 + i as u64);
             let out = out_shape(&Op::MatMul { transpose_a: ta, transpose_b: tb }, &[&a, &b]);
