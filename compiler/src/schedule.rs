@@ -480,13 +480,8 @@ fn hoisted(graph: &Graph, t: &Tables, life: &Lifetimes, given: Vec<NodeId>) -> V
 /// for.
 fn freeing_early(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>) -> Vec<NodeId> {
     let bound = t.present.len();
-    let mut pos = vec![0usize; bound];
-    for (p, n) in order.iter().enumerate() {
-        pos[n.index()] = p;
-    }
-    // Per op that stays: the ops moved to run right after it, in their order.
-    let mut after: Vec<Vec<u32>> = vec![Vec::new(); bound];
-    let mut moved = vec![false; bound];
+    let pos = positions(&order, bound);
+    let mut m = Moves::new(bound);
     for (p, n) in order.iter().enumerate() {
         let i = n.index();
         if life.allocates[i] == 0 || matches!(graph.node(*n).op.class(), OpClass::Effect) {
@@ -508,24 +503,54 @@ fn freeing_early(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>
             }
         }
         let Some(a) = anchor else { continue };
-        if freed > life.allocates[i] && pos[a] + 1 < p && !moved[a] {
-            after[a].push(i as u32);
-            moved[i] = true;
+        if freed > life.allocates[i] && pos[a] + 1 < p && !m.moved[a] {
+            m.after[a].push(i as u32);
+            m.moved[i] = true;
         }
     }
-    if !moved.iter().any(|&m| m) {
-        return order;
+    m.apply(order)
+}
+
+/// Each node index's position in `order`.
+fn positions(order: &[NodeId], bound: usize) -> Vec<usize> {
+    let mut pos = vec![0usize; bound];
+    for (p, n) in order.iter().enumerate() {
+        pos[n.index()] = p;
     }
-    let mut out = Vec::with_capacity(order.len());
-    for n in &order {
-        let i = n.index();
-        if moved[i] {
-            continue;
+    pos
+}
+
+/// Ops moved in an order (`hoisted`'s moves): each to run right before or right after an op
+/// that stays.
+struct Moves {
+    /// Per op that stays: the ops moved to run right before it, and right after it, in order.
+    before: Vec<Vec<u32>>,
+    after: Vec<Vec<u32>>,
+    moved: Vec<bool>,
+}
+
+impl Moves {
+    fn new(bound: usize) -> Self {
+        Moves { before: vec![Vec::new(); bound], after: vec![Vec::new(); bound], moved: vec![false; bound] }
+    }
+
+    /// `order` with the moves made (`order` itself where none is, or where they lose an op).
+    fn apply(&self, order: Vec<NodeId>) -> Vec<NodeId> {
+        if !self.moved.iter().any(|&m| m) {
+            return order;
         }
-        out.push(*n);
-        out.extend(after[i].iter().map(|&m| Tables::id(m)));
+        let mut out = Vec::with_capacity(order.len());
+        for n in &order {
+            let i = n.index();
+            if self.moved[i] {
+                continue;
+            }
+            out.extend(self.before[i].iter().map(|&m| Tables::id(m)));
+            out.push(*n);
+            out.extend(self.after[i].iter().map(|&m| Tables::id(m)));
+        }
+        if out.len() == order.len() { out } else { order }
     }
-    if out.len() == order.len() { out } else { order }
 }
 
 /// `hoisted`'s second move: an op that may write its output over an operand
@@ -541,17 +566,12 @@ fn freeing_early(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>
 /// beside the difference it could have overwritten: 2,254 -> 2,202 MB planned.
 fn writers_last(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>) -> Vec<NodeId> {
     let bound = t.present.len();
-    let mut pos = vec![0usize; bound];
-    for (p, n) in order.iter().enumerate() {
-        pos[n.index()] = p;
-    }
-    // Per op that stays: the ops moved to run right before it, in their order.
-    let mut before: Vec<Vec<u32>> = vec![Vec::new(); bound];
-    let mut moved = vec![false; bound];
+    let pos = positions(&order, bound);
+    let mut m = Moves::new(bound);
     for (p, n) in order.iter().enumerate() {
         let i = n.index();
         let node = graph.node(*n);
-        if moved[i] || life.allocates[i] == 0 {
+        if m.moved[i] || life.allocates[i] == 0 {
             continue;
         }
         for (j, &o) in t.operands[i].iter().enumerate() {
@@ -566,36 +586,24 @@ fn writers_last(graph: &Graph, t: &Tables, life: &Lifetimes, order: Vec<NodeId>)
             let mut later: Vec<usize> =
                 life.readers[o].iter().map(|&u| u as usize).filter(|&u| pos[u] > p).collect();
             let movable = |u: usize| {
-                !moved[u]
-                    && before[u].is_empty()
+                !m.moved[u]
+                    && m.before[u].is_empty()
                     && !graph.node(Tables::id(u as u32)).op.is_effect()
                     && !graph.node(Tables::id(u as u32)).op.is_collective()
                     && life.allocates[u] * 8 <= life.bytes[o]
-                    && t.preds[u].iter().all(|&q| pos[q as usize] < p && !moved[q as usize])
+                    && t.preds[u].iter().all(|&q| pos[q as usize] < p && !m.moved[q as usize])
             };
             if later.is_empty() || !later.iter().all(|&u| movable(u)) {
                 continue;
             }
             later.sort_unstable_by_key(|&u| pos[u]);
             for &u in &later {
-                moved[u] = true;
+                m.moved[u] = true;
             }
-            before[i].extend(later.iter().map(|&u| u as u32));
+            m.before[i].extend(later.iter().map(|&u| u as u32));
         }
     }
-    if !moved.iter().any(|&m| m) {
-        return order;
-    }
-    let mut out = Vec::with_capacity(order.len());
-    for n in &order {
-        let i = n.index();
-        if moved[i] {
-            continue;
-        }
-        out.extend(before[i].iter().map(|&m| Tables::id(m)));
-        out.push(*n);
-    }
-    if out.len() == order.len() { out } else { order }
+    m.apply(order)
 }
 
 /// `order` with each view (it runs nothing and allocates nothing) right after its operand, so
