@@ -261,7 +261,7 @@ fn an_onnx_tied_head_reads_its_table_as_stored() {
         metrics: vec![],
     };
     let xs = InputSpec::new([BATCH, SEQ], DType::I64);
-    let graph = train_step_graph(&layer, xs, Shape::new([BATCH, SEQ]), &config).unwrap();
+    let graph = train_step_graph(&layer, xs.clone(), Shape::new([BATCH, SEQ]), &config).unwrap();
     let on = compile(graph.clone(), &options(true)).unwrap();
     let off = compile(graph, &options(false)).unwrap();
     assert_eq!(permutes(&off), 2, "the head's copy of the table and its gradient's");
@@ -300,6 +300,33 @@ fn an_onnx_tied_head_reads_its_table_as_stored() {
         }
     }
     eprintln!("bitwise losses {} variables {}", a == b, va == vb);
+
+    // The table's gradient gᵀ·h + the gather's gradient as one product with the sum as its
+    // epilogue, written over the gather's gradient (`fusion::Products::Waiting`): planned beside
+    // the graph with them apart, the smaller kept; asked for by name, it trains the same.
+    let tried = |mark: bool| on.memory.schedules.iter().any(|(name, _)| name.ends_with("+waiting") == mark);
+    assert!(tried(true) && tried(false), "{:?}", on.memory.schedules);
+    let smallest = on.memory.schedules.iter().map(|(_, t)| *t).min().unwrap();
+    assert_eq!(on.memory.planned_total_bytes(), smallest, "{:?}", on.memory.schedules);
+    let order = on.memory.schedule.trim_end_matches("+waiting");
+    let waiting = CompileOptions { schedule: Some(format!("{order}+waiting")), ..options(true) };
+    let graph = train_step_graph(&layer, xs, Shape::new([BATCH, SEQ]), &config).unwrap();
+    let fused = compile(graph, &waiting).unwrap();
+    assert!(fused.memory.schedule.ends_with("+waiting"), "{}", fused.memory.schedule);
+    let waits = |plan: &Plan| {
+        plan.steps
+            .iter()
+            .filter(|s| matches!(&s.op, Op::Fused(f) if f.matmul.is_some_and(|m| m.transpose_a)))
+            .count()
+    };
+    assert!(waits(&fused) > waits(&on), "{}", fused.render());
+    let (c, vc) = run(&fused, &weights, &feeds, 3);
+    for (what, got, want) in [("losses", floats(&c), floats(&b)), ("variables", floats(&vc), floats(&vb))] {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{what}, fused: {g} vs {w}");
+        }
+    }
 }
 
 /// An untied head whose Linear weight is exported as Transpose(weight): its gradient, made as

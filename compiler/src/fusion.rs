@@ -61,6 +61,9 @@ pub struct FusionFigures {
     pub ops: usize,
     /// Updates folded with their gradient's product (`product_updates`).
     pub product_updates: usize,
+    /// Products kept apart from the group that reads them because fused they would wait for a
+    /// computed value the group reads (`Products::All`; `Products::Waiting` fuses them).
+    pub waiting: usize,
 }
 
 /// A group: elementwise members in topological order and, when the group ends in a
@@ -92,8 +95,15 @@ impl Group {
 /// Which matrix products may join a group as its GEMM (`products` of `fuse`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Products {
-    /// Every product read only by a group joins it (a GEMM with an epilogue).
+    /// Every product read only by a group joins it (a GEMM with an epilogue), except one that
+    /// would wait for a computed value its epilogue reads (`waits_for_a_value`): counted in
+    /// `FusionFigures::waiting`, so that `compile` can plan the graph with it fused as well.
     All,
+    /// As `All`, and a product that would wait for a value joins its group too: its factors
+    /// are then held until the value is made, and its epilogue writes over the value
+    /// (`Op::may_write_over`) instead of a buffer of its own. Which is smaller depends on what
+    /// else is live meanwhile, so `compile` plans both graphs and keeps the smaller.
+    Waiting,
     /// Only a matrix product whose group also reads a computed value of the group's shape (a
     /// backward step: relu's gradient of the activation): the epilogue then may write over that
     /// value (`Op::may_write_over`). Forward products and convolutions (bias and activation over
@@ -129,12 +139,16 @@ fn reads_a_value_of_its_shape(graph: &Graph, members: &[NodeId], p: NodeId) -> b
 }
 
 /// Whether the product `p` with a transposed first factor would wait, as the group's GEMM, for
-/// a computed value of its shape that its epilogue reads: such an epilogue cannot write over
-/// that value (`Op::may_write_over`), so fused, the product runs only once the value is made and
-/// the product's own factors are held until then, where unfused it runs when its factors are
-/// ready and the sum is made in place. A tied table's gradient, gᵀ·h + the embedding's
-/// `gather_grad`, held the [rows, vocab] logits' gradient over the gather's gradient
-/// (`transpose_operands`' tied head: arena 557,120 B fused, 459,328 B apart).
+/// a computed value of its shape that its epilogue reads: fused, the product runs only once the
+/// value is made and holds its own factors until then (its epilogue writing over the value);
+/// apart, it runs when its factors are ready, in a buffer of its own, and the sum is made
+/// later. A tied table's gradient is one: gᵀ·h + the embedding's `gather_grad`, where g is the
+/// [rows, vocab] logits' gradient. Neither is always smaller: `transpose_operands`' tied head
+/// (vocab 512, width 64, 4 x 32 tokens) trains in 426,560 B apart and 459,328 B fused; GPT-2
+/// small at 4 x 256 tokens plans 2,201,929,796 B apart (the [50257, 768] table gradient and the
+/// logits' gradient meet at the start of the backward pass, beside every saved activation) and
+/// 2,107,300,932 B fused (the logits' gradient is held through the backward pass instead, and
+/// meets the table's gradient only at its end). `compile` plans both (`Products::Waiting`).
 fn waits_for_a_value(graph: &Graph, members: &[NodeId], p: NodeId) -> bool {
     matches!(graph.node(p).op, Op::MatMul { transpose_a: true, .. })
         && reads_a_value_of_its_shape(graph, members, p)
@@ -154,6 +168,7 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
     let outputs: HashSet<NodeId> = graph.outputs().iter().map(|(_, n)| *n).collect();
     let mut taken: HashSet<NodeId> = HashSet::new();
     let mut groups: Vec<Group> = Vec::new();
+    let mut figures = FusionFigures::default();
     for &root in order.iter().rev() {
         if taken.contains(&root) {
             continue;
@@ -171,10 +186,14 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
                 .iter()
                 .any(|&m| source(graph.node(m)) || matches!(graph.node(m).op, Op::RandomUniform { .. }));
             let matmul = search.product(&members).filter(|&p| {
+                let waits = !with_source && waits_for_a_value(graph, &members, p);
+                if waits && products == Products::All {
+                    figures.waiting += 1;
+                }
                 !with_source
-                    && !waits_for_a_value(graph, &members, p)
+                    && (!waits || products == Products::Waiting)
                     && match products {
-                        Products::All => true,
+                        Products::All | Products::Waiting => true,
                         // A convolution's epilogue never writes over its operands
                         // (`Op::may_write_over`): nothing to gain here.
                         Products::OverValues => {
@@ -203,7 +222,6 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
         taken.extend(group.nodes());
         groups.push(group);
     }
-    let mut figures = FusionFigures::default();
     for group in groups {
         figures.groups += 1;
         figures.ops += group.nodes().count();
@@ -606,7 +624,7 @@ mod tests {
         let before = g.len();
         let figures = fuse(&mut g, Products::All).unwrap();
         // sigmoid(x + b), then z = h - tanh(h * 2 + 1): two groups of 2 and 4 ops.
-        assert_eq!(figures, FusionFigures { groups: 2, ops: 6, product_updates: 0 });
+        assert_eq!(figures, FusionFigures { groups: 2, ops: 6, product_updates: 0, waiting: 0 });
         assert_eq!(g.len(), before - 6 + 2);
         let ops = fused_ops(&g);
         let texts: Vec<String> = ops.iter().map(|(f, _)| f.text()).collect();

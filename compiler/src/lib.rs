@@ -320,8 +320,7 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
         None if cheap_remat::applies(&graph, options) => {
             let tries = cheap_remat::tries(&graph);
             // Each try plans the same lowered graph: it is lowered once.
-            let lowered = lower(graph, options, false)?;
-            let plan = plan_lowered(lowered.clone(), options)?;
+            let (lowered, plan) = lower_and_plan(graph, options, false)?;
             // What the cut recomputes comes out of the same budget.
             let used = rewritten
                 .figures
@@ -398,7 +397,41 @@ fn compile_rewritten(graph: ir::Graph, options: &CompileOptions) -> Result<Plan>
 /// before recomputation (so that activations can be remade from pre-activations), which cheap
 /// recomputation does not do (it keeps every product's epilogue: fewer steps).
 fn compile_rewritten_with(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
-    plan_lowered(lower(graph, options, refuse)?, options)
+    lower_and_plan(graph, options, refuse).map(|(_, plan)| plan)
+}
+
+/// The schedule mark of a graph whose products that would wait for a value are fused
+/// (`fusion::Products::Waiting`).
+const WAITING: &str = "+waiting";
+
+/// `graph` lowered (`lower`) and planned (`plan_lowered`); where fusion kept products apart
+/// that fused would wait for a value their epilogue reads (`RewriteFigures::waiting_products`),
+/// the graph with them fused is planned too and the smaller plan kept (the first on a tie),
+/// its schedule marked `WAITING`. A schedule asked for by name plans the graph its mark names.
+fn lower_and_plan(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<(Lowered, Plan)> {
+    let wanted = options.schedule.as_deref();
+    let apart = lower(graph.clone(), options, refuse, fusion::Products::All)?;
+    if apart.fusion.figures.waiting_products == 0 {
+        return Ok((apart.clone(), plan_lowered(apart, options)?));
+    }
+    let fused = lower(graph, options, refuse, fusion::Products::Waiting)?;
+    if wanted.is_some_and(|w| w.contains(WAITING)) {
+        return Ok((fused.clone(), plan_lowered(fused, options)?));
+    }
+    let plan = plan_lowered(apart.clone(), options)?;
+    if wanted.is_some() {
+        return Ok((apart, plan));
+    }
+    let Ok(other) = plan_lowered(fused.clone(), options) else { return Ok((apart, plan)) };
+    let mut schedules = plan.memory.schedules.clone();
+    schedules.extend(other.memory.schedules.iter().cloned());
+    let (kept, mut plan) = if other.memory.planned_total_bytes() < plan.memory.planned_total_bytes() {
+        (fused, other)
+    } else {
+        (apart, plan)
+    };
+    plan.memory.schedules = schedules;
+    Ok((kept, plan))
 }
 
 /// A graph after the rewrites every planned graph takes (`rewrites::before_fusion`, then
@@ -410,21 +443,39 @@ struct Lowered {
     unfused: Option<ir::Graph>,
     before_fusion: PassLog,
     fusion: PassLog,
+    /// What its plans' schedule names end with: `WAITING` for a graph fused with
+    /// `fusion::Products::Waiting`, else nothing.
+    mark: &'static str,
 }
 
 /// `graph` lowered for planning (`Lowered`); with `refuse`, its unfused graph kept.
-fn lower(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Lowered> {
+fn lower(
+    mut graph: ir::Graph,
+    options: &CompileOptions,
+    refuse: bool,
+    products: fusion::Products,
+) -> Result<Lowered> {
     let before_fusion = rewrites::before_fusion(options).run(&mut graph)?;
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
-    let fusion = rewrites::fusion(options, fusion::Products::All).run(&mut graph)?;
-    Ok(Lowered { graph, unfused, before_fusion, fusion })
+    let fusion = rewrites::fusion(options, products).run(&mut graph)?;
+    let mark = if products == fusion::Products::Waiting { WAITING } else { "" };
+    Ok(Lowered { graph, unfused, before_fusion, fusion, mark })
 }
 
 /// The plan of a lowered graph: the search over its variants (`search_updates`), and over a
 /// limit recomputation (`fit`); the figures of its rewrites set on the plan, once.
 fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
-    let Lowered { graph, unfused, before_fusion, mut fusion } = lowered;
+    let Lowered { graph, unfused, before_fusion, mut fusion, mark } = lowered;
+    // A schedule asked for by name is looked up without this graph's mark.
+    let unmarked;
+    let options = match options.schedule.as_deref() {
+        Some(wanted) if !mark.is_empty() && wanted.contains(mark) => {
+            unmarked = CompileOptions { schedule: Some(wanted.replace(mark, "")), ..options.clone() };
+            &unmarked
+        }
+        _ => options,
+    };
     let devices = devices_used(&graph, options)?;
     let variants = search_updates(graph, &devices, options)?;
     let plan = match limits::check(&variants[0].1) {
@@ -449,6 +500,12 @@ fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
         let mut figures = before_fusion.figures;
         figures.merge(&fusion.figures);
         plan.memory.rewrites = figures;
+        if !mark.is_empty() {
+            plan.memory.schedule.push_str(mark);
+            for (name, _) in &mut plan.memory.schedules {
+                name.push_str(mark);
+            }
+        }
         plan
     })
 }

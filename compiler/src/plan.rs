@@ -309,6 +309,11 @@ pub struct RewriteFigures {
     /// The elementwise ops those fused groups replaced.
     #[serde(default)]
     pub fused_ops: usize,
+    /// Products the plan's graph keeps apart from the group that reads them, which fused would
+    /// wait for a value of their shape (`fusion::Products`; a tied table's gradient): `compile`
+    /// plans the graph with them fused too, marked "+waiting" where that one is kept.
+    #[serde(default)]
+    pub waiting_products: usize,
     /// Log-softmaxes split into their row statistics (`log_softmax_split`) and the ops that
     /// added before fusion (each split removes one op and adds the statistics' five and two per
     /// reader).
@@ -340,6 +345,7 @@ impl RewriteFigures {
         self.passes.extend(other.passes.iter().cloned());
         self.fused_groups += other.fused_groups;
         self.fused_ops += other.fused_ops;
+        self.waiting_products += other.waiting_products;
         self.log_softmax_splits += other.log_softmax_splits;
         self.split_added_ops += other.split_added_ops;
         self.conv_relu_grads += other.conv_relu_grads;

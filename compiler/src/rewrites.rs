@@ -170,7 +170,12 @@ impl Pass for Fuse {
 
     fn run(&self, graph: &mut Graph) -> Result<Changes> {
         let f = fusion::fuse(graph, self.0)?;
-        let figures = RewriteFigures { fused_groups: f.groups, fused_ops: f.ops, ..Default::default() };
+        let figures = RewriteFigures {
+            fused_groups: f.groups,
+            fused_ops: f.ops,
+            waiting_products: f.waiting,
+            ..Default::default()
+        };
         Ok(Changes { rewrites: f.groups, figures })
     }
 }
