@@ -484,6 +484,8 @@ pub struct Goals {
     /// kiln / XLA over training steps where XLA was measured: the worst (goal <= 0.85) with its
     /// model, and the geometric mean (goal <= 0.75).
     pub train_kiln_over_xla: Option<(f64, String, f64)>,
+    /// The longest compile of a training step, in ms, with its model (goal: <= 20 ms).
+    pub worst_train_plan_ms: (f64, String),
 }
 
 fn geomean(values: &[f64]) -> f64 {
@@ -521,7 +523,13 @@ impl Goals {
             .iter()
             .filter_map(|r| r.eager_over_replayed().map(|(res, used)| (res, r.model.clone(), used)))
             .max_by(|a, b| (a.0 - 1.0).abs().total_cmp(&(b.0 - 1.0).abs()));
+        let worst_train_plan_ms = train
+            .iter()
+            .map(|r| (r.plan_ms, r.model.clone()))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap_or((f64::NAN, String::new()));
         Goals {
+            worst_train_plan_ms,
             worst_eager_fidelity,
             worst_arena_over_bound,
             planned_above_eager_in_use,
@@ -570,6 +578,11 @@ impl Goals {
             }
             None => s += "goal kiln / XLA: skipped (JAX could not be had)\n",
         }
+        let (ms, model) = &self.worst_train_plan_ms;
+        s += &format!(
+            "goal plan time <= 20 ms on every training step: worst {ms:.1} ms ({model}) ({})\n",
+            mark(*ms <= 20.0)
+        );
         s
     }
 }
