@@ -24,6 +24,11 @@
 //! assignment, with YNNPACK library fusion off (every intermediate an XLA buffer) and with the
 //! default flags beside. kiln / XLA compares kiln's planned total, unrounded as XLA's is.
 //!
+//! The eager reference is PyTorch's replayed stream: kiln's own eager simulation runs kiln's op
+//! stream (its kernels keep what they keep, not what ATen's do) and differs from it by 0.8-1.6x
+//! at this scale; its ratio to the replay is shown in its own column, and
+//! `kiln memory MODEL.onnx --pytorch-stream FILE` prints the replay beside any plan.
+//!
 //! `KILN_REALSCALE_MODELS=resnet50,gpt2` picks models; the interpreter is
 //! `KILN_REALSCALE_PYTHON` or a virtual environment made under target/kiln on first use, and
 //! XLA's `KILN_REALSCALE_XLA_PYTHON` or another such environment (`kiln::peers::realscale_xla_python`).
@@ -358,7 +363,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "assignment (argument + output + temp - alias) of the Flax version's jitted step on jaxlib's CPU backend,"
     );
-    println!("YNNPACK library fusion off; default flags beside.");
+    println!("YNNPACK library fusion off; default flags beside. The eager figure is PyTorch's replayed");
+    println!("stream (`kiln memory MODEL.onnx --pytorch-stream target/kiln/realscale/NAME-stream.json`");
+    println!("prints it beside the plan); kiln eager / PyTorch is kiln's own op stream under the same");
+    println!("allocator against it: kiln's ops are not PyTorch's at this scale, so it is not the reference.");
     kiln::results::write("realscale", "cpu", &rows)?;
     Ok(())
 }

@@ -145,6 +145,12 @@ enum Command {
         /// over them.
         #[arg(long, value_name = "DEVICE=SIZE")]
         device: Vec<String>,
+        /// PyTorch's recorded allocation stream for the same step, same batch (a JSON file
+        /// scripts/peers/torch_stream.py wrote; FILE:MODEL names one of several, a zoo model's
+        /// own by default): replayed through the caching allocator, it is the eager figure the
+        /// plan is compared with.
+        #[arg(long, value_name = "FILE[:MODEL]")]
+        pytorch_stream: Option<String>,
     },
     /// Print this command-line reference as Markdown (the book's CLI chapter is its output).
     #[command(hide = true)]
@@ -235,15 +241,19 @@ fn main() -> ExitCode {
         Command::Seed { ranks } => run_seed(!cli.quiet, cli.svg.as_deref(), ranks),
         Command::Ranks { ranks, model, steps, zero } => run_ranks(ranks, &model, steps, zero),
         Command::Zero { model, max_ranks } => run_zero(&model, max_ranks),
-        Command::Memory { model, mode, batch, svg, steps, dim, device } if model.ends_with(".onnx") => {
-            memory_onnx(&model, &mode, batch, &dim, svg.as_deref(), steps, &device)
+        Command::Memory { model, mode, batch, svg, steps, dim, device, pytorch_stream }
+            if model.ends_with(".onnx") =>
+        {
+            let shown = Shown { svg: svg.as_deref(), steps, stream: pytorch_stream.as_deref() };
+            memory_onnx(&model, &mode, batch, &dim, &shown, &device)
         }
         Command::Memory { device, .. } if !device.is_empty() => Err(invalid(
             "--device is read for ONNX models".into(),
             "split a zoo model with kiln::prelude::split_sequential (examples/split_model.rs)".into(),
         )),
-        Command::Memory { model, mode, batch, svg, steps, .. } => {
-            memory(&model, &mode, batch, svg.as_deref(), steps)
+        Command::Memory { model, mode, batch, svg, steps, pytorch_stream, .. } => {
+            let shown = Shown { svg: svg.as_deref(), steps, stream: pytorch_stream.as_deref() };
+            memory(&model, &mode, batch, &shown)
         }
         Command::BenchGpu => match kiln::gpu_bench::run() {
             Ok(Outcome::Ran) => Ok(()),
@@ -349,7 +359,53 @@ fn torch_stream(file: Option<&Path>) -> kiln::Result<()> {
     Ok(())
 }
 
-fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, steps: bool) -> kiln::Result<()> {
+/// What `kiln memory` prints besides its table.
+struct Shown<'a> {
+    /// Where to write the plan's picture.
+    svg: Option<&'a Path>,
+    /// Whether to print every step.
+    steps: bool,
+    /// PyTorch's recorded stream for the step, `FILE[:MODEL]`.
+    stream: Option<&'a str>,
+}
+
+/// The table of `row`, with PyTorch's recorded stream (`--pytorch-stream`) replayed beside it
+/// where one is given: a recorded stream is PyTorch's own op stream, where the eager columns
+/// are kiln's op stream under PyTorch's allocator, which differs from it at real scale (kiln's
+/// ops keep what its own kernels keep).
+/// A zoo model's stream is looked up by its name (`zoo`) unless `FILE:MODEL` names another.
+fn print_memory(
+    row: &mut kiln::compare::Comparison,
+    stream: Option<&str>,
+    zoo: Option<&str>,
+) -> kiln::Result<()> {
+    if let Some(arg) = stream {
+        let (path, model) = match arg.rsplit_once(':') {
+            Some((file, model)) if !Path::new(arg).exists() => (file, Some(model)),
+            _ => (arg, zoo),
+        };
+        let (name, recorded) = kiln::torch_stream::load(Path::new(path), model)?;
+        let replayed = kiln::torch_stream::figures(&recorded)?;
+        row.pytorch_replayed = Some(replayed);
+        println!("{}", table(std::slice::from_ref(row)));
+        println!(
+            "eager: PyTorch's recorded stream ({path}, {name}) replayed through the caching allocator: reserved {} B \
+             ({} B with cuBLAS's workspaces), in use {} B; device bytes / replayed with workspaces {:.3}; \
+             kiln's own eager stream (the eager caching column) / replayed {:.3}",
+            kiln::report::bytes(replayed.peak_reserved),
+            kiln::report::bytes(replayed.workspace_peak_reserved),
+            kiln::report::bytes(replayed.peak_in_use),
+            row.device_over_replayed().unwrap_or(f64::NAN),
+            row.eager_over_replayed().map_or(f64::NAN, |(reserved, _)| reserved),
+        );
+    } else {
+        println!("{}", table(std::slice::from_ref(row)));
+    }
+    Ok(())
+}
+
+fn memory(name: &str, mode: &str, batch: Option<usize>, shown: &Shown) -> kiln::Result<()> {
+    let Shown { svg, steps, .. } = *shown;
     let names: Vec<&str> = zoo::all().iter().map(|m| m.name).collect();
     let Some(mut m) = zoo::by_name(name) else {
         return Err(invalid(format!("no zoo model `{name}`"), format!("choose one of {names:?}")));
@@ -366,11 +422,11 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, svg: Option<&Path>, step
         }
         m = m.with_batch(b);
     }
-    let row = compare(&m, mode, true)?;
+    let mut row = compare(&m, mode, true)?;
     if steps {
         println!("{}", row.plan.render());
     }
-    println!("{}", table(std::slice::from_ref(&row)));
+    print_memory(&mut row, shown.stream, Some(m.name))?;
     if let Some(path) = svg {
         let title = format!("{} {} (batch {})", m.name, mode.name(), m.batch);
         std::fs::write(path, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
@@ -387,10 +443,10 @@ fn memory_onnx(
     mode: &str,
     batch: Option<usize>,
     dims: &[String],
-    svg: Option<&Path>,
-    steps: bool,
+    shown: &Shown,
     devices: &[String],
 ) -> kiln::Result<()> {
+    let Shown { svg, steps, .. } = *shown;
     let Some(mode) = Mode::parse(mode) else {
         return Err(invalid(format!("no mode `{mode}`"), "choose forward or train".into()));
     };
@@ -425,11 +481,11 @@ fn memory_onnx(
     let feed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
     // The eager allocators replay the op stream's allocations on virtual memory: the figures
     // do not depend on values, and a VGG-19 training step at batch 32 is not run on the host.
-    let row = kiln::compare::compare_graph(path, graph, &feed, false)?;
+    let mut row = kiln::compare::compare_graph(path, graph, &feed, false)?;
     if steps {
         println!("{}", row.plan.render());
     }
-    println!("{}", table(std::slice::from_ref(&row)));
+    print_memory(&mut row, shown.stream, None)?;
     if let Some(out) = svg {
         let title = format!("{path} {} (batch {})", mode.name(), row.batch);
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;

@@ -166,14 +166,50 @@ pub struct Replayed {
 /// Replays the committed recording of zoo model `name` without and with PyTorch's workspaces.
 pub fn committed_figures(name: &str) -> Result<Option<Replayed>> {
     let rec = Recording::committed()?;
-    let Some(stream) = rec.models.get(name) else { return Ok(None) };
+    rec.models.get(name).map(figures).transpose()
+}
+
+/// Replays `stream` without and with PyTorch's workspaces.
+pub fn figures(stream: &ModelStream) -> Result<Replayed> {
     let plain = replay(stream, &FrameworkExtras::default())?;
     let with = replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent))?;
-    Ok(Some(Replayed {
+    Ok(Replayed {
         peak_in_use: plain.peak_in_use,
         peak_reserved: plain.peak_reserved,
         workspace_peak_reserved: with.peak_reserved,
-    }))
+    })
+}
+
+/// One model's stream from the recording at `path` (a file `scripts/peers/torch_stream.py`
+/// wrote, such as `cargo bench --bench realscale`'s `target/kiln/realscale/gpt2-stream.json`):
+/// `model`'s, or the recording's only one where `model` is `None`; an error naming the models
+/// it has otherwise.
+pub fn load(path: &std::path::Path, model: Option<&str>) -> Result<(String, ModelStream)> {
+    let json = std::fs::read_to_string(path).map_err(|e| {
+        Error::Runtime(RuntimeError::invalid(
+            format!("cannot read the recorded stream {}: {e}", path.display()),
+            "pass a JSON file scripts/peers/torch_stream.py wrote",
+        ))
+    })?;
+    let mut rec = Recording::parse(&json)?;
+    let names: Vec<String> = rec.models.keys().cloned().collect();
+    let name = match (model, names.as_slice()) {
+        (Some(m), _) => m.to_string(),
+        (None, [only]) => only.clone(),
+        (None, _) => {
+            return Err(Error::Runtime(RuntimeError::invalid(
+                format!("{} records {} models: {names:?}", path.display(), names.len()),
+                "name one: FILE:MODEL",
+            )));
+        }
+    };
+    match rec.models.remove(&name) {
+        Some(stream) => Ok((name, stream)),
+        None => Err(Error::Runtime(RuntimeError::invalid(
+            format!("{} has no model `{name}`; it records {names:?}", path.display()),
+            "name one of those: FILE:MODEL",
+        ))),
+    }
 }
 
 #[cfg(test)]

@@ -68,6 +68,12 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["train", "README.md", "--data", "/nonexistent.safetensors"], "cannot read"),
     (&["memory", "seed-mlp", "--device", "gpu:0=1GB"], "--device is read for ONNX models"),
     (&["memory", "/nonexistent/m.onnx", "--device", "gpu:0"], "cannot read the model"),
+    (&["memory", "seed-mlp", "--pytorch-stream", "/nonexistent.json"], "cannot read the recorded stream"),
+    (&["memory", "seed-mlp", "--pytorch-stream", "Cargo.toml"], "not a torch_stream.py recording"),
+    (
+        &["memory", "seed-mlp", "--pytorch-stream", "benches/data/torch_stream.json:gpt9"],
+        "has no model `gpt9`",
+    ),
 ];
 
 /// Well-formed invocations that must succeed (quickly: no training).
@@ -78,6 +84,7 @@ const ACCEPTED: &[&[&str]] = &[
     &["devices", "--logical", "cpu:0=1.5MiB,4MB,2048KB"],
     &["devices", "--fraction", "cpu:0=0.5"],
     &["memory", "seed-mlp", "--batch", "3", "--mode", "forward"],
+    &["memory", "seed-mlp", "--pytorch-stream", "benches/data/torch_stream.json"],
     &["torch-stream"],
 ];
 
@@ -224,4 +231,21 @@ fn a_batch_too_large_for_the_host_is_an_error_not_an_abort() {
             "kiln {args:?}:\n{stderr}"
         );
     }
+}
+
+/// `kiln memory --pytorch-stream`: the recorded stream replayed beside the plan, its reserved
+/// peak the committed recording's own for the zoo model named.
+#[test]
+fn memory_replays_a_recorded_stream_beside_the_plan() {
+    let out = Command::new(KILN)
+        .args(["memory", "seed-mlp", "--pytorch-stream", "benches/data/torch_stream.json"])
+        .output()
+        .expect("the kiln binary runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let replayed = kiln::torch_stream::committed_figures("seed-mlp").unwrap().expect("seed-mlp is recorded");
+    let line =
+        stdout.lines().find(|l| l.starts_with("eager: PyTorch's recorded stream")).expect("the replay line");
+    let reserved = format!("reserved {} B", kiln::report::bytes(replayed.peak_reserved));
+    assert!(line.contains("seed-mlp") && line.contains(&reserved), "{line}");
 }
