@@ -61,7 +61,7 @@ struct Match {
 }
 
 /// Whether `n` is read once, by operand, and is neither an output nor ordered by control edges.
-fn private(graph: &Graph, n: NodeId) -> bool {
+pub(crate) fn private(graph: &Graph, n: NodeId) -> bool {
     graph.users(n).len() == 1
         && graph.successors(n).count() == 1
         && graph.control_predecessors(n).is_empty()
@@ -70,7 +70,7 @@ fn private(graph: &Graph, n: NodeId) -> bool {
 
 /// The value of a one-element constant: a fill, or unary, binary, scalar ops and float casts
 /// over such constants (an exporter's `sqrt(1 / sqrt(d))` or `0 + 64 ^ 0.5` of a head width).
-fn constant(graph: &Graph, n: NodeId) -> Option<f32> {
+pub(crate) fn constant(graph: &Graph, n: NodeId) -> Option<f32> {
     let node = graph.node(n);
     if node.shape.numel() != 1 || node.dtype != DType::F32 {
         return None;
@@ -109,7 +109,7 @@ fn constant(graph: &Graph, n: NodeId) -> Option<f32> {
 }
 
 /// `n` as (x, c) where n = c·x for a scalar constant c, of x's shape.
-fn scaled(graph: &Graph, n: NodeId) -> Option<(NodeId, f32)> {
+pub(crate) fn scaled(graph: &Graph, n: NodeId) -> Option<(NodeId, f32)> {
     let ops = graph.operands(n);
     let (x, c) = match &graph.node(n).op {
         Op::Scalar { op: ScalarOp::Mul, value } => (ops[0], *value),

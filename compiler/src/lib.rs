@@ -2,8 +2,9 @@
 //!
 //! The pipeline, top to bottom (`compile` below runs steps 3–7):
 //! 1. `trace` — the Rust DSL records a model into an `ir::Graph`; `nn` builds layers on it.
-//! 2. `step` — a training step appends the loss (`losses`), the backward graph (`autodiff`) and
-//!    the optimizer's in-place updates (`optim`) to the same graph.
+//! 2. `step` — composed attention and GELU become one op each (`attention_rewrite`,
+//!    `activation_rewrite`); a training step appends the loss (`losses`), the backward graph
+//!    (`autodiff`) and the optimizer's in-place updates (`optim`) to the same graph.
 //! 3. `rewrites` — the graph rewrites as `passes::Pass`es in `passes::Pipeline`s, each saying
 //!    what it changed and the pipeline recording it (`plan::RewriteFigures`): `passes` —
 //!    verification, CSE, dead-code elimination, output copies, effect ordering, the cleanup
@@ -30,6 +31,7 @@
 //!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
 #![warn(missing_docs)]
 
+pub mod activation_rewrite;
 pub mod attention_rewrite;
 pub mod autodiff;
 pub mod batch_blocks;

@@ -1,6 +1,7 @@
 //! The graphs kiln compiles for a model: an inference call, and a training step (forward, loss,
 //! metrics, backward, optimizer updates), each traced for one set of input shapes.
 
+use crate::activation_rewrite;
 use crate::attention_rewrite;
 use crate::autodiff;
 use crate::batch_blocks;
@@ -50,6 +51,7 @@ pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result
     t.output("y", &y);
     let mut graph = t.finish()?;
     attention_rewrite::rewrite(&mut graph)?;
+    activation_rewrite::rewrite(&mut graph)?;
     Ok(graph)
 }
 
@@ -75,6 +77,7 @@ pub fn evaluate_graph(
     t.set_device(previous);
     let mut graph = t.finish()?;
     attention_rewrite::rewrite(&mut graph)?;
+    activation_rewrite::rewrite(&mut graph)?;
     Ok(graph)
 }
 
@@ -154,6 +157,7 @@ pub fn train_step_graph_in_blocks(
     // Composed attention as one op before autodiff, so that its gradient keeps no [.., S, T]
     // value from the forward pass.
     attention_rewrite::rewrite(&mut graph)?;
+    activation_rewrite::rewrite(&mut graph)?;
     if blocks > 1
         && let Some(region) = batch_blocks::region_with(&graph, batch, batch_blocks::Sources::Values)
     {
