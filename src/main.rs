@@ -369,39 +369,68 @@ struct Shown<'a> {
     stream: Option<&'a str>,
 }
 
+/// A recorded stream (`--pytorch-stream`) replayed: where it is, the model it is of, and its
+/// figures.
+struct Recorded {
+    path: String,
+    name: String,
+    replayed: kiln::torch_stream::Replayed,
+}
+
+/// The stream `arg` (`FILE` or `FILE:MODEL`) names, read and replayed before anything is
+/// planned, so that a mistyped path is named at once. A recording is of a training step
+/// (`mode`); a zoo model's stream is looked up by its name (`zoo`, its batch the recording's
+/// only at the zoo's default) unless `FILE:MODEL` names one.
+fn recorded(arg: &str, mode: Mode, zoo: Option<(&str, bool)>) -> kiln::Result<Recorded> {
+    if mode != Mode::Train {
+        return Err(invalid(
+            format!("--pytorch-stream {arg}: a recorded stream is of a training step"),
+            "pass --mode train".into(),
+        ));
+    }
+    let (path, model) = match arg.rsplit_once(':') {
+        Some((file, model)) if !Path::new(arg).exists() && Path::new(file).exists() => {
+            (file, (!model.is_empty()).then_some(model))
+        }
+        _ => (arg, None),
+    };
+    let model = match (model, zoo) {
+        (Some(m), _) => Some(m),
+        (None, Some((name, true))) => Some(name),
+        (None, Some((name, false))) => {
+            return Err(invalid(
+                format!("--pytorch-stream {arg}: {name} is planned at a batch of its own, not the zoo's"),
+                format!("name the recording's model, {arg}:{name}, if it was recorded at that batch"),
+            ));
+        }
+        (None, None) => None,
+    };
+    let (name, stream) = kiln::torch_stream::load(Path::new(path), model)?;
+    let replayed = kiln::torch_stream::figures(&stream)?;
+    Ok(Recorded { path: path.to_string(), name, replayed })
+}
+
 /// The table of `row`, with PyTorch's recorded stream (`--pytorch-stream`) replayed beside it
 /// where one is given: a recorded stream is PyTorch's own op stream, where the eager columns
 /// are kiln's op stream under PyTorch's allocator, which differs from it at real scale (kiln's
 /// ops keep what its own kernels keep).
-/// A zoo model's stream is looked up by its name (`zoo`) unless `FILE:MODEL` names another.
-fn print_memory(
-    row: &mut kiln::compare::Comparison,
-    stream: Option<&str>,
-    zoo: Option<&str>,
-) -> kiln::Result<()> {
-    if let Some(arg) = stream {
-        let (path, model) = match arg.rsplit_once(':') {
-            Some((file, model)) if !Path::new(arg).exists() => (file, Some(model)),
-            _ => (arg, zoo),
-        };
-        let (name, recorded) = kiln::torch_stream::load(Path::new(path), model)?;
-        let replayed = kiln::torch_stream::figures(&recorded)?;
-        row.pytorch_replayed = Some(replayed);
+fn print_memory(row: &mut kiln::compare::Comparison, recorded: Option<Recorded>) {
+    let Some(Recorded { path, name, replayed }) = recorded else {
         println!("{}", table(std::slice::from_ref(row)));
-        println!(
-            "eager: PyTorch's recorded stream ({path}, {name}) replayed through the caching allocator: reserved {} B \
-             ({} B with cuBLAS's workspaces), in use {} B; device bytes / replayed with workspaces {:.3}; \
-             kiln's own eager stream (the eager caching column) / replayed {:.3}",
-            kiln::report::bytes(replayed.peak_reserved),
-            kiln::report::bytes(replayed.workspace_peak_reserved),
-            kiln::report::bytes(replayed.peak_in_use),
-            row.device_over_replayed().unwrap_or(f64::NAN),
-            row.eager_over_replayed().map_or(f64::NAN, |(reserved, _)| reserved),
-        );
-    } else {
-        println!("{}", table(std::slice::from_ref(row)));
-    }
-    Ok(())
+        return;
+    };
+    row.pytorch_replayed = Some(replayed);
+    println!("{}", table(std::slice::from_ref(row)));
+    println!(
+        "eager: PyTorch's recorded stream ({path}, {name}) replayed through the caching allocator: reserved {} B \
+         ({} B with cuBLAS's workspaces), in use {} B; device bytes / replayed with workspaces {:.3}; \
+         kiln's own eager stream (the eager caching column) / replayed {:.3}",
+        kiln::report::bytes(replayed.peak_reserved),
+        kiln::report::bytes(replayed.workspace_peak_reserved),
+        kiln::report::bytes(replayed.peak_in_use),
+        row.device_over_replayed().unwrap_or(f64::NAN),
+        row.eager_over_replayed().map_or(f64::NAN, |(reserved, _)| reserved),
+    );
 }
 
 fn memory(name: &str, mode: &str, batch: Option<usize>, shown: &Shown) -> kiln::Result<()> {
@@ -422,11 +451,13 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, shown: &Shown) -> kiln::
         }
         m = m.with_batch(b);
     }
+    let default_batch = zoo::by_name(name).is_some_and(|d| d.batch == m.batch);
+    let stream = shown.stream.map(|arg| recorded(arg, mode, Some((m.name, default_batch)))).transpose()?;
     let mut row = compare(&m, mode, true)?;
     if steps {
         println!("{}", row.plan.render());
     }
-    print_memory(&mut row, shown.stream, Some(m.name))?;
+    print_memory(&mut row, stream);
     if let Some(path) = svg {
         let title = format!("{} {} (batch {})", m.name, mode.name(), m.batch);
         std::fs::write(path, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
@@ -461,6 +492,7 @@ fn memory_onnx(
         let bytes = kiln::runtime::devices::parse_bytes(size).map_err(|e| in_flag("--device", d, e))?;
         specs.push(kiln::compiler::device::DeviceSpec::new(i as u32, name).with_limit(bytes));
     }
+    let stream = shown.stream.map(|arg| recorded(arg, mode, None)).transpose()?;
     // Read once: decoded, checked, its external data mapped from the file's directory.
     let model = kiln::onnx::OnnxModel::from_bytes_at(&file, path)?;
     let sizes = kiln::onnx::train::sizes(&model, batch, dims)?;
@@ -485,7 +517,7 @@ fn memory_onnx(
     if steps {
         println!("{}", row.plan.render());
     }
-    print_memory(&mut row, shown.stream, None)?;
+    print_memory(&mut row, stream);
     if let Some(out) = svg {
         let title = format!("{path} {} (batch {})", mode.name(), row.batch);
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;

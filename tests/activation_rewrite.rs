@@ -74,7 +74,15 @@ fn other_forms_stay_composed() {
     let c = x.mul(0.5) * &s + &s;
     let r = t.input("r", [1, 6]);
     let d = (r.mul(0.5)) * (x.mul(std::f32::consts::FRAC_1_SQRT_2).erf() + 1.0);
-    for (name, v) in [("a", &a), ("b", &b), ("c", &c), ("d", &d)] {
+    // A one-element 1 of higher rank: the result is [1, 4, 6], not x's shape.
+    let e = x.mul(0.5) * (x.mul(std::f32::consts::FRAC_1_SQRT_2).erf() + &t.fill(1.0, Shape::new([1, 1, 1])));
+    // Tanh forms: another coefficient, a square for the cube, the cube of another input.
+    let k = (2.0 / std::f32::consts::PI).sqrt();
+    let f = x.mul(0.5) * ((&x + &x.pow(3.0).mul(0.04)).mul(k).tanh() + 1.0);
+    let g2 = x.mul(0.5) * ((&x + &(&x * &x).mul(0.044715)).mul(k).tanh() + 1.0);
+    let h = x.mul(0.5) * ((&x + &y.pow(3.0).mul(0.044715)).mul(k).tanh() + 1.0);
+    for (name, v) in [("a", &a), ("b", &b), ("c", &c), ("d", &d), ("e", &e), ("f", &f), ("g", &g2), ("h", &h)]
+    {
         t.output(name, v);
     }
     let mut g = t.finish().unwrap();
@@ -82,8 +90,8 @@ fn other_forms_stay_composed() {
     assert_eq!(count(&g, |o| matches!(o, Op::Unary(UnaryOp::Gelu | UnaryOp::GeluTanh))), 0);
 }
 
-/// A training step through a composed GELU: its gradient is one `GeluGrad` op, and no erf is
-/// left to keep for the backward pass.
+/// A training step through a composed GELU: its gradient is one `GeluGrad` op (`GeluTanhGrad`
+/// for the tanh form), and no erf or tanh is left to keep for the backward pass.
 #[test]
 fn a_training_step_differentiates_the_one_op() {
     struct Composed;
@@ -97,10 +105,26 @@ fn a_training_step_differentiates_the_one_op() {
             h.mul(0.5) * (h.mul(std::f32::consts::FRAC_1_SQRT_2).erf() + 1.0)
         }
     }
+    struct ComposedTanh;
+    impl Layer for ComposedTanh {
+        fn kind(&self) -> &'static str {
+            "composed_gelu_tanh"
+        }
+        fn forward(&self, x: &Tensor) -> Tensor {
+            let w = x.tracer().param("w", [8, 8], Init::Constant(0.1));
+            let h = x.matmul(&w);
+            let k = (2.0 / std::f32::consts::PI).sqrt();
+            h.mul(0.5) * ((&h + &h.pow(3.0).mul(0.044715)).mul(k).tanh() + 1.0)
+        }
+    }
     let config =
         TrainConfig { loss: Loss::MeanSquaredError, optimizer: Sgd::new(0.1).into(), metrics: vec![] };
     let g = train_step_graph(&Composed, Shape::new([4, 8]), Shape::new([4, 8]), &config).unwrap();
     assert_eq!(count(&g, |o| matches!(o, Op::Unary(UnaryOp::Erf))), 0);
     assert_eq!(count(&g, |o| matches!(o, Op::Unary(UnaryOp::Gelu))), 1);
     assert_eq!(count(&g, |o| matches!(o, Op::Binary(BinaryOp::GeluGrad))), 1);
+    let g = train_step_graph(&ComposedTanh, Shape::new([4, 8]), Shape::new([4, 8]), &config).unwrap();
+    assert_eq!(count(&g, |o| matches!(o, Op::Unary(UnaryOp::Tanh))), 0);
+    assert_eq!(count(&g, |o| matches!(o, Op::Unary(UnaryOp::GeluTanh))), 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::Binary(BinaryOp::GeluTanhGrad))), 1);
 }

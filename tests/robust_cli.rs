@@ -74,6 +74,12 @@ const MISTAKES: &[(&[&str], &str)] = &[
         &["memory", "seed-mlp", "--pytorch-stream", "benches/data/torch_stream.json:gpt9"],
         "has no model `gpt9`",
     ),
+    (&["memory", "seed-mlp", "--pytorch-stream", "/nonexistent/a:b.json"], "stream /nonexistent/a:b.json"),
+    (&["memory", "seed-mlp", "--mode", "forward", "--pytorch-stream", "Cargo.toml"], "pass --mode train"),
+    (
+        &["memory", "seed-mlp", "--batch", "3", "--pytorch-stream", "benches/data/torch_stream.json"],
+        "a batch of its own",
+    ),
 ];
 
 /// Well-formed invocations that must succeed (quickly: no training).

@@ -305,11 +305,16 @@ fn apply(graph: &mut Graph, m: Match) {
     let attention =
         graph.add(Node { op: Op::Attention { scale: m.scale, causal: false }, ..template }, &operands);
     graph.replace_uses(m.product, attention);
-    // The replaced nodes that nothing reads any more, readers first.
+    remove_unread(graph, &m.chain);
+}
+
+/// Removes the nodes of `chain` that nothing reads any more (no reader, no control edge, no
+/// output, no effect), readers first, until none is left to remove: what a rewrite replaced.
+pub(crate) fn remove_unread(graph: &mut Graph, chain: &[NodeId]) {
     let mut changed = true;
     while changed {
         changed = false;
-        for &n in &m.chain {
+        for &n in chain {
             let dead = graph.contains(n)
                 && graph.successors(n).count() == 0
                 && graph.control_predecessors(n).is_empty()

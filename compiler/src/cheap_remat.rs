@@ -133,7 +133,8 @@ pub fn shrink(
                 p.memory.remat.as_ref().is_some_and(|r| r.recomputed_flops <= budget) && held(p) < now
             })
         };
-        let next = left >= 2 && step_at(shift + 1) >= MIN_STEP;
+        // On one thread the second try would run after the first, and be wasted where it fits.
+        let next = left >= 2 && step_at(shift + 1) >= MIN_STEP && rayon::current_num_threads() > 1;
         let (first, second) =
             if next { rayon::join(|| attempt(shift), || attempt(shift + 1)) } else { (attempt(shift), None) };
         let smaller = match first {

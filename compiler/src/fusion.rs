@@ -61,8 +61,8 @@ pub struct FusionFigures {
     pub ops: usize,
     /// Updates folded with their gradient's product (`product_updates`).
     pub product_updates: usize,
-    /// Products kept apart from the group that reads them because fused they would wait for a
-    /// computed value the group reads (`Products::All`; `Products::Waiting` fuses them).
+    /// Products that, fused with the group that reads them, wait for a computed value the group
+    /// reads: kept apart by `Products::All`, fused by `Products::Waiting`.
     pub waiting: usize,
 }
 
@@ -187,7 +187,7 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
                 .any(|&m| source(graph.node(m)) || matches!(graph.node(m).op, Op::RandomUniform { .. }));
             let matmul = search.product(&members).filter(|&p| {
                 let waits = !with_source && waits_for_a_value(graph, &members, p);
-                if waits && products == Products::All {
+                if waits && products != Products::OverValues {
                     figures.waiting += 1;
                 }
                 !with_source

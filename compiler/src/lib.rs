@@ -406,34 +406,50 @@ fn compile_rewritten_with(graph: ir::Graph, options: &CompileOptions, refuse: bo
 /// (`fusion::Products::Waiting`).
 const WAITING: &str = "+waiting";
 
+/// `options` with `mark` taken out of the schedule it asks for (`CompileOptions::schedule`),
+/// and whether the name had it: a plan's name carries its graph's marks, and the searches below
+/// look the rest up.
+fn unmarked(options: &CompileOptions, mark: &str) -> (CompileOptions, bool) {
+    match options.schedule.as_deref() {
+        Some(wanted) if wanted.contains(mark) => {
+            (CompileOptions { schedule: Some(wanted.replace(mark, "")), ..options.clone() }, true)
+        }
+        _ => (options.clone(), false),
+    }
+}
+
 /// `graph` lowered (`lower`) and planned (`plan_lowered`); where fusion kept products apart
 /// that fused would wait for a value their epilogue reads (`RewriteFigures::waiting_products`),
-/// the graph with them fused is planned too and the smaller plan kept (the first on a tie),
-/// its schedule marked `WAITING`. A schedule asked for by name plans the graph its mark names.
+/// the graph with them fused is planned too and the smaller plan kept (the first on a tie;
+/// the one that plans where the other fails, as under a memory limit), its schedule marked
+/// `WAITING`. A schedule asked for by name plans the graph its mark names.
 fn lower_and_plan(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<(Lowered, Plan)> {
-    let wanted = options.schedule.as_deref();
-    let apart = lower(graph.clone(), options, refuse, fusion::Products::All)?;
-    if apart.fusion.figures.waiting_products == 0 {
-        return Ok((apart.clone(), plan_lowered(apart, options)?));
-    }
-    let fused = lower(graph, options, refuse, fusion::Products::Waiting)?;
-    if wanted.is_some_and(|w| w.contains(WAITING)) {
+    let (plain, wants_waiting) = unmarked(options, WAITING);
+    let (apart, fused) = lower(graph, options, refuse)?;
+    let Some(fused) = fused else { return Ok((apart.clone(), plan_lowered(apart, &plain)?)) };
+    if wants_waiting {
         return Ok((fused.clone(), plan_lowered(fused, options)?));
     }
-    let plan = plan_lowered(apart.clone(), options)?;
-    if wanted.is_some() {
-        return Ok((apart, plan));
+    let first = plan_lowered(apart.clone(), options);
+    if options.schedule.is_some() {
+        return first.map(|plan| (apart, plan));
     }
-    let Ok(other) = plan_lowered(fused.clone(), options) else { return Ok((apart, plan)) };
-    let mut schedules = plan.memory.schedules.clone();
-    schedules.extend(other.memory.schedules.iter().cloned());
-    let (kept, mut plan) = if other.memory.planned_total_bytes() < plan.memory.planned_total_bytes() {
-        (fused, other)
-    } else {
-        (apart, plan)
-    };
-    plan.memory.schedules = schedules;
-    Ok((kept, plan))
+    match (first, plan_lowered(fused.clone(), options)) {
+        (Ok(plan), Ok(other)) => {
+            let mut schedules = plan.memory.schedules.clone();
+            schedules.extend(other.memory.schedules.iter().cloned());
+            let (kept, mut plan) = if other.memory.planned_total_bytes() < plan.memory.planned_total_bytes() {
+                (fused, other)
+            } else {
+                (apart, plan)
+            };
+            plan.memory.schedules = schedules;
+            Ok((kept, plan))
+        }
+        (Ok(plan), Err(_)) => Ok((apart, plan)),
+        (Err(_), Ok(other)) => Ok((fused, other)),
+        (Err(e), Err(_)) => Err(e),
+    }
 }
 
 /// A graph after the rewrites every planned graph takes (`rewrites::before_fusion`, then
@@ -450,33 +466,36 @@ struct Lowered {
     mark: &'static str,
 }
 
-/// `graph` lowered for planning (`Lowered`); with `refuse`, its unfused graph kept.
-fn lower(
-    mut graph: ir::Graph,
-    options: &CompileOptions,
-    refuse: bool,
-    products: fusion::Products,
-) -> Result<Lowered> {
+/// `graph` lowered for planning (`Lowered`; with `refuse`, its unfused graph kept): fused with
+/// `fusion::Products::All`, and where that kept products apart that would wait for a value,
+/// fused again from the same graph with `fusion::Products::Waiting` (marked `WAITING`).
+fn lower(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<(Lowered, Option<Lowered>)> {
     let before_fusion = rewrites::before_fusion(options).run(&mut graph)?;
     // Kept for recomputation, which only a memory limit asks for.
     let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
-    let fusion = rewrites::fusion(options, products).run(&mut graph)?;
-    let mark = if products == fusion::Products::Waiting { WAITING } else { "" };
-    Ok(Lowered { graph, unfused, before_fusion, fusion, mark })
+    let mut apart = graph.clone();
+    let fusion = rewrites::fusion(options, fusion::Products::All).run(&mut apart)?;
+    let fused = if fusion.figures.waiting_products > 0 {
+        let fusion = rewrites::fusion(options, fusion::Products::Waiting).run(&mut graph)?;
+        let before_fusion = before_fusion.clone();
+        Some(Lowered { graph, unfused: unfused.clone(), before_fusion, fusion, mark: WAITING })
+    } else {
+        None
+    };
+    Ok((Lowered { graph: apart, unfused, before_fusion, fusion, mark: "" }, fused))
 }
 
 /// The plan of a lowered graph: the search over its variants (`search_updates`), and over a
 /// limit recomputation (`fit`); the figures of its rewrites set on the plan, once.
 fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
-    let Lowered { graph, unfused, before_fusion, mut fusion, mark } = lowered;
+    let Lowered { graph, unfused, before_fusion, mut fusion, mut mark } = lowered;
     // A schedule asked for by name is looked up without this graph's mark.
-    let unmarked;
-    let options = match options.schedule.as_deref() {
-        Some(wanted) if !mark.is_empty() && wanted.contains(mark) => {
-            unmarked = CompileOptions { schedule: Some(wanted.replace(mark, "")), ..options.clone() };
-            &unmarked
-        }
-        _ => options,
+    let plain;
+    let options = if mark.is_empty() {
+        options
+    } else {
+        plain = unmarked(options, mark).0;
+        &plain
     };
     let devices = devices_used(&graph, options)?;
     let variants = search_updates(graph, &devices, options)?;
@@ -491,6 +510,8 @@ fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
             let variants = match unfused {
                 Some(mut graph) if fusion.rewrites > 0 => {
                     fusion = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
+                    // Fused again without the products that would wait: no mark.
+                    mark = "";
                     search_updates(graph, &devices, options)?
                 }
                 _ => variants,

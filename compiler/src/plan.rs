@@ -309,9 +309,9 @@ pub struct RewriteFigures {
     /// The elementwise ops those fused groups replaced.
     #[serde(default)]
     pub fused_ops: usize,
-    /// Products the plan's graph keeps apart from the group that reads them, which fused would
-    /// wait for a value of their shape (`fusion::Products`; a tied table's gradient): `compile`
-    /// plans the graph with them fused too, marked "+waiting" where that one is kept.
+    /// Products that, fused with the group that reads them, wait for a value of their shape
+    /// (`fusion::Products`; a tied table's gradient): `compile` plans the graph with them apart
+    /// and fused, and the plan's schedule name carries "+waiting" where they are fused.
     #[serde(default)]
     pub waiting_products: usize,
     /// Log-softmaxes split into their row statistics (`log_softmax_split`) and the ops that
