@@ -165,3 +165,69 @@ pub fn shrink(
     }
     best
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::RematFigures;
+    use crate::trace::Tracer;
+
+    /// A plan holding `held` bytes on its one device, as a try that recomputed nothing.
+    fn holding(base: &Plan, held: usize) -> Plan {
+        let mut p = base.clone();
+        let d = &mut p.devices[0].memory;
+        d.arena_bytes = held - (d.held_bytes() - d.arena_bytes);
+        p.memory.remat = Some(RematFigures::default());
+        p
+    }
+
+    /// The tries one after the other, as `shrink` makes them without a second thread: the held
+    /// bytes of the plan kept.
+    fn sequential(start: usize, tries: usize, fits: impl Fn(usize) -> bool) -> usize {
+        let (mut now, mut shift) = (start, 0);
+        for _ in 0..tries {
+            let step = (now / (4 * tries)).max(1 << 20) >> shift;
+            if step < MIN_STEP {
+                break;
+            }
+            let limit = now - step;
+            if fits(limit) { now = limit } else { shift += 1 }
+        }
+        now
+    }
+
+    /// Each try beside the one that would follow its miss keeps the plan the tries one after
+    /// the other keep, whichever limits fit (a floor below which nothing fits, and limits that
+    /// fit only in bands).
+    #[test]
+    fn paired_tries_keep_what_tries_in_turn_keep() {
+        let t = Tracer::new("tiny");
+        let x = t.input("x", [4, 4]);
+        t.output("y", &x.relu());
+        let base = crate::compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
+        let fixed = base.devices[0].memory.held_bytes() - base.devices[0].memory.arena_bytes;
+        let start = fixed + (64 << 20);
+        let rules: [(&str, Box<dyn Fn(usize) -> bool + Sync>); 4] = [
+            ("floor", Box::new(move |l| l >= fixed + (40 << 20))),
+            ("bands", Box::new(move |l| ((l - fixed) >> 19) % 3 != 1)),
+            ("never", Box::new(|_| false)),
+            ("always", Box::new(|_| true)),
+        ];
+        for (name, fits) in &rules {
+            for tries in [1, 2, 3, 8] {
+                let want = sequential(start, tries, fits);
+                let options = CompileOptions::default();
+                let got =
+                    shrink(&ir::Graph::new("unused"), tries, &options, holding(&base, start), |_, o| {
+                        let limit = o.devices[0].memory_limit.expect("a try sets a limit");
+                        if fits(limit) {
+                            Ok(holding(&base, limit))
+                        } else {
+                            Err(crate::error::CompileError::Internal("does not fit".into()))
+                        }
+                    });
+                assert_eq!(got.devices[0].memory.held_bytes(), want, "{name}, {tries} tries");
+            }
+        }
+    }
+}
