@@ -172,6 +172,9 @@ mod tests {
     use crate::plan::RematFigures;
     use crate::trace::Tracer;
 
+    /// Whether a try at a limit fits.
+    type Fits = Box<dyn Fn(usize) -> bool + Sync>;
+
     /// A plan holding `held` bytes on its one device, as a try that recomputed nothing.
     fn holding(base: &Plan, held: usize) -> Plan {
         let mut p = base.clone();
@@ -207,7 +210,7 @@ mod tests {
         let base = crate::compile(t.finish().unwrap(), &CompileOptions::default()).unwrap();
         let fixed = base.devices[0].memory.held_bytes() - base.devices[0].memory.arena_bytes;
         let start = fixed + (64 << 20);
-        let rules: [(&str, Box<dyn Fn(usize) -> bool + Sync>); 4] = [
+        let rules: [(&str, Fits); 4] = [
             ("floor", Box::new(move |l| l >= fixed + (40 << 20))),
             ("bands", Box::new(move |l| ((l - fixed) >> 19) % 3 != 1)),
             ("never", Box::new(|_| false)),
