@@ -22,33 +22,15 @@
 //! recomputed GELU. Run before autodiff (`step`), after `attention_rewrite`; the forms matched
 //! and left alone are in `tests/activation_rewrite.rs`.
 
-use crate::attention_rewrite::{constant, private, remove_unread, scaled};
-use crate::error::{CompileError, Result};
+use crate::attention_rewrite::{constant, private, remove_unread, rewrite_matches, scaled};
+use crate::error::Result;
 use crate::ir::{BinaryOp, Graph, Node, NodeId, Op, ScalarOp, UnaryOp};
 
 /// Replaces every matched GELU of `graph` by one unary op; the count replaced. The graph is
 /// renumbered afterwards (operands before users, dense ids) when anything changed.
 pub fn rewrite(graph: &mut Graph) -> Result<usize> {
-    let candidates: Vec<NodeId> = graph
-        .node_ids()
-        .filter(|&n| matches!(graph.node(n).op, Op::Unary(UnaryOp::Erf | UnaryOp::Tanh)))
-        .collect();
-    let mut count = 0;
-    for n in candidates {
-        if !graph.contains(n) {
-            continue;
-        }
-        if let Some(m) = find(graph, n) {
-            apply(graph, m);
-            count += 1;
-        }
-    }
-    if count > 0 {
-        *graph = graph
-            .compacted()
-            .ok_or_else(|| CompileError::Internal("activation_rewrite made a cycle".into()))?;
-    }
-    Ok(count)
+    let starts = |op: &Op| matches!(op, Op::Unary(UnaryOp::Erf | UnaryOp::Tanh));
+    rewrite_matches(graph, "activation_rewrite", starts, find, apply)
 }
 
 /// One match: the GELU's input, its form, the node whose readers it takes over, and the nodes

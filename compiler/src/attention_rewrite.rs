@@ -21,22 +21,32 @@ use crate::ir::{BinaryOp, DType, Graph, Node, NodeId, Op, ScalarOp, Shape, Unary
 /// Replaces every matched composition of `graph` by one `Op::Attention`; the count replaced.
 /// The graph is renumbered afterwards (operands before users, dense ids) when anything changed.
 pub fn rewrite(graph: &mut Graph) -> Result<usize> {
-    let softmaxes: Vec<NodeId> =
-        graph.node_ids().filter(|&n| matches!(graph.node(n).op, Op::Softmax { .. })).collect();
+    rewrite_matches(graph, "attention_rewrite", |op| matches!(op, Op::Softmax { .. }), find, apply)
+}
+
+/// A pattern rewrite before autodiff: for each node whose op `starts` a match (taken before any
+/// rewrite, skipped once a rewrite removed it), `find`'s match made by `apply`; the count made.
+/// The graph is renumbered afterwards (operands before users, dense ids) when anything changed.
+pub(crate) fn rewrite_matches<M>(
+    graph: &mut Graph,
+    name: &str,
+    starts: impl Fn(&Op) -> bool,
+    find: impl Fn(&Graph, NodeId) -> Option<M>,
+    apply: impl Fn(&mut Graph, M),
+) -> Result<usize> {
+    let candidates: Vec<NodeId> = graph.node_ids().filter(|&n| starts(&graph.node(n).op)).collect();
     let mut count = 0;
-    for sm in softmaxes {
-        if !graph.contains(sm) {
+    for n in candidates {
+        if !graph.contains(n) {
             continue;
         }
-        if let Some(m) = find(graph, sm) {
+        if let Some(m) = find(graph, n) {
             apply(graph, m);
             count += 1;
         }
     }
     if count > 0 {
-        *graph = graph
-            .compacted()
-            .ok_or_else(|| CompileError::Internal("attention_rewrite made a cycle".into()))?;
+        *graph = graph.compacted().ok_or_else(|| CompileError::Internal(format!("{name} made a cycle")))?;
     }
     Ok(count)
 }
