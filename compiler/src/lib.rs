@@ -13,22 +13,28 @@
 //!    `pad_sums` — a sum of zero-padded slice gradients becomes one concatenation —,
 //!    `transpose_operands` — a transpose feeding a product becomes its operand flag,
 //!    read in place —; then `saved_values` — a training step keeps, of the forward values its backward
-//!    pass reads, what a minimum cut chooses, and recomputes the rest —,
-//!    and for each graph the search plans, `product_updates` — an update computes its own
-//!    weight gradient, never stored —, `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
-//!    per row — and `fusion` — elementwise chains become one fused op each (plans only: eager
-//!    stays unfused); a graph without effects is also planned in blocks of batch rows
-//!    (`batch_blocks`: each block's intermediates die before the next), kept where smaller.
-//! 4. `schedule` — candidate orders of the steps; every one is planned (steps 5–7) and the
-//!    smallest plan kept, for the graph as it is and with its weight-gradient updates tiled
-//!    (`tiled_updates`: each gradient made and applied a block of rows at a time).
+//!    pass reads, what a minimum cut chooses, and recomputes the rest.
+//! 4. `variants` — the graphs the model can be planned as, each marked: lowered
+//!    (`conv_relu_grad` — a convolution's input gradient and ReLU's gradient after it as one op —,
+//!    `log_softmax_split` — a log-softmax's readers recompute it from the logits and two values
+//!    per row —, `fusion` — elementwise chains become one fused op each; plans only, eager stays
+//!    unfused — with products that would wait for a value apart and fused, "+waiting"), a
+//!    training step's updates as traced, tiled (`tiled_updates`: each gradient made and applied
+//!    a block of rows at a time, "+tiled") or computing their own weight gradient
+//!    (`product_updates`: never stored, "+product"), a forward pass whole and in blocks of batch
+//!    rows (`batch_blocks`: each block's intermediates die before the next, "+blocks2").
+//!    `search` — every variant in every candidate order (`schedule`), one branch and bound: each
+//!    pair's liveness and lower bound (steps 5–6), pairs placed from the lowest bound up until
+//!    none left can beat the best plan, the smallest planned total kept. A training step then
+//!    recomputes what costs next to nothing within its budget (`cheap_remat`).
 //! 5. `liveness` — every buffer's lifetime, views and in-place reuse, and each step's scratch
 //!    (`scratch`: what the backend's kernel for it asks for, live at that step alone).
 //! 6. `planner` — offsets in one arena, with the lower bound beside it.
 //! 7. `lower` — the result as a `plan::Plan`: plain data that backends execute.
 //! 8. `validate`, `limits` — the plan is checked before anything runs: its invariants, and that
 //!    it fits every device's memory limit; a training step that does not is rematerialized
-//!    (`remat`: values recomputed instead of kept, steps 4–8 again) before it is refused.
+//!    (`remat`: values recomputed instead of kept, steps 4–8 again, on a finer
+//!    fusion) before it is refused.
 #![warn(missing_docs)]
 
 pub mod activation_rewrite;
@@ -64,20 +70,22 @@ pub mod rewrites;
 pub mod saved_values;
 pub mod schedule;
 pub mod scratch;
+pub mod search;
 pub mod step;
 pub mod tiled_updates;
 pub mod trace;
 pub mod transpose_operands;
 pub mod validate;
+pub mod variants;
 pub mod zero;
 
 pub use device::DeviceSpec;
 pub use error::{CompileError, Result};
 pub use plan::Plan;
 
-use lower::DeviceArena;
 use passes::PassLog;
-use planner::Interval;
+pub use search::SEARCH_PLACES_ALL_BELOW;
+use variants::{Lowered, Variants};
 
 /// How a graph is compiled.
 #[derive(Clone, Debug)]
@@ -139,7 +147,7 @@ pub struct CompileOptions {
     /// by default, or as `KILN_SAVE_MINIMAL=0` says).
     pub save_minimal: bool,
     /// Plan only the candidate order this plan's schedule name starts with (`schedule::named`),
-    /// and only the graph its marks name ("+tiled", "+product", ...; `search_updates`):
+    /// and only the graph its marks name ("+tiled", "+product", ...; `variants::Variants::named`):
     /// `cheap_remat` plans its tries as the whole search chose, a fraction of the work. `None`
     /// (the default): every candidate.
     pub schedule: Option<String>,
@@ -304,37 +312,23 @@ pub fn optimize(mut graph: ir::Graph) -> Result<Scheduled> {
     Ok(Scheduled { graph, order })
 }
 
-/// Compiles a graph into a plan: passes, then for each candidate order (`schedule::candidates`)
+/// Compiles a graph into a plan: the rewrites (`rewrites::before_search`), then the search
+/// (`search`) over the graph's variants (`variants`) and their candidate orders, each with
 /// liveness, arena placement, lowering and validation; the plan with the smallest planned total
-/// is kept, and its figures name the order that won and what every order gave. A training step
-/// over a device's memory limit recomputes values instead of keeping them (`remat`) and is an
+/// is kept, and its figures name the order and variant that won and what every one gave. A
+/// training step recomputes what costs next to nothing within its budget (`cheap_remat`), and
+/// over a device's memory limit recomputes values instead of keeping them (`remat`); it is an
 /// out-of-memory error only when that cannot make it fit.
 pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     options.check()?;
     let mut graph = graph;
     // The rewrites, each recorded by the pipeline (`rewrites::before_search`).
     let rewritten = rewrites::before_search(options).run(&mut graph)?;
-    // The search over plan variants: block counts of a forward pass, or recomputation within
-    // the budget of a training step, or the graph's own variants (`search_updates`).
     let region = (options.fuse && options.batch_blocks).then(|| batch_blocks::region(&graph)).flatten();
     let mut plan = match region {
-        Some(region) => compile_blocked(graph, &region, options),
-        None if cheap_remat::applies(&graph, options) => {
-            let tries = cheap_remat::tries(&graph);
-            // Each try plans the same lowered graph: it is lowered once.
-            let (lowered, plan) = lower_and_plan(graph, options, false)?;
-            // What the cut recomputes comes out of the same budget.
-            let used = rewritten
-                .figures
-                .saved_values
-                .as_ref()
-                .map_or(0.0, |s| s.recomputed_flops as f64 / s.step_flops.max(1) as f64);
-            let rest = options.clone().with_recompute_budget((options.recompute_budget - used).max(0.0));
-            Ok(cheap_remat::shrink(&lowered.graph, tries, &rest, plan, |graph, o| {
-                plan_lowered(Lowered { graph, ..lowered.clone() }, o)
-            }))
-        }
-        None => compile_rewritten(graph, options),
+        Some(region) => plan_blocked(graph, &region, options),
+        None if cheap_remat::applies(&graph, options) => plan_within_budget(graph, &rewritten, options),
+        None => plan_variants(&Variants::of_graph(graph, options, true, 0)?, options).map(|(_, plan)| plan),
     }?;
     // The figures of every rewrite, those before the search first.
     let mut figures = rewritten.figures;
@@ -343,216 +337,131 @@ pub fn compile(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
     Ok(plan)
 }
 
-/// `compile` of a graph whose forward pass can run a block of batch rows at a time
-/// (`batch_blocks`): the graph as it is and split into each block count, the smallest planned
-/// total kept (the graph as it is on a tie; a split one where only it fits a memory limit).
-/// For a target whose rule says so (`ScratchRule::blocks_only_to_fit`: a GPU) only the last.
-fn compile_blocked(
-    graph: ir::Graph,
-    region: &batch_blocks::Region,
-    options: &CompileOptions,
-) -> Result<Plan> {
-    let whole = compile_rewritten(graph.clone(), options);
-    let only_to_fit =
-        options.scratch.is_some_and(|r| r.blocks_only_to_fit) && options.forced_blocks.is_none();
-    match &whole {
-        Err(e) if !matches!(e, CompileError::OutOfMemory(_)) => return whole,
-        Ok(_) if only_to_fit => return whole,
-        _ => {}
-    }
-    // Every order of every graph, as `schedules` lists them: the split ones' marked "+blocksN".
-    let mut tried = whole.as_ref().map(|p| p.memory.schedules.clone()).unwrap_or_default();
-    let mut best = whole;
-    let counts = match options.forced_blocks {
-        Some(n) if n <= region.batch => vec![n],
-        _ => region.block_counts(),
-    };
-    let forced = options.forced_blocks.is_some();
-    for blocks in counts {
+/// A forward pass that can run a block of batch rows at a time (`batch_blocks`): the graph as
+/// it is and split into each block count, searched as one list of variants (the graph as it is
+/// wins a tie). For a target whose rule says so (`ScratchRule::blocks_only_to_fit`: a GPU) the
+/// split graphs only where the whole one does not fit; a forced count
+/// (`CompileOptions::forced_blocks`) that one alone, where it plans.
+fn plan_blocked(graph: ir::Graph, region: &batch_blocks::Region, options: &CompileOptions) -> Result<Plan> {
+    let split = |blocks: usize| -> Result<Variants> {
         let mut split = batch_blocks::split(&graph, region, blocks)?;
         passes::default_pipeline().run(&mut split)?;
-        let Ok(mut plan) = compile_rewritten(split, options) else { continue };
-        let mark = format!("+blocks{blocks}");
-        tried.extend(plan.memory.schedules.iter().map(|(name, total)| (format!("{name}{mark}"), *total)));
-        if forced
-            || best
-                .as_ref()
-                .map_or(true, |b| plan.memory.planned_total_bytes() < b.memory.planned_total_bytes())
-        {
-            plan.memory.batch_blocks = blocks;
-            plan.memory.schedule = format!("{}{mark}", plan.memory.schedule);
-            best = Ok(plan);
-        }
-    }
-    if let Ok(plan) = &mut best {
-        plan.memory.schedules = tried;
-    }
-    best
-}
-
-/// `compile` after the passes every graph takes.
-fn compile_rewritten(graph: ir::Graph, options: &CompileOptions) -> Result<Plan> {
-    compile_rewritten_with(graph, options, true)
-}
-
-/// `compile_rewritten`; with `refuse`, a step over its limit is fused again without products
-/// before recomputation (so that activations can be remade from pre-activations), which cheap
-/// recomputation does not do (it keeps every product's epilogue: fewer steps).
-fn compile_rewritten_with(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<Plan> {
-    lower_and_plan(graph, options, refuse).map(|(_, plan)| plan)
-}
-
-/// The schedule mark of a graph whose products that would wait for a value are fused
-/// (`fusion::Products::Waiting`).
-const WAITING: &str = "+waiting";
-
-/// `options` with `mark` taken out of the schedule it asks for (`CompileOptions::schedule`),
-/// and whether the name had it: a plan's name carries its graph's marks, and the searches below
-/// look the rest up.
-fn unmarked(options: &CompileOptions, mark: &str) -> (CompileOptions, bool) {
-    match options.schedule.as_deref() {
-        Some(wanted) if wanted.contains(mark) => {
-            (CompileOptions { schedule: Some(wanted.replace(mark, "")), ..options.clone() }, true)
-        }
-        _ => (options.clone(), false),
-    }
-}
-
-/// `graph` lowered (`lower`) and planned (`plan_lowered`); where fusion kept products apart
-/// that fused would wait for a value their epilogue reads (`RewriteFigures::waiting_products`),
-/// the graph with them fused is planned too and the smaller plan kept (the first on a tie;
-/// the one that plans where the other fails, as under a memory limit), its schedule marked
-/// `WAITING`. A schedule asked for by name plans the graph its mark names.
-fn lower_and_plan(graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<(Lowered, Plan)> {
-    let (plain, wants_waiting) = unmarked(options, WAITING);
-    let (apart, fused) = lower(graph, options, refuse)?;
-    let Some(fused) = fused else { return Ok((apart.clone(), plan_lowered(apart, &plain)?)) };
-    if wants_waiting {
-        return Ok((fused.clone(), plan_lowered(fused, options)?));
-    }
-    let first = plan_lowered(apart.clone(), options);
-    if options.schedule.is_some() {
-        return first.map(|plan| (apart, plan));
-    }
-    match (first, plan_lowered(fused.clone(), options)) {
-        (Ok(plan), Ok(other)) => {
-            let mut schedules = plan.memory.schedules.clone();
-            schedules.extend(other.memory.schedules.iter().cloned());
-            let (kept, mut plan) = if other.memory.planned_total_bytes() < plan.memory.planned_total_bytes() {
-                (fused, other)
-            } else {
-                (apart, plan)
-            };
-            plan.memory.schedules = schedules;
-            Ok((kept, plan))
-        }
-        (Ok(plan), Err(_)) => Ok((apart, plan)),
-        (Err(_), Ok(other)) => Ok((fused, other)),
-        (Err(e), Err(_)) => Err(e),
-    }
-}
-
-/// A graph after the rewrites every planned graph takes (`rewrites::before_fusion`, then
-/// `rewrites::fusion`), with their figures.
-#[derive(Clone)]
-struct Lowered {
-    graph: ir::Graph,
-    /// The graph before fusion, kept where a memory limit may ask for recomputation.
-    unfused: Option<ir::Graph>,
-    before_fusion: PassLog,
-    fusion: PassLog,
-    /// What its plans' schedule names end with: `WAITING` for a graph fused with
-    /// `fusion::Products::Waiting`, else nothing.
-    mark: &'static str,
-}
-
-/// `graph` lowered for planning (`Lowered`; with `refuse`, its unfused graph kept): fused with
-/// `fusion::Products::All`, and where that kept products apart that would wait for a value,
-/// fused again from the same graph with `fusion::Products::Waiting` (marked `WAITING`).
-fn lower(mut graph: ir::Graph, options: &CompileOptions, refuse: bool) -> Result<(Lowered, Option<Lowered>)> {
-    let before_fusion = rewrites::before_fusion(options).run(&mut graph)?;
-    // Kept for recomputation, which only a memory limit asks for.
-    let unfused = (refuse && options.devices.iter().any(|d| d.memory_limit.is_some())).then(|| graph.clone());
-    let mut apart = graph.clone();
-    let fusion = rewrites::fusion(options, fusion::Products::All).run(&mut apart)?;
-    let fused = if fusion.figures.waiting_products > 0 {
-        let fusion = rewrites::fusion(options, fusion::Products::Waiting).run(&mut graph)?;
-        let before_fusion = before_fusion.clone();
-        Some(Lowered { graph, unfused: unfused.clone(), before_fusion, fusion, mark: WAITING })
-    } else {
-        None
+        Variants::of_graph(split, options, true, blocks)
     };
-    Ok((Lowered { graph: apart, unfused, before_fusion, fusion, mark: "" }, fused))
+    if let Some(n) = options.forced_blocks.filter(|&n| n <= region.batch)
+        && let Ok((_, plan)) = plan_variants(&split(n)?, options)
+    {
+        return Ok(plan);
+    }
+    let mut all = Variants::of_graph(graph.clone(), options, true, 0)?;
+    if options.scratch.is_some_and(|r| r.blocks_only_to_fit) && options.forced_blocks.is_none() {
+        match plan_variants(&all, options) {
+            Err(CompileError::OutOfMemory(_)) => {}
+            whole => return whole.map(|(_, plan)| plan),
+        }
+    }
+    for blocks in region.block_counts() {
+        all.extend(split(blocks)?);
+    }
+    plan_variants(&all, options).map(|(_, plan)| plan)
 }
 
-/// The plan of a lowered graph: the search over its variants (`search_updates`), and over a
-/// limit recomputation (`fit`); the figures of its rewrites set on the plan, once.
-fn plan_lowered(lowered: Lowered, options: &CompileOptions) -> Result<Plan> {
-    let Lowered { graph, unfused, before_fusion, mut fusion, mut mark } = lowered;
-    // A schedule asked for by name is looked up without this graph's mark.
-    let plain;
-    let options = if mark.is_empty() {
-        options
-    } else {
-        plain = unmarked(options, mark).0;
-        &plain
+/// A training step that recomputes what costs next to nothing (`cheap_remat`): the search's
+/// plan, then tries under ever lower limits in the order and variant it chose, within what the
+/// budget leaves after the minimum cut (`saved_values`).
+fn plan_within_budget(graph: ir::Graph, rewritten: &PassLog, options: &CompileOptions) -> Result<Plan> {
+    let tries = cheap_remat::tries(&graph);
+    let all = Variants::of_graph(graph, options, false, 0)?;
+    let (winner, plan) = plan_variants(&all, options)?;
+    // Each try plans the winner's lowered graph: it is lowered once.
+    let lowered = &all.lowered[all.list[winner].source];
+    let used = rewritten
+        .figures
+        .saved_values
+        .as_ref()
+        .map_or(0.0, |s| s.recomputed_flops as f64 / s.step_flops.max(1) as f64);
+    let rest = options.clone().with_recompute_budget((options.recompute_budget - used).max(0.0));
+    Ok(cheap_remat::shrink(&lowered.graph, tries, &rest, plan, |graph, o| {
+        let mut one = Variants::default();
+        one.push(Lowered { graph, ..lowered.clone() }, o, 0)?;
+        plan_variants(&one, o).map(|(_, plan)| plan)
+    }))
+}
+
+/// The search's plan of `variants` (those a schedule asked for by name can be), the figures of
+/// its lowering set on it, and the variant it plans. A training step over a memory limit
+/// recomputes values instead of keeping them (`fit`), on a finer graph where fusion made one.
+fn plan_variants(variants: &Variants, options: &CompileOptions) -> Result<(usize, Plan)> {
+    let first = variants.list.first().ok_or_else(|| CompileError::Internal("no variant to plan".into()))?;
+    let devices = devices_used(&first.graph, options)?;
+    let only = variants.named(options.schedule.as_deref());
+    let found = search::best(&variants.list, &only, &devices, options)?;
+    let variant = &variants.list[found.variant];
+    let lowered = &variants.lowered[variant.source];
+    let mut plan = found.plan;
+    plan.memory.rewrites = lowered.figures();
+    let oom = match limits::check(&plan) {
+        Ok(()) => return Ok((found.variant, plan)),
+        Err(oom) if variant.graph.effects().is_empty() => return Err(CompileError::OutOfMemory(oom)),
+        Err(oom) => oom,
     };
-    let devices = devices_used(&graph, options)?;
-    let variants = search_updates(graph, &devices, options)?;
-    let plan = match limits::check(&variants[0].1) {
-        Ok(()) => Ok(variants.into_iter().next().map(|(_, plan)| plan).expect("one variant at least")),
-        Err(oom) if variants[0].0.effects().is_empty() => Err(CompileError::OutOfMemory(oom)),
-        Err(oom) => {
-            // Recomputation works on a finer graph: forward products stay apart from their
-            // epilogues, so that an activation can be recomputed from its pre-activation
-            // without redoing the product; backward ones keep theirs (written over the
-            // activation they read).
-            let variants = match unfused {
-                Some(mut graph) if fusion.rewrites > 0 => {
-                    fusion = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
-                    // Fused again without the products that would wait: no mark.
-                    mark = "";
-                    search_updates(graph, &devices, options)?
-                }
-                _ => variants,
-            };
-            fit(variants, &devices, options, oom)
+    // Recomputation works on a finer graph: forward products stay apart from their
+    // epilogues, so that an activation can be recomputed from its pre-activation without
+    // redoing the product; backward ones keep theirs (written over the activation they read).
+    match &lowered.unfused {
+        Some(unfused) if lowered.fusion.rewrites > 0 => {
+            let mut graph = unfused.clone();
+            let fusion = rewrites::fusion(options, fusion::Products::OverValues).run(&mut graph)?;
+            let before_fusion = lowered.before_fusion.clone();
+            let mut finer = Variants::default();
+            finer.push(Lowered { graph, unfused: None, before_fusion, fusion, mark: "" }, options, 0)?;
+            let only = finer.named(options.schedule.as_deref());
+            fit(&finer, &only, &devices, options, oom)
         }
-    };
-    plan.map(|mut plan| {
-        let mut figures = before_fusion.figures;
-        figures.merge(&fusion.figures);
-        plan.memory.rewrites = figures;
-        if !mark.is_empty() {
-            plan.memory.schedule.push_str(mark);
-            for (name, _) in &mut plan.memory.schedules {
-                name.push_str(mark);
-            }
-        }
-        plan
-    })
+        _ => fit(variants, &only, &devices, options, oom),
+    }
 }
 
 /// A training step over a limit: recompute values instead of keeping them (`remat`), in each
-/// graph the search planned (tiled updates change what is live, so either may fit), the
-/// smaller planned total first; the first that fits, or the error of the one that came closest.
+/// variant (tiled updates change what is live, so either may fit), the smaller planned total
+/// first; the first that fits, or the error of the one that came closest.
 fn fit(
-    variants: Vec<(ir::Graph, Plan)>,
+    variants: &Variants,
+    only: &[usize],
     devices: &[DeviceSpec],
     options: &CompileOptions,
     oom: Box<limits::OutOfMemory>,
-) -> Result<Plan> {
+) -> Result<(usize, Plan)> {
+    let mut planned = only
+        .iter()
+        .map(|&v| search::best(&variants.list, &[v], devices, options))
+        .collect::<Result<Vec<_>>>()?;
+    planned.sort_by_key(|found| found.plan.memory.planned_total_bytes());
     let mut failure: Option<Box<limits::OutOfMemory>> = None;
-    for (graph, plan) in variants {
-        let needed = limits::check(&plan).err().map_or(0, |o| o.needed);
-        let outcome = remat::fit(&graph, devices, options, plan)?;
+    for found in planned {
+        let variant = &variants.list[found.variant];
+        let needed = limits::check(&found.plan).err().map_or(0, |o| o.needed);
+        let outcome = remat::fit(&variant.graph, devices, options, found.plan)?;
         match limits::check(&outcome.plan) {
             Ok(()) => {
                 let mut plan = outcome.plan;
+                // `remat`'s rounds plan its graph as it is: the plan keeps its variant's name
+                // and counts, so that a schedule asked for by that name plans that variant.
+                let memory = &mut plan.memory;
+                for name in
+                    std::iter::once(&mut memory.schedule).chain(memory.schedules.iter_mut().map(|(n, _)| n))
+                {
+                    if !name.ends_with(&variant.mark) {
+                        name.push_str(&variant.mark);
+                    }
+                }
+                plan.memory.tiled_updates = variant.tiled_updates;
+                plan.memory.product_updates = variant.product_updates;
                 if !outcome.figures.recomputed.is_empty() {
                     plan.memory.remat = Some(outcome.figures);
                 }
-                return Ok(plan);
+                plan.memory.rewrites = variants.lowered[variant.source].figures();
+                return Ok((found.variant, plan));
             }
             Err(mut oom_after) => {
                 oom_after.remat = Some(outcome.report(&oom_after, needed));
@@ -563,336 +472,6 @@ fn fit(
         }
     }
     Err(CompileError::OutOfMemory(failure.unwrap_or(oom)))
-}
-
-/// The schedule search over the ways a training step's updates can take their gradients: the
-/// graph as it is, with its weight-gradient updates tiled (`tiled_updates`: a block of rows at a
-/// time) and, with fusion on, with updates that compute their own gradient products
-/// (`product_updates`: never stored). Each graph with its best plan, the smallest planned total
-/// first (the graph as it is on a tie). Which wins depends on the model: a product update keeps
-/// its factors (an activation, a delta) until every reader of the old weight has run, which
-/// can cost more than the gradient on a narrow layer. Every plan's `schedules` lists the orders
-/// of every graph ("+tiled", "+product" for the rewritten ones'). Above
-/// `SEARCH_PLACES_ALL_BELOW` nodes only one graph is planned: with the product updates that pay
-/// (`Selection::Paying`) when fusion is on, else as it is.
-fn search_updates(
-    graph: ir::Graph,
-    devices: &[DeviceSpec],
-    options: &CompileOptions,
-) -> Result<Vec<(ir::Graph, Plan)>> {
-    let folded = |graph: &ir::Graph, selection| -> Result<Option<(ir::Graph, usize)>> {
-        if !options.fuse {
-            return Ok(None);
-        }
-        let mut g = graph.clone();
-        let n = product_updates::fold(&mut g, selection)?;
-        Ok((n > 0).then_some((g, n)))
-    };
-    if graph.len() >= SEARCH_PLACES_ALL_BELOW {
-        return Ok(vec![match folded(&graph, product_updates::Selection::Paying)? {
-            Some((g, n)) => {
-                let mut plan = search(&g, devices, options)?;
-                plan.memory.product_updates = n;
-                (g, plan)
-            }
-            None => {
-                let plan = search(&graph, devices, options)?;
-                (graph, plan)
-            }
-        }]);
-    }
-    let mut graphs: Vec<(&str, ir::Graph, usize, usize)> = Vec::new();
-    if options.tile_updates
-        && let Some(t) = tiled_updates::tile(&graph, options.alignment)?
-    {
-        graphs.push(("+tiled", t.graph, t.updates, 0));
-    }
-    let all = folded(&graph, product_updates::Selection::All)?;
-    let paying = folded(&graph, product_updates::Selection::Paying)?;
-    if let Some((g, n)) = paying
-        && all.as_ref().is_some_and(|(_, every)| *every > n)
-    {
-        // The updates left, tiled where that is allowed, and as they are: tiling is not always
-        // smaller (an unseen 37-53-7-1 MLP at batch 13 planned 8,128 B with its last updates
-        // tiled against 6,848 B without, when only the tiled graph was tried).
-        // As they are first, so that a tie keeps the untiled graph.
-        let tiled = if options.tile_updates { tiled_updates::tile(&g, options.alignment)? } else { None };
-        graphs.push(("+some-product", g, 0, n));
-        if let Some(t) = tiled {
-            graphs.push(("+product+tiled", t.graph, t.updates, n));
-        }
-    }
-    if let Some((g, n)) = all {
-        graphs.push(("+product", g, 0, n));
-    }
-    graphs.insert(0, ("", graph, 0, 0));
-    // A schedule asked for by name (`CompileOptions::schedule`) names its graph too.
-    if let Some(wanted) = options.schedule.as_deref() {
-        let suffix = ["+product+tiled", "+some-product", "+product", "+tiled"]
-            .into_iter()
-            .find(|s| wanted.ends_with(s))
-            .unwrap_or("");
-        if graphs.iter().any(|(s, ..)| *s == suffix) {
-            graphs.retain(|(s, ..)| *s == suffix);
-        }
-    }
-    let mut variants = Vec::with_capacity(graphs.len());
-    let mut tried = Vec::new();
-    for (suffix, g, tiled, products) in graphs {
-        let mut plan = search(&g, devices, options)?;
-        // Ranked by the planned total without canaries (what `search` ranked by), so that guard
-        // mode keeps the graph it would keep without.
-        let total = plan.memory.schedules.iter().map(|(_, t)| *t).min().unwrap_or(usize::MAX);
-        tried.extend(plan.memory.schedules.iter().map(|(name, total)| (format!("{name}{suffix}"), *total)));
-        plan.memory.schedule = format!("{}{suffix}", plan.memory.schedule);
-        plan.memory.tiled_updates = tiled;
-        plan.memory.product_updates = products;
-        variants.push((total, g, plan));
-    }
-    variants.sort_by_key(|(total, ..)| *total);
-    Ok(variants
-        .into_iter()
-        .map(|(_, g, mut plan)| {
-            plan.memory.schedules = tried.clone();
-            (g, plan)
-        })
-        .collect())
-}
-
-/// Graphs with more nodes than this rank the candidate orders by their lower bound (the arena
-/// sits within 2% of it) and place only the winner, so that a 100k-node graph still compiles in
-/// well under a second; smaller graphs place the orders from the lowest bound up until none left
-/// can beat the best plan (branch and bound: the same plan as placing every one). 2,000: the real-scale training
-/// steps (2,500-3,600 nodes) planned the same totals with every candidate placed (ResNet-50,
-/// ViT-B/16, BERT, GPT-2, EfficientNet-B0, MobileNetV3: byte for byte) in up to 2.5 s less
-/// (ViT-B/16: 4.3 -> 1.7 s, before `cheap_remat` took fewer tries).
-pub const SEARCH_PLACES_ALL_BELOW: usize = 2_000;
-
-/// The schedule search: plans the graph in the candidate orders that can win (by their arena's
-/// lower bound) and keeps the plan with the smallest planned total (the first such in `schedule::candidates`' order: the `+overlap` orders
-/// of a data-parallel graph, then program order, win ties), and validates it (`validate`; the
-/// orders placed and dropped are not checked). In guard mode the
-/// order is chosen as without it (canaries would tip the choice and change what runs) and then
-/// planned with the canaries.
-pub(crate) fn search(graph: &ir::Graph, devices: &[DeviceSpec], options: &CompileOptions) -> Result<Plan> {
-    if options.guard_bytes > 0 {
-        let chosen = search(graph, devices, &CompileOptions { guard_bytes: 0, ..options.clone() })?;
-        let order = schedule::candidates(graph)?
-            .into_iter()
-            .find(|c| c.name == chosen.memory.schedule)
-            .ok_or_else(|| CompileError::Internal(format!("no schedule named {}", chosen.memory.schedule)))?
-            .order;
-        let scratch = scratch::of_graph(graph, options.scratch.as_ref());
-        let mut plan = plan_order(graph, &order, &scratch, devices, options)?;
-        plan.memory.schedule = chosen.memory.schedule;
-        plan.memory.schedules = chosen.memory.schedules;
-        return validated(plan);
-    }
-    let wanted = options.schedule.as_deref();
-    let some = schedule::candidates_for(graph, wanted)?;
-    // A name none of them fits (an order a rewritten graph no longer has): every order.
-    let candidates = match wanted {
-        Some(w) if !some.iter().any(|c| w.starts_with(c.name)) => schedule::candidates(graph)?,
-        _ => schedule::named(some, wanted),
-    };
-    let scratch = scratch::of_graph(graph, options.scratch.as_ref());
-    let mut tried = Vec::new();
-    let mut plan = if graph.len() < SEARCH_PLACES_ALL_BELOW {
-        // Branch and bound: every order's liveness and arena lower bound (cheap), then orders
-        // placed two at a time from the lowest bound up, skipping each that cannot beat the best
-        // plan so far (a bound above its planned total, or equal and later in the list, which
-        // loses the tie). Placement sits at the bound on every plan, so few are placed.
-        let lives = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
-            let live = liveness::analyze(graph, &c.order, &scratch)?;
-            check_sizes(&live, options.alignment, options.guard_bytes)?;
-            Ok((arena_bound(&live, devices, options), live))
-        });
-        let mut lives: Vec<(usize, usize, liveness::Liveness)> = lives
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| r.map(|(bound, live)| (bound, i, live)))
-            .collect::<Result<_>>()?;
-        lives.sort_by_key(|&(bound, i, _)| (bound, i));
-        let mut totals: Vec<Option<usize>> = vec![None; candidates.len()];
-        let mut best: Option<(Plan, usize)> = None;
-        let mut rest = lives.as_slice();
-        while !rest.is_empty() {
-            let beats = |&(bound, i, _): &(usize, usize, liveness::Liveness),
-                         best: &Option<(Plan, usize)>| {
-                best.as_ref().is_none_or(|(b, j)| {
-                    let (other, total) = (b.memory.persistent_bytes, b.memory.planned_total_bytes());
-                    bound + other < total || (bound + other == total && i < *j)
-                })
-            };
-            let batch: Vec<&(usize, usize, liveness::Liveness)> =
-                rest.iter().take(2).filter(|c| beats(c, &best)).collect();
-            rest = &rest[rest.len().min(2)..];
-            if batch.is_empty() {
-                if rest.first().is_none_or(|c| !beats(c, &best)) {
-                    break;
-                }
-                continue;
-            }
-            let plans = par_map(&batch, |(_, _, live)| plan_live(graph, live, devices, options));
-            for (&&(_, i, _), plan) in batch.iter().zip(plans) {
-                let plan = plan?;
-                let total = plan.memory.planned_total_bytes();
-                totals[i] = Some(total);
-                if best.as_ref().is_none_or(|(b, j)| {
-                    total < b.memory.planned_total_bytes()
-                        || (total == b.memory.planned_total_bytes() && i < *j)
-                }) {
-                    best = Some((plan, i));
-                }
-            }
-        }
-        let (mut plan, i) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
-        // Orders not placed report their bound with the best plan's bytes outside the arena.
-        let other = plan.memory.persistent_bytes;
-        let mut rows: Vec<(usize, usize)> =
-            lives.iter().map(|&(bound, j, _)| (j, totals[j].unwrap_or(bound + other))).collect();
-        rows.sort_unstable();
-        tried.extend(rows.into_iter().map(|(j, total)| (candidates[j].name.to_string(), total)));
-        plan.memory.schedule = candidates[i].name.to_string();
-        plan
-    } else {
-        let bounds = par_map(&candidates, |c| -> Result<(usize, liveness::Liveness)> {
-            let live = liveness::analyze(graph, &c.order, &scratch)?;
-            check_sizes(&live, options.alignment, options.guard_bytes)?;
-            Ok((arena_bound(&live, devices, options), live))
-        });
-        let mut best: Option<(usize, &schedule::Candidate, liveness::Liveness)> = None;
-        for (c, result) in candidates.iter().zip(bounds) {
-            let (bound, live) = result?;
-            tried.push((c.name.to_string(), bound));
-            if best.as_ref().is_none_or(|(b, _, _)| bound < *b) {
-                best = Some((bound, c, live));
-            }
-        }
-        let (_, c, live) = best.ok_or_else(|| CompileError::Internal("no schedule candidates".into()))?;
-        let mut plan = plan_live(graph, &live, devices, options)?;
-        plan.memory.schedule = c.name.to_string();
-        // The same figure for every order: persistent bytes plus the arena's lower bound.
-        let persistent = plan.memory.persistent_bytes;
-        tried.iter_mut().for_each(|(_, b)| *b += persistent);
-        plan
-    };
-    plan.memory.schedules = tried;
-    validated(plan)
-}
-
-/// The arena's lower bound of one order's liveness, summed over the devices (slots with their
-/// canaries in guard mode): no placement of that order is smaller.
-fn arena_bound(live: &liveness::Liveness, devices: &[DeviceSpec], options: &CompileOptions) -> usize {
-    devices
-        .iter()
-        .map(|spec| {
-            let intervals: Vec<Interval> = live
-                .buffers
-                .iter()
-                .filter(|b| b.class.in_arena() && b.device == spec.id)
-                .map(|b| Interval { bytes: b.bytes + options.guard_bytes, start: b.start, end: b.end })
-                .collect();
-            planner::lower_bound(&intervals, options.alignment).bytes
-        })
-        .sum()
-}
-
-/// `f` over `items` in two halves (the build machines have two cores), in order, on rayon's
-/// pool: its threads outlive the call, where a thread started per call cost more than placing
-/// a zoo plan's order.
-fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    if items.len() < 2 {
-        return items.iter().map(&f).collect();
-    }
-    let half = items.len().div_ceil(2);
-    let (a, b) = items.split_at(half);
-    let (mut out, second) =
-        rayon::join(|| a.iter().map(&f).collect::<Vec<R>>(), || b.iter().map(&f).collect::<Vec<R>>());
-    out.extend(second);
-    out
-}
-
-/// One order's plan: liveness, arena placement per device, lowering.
-fn plan_order(
-    graph: &ir::Graph,
-    order: &[ir::NodeId],
-    scratch: &scratch::Scratch,
-    devices: &[DeviceSpec],
-    options: &CompileOptions,
-) -> Result<Plan> {
-    let live = liveness::analyze(graph, order, scratch)?;
-    check_sizes(&live, options.alignment, options.guard_bytes)?;
-    plan_live(graph, &live, devices, options)
-}
-
-/// The plan of one order's liveness: arena placement per device, lowering (not validated:
-/// `search` validates the plan it keeps).
-fn plan_live(
-    graph: &ir::Graph,
-    live: &liveness::Liveness,
-    devices: &[DeviceSpec],
-    options: &CompileOptions,
-) -> Result<Plan> {
-    let arenas: Vec<DeviceArena> = devices
-        .iter()
-        .cloned()
-        .map(|spec| {
-            let (buffers, intervals): (Vec<usize>, Vec<Interval>) = live
-                .buffers
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.class.in_arena() && b.device == spec.id)
-                .map(|(i, b)| (i, Interval { bytes: b.bytes, start: b.start, end: b.end }))
-                .unzip();
-            // Guard mode places each slot with its canary; the figures keep the real sizes.
-            let placement = if options.guard_bytes == 0 {
-                planner::place(&intervals, options.alignment)
-            } else {
-                let guarded: Vec<Interval> = intervals
-                    .iter()
-                    .map(|iv| Interval { bytes: iv.bytes + options.guard_bytes, ..*iv })
-                    .collect();
-                planner::place(&guarded, options.alignment)
-            };
-            DeviceArena { spec, buffers, intervals, placement }
-        })
-        .collect();
-    let plan = lower::Lowering {
-        graph,
-        live,
-        arenas: &arenas,
-        alignment: options.alignment,
-        guard_bytes: options.guard_bytes,
-    }
-    .plan();
-    Ok(plan)
-}
-
-/// `plan` if it passes `validate` (every plan `search` returns does; the orders it places and
-/// drops are not checked).
-fn validated(plan: Plan) -> Result<Plan> {
-    validate::validate(&plan)
-        .map_err(|e| CompileError::Internal(format!("plan {:?} failed validation: {e}", plan.name)))?;
-    Ok(plan)
-}
-
-/// Every buffer holds at most `ir::MAX_TENSOR_BYTES` (checked by `ir::infer`), but their sum
-/// is what the planner, lowering and the figures add up: it is checked once here, so that no
-/// later sum or offset can overflow.
-fn check_sizes(live: &liveness::Liveness, alignment: usize, guard_bytes: usize) -> Result<()> {
-    let total = live.buffers.iter().try_fold(0usize, |sum, b| {
-        (b.bytes.checked_add(guard_bytes))
-            .and_then(|g| g.checked_next_multiple_of(alignment))
-            .and_then(|a| sum.checked_add(a))
-    });
-    match total {
-        Some(_) => Ok(()),
-        None => Err(CompileError::invalid(
-            format!("the graph's {} buffers add up to more bytes than a usize can count", live.buffers.len()),
-            "the model is far larger than any device: check its shapes",
-        )),
-    }
 }
 
 /// The configured devices that the graph's ops use, in configuration order; an op placed on a

@@ -54,7 +54,8 @@ use crate::ir::{DeviceId, Graph, Node, NodeId, Op, OpClass, Shape};
 use crate::liveness::{self, Liveness};
 use crate::plan::{Plan, Storage};
 use crate::plan::{RematFigures, human_flops};
-use crate::{CompileOptions, limits, schedule, search};
+use crate::search::one as search;
+use crate::{CompileOptions, limits, schedule};
 use std::collections::{HashMap, HashSet};
 
 /// At most this many values are recomputed and this many rounds run per strategy; at most this
