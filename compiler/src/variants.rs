@@ -179,31 +179,43 @@ fn updates(
         let n = product_updates::fold(&mut g, selection)?;
         Ok((n > 0).then_some((g, n)))
     };
-    // A schedule asked for by name builds only the graphs its marks can name.
-    let asked =
-        |mark: &str| options.schedule.as_deref().is_none_or(|w| w.split('+').skip(1).any(|m| m == mark));
     if graph.len() >= SEARCH_PLACES_ALL_BELOW {
         return Ok(vec![match folded(graph, product_updates::Selection::Paying)? {
             Some((g, n)) => ("", g, 0, n),
             None => ("", graph.clone(), 0, 0),
         }]);
     }
+    // A schedule asked for by name (each of `cheap_remat`'s tries) builds the graph it names
+    // alone, or the graph as it is where that cannot be built.
+    if let Some(wanted) = options.schedule.as_deref() {
+        let marks: Vec<&str> = wanted.split('+').skip(1).collect();
+        let tiled = |g: &ir::Graph| -> Result<Option<tiled_updates::Tiled>> {
+            if options.tile_updates { tiled_updates::tile(g, options.alignment) } else { Ok(None) }
+        };
+        let named = if marks.contains(&"some-product") {
+            folded(graph, product_updates::Selection::Paying)?.map(|(g, n)| ("+some-product", g, 0, n))
+        } else if marks.contains(&"product") && marks.contains(&"tiled") {
+            match folded(graph, product_updates::Selection::Paying)? {
+                Some((g, n)) => tiled(&g)?.map(|t| ("+product+tiled", t.graph, t.updates, n)),
+                None => None,
+            }
+        } else if marks.contains(&"product") {
+            folded(graph, product_updates::Selection::All)?.map(|(g, n)| ("+product", g, 0, n))
+        } else if marks.contains(&"tiled") {
+            tiled(graph)?.map(|t| ("+tiled", t.graph, t.updates, 0))
+        } else {
+            None
+        };
+        return Ok(vec![named.unwrap_or_else(|| ("", graph.clone(), 0, 0))]);
+    }
     let mut graphs = vec![("", graph.clone(), 0, 0)];
     if options.tile_updates
-        && asked("tiled")
         && let Some(t) = tiled_updates::tile(graph, options.alignment)?
     {
         graphs.push(("+tiled", t.graph, t.updates, 0));
     }
-    if !asked("product") && !asked("some-product") {
-        return Ok(graphs);
-    }
     let all = folded(graph, product_updates::Selection::All)?;
-    let paying = if asked("some-product") || asked("tiled") {
-        folded(graph, product_updates::Selection::Paying)?
-    } else {
-        None
-    };
+    let paying = folded(graph, product_updates::Selection::Paying)?;
     if let Some((g, n)) = paying
         && all.as_ref().is_some_and(|(_, every)| *every > n)
     {
@@ -211,11 +223,7 @@ fn updates(
         // smaller (an unseen 37-53-7-1 MLP at batch 13 planned 8,128 B with its last updates
         // tiled against 6,848 B without, when only the tiled graph was tried).
         // As they are first, so that a tie keeps the untiled graph.
-        let tiled = if options.tile_updates && asked("tiled") {
-            tiled_updates::tile(&g, options.alignment)?
-        } else {
-            None
-        };
+        let tiled = if options.tile_updates { tiled_updates::tile(&g, options.alignment)? } else { None };
         graphs.push(("+some-product", g, 0, n));
         if let Some(t) = tiled {
             graphs.push(("+product+tiled", t.graph, t.updates, n));
