@@ -108,7 +108,7 @@ enum Command {
         dim: Vec<String>,
         /// A safetensors or NumPy .npz file holding one batch to train on instead of random data:
         /// a tensor per model input, named as the model's inputs (`x` for a model of one input),
-        /// and the targets `y`; F32, I32, I64 or BOOL, as the inputs take.
+        /// and the targets `y`; F32 (F16 and BF16 read as f32), I32, I64 or BOOL, as the inputs take.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
         /// Train on the CPU even where a GPU is present.

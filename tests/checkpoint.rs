@@ -125,5 +125,87 @@ fn loading_without_variables_or_from_a_bad_file_is_an_error() {
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![100, 10], &data).unwrap();
     safetensors::serialize_to_file([("dense/kernel", view)], None, &f64s).unwrap();
     let e = t.load(&f64s).unwrap_err().to_string();
-    assert!(e.contains("`dense/kernel` is F64 in the file; kiln's variables are F32"), "{e}");
+    assert!(e.contains("`dense/kernel` is F64 in the file; kiln reads F32, F16 and BF16 variables"), "{e}");
+}
+
+/// Half values whose f32 widening is known: zeros, the smallest subnormal, ones, the largest
+/// finite, infinities and NaN, as bits.
+const F16_BITS: [u16; 9] = [0x0000, 0x8000, 0x0001, 0x3c00, 0xbc00, 0x7bff, 0x7c00, 0xfc00, 0x7e00];
+const BF16_BITS: [u16; 9] = [0x0000, 0x8000, 0x0001, 0x3f80, 0xbf80, 0x7f7f, 0x7f80, 0xff80, 0x7fc0];
+
+#[test]
+fn half_tensors_are_read_as_f32_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("half.safetensors");
+    let bytes = |b: &[u16]| b.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+    let (f16s, bf16s) = (bytes(&F16_BITS), bytes(&BF16_BITS));
+    let f32s: Vec<u8> = [1.5f32, -2.0, 3.25].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view =
+        |dtype, shape: Vec<usize>, data| safetensors::tensor::TensorView::new(dtype, shape, data).unwrap();
+    let views = [
+        ("a", view(safetensors::Dtype::F16, vec![3, 3], &f16s)),
+        ("b", view(safetensors::Dtype::BF16, vec![9], &bf16s)),
+        ("c", view(safetensors::Dtype::F32, vec![3], &f32s)),
+    ];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let file = checkpoint::read(&path).unwrap();
+    let want =
+        |widen: &dyn Fn(u16) -> f32, b: &[u16]| b.iter().map(|&v| widen(v).to_bits()).collect::<Vec<u32>>();
+    assert_eq!(file.tensors["a"].shape().dims(), [3, 3]);
+    assert_eq!(bits(&file.tensors["a"]), want(&|v| half::f16::from_bits(v).to_f32(), &F16_BITS));
+    assert_eq!(bits(&file.tensors["b"]), want(&|v| half::bf16::from_bits(v).to_f32(), &BF16_BITS));
+    // Spot values, independent of the half crate: 1.0, f16's largest 65504, bf16's smallest subnormal.
+    assert_eq!(file.tensors["a"].data()[3], 1.0);
+    assert_eq!(file.tensors["a"].data()[5], 65504.0);
+    assert_eq!(file.tensors["b"].data()[2], f32::from_bits(0x0001_0000));
+    assert!(file.tensors["a"].data()[8].is_nan() && file.tensors["b"].data()[8].is_nan());
+    assert_eq!(file.tensors["c"].data(), [1.5, -2.0, 3.25]);
+    assert_eq!(file.widened.get("a").map(String::as_str), Some("F16"));
+    assert_eq!(file.widened.get("b").map(String::as_str), Some("BF16"));
+    assert!(!file.widened.contains_key("c") && file.other_dtypes.is_empty());
+}
+
+#[test]
+fn a_half_copy_rounds_to_nearest_and_loads_back() {
+    let (x, y) = batch(7);
+    let mut t = trainer(5);
+    for _ in 0..2 {
+        t.train_step(&x, &y).unwrap();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let variables: Vec<(String, HostTensor)> = t.plans()[0]
+        .variables
+        .iter()
+        .map(|v| (v.key.clone(), t.backend().read_variable(&v.key).unwrap()))
+        .collect();
+    for (dtype, name, ulp) in [(DType::BF16, "BF16", 2f32.powi(-7)), (DType::F16, "F16", 2f32.powi(-10))] {
+        let path = tmp.path().join(format!("{name}.safetensors"));
+        checkpoint::save_as(&path, &variables, dtype).unwrap();
+        // Two bytes a value, plus the header.
+        let values: usize = variables.iter().map(|(_, v)| v.data().len()).sum();
+        let size = std::fs::metadata(&path).unwrap().len() as usize;
+        assert!(size >= 2 * values && size < 2 * values + 4096, "{name}: {size} bytes for {values} values");
+        let file = checkpoint::read(&path).unwrap();
+        assert_eq!(file.widened.len(), variables.len(), "{name}");
+        for (key, value) in &variables {
+            for (&got, &v) in file.tensors[key].data().iter().zip(value.data()) {
+                let rounded = match dtype {
+                    DType::BF16 => half::bf16::from_f32(v).to_f32(),
+                    _ => half::f16::from_f32(v).to_f32(),
+                };
+                assert_eq!(got.to_bits(), rounded.to_bits(), "{name} {key}: {v}");
+                // Nearest: within half a unit in the last place (f16's normal range here).
+                assert!((got - v).abs() <= v.abs() * ulp / 2.0 + 1e-7, "{name} {key}: {v} -> {got}");
+            }
+        }
+        // A trainer loads the half copy as its f32 variables.
+        let mut other = trainer(6);
+        other.train_program(x.shape(), y.shape()).unwrap();
+        other.load(&path).unwrap();
+        let kernel = other.backend().read_variable("dense/kernel").unwrap();
+        assert_eq!(bits(&kernel), bits(&file.tensors["dense/kernel"]), "{name}");
+        other.train_step(&x, &y).unwrap();
+    }
+    let e = checkpoint::save_as(&tmp.path().join("ids.safetensors"), &variables, DType::I32).unwrap_err();
+    assert!(e.to_string().contains("save as f32, f16 or bf16"), "{e}");
 }

@@ -1,6 +1,9 @@
 //! Checkpoints: every variable a trainer holds (parameters, optimizer state, the iteration
 //! counter) in one safetensors file, the format PyTorch, JAX (flax), Keras 3 and Hugging Face
-//! read and write: tensors by name, f32, little-endian, row-major, and a JSON header.
+//! read and write: tensors by name, f32, little-endian, row-major, and a JSON header. F16 and
+//! BF16 tensors (how Hugging Face and mixed-precision runs often store weights) are read into
+//! f32 variables, widened exactly (every half value is an f32 value), and `save_as` writes a
+//! half copy of f32 variables, each value rounded to the nearest half (ties to even).
 //!
 //! Why safetensors: it is a plain, checked container (no code runs on load, unlike a pickle),
 //! other tools open it, and a kiln variable's key ("dense/kernel", "optimizer/dense/kernel/m")
@@ -31,7 +34,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::tensor::HostTensor;
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -62,6 +65,44 @@ pub fn save(path: &Path, variables: &[(String, HostTensor)]) -> Result<()> {
                 })
         })
         .collect::<Result<Vec<_>>>()?;
+    write(path, views)
+}
+
+/// Writes `variables` (name, value) to `path` as safetensors of `dtype`: F32 as `save` does,
+/// or a half copy, F16 or BF16, each value rounded to the nearest one of that type (ties to
+/// even; beyond F16's range, infinite; NaN stays NaN). `read` widens such a file back to f32,
+/// within half a unit in the last place of the half type of each value.
+pub fn save_as(path: &Path, variables: &[(String, HostTensor)], dtype: DType) -> Result<()> {
+    let narrow: fn(f32) -> u16 = match dtype {
+        DType::F32 => return save(path, variables),
+        DType::F16 => |v| half::f16::from_f32(v).to_bits(),
+        DType::BF16 => |v| half::bf16::from_f32(v).to_bits(),
+        other => {
+            return Err(RuntimeError::invalid(
+                format!("a checkpoint of {other} variables"),
+                "save as f32, f16 or bf16: kiln's variables are floats",
+            ));
+        }
+    };
+    let halves: Vec<Vec<u8>> = variables
+        .iter()
+        .map(|(_, t)| t.data().iter().flat_map(|&v| narrow(v).to_le_bytes()).collect())
+        .collect();
+    let stored = if dtype == DType::F16 { Dtype::F16 } else { Dtype::BF16 };
+    let views = variables
+        .iter()
+        .zip(&halves)
+        .map(|((k, t), bytes)| {
+            TensorView::new(stored, t.shape().dims().to_vec(), bytes).map(|v| (k.as_str(), v)).map_err(|e| {
+                RuntimeError::invalid(format!("checkpoint tensor `{k}`: {e}"), "report this as a bug")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write(path, views)
+}
+
+/// `views` written to `path` with kiln's metadata.
+fn write(path: &Path, views: Vec<(&str, TensorView<'_>)>) -> Result<()> {
     let metadata = HashMap::from([(FORMAT.0.to_string(), FORMAT.1.to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| {
         RuntimeError::invalid(
@@ -71,12 +112,14 @@ pub fn save(path: &Path, variables: &[(String, HostTensor)]) -> Result<()> {
     })
 }
 
-/// A checkpoint read from disk: its f32 tensors by name, and the names of tensors of another
-/// dtype (with it), which no kiln variable can take.
+/// A checkpoint read from disk: its f32 tensors by name (F16 and BF16 ones widened to f32), and
+/// the names of tensors of another dtype (with it), which no kiln variable can take.
 #[derive(Debug)]
 pub struct Checkpoint {
-    /// The file's f32 tensors, by name (a variable's key).
+    /// The file's F32, F16 and BF16 tensors as f32, by name (a variable's key).
     pub tensors: BTreeMap<String, HostTensor>,
+    /// The names of the tensors read from F16 or BF16, with that dtype as safetensors names it.
+    pub widened: BTreeMap<String, String>,
     /// The names of the file's tensors of any other dtype, with that dtype as safetensors names
     /// it (e.g. `F16`); their data is not read.
     pub other_dtypes: BTreeMap<String, String>,
@@ -119,29 +162,49 @@ pub fn read(path: &Path) -> Result<Checkpoint> {
     check_layout(&entries, len - data_start).map_err(malformed)?;
 
     let mut tensors = BTreeMap::new();
+    let mut widened = BTreeMap::new();
     let mut other_dtypes = BTreeMap::new();
     for e in entries {
-        if e.dtype != "F32" {
-            other_dtypes.insert(e.name, e.dtype);
-            continue;
-        }
-        // `check_layout` established that the range is the shape's elements times 4 bytes and
-        // lies inside the file.
-        let n = usize::try_from((e.end - e.begin) / 4)
+        // F32 as it is, a half type widened.
+        let widen: Option<fn(u16) -> f32> = match e.dtype.as_str() {
+            "F32" => None,
+            "F16" => Some(|b| half::f16::from_bits(b).to_f32()),
+            "BF16" => Some(|b| half::bf16::from_bits(b).to_f32()),
+            _ => {
+                other_dtypes.insert(e.name, e.dtype);
+                continue;
+            }
+        };
+        // `check_layout` established that the range is the shape's elements times the dtype's
+        // size (4 or 2 bytes) and lies inside the file.
+        let size = if widen.is_some() { 2 } else { 4 };
+        let n = usize::try_from((e.end - e.begin) / size)
             .map_err(|_| out_of_memory(usize::MAX, format!("tensor `{}`", e.name)))?;
         let mut data: Vec<f32> = Vec::new();
         data.try_reserve_exact(n)
             .map_err(|_| out_of_memory(n.saturating_mul(4), format!("tensor `{}`", e.name)))?;
         data.resize(n, 0.0);
         file.seek(SeekFrom::Start(data_start + e.begin)).map_err(io)?;
-        file.read_exact(bytemuck::cast_slice_mut(&mut data)).map_err(io)?;
-        for v in &mut data {
-            *v = f32::from_bits(u32::from_le(v.to_bits()));
+        if let Some(widen) = widen {
+            // The half values land in the first half of the f32 buffer's bytes, then widen
+            // from the last down, so that none is overwritten before it is read.
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+            file.read_exact(&mut bytes[..2 * n]).map_err(io)?;
+            for i in (0..n).rev() {
+                let b = u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]);
+                bytes[4 * i..4 * i + 4].copy_from_slice(&widen(b).to_ne_bytes());
+            }
+            widened.insert(e.name.clone(), e.dtype);
+        } else {
+            file.read_exact(bytemuck::cast_slice_mut(&mut data)).map_err(io)?;
+            for v in &mut data {
+                *v = f32::from_bits(u32::from_le(v.to_bits()));
+            }
         }
         let dims = e.shape.iter().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect::<Vec<_>>();
         tensors.insert(e.name, HostTensor::new(Shape::new(dims), data)?);
     }
-    Ok(Checkpoint { tensors, other_dtypes })
+    Ok(Checkpoint { tensors, widened, other_dtypes })
 }
 
 /// The host could not reserve `bytes` for `what` of a checkpoint.
@@ -838,9 +901,8 @@ impl Checkpoint {
                     out.push(format!("`{key}` is {} in the file, {shape} in the model", t.shape()))
                 }
                 (Some(_), _) => {}
-                (None, Some(dtype)) => {
-                    out.push(format!("`{key}` is {dtype} in the file; kiln's variables are F32"))
-                }
+                (None, Some(dtype)) => out
+                    .push(format!("`{key}` is {dtype} in the file; kiln reads F32, F16 and BF16 variables")),
                 (None, None) => out.push(format!("`{key}` ({shape}) is missing from the file")),
             }
         }

@@ -233,7 +233,7 @@ pub struct Batch {
 }
 
 /// The batch in the safetensors or `.npz` file at `path`: `y` and one tensor per model input,
-/// each F32, I32, I64 or BOOL. A safetensors file is checked as a checkpoint is
+/// each F32 (or F16/BF16 in safetensors, read as f32), I32, I64 or BOOL. A safetensors file is checked as a checkpoint is
 /// (`kiln_runtime::checkpoint::read`) before its integer tensors are read; an `.npz` (a zip
 /// archive, `np.savez`) is read by `npz::read`. A tensor of another dtype, or no `y`, is an
 /// error naming it.
