@@ -348,12 +348,13 @@ fn plan_blocked(graph: ir::Graph, region: &batch_blocks::Region, options: &Compi
         passes::default_pipeline().run(&mut split)?;
         Variants::of_graph(split, options, true, blocks)
     };
-    if let Some(n) = options.forced_blocks.filter(|&n| n <= region.batch)
-        && let Ok((_, plan)) = plan_variants(&split(n)?, options)
-    {
-        return Ok(plan);
-    }
     let mut all = Variants::of_graph(graph.clone(), options, true, 0)?;
+    if let Some(n) = options.forced_blocks.filter(|&n| n <= region.batch) {
+        return match plan_variants(&split(n)?, options) {
+            Ok((_, plan)) => Ok(plan),
+            Err(_) => plan_variants(&all, options).map(|(_, plan)| plan),
+        };
+    }
     if options.scratch.is_some_and(|r| r.blocks_only_to_fit) && options.forced_blocks.is_none() {
         match plan_variants(&all, options) {
             Err(CompileError::OutOfMemory(_)) => {}
@@ -373,6 +374,8 @@ fn plan_within_budget(graph: ir::Graph, rewritten: &PassLog, options: &CompileOp
     let tries = cheap_remat::tries(&graph);
     let all = Variants::of_graph(graph, options, false, 0)?;
     let (winner, plan) = plan_variants(&all, options)?;
+    let winner =
+        winner.ok_or_else(|| CompileError::Internal("a plan within budget from a finer graph".into()))?;
     // Each try plans the winner's lowered graph: it is lowered once.
     let lowered = &all.lowered[all.list[winner].source];
     let used = rewritten
@@ -389,9 +392,11 @@ fn plan_within_budget(graph: ir::Graph, rewritten: &PassLog, options: &CompileOp
 }
 
 /// The search's plan of `variants` (those a schedule asked for by name can be), the figures of
-/// its lowering set on it, and the variant it plans. A training step over a memory limit
-/// recomputes values instead of keeping them (`fit`), on a finer graph where fusion made one.
-fn plan_variants(variants: &Variants, options: &CompileOptions) -> Result<(usize, Plan)> {
+/// its lowering set on it, and the variant it plans (`None`: a variant of the finer graph). A
+/// training step over a memory limit recomputes values instead of keeping them (`fit`), on a
+/// finer graph where fusion made one. The limit is checked on the smallest plan: on one device,
+/// where every variant holds the same variables, no larger plan fits where it does not.
+fn plan_variants(variants: &Variants, options: &CompileOptions) -> Result<(Option<usize>, Plan)> {
     let first = variants.list.first().ok_or_else(|| CompileError::Internal("no variant to plan".into()))?;
     let devices = devices_used(&first.graph, options)?;
     let only = variants.named(options.schedule.as_deref());
@@ -401,7 +406,7 @@ fn plan_variants(variants: &Variants, options: &CompileOptions) -> Result<(usize
     let mut plan = found.plan;
     plan.memory.rewrites = lowered.figures();
     let oom = match limits::check(&plan) {
-        Ok(()) => return Ok((found.variant, plan)),
+        Ok(()) => return Ok((Some(found.variant), plan)),
         Err(oom) if variant.graph.effects().is_empty() => return Err(CompileError::OutOfMemory(oom)),
         Err(oom) => oom,
     };
@@ -416,27 +421,36 @@ fn plan_variants(variants: &Variants, options: &CompileOptions) -> Result<(usize
             let mut finer = Variants::default();
             finer.push(Lowered { graph, unfused: None, before_fusion, fusion, mark: "" }, options, 0)?;
             let only = finer.named(options.schedule.as_deref());
-            fit(&finer, &only, &devices, options, oom)
+            fit(&finer, &only, None, &devices, options, oom).map(|(_, plan)| (None, plan))
         }
-        _ => fit(variants, &only, &devices, options, oom),
+        _ => {
+            let found = search::Found { variant: found.variant, plan };
+            fit(variants, &only, Some(found), &devices, options, oom).map(|(v, plan)| (Some(v), plan))
+        }
     }
 }
 
 /// A training step over a limit: recompute values instead of keeping them (`remat`), in each
 /// variant (tiled updates change what is live, so either may fit), the smaller planned total
-/// first; the first that fits, or the error of the one that came closest.
+/// first (without guard mode's canaries, so that they do not change what runs); the first that
+/// fits, or the error of the one that came closest. `known`: one variant's plan, already made.
 fn fit(
     variants: &Variants,
     only: &[usize],
+    known: Option<search::Found>,
     devices: &[DeviceSpec],
     options: &CompileOptions,
     oom: Box<limits::OutOfMemory>,
 ) -> Result<(usize, Plan)> {
-    let mut planned = only
-        .iter()
-        .map(|&v| search::best(&variants.list, &[v], devices, options))
-        .collect::<Result<Vec<_>>>()?;
-    planned.sort_by_key(|found| found.plan.memory.planned_total_bytes());
+    let known_variant = known.as_ref().map(|f| f.variant);
+    let mut planned: Vec<search::Found> = known.into_iter().collect();
+    for &v in only.iter().filter(|&&v| Some(v) != known_variant) {
+        planned.push(search::best(&variants.list, &[v], devices, options)?);
+    }
+    planned.sort_by_key(|found| {
+        let total = found.plan.memory.schedules.iter().map(|(_, t)| *t).min();
+        (total.unwrap_or(usize::MAX), found.variant)
+    });
     let mut failure: Option<Box<limits::OutOfMemory>> = None;
     for found in planned {
         let variant = &variants.list[found.variant];

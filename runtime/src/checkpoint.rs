@@ -71,7 +71,9 @@ pub fn save(path: &Path, variables: &[(String, HostTensor)]) -> Result<()> {
 /// Writes `variables` (name, value) to `path` as safetensors of `dtype`: F32 as `save` does,
 /// or a half copy, F16 or BF16, each value rounded to the nearest one of that type (ties to
 /// even; beyond F16's range, infinite; NaN stays NaN). `read` widens such a file back to f32,
-/// within half a unit in the last place of the half type of each value.
+/// within half a unit in the last place of the half type of each value. A half copy is for
+/// weights: every tensor is narrowed, counters too (bf16 holds integers exactly up to 256, f16
+/// up to 2,048), so pass the parameters alone, or save a checkpoint to resume from with `save`.
 pub fn save_as(path: &Path, variables: &[(String, HostTensor)], dtype: DType) -> Result<()> {
     let narrow: fn(f32) -> u16 = match dtype {
         DType::F32 => return save(path, variables),
@@ -121,7 +123,7 @@ pub struct Checkpoint {
     /// The names of the tensors read from F16 or BF16, with that dtype as safetensors names it.
     pub widened: BTreeMap<String, String>,
     /// The names of the file's tensors of any other dtype, with that dtype as safetensors names
-    /// it (e.g. `F16`); their data is not read.
+    /// it (e.g. `F64`, `I64`); their data is not read.
     pub other_dtypes: BTreeMap<String, String>,
 }
 

@@ -262,8 +262,9 @@ pub fn read_data(path: &Path) -> Result<Batch> {
     Ok(Batch { inputs: tensors.into_iter().collect(), y })
 }
 
-/// The tensors `dtypes` names (all of the file's tensors that are not F32), read from the
-/// safetensors file at `path`, whose header `checkpoint::read` has checked: I32, I64 and BOOL.
+/// The tensors `dtypes` names (all of the file's tensors that are not F32, F16 or BF16), read
+/// from the safetensors file at `path`, whose header `checkpoint::read` has checked: I32, I64
+/// and BOOL.
 fn read_exact_tensors(
     path: &Path,
     dtypes: &std::collections::BTreeMap<String, String>,
