@@ -209,3 +209,32 @@ fn a_half_copy_rounds_to_nearest_and_loads_back() {
     let e = checkpoint::save_as(&tmp.path().join("ids.safetensors"), &variables, DType::I32).unwrap_err();
     assert!(e.to_string().contains("save as f32, f16 or bf16"), "{e}");
 }
+
+#[test]
+fn weights_saved_in_bf16_fine_tune_a_fresh_trainer() {
+    let (x, y) = batch(8);
+    let mut t = trainer(9);
+    t.train_step(&x, &y).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("weights-bf16.safetensors");
+    t.save_weights(&path, DType::BF16).unwrap();
+    let file = checkpoint::read(&path).unwrap();
+    // The parameters alone: no optimizer state, no counter.
+    let mut keys: Vec<&str> = file.tensors.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["dense/bias", "dense/kernel", "dense_1/bias", "dense_1/kernel"]);
+    assert_eq!(file.widened.len(), 4);
+    let mut fresh = trainer(10);
+    fresh.train_program(x.shape(), y.shape()).unwrap();
+    fresh.load_weights(&path).unwrap();
+    for key in keys {
+        let saved = t.backend().read_variable(key).unwrap();
+        let rounded: Vec<u32> =
+            saved.data().iter().map(|&v| half::bf16::from_f32(v).to_f32().to_bits()).collect();
+        assert_eq!(bits(&fresh.backend().read_variable(key).unwrap()), rounded, "{key}");
+    }
+    fresh.train_step(&x, &y).unwrap();
+    let early = trainer(11);
+    let e = early.save_weights(tmp.path().join("none.safetensors"), DType::BF16).unwrap_err();
+    assert!(e.to_string().contains("holds no parameters yet"), "{e}");
+}

@@ -314,18 +314,41 @@ impl Trainer {
                 "train a step (or call `train_program(x_shape, y_shape)`) before saving",
             ));
         }
-        let sharded = self.sharded_state();
-        let values = variables
-            .keys()
-            .map(|k| {
-                let local = self.backend.read_variable(k)?;
-                match sharded.get(k) {
-                    Some((whole, shard)) => Ok((k.clone(), self.gather(k, &local, whole, *shard)?)),
-                    None => Ok((k.clone(), local)),
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let values = self.whole_values(variables.keys())?;
         checkpoint::save(path.as_ref(), &values)
+    }
+
+    /// Writes the model's parameters alone (the variables of role `Parameter`, what
+    /// `load_weights` reads) to `path` as safetensors of `dtype`: `DType::F32`, or a half copy,
+    /// `DType::BF16` or `DType::F16`, at two bytes a value, each rounded to the nearest
+    /// (`checkpoint::save_as`): weights to publish or to fine-tune from, not a run to resume
+    /// (optimizer state and counters stay out). With ZeRO every rank calls it, as `save`.
+    #[track_caller]
+    pub fn save_weights(&self, path: impl AsRef<Path>, dtype: DType) -> Result<()> {
+        let roles = self.variable_roles();
+        let parameters = roles.iter().filter(|(_, (_, r))| *r == VarRole::Parameter).map(|(k, _)| k);
+        let values = self.whole_values(parameters)?;
+        if values.is_empty() {
+            return Err(RuntimeError::invalid(
+                "Trainer::save_weights: the trainer holds no parameters yet",
+                "train a step (or call `train_program(x_shape, y_shape)`) before saving",
+            ));
+        }
+        checkpoint::save_as(path.as_ref(), &values, dtype)
+    }
+
+    /// The values of the variables `keys` names, each whole: a ZeRO shard gathered from every
+    /// rank (a collective).
+    fn whole_values<'k>(&self, keys: impl Iterator<Item = &'k String>) -> Result<Vec<(String, HostTensor)>> {
+        let sharded = self.sharded_state();
+        keys.map(|k| {
+            let local = self.backend.read_variable(k)?;
+            match sharded.get(k) {
+                Some((whole, shard)) => Ok((k.clone(), self.gather(k, &local, whole, *shard)?)),
+                None => Ok((k.clone(), local)),
+            }
+        })
+        .collect()
     }
 
     /// The whole optimizer state `key` of `whole`'s shape from every rank's `shard` of it.
@@ -468,8 +491,8 @@ impl Trainer {
     /// published weights start a fine-tuning run (PyTorch's `model.load_state_dict`, Keras's
     /// `load_weights`). The file may hold more: the optimizer's state (`optimizer/...`) and the
     /// trainer's other non-parameter variables are ignored. Every parameter the model has must
-    /// be in the file with its shape, as f32, and no other name may be there (a parameter of
-    /// another model); any difference is an error listing them all, and nothing is written
+    /// be in the file with its shape, as F32, F16 or BF16 (read as f32), and no other name may
+    /// be there (a parameter of another model); any difference is an error listing them all, and nothing is written
     /// then. Compile a program first (`train_program(x_shape, y_shape)` to fine-tune, or
     /// `predict` once), so that the parameters exist. A file holding NaN or infinite values
     /// loads, with a warning on stderr naming the variables.
@@ -506,7 +529,7 @@ impl Trainer {
                 ),
                 format!(
                     "the file must hold each of the model's {} parameter{} by its key (such as `{}`), with \
-                     its shape, as F32; load weights saved from this model, with the same layer sizes",
+                     its shape, as F32, F16 or BF16; load weights saved from this model, with the same layer sizes",
                     parameters.len(),
                     plural(parameters.len()),
                     parameters.keys().next().map_or("", |k| k.as_str()),
