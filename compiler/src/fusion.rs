@@ -48,7 +48,7 @@
 
 use crate::error::{CompileError, Result};
 use crate::ir::fused::{Inst, MAX_FUSED_INSTS, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Ref};
-use crate::ir::{Fused, FusedMatMul, FusedReduce, Graph, Node, NodeId, Op, Shape};
+use crate::ir::{DType, Fused, FusedMatMul, FusedReduce, Graph, Node, NodeId, Op, Shape};
 use petgraph::algo::toposort;
 use std::collections::{HashMap, HashSet};
 
@@ -179,7 +179,7 @@ fn fuse_with(graph: &mut Graph, ordered_after: bool, products: Products) -> Resu
                 continue;
             };
             Group { members, reduce: Some(root), matmul: None, after: Vec::new() }
-        } else if fusable(graph.node(root)) {
+        } else if instruction(graph, root) {
             let members = search.grow(root, None);
             // A product's epilogue runs on blocks of rows (CPU), which an iota cannot see.
             let with_source = members
@@ -242,6 +242,42 @@ fn operand_count(graph: &Graph, group: &Group) -> usize {
 /// Ops that can be instructions of a fused program.
 fn fusable(node: &Node) -> bool {
     matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::Scalar { .. } | Op::Select)
+}
+
+/// A cast between float types (mixed precision's, `autocast`): an instruction too
+/// (`Inst::Cast`), so that no cast has a buffer of its own where its producer or reader fuses.
+fn float_cast(graph: &Graph, n: NodeId) -> bool {
+    let node = graph.node(n);
+    matches!(node.op, Op::Cast { to } if to.is_float())
+        && graph.operands(n).iter().all(|&o| graph.node(o).dtype.is_float())
+}
+
+/// `fusable`, or a float cast.
+fn instruction(graph: &Graph, n: NodeId) -> bool {
+    fusable(graph.node(n)) || float_cast(graph, n)
+}
+
+/// Whether an op of half values gives a value its half type holds exactly when computed in f32
+/// (a sign, a choice or a comparison of its operands): no rounding after it in a program.
+fn exact_in_half(op: &Op) -> bool {
+    use crate::ir::{BinaryOp as B, UnaryOp as U};
+    match op {
+        Op::Unary(u) => matches!(u, U::Neg | U::Abs | U::Sign | U::Relu),
+        Op::Binary(b) => matches!(
+            b,
+            B::Maximum
+                | B::Minimum
+                | B::Greater
+                | B::GreaterEqual
+                | B::Less
+                | B::LessEqual
+                | B::Equal
+                | B::NotEqual
+                | B::ReluGrad
+        ),
+        Op::Select => true,
+        _ => false,
+    }
 }
 
 /// Ops a group takes in: instructions, broadcasts (read through broadcast strides) and random
@@ -383,8 +419,10 @@ impl Search<'_> {
                     && graph.operands(p).first().is_some_and(|&x| {
                         Shape::broadcast(&graph.node(x).shape, &r.shape).as_ref() == Some(&r.shape)
                     });
-                let elementwise = (fusable(node) || broadcast)
-                    && node.dtype == r.dtype
+                // Values of several float types meet in a group through casts (`Inst::Cast`).
+                let same_type = node.dtype == r.dtype || (node.dtype.is_float() && r.dtype.is_float());
+                let elementwise = (fusable(node) || broadcast || float_cast(graph, p))
+                    && same_type
                     && node.shape.numel() == r.shape.numel();
                 let constant = source(node) || constant_chain(graph, p, 0);
                 // Random values are a function of their own index: only at the group's shape.
@@ -401,8 +439,9 @@ impl Search<'_> {
                 // A group of constants alone is left as it is (for constant folding to take).
                 if operands.is_empty()
                     || operands.len() > MAX_FUSED_OPERANDS
-                    || program.insts.len() > MAX_FUSED_INSTS
-                    || program.registers(operands.len()).slots > MAX_FUSED_SLOTS
+                    // Room for the last cast `replace` may add.
+                    || program.insts.len() + 1 > MAX_FUSED_INSTS
+                    || program.registers(operands.len()).slots + 1 > MAX_FUSED_SLOTS
                 {
                     continue;
                 }
@@ -423,7 +462,7 @@ impl Search<'_> {
     fn prologue(&self, r: NodeId) -> Option<Vec<NodeId>> {
         let tip = self.graph.operands(r)[0];
         let alone =
-            fusable(self.graph.node(tip)) && self.free(tip, &HashSet::from([r]), self.graph.node(r).device);
+            instruction(self.graph, tip) && self.free(tip, &HashSet::from([r]), self.graph.node(r).device);
         alone.then(|| self.grow(tip, Some(r)))
     }
 
@@ -509,6 +548,7 @@ fn program(
             Op::Iota { axis, .. } => {
                 Inst::Iota((axis + shape.rank().saturating_sub(graph.node(m).shape.rank())) as u32)
             }
+            Op::Cast { to } => Inst::Cast(to, refs[0]),
             ref op => unreachable!("fusion grows groups of elementwise ops only, not {}", op.name()),
         };
         // Copies of one cheap value (`split_cheap`) that met in one group are one instruction.
@@ -516,8 +556,17 @@ fn program(
             value.insert(m, Ref::Value(same as u32));
             continue;
         }
-        value.insert(m, Ref::Value(insts.len() as u32));
         insts.push(inst);
+        // A half op computes in f32 and stores its type's nearest value: so does its
+        // instruction, for the unfused op's bits.
+        let node = graph.node(m);
+        if matches!(node.dtype, DType::F16 | DType::BF16)
+            && !matches!(node.op, Op::Cast { .. })
+            && !exact_in_half(&node.op)
+        {
+            insts.push(Inst::Cast(node.dtype, Ref::Value(insts.len() as u32 - 1)));
+        }
+        value.insert(m, Ref::Value(insts.len() as u32 - 1));
     }
     let matmul = product.and_then(|p| match graph.node(p).op {
         Op::MatMul { transpose_a, transpose_b } => Some(FusedMatMul { transpose_a, transpose_b }),
@@ -567,6 +616,16 @@ fn replace(graph: &mut Graph, group: &Group) -> Result<()> {
         program.epilogue = epilogue.insts;
         program.epilogue_operands = extra.len() - 1;
         operands.extend_from_slice(&extra[1..]);
+    }
+    // Operands of several types, or casts inside: the program stores the root's type by a
+    // last cast (`Fused::stored_dtype`).
+    let casts = program.insts.iter().chain(&program.epilogue).any(|i| matches!(i, Inst::Cast(..)));
+    if casts || operands.iter().any(|&o| graph.node(o).dtype != r.dtype) {
+        let last = if program.epilogue.is_empty() { &mut program.insts } else { &mut program.epilogue };
+        if !matches!(last.last(), Some(Inst::Cast(to, _)) if *to == r.dtype) {
+            let at = Ref::Value(last.len() as u32 - 1);
+            last.push(Inst::Cast(r.dtype, at));
+        }
     }
     let fused = graph.add(Node { op: Op::Fused(program), ..r }, &operands);
     graph.replace_uses(root, fused);

@@ -882,10 +882,13 @@ fn random_fused(r: &mut Rng) -> (Op, Vec<Vec<usize>>) {
         let b: Vec<usize> = if tb { vec![n, k] } else { vec![k, n] };
         op.matmul = Some(FusedMatMul { transpose_a: ta, transpose_b: tb });
         // A product's epilogue has no iota (`Fused::check`): constants instead.
+        // A random value's step ref stays read (every operand is).
         for inst in &mut op.insts {
-            if inst.reads_index() {
-                *inst = Inst::Const(0.5);
-            }
+            *inst = match *inst {
+                Inst::Uniform(_, step) => Inst::Scalar(ScalarOp::Mul, 0.5, step),
+                Inst::Iota(_) => Inst::Const(0.5),
+                other => other,
+            };
         }
         shapes.splice(0..1, [a, b]);
     }
@@ -925,6 +928,11 @@ fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
     for _ in 0..1 + r.pick(8) {
         let n = insts.len();
         let (a, b, c) = (pick_ref(r, n), pick_ref(r, n), pick_ref(r, n));
+        // Mixed precision's rounding inside a program (`Inst::Cast`).
+        if r.pick(6) == 0 {
+            insts.push(Inst::Cast(if r.pick(2) == 0 { DType::BF16 } else { DType::F16 }, a));
+            continue;
+        }
         insts.push(match r.pick(if rank > 0 { 6 } else { 4 }) {
             4 if r.pick(2) == 0 => Inst::Uniform(r.pick(1000) as u64, a),
             4 => Inst::Iota(r.pick(rank) as u32),
@@ -945,6 +953,10 @@ fn random_program(r: &mut Rng, k: usize, rank: usize) -> Vec<Inst> {
             let last = Ref::Value(insts.len() as u32 - 1);
             insts.push(Inst::Binary(BinaryOp::Add, last, Ref::Operand(j as u32)));
         }
+    }
+    // Stored as f32, as the operands are: a last rounding to half is read back exactly.
+    if let Some(&Inst::Cast(_, _)) = insts.last() {
+        insts.push(Inst::Cast(DType::F32, Ref::Value(insts.len() as u32 - 1)));
     }
     insts
 }

@@ -16,7 +16,7 @@
 //! then values, a slot reused once its value is dead): the CPU backend evaluates a group over
 //! chunks of the output, one vectorised loop per instruction, with every intermediate in cache.
 
-use super::{BinaryOp, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
+use super::{BinaryOp, DType, ReduceOp, ScalarOp, Shape, UnaryOp, Window2d};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -52,6 +52,12 @@ pub enum Inst {
     Iota(u32),
     /// A constant (an `Op::Fill` that joined the group).
     Const(f32),
+    /// The ref's value converted to a float type (`Op::Cast` between f32, f16 and bf16): rounded
+    /// to the nearest value of that type, ties to even, and held as f32 (exact, since both half
+    /// types are subsets of f32). A half op in a group is its f32 arithmetic followed by this
+    /// rounding, as the unfused op stores it; a program that ends with a cast stores its output
+    /// in that type, and only such a program may read operands of several types (`ir::infer`).
+    Cast(DType, Ref),
     /// `Op::RandomUniform`'s value at the element's linear index in the program's shape, for
     /// this seed and the step read from the ref (only joins a group of its own shape, so the
     /// index is the one the op would use).
@@ -62,7 +68,7 @@ impl Inst {
     /// The refs the instruction reads, in operand order.
     pub fn refs(&self) -> Vec<Ref> {
         match *self {
-            Inst::Unary(_, a) | Inst::Scalar(_, _, a) => vec![a],
+            Inst::Unary(_, a) | Inst::Scalar(_, _, a) | Inst::Cast(_, a) => vec![a],
             Inst::Binary(_, a, b) => vec![a, b],
             Inst::Select(c, a, b) => vec![c, a, b],
             Inst::Iota(_) | Inst::Const(_) => Vec::new(),
@@ -95,6 +101,7 @@ impl Inst {
             Inst::Iota(axis) => super::Op::Iota { shape: Shape::scalar(), axis: axis as usize },
             Inst::Const(value) => super::Op::Fill { value, shape: Shape::scalar() },
             Inst::Uniform(seed, _) => super::Op::RandomUniform { shape: Shape::scalar(), seed },
+            Inst::Cast(to, _) => super::Op::Cast { to },
         }
     }
 }
@@ -210,6 +217,16 @@ impl Fused {
             (Some(m), _) => Some(m.op()),
             (None, Some(window)) => Some(super::Op::Conv2d { window: *window }),
             (None, None) => None,
+        }
+    }
+
+    /// The type the program stores its output in when its last instruction (the epilogue's,
+    /// with one) is a float cast (`Inst::Cast`); `None`: its operands' common type.
+    pub fn stored_dtype(&self) -> Option<DType> {
+        let last = if self.epilogue.is_empty() { self.insts.last() } else { self.epilogue.last() };
+        match last {
+            Some(Inst::Cast(to, _)) => Some(*to),
+            _ => None,
         }
     }
 
@@ -368,6 +385,9 @@ impl Fused {
                 }
                 Inst::Uniform(seed, _) => {
                     let _ = write!(s, "[seed {seed}]");
+                }
+                Inst::Cast(to, _) => {
+                    let _ = write!(s, "[{to}]");
                 }
                 _ => {}
             }

@@ -140,7 +140,18 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         }
         Op::Fused(f) => {
             let all: Vec<usize> = (0..operands.len()).collect();
-            let d = same_dtype(&all)?;
+            // Operands of several float types are read by a program that stores its output in
+            // the type its last cast names (`Inst::Cast`).
+            let d = match f.stored_dtype() {
+                Some(to) if to.is_float() && all.iter().all(|&i| dtype(i).is_float()) => to,
+                Some(to) => {
+                    return err(
+                        format!("a fused program casts to {to} over operands of other than float types"),
+                        "fused casts are between f32, f16 and bf16: compile the graph again",
+                    );
+                }
+                None => same_dtype(&all)?,
+            };
             // With a product first, operands 0 and 1 are its factors and the program's operand
             // 0 is the product.
             let first = match f.product() {
@@ -472,10 +483,10 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             let grad = matches!(op, Op::AttentionGrad { .. });
             let (q, k, v) = (shape(0), shape(1), shape(2));
             let d = same_dtype(&(0..operands.len()).collect::<Vec<_>>())?;
-            if d != DType::F32 || !scale.is_finite() {
+            if !d.is_float() || !scale.is_finite() {
                 return err(
                     format!("{d} operands with scale {scale}"),
-                    "attend over f32 values with a finite scale",
+                    "attend over float values with a finite scale",
                 );
             }
             let r = q.rank();

@@ -10,6 +10,18 @@ use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{DType, Shape};
 
+/// `x` rounded to the nearest value of the float type `to` (ties to even, as the `half` crate
+/// converts), returned as f32: the value an f16 or bf16 buffer would hold. f32 (and any other
+/// type, which fused programs never round to) is `x` itself.
+#[inline(always)]
+pub fn round_to(to: DType, x: f32) -> f32 {
+    match to {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
 /// One element's value, widened: what every conversion goes through.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scalar {

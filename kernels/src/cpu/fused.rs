@@ -185,6 +185,11 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
                 *o = if w != 0.0 { x } else { y };
             }
         }
+        Inst::Cast(to, _) => {
+            for (o, &x) in d.iter_mut().zip(a) {
+                *o = super::cast::round_to(to, x);
+            }
+        }
     }
 }
 

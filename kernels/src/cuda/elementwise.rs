@@ -19,7 +19,7 @@ use super::codegen::{
 use super::codegen::{flt, idx_type, int, linear, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::fused::{Inst, Ref};
-use kiln_compiler::ir::{BinaryOp, Fused, ScalarOp, Shape, UnaryOp};
+use kiln_compiler::ir::{BinaryOp, DType, Fused, ScalarOp, Shape, UnaryOp};
 
 /// Operand value names in the op expressions.
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -287,6 +287,9 @@ fn program_code(program: &Fused, index: &str) -> (Vec<String>, String) {
             Inst::Uniform(seed, step) => {
                 format!("kiln_uniform({seed}ull, {}, (unsigned long long)({index}))", value(step))
             }
+            Inst::Cast(DType::BF16, a) => format!("kiln_round_bf16({})", value(a)),
+            Inst::Cast(DType::F16, a) => format!("kiln_round_f16({})", value(a)),
+            Inst::Cast(_, a) => value(a),
         })
         .collect();
     let last = exprs.pop().unwrap_or_else(|| "0.0f".into());

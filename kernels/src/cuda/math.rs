@@ -51,6 +51,31 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
              return (float)(x >> 40) * (1.0f / 16777216.0f);\n}\n",
         );
     }
+    if needs("kiln_round_bf16") {
+        out.push_str(
+            "// x rounded to the nearest bfloat16 (ties to even), as f32; NaN kept\n\
+             __device__ __forceinline__ float kiln_round_bf16(float x) {\n    \
+             unsigned int u = __float_as_uint(x);\n    \
+             if ((u & 0x7fffffffu) > 0x7f800000u) return x;\n    \
+             u += 0x7fffu + ((u >> 16) & 1u);\n    \
+             return __uint_as_float(u & 0xffff0000u);\n}\n",
+        );
+    }
+    if needs("kiln_round_f16") {
+        out.push_str(
+            "// x rounded to the nearest IEEE half (ties to even), as f32: 10 fraction bits kept\n\
+             // for normal halves, multiples of 2^-24 below 2^-14, infinity from 65520 up\n\
+             __device__ __forceinline__ float kiln_round_f16(float x) {\n    \
+             const unsigned int u = __float_as_uint(x), a = u & 0x7fffffffu, s = u & 0x80000000u;\n    \
+             if (a >= 0x7f800000u) return x;\n    \
+             if (a >= 0x477ff000u) return __uint_as_float(s | 0x7f800000u);\n    \
+             if (a < 0x38800000u) {\n        \
+             const float r = rintf(__uint_as_float(a) * 16777216.0f) * (1.0f / 16777216.0f);\n        \
+             return __uint_as_float(s | __float_as_uint(r));\n    }\n    \
+             const unsigned int r = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;\n    \
+             return __uint_as_float(s | r);\n}\n",
+        );
+    }
     if needs("kiln_sigmoid") {
         out.push_str(
             "// 1 / (1 + e^-x) without overflow: e^-|x| never exceeds 1\n\
@@ -59,7 +84,10 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
              const float e = expf(x);\n    return e / (1.0f + e);\n}\n",
         );
     }
-    if needs("kiln_gelu") {
+    // Helpers shared by several functions are named by their own definition, so that a
+    // translation unit that defined them for one (a reduction's prologue) does not again.
+    let helper = |user: &str, name: &str| uses.contains(user) && !defined.contains(&format!("float {name}("));
+    if helper("kiln_gelu", "kiln_normal_cdf") {
         out.push_str(&format!(
             "// standard normal CDF\n\
              __device__ __forceinline__ float kiln_normal_cdf(float x) {{\n    \
@@ -83,23 +111,27 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
             flt(inv_sqrt_2pi)
         ));
     }
-    if needs("kiln_gtanh") {
-        // The CPU's form (`cpu::vmath::gelu_tanh`): x·σ(2u), 2u = x·(A + B·x²), x clamped to
-        // ±20 inside (comparisons, so that NaN stays NaN).
+    if helper("kiln_gtanh", "kiln_gtanh_clamp") {
         out.push_str(&format!(
             "// GELU's tanh form: x * sigmoid(2u), 2u = x * (A + B * x^2); e = e^-|2u|\n\
              __device__ __forceinline__ float kiln_gtanh_clamp(float x) {{\n    \
              return x < -20.0f ? -20.0f : (x > 20.0f ? 20.0f : x);\n}}\n\
              __device__ __forceinline__ float kiln_gtanh_u2(float c) {{\n    \
-             return c * ({b} * (c * c) + {a});\n}}\n\
-             __device__ __forceinline__ float kiln_gtanh(float x) {{\n    \
-             const float u2 = kiln_gtanh_u2(kiln_gtanh_clamp(x));\n    \
-             const float e = expf(-fabsf(u2));\n    \
-             const float s = u2 >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);\n    \
-             return (x < -20.0f ? -20.0f : x) * s;\n}}\n",
+             return c * ({b} * (c * c) + {a});\n}}\n",
             a = flt(GELU_TANH_A),
             b = flt(GELU_TANH_B)
         ));
+    }
+    if needs("kiln_gtanh(") {
+        // The CPU's form (`cpu::vmath::gelu_tanh`): x·σ(2u), 2u = x·(A + B·x²), x clamped to
+        // ±20 inside (comparisons, so that NaN stays NaN).
+        out.push_str(
+            "__device__ __forceinline__ float kiln_gtanh(float x) {\n    \
+             const float u2 = kiln_gtanh_u2(kiln_gtanh_clamp(x));\n    \
+             const float e = expf(-fabsf(u2));\n    \
+             const float s = u2 >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);\n    \
+             return (x < -20.0f ? -20.0f : x) * s;\n}\n",
+        );
     }
     if needs("kiln_gtanh_grad") {
         out.push_str(&format!(
