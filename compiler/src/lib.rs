@@ -3,8 +3,10 @@
 //! The pipeline, top to bottom (`compile` below runs steps 3–7):
 //! 1. `trace` — the Rust DSL records a model into an `ir::Graph`; `nn` builds layers on it.
 //! 2. `step` — composed attention and GELU become one op each (`attention_rewrite`,
-//!    `activation_rewrite`); a training step appends the loss (`losses`), the backward graph
-//!    (`autodiff`) and the optimizer's in-place updates (`optim`) to the same graph.
+//!    `activation_rewrite`); `autocast` applies the precision policy (`Precision`: products
+//!    in bf16 or f16, master weights f32); a training step appends the loss (`losses`), the
+//!    backward graph (`autodiff`) and the optimizer's in-place updates (`optim`) to the same
+//!    graph.
 //! 3. `rewrites` — the graph rewrites as `passes::Pass`es in `passes::Pipeline`s, each saying
 //!    what it changed and the pipeline recording it (`plan::RewriteFigures`): `passes` —
 //!    verification, CSE, dead-code elimination, output copies, effect ordering, the cleanup
@@ -39,6 +41,7 @@
 
 pub mod activation_rewrite;
 pub mod attention_rewrite;
+pub mod autocast;
 pub mod autodiff;
 pub mod batch_blocks;
 pub mod cheap_remat;
@@ -79,6 +82,7 @@ pub mod validate;
 pub mod variants;
 pub mod zero;
 
+pub use autocast::{Half, Precision};
 pub use device::DeviceSpec;
 pub use error::{CompileError, Result};
 pub use plan::Plan;
@@ -151,6 +155,10 @@ pub struct CompileOptions {
     /// `cheap_remat` plans its tries as the whole search chose, a fraction of the work. `None`
     /// (the default): every candidate.
     pub schedule: Option<String>,
+    /// The precision the step builders compute a model in (`autocast`: `Trainer`, the CLI's
+    /// `--precision`): f32 by default. `compile` plans the graph it is given, whose values
+    /// already carry their types.
+    pub precision: Precision,
 }
 
 impl Default for CompileOptions {
@@ -174,6 +182,7 @@ impl Default for CompileOptions {
             transpose_operands: std::env::var("KILN_TRANSPOSE_OPERANDS").map_or(true, |v| v != "0"),
             save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
             schedule: None,
+            precision: Precision::F32,
         }
     }
 }
@@ -240,6 +249,12 @@ impl CompileOptions {
     /// Transposes read in place by products on or off, whatever `KILN_TRANSPOSE_OPERANDS` says.
     pub fn with_transpose_operands(mut self, on: bool) -> Self {
         self.transpose_operands = on;
+        self
+    }
+
+    /// The precision the step builders compute a model in (`precision`).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
 

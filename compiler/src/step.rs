@@ -3,6 +3,7 @@
 
 use crate::activation_rewrite;
 use crate::attention_rewrite;
+use crate::autocast::{self, Precision};
 use crate::autodiff;
 use crate::batch_blocks;
 use crate::error::{CompileError, Result};
@@ -44,6 +45,16 @@ impl From<&Shape> for InputSpec {
 /// The graph of `model` applied to an input `x` of `x_shape`; output `y`.
 #[track_caller]
 pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result<Graph> {
+    forward_graph_with(model, x_shape, Precision::F32)
+}
+
+/// `forward_graph` computed in `precision` (`autocast`).
+#[track_caller]
+pub fn forward_graph_with(
+    model: &dyn Layer,
+    x_shape: impl Into<InputSpec>,
+    precision: Precision,
+) -> Result<Graph> {
     let x_spec = x_shape.into();
     let t = Tracer::new(format!("forward{}", x_spec.shape));
     let x = t.input_typed("x", x_spec.shape, x_spec.dtype);
@@ -52,6 +63,7 @@ pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result
     let mut graph = t.finish()?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
+    autocast::apply(&mut graph, precision)?;
     Ok(graph)
 }
 
@@ -63,6 +75,18 @@ pub fn evaluate_graph(
     x_shape: impl Into<InputSpec>,
     y_shape: impl Into<InputSpec>,
     cfg: &TrainConfig,
+) -> Result<Graph> {
+    evaluate_graph_with(model, x_shape, y_shape, cfg, Precision::F32)
+}
+
+/// `evaluate_graph` computed in `precision` (`autocast`).
+#[track_caller]
+pub fn evaluate_graph_with(
+    model: &dyn Layer,
+    x_shape: impl Into<InputSpec>,
+    y_shape: impl Into<InputSpec>,
+    cfg: &TrainConfig,
+    precision: Precision,
 ) -> Result<Graph> {
     let (x_spec, y_spec) = (x_shape.into(), y_shape.into());
     let t = Tracer::new(format!("evaluate{}", x_spec.shape));
@@ -78,6 +102,7 @@ pub fn evaluate_graph(
     let mut graph = t.finish()?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
+    autocast::apply(&mut graph, precision)?;
     Ok(graph)
 }
 
@@ -123,6 +148,21 @@ pub fn train_step_graph_in_blocks(
     cfg: &TrainConfig,
     blocks: usize,
 ) -> Result<Graph> {
+    train_step_graph_with(model, x_shape, y_shape, cfg, blocks, Precision::F32)
+}
+
+/// `train_step_graph_in_blocks` computed in `precision`: the policy (`autocast`) is applied to
+/// the forward pass and the loss before autodiff, so the backward pass computes each gradient
+/// in its value's type and every parameter's gradient reaches the optimizer in f32.
+#[track_caller]
+pub fn train_step_graph_with(
+    model: &dyn Layer,
+    x_shape: impl Into<InputSpec>,
+    y_shape: impl Into<InputSpec>,
+    cfg: &TrainConfig,
+    blocks: usize,
+    precision: Precision,
+) -> Result<Graph> {
     let (x_spec, y_spec) = (x_shape.into(), y_shape.into());
     let batch = x_spec.shape.dims().first().copied().unwrap_or(1);
     if blocks == 0 || blocks > batch.max(1) {
@@ -166,6 +206,7 @@ pub fn train_step_graph_in_blocks(
             .compacted()
             .ok_or_else(|| CompileError::Internal("batch_blocks::split made a cycle".into()))?;
     }
+    autocast::apply(&mut graph, precision)?;
 
     let loss = graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;
     let params: Vec<_> = graph

@@ -155,12 +155,6 @@ fn validate_structure(plan: &Plan) -> Result<(), String> {
         let Some(b) = plan.buffers.get(v.buffer) else {
             return Err(format!("value {i} names buffer {} of {}", v.buffer, plan.buffers.len()));
         };
-        if !matches!(v.dtype, DType::F32 | DType::I32 | DType::I64 | DType::Bool) {
-            return Err(format!(
-                "value {i} ({}) has dtype {}: kernels compute in f32 and store i32, i64 and bool",
-                b.label, v.dtype
-            ));
-        }
         if v.shape
             .checked_bytes(v.dtype)
             .and_then(|bytes| bytes.checked_add(v.offset))

@@ -1,0 +1,237 @@
+//! Mixed precision as a policy table: under `Precision::Mixed(half)`, which ops compute in the
+//! half type (bf16 or f16, with f32 accumulation inside the kernel), which in f32, and which
+//! follow their operands, applied to a traced graph before autodiff (`step`).
+//!
+//! The table (`rule`) is PyTorch's CUDA autocast lists written for kiln's ops:
+//!
+//! | rule | ops | PyTorch's list |
+//! |---|---|---|
+//! | `Half` | products (`MatMul`, `MatMulRows`), convolutions (`Conv2d`, every window), `Attention` | "lower precision fp" (`matmul`, `linear`, `conv2d`, `bmm`, `scaled_dot_product_attention`) |
+//! | `F32` | reductions (`Reduce`: sum, mean, max), `Softmax`, `LogSoftmax`, `Exp`, `Log`, `Sqrt`, `Rsqrt`, `Reciprocal`, `Pow`, custom ops | "fp32" (`sum`, `softmax`, `log_softmax`, `exp`, `log`, `rsqrt`, `reciprocal`, `pow`, the norms and losses) |
+//! | `Follow` | every other elementwise op, layout ops, pooling, gather | "promote" / unlisted: the widest float operand's type |
+//! | `Keep` | sources, casts, effects, collectives | not autocast |
+//!
+//! Norms and losses are composed of reductions and elementwise ops in kiln's DSL and in ONNX
+//! imports: their statistics are reductions (f32), and what combines a statistic with the input
+//! follows the widest operand (f32), so a layer norm, a batch norm, a softmax cross-entropy
+//! compute in f32 as PyTorch's autocast makes them, with no list of their own.
+//!
+//! What it produces, per op: float operands whose type differs from the rule's are cast to it
+//! (one `Cast` per value and type, shared by every reader, so that a weight read by several
+//! products is copied to half once per step and planned like any value), and the op's output
+//! type is inferred again. Parameters and optimizer state stay f32 (master weights): autodiff
+//! differentiates through the casts (`Cast`'s gradient is the cast back), so each weight's
+//! gradient reaches its optimizer in f32. The graph's interface keeps its types: an output that
+//! the policy made half is cast back to the type it was traced with.
+//!
+//! Planned at their size: a half value takes 2 bytes an element in liveness and the arena. What a
+//! fused plan keeps of the f32 chains between half values is the minimum cut's choice
+//! (`saved_values`): a bias add or a norm's affine recomputed from the half value it reads costs
+//! next to nothing.
+
+use crate::error::{CompileError, Result};
+use crate::ir::{BinaryOp, ScalarOp};
+use crate::ir::{DType, Graph, Node, NodeId, Op, UnaryOp, infer};
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// A 16-bit floating-point type that mixed precision computes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Half {
+    /// bfloat16: f32's exponent range, 8 significant bits; needs no loss scaling.
+    BF16,
+    /// IEEE half: 11 significant bits, largest finite value 65,504.
+    F16,
+}
+
+impl Half {
+    /// The element type of values computed in it.
+    pub fn dtype(self) -> DType {
+        match self {
+            Half::BF16 => DType::BF16,
+            Half::F16 => DType::F16,
+        }
+    }
+}
+
+/// The precision a model computes in: a compile option (`CompileOptions::precision`), the
+/// `Trainer`'s and the CLI's `--precision f32|bf16|f16`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything in f32 (the default).
+    #[default]
+    F32,
+    /// Products, convolutions and attention in the half type with f32 accumulation; reductions,
+    /// softmax, norms, losses and the optimizer in f32; parameters and optimizer state f32.
+    Mixed(Half),
+}
+
+impl Precision {
+    /// bf16 mixed precision.
+    pub const BF16: Precision = Precision::Mixed(Half::BF16);
+    /// f16 mixed precision.
+    pub const F16: Precision = Precision::Mixed(Half::F16);
+
+    /// The name the CLI takes and reports print: `f32`, `bf16` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Mixed(Half::BF16) => "bf16",
+            Precision::Mixed(Half::F16) => "f16",
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(Precision::F32),
+            "bf16" | "bfloat16" => Ok(Precision::BF16),
+            "f16" | "fp16" | "float16" | "half" => Ok(Precision::F16),
+            _ => Err(format!("unknown precision `{s}`: use f32, bf16 or f16")),
+        }
+    }
+}
+
+/// What an op computes in under mixed precision (the table in the module's doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// The half type: float operands cast to it.
+    Half,
+    /// f32: float operands cast to it.
+    F32,
+    /// The widest type among its float operands (f32 when any is f32), the others cast to it.
+    Follow,
+    /// Untouched.
+    Keep,
+}
+
+/// The rule of `op` (the module's table).
+pub fn rule(op: &Op) -> Rule {
+    match op {
+        Op::MatMul { .. } | Op::MatMulRows { .. } | Op::Conv2d { .. } | Op::Attention { .. } => Rule::Half,
+        Op::Reduce { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::Custom { .. } => Rule::F32,
+        Op::Unary(UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Reciprocal) => {
+            Rule::F32
+        }
+        Op::Binary(BinaryOp::Pow) | Op::Scalar { op: ScalarOp::Pow, .. } => Rule::F32,
+        Op::Input { .. }
+        | Op::Variable { .. }
+        | Op::Fill { .. }
+        | Op::Iota { .. }
+        | Op::RandomUniform { .. }
+        | Op::Cast { .. } => Rule::Keep,
+        op if op.is_effect() || op.is_collective() => Rule::Keep,
+        _ => Rule::Follow,
+    }
+}
+
+/// Applies `precision`'s policy to `graph` (a traced forward pass, with its loss for a training
+/// step, before autodiff); the number of casts inserted. `Precision::F32` changes nothing.
+pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
+    let Precision::Mixed(half) = precision else { return Ok(0) };
+    let half = half.dtype();
+    let order = petgraph::algo::toposort(graph.petgraph(), None)
+        .map_err(|_| CompileError::Internal("autocast: the graph has a cycle".into()))?;
+    let traced: HashMap<NodeId, DType> =
+        graph.outputs().iter().map(|&(_, id)| (id, graph.node(id).dtype)).collect();
+    let mut casts: HashMap<(NodeId, DType), NodeId> = HashMap::new();
+    let mut inserted = 0;
+    for id in order {
+        let target = match rule(&graph.node(id).op) {
+            Rule::Keep => continue,
+            Rule::Half => half,
+            Rule::F32 => DType::F32,
+            Rule::Follow => {
+                let floats: Vec<DType> = graph
+                    .operands(id)
+                    .iter()
+                    .map(|&o| graph.node(o).dtype)
+                    .filter(|d| d.is_float())
+                    .collect();
+                if floats.contains(&DType::F32) || floats.is_empty() { DType::F32 } else { half }
+            }
+        };
+        let operands = graph.operands(id);
+        for (i, &o) in operands.iter().enumerate() {
+            let d = graph.node(o).dtype;
+            if d.is_float() && d != target {
+                let cast = *casts.entry((o, target)).or_insert_with(|| {
+                    inserted += 1;
+                    cast_node(graph, o, target)
+                });
+                graph.replace_operand(id, i, cast);
+            }
+        }
+        retype(graph, id)?;
+    }
+    // The interface keeps its traced types.
+    let outputs: Vec<(String, NodeId)> = graph.outputs().to_vec();
+    for (name, id) in outputs {
+        let want = traced[&id];
+        if graph.node(id).dtype != want {
+            let cast = cast_node(graph, id, want);
+            inserted += 1;
+            graph.set_output(name, cast);
+        }
+    }
+    // Autodiff reads a traced graph: dense ids, operands before their users.
+    if inserted > 0 {
+        *graph = graph.compacted().ok_or_else(|| CompileError::Internal("autocast made a cycle".into()))?;
+    }
+    Ok(inserted)
+}
+
+/// A new `Cast` of `of` to `to`, on `of`'s device.
+fn cast_node(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
+    let n = graph.node(of);
+    let node = Node {
+        op: Op::Cast { to },
+        shape: n.shape.clone(),
+        dtype: to,
+        device: n.device,
+        name: None,
+        origin: n.origin,
+    };
+    graph.add(node, &[of])
+}
+
+/// Infers `id`'s output type again from its (recast) operands.
+fn retype(graph: &mut Graph, id: NodeId) -> Result<()> {
+    let operands = graph.operands(id);
+    let types: Vec<(crate::ir::Shape, DType)> =
+        operands.iter().map(|&o| (graph.node(o).shape.clone(), graph.node(o).dtype)).collect();
+    let refs: Vec<(&crate::ir::Shape, DType)> = types.iter().map(|(s, d)| (s, *d)).collect();
+    let node = graph.node(id);
+    let (_, dtype) = infer(&node.op, &refs).map_err(|e| {
+        CompileError::Internal(format!(
+            "autocast: {} after recasting its operands: {}",
+            node.describe(),
+            e.message
+        ))
+    })?;
+    graph.node_mut(id).dtype = dtype;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precision_names_parse_back() {
+        for p in [Precision::F32, Precision::BF16, Precision::F16] {
+            assert_eq!(p.name().parse::<Precision>().unwrap(), p);
+        }
+        assert!("f8".parse::<Precision>().is_err());
+    }
+}

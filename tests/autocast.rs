@@ -1,0 +1,158 @@
+//! Mixed precision (`kiln_compiler::autocast`): the policy table on traced training steps, the
+//! graph's interface and master weights kept in f32, casts fused, and every zoo step planned at
+//! its half size.
+
+use kiln::compiler::autocast::{Rule, rule};
+use kiln::compiler::ir::fused::Inst;
+use kiln::compiler::ir::{DType, Graph, Op};
+use kiln::compiler::step::{forward_graph_with, train_step_graph_with};
+use kiln::compiler::validate::validate;
+use kiln::compiler::{CompileOptions, Precision, compile};
+use kiln::zoo;
+
+fn step(name: &str, precision: Precision) -> Graph {
+    let m = zoo::by_name(name).unwrap();
+    train_step_graph_with(&m.model(), m.x_shape(), m.y_shape(), &m.config(), 1, precision).unwrap()
+}
+
+fn operand_types(g: &Graph, n: kiln::compiler::ir::NodeId) -> Vec<DType> {
+    g.operands(n).iter().map(|&o| g.node(o).dtype).collect()
+}
+
+#[test]
+fn products_compute_in_half_and_the_rest_as_the_table_says() {
+    for (name, precision, half) in
+        [("transformer", Precision::BF16, DType::BF16), ("cnn", Precision::F16, DType::F16)]
+    {
+        let g = step(name, precision);
+        let mut products = 0;
+        for n in g.node_ids() {
+            let node = g.node(n);
+            let floats: Vec<DType> = operand_types(&g, n).into_iter().filter(|d| d.is_float()).collect();
+            match &node.op {
+                // Forward products and their gradients alike read half values.
+                Op::MatMul { .. } | Op::Conv2d { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => {
+                    products += 1;
+                    assert!(
+                        floats.iter().all(|&d| d == half),
+                        "{name}: {} reads {floats:?}",
+                        node.describe()
+                    );
+                    assert_eq!(node.dtype, half, "{name}: {}", node.describe());
+                }
+                Op::Softmax { .. } | Op::LogSoftmax { .. } => {
+                    assert_eq!(floats, [DType::F32], "{name}: {}", node.describe());
+                }
+                // The optimizer reads f32 parameters, gradients and state.
+                Op::ApplyAdam { .. } | Op::ApplySgd { .. } => {
+                    assert!(
+                        floats.iter().all(|&d| d == DType::F32),
+                        "{name}: {} reads {floats:?}",
+                        node.describe()
+                    );
+                }
+                Op::Variable { dtype, .. } => assert_eq!(*dtype, DType::F32, "{name}: master weights"),
+                _ => {}
+            }
+        }
+        assert!(products > 0, "{name}: no products");
+        // The interface keeps its traced types.
+        for (out, id) in g.outputs() {
+            assert_eq!(g.node(*id).dtype, DType::F32, "{name}: output {out}");
+        }
+    }
+}
+
+#[test]
+fn the_table_names_products_reductions_and_sources() {
+    assert_eq!(rule(&Op::MatMul { transpose_a: false, transpose_b: false }), Rule::Half);
+    assert_eq!(rule(&Op::Softmax { axis: 1 }), Rule::F32);
+    assert_eq!(
+        rule(&Op::Reduce { op: kiln::compiler::ir::ReduceOp::Sum, axes: vec![0], keepdims: false }),
+        Rule::F32
+    );
+    assert_eq!(rule(&Op::Unary(kiln::compiler::ir::UnaryOp::Relu)), Rule::Follow);
+    assert_eq!(rule(&Op::Unary(kiln::compiler::ir::UnaryOp::Exp)), Rule::F32);
+    assert_eq!(rule(&Op::Cast { to: DType::F32 }), Rule::Keep);
+}
+
+#[test]
+fn f32_precision_changes_nothing() {
+    let m = zoo::by_name("cnn").unwrap();
+    let plain =
+        kiln::compiler::step::train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
+    let same = step("cnn", Precision::F32);
+    assert_eq!(kiln::compiler::ir::dump(&plain), kiln::compiler::ir::dump(&same));
+}
+
+#[test]
+fn a_forward_pass_returns_its_traced_type() {
+    let m = zoo::by_name("mlp").unwrap();
+    let g = forward_graph_with(&m.model(), m.x_shape(), Precision::BF16).unwrap();
+    let y = g.output("y").unwrap();
+    assert_eq!(g.node(y).dtype, DType::F32);
+    assert!(g.node_ids().any(|n| g.node(n).dtype == DType::BF16));
+}
+
+/// Every zoo training step plans in bf16 and f16: the plan validates, its products are half,
+/// no cast is a step of its own where its producer could take it (a fused group's last
+/// instruction), and where activations outweigh the weights' half copies, it keeps less for the
+/// backward pass than f32.
+#[test]
+fn every_zoo_step_plans_in_half_precision() {
+    for m in zoo::all() {
+        let f32_plan = compile(step(m.name, Precision::F32), &CompileOptions::default()).unwrap();
+        for precision in [Precision::BF16, Precision::F16] {
+            let plan = compile(step(m.name, precision), &CompileOptions::default()).unwrap();
+            validate(&plan).unwrap();
+            let half = if precision == Precision::BF16 { DType::BF16 } else { DType::F16 };
+            assert!(plan.values.iter().any(|v| v.dtype == half), "{} {precision}", m.name);
+            let readers = |value: usize| plan.steps.iter().filter(|s| s.inputs.contains(&value)).count();
+            for s in &plan.steps {
+                let Op::Cast { .. } = s.op else { continue };
+                let x = s.inputs[0];
+                let producer = plan.steps.iter().find(|p| p.output == Some(x));
+                let fusable =
+                    producer.is_some_and(|p| matches!(p.op, Op::Fused(_) | Op::Unary(_) | Op::Binary(_)));
+                assert!(
+                    !(fusable && readers(x) == 1 && plan.outputs.iter().all(|o| o.value != x)),
+                    "{} {precision}: {} casts the value of {} alone",
+                    m.name,
+                    s.label,
+                    producer.unwrap().label
+                );
+            }
+            // Where activations outweigh the weights' half copies, half values are kept.
+            let kept = |p: &kiln::compiler::Plan| {
+                p.memory.rewrites.saved_values.as_ref().map(|s| s.kept_bytes_after)
+            };
+            if matches!(m.name, "cnn" | "transformer") {
+                assert!(
+                    kept(&plan) < kept(&f32_plan),
+                    "{} {precision}: {:?} >= {:?}",
+                    m.name,
+                    kept(&plan),
+                    kept(&f32_plan)
+                );
+            }
+            // Casts fused into groups store the group's type.
+            for s in &plan.steps {
+                if let Op::Fused(f) = &s.op
+                    && f.insts.iter().any(|i| matches!(i, Inst::Cast(..)))
+                {
+                    let out = s.output.map(|o| plan.values[o].dtype);
+                    assert!(out.is_some_and(|d| d.is_float()), "{}: {}", m.name, s.label);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn precisions_parse_from_the_command_line_names() {
+    assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::BF16);
+    assert_eq!("f16".parse::<Precision>().unwrap(), Precision::F16);
+    assert_eq!("f32".parse::<Precision>().unwrap(), Precision::F32);
+    let err = "int8".parse::<Precision>().unwrap_err();
+    assert!(err.contains("f32, bf16 or f16"), "{err}");
+}
