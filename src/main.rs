@@ -2,7 +2,7 @@
 //! print its memory report.
 
 use clap::{Parser, Subcommand};
-use kiln::compare::{Mode, compare, table};
+use kiln::compare::{Mode, table};
 use kiln::gpu_bench::Outcome;
 use kiln::{Device, seed, zoo};
 use std::path::{Path, PathBuf};
@@ -151,6 +151,12 @@ enum Command {
         /// plan is compared with.
         #[arg(long, value_name = "FILE[:MODEL]")]
         pytorch_stream: Option<String>,
+        /// f32, or bf16 / f16 mixed precision: products, convolutions and attention in the half
+        /// type, reductions, softmax, norms, losses and the optimizer in f32, parameters and
+        /// optimizer state f32 (kiln::compiler::autocast). Half-precision steps are planned; their
+        /// eager columns replay the allocations without computing.
+        #[arg(long, default_value = "f32")]
+        precision: String,
     },
     /// Print this command-line reference as Markdown (the book's CLI chapter is its output).
     #[command(hide = true)]
@@ -241,19 +247,20 @@ fn main() -> ExitCode {
         Command::Seed { ranks } => run_seed(!cli.quiet, cli.svg.as_deref(), ranks),
         Command::Ranks { ranks, model, steps, zero } => run_ranks(ranks, &model, steps, zero),
         Command::Zero { model, max_ranks } => run_zero(&model, max_ranks),
-        Command::Memory { model, mode, batch, svg, steps, dim, device, pytorch_stream }
+        Command::Memory { model, mode, batch, svg, steps, dim, device, pytorch_stream, precision }
             if model.ends_with(".onnx") =>
         {
             let shown = Shown { svg: svg.as_deref(), steps, stream: pytorch_stream.as_deref() };
-            memory_onnx(&model, &mode, batch, &dim, &shown, &device)
+            precision_flag(&precision)
+                .and_then(|p| memory_onnx(&model, &mode, batch, &dim, &shown, &device, p))
         }
         Command::Memory { device, .. } if !device.is_empty() => Err(invalid(
             "--device is read for ONNX models".into(),
             "split a zoo model with kiln::prelude::split_sequential (examples/split_model.rs)".into(),
         )),
-        Command::Memory { model, mode, batch, svg, steps, pytorch_stream, .. } => {
+        Command::Memory { model, mode, batch, svg, steps, pytorch_stream, precision, .. } => {
             let shown = Shown { svg: svg.as_deref(), steps, stream: pytorch_stream.as_deref() };
-            memory(&model, &mode, batch, &shown)
+            precision_flag(&precision).and_then(|p| memory(&model, &mode, batch, &shown, p))
         }
         Command::BenchGpu => match kiln::gpu_bench::run() {
             Ok(Outcome::Ran) => Ok(()),
@@ -433,7 +440,27 @@ fn print_memory(row: &mut kiln::compare::Comparison, recorded: Option<Recorded>)
     );
 }
 
-fn memory(name: &str, mode: &str, batch: Option<usize>, shown: &Shown) -> kiln::Result<()> {
+/// `--precision`'s value, or an error naming it.
+fn precision_flag(value: &str) -> kiln::Result<kiln::compiler::Precision> {
+    value.parse().map_err(|why: String| {
+        invalid(format!("--precision {value}: {why}"), "pass --precision f32, bf16 or f16".into())
+    })
+}
+
+/// The line under a mixed-precision plan's table: the precision and its buffers by type.
+fn print_precision(plan: &kiln::compiler::Plan, precision: kiln::compiler::Precision) {
+    if precision != kiln::compiler::Precision::F32 {
+        println!("precision {precision} (master weights f32): {}", kiln::compare::buffers_by_dtype(plan));
+    }
+}
+
+fn memory(
+    name: &str,
+    mode: &str,
+    batch: Option<usize>,
+    shown: &Shown,
+    precision: kiln::compiler::Precision,
+) -> kiln::Result<()> {
     let Shown { svg, steps, .. } = *shown;
     let names: Vec<&str> = zoo::all().iter().map(|m| m.name).collect();
     let Some(mut m) = zoo::by_name(name) else {
@@ -453,11 +480,12 @@ fn memory(name: &str, mode: &str, batch: Option<usize>, shown: &Shown) -> kiln::
     }
     let default_batch = zoo::by_name(name).is_some_and(|d| d.batch == m.batch);
     let stream = shown.stream.map(|arg| recorded(arg, mode, Some((m.name, default_batch)))).transpose()?;
-    let mut row = compare(&m, mode, true)?;
+    let mut row = kiln::compare::compare_at(&m, mode, true, precision)?;
     if steps {
         println!("{}", row.plan.render());
     }
     print_memory(&mut row, stream);
+    print_precision(&row.plan, precision);
     if let Some(path) = svg {
         let title = format!("{} {} (batch {})", m.name, mode.name(), m.batch);
         std::fs::write(path, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
@@ -476,6 +504,7 @@ fn memory_onnx(
     dims: &[String],
     shown: &Shown,
     devices: &[String],
+    precision: kiln::compiler::Precision,
 ) -> kiln::Result<()> {
     let Shown { svg, steps, .. } = *shown;
     let Some(mode) = Mode::parse(mode) else {
@@ -497,7 +526,11 @@ fn memory_onnx(
     let model = kiln::onnx::OnnxModel::from_bytes_at(&file, path)?;
     let sizes = kiln::onnx::train::sizes(&model, batch, dims)?;
     let graph = match mode {
-        Mode::Forward => model.import(&sizes)?.graph,
+        Mode::Forward => {
+            let mut graph = model.import(&sizes)?.graph;
+            kiln::compiler::autocast::apply(&mut graph, precision)?;
+            graph
+        }
         // A training step of the model as a layer, with a mean-squared-error loss against
         // targets of its output's shape and Adam: what a fine-tuning step holds in memory. A
         // model of several inputs (ids, masks) is the layer `kiln train` trains: its inputs
@@ -506,7 +539,7 @@ fn memory_onnx(
             let (x, y) = kiln::onnx::train::specs(&model, &sizes)?;
             let layer = model.clone().into_packed_layer(&sizes)?;
             let config = kiln::onnx::train::fine_tuning();
-            kiln::compiler::step::train_step_graph(&layer, x, &y, &config)?
+            kiln::compiler::step::train_step_graph_with(&layer, x, &y, &config, 1, precision)?
         }
     };
     let feeds = kiln::compare::feeds_for(&graph, 1)?;
@@ -518,6 +551,7 @@ fn memory_onnx(
         println!("{}", row.plan.render());
     }
     print_memory(&mut row, stream);
+    print_precision(&row.plan, precision);
     if let Some(out) = svg {
         let title = format!("{path} {} (batch {})", mode.name(), row.batch);
         std::fs::write(out, kiln::svg::plan_svg(&row.plan, Some(&row.bfc_samples), &title))?;
