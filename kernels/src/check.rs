@@ -20,9 +20,11 @@ pub(crate) fn check(
         };
         return Err(KernelError::Unsupported { op: op.label(), dtype: output.1, help: help.into() });
     }
-    // f32 everywhere, but for what moves exact values: a cast's operand and result (f32, i32,
-    // i64, bool) and the ids of a gather or its gradient (f32, i32, i64).
-    let stored = |d: DType| matches!(d, DType::F32 | DType::I32 | DType::I64 | DType::Bool);
+    // f32 everywhere, but for what moves other types: a cast's operand and result (any type)
+    // and the ids of a gather or its gradient (f32, i32, i64).
+    // Every type a cast converts between: mixed precision's half values are made and read
+    // through casts on backends that compute in f32 (`kiln_compiler::widen`).
+    let stored = |_: DType| true;
     let allowed = |i: Option<usize>, d: DType| match (op, i) {
         (Op::Cast { .. }, _) => stored(d),
         (Op::Gather, Some(1)) | (Op::GatherGrad { .. }, Some(0)) => {
@@ -36,7 +38,7 @@ pub(crate) fn check(
             op: op.label(),
             dtype: d,
             help: format!(
-                "{who} compute in f32 (i32, i64 and bool are cast and index, nothing else); declare the model's inputs and variables as f32 or cast them"
+                "{who} compute in f32 (half, i32, i64 and bool values are cast, ids index, nothing else); declare the model's inputs and variables as f32 or cast them, and compile a mixed-precision plan for this backend (`CompileOptions::with_half_kernels(false)`, as `Trainer` does)"
             ),
         });
     }

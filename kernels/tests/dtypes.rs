@@ -1,4 +1,4 @@
-//! Exact dtypes in the kernels: `cast` between f32, i32, i64 and bool, and gathers indexed by
+//! Stored dtypes in the kernels: `cast` between f32, f16, bf16, i32, i64 and bool, and gathers indexed by
 //! i32 and i64 ids, on the CPU against hand-written expectations, and the generated CUDA
 //! kernels built for the host against the CPU, bit for bit (every byte of every output).
 
@@ -17,7 +17,9 @@ fn encode(values: &[f64], dtype: DType) -> Vec<u8> {
             DType::I32 => (v as i32).to_le_bytes().to_vec(),
             DType::I64 => (v as i64).to_le_bytes().to_vec(),
             DType::Bool => vec![u8::from(v != 0.0)],
-            _ => (v as f32).to_le_bytes().to_vec(),
+            DType::F16 => half::f16::from_f64(v).to_bits().to_le_bytes().to_vec(),
+            DType::BF16 => half::bf16::from_f64(v).to_bits().to_le_bytes().to_vec(),
+            DType::F32 => (v as f32).to_le_bytes().to_vec(),
         })
         .collect()
 }
@@ -59,13 +61,44 @@ fn cpu_run(op: &Op, operands: &[(&Shape, DType, Vec<u8>)], out: (&Shape, DType))
     bytemuck::cast_slice::<u64, u8>(&o)[..bytes].to_vec()
 }
 
-const ALL: [DType; 4] = [DType::F32, DType::I32, DType::I64, DType::Bool];
+const ALL: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64, DType::Bool];
 
 /// Values that exercise every rule: truncation toward zero, NaN, saturation, wrap-around of
 /// large integers, negative zero, bools.
 fn samples(from: DType) -> Vec<f64> {
     match from {
-        DType::F32 => vec![0.0, -0.0, 1.9, -1.9, 2.5, f64::NAN, 3e9, -3e9, 1e20, -1e20, 16777217.0, 0.5],
+        // And the half types' edges: f16's largest finite value and the tie above it, its
+        // subnormals, ties to even in both, infinities.
+        DType::F32 => vec![
+            0.0,
+            -0.0,
+            1.9,
+            -1.9,
+            2.5,
+            f64::NAN,
+            3e9,
+            -3e9,
+            1e20,
+            -1e20,
+            16777217.0,
+            0.5,
+            65504.0,
+            65519.0,
+            65520.0,
+            -70000.0,
+            3e-8,
+            2.9802322387695312e-8,
+            -1e-7,
+            6.1e-5,
+            1.00390625,
+            1.01171875,
+            -1.0009765625,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1e-40,
+        ],
+        DType::F16 => vec![0.0, -0.0, 1.5, -2.25, 65504.0, 6e-8, -3e-5, f64::INFINITY, f64::NAN, 1000.5],
+        DType::BF16 => vec![0.0, -0.0, 1.5, -2.25, 3e38, 1e-39, -7.5, f64::NEG_INFINITY, f64::NAN, 1000.0],
         DType::I32 => vec![0.0, 1.0, -1.0, 2147483647.0, -2147483648.0, 16777217.0, 7.0, 0.0],
         DType::I64 => vec![0.0, 1.0, -1.0, 4294967297.0, -4294967297.0, 9007199254740993.0, 5.0, 0.0],
         _ => vec![0.0, 1.0, 1.0, 0.0, 1.0],
@@ -93,6 +126,20 @@ fn casts_follow_rusts_as_on_the_cpu() {
             [1.0f32, 0.0].iter().flat_map(|v| v.to_le_bytes()).collect(),
         ),
         (DType::I32, DType::F32, vec![16777217.0], f(16777216.0).to_le_bytes().to_vec()),
+        // f32 -> half rounds to nearest, ties to even; f16 overflows from 65520, keeps
+        // subnormals down to 2^-24.
+        (DType::F32, DType::F16, vec![65520.0, 65519.0, 3e-8, -1.0009765625], {
+            [0x7c00u16, 0x7bff, 0x0001, 0xbc01].iter().flat_map(|v| v.to_le_bytes()).collect()
+        }),
+        (DType::F32, DType::BF16, vec![1.00390625, 1.01171875, -0.0], {
+            [0x3f80u16, 0x3f82, 0x8000].iter().flat_map(|v| v.to_le_bytes()).collect()
+        }),
+        (
+            DType::BF16,
+            DType::I32,
+            vec![-2.5, 300.0],
+            [-2i32, 300].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
     ];
     for (from, to, values, expect) in cases {
         let s = Shape::from([values.len()]);

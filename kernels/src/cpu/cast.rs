@@ -1,5 +1,7 @@
-//! `cast`: every element converted between f32, i32, i64 and bool, one definition of each
-//! conversion (`convert`), shared by the CUDA kernel's host tests as the reference.
+//! `cast`: every element converted between f32, f16, bf16, i32, i64 and bool, one definition of
+//! each conversion (`read`, `write`), shared by the CUDA kernel's host tests as the reference.
+//! A half type widens to f32 exactly and f32 narrows to it rounding to nearest, ties to even
+//! (the `half` crate's conversions); a half value goes to or from an integer through f32.
 //!
 //! f32 -> integer truncates toward zero, saturates at the type's range and maps NaN to 0 (Rust's
 //! `as`; the CUDA kernel spells the same rule out, since C++'s cast is undefined there); integer
@@ -31,6 +33,17 @@ pub enum Scalar {
     I(i64),
 }
 
+impl Scalar {
+    /// The value as f32: an integer rounded to nearest.
+    #[inline(always)]
+    pub fn float(self) -> f32 {
+        match self {
+            Scalar::F(f) => f,
+            Scalar::I(n) => n as f32,
+        }
+    }
+}
+
 /// Reads element `i` of a buffer of `dtype`.
 /// # Safety
 /// `p` is valid for `i + 1` elements of `dtype`, aligned for it.
@@ -42,7 +55,9 @@ pub unsafe fn read(p: *const u8, i: usize, dtype: DType) -> Scalar {
             DType::I32 => Scalar::I(i64::from(*(p as *const i32).add(i))),
             DType::I64 => Scalar::I(*(p as *const i64).add(i)),
             DType::Bool => Scalar::I(i64::from(*p.add(i) != 0)),
-            _ => Scalar::F(*(p as *const f32).add(i)),
+            DType::BF16 => Scalar::F(half::bf16::from_bits(*(p as *const u16).add(i)).to_f32()),
+            DType::F16 => Scalar::F(half::f16::from_bits(*(p as *const u16).add(i)).to_f32()),
+            DType::F32 => Scalar::F(*(p as *const f32).add(i)),
         }
     }
 }
@@ -61,8 +76,9 @@ pub unsafe fn write(p: *mut u8, i: usize, dtype: DType, v: Scalar) {
             (DType::I64, Scalar::I(n)) => *(p as *mut i64).add(i) = n,
             (DType::Bool, Scalar::F(f)) => *p.add(i) = u8::from(f != 0.0),
             (DType::Bool, Scalar::I(n)) => *p.add(i) = u8::from(n != 0),
-            (_, Scalar::F(f)) => *(p as *mut f32).add(i) = f,
-            (_, Scalar::I(n)) => *(p as *mut f32).add(i) = n as f32,
+            (DType::BF16, v) => *(p as *mut u16).add(i) = half::bf16::from_f32(v.float()).to_bits(),
+            (DType::F16, v) => *(p as *mut u16).add(i) = half::f16::from_f32(v.float()).to_bits(),
+            (DType::F32, v) => *(p as *mut f32).add(i) = v.float(),
         }
     }
 }
@@ -74,7 +90,7 @@ struct Cast {
     desc: String,
 }
 
-/// The cast of `x` (of `from`) to `to`; the checks admit f32, i32, i64 and bool only.
+/// The cast of `x` (of `from`) to `to`, any two of the types.
 pub(crate) fn cast(x: &Shape, from: DType, to: DType) -> Box<dyn CpuKernel> {
     let desc = format!("cast {from}{} to {to}", shape_text(x));
     Box::new(Cast { from, to, numel: x.numel(), desc })
