@@ -436,12 +436,18 @@ impl Search<'_> {
                 trial.push(p);
                 trial.sort_unstable_by_key(|n| position[n]);
                 let (program, operands) = program(graph, &trial, &r.shape, None, None);
+                // Room for the last casts `replace` and `widen` may add to a group of several
+                // types or of half values.
+                let mixed = trial.iter().chain(&operands).any(|&n| {
+                    let d = graph.node(n).dtype;
+                    d != r.dtype || matches!(d, DType::F16 | DType::BF16)
+                });
+                let room = if mixed { 2 } else { 0 };
                 // A group of constants alone is left as it is (for constant folding to take).
                 if operands.is_empty()
                     || operands.len() > MAX_FUSED_OPERANDS
-                    // Room for the last cast `replace` may add.
-                    || program.insts.len() + 1 > MAX_FUSED_INSTS
-                    || program.registers(operands.len()).slots + 1 > MAX_FUSED_SLOTS
+                    || program.insts.len() + room > MAX_FUSED_INSTS
+                    || program.registers(operands.len()).slots + room > MAX_FUSED_SLOTS
                 {
                     continue;
                 }

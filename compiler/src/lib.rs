@@ -80,6 +80,7 @@ pub mod trace;
 pub mod transpose_operands;
 pub mod validate;
 pub mod variants;
+pub mod widen;
 pub mod zero;
 
 pub use autocast::{Half, Precision};
@@ -159,6 +160,11 @@ pub struct CompileOptions {
     /// `--precision`): f32 by default. `compile` plans the graph it is given, whose values
     /// already carry their types.
     pub precision: Precision,
+    /// Whether the kernels that will run the plan read and write f16 and bf16 values (true by
+    /// default: what `kiln memory --precision` reports). False: every op on half values reads
+    /// f32 copies and writes an f32 value cast back (`widen`), as the host and CUDA backends,
+    /// which compute f32, need (`Trainer` takes it from `Backend::half_kernels`).
+    pub half_kernels: bool,
 }
 
 impl Default for CompileOptions {
@@ -183,6 +189,7 @@ impl Default for CompileOptions {
             save_minimal: std::env::var("KILN_SAVE_MINIMAL").map_or(true, |v| v != "0"),
             schedule: None,
             precision: Precision::F32,
+            half_kernels: true,
         }
     }
 }
@@ -255,6 +262,12 @@ impl CompileOptions {
     /// The precision the step builders compute a model in (`precision`).
     pub fn with_precision(mut self, precision: Precision) -> Self {
         self.precision = precision;
+        self
+    }
+
+    /// Whether the plan's kernels read and write half values (`half_kernels`).
+    pub fn with_half_kernels(mut self, on: bool) -> Self {
+        self.half_kernels = on;
         self
     }
 

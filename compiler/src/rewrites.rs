@@ -46,9 +46,24 @@ pub fn before_fusion(options: &CompileOptions) -> Pipeline {
     Pipeline::new().with_if(options.fuse, ConvReluGrad).with_if(options.fuse, LogSoftmaxSplit)
 }
 
-/// Fusion (with fusion on), taking products as `products` says.
+/// Fusion (with fusion on), taking products as `products` says; then, for kernels without half
+/// types, `widen`.
 pub fn fusion(options: &CompileOptions, products: fusion::Products) -> Pipeline {
-    Pipeline::new().with_if(options.fuse, Fuse(products))
+    Pipeline::new().with_if(options.fuse, Fuse(products)).with_if(!options.half_kernels, Widen)
+}
+
+/// Half values read and written through f32 copies, for kernels that compute f32 (`widen`).
+pub struct Widen;
+
+impl Pass for Widen {
+    fn name(&self) -> &'static str {
+        "widen"
+    }
+
+    fn run(&self, graph: &mut Graph) -> Result<Changes> {
+        let casts = crate::widen::widen(graph)?;
+        Ok(Changes { rewrites: casts, figures: RewriteFigures::default() })
+    }
 }
 
 /// Constants computed at compile time (`const_fold`).

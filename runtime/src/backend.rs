@@ -28,6 +28,14 @@ pub trait Backend {
         None
     }
 
+    /// Whether the backend's kernels read and write f16 and bf16 values. False (the host and
+    /// CUDA kernels compute f32 operands): compile plans for it with
+    /// `CompileOptions::with_half_kernels(false)`, which reads half values through f32 copies
+    /// (`kiln_compiler::widen`), as `Trainer` does.
+    fn half_kernels(&self) -> bool {
+        false
+    }
+
     /// (this rank, the rank count) when the backend is a rank of a data-parallel run
     /// (`CpuBackend::with_communicator`): a `Trainer` on it trains data-parallel.
     fn rank(&self) -> Option<(usize, usize)> {
