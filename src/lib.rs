@@ -53,7 +53,7 @@ pub mod prelude {
     pub use kiln_compiler::step::{InputSpec, TrainConfig};
     pub use kiln_compiler::trace::{Tensor, Tracer};
     pub use kiln_compiler::zero::ZeroStage;
-    pub use kiln_compiler::{CompileOptions, Plan, compile};
+    pub use kiln_compiler::{CompileOptions, Plan, Precision, compile};
     pub use kiln_runtime::devices::{DeviceConfig, Devices, GB, MB};
     pub use kiln_runtime::{Backend, CpuBackend, FitOptions, History, HostTensor, Trainer};
 }
@@ -74,6 +74,7 @@ mod docs {
         Dsl = "dsl.md",
         Training = "training.md",
         MemoryPlanning = "memory-planning.md",
+        Precision = "precision.md",
         Devices = "devices.md",
         Onnx = "onnx.md",
         Gpu = "gpu.md",

@@ -30,6 +30,9 @@ enum Command {
         /// gradients averaged inside the plan); the memory report is rank 0's.
         #[arg(long, default_value_t = 1)]
         ranks: usize,
+        /// f32, or bf16 / f16 mixed precision (products in the half type, master weights f32).
+        #[arg(long, default_value = "f32")]
+        precision: String,
     },
     /// Train a zoo model data-parallel on RANKS in-process ranks (one CPU backend a thread, the
     /// gradients averaged inside the plan) and print how to launch ranks as processes with mpirun
@@ -114,6 +117,9 @@ enum Command {
         /// Train on the CPU even where a GPU is present.
         #[arg(long)]
         cpu: bool,
+        /// f32, or bf16 / f16 mixed precision (products in the half type, master weights f32).
+        #[arg(long, default_value = "f32")]
+        precision: String,
     },
     /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
     /// eager column and plans.
@@ -243,8 +249,10 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
-    let result = match cli.command.unwrap_or(Command::Seed { ranks: 1 }) {
-        Command::Seed { ranks } => run_seed(!cli.quiet, cli.svg.as_deref(), ranks),
+    let result = match cli.command.unwrap_or(Command::Seed { ranks: 1, precision: "f32".into() }) {
+        Command::Seed { ranks, precision } => {
+            precision_flag(&precision).and_then(|p| run_seed(!cli.quiet, cli.svg.as_deref(), ranks, p))
+        }
         Command::Ranks { ranks, model, steps, zero } => run_ranks(ranks, &model, steps, zero),
         Command::Zero { model, max_ranks } => run_zero(&model, max_ranks),
         Command::Memory { model, mode, batch, svg, steps, dim, device, pytorch_stream, precision }
@@ -290,9 +298,8 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::RenderDocs { check } => return render_docs(check),
-        Command::Train { model, batch, steps, dim, data, cpu } => {
-            train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu)
-        }
+        Command::Train { model, batch, steps, dim, data, cpu, precision } => precision_flag(&precision)
+            .and_then(|p| train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu, p)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -447,6 +454,15 @@ fn precision_flag(value: &str) -> kiln::Result<kiln::compiler::Precision> {
     })
 }
 
+/// " in bf16 mixed precision" for a half precision, nothing for f32.
+fn in_precision(precision: kiln::compiler::Precision) -> String {
+    if precision == kiln::compiler::Precision::F32 {
+        String::new()
+    } else {
+        format!(" in {precision} mixed precision (master weights f32)")
+    }
+}
+
 /// The line under a mixed-precision plan's table: the precision and its buffers by type.
 fn print_precision(plan: &kiln::compiler::Plan, precision: kiln::compiler::Precision) {
     if precision != kiln::compiler::Precision::F32 {
@@ -580,6 +596,7 @@ fn train_onnx(
     dims: &[String],
     data: Option<&Path>,
     cpu: bool,
+    precision: kiln::compiler::Precision,
 ) -> kiln::Result<()> {
     let bytes = read_model(path)?;
     // The flags and the data are checked before the file is decoded.
@@ -590,8 +607,8 @@ fn train_onnx(
     let model = kiln::onnx::OnnxModel::from_bytes_at(&bytes, path)?;
     let sizes = kiln::onnx::train::sizes(&model, Some(batch), dims)?;
     let (device, why) = if cpu { (Device::cpu(), "--cpu".to_string()) } else { Device::best() };
-    println!("kiln: training {path} on {device} ({why})");
-    let run = kiln::onnx::train::train(&model, &sizes, steps, &device, data, |i, loss| {
+    println!("kiln: training {path} on {device} ({why}){}", in_precision(precision));
+    let run = kiln::onnx::train::train_in(&model, &sizes, steps, &device, data, precision, |i, loss| {
         println!("step {:>4}: loss {loss:.6}", i + 1);
     })?;
     print!("{}", kiln::onnx::train::summary(&run));
@@ -790,7 +807,12 @@ fn invalid(what: String, help: String) -> kiln::Error {
     kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(what, help))
 }
 
-fn run_seed(verbose: bool, svg: Option<&Path>, ranks: usize) -> kiln::Result<()> {
+fn run_seed(
+    verbose: bool,
+    svg: Option<&Path>,
+    ranks: usize,
+    precision: kiln::compiler::Precision,
+) -> kiln::Result<()> {
     let (device, why) = Device::best();
     if ranks == 0 || ranks > 32 {
         return Err(invalid(
@@ -800,11 +822,14 @@ fn run_seed(verbose: bool, svg: Option<&Path>, ranks: usize) -> kiln::Result<()>
     }
     let start = Instant::now();
     let run = if ranks == 1 {
-        println!("kiln: training the seed model on {device} ({why})");
-        seed::run(&device, verbose)?
+        println!("kiln: training the seed model on {device} ({why}){}", in_precision(precision));
+        seed::run_in(&device, verbose, precision)?
     } else {
-        println!("kiln: training the seed model on {ranks} in-process ranks on {device} ({why})");
-        let (run, same) = seed::run_ranks(&device, ranks, verbose)?;
+        println!(
+            "kiln: training the seed model on {ranks} in-process ranks on {device} ({why}){}",
+            in_precision(precision)
+        );
+        let (run, same) = seed::run_ranks_in(&device, ranks, verbose, precision)?;
         println!("weights bitwise identical on all {ranks} ranks: {same}");
         if !same {
             return Err(invalid(

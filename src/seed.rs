@@ -5,6 +5,7 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::report::{PlanMemory, table};
 use crate::zoo;
+use kiln_compiler::Precision;
 use kiln_runtime::{FitOptions, History, HostTensor, Trainer};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -37,8 +38,14 @@ pub struct SeedRun {
 
 /// Trains the seed model on `device`; `verbose` draws progress bars and epoch lines.
 pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
+    run_in(device, verbose, Precision::F32)
+}
+
+/// `run` computing in `precision` (`kiln_compiler::autocast`; master weights f32).
+pub fn run_in(device: &Device, verbose: bool, precision: Precision) -> Result<SeedRun> {
     let (x, y) = data(42);
-    let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7)?);
+    let mut trainer =
+        Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.backend(7)?).with_precision(precision);
     let opts =
         FitOptions { epochs: 5, batch_size: 32, shuffle: true, seed: 1, verbose, stop_on_non_finite: false };
     let history = trainer.fit(&x, &y, &opts)?;
@@ -50,9 +57,20 @@ pub fn run(device: &Device, verbose: bool) -> Result<SeedRun> {
 /// gradients averaged inside the plan): rank 0's run, and whether every rank ended with
 /// bitwise the same weights. `verbose` draws rank 0's progress.
 pub fn run_ranks(device: &Device, ranks: usize, verbose: bool) -> Result<(SeedRun, bool)> {
+    run_ranks_in(device, ranks, verbose, Precision::F32)
+}
+
+/// `run_ranks` computing in `precision`.
+pub fn run_ranks_in(
+    device: &Device,
+    ranks: usize,
+    verbose: bool,
+    precision: Precision,
+) -> Result<(SeedRun, bool)> {
     let (x, y) = data(42);
     let train = |rank: usize, comm: kiln_comm::LocalComm| -> Result<(SeedRun, Vec<u32>)> {
-        let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.rank_backend(7, comm)?);
+        let mut trainer = Trainer::new(zoo::seed_mlp(), zoo::seed_config(), device.rank_backend(7, comm)?)
+            .with_precision(precision);
         let opts = FitOptions {
             epochs: 5,
             batch_size: 32,

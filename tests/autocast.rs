@@ -156,3 +156,35 @@ fn precisions_parse_from_the_command_line_names() {
     let err = "int8".parse::<Precision>().unwrap_err();
     assert!(err.contains("f32, bf16 or f16"), "{err}");
 }
+
+/// Every zoo model trains in bf16 and f16 on the host: its plan reads half values through f32
+/// copies (`widen`), the losses are finite and within a few percent of f32's from the same
+/// weights and batches, and the master weights move.
+#[test]
+fn the_zoo_trains_in_half_precision_on_the_host() {
+    use kiln::prelude::*;
+    for m in zoo::all() {
+        let batch = m.batch.min(8);
+        let m = m.with_batch(batch);
+        let batches: Vec<_> = (0..3).map(|i| m.batch_data(i).unwrap()).collect();
+        let losses = |precision: Precision| -> Vec<f32> {
+            let mut t = Trainer::new(m.model(), m.config(), Device::cpu().backend(0).unwrap())
+                .with_precision(precision);
+            batches.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss).collect()
+        };
+        let full = losses(Precision::F32);
+        for precision in [Precision::BF16, Precision::F16] {
+            let mixed = losses(precision);
+            // Rounded products: not f32's bits.
+            assert_ne!(mixed, full, "{} {precision}: the step computed in f32", m.name);
+            for (a, b) in full.iter().zip(&mixed) {
+                assert!(b.is_finite(), "{} {precision}: {mixed:?}", m.name);
+                assert!(
+                    (a - b).abs() <= 0.05 * a.abs().max(1.0),
+                    "{} {precision}: {mixed:?} against f32 {full:?}",
+                    m.name
+                );
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln_compiler::ir::{DType, Shape, Shard, VarRole};
 use kiln_compiler::nn::Layer;
 use kiln_compiler::step::{
-    InputSpec, TrainConfig, evaluate_graph, forward_graph, train_step_graph_in_blocks,
+    InputSpec, TrainConfig, evaluate_graph_with, forward_graph_with, train_step_graph_with,
 };
 use kiln_compiler::zero::ZeroStage;
 use kiln_compiler::{CompileOptions, Plan, compile};
@@ -144,11 +144,12 @@ impl Trainer {
     /// (change them with `with_options`); nothing is compiled until first use.
     pub fn new(model: impl Layer + 'static, config: TrainConfig, backend: Box<dyn Backend>) -> Self {
         let scratch = backend.scratch_rule();
+        let half = backend.half_kernels();
         Trainer {
             model: Box::new(model),
             config,
             backend,
-            options: CompileOptions::default().with_scratch(scratch),
+            options: CompileOptions::default().with_scratch(scratch).with_half_kernels(half),
             train_programs: HashMap::new(),
             predict_programs: HashMap::new(),
             evaluate_programs: HashMap::new(),
@@ -193,11 +194,20 @@ impl Trainer {
         self.zero
     }
 
-    /// Compiles with these options: the devices (with their memory limits) plans may use.
-    /// Options without a scratch rule get the backend's (`Backend::scratch_rule`).
+    /// Compiles with these options: the devices (with their memory limits) plans may use, the
+    /// precision (`CompileOptions::precision`: bf16 or f16 mixed precision, master weights f32).
+    /// Options without a scratch rule get the backend's (`Backend::scratch_rule`); plans read
+    /// half values only where the backend's kernels do (`Backend::half_kernels`).
     pub fn with_options(mut self, options: CompileOptions) -> Self {
         let scratch = options.scratch.or(self.backend.scratch_rule());
-        self.options = options.with_scratch(scratch);
+        let half = options.half_kernels && self.backend.half_kernels();
+        self.options = options.with_scratch(scratch).with_half_kernels(half);
+        self
+    }
+
+    /// Computes in `precision` (`CompileOptions::precision`): programs compiled from now on.
+    pub fn with_precision(mut self, precision: kiln_compiler::Precision) -> Self {
+        self.options.precision = precision;
         self
     }
 
@@ -555,12 +565,13 @@ impl Trainer {
         }
         let start = Instant::now();
         let batch = x.shape.dims().first().copied().unwrap_or(1).max(1);
-        let mut graph = train_step_graph_in_blocks(
+        let mut graph = train_step_graph_with(
             self.model.as_ref(),
             x.clone(),
             y.clone(),
             &self.config,
             self.row_blocks.min(batch),
+            self.options.precision,
         )?;
         let ranks = self.backend.rank().filter(|&(_, ranks)| ranks > 1);
         if let Some((_, ranks)) = ranks {
@@ -591,7 +602,8 @@ impl Trainer {
             return Ok(id);
         }
         let start = Instant::now();
-        let plan = compile(forward_graph(self.model.as_ref(), x.clone())?, &self.options)?;
+        let graph = forward_graph_with(self.model.as_ref(), x.clone(), self.options.precision)?;
+        let plan = compile(graph, &self.options)?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
         self.predict_programs.insert(x.clone(), id);
@@ -720,8 +732,16 @@ impl Trainer {
             return Ok(id);
         }
         let start = Instant::now();
-        let plan =
-            compile(evaluate_graph(self.model.as_ref(), x.clone(), y.clone(), &self.config)?, &self.options)?;
+        let plan = compile(
+            evaluate_graph_with(
+                self.model.as_ref(),
+                x.clone(),
+                y.clone(),
+                &self.config,
+                self.options.precision,
+            )?,
+            &self.options,
+        )?;
         self.compile_time += start.elapsed();
         let id = self.backend.load(plan)?;
         self.evaluate_programs.insert((x.clone(), y.clone()), id);

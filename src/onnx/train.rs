@@ -356,6 +356,20 @@ pub fn train(
     steps: usize,
     device: &Device,
     data: Option<Batch>,
+    each: impl FnMut(usize, f32),
+) -> Result<OnnxTraining> {
+    train_in(model, sizes, steps, device, data, kiln_compiler::Precision::F32, each)
+}
+
+/// `train` computing in `precision` (`kiln_compiler::autocast`: products in bf16 or f16,
+/// master weights f32).
+pub fn train_in(
+    model: &(impl ModelSource + ?Sized),
+    sizes: &[(String, usize)],
+    steps: usize,
+    device: &Device,
+    data: Option<Batch>,
+    precision: kiln_compiler::Precision,
     mut each: impl FnMut(usize, f32),
 ) -> Result<OnnxTraining> {
     let model = model.model()?;
@@ -417,7 +431,7 @@ pub fn train(
     };
     let named: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let x = layer.pack(&named)?;
-    let mut trainer = Trainer::new(layer, config, device.backend(7)?);
+    let mut trainer = Trainer::new(layer, config, device.backend(7)?).with_precision(precision);
     trainer.train_program(InputSpec::new(x.shape().clone(), x.dtype()), y.shape().clone())?;
     // The file's values of the constants the step reads as parameters (a constant only folded
     // into an attribute, or read by nothing, is no variable).
