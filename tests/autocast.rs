@@ -188,3 +188,31 @@ fn the_zoo_trains_in_half_precision_on_the_host() {
         }
     }
 }
+
+/// A fused mixed-precision plan computes the unfused plan's bits: each half instruction (and a
+/// half product read by its epilogue) rounds to its type as the unfused op stores it.
+#[test]
+fn fused_half_plans_compute_the_unfused_bits() {
+    use kiln::prelude::*;
+    for name in ["mlp", "cnn", "transformer"] {
+        let m = zoo::by_name(name).unwrap().with_batch(4);
+        let graph = kiln::compare::graph_at(&m, kiln::compare::Mode::Train, Precision::BF16).unwrap();
+        let (x, y) = m.batch_data(3).unwrap();
+        let run = |fuse: bool| {
+            let mut options = CompileOptions::default().with_half_kernels(false).with_fusion(fuse);
+            options.tile_updates = false;
+            let plan = compile(graph.clone(), &options).unwrap();
+            let mut cpu = kiln::runtime::CpuBackend::new(9);
+            let id = cpu.load(plan.clone()).unwrap();
+            let mut out = cpu.call(id, &[("x", &x), ("y", &y)]).unwrap();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut bits: Vec<u32> =
+                out.iter().flat_map(|(_, t)| t.data().iter().map(|v| v.to_bits())).collect();
+            for v in plan.variables.iter().filter(|v| !v.key.starts_with("optimizer/")) {
+                bits.extend(cpu.read_variable(&v.key).unwrap().data().iter().map(|w| w.to_bits()));
+            }
+            bits
+        };
+        assert!(run(true) == run(false), "{name}: fused and unfused bf16 steps differ");
+    }
+}

@@ -436,13 +436,13 @@ impl Search<'_> {
                 trial.push(p);
                 trial.sort_unstable_by_key(|n| position[n]);
                 let (program, operands) = program(graph, &trial, &r.shape, None, None);
-                // Room for the last casts `replace` and `widen` may add to a group of several
-                // types or of half values.
+                // Room for the casts `program` (a half product's rounding), `replace` and
+                // `widen` may add to a group of several types or of half values.
                 let mixed = trial.iter().chain(&operands).any(|&n| {
                     let d = graph.node(n).dtype;
                     d != r.dtype || matches!(d, DType::F16 | DType::BF16)
                 });
-                let room = if mixed { 2 } else { 0 };
+                let room = if mixed { 3 } else { 0 };
                 // A group of constants alone is left as it is (for constant folding to take).
                 if operands.is_empty()
                     || operands.len() > MAX_FUSED_OPERANDS
@@ -524,6 +524,15 @@ fn program(
     // A product is operand 0 whether or not it is read first.
     let mut operands: Vec<NodeId> = product.into_iter().collect();
     let mut insts = Vec::with_capacity(members.len());
+    // A half product is its f32 accumulation rounded to its type, as the unfused op stores it.
+    if let Some(p) = product
+        && matches!(graph.node(p).dtype, DType::F16 | DType::BF16)
+    {
+        insts.push(Inst::Cast(graph.node(p).dtype, Ref::Operand(0)));
+        value.insert(p, Ref::Value(0));
+    }
+    // Each instruction made, with the ref its value is read by (its rounding, for a half op).
+    let mut made: Vec<(Inst, Ref)> = Vec::new();
     for &m in members {
         let refs: Vec<Ref> = graph
             .operands(m)
@@ -558,8 +567,8 @@ fn program(
             ref op => unreachable!("fusion grows groups of elementwise ops only, not {}", op.name()),
         };
         // Copies of one cheap value (`split_cheap`) that met in one group are one instruction.
-        if let Some(same) = insts.iter().position(|i| *i == inst) {
-            value.insert(m, Ref::Value(same as u32));
+        if let Some(&(_, same)) = made.iter().find(|(i, _)| *i == inst) {
+            value.insert(m, same);
             continue;
         }
         insts.push(inst);
@@ -573,6 +582,7 @@ fn program(
             insts.push(Inst::Cast(node.dtype, Ref::Value(insts.len() as u32 - 1)));
         }
         value.insert(m, Ref::Value(insts.len() as u32 - 1));
+        made.push((inst, Ref::Value(insts.len() as u32 - 1)));
     }
     let matmul = product.and_then(|p| match graph.node(p).op {
         Op::MatMul { transpose_a, transpose_b } => Some(FusedMatMul { transpose_a, transpose_b }),

@@ -156,9 +156,10 @@ pub struct CompileOptions {
     /// `cheap_remat` plans its tries as the whole search chose, a fraction of the work. `None`
     /// (the default): every candidate.
     pub schedule: Option<String>,
-    /// The precision the step builders compute a model in (`autocast`: `Trainer`, the CLI's
-    /// `--precision`): f32 by default. `compile` plans the graph it is given, whose values
-    /// already carry their types.
+    /// The precision a model's graphs are built in (`autocast`, applied by the step builders
+    /// before autodiff: `Trainer` builds its graphs in it, the CLI's `--precision` sets it):
+    /// f32 by default. `compile` itself plans the graph it is given, whose values already carry
+    /// their types.
     pub precision: Precision,
     /// Whether the kernels that will run the plan read and write f16 and bf16 values (true by
     /// default: what `kiln memory --precision` reports). False: every op on half values reads

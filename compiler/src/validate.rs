@@ -269,8 +269,8 @@ fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
             .enumerate()
             .filter(|&(_, v)| buffer(v) == out && overlap(v, o))
             .collect();
-        // In place, every operand read from the output's bytes has the output's element count
-        // and offset: with broadcasting to the output's shape that means the same flat index, so
+        // In place, every operand read from the output's bytes has the output's element count,
+        // type and offset: with broadcasting to the output's shape that means the same flat index, so
         // each element is read before it is overwritten (`x * x`, `x * x.reshape(..)`).
         let shape = &plan.values[o].shape;
         let ok = if aliased.is_empty() {
@@ -282,6 +282,7 @@ fn validate_aliasing(plan: &Plan, s: usize) -> Result<(), String> {
                 && aliased.iter().all(|&(i, v)| {
                     step.op.may_write_over(i, shape)
                         && plan.values[v].shape.numel() == shape.numel()
+                        && plan.values[v].dtype == plan.values[o].dtype
                         && plan.values[v].offset == plan.values[o].offset
                 })
         };

@@ -261,6 +261,16 @@ impl Fused {
         if operands > MAX_FUSED_OPERANDS {
             return Err(format!("{operands} operands, above the limit of {MAX_FUSED_OPERANDS}"));
         }
+        if let Some(j) = self
+            .insts
+            .iter()
+            .chain(&self.epilogue)
+            .position(|i| matches!(i, Inst::Cast(to, _) if !to.is_float()))
+        {
+            return Err(format!(
+                "instruction {j} casts to an exact type: a fused cast is between f32, f16 and bf16"
+            ));
+        }
         let mut read = vec![false; operands];
         for (j, inst) in self.insts.iter().enumerate() {
             for r in inst.refs() {
