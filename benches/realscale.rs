@@ -29,11 +29,18 @@
 //! at this scale; its ratio to the replay is shown in its own column, and
 //! `kiln memory MODEL.onnx --pytorch-stream FILE` prints the replay beside any plan.
 //!
+//! Mixed precision beside it: kiln's step in bf16 (`--precision bf16`, `kiln_compiler::autocast`,
+//! planned for kernels that read half values) and PyTorch's AMP bf16 step, its forward pass and
+//! loss under the CUDA autocast lists (`torch_stream.py --amp bf16`, applied on the CPU by a
+//! function mode, as CPU autocast's lists differ), parameters, gradients and Adam's state f32 on
+//! both sides, replayed as above.
+//!
 //! `KILN_REALSCALE_MODELS=resnet50,gpt2` picks models; the interpreter is
 //! `KILN_REALSCALE_PYTHON` or a virtual environment made under target/kiln on first use, and
 //! XLA's `KILN_REALSCALE_XLA_PYTHON` or another such environment (`kiln::peers::realscale_xla_python`).
 
 use kiln::compare::feeds_for;
+use kiln::compiler::Precision;
 use kiln::runtime::eager::{FrameworkExtras, WorkspacePolicy};
 use kiln::torch_stream::{Recording, replay};
 use serde::Serialize;
@@ -84,6 +91,17 @@ struct Row {
     kiln_over_xla: Option<f64>,
     /// The versions XLA's figures come from: `jax X, flax Y, transformers Z`.
     xla_versions: Option<String>,
+    /// kiln's planned total of the step in bf16 mixed precision (`--precision bf16`), planned
+    /// for kernels that read half values.
+    kiln_bf16_planned_total_bytes: Option<usize>,
+    /// The bytes that bf16 plan asks of a device.
+    kiln_bf16_device_bytes: Option<usize>,
+    /// PyTorch's AMP bf16 step (the CUDA autocast lists): reserved peak of its replayed stream.
+    pytorch_amp_reserved_bytes: Option<usize>,
+    /// kiln bf16 device bytes over PyTorch AMP's reserved peak.
+    kiln_bf16_over_pytorch_amp: Option<f64>,
+    /// kiln's bf16 planned total over its f32 planned total.
+    kiln_bf16_over_f32: Option<f64>,
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
@@ -94,16 +112,22 @@ fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// PyTorch's reserved peak for `name` on its recorded stream (recorded once into `dir`).
-fn pytorch_reserved(python: &Path, dir: &Path, name: &str) -> Result<usize, String> {
-    let path = dir.join(format!("{name}-stream.json"));
+/// PyTorch's reserved peak for `name` on its recorded stream (recorded once into `dir`), with
+/// `amp` (`bf16`) its autocast step's (`torch_stream.py --amp`: the CUDA autocast lists).
+fn pytorch_reserved(python: &Path, dir: &Path, name: &str, amp: Option<&str>) -> Result<usize, String> {
+    let path = match amp {
+        None => dir.join(format!("{name}-stream.json")),
+        Some(amp) => dir.join(format!("{name}-amp-{amp}-stream.json")),
+    };
     if !path.exists() {
         let start = Instant::now();
         let script = "scripts/peers/torch_stream.py";
-        run(
-            Command::new(python).args([script, "--capture", "dispatch"]).arg(&path).arg(name),
-            &format!("recording {name}"),
-        )?;
+        let mut cmd = Command::new(python);
+        cmd.args([script, "--capture", "dispatch"]);
+        if let Some(amp) = amp {
+            cmd.args(["--amp", amp]);
+        }
+        run(cmd.arg(&path).arg(name), &format!("recording {name}"))?;
         eprintln!("{name}: PyTorch's stream recorded in {:.0} s", start.elapsed().as_secs_f64());
     }
     let json = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -134,12 +158,19 @@ fn export(python: &Path, dir: &Path, name: &str, batch: usize) -> Result<PathBuf
 
 /// kiln's training step of the export, as `kiln memory --mode train` builds it, and the step's
 /// floating-point work (`Op::flops` over its graph).
-fn kiln_step(path: &Path) -> kiln::Result<(kiln::compare::Comparison, u64)> {
+fn kiln_step(path: &Path, precision: Precision) -> kiln::Result<(kiln::compare::Comparison, u64)> {
     let model = kiln::onnx::OnnxModel::open(path)?;
     let sizes = kiln::onnx::train::sizes(&model, None, &[])?;
     let (x, y) = kiln::onnx::train::specs(&model, &sizes)?;
     let layer = model.clone().into_packed_layer(&sizes)?;
-    let graph = kiln::compiler::step::train_step_graph(&layer, x, &y, &kiln::onnx::train::fine_tuning())?;
+    let graph = kiln::compiler::step::train_step_graph_with(
+        &layer,
+        x,
+        &y,
+        &kiln::onnx::train::fine_tuning(),
+        1,
+        precision,
+    )?;
     let flops = graph
         .node_ids()
         .map(|n| {
@@ -269,13 +300,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         };
         let start = Instant::now();
-        let (c, flops) = kiln_step(&path)?;
+        let (c, flops) = kiln_step(&path, Precision::F32)?;
+        let half = match kiln_step(&path, Precision::BF16) {
+            Ok((h, _)) => Some(h),
+            Err(e) => {
+                println!("{name}: kiln bf16 not planned: {e}");
+                None
+            }
+        };
         eprintln!(
             "{name}: kiln planned in {:.1} s (compile {:.0} ms)",
             start.elapsed().as_secs_f64(),
             c.plan_ms
         );
-        let recorded = |name: &str| match pytorch_reserved(&python, &dir, name) {
+        let recorded_as = |name: &str, amp: Option<&str>| match pytorch_reserved(&python, &dir, name, amp) {
             Ok(b) => Some(b),
             Err(why) => {
                 println!("{name}: PyTorch not recorded: {why}");
@@ -290,8 +328,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 None
             }
         };
+        let recorded = |name: &str| recorded_as(name, None);
         let torch = recorded(name);
         let torch_sdpa = if sdpa { recorded(&format!("{name}-sdpa")) } else { None };
+        let torch_amp = recorded_as(name, Some("bf16"));
         let ratio = |d: Option<usize>| d.map(|d| c.device_bytes as f64 / d as f64);
         let flax = xla.as_ref().and_then(|r| r.models.get(name));
         if let Some(f) = flax {
@@ -328,6 +368,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             xla_versions: xla
                 .as_ref()
                 .map(|r| format!("jax {}, flax {}, transformers {}", r.jax, r.flax, r.transformers)),
+            kiln_bf16_planned_total_bytes: half.as_ref().map(|h| h.planned_total_bytes),
+            kiln_bf16_device_bytes: half.as_ref().map(|h| h.device_bytes),
+            pytorch_amp_reserved_bytes: torch_amp,
+            kiln_bf16_over_pytorch_amp: half
+                .as_ref()
+                .zip(torch_amp)
+                .map(|(h, t)| h.device_bytes as f64 / t as f64),
+            kiln_bf16_over_f32: half
+                .as_ref()
+                .map(|h| h.planned_total_bytes as f64 / c.planned_total_bytes as f64),
         });
     }
     println!(
@@ -367,6 +417,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("stream (`kiln memory MODEL.onnx --pytorch-stream target/kiln/realscale/NAME-stream.json`");
     println!("prints it beside the plan); kiln eager / PyTorch is kiln's own op stream under the same");
     println!("allocator against it: kiln's ops are not PyTorch's at this scale, so it is not the reference.");
+    println!();
+    println!(
+        "| model, batch | kiln f32 device | kiln bf16 device | PyTorch AMP bf16 | kiln bf16 / AMP | kiln bf16 / f32 planned |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        let opt = |v: Option<usize>| v.map_or("-".to_string(), mb);
+        let ratio = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        println!(
+            "| {}, {} | {} | {} | {} | {} | {} |",
+            r.model,
+            r.batch,
+            mb(r.kiln_device_bytes),
+            opt(r.kiln_bf16_device_bytes),
+            opt(r.pytorch_amp_reserved_bytes),
+            ratio(r.kiln_bf16_over_pytorch_amp),
+            ratio(r.kiln_bf16_over_f32),
+        );
+    }
+    println!("bf16: kiln's plan for kernels that read half values; PyTorch AMP: its stream under the CUDA");
+    println!("autocast lists (scripts/peers/torch_stream.py --amp bf16), replayed as above.");
     kiln::results::write("realscale", "cpu", &rows)?;
     Ok(())
 }

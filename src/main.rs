@@ -168,7 +168,8 @@ enum Command {
     #[command(hide = true)]
     HelpMarkdown,
     /// Regenerate the documents' generated parts: docs/src/cli.md from the command line's own
-    /// definition, and the results tables of README.md and docs/src/benchmarks.md from the newest
+    /// definition, and the results tables of README.md, docs/src/benchmarks.md and
+    /// docs/src/precision.md from the newest
     /// records in benches/results. With --check, write nothing and fail where a file differs.
     #[command(hide = true)]
     RenderDocs {
@@ -200,7 +201,7 @@ fn render_docs(check: bool) -> ExitCode {
     let mut stale = Vec::new();
     let mut files: Vec<(PathBuf, Result<String, String>)> =
         vec![(root.join("docs/src/cli.md"), Ok(cli_markdown()))];
-    for doc in ["README.md", "docs/src/benchmarks.md"] {
+    for doc in ["README.md", "docs/src/benchmarks.md", "docs/src/precision.md"] {
         let path = root.join(doc);
         let rendered = std::fs::read_to_string(&path)
             .map_err(|e| format!("{}: {e}", path.display()))

@@ -200,6 +200,7 @@ pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
         t("gpu-train", |r| gpu_table(r, "train"), "gpu-peers"),
         t("gpu-forward", |r| gpu_table(r, "forward"), "gpu-peers"),
         t("realscale", realscale_table, "realscale"),
+        t("realscale-precision", realscale_precision_table, "realscale"),
     ])
 }
 
@@ -399,6 +400,48 @@ fn realscale_table(r: &Record) -> String {
              jitted step on jaxlib's CPU backend, YNNPACK library fusion off ({versions}).\n"
         );
     }
+    s += &provenance(r, "`cargo bench --bench realscale`");
+    s
+}
+
+/// The real-scale steps in bf16 mixed precision: kiln's f32 and bf16 plans beside PyTorch's
+/// AMP bf16 stream (records older than these columns show `-`).
+fn realscale_precision_table(r: &Record) -> String {
+    let rows: Vec<Vec<String>> = r
+        .data
+        .as_array()
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let half = num(v, &["kiln_bf16_device_bytes"]);
+            let amp = num(v, &["pytorch_amp_reserved_bytes"]);
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                size(num(v, &["kiln_device_bytes"])),
+                size(half),
+                size(amp),
+                ratio(half, amp),
+                ratio(num(v, &["kiln_bf16_planned_total_bytes"]), num(v, &["kiln_planned_total_bytes"])),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "kiln f32 device",
+            "kiln bf16 device",
+            "PyTorch AMP bf16",
+            "kiln bf16 / AMP",
+            "kiln bf16 / f32",
+        ],
+        &rows,
+    );
+    s += "\nkiln bf16: the plan for kernels that read half values (`--precision bf16`); PyTorch AMP bf16: \
+          its step under the CUDA autocast lists (`scripts/peers/torch_stream.py --amp bf16`), replayed \
+          through the caching-allocator model with cuBLAS's workspaces; bf16 / f32: planned totals.\n";
     s += &provenance(r, "`cargo bench --bench realscale`");
     s
 }

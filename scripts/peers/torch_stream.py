@@ -20,7 +20,10 @@ events because those carry oneDNN scratch, reorders and host scalars that a GPU 
 have and that cannot be told apart by size. The recording for the committed
 `benches/data/torch_stream.json` is made this way (PyTorch from PyPI, no GPU needed).
 
-usage: torch_stream.py [--capture cuda|dispatch] OUT.json [MODEL ...]
+With `--amp bf16` (or f16) the forward pass and loss run under PyTorch's CUDA autocast lists
+(`cuda_autocast`), the parameters and Adam's state f32: the stream of a `torch.autocast` step.
+
+usage: torch_stream.py [--capture cuda|dispatch] [--amp bf16|f16] OUT.json [MODEL ...]
        (default: cuda where a device is present, else dispatch; models seed-mlp mlp cnn transformer,
        or the real-scale ones of scripts/realscale/models.py: resnet50 efficientnet_b0
        mobilenet_v3_small vit_b_16 gpt2 gpt2-sdpa bert bert-sdpa)
@@ -169,7 +172,58 @@ def record_cuda(torch, nn, name, spec, dev):
 BLAS_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_addmm_activation"}
 
 
-def record_dispatch(torch, nn, name, spec):
+def cuda_autocast(torch, dtype):
+    """PyTorch's CUDA autocast lists applied on any device, as a TorchFunctionMode (above
+    autograd, where autocast itself sits): products, convolutions and attention cast their
+    float operands to `dtype` (a parameter once per forward pass, as autocast's weight cache
+    does); softmax, log-softmax, layer and group norm, exp, log, pow, rsqrt, sums and the losses
+    cast theirs to f32; every other op runs on what it is given (type promotion widens a sum of
+    a half and an f32 value). CPU autocast's own lists differ (softmax and the norms stay in
+    bf16 there), so a recording on the CPU uses these: the stream a CUDA AMP step allocates."""
+    from torch.overrides import TorchFunctionMode
+
+    F, T = torch.nn.functional, torch.Tensor
+    lower = {
+        F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+        torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__, torch.mm, T.mm, torch.bmm, T.bmm,
+        torch.addmm, T.addmm, torch.baddbmm, T.baddbmm, torch.addbmm, torch.einsum,
+        F.scaled_dot_product_attention, F.prelu,
+    }
+    full = {
+        F.softmax, torch.softmax, T.softmax, F.log_softmax, torch.log_softmax, T.log_softmax,
+        F.layer_norm, torch.layer_norm, F.group_norm, F.mse_loss, F.cross_entropy, F.nll_loss,
+        F.binary_cross_entropy_with_logits, F.l1_loss, F.smooth_l1_loss, F.kl_div, F.softplus,
+        torch.exp, T.exp, torch.log, T.log, torch.pow, T.pow, T.__pow__, torch.rsqrt, T.rsqrt,
+        torch.reciprocal, T.reciprocal, torch.sum, T.sum, torch.cumsum, T.cumsum, torch.prod,
+        torch.norm, T.norm, torch.logsumexp, T.logsumexp,
+    }
+
+    class Autocast(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.cache = {}
+
+        def cast(self, t, to):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != to):
+                return t
+            if to != torch.float32 and t.is_leaf and t.requires_grad:
+                if id(t) not in self.cache:
+                    self.cache[id(t)] = t.to(to)
+                return self.cache[id(t)]
+            return t.to(to)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            to = dtype if func in lower else torch.float32 if func in full else None
+            if to is not None:
+                args = torch.utils._pytree.tree_map(lambda t: self.cast(t, to), args)
+                kwargs = torch.utils._pytree.tree_map(lambda t: self.cast(t, to), kwargs)
+            return func(*args, **kwargs)
+
+    return Autocast()
+
+
+def record_dispatch(torch, nn, name, spec, amp=None):
     """The op stream of two training steps as a CUDA device would allocate it, captured on
     the CPU below autograd: every storage an ATen op creates (its outputs, what autograd saves,
     gradients, optimizer state) is an allocation when the op returns, and a free when the
@@ -233,7 +287,14 @@ def record_dispatch(torch, nn, name, spec):
             rec.track(x)
             rec.track(y)
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
+            if amp is None:
+                loss = loss_fn(model(x), y)
+            else:
+                # The forward pass and the loss under autocast, the backward pass outside it.
+                cast = cuda_autocast(torch, amp)
+                with cast:
+                    loss = loss_fn(model(x), y)
+                cast.cache.clear()
             rec.backward = 1
             loss.backward()
             rec.backward = 0
@@ -258,6 +319,14 @@ def record_dispatch(torch, nn, name, spec):
 
 def main():
     args = sys.argv[1:]
+    amp = None
+    if "--amp" in args:
+        i = args.index("--amp")
+        amp = args[i + 1] if i + 1 < len(args) else None
+        del args[i : i + 2]
+        if amp not in ("bf16", "f16"):
+            print("--amp takes bf16 or f16", file=sys.stderr)
+            return 2
     capture = None
     if "--capture" in args:
         i = args.index("--capture")
@@ -289,13 +358,20 @@ def main():
         import models as realscale
 
         zoo.update(realscale.specs(torch, nn))
+    if amp is not None:
+        if capture == "cuda":
+            print("--amp records by dispatch capture (--capture dispatch)", file=sys.stderr)
+            return 2
+        amp = {"bf16": torch.bfloat16, "f16": torch.float16}[amp]
     if capture == "cuda":
         device = torch.cuda.get_device_name()
         streams = {n: record_cuda(torch, nn, n, zoo[n], torch.device("cuda")) for n in names if n in zoo}
     else:
         device = "none (ATen op stream captured on the CPU)"
-        streams = {n: record_dispatch(torch, nn, n, zoo[n]) for n in names if n in zoo}
+        streams = {n: record_dispatch(torch, nn, n, zoo[n], amp) for n in names if n in zoo}
     report = {"torch": torch.__version__, "device": device, "capture": capture, "models": streams}
+    if amp is not None:
+        report["amp"] = str(amp).removeprefix("torch.")
     with open(out, "w") as f:
         json.dump(report, f, separators=(",", ":"))
     print(f"wrote {out}: {', '.join(streams)} by {capture} capture (torch {report['torch']})")
