@@ -1138,3 +1138,46 @@ fn stored_integer_masks_are_constants_not_weights() {
     let y = cpu.call(id, &[("x", &x)]).unwrap().remove(0).1;
     assert_eq!(y.data(), [1.0, 0.0, 3.0, 4.0, 5.0, 0.0, 7.0, 8.0]);
 }
+
+/// A half-precision export: float16 and bfloat16 inputs (fed as f32, rounded to their type
+/// where the model reads them), initializers (widened to f32 exactly) and casts to the half
+/// types (rounding), computed in f32 between them.
+#[test]
+fn half_precision_models_import_and_compute_what_the_file_means() {
+    let half_tensor = |name: &str, dims: &[i64], values: &[f32], bf16: bool| TensorProto {
+        name: Some(name.into()),
+        dims: dims.to_vec(),
+        data_type: Some(if bf16 { BFLOAT16 } else { FLOAT16 }),
+        raw_data: Some(
+            values
+                .iter()
+                .flat_map(|&v| {
+                    let bits = if bf16 { half::bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() };
+                    bits.to_le_bytes()
+                })
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    let w = [0.5f32, -1.25, 2.0, 0.75, -0.125, 3.0];
+    for (elem, bf16, to) in [(FLOAT16, false, 10), (BFLOAT16, true, 16)] {
+        let bytes = graph(
+            vec![
+                node("MatMul", "mm", &["x", "w"], &["p"], vec![]),
+                node("Cast", "narrow", &["p"], &["h"], vec![attr_int("to", to)]),
+                node("Relu", "act", &["h"], &["y"], vec![]),
+            ],
+            vec![half_tensor("w", &[3, 2], &w, bf16)],
+            vec![typed("x", elem, &[fixed(2), fixed(3)])],
+            17,
+        );
+        let x = [0.1f32, 0.2, 0.3, -0.7, 1.1, 2.3];
+        let round = |v: f32| if bf16 { half::bf16::from_f32(v).to_f32() } else { half::f16::from_f32(v).to_f32() };
+        let y = run(&bytes, &[("x", HostTensor::new(Shape::new([2, 3]), x.to_vec()).unwrap())]).unwrap();
+        let want: Vec<f32> = (0..2)
+            .flat_map(|r| (0..2).map(move |c| (r, c)))
+            .map(|(r, c)| round((0..3).map(|k| round(x[r * 3 + k]) * w[k * 2 + c]).sum::<f32>()).max(0.0))
+            .collect();
+        assert_eq!(y.data(), want.as_slice(), "{}", if bf16 { "bf16" } else { "f16" });
+    }
+}

@@ -181,12 +181,22 @@ fn reshaped(n: &Node, v: Value, dims: Vec<usize>) -> Result<Value> {
 }
 
 /// The float element types kiln computes in f32 without changing values (f32 itself, and f64
-/// read as f32); f16 and bf16 round, which kiln does not model.
+/// read as f32); f16 and bf16 round (`half_type`).
 fn float_type(to: i64) -> Option<bool> {
     match to {
         1 | 11 => Some(true),
         10 | 16 => None,
         _ => Some(false),
+    }
+}
+
+/// f16 (10) or bf16 (16) as kiln's type: a cast to it rounds the value to that type, which
+/// the model then computes on in f32 (widened exactly), as a mixed-precision step does.
+fn half_type(to: i64) -> Option<DType> {
+    match to {
+        10 => Some(DType::F16),
+        16 => Some(DType::BF16),
+        _ => None,
     }
 }
 
@@ -215,9 +225,17 @@ fn cast(imp: &mut Importer, n: &Node, v: Value, to: i64, source: &str) -> Result
     let unsupported_type = || {
         n.unsupported(
             format!("casts to element type {to}"),
-            "kiln casts to float, double, bool and integer types (f16 and bf16 would round)",
+            "kiln casts to float, double, float16, bfloat16, bool and integer types",
         )
     };
+    if let Some(half) = half_type(to) {
+        let t = match v {
+            Value::Ints(i) => imp.ints_tensor(source, &i)?,
+            Value::Ids(t) => t.cast(DType::F32),
+            Value::Tensor(t) => t,
+        };
+        return Ok(Value::Tensor(t.cast(half).cast(DType::F32)));
+    }
     Ok(match v {
         Value::Ints(i) if float_type(to) == Some(true) => Value::Tensor(imp.ints_tensor(source, &i)?),
         Value::Ints(i) if integer_type(to) => {

@@ -428,9 +428,10 @@ fn import_model(
             ));
         }
         // A bool input (a mask) is read as the 0.0/1.0 tensor comparisons give (`booleans`).
-        let value = match dtype {
-            DType::Bool => Value::Tensor(x.cast(DType::F32)),
-            d if d.is_exact() => Value::Ids(x),
+        let value = match (dtype, half_input(input)) {
+            (DType::Bool, _) => Value::Tensor(x.cast(DType::F32)),
+            (d, _) if d.is_exact() => Value::Ids(x),
+            (_, Some(half)) => Value::Tensor(x.cast(half).cast(DType::F32)),
             _ => Value::Tensor(x),
         };
         feeds.insert(name.clone(), value);
@@ -978,7 +979,18 @@ pub(crate) fn check_batch(model: &ModelProto, batch: usize) -> Result<()> {
     ))
 }
 
-/// An input's shape, symbolic dimensions sized from `dims`, and its dtype: f32, i64 / i32 for an
+/// The half type an input is declared in (float16, bfloat16): it is fed as f32 and rounded to
+/// that type where the model reads it, so the model computes on the values its file means.
+fn half_input(input: &proto::ValueInfoProto) -> Option<DType> {
+    match input.r#type.as_ref()?.tensor_type.as_ref()?.elem_type? {
+        proto::FLOAT16 => Some(DType::F16),
+        proto::BFLOAT16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// An input's shape, symbolic dimensions sized from `dims`, and its dtype: f32 (also for a half
+/// input, fed as f32: `half_input`), i64 / i32 for an
 /// integer input (ids, fed as `HostTensor::from_i64` / `from_i32`), or bool for a mask (fed as
 /// `HostTensor::from_bool`).
 fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Result<(Shape, DType)> {
@@ -987,14 +999,15 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
         unsupported(format!("input `{name}` is not a tensor"), "kiln imports tensor inputs only")
     })?;
     let dtype = match tensor.elem_type.unwrap_or(proto::FLOAT) {
-        proto::FLOAT => DType::F32,
+        // Half inputs are fed as f32 and rounded to their type inside (`half_input`).
+        proto::FLOAT | proto::FLOAT16 | proto::BFLOAT16 => DType::F32,
         proto::INT64 => DType::I64,
         proto::INT32 => DType::I32,
         proto::BOOL => DType::Bool,
         other => {
             return Err(unsupported(
-                format!("input `{name}` has element type {other} (not float, int32, int64 or bool)"),
-                "kiln computes in f32, takes integer inputs as ids and bool inputs as masks",
+                format!("input `{name}` has element type {other} (not float, float16, bfloat16, int32, int64 or bool)"),
+                "kiln computes in f32 (half inputs fed as f32), takes integer inputs as ids and bool inputs as masks",
             ));
         }
     };
@@ -1186,10 +1199,24 @@ fn tensor_values(t: &TensorProto) -> Result<(Vec<usize>, Vec<f32>)> {
         }
         proto::DOUBLE => t.double_data.iter().map(|&v| v as f32).collect(),
         proto::INT64 | proto::INT32 | proto::BOOL => tensor_ints(t).iter().map(|&v| v as f32).collect(),
+        // Half values widen to f32 exactly: from raw little-endian bits, or one value's bits in
+        // each int32 (ONNX's layout for 16-bit types).
+        proto::FLOAT16 | proto::BFLOAT16 => {
+            let bits: Vec<u16> = if raw.is_empty() {
+                t.int32_data.iter().map(|&v| v as u16).collect()
+            } else {
+                le(raw, u16::from_le_bytes)
+            };
+            let widen = |b: u16| match t.data_type {
+                Some(proto::FLOAT16) => half::f16::from_bits(b).to_f32(),
+                _ => half::bf16::from_bits(b).to_f32(),
+            };
+            bits.into_iter().map(widen).collect()
+        }
         other => {
             return Err(unsupported(
                 format!("tensor `{name}` has element type {other}"),
-                "kiln reads float, double, int32, int64 and bool tensors",
+                "kiln reads float, double, float16, bfloat16, int32, int64 and bool tensors",
             ));
         }
     };

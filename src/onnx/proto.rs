@@ -175,6 +175,10 @@ pub const INT64: i32 = 7;
 pub const BOOL: i32 = 9;
 /// `TensorProto.DataType` `DOUBLE`: 64-bit IEEE float (converted to f32 on import).
 pub const DOUBLE: i32 = 11;
+/// `TensorProto.DataType` `FLOAT16`: IEEE half (widened to f32 on import, exactly).
+pub const FLOAT16: i32 = 10;
+/// `TensorProto.DataType` `BFLOAT16`: bfloat16 (widened to f32 on import, exactly).
+pub const BFLOAT16: i32 = 16;
 
 /// `ValueInfoProto`.
 #[derive(Clone, PartialEq, prost::Message)]
