@@ -226,3 +226,53 @@ fn foreign(ptr: u64, device: DLDevice, dims: &[i64]) -> Dlpack<'static> {
     });
     unsafe { Dlpack::from_raw(Box::into_raw(t)) }.unwrap()
 }
+
+/// float16 and bfloat16 tensors another library holds (PyTorch's `torch.bfloat16`) come in as
+/// f32 host tensors, widened exactly; kiln's dtypes map to DLPack's and back.
+#[test]
+fn half_tensors_import_widened_to_f32() {
+    for (dtype, code) in [(DType::F16, dlpack::KDL_FLOAT), (DType::BF16, dlpack::KDL_BFLOAT)] {
+        let dl = dlpack::dl_dtype(dtype).unwrap();
+        assert_eq!((dl.code, dl.bits, dl.lanes), (code, 16, 1));
+        assert_eq!(dlpack::kiln_dtype(dl).unwrap(), dtype);
+        let values = [1.5f32, -0.25, 65504.0, 3.0e-3];
+        let mut bits: Vec<u16> = values
+            .iter()
+            .map(|&v| {
+                if dtype == DType::F16 {
+                    half::f16::from_f32(v).to_bits()
+                } else {
+                    half::bf16::from_f32(v).to_bits()
+                }
+            })
+            .collect();
+        let shape: &'static mut [i64] = Box::leak(vec![2i64, 2].into_boxed_slice());
+        let t = Box::new(dlpack::DLManagedTensor {
+            dl_tensor: dlpack::DLTensor {
+                data: bits.as_mut_ptr() as *mut std::ffi::c_void,
+                device: CPU,
+                ndim: 2,
+                dtype: dl,
+                shape: shape.as_mut_ptr(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: None,
+        });
+        let t = unsafe { Dlpack::from_raw(Box::into_raw(t)) }.unwrap();
+        let host = host_from_dlpack(&t).unwrap();
+        assert_eq!(host.dtype(), DType::F32);
+        let want: Vec<f32> = bits
+            .iter()
+            .map(|&b| {
+                if dtype == DType::F16 {
+                    half::f16::from_bits(b).to_f32()
+                } else {
+                    half::bf16::from_bits(b).to_f32()
+                }
+            })
+            .collect();
+        assert_eq!(host.data(), want.as_slice(), "{dtype}");
+    }
+}

@@ -1152,7 +1152,11 @@ fn half_precision_models_import_and_compute_what_the_file_means() {
             values
                 .iter()
                 .flat_map(|&v| {
-                    let bits = if bf16 { half::bf16::from_f32(v).to_bits() } else { half::f16::from_f32(v).to_bits() };
+                    let bits = if bf16 {
+                        half::bf16::from_f32(v).to_bits()
+                    } else {
+                        half::f16::from_f32(v).to_bits()
+                    };
                     bits.to_le_bytes()
                 })
                 .collect(),
@@ -1172,7 +1176,8 @@ fn half_precision_models_import_and_compute_what_the_file_means() {
             17,
         );
         let x = [0.1f32, 0.2, 0.3, -0.7, 1.1, 2.3];
-        let round = |v: f32| if bf16 { half::bf16::from_f32(v).to_f32() } else { half::f16::from_f32(v).to_f32() };
+        let round =
+            |v: f32| if bf16 { half::bf16::from_f32(v).to_f32() } else { half::f16::from_f32(v).to_f32() };
         let y = run(&bytes, &[("x", HostTensor::new(Shape::new([2, 3]), x.to_vec()).unwrap())]).unwrap();
         let want: Vec<f32> = (0..2)
             .flat_map(|r| (0..2).map(move |c| (r, c)))

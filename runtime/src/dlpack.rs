@@ -36,6 +36,8 @@ pub const KDL_INT: u8 = 0;
 pub const KDL_FLOAT: u8 = 2;
 /// `DLDataTypeCode` `kDLBool`: booleans, one byte each (kiln's bool).
 pub const KDL_BOOL: u8 = 6;
+/// `kDLBfloat`: bfloat16, 16 bits.
+pub const KDL_BFLOAT: u8 = 4;
 
 /// DLPack's `DLDevice`: where a tensor's memory lives.
 #[repr(C)]
@@ -99,12 +101,8 @@ pub fn dl_dtype(dtype: DType) -> Result<DLDataType> {
         DType::I32 => (KDL_INT, 32),
         DType::I64 => (KDL_INT, 64),
         DType::Bool => (KDL_BOOL, 8),
-        other => {
-            return Err(RuntimeError::invalid(
-                format!("{other} tensors are not exchanged: kiln computes in f32"),
-                "exchange f32, i32, i64 or bool tensors",
-            ));
-        }
+        DType::F16 => (KDL_FLOAT, 16),
+        DType::BF16 => (KDL_BFLOAT, 16),
     };
     Ok(DLDataType { code, bits, lanes: 1 })
 }
@@ -116,9 +114,11 @@ pub fn kiln_dtype(t: DLDataType) -> Result<DType> {
         (KDL_INT, 32, 1) => Ok(DType::I32),
         (KDL_INT, 64, 1) => Ok(DType::I64),
         (KDL_BOOL, 8, 1) => Ok(DType::Bool),
+        (KDL_FLOAT, 16, 1) => Ok(DType::F16),
+        (KDL_BFLOAT, 16, 1) => Ok(DType::BF16),
         _ => Err(RuntimeError::invalid(
             format!("DLPack dtype code {} bits {} lanes {} has no kiln dtype", t.code, t.bits, t.lanes),
-            "pass float32, int32, int64 or bool tensors (cast them first)",
+            "pass float32, float16, bfloat16, int32, int64 or bool tensors (cast them first)",
         )),
     }
 }
@@ -318,7 +318,8 @@ pub fn dlpack_from_host(t: HostTensor) -> Result<Dlpack<'static>> {
     Ok(Dlpack { raw: managed(data, CPU, dtype, &shape, Some(owned))?, _borrow: PhantomData })
 }
 
-/// A copy of a contiguous CPU DLPack tensor as a `HostTensor` of its dtype.
+/// A copy of a contiguous CPU DLPack tensor as a `HostTensor` of its dtype (a float16 or
+/// bfloat16 tensor widened to f32, exactly).
 pub fn host_from_dlpack(t: &Dlpack<'_>) -> Result<HostTensor> {
     let (dtype, shape) = t.check_for(CPU)?;
     let n = shape.checked_numel().and_then(|n| n.checked_mul(dtype.size_bytes())).ok_or_else(|| {

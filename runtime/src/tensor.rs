@@ -87,8 +87,9 @@ impl HostTensor {
         Ok(out)
     }
 
-    /// A tensor of `shape` and `dtype` from the bytes a device holds (`to_bytes`' layout); an
-    /// error when the byte count is not the shape's.
+    /// A tensor of `shape` and `dtype` from the bytes a device holds (`to_bytes`' layout; f16
+    /// and bf16 bytes read as an f32 tensor, widened exactly); an error when the byte count is
+    /// not the shape's.
     pub fn from_bytes(shape: impl Into<Shape>, dtype: DType, bytes: &[u8]) -> Result<Self> {
         let shape = shape.into();
         let size = dtype.size_bytes();
@@ -117,10 +118,15 @@ impl HostTensor {
                 shape,
                 bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             ),
-            DType::F16 | DType::BF16 => Err(RuntimeError::invalid(
-                format!("{dtype} tensors are not read back: kiln computes in f32"),
-                "declare the tensor as f32",
-            )),
+            // Half values widen to f32 exactly: the tensor is f32.
+            DType::F16 => HostTensor::new(
+                shape,
+                bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            ),
+            DType::BF16 => HostTensor::new(
+                shape,
+                bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            ),
         }
     }
 

@@ -1006,7 +1006,9 @@ fn input_shape(input: &proto::ValueInfoProto, dims: &[(String, usize)]) -> Resul
         proto::BOOL => DType::Bool,
         other => {
             return Err(unsupported(
-                format!("input `{name}` has element type {other} (not float, float16, bfloat16, int32, int64 or bool)"),
+                format!(
+                    "input `{name}` has element type {other} (not float, float16, bfloat16, int32, int64 or bool)"
+                ),
                 "kiln computes in f32 (half inputs fed as f32), takes integer inputs as ids and bool inputs as masks",
             ));
         }
