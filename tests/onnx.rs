@@ -797,8 +797,8 @@ fn unsupported_attributes_are_errors_naming_the_node() {
             "node `drop` (Dropout): drops in training mode",
         ),
         (
-            graph(vec![node("Cast", "half", &["x"], &["y"], vec![attr_int("to", 10)])], vec![], x4(), 17),
-            "node `half` (Cast): casts to element type 10",
+            graph(vec![node("Cast", "fp8", &["x"], &["y"], vec![attr_int("to", 17)])], vec![], x4(), 19),
+            "node `fp8` (Cast): casts to element type 17",
         ),
         (
             graph(
