@@ -198,10 +198,16 @@ impl Trainer {
     /// precision (`CompileOptions::precision`: bf16 or f16 mixed precision, master weights f32).
     /// Options without a scratch rule get the backend's (`Backend::scratch_rule`); plans read
     /// half values only where the backend's kernels do (`Backend::half_kernels`).
+    /// A precision set before (`with_precision`) stays where `options` leave f32, the default.
     pub fn with_options(mut self, options: CompileOptions) -> Self {
         let scratch = options.scratch.or(self.backend.scratch_rule());
         let half = options.half_kernels && self.backend.half_kernels();
-        self.options = options.with_scratch(scratch).with_half_kernels(half);
+        let precision = if options.precision == kiln_compiler::Precision::F32 {
+            self.options.precision
+        } else {
+            options.precision
+        };
+        self.options = options.with_scratch(scratch).with_half_kernels(half).with_precision(precision);
         self
     }
 

@@ -179,7 +179,11 @@ def cuda_autocast(torch, dtype):
     does); softmax, log-softmax, layer and group norm, exp, log, pow, rsqrt, sums and the losses
     cast theirs to f32; every other op runs on what it is given (type promotion widens a sum of
     a half and an f32 value). CPU autocast's own lists differ (softmax and the norms stay in
-    bf16 there), so a recording on the CPU uses these: the stream a CUDA AMP step allocates."""
+    bf16 there), so a recording on the CPU uses these: the stream a CUDA AMP step allocates,
+    but for two differences. A function mode does not see the calls inside a Python function it
+    passed through unlisted (`F.multi_head_attention_forward`: its projections and attention
+    stay f32, where CUDA autocast casts them), and an f32-list op gets an f32 copy of a half
+    input where autocast passes `dtype=float32` to softmax and the sums (a transient copy)."""
     from torch.overrides import TorchFunctionMode
 
     F, T = torch.nn.functional, torch.Tensor

@@ -13,7 +13,7 @@ pub(crate) fn c_type(dtype: DType) -> &'static str {
         DType::I32 => "int",
         DType::I64 => "long long",
         DType::Bool => "unsigned char",
-        // A half value's bits (`kiln_bf16_to_f32`, `kiln_f16_to_f32` read them).
+        // A half value's bits (`kiln_bf16_to_f32` and `kiln_f16_to_f32` widen them).
         DType::F16 | DType::BF16 => "unsigned short",
         DType::F32 => "float",
     }
@@ -21,10 +21,11 @@ pub(crate) fn c_type(dtype: DType) -> &'static str {
 
 /// Helpers converting half bits to f32 and back, by bit arithmetic (no `cuda_fp16.h`, so that
 /// the host build compiles them too): widening is exact; narrowing rounds to nearest, ties to
-/// even, as `kiln_round_bf16` and `kiln_round_f16` (`math`) do; a NaN stays a quiet NaN with
-/// its payload's high bits (the `half` crate's rule).
+/// even, as `kiln_round_bf16` and `kiln_round_f16` (`math`) do; a NaN either way is a quiet NaN
+/// with its payload's high bits (the `half` crate's rule).
 const HALF_BITS: &str = "\
 __device__ __forceinline__ float kiln_bf16_to_f32(unsigned short h) {
+    if ((h & 0x7fffu) > 0x7f80u) h |= 0x40u;
     return __uint_as_float(((unsigned int)h) << 16);
 }
 __device__ __forceinline__ unsigned short kiln_f32_to_bf16(float x) {
@@ -34,7 +35,7 @@ __device__ __forceinline__ unsigned short kiln_f32_to_bf16(float x) {
 }
 __device__ __forceinline__ float kiln_f16_to_f32(unsigned short h) {
     const unsigned int s = ((unsigned int)(h & 0x8000u)) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u));
     if (e == 0u) {
         const float v = (float)m * (1.0f / 16777216.0f);
         return __uint_as_float(s | __float_as_uint(v));
