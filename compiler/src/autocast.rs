@@ -177,7 +177,7 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
                 graph.replace_operand(id, i, cast);
             }
         }
-        retype(graph, id)?;
+        retype(graph, id, "autocast")?;
     }
     // The interface keeps its traced types.
     let outputs: Vec<(String, NodeId)> = graph.outputs().to_vec();
@@ -215,8 +215,8 @@ fn cast_through_layout(graph: &mut Graph, of: NodeId, to: DType) -> (NodeId, usi
     }
 }
 
-/// A new `Cast` of `of` to `to`, on `of`'s device.
-fn cast_node(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
+/// A new `Cast` of `of` to `to`, on `of`'s device (`widen` makes its casts so too).
+pub(crate) fn cast_node(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
     let n = graph.node(of);
     let node = Node {
         op: Op::Cast { to },
@@ -229,8 +229,9 @@ fn cast_node(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
     graph.add(node, &[of])
 }
 
-/// Infers `id`'s output type again from its (recast) operands.
-fn retype(graph: &mut Graph, id: NodeId) -> Result<()> {
+/// Infers `id`'s output type again from its (recast) operands; `pass` names the caller in an
+/// internal error.
+pub(crate) fn retype(graph: &mut Graph, id: NodeId, pass: &str) -> Result<()> {
     let operands = graph.operands(id);
     let types: Vec<(crate::ir::Shape, DType)> =
         operands.iter().map(|&o| (graph.node(o).shape.clone(), graph.node(o).dtype)).collect();
@@ -238,7 +239,7 @@ fn retype(graph: &mut Graph, id: NodeId) -> Result<()> {
     let node = graph.node(id);
     let (_, dtype) = infer(&node.op, &refs).map_err(|e| {
         CompileError::Internal(format!(
-            "autocast: {} after recasting its operands: {}",
+            "{pass}: {} after recasting its operands: {}",
             node.describe(),
             e.message
         ))

@@ -15,9 +15,10 @@
 //! backends compute f32 today; `CompileOptions::half_kernels` is false for the plans they run
 //! (`Trainer` takes it from `Backend::half_kernels`).
 
+use crate::autocast::{cast_node, retype};
 use crate::error::{CompileError, Result};
 use crate::ir::fused::{Inst, Ref};
-use crate::ir::{DType, Graph, Node, NodeId, Op, infer};
+use crate::ir::{DType, Graph, NodeId, Op};
 use std::collections::HashMap;
 
 /// Whether `d` is a half type.
@@ -63,7 +64,7 @@ pub fn widen(graph: &mut Graph) -> Result<usize> {
                     Some(&w) => w,
                     None => {
                         inserted += 1;
-                        let w = cast(graph, o, DType::F32);
+                        let w = cast_node(graph, o, DType::F32);
                         wide.insert(o, w);
                         w
                     }
@@ -84,10 +85,10 @@ pub fn widen(graph: &mut Graph) -> Result<usize> {
                 last.push(Inst::Cast(DType::F32, at));
             }
         }
-        retype(graph, id)?;
+        retype(graph, id, "widen")?;
         if half(writes) {
             inserted += 1;
-            let narrow = cast(graph, id, writes);
+            let narrow = cast_node(graph, id, writes);
             graph.replace_uses(id, narrow);
         }
     }
@@ -95,31 +96,4 @@ pub fn widen(graph: &mut Graph) -> Result<usize> {
         *graph = graph.compacted().ok_or_else(|| CompileError::Internal("widen made a cycle".into()))?;
     }
     Ok(inserted)
-}
-
-/// A new cast of `of` to `to`, on its device.
-fn cast(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
-    let n = graph.node(of);
-    let node = Node {
-        op: Op::Cast { to },
-        shape: n.shape.clone(),
-        dtype: to,
-        device: n.device,
-        name: None,
-        origin: n.origin,
-    };
-    graph.add(node, &[of])
-}
-
-/// `id`'s output type inferred again from its operands.
-fn retype(graph: &mut Graph, id: NodeId) -> Result<()> {
-    let types: Vec<(crate::ir::Shape, DType)> =
-        graph.operands(id).iter().map(|&o| (graph.node(o).shape.clone(), graph.node(o).dtype)).collect();
-    let refs: Vec<(&crate::ir::Shape, DType)> = types.iter().map(|(s, d)| (s, *d)).collect();
-    let node = graph.node(id);
-    let (_, dtype) = infer(&node.op, &refs).map_err(|e| {
-        CompileError::Internal(format!("widen: {} on f32 operands: {}", node.describe(), e.message))
-    })?;
-    graph.node_mut(id).dtype = dtype;
-    Ok(())
 }
