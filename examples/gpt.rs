@@ -17,57 +17,19 @@
 //! saves a checkpoint and loads it into a fresh trainer (which must give the same held-out loss,
 //! bit for bit), and prints the planned-vs-eager memory report of its training step, then the
 //! step's arena computed in 2, 4 and 8 blocks of batch rows (`Trainer::with_row_blocks`;
-//! `KILN_GPT_BLOCKS=4` trains that way).
+//! `KILN_GPT_BLOCKS=4` trains that way). `KILN_GPT_PRECISION=bf16` (or `f16`) trains in mixed
+//! precision (`Trainer::with_precision`: products in the half type, master weights and Adam's
+//! state f32) and reports that step's memory.
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::compiler::ir::DType;
-use kiln::compiler::nn::{Embedding, LayerNorm, MultiHeadAttention, PositionEmbedding, Residual};
-use kiln::compiler::step::{InputSpec, train_step_graph, train_step_graph_in_blocks};
+use kiln::compiler::step::{InputSpec, train_step_graph_with};
+use kiln::gpt::{BATCH, SEQ, VOCAB, config, model, windows};
 use kiln::prelude::*;
 use kiln::runtime::RuntimeError;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::time::{Duration, Instant};
-
-const VOCAB: usize = 256;
-const SEQ: usize = 64;
-const DIM: usize = 64;
-const HEADS: usize = 4;
-const LAYERS: usize = 2;
-const BATCH: usize = 16;
-
-fn model() -> Sequential {
-    let mut m = Sequential::new().add(Embedding::new(VOCAB, DIM)).add(PositionEmbedding::new(SEQ));
-    for _ in 0..LAYERS {
-        let attention = Sequential::new()
-            .add(LayerNorm::new().epsilon(1e-5))
-            .add(MultiHeadAttention::new(HEADS).causal(true));
-        let mlp = Sequential::new()
-            .add(LayerNorm::new().epsilon(1e-5))
-            .add(Dense::new(4 * DIM).activation(Activation::GeluTanh))
-            .add(Dense::new(DIM));
-        m = m.add(Residual::new(attention)).add(Residual::new(mlp));
-    }
-    m.add(LayerNorm::new().epsilon(1e-5)).add(Dense::new(VOCAB))
-}
-
-fn config() -> TrainConfig {
-    TrainConfig {
-        loss: Loss::SparseSoftmaxCrossEntropy { ignore_index: None },
-        optimizer: Adam::new(3e-3).into(),
-        metrics: vec![Metric::SparseCategoricalAccuracy],
-    }
-}
-
-/// `rows` windows of `SEQ` ids from `text` at the given offsets, and the windows one byte later:
-/// i32 token ids.
-fn windows(text: &[u8], offsets: &[usize]) -> Result<(HostTensor, HostTensor)> {
-    let take = |shift: usize| -> Vec<i32> {
-        offsets.iter().flat_map(|&o| text[o + shift..o + shift + SEQ].iter().map(|&b| i32::from(b))).collect()
-    };
-    let shape = Shape::new([offsets.len(), SEQ]);
-    Ok((HostTensor::from_i32(shape.clone(), take(0))?, HostTensor::from_i32(shape, take(1))?))
-}
 
 /// The entropy (nats per byte) of `text`'s byte frequencies: the loss of the best model that
 /// ignores context.
@@ -126,7 +88,7 @@ fn text() -> Result<(String, Vec<u8>)> {
         Some(path) => path,
         None => match packaged_text() {
             Some(text) => return Ok(("the King James Bible (Debian's bible-kjv)".into(), text)),
-            None => concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/shakespeare.txt").to_string(),
+            None => return Ok(("examples/data/shakespeare.txt".into(), kiln::gpt::shakespeare()?)),
         },
     };
     let text = std::fs::read(&path).map_err(|e| {
@@ -142,6 +104,12 @@ fn main() -> Result<()> {
     let (path, text) = text()?;
     let seconds: u64 = std::env::var("KILN_GPT_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(90);
     let blocks: usize = std::env::var("KILN_GPT_BLOCKS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let precision: Precision = match std::env::var("KILN_GPT_PRECISION") {
+        Ok(p) => p.parse().map_err(|why| {
+            RuntimeError::invalid(format!("KILN_GPT_PRECISION={p}: {why}"), "set it to f32, bf16 or f16")
+        })?,
+        Err(_) => Precision::F32,
+    };
     let split = text.len() * 9 / 10;
     let (train, held) = (&text[..split], &text[split..]);
     if held.len() < 2 * SEQ + 2 {
@@ -162,9 +130,13 @@ fn main() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(7);
     let (device, why) = Device::best();
     println!("device: {why}");
-    let mut trainer = Trainer::new(model(), config(), device.backend(1)?).with_row_blocks(blocks);
+    let mut trainer =
+        Trainer::new(model(), config(), device.backend(1)?).with_row_blocks(blocks).with_precision(precision);
     if blocks > 1 {
         println!("each step in {blocks} blocks of rows");
+    }
+    if precision != Precision::F32 {
+        println!("{precision} mixed precision: products in {precision}, master weights and Adam's state f32");
     }
     // The held-out windows, every SEQ bytes.
     let held_offsets: Vec<usize> = (0..held.len() - SEQ - 1).step_by(SEQ).collect();
@@ -212,7 +184,8 @@ fn main() -> Result<()> {
 
     let checkpoint = std::env::temp_dir().join("kiln-gpt.safetensors");
     trainer.save(&checkpoint)?;
-    let mut reloaded = Trainer::new(model(), config(), device.backend(2)?).with_row_blocks(blocks);
+    let mut reloaded =
+        Trainer::new(model(), config(), device.backend(2)?).with_row_blocks(blocks).with_precision(precision);
     let (x, y) = windows(train, &[0])?;
     reloaded.train_program(
         InputSpec::new(x.shape().clone(), x.dtype()),
@@ -229,8 +202,10 @@ fn main() -> Result<()> {
 
     let (bx, by) = windows(train, &(0..BATCH).map(|i| i * SEQ).collect::<Vec<_>>())?;
     let ids = |t: &HostTensor| InputSpec::new(t.shape().clone(), DType::I32);
-    let graph = train_step_graph(&model(), ids(&bx), ids(&by), &config())?;
-    let row = kiln::compare::compare_graph("gpt", graph, &[("x", &bx), ("y", &by)], true)?;
+    let graph = train_step_graph_with(&model(), ids(&bx), ids(&by), &config(), 1, precision)?;
+    // The host's eager kernels compute in f32: a half step's eager columns replay its allocations.
+    let execute = precision == Precision::F32;
+    let row = kiln::compare::compare_graph("gpt", graph, &[("x", &bx), ("y", &by)], execute)?;
     println!(
         "memory of one training step, planned against eager execution:\n{}",
         kiln::compare::table(&[row])
@@ -238,7 +213,7 @@ fn main() -> Result<()> {
     let arenas: Vec<String> = [1, 2, 4, 8]
         .into_iter()
         .map(|k| {
-            let graph = train_step_graph_in_blocks(&model(), ids(&bx), ids(&by), &config(), k)?;
+            let graph = train_step_graph_with(&model(), ids(&bx), ids(&by), &config(), k, precision)?;
             let plan = compile(graph, &CompileOptions::default())?;
             Ok(format!("{k}: {}", kiln::report::bytes(plan.memory.arena_bytes)))
         })

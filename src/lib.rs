@@ -22,6 +22,7 @@ pub mod compare;
 pub mod device;
 mod error;
 pub mod examples;
+pub mod gpt;
 pub mod gpu_bench;
 pub mod onnx;
 pub mod peers;

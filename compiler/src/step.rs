@@ -61,6 +61,7 @@ pub fn forward_graph_with(
     let y = model.forward(&x);
     t.output("y", &y);
     let mut graph = t.finish()?;
+    autocast::narrow_saved(&mut graph, precision)?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
     autocast::apply(&mut graph, precision)?;
@@ -100,6 +101,7 @@ pub fn evaluate_graph_with(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
+    autocast::narrow_saved(&mut graph, precision)?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
     autocast::apply(&mut graph, precision)?;
@@ -194,6 +196,7 @@ pub fn train_step_graph_with(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
+    autocast::narrow_saved(&mut graph, precision)?;
     // Composed attention as one op before autodiff, so that its gradient keeps no [.., S, T]
     // value from the forward pass.
     attention_rewrite::rewrite(&mut graph)?;
@@ -234,5 +237,7 @@ pub fn train_step_graph_with(
         ));
     }
     cfg.optimizer.apply(&updates);
-    t.finish()
+    let mut graph = t.finish()?;
+    autocast::narrow_saved(&mut graph, precision)?;
+    Ok(graph)
 }

@@ -65,6 +65,9 @@ pub fn gradients(graph: Graph, loss: NodeId, wrt: &[NodeId]) -> Result<(Graph, V
                 continue;
             }
             debug_assert_eq!(c.shape(), t.shape(), "gradient of {} operand", op.name());
+            // A gradient has its value's type: a half product's f32 accumulation (`DType::
+            // accumulated`) reaching a half operand is rounded to it, as the operand would be.
+            let c = if c.dtype().is_float() && t.dtype().is_float() { c.cast(t.dtype()) } else { c };
             // Contributions are summed where the value they belong to lives.
             let total = match grads.remove(&o) {
                 Some(prev) => tracer.on_device(t.device(), || &prev + &c),

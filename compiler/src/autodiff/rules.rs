@@ -25,6 +25,9 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         }
         Op::MatMul { transpose_a: ta, transpose_b: tb } => {
             let (a, b) = (&x[0], &x[1]);
+            // A half product's output is its f32 accumulation: its gradient, read by the
+            // backward products, in the factors' type.
+            let g = &g.cast(a.dtype());
             if let Some(gb) = folded_weight_gradient(a, b, g, *ta, *tb) {
                 let ga = if *tb { g.matmul(b) } else { g.matmul_t(b, false, true) };
                 return Ok(vec![Some(sum_to(&ga, a.shape())), Some(gb)]);
@@ -151,6 +154,7 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         }
         Op::Conv2d { window } => {
             let (xs, w) = (&x[0], &x[1]);
+            let g = &g.cast(xs.dtype());
             let dx =
                 g.record(Op::Conv2dBackpropInput { window: *window, input: xs.shape().clone() }, &[g, w]);
             let dw = g.record(Op::Conv2dBackpropFilter { window: *window }, &[xs, g]);

@@ -45,6 +45,16 @@ impl DType {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// The type a product of two values of this type is accumulated and stored in: f32 for a
+    /// half type (tensor cores and CPU kernels alike sum half products in f32, and the value
+    /// is kept so, rounded once where a reader computes in half), else the type itself.
+    pub fn accumulated(self) -> DType {
+        match self {
+            DType::F16 | DType::BF16 => DType::F32,
+            d => d,
+        }
+    }
+
     /// i32, i64 or bool: exact values kiln stores, indexes with and casts, but does not compute on.
     pub fn is_exact(self) -> bool {
         !self.is_float()

@@ -150,6 +150,8 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                         "fused casts are between f32, f16 and bf16: compile the graph again",
                     );
                 }
+                // A product accumulates half factors in f32 (`DType::accumulated`).
+                None if f.product().is_some() => same_dtype(&all)?.accumulated(),
                 None => same_dtype(&all)?,
             };
             // With a product first, operands 0 and 1 are its factors and the program's operand
@@ -249,7 +251,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             broadcast(shape(0), &ab).map(|s| (s, d))
         }
         Op::MatMul { transpose_a, transpose_b } => {
-            let d = same_dtype(&[0, 1])?;
+            let d = same_dtype(&[0, 1])?.accumulated();
             matmul(shape(0), shape(1), *transpose_a, *transpose_b).map(|s| (s, d))
         }
         Op::Reshape { shape: target } => {
@@ -369,11 +371,11 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((shape(0).clone(), dtype(0)))
         }
         Op::Conv2d { window } => {
-            let d = same_dtype(&[0, 1])?;
+            let d = same_dtype(&[0, 1])?.accumulated();
             conv2d(shape(0), shape(1), window).map(|s| (s, d))
         }
         Op::Conv2dBackpropInput { window, input } => {
-            let d = same_dtype(&[0, 1])?;
+            let d = same_dtype(&[0, 1])?.accumulated();
             let expected = conv2d(input, shape(1), window)?;
             if &expected != shape(0) {
                 return err(
@@ -385,7 +387,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         }
         Op::Conv2dBackpropInputReluGrad { window, input } => {
             let residual = operands.len() == 4;
-            let d = if residual { same_dtype(&[0, 1, 2, 3])? } else { same_dtype(&[0, 1, 2])? };
+            let d = if residual { same_dtype(&[0, 1, 2, 3])? } else { same_dtype(&[0, 1, 2])? }.accumulated();
             let expected = conv2d(input, shape(1), window)?;
             if residual && shape(3) != input {
                 return err(
@@ -406,7 +408,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((input.clone(), d))
         }
         Op::Conv2dBackpropFilter { window } => {
-            let d = same_dtype(&[0, 1])?;
+            let d = same_dtype(&[0, 1])?.accumulated();
             let (x, dy) = (shape(0), shape(1));
             rank_is(x, 4, "input (NHWC)")?;
             rank_is(dy, 4, "gradient (NHWC)")?;
@@ -542,7 +544,7 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((Shape::new(dims), dtype(1)))
         }
         Op::MatMulRows { rows } => {
-            let d = same_dtype(&[0, 1])?;
+            let d = same_dtype(&[0, 1])?.accumulated();
             let (a, b) = (shape(0), shape(1));
             if a.rank() != 2 || b.rank() != 2 || a.dims()[0] != b.dims()[0] {
                 return err(
