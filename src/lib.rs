@@ -18,6 +18,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod autocast_reference;
 pub mod compare;
 pub mod device;
 mod error;
