@@ -177,13 +177,13 @@ def cuda_autocast(torch, dtype):
     autograd, where autocast itself sits): products, convolutions and attention cast their
     float operands to `dtype` (a parameter once per forward pass, as autocast's weight cache
     does); softmax, log-softmax, layer and group norm, exp, log, pow, rsqrt, sums and the losses
-    cast theirs to f32; every other op runs on what it is given (type promotion widens a sum of
-    a half and an f32 value). CPU autocast's own lists differ (softmax and the norms stay in
-    bf16 there), so a recording on the CPU uses these: the stream a CUDA AMP step allocates,
-    but for two differences. A function mode does not see the calls inside a Python function it
-    passed through unlisted (`F.multi_head_attention_forward`: its projections and attention
-    stay f32, where CUDA autocast casts them), and an f32-list op gets an f32 copy of a half
-    input where autocast passes `dtype=float32` to softmax and the sums (a transient copy)."""
+    cast theirs to f32 (softmax, log-softmax and the sums by their `dtype=float32` argument, as
+    autocast's "fp32_set_opt_dtype" ops do, with no f32 copy of the input); every other op runs
+    on what it is given (type promotion widens a sum of a half and an f32 value). CPU
+    autocast's own lists differ (softmax and the norms stay in bf16 there), so a recording on
+    the CPU uses these: the stream a CUDA AMP step allocates. A Python function that a function
+    mode would pass through whole (`F.multi_head_attention_forward`) runs with the mode active
+    inside, so that its projections and attention are cast as CUDA autocast casts them."""
     from torch.overrides import TorchFunctionMode
 
     F, T = torch.nn.functional, torch.Tensor
@@ -202,6 +202,15 @@ def cuda_autocast(torch, dtype):
         torch.norm, T.norm, torch.logsumexp, T.logsumexp,
     }
 
+    # Ops that take the type to compute in as `dtype=`: autocast passes float32 instead of
+    # casting their input.
+    typed = {
+        F.softmax, torch.softmax, T.softmax, F.log_softmax, torch.log_softmax, T.log_softmax,
+        torch.sum, T.sum, torch.cumsum, T.cumsum, torch.prod,
+    }
+    # Python composites whose inner calls a mode would not see.
+    composites = {F.multi_head_attention_forward}
+
     class Autocast(TorchFunctionMode):
         def __init__(self):
             super().__init__()
@@ -218,6 +227,23 @@ def cuda_autocast(torch, dtype):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func in composites:
+                # Its `has_torch_function` check would hand the call back to this mode.
+                check = F.has_torch_function
+                F.has_torch_function = lambda *a: False
+                try:
+                    with self:
+                        return func(*args, **kwargs)
+                finally:
+                    F.has_torch_function = check
+            first = args[0] if args else None
+            if (
+                func in typed
+                and "dtype" not in kwargs
+                and isinstance(first, torch.Tensor)
+                and first.dtype in (torch.float16, torch.bfloat16)
+            ):
+                return func(*args, dtype=torch.float32, **kwargs)
             to = dtype if func in lower else torch.float32 if func in full else None
             if to is not None:
                 args = torch.utils._pytree.tree_map(lambda t: self.cast(t, to), args)
