@@ -24,16 +24,16 @@
 //! gradient reaches its optimizer in f32. The graph's interface keeps its types: an output that
 //! the policy made half is cast back to the type it was traced with.
 //!
-//! Rounded once: a product of half factors accumulates and stores f32 (`DType::accumulated`),
-//! and the value is rounded where a half op reads it. Products that stored half rounded twice per
-//! layer (the product, then the activation for the next product) and measured 1.1-1.3x the
-//! error of PyTorch's autocast against f32 on the zoo (mlp 1.28, cnn 1.24, transformer 1.14,
-//! GPT 1.09; `tests/autocast_numerics.rs`, mean over 8 seeds); rounded once, 0.87-1.00 over 32.
-//! An activation whose gradient reads its input or output (GELU, sigmoid, tanh) reads its f32
-//! input rounded to the half type, as autocast's would be half; ReLU's and max pooling's
-//! gradients read a half copy of their activation (`narrow_saved`). So what a step keeps for
-//! its backward pass is half values, as with half products: the zoo's bf16 steps plan 24.66 MB
-//! (cnn, 24.68 with half products) and 31.17 MB (transformer, 31.69), the MLP's unchanged.
+//! Rounded once, where PyTorch rounds: a product of half factors accumulates and stores f32
+//! (`DType::accumulated`), and `round_products` rounds it to the half type after its bias add
+//! (one f32 epilogue, as cuBLAS computes `x · W + b`), or at the product where no bias follows;
+//! every reader reads that half copy, widened. ReLU and max pooling, exact in half, then compute
+//! on the half copy itself (`sink_widening`). Products that stored half rounded before the bias
+//! and again after the activation, and measured 1.1-1.3x the error of PyTorch's autocast
+//! against f32 on the zoo (mlp 1.28, cnn 1.24, transformer 1.14, GPT 1.09 over 8 seeds;
+//! `tests/autocast_numerics.rs`); rounded once, 0.89-0.99 over 32. What a step keeps for its
+//! backward pass is the half copies: the zoo's bf16 steps plan 24.34 MB (cnn; 24.68 with half
+//! products) and 31.69 MB (transformer, unchanged).
 //!
 //! Planned at their size: a half value takes 2 bytes an element in liveness and the arena. What a
 //! fused plan keeps of the f32 chains between half values is the minimum cut's choice
@@ -187,35 +187,10 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
                 graph.replace_operand(id, i, cast);
             }
         }
-        // An activation reads its f32 input rounded to the half type, as autocast's activations
-        // between half products are half: what its gradient and the next product's gradient
-        // read is then recomputed from that half copy.
-        if target == DType::F32 && activation(&graph.node(id).op) {
-            let x = graph.operands(id)[0];
-            if graph.node(x).dtype == DType::F32 {
-                let narrow = match casts.get(&(x, half)) {
-                    Some(&c) => c,
-                    None => {
-                        inserted += 1;
-                        let c = cast_node(graph, x, half);
-                        casts.insert((x, half), c);
-                        c
-                    }
-                };
-                let wide = match casts.get(&(narrow, DType::F32)) {
-                    Some(&c) => c,
-                    None => {
-                        inserted += 1;
-                        let c = cast_node(graph, narrow, DType::F32);
-                        casts.insert((narrow, DType::F32), c);
-                        c
-                    }
-                };
-                graph.replace_operand(id, 0, wide);
-            }
-        }
         retype(graph, id, "autocast")?;
     }
+    inserted += round_products(graph, half, &mut casts);
+    inserted += sink_widening(graph, half);
     // The interface keeps its traced types.
     let outputs: Vec<(String, NodeId)> = graph.outputs().to_vec();
     for (name, id) in outputs {
@@ -233,76 +208,115 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
     Ok(inserted)
 }
 
-/// Under `precision`'s half type, the backward ops of `graph` (a differentiated training step)
-/// that read a forward activation to compute its derivative — ReLU's gradient, max pooling's
-/// (which finds each window's maximum again) — read that activation rounded to the half type
-/// (widened back), as PyTorch's autocast, whose activations between products are half,
-/// computes them; the number of casts made. A value already cast to the half type (the input
-/// of the next product) shares that cast. (GELU, sigmoid and tanh read a rounded input in the
-/// forward pass already, `apply`; ReLU commutes with the rounding, so its forward pass keeps
-/// the exact value: rounding before it measured 28.5 MB on the cnn's bf16 step, 24.7 after.)
-///
-/// Why: a product accumulates and stores f32 (`DType::accumulated`), rounded once where a
-/// half op reads it, so the elementwise chain between two products computes in f32. Were the
-/// backward pass to read those f32 values, the step would keep them for it (2x a half
-/// value's bytes): the cnn's bf16 step planned 28.9 MB against 24.7 MB with half products.
-/// Read rounded, what the step keeps is the half copy, which the next product's gradient
-/// reads anyway (`saved_values` counts such a copy as a forward value, and fusion leaves it a
-/// kernel of its own); `pool_relu_grad` still moves ReLU's mask to the pooled side. A ReLU
-/// mask differs only where a positive value rounds to zero (below 2^-133 in bf16, 2^-25 in
-/// f16); a pooling window's maximum, only where its two largest values round to one half
-/// value, when the gradient goes to the first of them.
-pub fn narrow_saved(graph: &mut Graph, precision: Precision) -> Result<usize> {
-    let Precision::Mixed(half) = precision else { return Ok(0) };
-    let half = half.dtype();
-    let mut narrow: HashMap<NodeId, NodeId> = HashMap::new();
-    for id in graph.node_ids() {
-        if matches!(graph.node(id).op, Op::Cast { to } if to == half)
-            && let [of] = graph.operands(id)[..]
-        {
-            narrow.entry(of).or_insert(id);
-        }
-    }
-    let mut made = 0;
-    let readers: Vec<NodeId> = graph
+/// Rounds each product of half factors once, where PyTorch's autocast rounds it: after its bias
+/// add when its one reader adds a parameter (a linear layer's `x · W + b`, which cuBLAS and
+/// cuDNN compute in one f32 epilogue), else at the product. Every reader then reads the value
+/// through its half copy (`cast` to the half type and back), so the step computes what a
+/// half-storing step computes and keeps the half copy for its backward pass; the product's own
+/// f32 value (`DType::accumulated`) lives only until the copy is made. The casts made.
+fn round_products(graph: &mut Graph, half: DType, casts: &mut HashMap<(NodeId, DType), NodeId>) -> usize {
+    let products: Vec<NodeId> = graph
         .node_ids()
-        .filter(|&id| {
-            matches!(
-                graph.node(id).op,
-                Op::Binary(BinaryOp::ReluGrad) | Op::Pool2dGrad { kind: PoolKind::Max, .. }
-            )
+        .filter(|&n| {
+            matches!(graph.node(n).op, Op::MatMul { .. } | Op::MatMulRows { .. } | Op::Conv2d { .. })
+                && graph.node(n).dtype == DType::F32
+                && graph.operands(n).iter().all(|&o| graph.node(o).dtype == half)
         })
         .collect();
-    for id in readers {
-        let value = graph.operands(id)[0];
-        if graph.node(value).dtype != DType::F32 {
+    let mut made = 0;
+    for p in products {
+        let rounded = match graph.users(p)[..] {
+            [add] if adds_a_parameter(graph, add, p) => add,
+            _ => p,
+        };
+        if graph.node(rounded).dtype != DType::F32 {
             continue;
         }
-        let n = match narrow.get(&value) {
-            Some(&n) => n,
+        let readers = graph.users(rounded);
+        let narrow = match casts.get(&(rounded, half)) {
+            Some(&c) => c,
             None => {
                 made += 1;
-                let n = cast_node(graph, value, half);
-                narrow.insert(value, n);
-                n
+                let c = cast_node(graph, rounded, half);
+                casts.insert((rounded, half), c);
+                c
             }
         };
-        // A widening of its own per reader: an elementwise reader reads the half copy in its
-        // fused kernel, with no f32 copy stored.
         made += 1;
-        let widened = cast_node(graph, n, DType::F32);
-        graph.replace_operand(id, 0, widened);
+        let wide = cast_node(graph, narrow, DType::F32);
+        for r in readers.into_iter().filter(|&r| r != narrow) {
+            for (i, o) in graph.operands(r).into_iter().enumerate() {
+                if o == rounded {
+                    graph.replace_operand(r, i, wide);
+                }
+            }
+        }
     }
-    if made > 0 {
-        *graph =
-            graph.compacted().ok_or_else(|| CompileError::Internal("narrow_saved made a cycle".into()))?;
-    }
-    Ok(made)
+    made
 }
 
-/// ReLU, GELU, sigmoid, tanh: the activations between products.
-fn activation(op: &Op) -> bool {
-    matches!(op, Op::Unary(UnaryOp::Gelu | UnaryOp::GeluTanh | UnaryOp::Sigmoid | UnaryOp::Tanh))
+/// Moves each widening of a half value below the ReLUs and max poolings that read it: they are
+/// exact in the half type (a sign, a choice), so computing them on the half copy gives the same
+/// values, half-sized, and the next product reads their output without another cast. The casts
+/// made. (A ReLU and a pooling of an f32 activation held the step's largest values: the zoo
+/// cnn's bf16 step planned 28.5 MB with them, and less with them half.)
+fn sink_widening(graph: &mut Graph, half: DType) -> usize {
+    let mut made = 0;
+    loop {
+        let found = graph.node_ids().find(|&r| {
+            matches!(graph.node(r).op, Op::Unary(UnaryOp::Relu) | Op::Pool2d { kind: PoolKind::Max, .. })
+                && graph.node(r).dtype == DType::F32
+                && !graph
+                    .users(r)
+                    .into_iter()
+                    .chain([r])
+                    .any(|n| graph.outputs().iter().any(|(_, o)| *o == n))
+                && graph.operands(r).first().is_some_and(|&w| {
+                    matches!(graph.node(w).op, Op::Cast { to: DType::F32 })
+                        && graph.operands(w).first().is_some_and(|&h| graph.node(h).dtype == half)
+                })
+        });
+        let Some(r) = found else { return made };
+        let w = graph.operands(r)[0];
+        let h = graph.operands(w)[0];
+        let narrow = Node { dtype: half, name: None, ..graph.node(r).clone() };
+        let r_half = graph.add(narrow, &[h]);
+        made += 2;
+        let wide = cast_node(graph, r_half, DType::F32);
+        for reader in graph.users(r) {
+            // A reader that narrows it again reads the half value itself.
+            if matches!(graph.node(reader).op, Op::Cast { to } if to == half) {
+                graph.replace_uses(reader, r_half);
+                graph.remove(reader);
+            }
+        }
+        graph.replace_uses(r, wide);
+        graph.remove(r);
+    }
+}
+
+/// Whether `add` is `product + b` (either order) with `b` a parameter or constant, through
+/// reshapes and broadcasts: a bias.
+fn adds_a_parameter(graph: &Graph, add: NodeId, product: NodeId) -> bool {
+    if graph.node(add).op != Op::Binary(BinaryOp::Add) || graph.node(add).dtype != DType::F32 {
+        return false;
+    }
+    let operands = graph.operands(add);
+    let Some(&other) = operands.iter().find(|&&o| o != product) else { return false };
+    if operands.iter().filter(|&&o| o == product).count() != 1 {
+        return false;
+    }
+    let mut b = other;
+    loop {
+        match graph.node(b).op {
+            Op::Variable { .. } | Op::Fill { .. } => return true,
+            Op::Reshape { .. } | Op::BroadcastTo { .. } | Op::Permute { .. } => match graph.operands(b)[..] {
+                [inner] => b = inner,
+                _ => return false,
+            },
+            _ => return false,
+        }
+    }
 }
 
 /// `of` converted to `to`: where `of` is a transpose or a reshape (of a transpose ...) of a

@@ -252,17 +252,6 @@ fn float_cast(graph: &Graph, n: NodeId) -> bool {
         && graph.operands(n).iter().all(|&o| graph.node(o).dtype.is_float())
 }
 
-/// Whether `n` casts a float value that others read too to a smaller float type: the half copy of an
-/// activation that the backward pass reads (`autocast::narrow_saved`), kept for it in place of
-/// the value. Joined to its reader's group, the group would read the value instead, and keep
-/// it alive at twice the copy's bytes: such a cast runs as its own op.
-fn narrows_a_shared_value(graph: &Graph, n: NodeId) -> bool {
-    float_cast(graph, n)
-        && graph.operands(n).iter().any(|&o| {
-            graph.node(o).dtype.size_bytes() > graph.node(n).dtype.size_bytes() && graph.users(o).len() > 1
-        })
-}
-
 /// `fusable`, or a float cast.
 fn instruction(graph: &Graph, n: NodeId) -> bool {
     fusable(graph.node(n)) || float_cast(graph, n)
@@ -439,7 +428,6 @@ impl Search<'_> {
                 // Random values are a function of their own index: only at the group's shape.
                 let random = matches!(node.op, Op::RandomUniform { .. }) && node.shape == r.shape;
                 let qualifies = (elementwise || random || (constant && source_fits(node, &r.shape)))
-                    && !narrows_a_shared_value(graph, p)
                     && self.free(p, &set, r.device);
                 if !qualifies {
                     continue;

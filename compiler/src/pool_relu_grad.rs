@@ -22,8 +22,8 @@
 //! instead of 20 (device bytes 41,943,040 -> 39,845,888). PyTorch and TensorFlow take ReLU's
 //! gradient on the unpooled tensor; kiln's eager columns run the graph as traced, as they do.
 //!
-//! Only a rewrite that needs nothing new is made: the forward pooling of the same y (or of the
-//! value whose half copy y widens) with the same window must be in the graph, the pooling gradient read by the ReLU gradient alone, and neither
+//! Only a rewrite that needs nothing new is made: the forward pooling of the same y with the same
+//! window must be in the graph, the pooling gradient read by the ReLU gradient alone, and neither
 //! ordered by control edges.
 
 use crate::error::Result;
@@ -61,32 +61,14 @@ fn eligible(graph: &Graph, r: NodeId) -> Option<(NodeId, NodeId, NodeId)> {
     if y2 != y || y == g || dy == y || !alone || !unordered(r) || !unordered(g) {
         return None;
     }
-    // Under mixed precision the gradients read y as a half copy widened back
-    // (`autocast::narrow_saved`): the pooling of the value it copies masks alike, since a
-    // window's rounded maximum is positive where its maximum is (but for values below the half
-    // type's smallest, which round to zero).
-    let pooled = graph
-        .users(y)
-        .into_iter()
-        .chain(round_trip_of(graph, y).map(|v| graph.users(v)).unwrap_or_default())
-        .find(|&p| {
-            let n = graph.node(p);
-            matches!(&n.op, Op::Pool2d { kind: PoolKind::Max, window: w } if w == window)
-                && n.device == node.device
-                && n.dtype == graph.node(dy).dtype
-                && n.shape == graph.node(dy).shape
-        })?;
+    let pooled = graph.users(y).into_iter().find(|&p| {
+        let n = graph.node(p);
+        matches!(&n.op, Op::Pool2d { kind: PoolKind::Max, window: w } if w == window)
+            && n.device == node.device
+            && n.dtype == graph.node(dy).dtype
+            && n.shape == graph.node(dy).shape
+    })?;
     Some((r, g, pooled))
-}
-
-/// `v` when `y` is `v` rounded to a half type and widened back to its own type.
-fn round_trip_of(graph: &Graph, y: NodeId) -> Option<NodeId> {
-    let [half] = graph.operands(y)[..] else { return None };
-    let [v] = graph.operands(half)[..] else { return None };
-    let (wide, narrow) = (&graph.node(y).op, &graph.node(half).op);
-    (matches!(wide, Op::Cast { to } if *to == graph.node(v).dtype)
-        && matches!(narrow, Op::Cast { to: crate::ir::DType::F16 | crate::ir::DType::BF16 }))
-    .then_some(v)
 }
 
 #[cfg(test)]

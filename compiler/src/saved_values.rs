@@ -148,21 +148,6 @@ impl Forward {
             }
             stack.extend(g.operands(n));
         }
-        // A narrowing cast of a forward value (a half copy of an f32 activation that the
-        // backward pass reads, `autocast::narrow_saved`) is forward too: the cut may keep the
-        // copy, at its smaller size, in place of the value.
-        let narrowing: Vec<NodeId> = g
-            .node_ids()
-            .filter(|&n| {
-                let node = g.node(n);
-                matches!(node.op, Op::Cast { .. })
-                    && !seen.contains(&n)
-                    && g.operands(n)
-                        .iter()
-                        .all(|o| seen.contains(o) && g.node(*o).dtype.size_bytes() > node.dtype.size_bytes())
-            })
-            .collect();
-        seen.extend(narrowing);
         let order = petgraph::algo::toposort(g.petgraph(), None).ok()?;
         let nodes: Vec<NodeId> = order.into_iter().filter(|n| seen.contains(n)).collect();
         let index = nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();

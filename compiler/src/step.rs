@@ -61,7 +61,6 @@ pub fn forward_graph_with(
     let y = model.forward(&x);
     t.output("y", &y);
     let mut graph = t.finish()?;
-    autocast::narrow_saved(&mut graph, precision)?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
     autocast::apply(&mut graph, precision)?;
@@ -101,7 +100,6 @@ pub fn evaluate_graph_with(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
-    autocast::narrow_saved(&mut graph, precision)?;
     attention_rewrite::rewrite(&mut graph)?;
     activation_rewrite::rewrite(&mut graph)?;
     autocast::apply(&mut graph, precision)?;
@@ -196,7 +194,6 @@ pub fn train_step_graph_with(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
-    autocast::narrow_saved(&mut graph, precision)?;
     // Composed attention as one op before autodiff, so that its gradient keeps no [.., S, T]
     // value from the forward pass.
     attention_rewrite::rewrite(&mut graph)?;
@@ -237,7 +234,5 @@ pub fn train_step_graph_with(
         ));
     }
     cfg.optimizer.apply(&updates);
-    let mut graph = t.finish()?;
-    autocast::narrow_saved(&mut graph, precision)?;
-    Ok(graph)
+    t.finish()
 }

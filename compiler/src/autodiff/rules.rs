@@ -129,7 +129,9 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             if let Some(bias) = x.get(3) {
                 // A bias's gradient is the scores' (a learned bias's: a position bias); composed
                 // from the probabilities, and dropped as dead code where the bias is a mask.
-                let mut scores = q.matmul_t(k, false, true) * *scale + bias;
+                // In f32 where the factors are half (their products accumulate in f32).
+                let mut scores = q.matmul_t(k, false, true) * *scale;
+                scores = &scores + &bias.cast(scores.dtype());
                 if *causal {
                     let shift = t as f32 - s as f32;
                     let rows = g.tracer().iota([s, t], 0) + shift;
@@ -138,7 +140,8 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
                 }
                 let p = scores.softmax(-1);
                 let dp = g.matmul_t(v, false, true);
-                let ds = &p * (dp - (g * y).sum(-1, true));
+                let wide = |t: &Tensor| t.cast(dp.dtype());
+                let ds = &p * (&dp - (wide(g) * wide(y)).sum(-1, true));
                 grads.push(Some(sum_to(&ds, bias.shape())));
             }
             Ok(grads)
