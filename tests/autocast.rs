@@ -259,3 +259,21 @@ fn the_gpt_example_keeps_its_held_out_loss_in_bf16() {
     );
     assert!(gap <= 0.02, "bf16 held-out loss {bf16_loss} is {:.2}% from f32's {f32_loss}", 100.0 * gap);
 }
+
+/// A product of tensors a user cast to half is half, as PyTorch's product of bf16 tensors is:
+/// its f32 accumulation rounded once (`DType::accumulated` is the op's own type).
+#[test]
+fn a_product_of_half_tensors_is_half() {
+    use kiln::prelude::{Init, Tracer};
+    let t = Tracer::new("half");
+    let x = t.input("x", [4, 3]).cast(DType::BF16);
+    let w = t.param("w", [3, 2], Init::GlorotUniform).cast(DType::BF16);
+    let b = t.param("b", [2], Init::Zeros).cast(DType::BF16);
+    let y = x.matmul(&w) + b;
+    assert_eq!(y.dtype(), DType::BF16);
+    t.output("y", &y.cast(DType::F32));
+    let g = t.finish().unwrap();
+    let product = g.node_ids().find(|&n| matches!(g.node(n).op, Op::MatMul { .. })).unwrap();
+    assert_eq!(g.node(product).dtype, DType::F32, "accumulated in f32, then cast");
+    compile(g, &CompileOptions::default()).unwrap();
+}

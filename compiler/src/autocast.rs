@@ -213,7 +213,10 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
 /// cuDNN compute in one f32 epilogue), else at the product. Every reader then reads the value
 /// through its half copy (`cast` to the half type and back), so the step computes what a
 /// half-storing step computes and keeps the half copy for its backward pass; the product's own
-/// f32 value (`DType::accumulated`) lives only until the copy is made. The casts made.
+/// f32 value (`DType::accumulated`) lives only until the copy is made. Two differences from
+/// PyTorch remain, both toward f32: the bias is added in f32 (PyTorch rounds it to the half type
+/// first), and an output of the graph keeps the unrounded value (PyTorch returns the half one).
+/// The casts made.
 fn round_products(graph: &mut Graph, half: DType, casts: &mut HashMap<(NodeId, DType), NodeId>) -> usize {
     let products: Vec<NodeId> = graph
         .node_ids()
@@ -233,8 +236,11 @@ fn round_products(graph: &mut Graph, half: DType, casts: &mut HashMap<(NodeId, D
             continue;
         }
         let readers = graph.users(rounded);
-        let narrow = match casts.get(&(rounded, half)) {
-            Some(&c) => c,
+        // A cast to the half type already made (for a product, or below a layout op) is the copy.
+        let existing =
+            readers.iter().copied().find(|&r| matches!(graph.node(r).op, Op::Cast { to } if to == half));
+        let narrow = match casts.get(&(rounded, half)).copied().or(existing) {
+            Some(c) => c,
             None => {
                 made += 1;
                 let c = cast_node(graph, rounded, half);
@@ -271,6 +277,8 @@ fn sink_widening(graph: &mut Graph, half: DType) -> usize {
                     .into_iter()
                     .chain([r])
                     .any(|n| graph.outputs().iter().any(|(_, o)| *o == n))
+                && graph.control_predecessors(r).is_empty()
+                && graph.control_successors(r).is_empty()
                 && graph.operands(r).first().is_some_and(|&w| {
                     matches!(graph.node(w).op, Op::Cast { to: DType::F32 })
                         && graph.operands(w).first().is_some_and(|&h| graph.node(h).dtype == half)

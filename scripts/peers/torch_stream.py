@@ -237,9 +237,11 @@ def cuda_autocast(torch, dtype):
                 finally:
                     F.has_torch_function = check
             first = args[0] if args else None
+            # dtype= only where it is not given positionally (softmax(x, dim, dtype) ...).
             if (
                 func in typed
                 and "dtype" not in kwargs
+                and len(args) <= 2
                 and isinstance(first, torch.Tensor)
                 and first.dtype in (torch.float16, torch.bfloat16)
             ):

@@ -219,16 +219,30 @@ impl Tensor {
         self.record(Op::Select, &[self, a, b])
     }
 
-    /// Matrix product over the last two axes; batch axes broadcast.
+    /// Matrix product over the last two axes; batch axes broadcast. Half factors give a value
+    /// of their type: the product accumulates in f32 (`DType::accumulated`) and is rounded once,
+    /// as PyTorch's product of bf16 tensors is bf16 (mixed precision's own products, made by
+    /// `autocast`, keep the f32 sum until their bias add).
     #[track_caller]
     pub fn matmul(&self, rhs: &Tensor) -> Tensor {
-        self.record(Op::MatMul { transpose_a: false, transpose_b: false }, &[self, rhs])
+        self.in_factor_type(self.record(Op::MatMul { transpose_a: false, transpose_b: false }, &[self, rhs]))
     }
 
-    /// Matrix product with either operand's last two axes transposed, without a copy.
+    /// Matrix product with either operand's last two axes transposed, without a copy (half
+    /// factors: a value of their type, as `matmul`).
     #[track_caller]
     pub fn matmul_t(&self, rhs: &Tensor, transpose_a: bool, transpose_b: bool) -> Tensor {
-        self.record(Op::MatMul { transpose_a, transpose_b }, &[self, rhs])
+        self.in_factor_type(self.record(Op::MatMul { transpose_a, transpose_b }, &[self, rhs]))
+    }
+
+    /// `product` (of `self` and another factor) cast back to the factors' half type.
+    #[track_caller]
+    fn in_factor_type(&self, product: Tensor) -> Tensor {
+        if product.dtype() != self.dtype() && matches!(self.dtype(), DType::F16 | DType::BF16) {
+            product.cast(self.dtype())
+        } else {
+            product
+        }
     }
 
     /// Scaled dot-product attention as one op (`Op::Attention`): `self` the queries `[.., S, D]`,
@@ -419,7 +433,9 @@ impl Tensor {
             [kh, kw, _, _] => [*kh, *kw],
             _ => [0, 0],
         };
-        self.record(Op::Conv2d { window: Window2d::new(size, stride, padding) }, &[self, filter])
+        self.in_factor_type(
+            self.record(Op::Conv2d { window: Window2d::new(size, stride, padding) }, &[self, filter]),
+        )
     }
 
     /// 2-D convolution over a full window: `self` is NHWC `[N, H, W, C]`, `filter` is
@@ -427,7 +443,7 @@ impl Tensor {
     /// (`groups == C`) and dilated convolutions and explicit, asymmetric padding are one op.
     #[track_caller]
     pub fn conv2d_window(&self, filter: &Tensor, window: Window2d) -> Tensor {
-        self.record(Op::Conv2d { window }, &[self, filter])
+        self.in_factor_type(self.record(Op::Conv2d { window }, &[self, filter]))
     }
 
     /// Max (`PoolKind::Max`) or average pooling over NHWC `self` with a full window (explicit
