@@ -377,18 +377,19 @@ pub fn write_references(dir: &Path) -> Result<()> {
         let runs: TorchRuns = serde_json::from_str(&text)
             .map_err(|e| RuntimeError::invalid(format!("{}: {e}", file.display()), "rerun the script"))?;
         let start = weights(&case)?;
-        let change = |run: &str| -> Result<Vec<f64>> {
-            let after = checkpoint::read(&at.join(format!("{run}.safetensors")))?.tensors;
-            let d = difference(&after, &start)?;
-            Ok(d.values().flat_map(|t| t.data().iter().map(|&v| f64::from(v))).collect())
+        let change = |run: &str| -> Result<BTreeMap<String, HostTensor>> {
+            difference(&checkpoint::read(&at.join(format!("{run}.safetensors")))?.tensors, &start)
+        };
+        let flat = |d: &BTreeMap<String, HostTensor>| -> Vec<f64> {
+            d.values().flat_map(|t| t.data().iter().map(|&v| f64::from(v))).collect()
         };
         let f32_change = change("f32")?;
+        let f32_flat = flat(&f32_change);
         let mut errors = BTreeMap::new();
         for run in runs.losses.keys().filter(|r| *r != "f32") {
-            errors.insert(run.clone(), distance(&change(run)?, &f32_change) / norm(&f32_change));
+            errors.insert(run.clone(), distance(&flat(&change(run)?), &f32_flat) / norm(&f32_flat));
         }
-        let after = checkpoint::read(&at.join("f32.safetensors"))?.tensors;
-        let f32_sketch = sketch(&difference(&after, &start)?).into_iter().map(|v| v as f32).collect();
+        let f32_sketch = sketch(&f32_change).into_iter().map(|v| v as f32).collect();
         let reference = references.entry(case.name).or_insert_with(|| Reference {
             model: case.name.into(),
             torch: runs.torch.clone(),

@@ -189,7 +189,7 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
         }
         retype(graph, id, "autocast")?;
     }
-    inserted += round_products(graph, half, &mut casts);
+    inserted += round_products(graph, half);
     inserted += sink_widening(graph, half);
     // The interface keeps its traced types.
     let outputs: Vec<(String, NodeId)> = graph.outputs().to_vec();
@@ -217,7 +217,7 @@ pub fn apply(graph: &mut Graph, precision: Precision) -> Result<usize> {
 /// PyTorch remain, both toward f32: the bias is added in f32 (PyTorch rounds it to the half type
 /// first), and an output of the graph keeps the unrounded value (PyTorch returns the half one).
 /// The casts made.
-fn round_products(graph: &mut Graph, half: DType, casts: &mut HashMap<(NodeId, DType), NodeId>) -> usize {
+fn round_products(graph: &mut Graph, half: DType) -> usize {
     let products: Vec<NodeId> = graph
         .node_ids()
         .filter(|&n| {
@@ -239,15 +239,10 @@ fn round_products(graph: &mut Graph, half: DType, casts: &mut HashMap<(NodeId, D
         // A cast to the half type already made (for a product, or below a layout op) is the copy.
         let existing =
             readers.iter().copied().find(|&r| matches!(graph.node(r).op, Op::Cast { to } if to == half));
-        let narrow = match casts.get(&(rounded, half)).copied().or(existing) {
-            Some(c) => c,
-            None => {
-                made += 1;
-                let c = cast_node(graph, rounded, half);
-                casts.insert((rounded, half), c);
-                c
-            }
-        };
+        let narrow = existing.unwrap_or_else(|| {
+            made += 1;
+            cast_node(graph, rounded, half)
+        });
         made += 1;
         let wide = cast_node(graph, narrow, DType::F32);
         for r in readers.into_iter().filter(|&r| r != narrow) {
