@@ -41,7 +41,19 @@ fn every_zoo_kernel_compiles_to_ptx_for_sm_90() {
     let Some(nvrtc) = compiler() else { return };
     assert_eq!(nvrtc.arch(), "compute_90");
     let mut total = 0;
-    for (name, plan) in zoo_plans() {
+    // The mixed-precision training steps too: half casts and rounding, and f16's loss scaling
+    // (gated updates, the scale's update).
+    let mut plans = zoo_plans();
+    for m in zoo::all() {
+        for precision in [Precision::BF16, Precision::F16] {
+            let graph = kiln::compare::graph_at(&m, Mode::Train, precision).unwrap();
+            plans.push((
+                format!("{}-train-{precision}", m.name),
+                compile(graph, &CompileOptions::default()).unwrap(),
+            ));
+        }
+    }
+    for (name, plan) in plans {
         let kernels = plan_kernels(&plan).unwrap_or_else(|e| panic!("{name}: {e}"));
         let sources: Vec<&str> = kernels.iter().map(|k| k.source.as_str()).collect();
         let ptx = nvrtc.compile_all(&sources).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -57,6 +57,7 @@ pub mod ir;
 pub mod limits;
 pub mod liveness;
 pub mod log_softmax_split;
+pub mod loss_scale;
 pub mod losses;
 pub mod lower;
 pub mod nn;

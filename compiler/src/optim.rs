@@ -125,7 +125,21 @@ impl Optimizer {
 
     /// Appends one update per (parameter, gradient) pair and returns the effect nodes.
     pub fn apply(&self, updates: &[(Tensor, String, Tensor)]) -> Vec<Tensor> {
+        self.apply_gated(updates, None)
+    }
+
+    /// `apply` with every update (and Adam's step counter) gated by `gate`, one f32 element
+    /// (`Op::update_gate`): skipped where it is not finite, the gradient multiplied by it
+    /// otherwise (loss scaling's unscale factor, `crate::loss_scale`).
+    pub fn apply_gated(&self, updates: &[(Tensor, String, Tensor)], gate: Option<&Tensor>) -> Vec<Tensor> {
         let Some((first, _, _)) = updates.first() else { return vec![] };
+        let gated = |operands: &[&Tensor]| -> Vec<Tensor> {
+            operands.iter().map(|&t| t.clone()).chain(gate.cloned()).collect()
+        };
+        let record = |var: &Tensor, op: Op, operands: &[&Tensor]| {
+            let operands = gated(operands);
+            var.record(op, &operands.iter().collect::<Vec<_>>())
+        };
         let tracer = first.tracer();
         let state = |key: &str, slot: &str, shape: &Shape| {
             tracer.variable(
@@ -152,9 +166,9 @@ impl Optimizer {
                     let effect = tracer.on_device(var.device(), || {
                         if o.momentum != 0.0 {
                             let velocity = state(key, "velocity", var.shape());
-                            var.record(op.clone(), &[var, grad, &velocity])
+                            record(var, op.clone(), &[var, grad, &velocity])
                         } else {
-                            var.record(op.clone(), &[var, grad])
+                            record(var, op.clone(), &[var, grad])
                         }
                     });
                     effects.push(effect);
@@ -180,10 +194,10 @@ impl Optimizer {
                 for (var, key, grad) in updates {
                     effects.push(tracer.on_device(var.device(), || {
                         let (m, v) = (state(key, "m", var.shape()), state(key, "v", var.shape()));
-                        var.record(op.clone(), &[var, grad, &m, &v, &iterations])
+                        record(var, op.clone(), &[var, grad, &m, &v, &iterations])
                     }));
                 }
-                effects.push(iterations.record(Op::AssignAdd { value: 1.0 }, &[&iterations]));
+                effects.push(record(&iterations, Op::AssignAdd { value: 1.0 }, &[&iterations]));
             }
         }
         effects

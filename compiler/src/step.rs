@@ -8,6 +8,7 @@ use crate::autodiff;
 use crate::batch_blocks;
 use crate::error::{CompileError, Result};
 use crate::ir::{DType, Graph, Op, Shape, VarRole};
+use crate::loss_scale::LossScale;
 use crate::losses::{Loss, Metric};
 use crate::nn::Layer;
 use crate::optim::Optimizer;
@@ -208,7 +209,20 @@ pub fn train_step_graph_with(
     }
     autocast::apply(&mut graph, precision)?;
 
-    let loss = graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;
+    let mut loss =
+        graph.output("loss").ok_or_else(|| CompileError::Internal("loss output missing".into()))?;
+    // f16 steps differentiate the loss times a dynamic scale (`loss_scale`); the loss output
+    // stays unscaled.
+    let loss_scale = (precision == Precision::F16).then(LossScale::default);
+    let mut scale = None;
+    if let Some(ls) = &loss_scale {
+        let t = Tracer::resume(graph);
+        let scaled = ls.scale(&t.tensor(loss));
+        loss =
+            scaled.loss.id().ok_or_else(|| CompileError::Internal("the scaled loss is poisoned".into()))?;
+        scale = scaled.scale.id();
+        graph = t.finish()?;
+    }
     let params: Vec<_> = graph
         .variables()
         .into_iter()
@@ -233,6 +247,12 @@ pub fn train_step_graph_with(
             "train a model that declares parameters (e.g. a Dense layer) and feeds the loss",
         ));
     }
-    cfg.optimizer.apply(&updates);
+    let gate = match (&loss_scale, scale) {
+        (Some(ls), Some(scale)) => {
+            Some(ls.gate(&t.tensor(scale), &updates.iter().map(|(_, _, g)| g).collect::<Vec<_>>()))
+        }
+        _ => None,
+    };
+    cfg.optimizer.apply_gated(&updates, gate.as_ref());
     t.finish()
 }

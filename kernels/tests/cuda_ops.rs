@@ -581,6 +581,42 @@ fn cases() -> Vec<Case> {
         v.push(case(format!("random_uniform_{i}"), op, &[&[]]).with(0, Data::Const(step)));
     }
     v.push(case("assign_add_10", Op::AssignAdd { value: -0.25 }, &[&[10]]));
+    // ---- loss scaling: updates gated by a finite unscale factor or skipped by one that is not
+    for (tag, gate) in [("finite", 0.25f32), ("nan", f32::NAN), ("inf", f32::INFINITY)] {
+        v.push(
+            case(format!("sgd_gated_{tag}"), sgd(0.01, 0.0, false), &[&[7], &[7], &[]])
+                .with(2, Data::Const(gate)),
+        );
+        v.push(
+            case(
+                format!("sgd_momentum_gated_{tag}"),
+                sgd(0.1, 0.9, true),
+                &[&[3, 4], &[3, 4], &[3, 4], &[1]],
+            )
+            .with(3, Data::Const(gate)),
+        );
+        v.push(
+            case(format!("adam_gated_{tag}"), adam.clone(), &[&[5, 3], &[5, 3], &[5, 3], &[5, 3], &[], &[]])
+                .with(3, Data::Uniform(0.0, 1.0))
+                .with(4, Data::Const(3.0))
+                .with(5, Data::Const(gate)),
+        );
+        v.push(
+            case(format!("assign_add_gated_{tag}"), Op::AssignAdd { value: 1.0 }, &[&[], &[]])
+                .with(1, Data::Const(gate)),
+        );
+    }
+    let update_scale = Op::UpdateLossScale { growth: 2.0, backoff: 0.5, interval: 2000 };
+    for (tag, good, gate) in
+        [("grows", 1999.0f32, 1.0 / 65536.0), ("counts", 5.0, 0.5), ("backs_off", 5.0, f32::NAN)]
+    {
+        v.push(
+            case(format!("update_loss_scale_{tag}"), update_scale.clone(), &[&[], &[], &[]])
+                .with(0, Data::Const(65536.0))
+                .with(1, Data::Const(good))
+                .with(2, Data::Const(gate)),
+        );
+    }
     // ---- empty outputs
     v.push(case("empty_unary", Op::Unary(UnaryOp::Exp), &[&[0, 3]]));
     v.push(case("empty_matmul", mm(false, false), &[&[0, 3], &[3, 4]]));

@@ -183,6 +183,68 @@ fn optimizers_on_large_variables() {
     assert!(big[0].data.iter().zip(&var.data).all(|(a, b)| *a == b - 0.5));
 }
 
+/// Loss scaling's gate (`Op::update_gate`): a finite gate multiplies the gradient, one that is
+/// not finite leaves every operand as it was; the scale backs off, counts and grows as
+/// GradScaler's.
+#[test]
+fn gated_updates_and_the_loss_scale() {
+    let var = T::new(&[3], vec![1.0, 2.0, 3.0]);
+    let grad = T::new(&[3], vec![0.5, -1.0, 2.0]);
+    let sgd =
+        Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false, shard: None };
+    let plain = run_effect(&sgd, &[&var, &T::new(&[3], vec![0.25, -0.5, 1.0])]);
+    let gated = run_effect(&sgd, &[&var, &grad, &T::new(&[], vec![0.5])]);
+    assert_eq!(gated[0], plain[0], "the gradient is multiplied by the gate");
+    let adam = Op::ApplyAdam {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-7,
+        rows: None,
+        product: false,
+        shard: None,
+    };
+    let state = T::new(&[3], vec![0.1, 0.2, 0.3]);
+    for gate in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let skipped = run_effect(
+            &adam,
+            &[&var, &grad, &state, &state, &T::new(&[], vec![4.0]), &T::new(&[], vec![gate])],
+        );
+        assert_eq!((&skipped[0], &skipped[2], &skipped[3]), (&var, &state, &state), "gate {gate}");
+        let counter =
+            run_effect(&Op::AssignAdd { value: 1.0 }, &[&T::new(&[], vec![4.0]), &T::new(&[], vec![gate])]);
+        assert_eq!(counter[0].data, [4.0], "gate {gate}");
+    }
+    let counter =
+        run_effect(&Op::AssignAdd { value: 1.0 }, &[&T::new(&[], vec![4.0]), &T::new(&[], vec![0.5])]);
+    assert_eq!(counter[0].data, [5.0]);
+
+    let op = Op::UpdateLossScale { growth: 2.0, backoff: 0.5, interval: 3 };
+    let one = |v: f32| T::new(&[], vec![v]);
+    let mut scale = (65536.0f32, 0.0f32);
+    let mut seen = Vec::new();
+    for gate in [f32::NAN, 1.0, 1.0, 1.0, 1.0, f32::INFINITY, 1.0] {
+        let out = run_effect(&op, &[&one(scale.0), &one(scale.1), &one(gate)]);
+        scale = (out[0].data[0], out[1].data[0]);
+        seen.push(scale);
+    }
+    assert_eq!(
+        seen,
+        [
+            (32768.0, 0.0),
+            (32768.0, 1.0),
+            (32768.0, 2.0),
+            (65536.0, 0.0),
+            (65536.0, 1.0),
+            (32768.0, 0.0),
+            (32768.0, 1.0)
+        ]
+    );
+    // Growth that would overflow keeps the scale.
+    let out = run_effect(&op, &[&one(f32::MAX), &one(2.0), &one(1.0)]);
+    assert_eq!((out[0].data[0], out[1].data[0]), (f32::MAX, 0.0));
+}
+
 #[test]
 fn prepare_rejects_what_it_cannot_run() {
     let s = Shape::from([2, 3]);

@@ -191,10 +191,12 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             "the gradient of a fused group (fusion runs after autodiff, at compile time)",
             "differentiate the traced graph, before `compile` fuses it",
         )),
-        Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } => Err(CompileError::invalid(
-            format!("`{}` updates a variable and has no gradient", op.name()),
-            "differentiate the loss before adding optimizer updates",
-        )),
+        Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } | Op::UpdateLossScale { .. } => {
+            Err(CompileError::invalid(
+                format!("`{}` updates a variable and has no gradient", op.name()),
+                "differentiate the loss before adding optimizer updates",
+            ))
+        }
     }
 }
 

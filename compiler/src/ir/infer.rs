@@ -588,11 +588,12 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                     Shape::new(dims)
                 }
             };
+            check_gate(op, operands)?;
             let grad = op.update_grad().unwrap_or(Grad::Operand);
             let start = grad.state_start();
             let state: Vec<usize> = match op {
                 Op::ApplyAdam { .. } => vec![start, start + 1],
-                _ => (start..operands.len()).collect(),
+                _ => (start..op.update_gate(operands.len()).unwrap_or(operands.len())).collect(),
             };
             if *product {
                 let (a, b) = (shape(1), shape(2));
@@ -628,7 +629,40 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             }
             Ok((Shape::scalar(), dtype(0)))
         }
-        Op::AssignAdd { .. } => Ok((Shape::scalar(), dtype(0))),
+        Op::AssignAdd { .. } => {
+            check_gate(op, operands)?;
+            Ok((Shape::scalar(), dtype(0)))
+        }
+        Op::UpdateLossScale { growth, backoff, interval } => {
+            if !(growth.is_finite() && *growth >= 1.0 && *backoff > 0.0 && *backoff < 1.0 && *interval > 0) {
+                return err(
+                    format!("growth {growth}, backoff {backoff} and interval {interval}"),
+                    "grow by a finite factor of 1 or more, back off by a factor in (0, 1), after an interval of 1 step or more (GradScaler's: 2, 0.5, 2000)",
+                );
+            }
+            if let Some(i) = (0..3).find(|&i| shape(i).numel() != 1 || dtype(i) != DType::F32) {
+                return err(
+                    format!("operand {i} is {} {}", dtype(i), shape(i)),
+                    "pass the scale and good-step variables and the gate, each one f32 element",
+                );
+            }
+            Ok((Shape::scalar(), DType::F32))
+        }
+    }
+}
+
+/// An update's gate operand (`Op::update_gate`), where it has one, holds one f32 element.
+fn check_gate(op: &Op, operands: &[(&Shape, DType)]) -> Result<(), OpError> {
+    match op.update_gate(operands.len()).map(|i| operands[i]) {
+        Some(_) if op.update_grad() == Some(Grad::Product) => err(
+            "a product update (its gradient computed in its kernel) has a gate operand",
+            "gate updates from a stored gradient: the gate reads every gradient first",
+        ),
+        Some((shape, d)) if shape.numel() != 1 || d != DType::F32 => err(
+            format!("the gate operand is {d} {shape}"),
+            "gate an update with one f32 element (loss scaling's unscale factor)",
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -667,9 +701,10 @@ fn sharded_update(
             "pass the reduce-scattered shard of the gradient, or the whole all-reduced gradient",
         );
     }
+    check_gate(op, operands)?;
     let state = match op {
         Op::ApplyAdam { .. } => 2..4,
-        _ => 2..operands.len(),
+        _ => 2..op.update_gate(operands.len()).unwrap_or(operands.len()),
     };
     if let Some(i) = state.clone().find(|&i| operands[i].0 != &part) {
         return err(
@@ -708,8 +743,10 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::Pool2d { .. }
-        | Op::AvgPool2dGrad { .. }
-        | Op::AssignAdd { .. } => 1..=1,
+        | Op::AvgPool2dGrad { .. } => 1..=1,
+        // An update's last operand may be its gate (`Op::update_gate`).
+        Op::AssignAdd { .. } => 1..=2,
+        Op::UpdateLossScale { .. } => 3..=3,
         Op::Binary(_)
         | Op::MatMul { .. }
         | Op::MatMulRows { .. }
@@ -728,10 +765,10 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         Op::Concat { .. } => 1..=usize::MAX,
         Op::Custom { .. } => 0..=usize::MAX,
         Op::ApplySgd { momentum, product, .. } if *momentum != 0.0 => {
-            3 + usize::from(*product)..=3 + usize::from(*product)
+            3 + usize::from(*product)..=4 + usize::from(*product)
         }
-        Op::ApplySgd { product, .. } => 2 + usize::from(*product)..=2 + usize::from(*product),
-        Op::ApplyAdam { product, .. } => 5 + usize::from(*product)..=5 + usize::from(*product),
+        Op::ApplySgd { product, .. } => 2 + usize::from(*product)..=3 + usize::from(*product),
+        Op::ApplyAdam { product, .. } => 5 + usize::from(*product)..=6 + usize::from(*product),
     }
 }
 

@@ -818,10 +818,25 @@ pub enum Op {
         #[serde(default)]
         shard: Option<Shard>,
     },
-    /// (var) += value.
+    /// (var) += value; with a last gate operand (`Op::update_gate`), only where the gate is
+    /// finite.
     AssignAdd {
         /// The constant added to every element of the variable (1 for a step counter).
         value: f32,
+    },
+    /// Dynamic loss scaling's bookkeeping after a step (`crate::loss_scale`), as PyTorch's
+    /// GradScaler updates its scale: (scale, good_steps, gate), the first two one-element f32
+    /// variables written in place, the gate the step's one-element unscale factor, not finite
+    /// where a gradient was not. A finite gate counts a good step, and the `interval`-th in a
+    /// row multiplies the scale by `growth` (where the product stays finite) and restarts the
+    /// count; a gate that is not finite multiplies the scale by `backoff` and restarts it.
+    UpdateLossScale {
+        /// The factor the scale grows by after `interval` finite steps in a row (2).
+        growth: f32,
+        /// The factor the scale shrinks by after a step whose gradients were not finite (0.5).
+        backoff: f32,
+        /// The finite steps in a row after which the scale grows (2,000).
+        interval: u32,
     },
 }
 
@@ -877,9 +892,11 @@ impl Op {
                 OpClass::Elementwise
             }
             Op::Reshape { .. } => OpClass::View,
-            Op::ApplySgd { .. } | Op::ApplyAdam { .. } | Op::AssignAdd { .. } | Op::AllGather { .. } => {
-                OpClass::Effect
-            }
+            Op::ApplySgd { .. }
+            | Op::ApplyAdam { .. }
+            | Op::AssignAdd { .. }
+            | Op::UpdateLossScale { .. }
+            | Op::AllGather { .. } => OpClass::Effect,
             _ => OpClass::Compute,
         }
     }
@@ -989,7 +1006,8 @@ impl Op {
             | Op::Slice { .. }
             | Op::Pad { .. }
             | Op::Gather
-            | Op::AssignAdd { .. } => n(output),
+            | Op::AssignAdd { .. }
+            | Op::UpdateLossScale { .. } => n(output),
             Op::Fused(f) => {
                 let product =
                     f.product().map_or(0, |p| p.flops(&operands[..operands.len().min(2)], &f.shape));
@@ -1048,8 +1066,26 @@ impl Op {
             Op::ApplyAdam { product: false, .. } => &[0, 2, 3],
             Op::ApplyAdam { product: true, .. } => &[0, 3, 4],
             Op::AssignAdd { .. } | Op::AllGather { .. } => &[0],
+            Op::UpdateLossScale { .. } => &[0, 1],
             _ => &[],
         }
+    }
+
+    /// The index of the gate operand of an update of `operands` operands, where it has one
+    /// (loss scaling, `crate::loss_scale`): `ApplySgd`, `ApplyAdam` and `AssignAdd` take an
+    /// optional last one-element f32 operand. Where the gate is not finite the op changes
+    /// nothing; otherwise an optimizer update multiplies its gradient by the gate (the unscale
+    /// factor 1/scale) before applying it. None for other ops and for ungated updates.
+    pub fn update_gate(&self, operands: usize) -> Option<usize> {
+        let base = match self {
+            Op::ApplySgd { momentum, product, .. } => {
+                2 + usize::from(*momentum != 0.0) + usize::from(*product)
+            }
+            Op::ApplyAdam { product, .. } => 5 + usize::from(*product),
+            Op::AssignAdd { .. } => 1,
+            _ => return None,
+        };
+        (operands == base + 1).then_some(base)
     }
 
     /// This optimizer update writing `rows` from a gradient of the given form (`Grad`); other
@@ -1171,6 +1207,7 @@ impl Op {
             Op::ApplySgd { .. } => "apply_sgd",
             Op::ApplyAdam { .. } => "apply_adam",
             Op::AssignAdd { .. } => "assign_add",
+            Op::UpdateLossScale { .. } => "update_loss_scale",
         }
     }
 
@@ -1296,6 +1333,9 @@ impl Op {
             }
             Op::AssignAdd { value } => {
                 let _ = write!(s, "[{value}]");
+            }
+            Op::UpdateLossScale { growth, backoff, interval } => {
+                let _ = write!(s, "[growth {growth}, backoff {backoff}, interval {interval}]");
             }
             Op::Fused(f) => {
                 let _ = write!(s, "[{}]", f.text());

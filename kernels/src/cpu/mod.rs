@@ -169,12 +169,17 @@ pub fn prepare(
         Op::Custom { name } => custom::custom(name, &s, out)?,
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
         Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
-            optim::sgd(*lr, *momentum, *nesterov, &s, *rows, *product, *shard)
+            optim::sgd(*lr, *momentum, *nesterov, &s, (*rows, *product, *shard, op.update_gate(s.len())))
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => {
-            optim::adam([*lr, *beta1, *beta2, *epsilon], &s, *rows, *product, *shard)
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => optim::adam(
+            [*lr, *beta1, *beta2, *epsilon],
+            &s,
+            (*rows, *product, *shard, op.update_gate(s.len())),
+        ),
+        Op::AssignAdd { value } => optim::assign_add(*value, s[0], op.update_gate(s.len())),
+        Op::UpdateLossScale { growth, backoff, interval } => {
+            optim::update_loss_scale(*growth, *backoff, *interval)
         }
-        Op::AssignAdd { value } => optim::assign_add(*value, s[0]),
     })
 }
 

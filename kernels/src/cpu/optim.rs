@@ -6,6 +6,11 @@
 //! - Adam: t = iterations + 1; α = lr·√(1-β2^t)/(1-β1^t); m += (g-m)(1-β1); v += (g²-v)(1-β2);
 //!   var -= α·m/(√v + ε). The iteration counter is read, not incremented (an assign_add does that).
 //! - assign_add: every element += value.
+//! - update_loss_scale: GradScaler's scale update (`ir::Op::UpdateLossScale`).
+//!
+//! A gated update (`ir::Op::update_gate`) reads its gate first: where it is not finite the
+//! kernel returns without writing, and otherwise the gradient is multiplied by it as it is read
+//! (the ungated multiply by 1 changes no bit).
 //!
 //! A tiled update (`rows`) writes a block of rows: the variable and its state are read and
 //! written from that block's first element on, the gradient holds just the block.
@@ -47,6 +52,8 @@ struct Run {
     grad: SendPtr<f32>,
     state: [SendPtr<f32>; 2],
     alpha: f32,
+    /// The factor each gradient element is multiplied by as it is read (a gate's; 1 ungated).
+    unscale: f32,
 }
 
 impl Rule {
@@ -70,19 +77,21 @@ impl Rule {
             Rule::Sgd { lr, momentum, nesterov } => {
                 // SAFETY: the contract above; callers take disjoint ranges.
                 let (x, g) = unsafe { (part(run.var, s, e), part(run.grad, s, e)) };
+                let unscale = run.unscale;
                 if momentum == 0.0 {
-                    x.iter_mut().zip(g.iter()).for_each(|(x, &g)| *x -= lr * g);
+                    x.iter_mut().zip(g.iter()).for_each(|(x, &g)| *x -= lr * (g * unscale));
                     return;
                 }
                 // SAFETY: as above (SGD with momentum has its velocity).
                 let v = unsafe { part(run.state[0], s, e) };
                 for ((x, &g), v) in x.iter_mut().zip(g.iter()).zip(v) {
+                    let g = g * unscale;
                     *v = momentum * *v - lr * g;
                     *x += if nesterov { momentum * *v - lr * g } else { *v };
                 }
             }
             Rule::Adam { beta1, beta2, epsilon, .. } => {
-                let (one_b1, one_b2, alpha) = (1.0 - beta1, 1.0 - beta2, run.alpha);
+                let (one_b1, one_b2, alpha, unscale) = (1.0 - beta1, 1.0 - beta2, run.alpha, run.unscale);
                 // SAFETY: as above (Adam has m and v).
                 let (x, g, m, v) = unsafe {
                     (
@@ -93,6 +102,7 @@ impl Rule {
                     )
                 };
                 for (((x, &g), m), v) in x.iter_mut().zip(g.iter()).zip(m).zip(v) {
+                    let g = g * unscale;
                     *m += (g - *m) * one_b1;
                     *v += (g * g - *v) * one_b2;
                     *x -= alpha * *m / (v.sqrt() + epsilon);
@@ -145,44 +155,42 @@ struct Update {
     product: Option<Product>,
     /// Operand index of the first state tensor (`ir::Grad::state_start`).
     state_start: usize,
+    /// Operand index of the gate (`ir::Op::update_gate`), where the update has one.
+    gate: Option<usize>,
     desc: String,
 }
 
-/// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
-pub(crate) fn sgd(
-    lr: f32,
-    momentum: f32,
-    nesterov: bool,
-    shapes: &[&Shape],
-    rows: Option<Rows>,
-    product: bool,
-    shard: Option<Shard>,
-) -> Box<dyn CpuKernel> {
-    let desc = format!("apply_sgd[lr {lr}, momentum {momentum}{}]", if nesterov { ", nesterov" } else { "" });
-    update(Rule::Sgd { lr, momentum, nesterov }, desc, shapes, rows, product, shard)
+/// Where an update writes and from what: (rows, product, shard, gate operand) of the op.
+pub(crate) type At = (Option<Rows>, bool, Option<Shard>, Option<usize>);
+
+/// The gate's factor for a run: None where the gate is not finite (the update is skipped), 1
+/// for an ungated update.
+///
+/// # Safety
+/// `gate`, where given, indexes an input holding one f32 (`ir::infer` checked).
+unsafe fn unscale(inputs: &[*mut u8], gate: Option<usize>) -> Option<f32> {
+    match gate {
+        // SAFETY: the contract above.
+        Some(i) => Some(unsafe { *(inputs[i] as *const f32) }).filter(|g| g.is_finite()),
+        None => Some(1.0),
+    }
 }
 
 /// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
-pub(crate) fn adam(
-    hyper: [f32; 4],
-    shapes: &[&Shape],
-    rows: Option<Rows>,
-    product: bool,
-    shard: Option<Shard>,
-) -> Box<dyn CpuKernel> {
+pub(crate) fn sgd(lr: f32, momentum: f32, nesterov: bool, shapes: &[&Shape], at: At) -> Box<dyn CpuKernel> {
+    let desc = format!("apply_sgd[lr {lr}, momentum {momentum}{}]", if nesterov { ", nesterov" } else { "" });
+    update(Rule::Sgd { lr, momentum, nesterov }, desc, shapes, at)
+}
+
+/// `rows` was checked against `var` (and a product's factors against it) by `ir::infer`.
+pub(crate) fn adam(hyper: [f32; 4], shapes: &[&Shape], at: At) -> Box<dyn CpuKernel> {
     let [lr, beta1, beta2, epsilon] = hyper;
     let desc = format!("apply_adam[lr {lr}, beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}]");
-    update(Rule::Adam { lr, beta1, beta2, epsilon }, desc, shapes, rows, product, shard)
+    update(Rule::Adam { lr, beta1, beta2, epsilon }, desc, shapes, at)
 }
 
-fn update(
-    rule: Rule,
-    name: String,
-    shapes: &[&Shape],
-    rows: Option<Rows>,
-    product: bool,
-    shard: Option<Shard>,
-) -> Box<dyn CpuKernel> {
+fn update(rule: Rule, name: String, shapes: &[&Shape], at: At) -> Box<dyn CpuKernel> {
+    let (rows, product, shard, gate) = at;
     let var = shapes[0];
     let (offset, n, part) = Rows::span(rows, var);
     // A shard (`ir::infer` checked: no rows, no product, the state of the padded shard's shape,
@@ -232,7 +240,8 @@ fn update(
         ),
         None => String::new(),
     };
-    let desc = format!("{name} {}{part}{from}", shape_text(var));
+    let gated = if gate.is_some() { " gated" } else { "" };
+    let desc = format!("{name} {}{part}{from}{gated}", shape_text(var));
     Box::new(Update {
         rule,
         offset,
@@ -241,6 +250,7 @@ fn update(
         n,
         product,
         state_start: grad.state_start(),
+        gate,
         desc,
     })
 }
@@ -257,6 +267,8 @@ impl CpuKernel for Update {
                 inputs.get(i).map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(offset) }),
             )
         };
+        // SAFETY: `ir::infer` checked that a gate holds one f32.
+        let Some(unscale) = (unsafe { unscale(inputs, self.gate) }) else { return };
         let state = [at(self.state_start, self.state_offset), at(self.state_start + 1, self.state_offset)];
         let alpha = match self.rule {
             // SAFETY: Adam's counter (after m and v) holds one element.
@@ -267,7 +279,7 @@ impl CpuKernel for Update {
         let Some(p) = &self.product else {
             let grad = at(1, self.grad_offset);
             // SAFETY: var, grad and the state are distinct buffers of n elements from `at`.
-            unsafe { self.rule.apply(Run { var, grad, state, alpha }, self.n, true) };
+            unsafe { self.rule.apply(Run { var, grad, state, alpha, unscale }, self.n, true) };
             return;
         };
         let (block, cols) = (p.gemm.m, p.gemm.n);
@@ -288,6 +300,7 @@ impl CpuKernel for Update {
                 grad: SendPtr::new(tile.as_mut_ptr()),
                 state: state.map(shift),
                 alpha,
+                unscale,
             };
             // SAFETY: columns r0..r0 + rows of a[M, R] (strides (1, R) as rows of aᵀ) and b[M, C]
             // are valid (`ir::infer` checked the factors against the variable [R, C]); the tile
@@ -325,15 +338,26 @@ impl CpuKernel for Update {
 struct AssignAdd {
     value: f32,
     n: usize,
+    gate: Option<usize>,
     desc: String,
 }
 
-pub(crate) fn assign_add(value: f32, var: &Shape) -> Box<dyn CpuKernel> {
-    Box::new(AssignAdd { value, n: var.numel(), desc: format!("assign_add[{value}] {}", shape_text(var)) })
+pub(crate) fn assign_add(value: f32, var: &Shape, gate: Option<usize>) -> Box<dyn CpuKernel> {
+    let gated = if gate.is_some() { " gated" } else { "" };
+    Box::new(AssignAdd {
+        value,
+        n: var.numel(),
+        gate,
+        desc: format!("assign_add[{value}] {}{gated}", shape_text(var)),
+    })
 }
 
 impl CpuKernel for AssignAdd {
     unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
+        // SAFETY: `ir::infer` checked that a gate holds one f32.
+        if unsafe { unscale(inputs, self.gate) }.is_none() {
+            return;
+        }
         let var = SendPtr::new(inputs[0] as *mut f32);
         // SAFETY: the variable holds n elements; tasks take disjoint ranges.
         par_ranges(self.n, 1, |s, e| unsafe { part(var, s, e) }.iter_mut().for_each(|x| *x += self.value));
@@ -341,5 +365,57 @@ impl CpuKernel for AssignAdd {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+struct UpdateLossScale {
+    growth: f32,
+    backoff: f32,
+    interval: u32,
+}
+
+pub(crate) fn update_loss_scale(growth: f32, backoff: f32, interval: u32) -> Box<dyn CpuKernel> {
+    Box::new(UpdateLossScale { growth, backoff, interval })
+}
+
+/// GradScaler's update of (scale, good steps) from the step's gate: the CPU's and the CUDA
+/// kernel's arithmetic (`cuda::optim::update_loss_scale`).
+pub(crate) fn loss_scale_after(
+    scale: f32,
+    good: f32,
+    gate: f32,
+    growth: f32,
+    backoff: f32,
+    interval: u32,
+) -> (f32, f32) {
+    if !gate.is_finite() {
+        return (scale * backoff, 0.0);
+    }
+    let good = good + 1.0;
+    if good >= interval as f32 {
+        let grown = scale * growth;
+        (if grown.is_finite() { grown } else { scale }, 0.0)
+    } else {
+        (scale, good)
+    }
+}
+
+impl CpuKernel for UpdateLossScale {
+    unsafe fn run(&self, inputs: &[*mut u8], _output: *mut u8) {
+        let [scale, good, gate] = [0, 1, 2].map(|i| inputs[i] as *mut f32);
+        // SAFETY: the three operands hold one f32 each (`ir::infer` checked); scale and good
+        // steps are distinct variables, the gate a value.
+        unsafe {
+            let (s, g) = loss_scale_after(*scale, *good, *gate, self.growth, self.backoff, self.interval);
+            *scale = s;
+            *good = g;
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "update_loss_scale[growth {}, backoff {}, interval {}]",
+            self.growth, self.backoff, self.interval
+        )
     }
 }

@@ -355,12 +355,23 @@ pub fn generate_with_scratch(
             }
         }
         Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch),
-        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
-            optim::sgd(l, (*lr, *momentum, *nesterov), (*rows, *product, *shard), &s, scratch)
+        Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => optim::sgd(
+            l,
+            (*lr, *momentum, *nesterov),
+            (*rows, *product, *shard, op.update_gate(s.len()).is_some()),
+            &s,
+            scratch,
+        ),
+        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => optim::adam(
+            l,
+            [*lr, *beta1, *beta2, *epsilon],
+            (*rows, *product, *shard, op.update_gate(s.len()).is_some()),
+            &s,
+            scratch,
+        ),
+        Op::AssignAdd { value } => optim::assign_add(l, *value, s[0], op.update_gate(s.len()).is_some()),
+        Op::UpdateLossScale { growth, backoff, interval } => {
+            optim::update_loss_scale(l, *growth, *backoff, *interval)
         }
-        Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => {
-            optim::adam(l, [*lr, *beta1, *beta2, *epsilon], (*rows, *product, *shard), &s, scratch)
-        }
-        Op::AssignAdd { value } => optim::assign_add(l, *value, s[0]),
     })
 }

@@ -8,6 +8,11 @@
 //!   every step); α = lr·√(1-β2^t)/(1-β1^t) in f64 with `pow`, as the CPU; then in f32
 //!   m += (g - m)(1 - β1); v += (g² - v)(1 - β2); var -= α·m / (√v + ε).
 //! - assign_add: var += value.
+//! - update_loss_scale: GradScaler's scale update, one thread (`ir::Op::UpdateLossScale`).
+//!
+//! A gated update (`ir::Op::update_gate`, the last operand) reads its gate in every thread:
+//! where it is not finite the thread returns before writing, and otherwise the gradient is
+//! `__fmul_rn(grad[i], gate)`, as the CPU multiplies it.
 //!
 //! A tiled update (`rows`) writes a block of rows: the kernel moves the variable's and the
 //! state's pointers to the block's first element and updates as many elements as the gradient
@@ -26,6 +31,11 @@ use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_typ
 use super::gemm::{Gemm, Operand, Plain, Sink, Update};
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::{Rows, Shape, Shard};
+
+/// C for "`x` is finite", from its exponent bits: exact under any math flags.
+fn finite(x: &str) -> String {
+    format!("((__float_as_int({x}) & 0x7f800000) != 0x7f800000)")
+}
 
 /// Moves the named pointer parameters to a block's first element.
 fn shift(c: &mut Code, names: &[&str], offset: usize) {
@@ -138,13 +148,18 @@ impl Rule {
 
     /// The kernel over a stored gradient (operand 1), `n` elements of the variable from
     /// `span.var`, of the gradient from `span.grad` and of the state from `span.state` (a tiled
-    /// update's block, or a rank's shard).
-    fn kernel(self, label: &str, var: &Shape, span: &Span, shapes: &[&Shape]) -> CudaKernel {
+    /// update's block, or a rank's shard); with `gated`, the last operand is the gate.
+    fn kernel(self, label: &str, var: &Shape, span: &Span, shapes: &[&Shape], gated: bool) -> CudaKernel {
         let ty = idx_type(var.numel());
         let function = format!("kiln_apply_{}", self.name);
         let mut c = Code::new();
         c.line(header(label, shapes, None));
-        c.line(format!("extern \"C\" __global__ void {function}({}) {{", self.params(true)));
+        let gate_param = if gated { ", const float* __restrict__ gate" } else { "" };
+        c.line(format!("extern \"C\" __global__ void {function}({}{gate_param}) {{", self.params(true)));
+        if gated {
+            c.line("const float kiln_gate = gate[0];");
+            c.line(format!("if (!{}) return;", finite("kiln_gate")));
+        }
         for l in self.setup.iter().chain(&self.constants) {
             c.line(l);
         }
@@ -152,17 +167,27 @@ impl Rule {
         shift(&mut c, &["grad"], span.grad);
         shift(&mut c, &self.state, span.state);
         c.line(grid_loop(ty, "i", span.n));
-        c.line("const float g = grad[i];");
+        c.line(if gated {
+            "const float g = __fmul_rn(grad[i], kiln_gate);"
+        } else {
+            "const float g = grad[i];"
+        });
         for l in &self.body {
             c.line(l);
         }
         c.line("}");
         c.line("}");
-        let inputs = 2 + self.state.len() + usize::from(self.counter);
+        let inputs = 2 + self.state.len() + usize::from(self.counter) + usize::from(gated);
         CudaKernel {
             source: c.finish(),
             launches: vec![launch(&function, span.n, inputs)],
-            describe: format!("{} {}{}", self.describe, shape_text(var), span.part),
+            describe: format!(
+                "{} {}{}{}",
+                self.describe,
+                shape_text(var),
+                span.part,
+                if gated { " gated" } else { "" }
+            ),
         }
     }
 
@@ -275,51 +300,54 @@ impl Span {
 fn update(
     rule: Rule,
     label: &str,
-    (rows, product, shard): (Option<Rows>, bool, Option<Shard>),
+    (rows, product, shard, gated): At,
     shapes: &[&Shape],
     scratch: usize,
 ) -> CudaKernel {
-    if product {
+    // `ir::infer` refuses a gated product update: the gate reads the stored gradient.
+    if product && !gated {
         rule.product_kernel(label, shapes, scratch)
     } else {
         let span = Span::of(shapes[0], shapes[1], rows, shard);
-        rule.kernel(label, shapes[0], &span, shapes)
+        rule.kernel(label, shapes[0], &span, shapes, gated)
     }
 }
+
+/// Where an update writes and from what: (rows, product, shard, gated) of the op.
+pub(crate) type At = (Option<Rows>, bool, Option<Shard>, bool);
 
 /// The (M, N, K) of a product update's gradient aᵀ·b (operands 1 and 2).
 pub(crate) fn product_dims(shapes: &[&Shape]) -> (usize, usize, usize) {
     (shapes[0].dims()[0], shapes[0].dims()[1], shapes[1].dims()[0])
 }
 
-/// `at` is (rows, product, shard) of the op.
+/// `at` is (rows, product, shard, gated) of the op.
 pub(crate) fn sgd(
     label: &str,
     (lr, momentum, nesterov): (f32, f32, bool),
-    at: (Option<Rows>, bool, Option<Shard>),
+    at: At,
     shapes: &[&Shape],
     scratch: usize,
 ) -> CudaKernel {
     update(sgd_rule(lr, momentum, nesterov), label, at, shapes, scratch)
 }
 
-/// `hyper` is (lr, beta1, beta2, epsilon), `at` (rows, product, shard) of the op.
-pub(crate) fn adam(
-    label: &str,
-    hyper: [f32; 4],
-    at: (Option<Rows>, bool, Option<Shard>),
-    shapes: &[&Shape],
-    scratch: usize,
-) -> CudaKernel {
+/// `hyper` is (lr, beta1, beta2, epsilon), `at` (rows, product, shard, gated) of the op.
+pub(crate) fn adam(label: &str, hyper: [f32; 4], at: At, shapes: &[&Shape], scratch: usize) -> CudaKernel {
     update(adam_rule(hyper), label, at, shapes, scratch)
 }
 
-pub(crate) fn assign_add(label: &str, value: f32, var: &Shape) -> CudaKernel {
+pub(crate) fn assign_add(label: &str, value: f32, var: &Shape, gated: bool) -> CudaKernel {
     let n = var.numel();
     let ty = idx_type(n);
     let mut c = Code::new();
     c.line(header(label, &[var], None));
-    c.line("extern \"C\" __global__ void kiln_assign_add(float* __restrict__ var) {");
+    if gated {
+        c.line("extern \"C\" __global__ void kiln_assign_add(float* __restrict__ var, const float* __restrict__ gate) {");
+        c.line(format!("if (!{}) return;", finite("gate[0]")));
+    } else {
+        c.line("extern \"C\" __global__ void kiln_assign_add(float* __restrict__ var) {");
+    }
     c.line(format!("const float value = {};", flt(value)));
     c.line(grid_loop(ty, "i", n));
     c.line("var[i] = var[i] + value;");
@@ -327,7 +355,41 @@ pub(crate) fn assign_add(label: &str, value: f32, var: &Shape) -> CudaKernel {
     c.line("}");
     CudaKernel {
         source: c.finish(),
-        launches: vec![launch("kiln_assign_add", n, 1)],
-        describe: format!("assign_add[{value}] {}", shape_text(var)),
+        launches: vec![launch("kiln_assign_add", n, 1 + usize::from(gated))],
+        describe: format!("assign_add[{value}] {}{}", shape_text(var), if gated { " gated" } else { "" }),
+    }
+}
+
+/// One thread (of a warp): (scale, good steps) from the gate, as `cpu::optim::loss_scale_after`.
+pub(crate) fn update_loss_scale(label: &str, growth: f32, backoff: f32, interval: u32) -> CudaKernel {
+    let one = Shape::scalar();
+    let mut c = Code::new();
+    c.line(header(label, &[&one, &one, &one], None));
+    c.line("extern \"C\" __global__ void kiln_update_loss_scale(float* __restrict__ scale, float* __restrict__ good, const float* __restrict__ gate) {");
+    c.line("if (threadIdx.x != 0) return;");
+    c.line(format!("if (!{}) {{", finite("gate[0]")));
+    c.line(format!("scale[0] = __fmul_rn(scale[0], {});", flt(backoff)));
+    c.line("good[0] = 0.0f;");
+    c.line("return;");
+    c.line("}");
+    c.line("const float next = good[0] + 1.0f;");
+    c.line(format!("if (next >= {}) {{", flt(interval as f32)));
+    c.line(format!("const float grown = __fmul_rn(scale[0], {});", flt(growth)));
+    c.line(format!("if ({}) scale[0] = grown;", finite("grown")));
+    c.line("good[0] = 0.0f;");
+    c.line("} else {");
+    c.line("good[0] = next;");
+    c.line("}");
+    c.line("}");
+    CudaKernel {
+        source: c.finish(),
+        launches: vec![Launch {
+            function: "kiln_update_loss_scale".into(),
+            grid: [1, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+            args: (0..3).map(Arg::Input).collect(),
+        }],
+        describe: format!("update_loss_scale[growth {growth}, backoff {backoff}, interval {interval}]"),
     }
 }

@@ -1,0 +1,106 @@
+//! Dynamic loss scaling for f16 mixed precision, inside the plan.
+//!
+//! f16 keeps 5 exponent bits: a gradient below 2^-24 flushes to zero, one above 65,504
+//! overflows. A training step in f16 therefore differentiates the loss times a scale S, so
+//! that small gradients stay representable, and divides the gradients by S before the update;
+//! where S was too large, a gradient is not finite and the step is skipped, and S shrinks.
+//! This is PyTorch's `GradScaler` with its defaults (S starts at 2^16, halves after a step whose
+//! gradients are not all finite, doubles after 2,000 finite steps in a row); bf16 has f32's
+//! exponent range and needs none.
+//!
+//! GradScaler reads the overflow flag on the host (`scaler.step` syncs, or skips with a
+//! device-side `_foreach` check and a host read of `found_inf`); here the whole decision is
+//! part of the step's graph, so the plan runs with no host synchronisation:
+//!
+//! - the loss output stays the unscaled loss; autodiff differentiates `loss · scale`, a
+//!   persistent one-element variable (`SCALE_KEY`);
+//! - the gate, one f32 element, is `1/scale + Σ_g sum(g · 0)` over every parameter gradient:
+//!   `g · 0` is 0 for a finite element and NaN for an infinite or NaN one, so the gate is the
+//!   unscale factor 1/S when every gradient is finite and NaN otherwise (a sum of zeros never
+//!   overflows, as a sum of the gradients themselves could);
+//! - every optimizer update and Adam's step counter take the gate as their last operand
+//!   (`Op::update_gate`): where it is not finite they change nothing, and otherwise an update
+//!   multiplies its gradient by it as it reads it: unscaling costs no pass over the gradients;
+//! - `Op::UpdateLossScale` updates the scale and the count of finite steps (`GOOD_STEPS_KEY`)
+//!   from the gate, after every reader of the scale (`passes::effects`).
+//!
+//! What it costs: the check reads every gradient once, and every update waits for the last
+//! gradient, so the step holds all parameter gradients at once, as PyTorch does (its `.grad`
+//! tensors persist until `step`); plain f32 and bf16 steps apply each update as soon as its
+//! gradient is made. The updates also cannot compute their gradient's product themselves
+//! (`product_updates`) or be tiled (`tiled_updates`): the check must read the stored gradient.
+
+use crate::ir::{DType, Init, Op, Shape, VarRole};
+use crate::trace::Tensor;
+
+/// The key of the loss scale variable (one f32 element, a `VarRole::Counter`).
+pub const SCALE_KEY: &str = "loss_scale/scale";
+/// The key of the count of finite steps since the scale last changed (one f32 element).
+pub const GOOD_STEPS_KEY: &str = "loss_scale/good_steps";
+
+/// The dynamic loss scale's schedule; `Default` is GradScaler's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScale {
+    /// The scale of the first step (2^16).
+    pub init: f32,
+    /// The factor the scale grows by after `interval` finite steps in a row (2).
+    pub growth: f32,
+    /// The factor the scale shrinks by after a step whose gradients are not all finite (0.5).
+    pub backoff: f32,
+    /// The finite steps in a row after which the scale grows (2,000).
+    pub interval: u32,
+}
+
+impl Default for LossScale {
+    fn default() -> Self {
+        LossScale { init: 65536.0, growth: 2.0, backoff: 0.5, interval: 2000 }
+    }
+}
+
+/// The scaled loss a training step differentiates, and the gate its updates take.
+pub struct Scaled {
+    /// `loss · scale`, what autodiff differentiates.
+    pub loss: Tensor,
+    /// The scale variable.
+    pub scale: Tensor,
+}
+
+impl LossScale {
+    /// Declares the scale and multiplies `loss` by it (on the loss's device).
+    pub fn scale(&self, loss: &Tensor) -> Scaled {
+        let t = loss.tracer();
+        let scale = t.on_device(loss.device(), || {
+            t.variable(SCALE_KEY, Shape::scalar(), DType::F32, VarRole::Counter, Init::Constant(self.init))
+        });
+        let scaled = t.on_device(loss.device(), || loss.mul(&scale).named("loss_scale/scaled_loss"));
+        Scaled { loss: scaled, scale }
+    }
+
+    /// The gate of the updates of `grads`: 1/scale where every gradient is finite, NaN where
+    /// one is not; and the effect that updates the scale and the good-step count from it.
+    pub fn gate(&self, scale: &Tensor, grads: &[&Tensor]) -> Tensor {
+        let t = scale.tracer();
+        t.on_device(scale.device(), || {
+            let mut total: Option<Tensor> = None;
+            for g in grads {
+                let zeros = g.mul(0.0);
+                let s = if zeros.shape().rank() == 0 { zeros } else { zeros.sum(.., false) };
+                total = Some(match total {
+                    Some(t) => t.add(&s),
+                    None => s,
+                });
+            }
+            let inverse = scale.reciprocal();
+            let gate = match total {
+                Some(total) => inverse.add(&total.named("loss_scale/nonfinite")),
+                None => inverse,
+            }
+            .named("loss_scale/gate");
+            let good = t.variable(GOOD_STEPS_KEY, Shape::scalar(), DType::F32, VarRole::Counter, Init::Zeros);
+            let op =
+                Op::UpdateLossScale { growth: self.growth, backoff: self.backoff, interval: self.interval };
+            scale.record(op, &[scale, &good, &gate]);
+            gate
+        })
+    }
+}
