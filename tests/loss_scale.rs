@@ -97,7 +97,7 @@ fn an_overflowing_f16_step_is_skipped_and_the_scale_backs_off() {
     let (x, y) = batch();
     let f32_loss = trainer().train_step(&x, &y).unwrap().loss;
     assert!((losses[0] - f32_loss).abs() <= 0.01 * f32_loss, "{} against f32 {f32_loss}", losses[0]);
-    assert!(losses.last().unwrap() < &(0.9 * losses[first]), "the applied steps train: {losses:?}");
+    assert!(losses.last().unwrap() < &losses[first], "the applied steps train: {losses:?}");
 }
 
 #[test]
