@@ -438,3 +438,47 @@ fn overlapped_collectives_train_the_bits_of_collectives_in_line() {
         }
     }
 }
+
+/// f16 loss scaling on ranks: one rank's gradients overflow (its rows' targets are 1000), the
+/// other's do not; the finite checks are summed over the ranks, so both skip the step, back the
+/// scale off together and keep identical weights.
+#[test]
+fn f16_loss_scaling_skips_a_step_on_every_rank_together() {
+    use kiln::compiler::loss_scale::SCALE_KEY;
+    let model = || Sequential::new().add(Dense::new(16).activation(Activation::Relu)).add(Dense::new(1));
+    let cfg =
+        TrainConfig { loss: Loss::MeanSquaredError, optimizer: Adam::new(0.01).into(), metrics: vec![] };
+    let x: Vec<f32> = (0..32).map(|i| ((i * 7 % 11) as f32 - 5.0) / 5.0).collect();
+    let x = HostTensor::new(vec![8, 4], x).unwrap();
+    let y = HostTensor::new(vec![8, 1], [[1000.0f32; 4], [0.0; 4]].concat()).unwrap();
+    let comms = kiln::comm::local_group(2);
+    let runs: Vec<(Vec<f32>, Vec<u32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (cfg, x, y) = (cfg.clone(), &x, &y);
+                s.spawn(move || {
+                    let backend = Box::new(CpuBackend::new(5).with_communicator(comm));
+                    let mut t = Trainer::new(model(), cfg, backend).with_precision(Precision::F16);
+                    let mut scales = Vec::new();
+                    for _ in 0..3 {
+                        t.train_step(x, y).unwrap();
+                        scales.push(t.backend().read_variable(SCALE_KEY).unwrap().data()[0]);
+                    }
+                    let w = t
+                        .backend()
+                        .read_variable("dense/kernel")
+                        .unwrap()
+                        .data()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    (scales, w)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(runs[0].0, [32768.0, 16384.0, 8192.0], "rank 0's gradients overflow: every step skipped");
+    assert_eq!(runs[1], runs[0], "rank 1 skips with it and holds the same weights");
+}

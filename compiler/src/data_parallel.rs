@@ -107,6 +107,8 @@ pub fn all_reduce_gradients_in_buckets(graph: &mut Graph, bucket_bytes: usize) -
             size = bytes;
         }
     }
+    // f16 loss scaling: every rank skips a step where any rank's gradients are not finite.
+    crate::loss_scale::agree_across_ranks(graph);
     let mut out = Buckets { gradients: updates.len(), sizes: Vec::new() };
     for (k, bucket) in buckets.iter().enumerate() {
         if let [(u, g)] = bucket[..] {

@@ -24,14 +24,22 @@
 //! - `Op::UpdateLossScale` updates the scale and the count of finite steps (`GOOD_STEPS_KEY`)
 //!   from the gate, after every reader of the scale (`passes::effects`).
 //!
+//! Data parallelism (`data_parallel`, `zero`): each rank checks the gradients it holds, and
+//! the checks' total is summed over the ranks (`agree_across_ranks`), so that every rank skips
+//! the step where any rank's gradient is not finite and the weights stay identical. (A rank's
+//! finite gradients whose mean overflows f32 would go unseen: gradients near 10^38.)
+//!
 //! What it costs: the check reads every gradient once, and every update waits for the last
 //! gradient, so the step holds all parameter gradients at once, as PyTorch does (its `.grad`
 //! tensors persist until `step`); plain f32 and bf16 steps apply each update as soon as its
 //! gradient is made. The updates also cannot compute their gradient's product themselves
 //! (`product_updates`) or be tiled (`tiled_updates`): the check must read the stored gradient.
 
-use crate::ir::{DType, Init, Op, Shape, VarRole};
+use crate::ir::{DType, Graph, Init, Node, Op, ReduceOp, Shape, VarRole};
 use crate::trace::Tensor;
+
+/// The name of the sum of every gradient's finite check (0, or NaN).
+pub const NONFINITE_NAME: &str = "loss_scale/nonfinite";
 
 /// The key of the loss scale variable (one f32 element, a `VarRole::Counter`).
 pub const SCALE_KEY: &str = "loss_scale/scale";
@@ -92,7 +100,7 @@ impl LossScale {
             }
             let inverse = scale.reciprocal();
             let gate = match total {
-                Some(total) => inverse.add(&total.named("loss_scale/nonfinite")),
+                Some(total) => inverse.add(&total.named(NONFINITE_NAME)),
                 None => inverse,
             }
             .named("loss_scale/gate");
@@ -103,4 +111,32 @@ impl LossScale {
             gate
         })
     }
+}
+
+/// Makes the ranks of a data-parallel step agree on skipping it: the total of the gradients'
+/// finite checks (`NONFINITE_NAME`) is summed over the ranks before the gate reads it, 0 where
+/// every rank's gradients are finite and NaN where one is not. Returns whether the step has a
+/// check; a check already summed is left as it is.
+pub fn agree_across_ranks(graph: &mut Graph) -> bool {
+    let Some(total) = graph.node_ids().find(|&n| {
+        graph.node(n).name.as_deref() == Some(NONFINITE_NAME)
+            && !matches!(graph.node(n).op, Op::AllReduce { .. })
+    }) else {
+        return false;
+    };
+    let users = graph.users(total);
+    if users.iter().any(|&u| matches!(graph.node(u).op, Op::AllReduce { .. })) {
+        return true;
+    }
+    let node = graph.node(total).clone();
+    let summed = graph.add(
+        Node { op: Op::AllReduce { op: ReduceOp::Sum }, name: Some(NONFINITE_NAME.into()), ..node },
+        &[total],
+    );
+    for u in users {
+        if let Some(i) = graph.operands(u).iter().position(|&o| o == total) {
+            graph.replace_operand(u, i, summed);
+        }
+    }
+    true
 }

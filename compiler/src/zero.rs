@@ -104,6 +104,9 @@ pub fn shard_optimizer_state(graph: &mut Graph, stage: ZeroStage, shard: Shard) 
     if stage == ZeroStage::One {
         // Whole gradients, reduced as plain data parallelism reduces them: in buckets.
         crate::data_parallel::all_reduce_gradients(graph)?;
+    } else {
+        // Stage 2's reduce-scattered gradients: the ranks agree on f16 loss scaling's check.
+        crate::loss_scale::agree_across_ranks(graph);
     }
     let mut out = Sharding::default();
     for u in updates {
