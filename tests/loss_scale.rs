@@ -47,6 +47,13 @@ fn only_f16_steps_are_scaled_and_gated() {
         assert_eq!(updates, 5, "four parameters and Adam's counter");
         let scales = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::UpdateLossScale { .. })).count();
         assert_eq!(scales, usize::from(f16), "{precision}");
+        if !f16 {
+            let mut t =
+                Trainer::new(model(), config(), Device::cpu().backend(0).unwrap()).with_precision(precision);
+            let (x, y) = batch();
+            t.train_step(&x, &y).unwrap();
+            assert_eq!(t.loss_scale().unwrap(), None, "{precision}");
+        }
     }
 }
 
@@ -80,6 +87,7 @@ fn scaled_run(mut t: Trainer, steps: usize) -> (Vec<bool>, Vec<f32>) {
             if moved { (scale, good + 1.0, iterations + 1.0) } else { (scale / 2.0, 0.0, iterations) };
         assert_eq!(after, expected, "step {step}: (scale, good steps, iterations) after, moved {moved}");
         applied.push(moved);
+        assert_eq!(t.loss_scale().unwrap(), Some((after.0, after.1 as u32)));
     }
     (applied, losses)
 }

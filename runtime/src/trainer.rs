@@ -267,6 +267,20 @@ impl Trainer {
             .collect()
     }
 
+    /// The f16 step's dynamic loss scale as it stands, and the finite steps counted since it last
+    /// changed (`kiln_compiler::loss_scale`); None where the plans have none (f32 and bf16
+    /// steps, or before the first plan).
+    pub fn loss_scale(&self) -> Result<Option<(f32, u32)>> {
+        use kiln_compiler::loss_scale::{GOOD_STEPS_KEY, SCALE_KEY};
+        if !self.variables().contains_key(SCALE_KEY) {
+            return Ok(None);
+        }
+        let one = |key: &str| -> Result<f32> {
+            Ok(self.backend.read_variable(key)?.data().first().copied().unwrap_or(0.0))
+        };
+        Ok(Some((one(SCALE_KEY)?, one(GOOD_STEPS_KEY)? as u32)))
+    }
+
     /// The variables this trainer holds that hold NaN or infinite values, by key, with how many
     /// each holds (what to look at when a loss turns NaN; `checkpoint::non_finite`). Empty when
     /// every value is finite.

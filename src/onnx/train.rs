@@ -545,6 +545,11 @@ pub fn summary(run: &OnnxTraining) -> String {
     if let Some(r) = run.trainer.backend().report() {
         s.push_str(&format!("{r}\n"));
     }
+    if let Ok(Some((scale, good))) = run.trainer.loss_scale() {
+        s.push_str(&format!(
+            "f16 loss scale {scale} ({good} finite steps since it last changed; a step whose gradients overflow is skipped and halves it)\n"
+        ));
+    }
     let rows: Vec<PlanMemory> = run.trainer.plans().into_iter().map(PlanMemory::of).collect();
     s.push_str(&format!("\nmemory report (bytes)\n{}", table(&rows)));
     s
