@@ -126,3 +126,38 @@ fn the_emulated_device_skips_and_backs_off_as_the_cpu() {
         assert!((a - b).abs() <= 1e-3 * a.abs(), "{cpu_losses:?} on the CPU, {gpu_losses:?} emulated");
     }
 }
+
+/// The scale is the precision's, not the model's: an f16 checkpoint resumes on in f16 with its
+/// scale, in bf16 without it, and a bf16 checkpoint resumes in f16 from the first scale.
+#[test]
+fn checkpoints_carry_the_scale_between_f16_runs_and_leave_it_to_others() {
+    let (x, y) = batch();
+    let trainer = |precision| {
+        let mut t =
+            Trainer::new(model(), config(), Device::cpu().backend(3).unwrap()).with_precision(precision);
+        t.train_program(x.shape(), y.shape()).unwrap();
+        t
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (f16_file, bf16_file) = (tmp.path().join("f16.safetensors"), tmp.path().join("bf16.safetensors"));
+    let mut a = trainer(Precision::F16);
+    for _ in 0..3 {
+        a.train_step(&x, &y).unwrap();
+    }
+    assert_eq!(a.loss_scale().unwrap(), Some((8192.0, 0)));
+    a.save(&f16_file).unwrap();
+    let mut b = trainer(Precision::BF16);
+    b.train_step(&x, &y).unwrap();
+    b.save(&bf16_file).unwrap();
+
+    let mut resumed = trainer(Precision::F16);
+    resumed.load(&f16_file).unwrap();
+    assert_eq!(resumed.loss_scale().unwrap(), Some((8192.0, 0)));
+    let mut other = trainer(Precision::BF16);
+    other.load(&f16_file).unwrap();
+    assert_eq!(read(&other, "dense/kernel"), read(&a, "dense/kernel"));
+    let mut fresh = trainer(Precision::F16);
+    fresh.load(&bf16_file).unwrap();
+    assert_eq!(fresh.loss_scale().unwrap(), Some((65536.0, 0)));
+    assert_eq!(read(&fresh, "dense/kernel"), read(&b, "dense/kernel"));
+}

@@ -6,7 +6,8 @@
 //!    `activation_rewrite`); `autocast` applies the precision policy (`Precision`: products
 //!    in bf16 or f16, master weights f32); a training step appends the loss (`losses`), the
 //!    backward graph (`autodiff`) and the optimizer's in-place updates (`optim`) to the same
-//!    graph.
+//!    graph; an f16 step differentiates its loss times a dynamic scale and gates its updates
+//!    on the gradients being finite (`loss_scale`).
 //! 3. `rewrites` — the graph rewrites as `passes::Pass`es in `passes::Pipeline`s, each saying
 //!    what it changed and the pipeline recording it (`plan::RewriteFigures`): `passes` —
 //!    verification, CSE, dead-code elimination, output copies, effect ordering, the cleanup

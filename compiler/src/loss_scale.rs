@@ -100,7 +100,7 @@ impl LossScale {
             }
             let inverse = scale.reciprocal();
             let gate = match total {
-                Some(total) => inverse.add(&total.named(NONFINITE_NAME)),
+                Some(total) => inverse.add(total.named(NONFINITE_NAME)),
                 None => inverse,
             }
             .named("loss_scale/gate");

@@ -450,7 +450,12 @@ impl Trainer {
         for (key, (whole, _)) in &sharded {
             variables.insert(key.clone(), whole.clone());
         }
-        let differences = file.differences(&variables);
+        // f16 loss scaling's scale and count (`loss_scale`) are the precision's, not the
+        // model's: a checkpoint of an f32 or bf16 run resumes in f16 from GradScaler's first
+        // scale, and an f16 checkpoint resumes in another precision without them.
+        let loss_scale = |k: &str| k.starts_with("loss_scale/");
+        variables.retain(|k, _| !loss_scale(k) || file.tensors.contains_key(k));
+        let differences = file.differences_ignoring(&variables, loss_scale);
         if !differences.is_empty() {
             let count = |role: VarRole| roles.values().filter(|(_, r)| *r == role).count();
             let (parameters, state) = (count(VarRole::Parameter), count(VarRole::OptimizerState));
@@ -499,7 +504,7 @@ impl Trainer {
             ));
         }
         warn_non_finite("Trainer::load", path, &file.non_finite());
-        for (key, value) in &file.tensors {
+        for (key, value) in file.tensors.iter().filter(|(k, _)| variables.contains_key(*k)) {
             match sharded.get(key) {
                 Some((_, shard)) => {
                     let n = value.data().len();
