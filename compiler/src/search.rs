@@ -105,10 +105,13 @@ fn best_of(
         .iter()
         .map(|&(graph, _)| -> Result<Orders> {
             let some = schedule::candidates_for(graph, wanted)?;
-            let candidates = match wanted {
+            let mut candidates = match wanted {
                 Some(w) if !some.iter().any(|c| w.starts_with(c.name)) => schedule::candidates(graph)?,
                 _ => schedule::named(some, wanted),
             };
+            if !options.late_orders {
+                candidates.retain(|c| !c.name.contains("-late"));
+            }
             let scratch = scratch::of_graph(graph, options.scratch.as_ref());
             Ok(Orders { candidates, scratch, persistent: persistent_bytes(graph, devices) })
         })
