@@ -108,22 +108,37 @@ fn an_overflowing_f16_step_is_skipped_and_the_scale_backs_off() {
     assert!(losses.last().unwrap() < &losses[first], "the applied steps train: {losses:?}");
 }
 
+/// The CUDA backend skips the CPU's steps and backs off as it does: on the emulated device, and
+/// on a GPU where there is one (required under KILN_REQUIRE_GPU=1).
 #[test]
-fn the_emulated_device_skips_and_backs_off_as_the_cpu() {
-    if let Err(why) = emulator::host::available() {
-        assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
-        eprintln!("skipped: {why}");
-        return;
+fn the_cuda_backend_skips_and_backs_off_as_the_cpu() {
+    let same = |gpu: CudaBackend, what: &str| {
+        let cpu =
+            Trainer::new(model(), config(), Device::cpu().backend(3).unwrap()).with_precision(Precision::F16);
+        let gpu = Trainer::new(model(), config(), Box::new(gpu)).with_precision(Precision::F16);
+        let (cpu_applied, cpu_losses) = scaled_run(cpu, 12);
+        let (gpu_applied, gpu_losses) = scaled_run(gpu, 12);
+        assert_eq!(gpu_applied, cpu_applied, "{what}");
+        for (a, b) in cpu_losses.iter().zip(&gpu_losses) {
+            assert!(
+                (a - b).abs() <= 1e-3 * a.abs(),
+                "{cpu_losses:?} on the CPU, {gpu_losses:?} on the {what}"
+            );
+        }
+    };
+    match emulator::host::available() {
+        Ok(()) => same(CudaBackend::emulated(64 * MB, 3).unwrap(), "emulated device"),
+        Err(why) => {
+            assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
+            eprintln!("skipped the emulated device: {why}");
+        }
     }
-    let cpu =
-        Trainer::new(model(), config(), Device::cpu().backend(3).unwrap()).with_precision(Precision::F16);
-    let gpu = Trainer::new(model(), config(), Box::new(CudaBackend::emulated(64 * MB, 3).unwrap()))
-        .with_precision(Precision::F16);
-    let (cpu_applied, cpu_losses) = scaled_run(cpu, 12);
-    let (gpu_applied, gpu_losses) = scaled_run(gpu, 12);
-    assert_eq!(gpu_applied, cpu_applied);
-    for (a, b) in cpu_losses.iter().zip(&gpu_losses) {
-        assert!((a - b).abs() <= 1e-3 * a.abs(), "{cpu_losses:?} on the CPU, {gpu_losses:?} emulated");
+    match CudaBackend::new(0, 3) {
+        Ok(gpu) => same(gpu, "GPU"),
+        Err(e) if std::env::var("KILN_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            panic!("KILN_REQUIRE_GPU=1 but no CUDA device is usable: {e}")
+        }
+        Err(e) => eprintln!("skipped the GPU: {e}"),
     }
 }
 
@@ -156,6 +171,10 @@ fn checkpoints_carry_the_scale_between_f16_runs_and_leave_it_to_others() {
     let mut other = trainer(Precision::BF16);
     other.load(&f16_file).unwrap();
     assert_eq!(read(&other, "dense/kernel"), read(&a, "dense/kernel"));
+    // Weights alone, into a trainer of another precision: the scale is no parameter.
+    let mut weights = trainer(Precision::F32);
+    weights.load_weights(&f16_file).unwrap();
+    assert_eq!(read(&weights, "dense/kernel"), read(&a, "dense/kernel"));
     let mut fresh = trainer(Precision::F16);
     fresh.load(&bf16_file).unwrap();
     assert_eq!(fresh.loss_scale().unwrap(), Some((65536.0, 0)));

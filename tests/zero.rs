@@ -228,3 +228,42 @@ fn the_zero_table_shards_state_and_moves_the_bytes_of_plain_data_parallelism() {
     assert_eq!(at(1, 0).ring_bytes_sent, 0);
     assert!(kiln::zero_table::render(&rows).contains("ZeRO model states/rank"));
 }
+
+/// f16 steps with loss scaling shard their state too, SGD's velocity as Adam's moments (the
+/// gate is no state), and train the bits of plain data parallelism at every stage, the ranks
+/// skipping the same steps.
+#[test]
+fn f16_steps_with_sgd_shard_their_state_and_train_as_plain_data_parallelism() {
+    use kiln::compiler::loss_scale::SCALE_KEY;
+    let m = zoo::by_name("mlp").unwrap();
+    let cfg = TrainConfig { optimizer: Sgd::new(0.05).momentum(0.9).into(), ..m.config() };
+    let data = batches(&m, 8, 2);
+    let run = |stage: ZeroStage| {
+        kiln::comm::run_local_ranks(2, |_, comm| {
+            let backend = CpuBackend::new(3).with_communicator(comm);
+            let mut t = Trainer::new(m.model(), cfg.clone(), Box::new(backend))
+                .with_zero_stage(stage)
+                .with_precision(Precision::F16);
+            let losses: Vec<u32> =
+                data.iter().map(|(x, y)| t.train_step(x, y).unwrap().loss.to_bits()).collect();
+            let kernel = t
+                .backend()
+                .read_variable("dense/kernel")
+                .unwrap()
+                .data()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>();
+            let scale = t.backend().read_variable(SCALE_KEY).unwrap().data()[0];
+            (losses, kernel, scale)
+        })
+    };
+    let plain = run(ZeroStage::Off);
+    assert_eq!(plain[0], plain[1], "the ranks agree");
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let sharded = run(stage);
+        assert_eq!(sharded[0], sharded[1], "{stage:?}: the ranks agree");
+        assert_eq!(sharded[0].2, plain[0].2, "{stage:?}: the same scale");
+        assert_eq!(sharded[0].1, plain[0].1, "{stage:?}: the weights of plain data parallelism");
+    }
+}

@@ -107,14 +107,14 @@ pub fn all_reduce_gradients_in_buckets(graph: &mut Graph, bucket_bytes: usize) -
             size = bytes;
         }
     }
-    // f16 loss scaling: every rank skips a step where any rank's gradients are not finite.
-    crate::loss_scale::agree_across_ranks(graph);
     let mut out = Buckets { gradients: updates.len(), sizes: Vec::new() };
     for (k, bucket) in buckets.iter().enumerate() {
         if let [(u, g)] = bucket[..] {
             let name = graph.node(g).name.clone().unwrap_or_else(|| graph.node(g).op.name().into());
             let r = mean_over_ranks(graph, g, format!("{name}/all_reduce"));
             graph.replace_operand(u, 1, r);
+            // f16 loss scaling checks what the update reads: the same bits on every rank.
+            crate::loss_scale::redirect_checks(graph, g, r);
             out.sizes.push(graph.node(g).bytes());
             continue;
         }
@@ -176,6 +176,7 @@ pub fn all_reduce_gradients_in_buckets(graph: &mut Graph, bucket_bytes: usize) -
                 &[slice],
             );
             graph.replace_operand(u, 1, back);
+            crate::loss_scale::redirect_checks(graph, g, back);
         }
         out.sizes.push(at * first.dtype.size_bytes());
     }

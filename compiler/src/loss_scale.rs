@@ -24,10 +24,13 @@
 //! - `Op::UpdateLossScale` updates the scale and the count of finite steps (`GOOD_STEPS_KEY`)
 //!   from the gate, after every reader of the scale (`passes::effects`).
 //!
-//! Data parallelism (`data_parallel`, `zero`): each rank checks the gradients it holds, and
-//! the checks' total is summed over the ranks (`agree_across_ranks`), so that every rank skips
-//! the step where any rank's gradient is not finite and the weights stay identical. (A rank's
-//! finite gradients whose mean overflows f32 would go unseen: gradients near 10^38.)
+//! Data parallelism (`data_parallel`, `zero`): the check reads the gradients the updates read,
+//! averaged over the ranks (`redirect_checks`), the same bits on every rank, so every rank
+//! skips the same steps and the weights stay identical; the gradients' buckets stay copy-free
+//! (the check is no second reader of a gradient before its bucket). Under ZeRO stage 2 each
+//! rank holds only its shard of the averaged gradient, so it checks its own gradients and the
+//! checks' total is summed over the ranks (`agree_across_ranks`); of finite gradients whose
+//! average overflows f32 (near 10^38) the update's is then not finite and goes unchecked.
 //!
 //! What it costs: the check reads every gradient once, and every update waits for the last
 //! gradient, so the step holds all parameter gradients at once, as PyTorch does (its `.grad`
@@ -40,6 +43,8 @@ use crate::trace::Tensor;
 
 /// The name of the sum of every gradient's finite check (0, or NaN).
 pub const NONFINITE_NAME: &str = "loss_scale/nonfinite";
+/// The name of each gradient's `g · 0`, the check's reader of the gradient.
+pub const CHECK_NAME: &str = "loss_scale/check";
 
 /// The key of the loss scale variable (one f32 element, a `VarRole::Counter`).
 pub const SCALE_KEY: &str = "loss_scale/scale";
@@ -88,11 +93,20 @@ impl LossScale {
     /// one is not; and the effect that updates the scale and the good-step count from it.
     pub fn gate(&self, scale: &Tensor, grads: &[&Tensor]) -> Tensor {
         let t = scale.tracer();
+        // Each gradient checked where it is (a model placed over devices copies one scalar per
+        // gradient to the scale's device, not the gradient).
+        let checks: Vec<Tensor> = grads
+            .iter()
+            .map(|g| {
+                t.on_device(g.device(), || {
+                    let zeros = g.mul(0.0).named(CHECK_NAME);
+                    if zeros.shape().rank() == 0 { zeros } else { zeros.sum(.., false) }
+                })
+            })
+            .collect();
         t.on_device(scale.device(), || {
             let mut total: Option<Tensor> = None;
-            for g in grads {
-                let zeros = g.mul(0.0);
-                let s = if zeros.shape().rank() == 0 { zeros } else { zeros.sum(.., false) };
+            for s in checks {
                 total = Some(match total {
                     Some(t) => t.add(&s),
                     None => s,
@@ -139,4 +153,18 @@ pub fn agree_across_ranks(graph: &mut Graph) -> bool {
         }
     }
     true
+}
+
+/// After `data_parallel` pointed `update` at the averaged gradient `averaged` in place of its own
+/// gradient `grad`: the finite check of `grad` (`CHECK_NAME`) reads the averaged one too, so
+/// that every rank checks the same bits.
+pub fn redirect_checks(graph: &mut Graph, grad: crate::ir::NodeId, averaged: crate::ir::NodeId) {
+    for u in graph.users(grad) {
+        if graph.node(u).name.as_deref() == Some(CHECK_NAME)
+            && graph.node(u).shape == graph.node(averaged).shape
+            && let Some(i) = graph.operands(u).iter().position(|&o| o == grad)
+        {
+            graph.replace_operand(u, i, averaged);
+        }
+    }
 }

@@ -109,7 +109,8 @@ fn best_of(
                 Some(w) if !some.iter().any(|c| w.starts_with(c.name)) => schedule::candidates(graph)?,
                 _ => schedule::named(some, wanted),
             };
-            if !options.late_orders {
+            // A late order asked for by name is planned all the same.
+            if !options.late_orders && wanted.is_none() {
                 candidates.retain(|c| !c.name.contains("-late"));
             }
             let scratch = scratch::of_graph(graph, options.scratch.as_ref());

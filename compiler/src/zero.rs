@@ -105,7 +105,8 @@ pub fn shard_optimizer_state(graph: &mut Graph, stage: ZeroStage, shard: Shard) 
         // Whole gradients, reduced as plain data parallelism reduces them: in buckets.
         crate::data_parallel::all_reduce_gradients(graph)?;
     } else {
-        // Stage 2's reduce-scattered gradients: the ranks agree on f16 loss scaling's check.
+        // Stage 2's reduce-scattered gradients: each rank checks its own, and the ranks agree
+        // on f16 loss scaling's check.
         crate::loss_scale::agree_across_ranks(graph);
     }
     let mut out = Sharding::default();
@@ -136,7 +137,8 @@ pub fn shard_optimizer_state(graph: &mut Graph, stage: ZeroStage, shard: Shard) 
         }
         let state = match node.op {
             Op::ApplyAdam { .. } => 2..4,
-            _ => 2..operands.len(),
+            // An f16 step's gate (`Op::update_gate`) is no state.
+            _ => 2..node.op.update_gate(operands.len()).unwrap_or(operands.len()),
         };
         for &s in &operands[state] {
             out.state_bytes_whole += graph.node(s).bytes();

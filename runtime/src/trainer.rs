@@ -451,8 +451,9 @@ impl Trainer {
             variables.insert(key.clone(), whole.clone());
         }
         // f16 loss scaling's scale and count (`loss_scale`) are the precision's, not the
-        // model's: a checkpoint of an f32 or bf16 run resumes in f16 from GradScaler's first
-        // scale, and an f16 checkpoint resumes in another precision without them.
+        // model's: a checkpoint of an f32 or bf16 run loads into an f16 trainer, which keeps the
+        // scale it has (GradScaler's first on a trainer that has not trained), and an f16
+        // checkpoint loads into another precision without them.
         let loss_scale = |k: &str| k.starts_with("loss_scale/");
         variables.retain(|k, _| !loss_scale(k) || file.tensors.contains_key(k));
         let differences = file.differences_ignoring(&variables, loss_scale);
@@ -548,9 +549,13 @@ impl Trainer {
             ));
         }
         let file = checkpoint::read(path)?;
-        // Not parameters: the model's other variables, and any optimizer's state or counter.
+        // Not parameters: the model's other variables, any optimizer's state or counter, and an
+        // f16 run's loss scale.
         let ignored = |key: &str| {
-            roles.contains_key(key) || key.starts_with("optimizer/") || NON_PARAMETER_KEYS.contains(&key)
+            roles.contains_key(key)
+                || key.starts_with("optimizer/")
+                || key.starts_with("loss_scale/")
+                || NON_PARAMETER_KEYS.contains(&key)
         };
         let differences = file.differences_ignoring(&parameters, ignored);
         if !differences.is_empty() {

@@ -634,10 +634,16 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
             Ok((Shape::scalar(), dtype(0)))
         }
         Op::UpdateLossScale { growth, backoff, interval } => {
-            if !(growth.is_finite() && *growth >= 1.0 && *backoff > 0.0 && *backoff < 1.0 && *interval > 0) {
+            // The count of good steps is an f32: exact up to 2^24.
+            if !(growth.is_finite()
+                && *growth >= 1.0
+                && *backoff > 0.0
+                && *backoff < 1.0
+                && (1..=1 << 24).contains(interval))
+            {
                 return err(
                     format!("growth {growth}, backoff {backoff} and interval {interval}"),
-                    "grow by a finite factor of 1 or more, back off by a factor in (0, 1), after an interval of 1 step or more (GradScaler's: 2, 0.5, 2000)",
+                    "grow by a finite factor of 1 or more, back off by a factor in (0, 1), after an interval of 1 to 2^24 steps (GradScaler's: 2, 0.5, 2000)",
                 );
             }
             if let Some(i) = (0..3).find(|&i| shape(i).numel() != 1 || dtype(i) != DType::F32) {

@@ -262,9 +262,14 @@ impl CpuKernel for Update {
         // update's state is the variable's shape, a shard's holds the padded shard, n or more);
         // a stored gradient holds grad_offset + n (the block's or shard's n from 0, or the whole
         // variable's gradient read from the shard's offset).
+        // A slot past the update's operands (SGD's second state slot, SGD without momentum's
+        // first) is null, and so is one that would be the gate.
         let at = |i: usize, offset: usize| {
             SendPtr::new(
-                inputs.get(i).map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(offset) }),
+                inputs
+                    .get(i)
+                    .filter(|_| Some(i) != self.gate)
+                    .map_or(std::ptr::null_mut(), |&p| unsafe { (p as *mut f32).add(offset) }),
             )
         };
         // SAFETY: `ir::infer` checked that a gate holds one f32.

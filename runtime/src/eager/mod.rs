@@ -232,7 +232,11 @@ impl<A: Allocator> EagerExecutor<A> {
                 Op::Variable { key, role, .. } => {
                     let block = match self.variables.get(key) {
                         Some(b) => *b,
-                        None if matches!(role, VarRole::Parameter | VarRole::Constant) => {
+                        // The f16 loss scale (one element each) is read by the forward pass: made
+                        // there, not with the optimizer's state at its first update.
+                        None if matches!(role, VarRole::Parameter | VarRole::Constant)
+                            || key.starts_with("loss_scale/") =>
+                        {
                             self.create_variable(graph, n)?
                         }
                         None => {
