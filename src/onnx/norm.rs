@@ -121,7 +121,8 @@ pub(super) fn batch_norm_of(
     let batch_mean = x.mean(axes.as_slice(), true);
     let centred = x.clone() - &batch_mean;
     let batch_var = centred.square().mean(axes.as_slice(), true);
-    let y = centred * &(batch_var.clone() + eps).rsqrt() * &scale + &bias;
+    // Stored in its input's type, as PyTorch's batch norm under autocast stores it.
+    let y = (centred * &(batch_var.clone() + eps).rsqrt() * &scale + &bias).cast_like(&x);
     let momentum = n.float("momentum", 0.9);
     let c = mean.dims().to_vec();
     if step {

@@ -53,6 +53,10 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
         // Only a float value carries a gradient: back to the operand's dtype, none into ids.
         Op::Cast { .. } if x[0].dtype().is_float() && y.dtype().is_float() => one(g.cast(x[0].dtype())),
         Op::Cast { .. } => Ok(vec![None]),
+        // The value's gradient in its own type; `like` gives only a type.
+        Op::CastLike => {
+            Ok(vec![Some(if g.dtype() == x[0].dtype() { g.clone() } else { g.cast(x[0].dtype()) }), None])
+        }
         Op::Custom { name } => {
             let def = crate::custom::lookup(name).ok_or_else(|| {
                 CompileError::invalid(

@@ -107,6 +107,15 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
         }
         Op::Unary(_) | Op::Copy | Op::Scalar { .. } => Ok((shape(0).clone(), dtype(0))),
         Op::Cast { to } => Ok((shape(0).clone(), *to)),
+        Op::CastLike => {
+            if !(dtype(0).is_float() && dtype(1).is_float()) {
+                return err(
+                    format!("cast_like of {} to the type of {}", dtype(0), dtype(1)),
+                    "cast a float value like another float value",
+                );
+            }
+            Ok((shape(0).clone(), dtype(1)))
+        }
         Op::Custom { name } => match crate::custom::lookup(name) {
             Some(def) => def.infer(operands).map_err(|why| OpError {
                 message: format!("custom op `{name}`: {why}"),
@@ -761,7 +770,8 @@ fn expected_arity(op: &Op) -> std::ops::RangeInclusive<usize> {
         | Op::Conv2dBackpropFilter { .. }
         | Op::Pool2dGrad { .. }
         | Op::Gather
-        | Op::GatherGrad { .. } => 2..=2,
+        | Op::GatherGrad { .. }
+        | Op::CastLike => 2..=2,
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => 1..=1,
         Op::Select => 3..=3,
         Op::Attention { .. } => 3..=4,

@@ -594,6 +594,13 @@ pub enum Op {
         /// The element type converted to.
         to: DType,
     },
+    /// (value, like): `value` converted to `like`'s element type (ONNX's `CastLike`), both
+    /// float; the identity where they share it. A layer whose framework kernel computes in f32
+    /// and stores its output in its input's type (PyTorch's `batch_norm` under autocast) ends
+    /// with one, naming its input as `like`: mixed precision (`autocast`) rounds the output
+    /// where that input is stored in half, and the cleanup (`passes::ResolveCastLike`) makes
+    /// every other one a `Cast` or nothing before planning.
+    CastLike,
     /// The operands joined along `axis` in operand order; they share a dtype and agree on every
     /// other axis.
     Concat {
@@ -1001,6 +1008,7 @@ impl Op {
             | Op::BroadcastTo { .. }
             | Op::Copy
             | Op::Cast { .. }
+            | Op::CastLike
             | Op::Custom { .. }
             | Op::Concat { .. }
             | Op::Slice { .. }
@@ -1177,6 +1185,7 @@ impl Op {
             Op::BroadcastTo { .. } => "broadcast_to",
             Op::Copy => "copy",
             Op::Cast { .. } => "cast",
+            Op::CastLike => "cast_like",
             Op::Custom { .. } => "custom",
             Op::Concat { .. } => "concat",
             Op::Slice { .. } => "slice",

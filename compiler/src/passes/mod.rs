@@ -5,6 +5,7 @@
 //! `default_pipeline` is the cleanup every rewrite is followed by; `compile`'s rewrites before
 //! the schedule search are `rewrites` (compiler/src/rewrites.rs).
 
+pub(crate) mod cast_like;
 mod cse;
 mod dce;
 mod effects;
@@ -12,6 +13,7 @@ mod outputs;
 mod transfers;
 mod verify;
 
+pub use cast_like::ResolveCastLike;
 pub use cse::CommonSubexpressions;
 pub use dce::DeadCode;
 pub use effects::OrderEffects;
@@ -182,6 +184,7 @@ impl Pipeline {
 pub fn default_pipeline() -> Pipeline {
     Pipeline::new()
         .with(Verify)
+        .with(ResolveCastLike)
         .with(CommonSubexpressions)
         .with(DeadCode)
         .with(InsertTransfers)

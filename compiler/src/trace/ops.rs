@@ -347,6 +347,14 @@ impl Tensor {
         self.record(Op::Cast { to }, &[self])
     }
 
+    /// `self` in `like`'s element type (ONNX's `CastLike`; both float): what a layer whose
+    /// framework kernel stores its output in its input's type ends with, so that mixed
+    /// precision rounds it where that input is half (`Op::CastLike`).
+    #[track_caller]
+    pub fn cast_like(&self, like: &Tensor) -> Tensor {
+        self.record(Op::CastLike, &[self, like])
+    }
+
     #[track_caller]
     fn reduce(&self, op: ReduceOp, axes: Option<Vec<isize>>, keepdims: bool) -> Tensor {
         let loc = Location::caller();

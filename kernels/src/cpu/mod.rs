@@ -166,6 +166,7 @@ pub fn prepare(
         Op::Gather => gather::gather(s[0], s[1], inputs[1].1),
         Op::GatherGrad { vocab } => gather::gather_grad(s[0], inputs[0].1, *vocab, out),
         Op::Cast { to } => cast::cast(s[0], inputs[0].1, *to),
+        Op::CastLike => cast::cast(s[0], inputs[0].1, inputs[1].1),
         Op::Custom { name } => custom::custom(name, &s, out)?,
         Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
         Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {

@@ -317,6 +317,7 @@ pub fn generate_with_scratch(
         Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out),
         Op::GatherGrad { vocab } => gather::gather_grad(l, (s[0], inputs[0].1), s[1], *vocab, out),
         Op::Cast { to } => cast::cast(l, s[0], inputs[0].1, *to),
+        Op::CastLike => cast::cast(l, s[0], inputs[0].1, inputs[1].1),
         Op::Custom { name } => {
             let def = kiln_compiler::custom::lookup(name).ok_or_else(|| KernelError::Unsupported {
                 op: label.clone(),
