@@ -277,3 +277,47 @@ fn a_product_of_half_tensors_is_half() {
     assert_eq!(g.node(product).dtype, DType::F32, "accumulated in f32, then cast");
     compile(g, &CompileOptions::default()).unwrap();
 }
+
+/// A batch norm stores its output in its input's type (`Tensor::cast_like`, as an imported
+/// BatchNormalization ends): in bf16 the normalised convolution, the residual add and the ReLU
+/// after it are half, as PyTorch's batch norm, add and ReLU on half tensors store them; in f32
+/// the `cast_like` is nothing.
+#[test]
+fn a_batch_norm_stores_its_input_type_and_the_residual_stream_stays_half() {
+    use kiln::compiler::ir::{BinaryOp, Init, Padding, UnaryOp};
+    use kiln::compiler::trace::{Tensor, Tracer};
+    let trace = || {
+        let t = Tracer::new("residual block");
+        let x = t.input("x", [2, 6, 6, 4]);
+        let norm = |v: &Tensor, name: &str| {
+            let mean = v.mean([0, 1, 2], true);
+            let centred = v.clone() - &mean;
+            let inv = (centred.square().mean([0, 1, 2], true) + 1e-5).rsqrt();
+            let gamma = t.param(&format!("{name}/gamma"), [4], Init::Constant(1.0));
+            (centred * &inv * &gamma).cast_like(v)
+        };
+        let w1 = t.param("w1", [3, 3, 4, 4], Init::GlorotUniform);
+        let w2 = t.param("w2", [3, 3, 4, 4], Init::GlorotUniform);
+        let a = norm(&x.conv2d(&w1, [1, 1], Padding::Same), "bn1").relu();
+        let b = norm(&a.conv2d(&w2, [1, 1], Padding::Same), "bn2");
+        let y = (b + &a).relu();
+        let w3 = t.param("w3", [1, 1, 4, 2], Init::GlorotUniform);
+        t.output("y", &y.conv2d(&w3, [1, 1], Padding::Same).sum(.., false));
+        t.finish().unwrap()
+    };
+    let mut f32_graph = trace();
+    kiln::compiler::autocast::apply(&mut f32_graph, Precision::F32).unwrap();
+    assert!(
+        f32_graph.node_ids().all(|n| !matches!(f32_graph.node(n).op, Op::CastLike | Op::Cast { .. })),
+        "f32: no cast"
+    );
+    let mut g = trace();
+    kiln::compiler::autocast::apply(&mut g, Precision::BF16).unwrap();
+    let dtypes = |pick: fn(&Op) -> bool| -> Vec<DType> {
+        g.node_ids().filter(|&n| pick(&g.node(n).op)).map(|n| g.node(n).dtype).collect()
+    };
+    assert_eq!(dtypes(|op| *op == Op::Unary(UnaryOp::Relu)), [DType::BF16, DType::BF16], "both ReLUs");
+    let adds = dtypes(|op| *op == Op::Binary(BinaryOp::Add));
+    assert_eq!(adds.iter().filter(|&&d| d == DType::BF16).count(), 1, "the residual add in half: {adds:?}");
+    assert!(g.node_ids().all(|n| g.node(n).op != Op::CastLike), "resolved");
+}
