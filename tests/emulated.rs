@@ -2,6 +2,8 @@
 //! backend code that runs on a GPU, over the driver seam, with generated kernels built for the
 //! host. Runs everywhere a C++ compiler is (CI has one; elsewhere the tests say why they skip).
 
+mod common;
+
 use kiln::compiler::ir::DeviceId;
 use kiln::compiler::placement::Placed;
 use kiln::compiler::plan::Storage;
@@ -387,39 +389,10 @@ fn mixed_precision_steps_train_on_the_emulated_device_as_on_the_cpu() {
     if !host_compiler() {
         return;
     }
-    let near = |what: &str, cpu: &[f32], gpu: &[f32]| {
-        let scale = cpu.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        for (i, (a, b)) in cpu.iter().zip(gpu).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-2 * scale && b.is_finite(),
-                "{what}[{i}]: {a} on the CPU, {b} emulated"
-            );
-        }
-    };
-    for name in ["mlp", "cnn", "transformer"] {
-        let m = zoo::by_name(name).unwrap().with_batch(4);
-        for precision in [Precision::BF16, Precision::F16] {
-            let graph = kiln::compare::graph_at(&m, kiln::compare::Mode::Train, precision).unwrap();
-            let options = |scratch| CompileOptions::default().with_scratch(scratch).with_half_kernels(false);
-            let cpu_plan = compile(graph.clone(), &options(None)).unwrap();
-            let gpu_plan = compile(graph, &options(Some(kiln::kernels::cuda::SCRATCH))).unwrap();
-            let mut cpu = kiln::runtime::CpuBackend::new(5);
-            let mut gpu = CudaBackend::emulated(512 * MB, 5).unwrap();
-            let (c, g) = (cpu.load(cpu_plan.clone()).unwrap(), gpu.load(gpu_plan).unwrap());
-            for step in 0..2 {
-                let (x, y) = m.batch_data(step).unwrap();
-                let feeds = [("x", &x), ("y", &y)];
-                let (mut a, mut b) = (cpu.call(c, &feeds).unwrap(), gpu.call(g, &feeds).unwrap());
-                a.sort_by(|p, q| p.0.cmp(&q.0));
-                b.sort_by(|p, q| p.0.cmp(&q.0));
-                for ((n, a), (_, b)) in a.iter().zip(&b) {
-                    near(&format!("{name} {precision} step {step} {n}"), a.data(), b.data());
-                }
-            }
-            for v in &cpu_plan.variables {
-                let (a, b) = (cpu.read_variable(&v.key).unwrap(), gpu.read_variable(&v.key).unwrap());
-                near(&format!("{name} {precision} {}", v.key), a.data(), b.data());
-            }
-        }
-    }
+    common::mixed_precision_steps_agree(
+        &["mlp", "cnn", "transformer"],
+        Some(kiln::kernels::cuda::SCRATCH),
+        || CudaBackend::emulated(512 * MB, 5).unwrap(),
+        "emulated device",
+    );
 }

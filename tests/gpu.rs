@@ -550,41 +550,7 @@ fn gpu_mixed_precision_steps_train_as_on_the_cpu() {
     let Some(gpu) = cuda_backend(5) else { return };
     let scratch = gpu.scratch_rule();
     drop(gpu);
-    let near = |what: &str, cpu: &[f32], gpu: &[f32]| {
-        let scale = cpu.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        for (i, (a, b)) in cpu.iter().zip(gpu).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-2 * scale && b.is_finite(),
-                "{what}[{i}]: {a} on the CPU, {b} on the GPU"
-            );
-        }
-    };
     // The emulated device runs all three in `tests/emulated.rs`; here the mlp alone.
     let names: &[&str] = if common::emulated() { &["mlp"] } else { &["mlp", "cnn", "transformer"] };
-    for &name in names {
-        let m = zoo::by_name(name).unwrap().with_batch(4);
-        for precision in [Precision::BF16, Precision::F16] {
-            let graph = kiln::compare::graph_at(&m, kiln::compare::Mode::Train, precision).unwrap();
-            let options = |scratch| CompileOptions::default().with_scratch(scratch).with_half_kernels(false);
-            let cpu_plan = compile(graph.clone(), &options(None)).unwrap();
-            let gpu_plan = compile(graph, &options(scratch)).unwrap();
-            let mut cpu = kiln::runtime::CpuBackend::new(5);
-            let mut gpu = cuda_backend(5).unwrap();
-            let (c, g) = (cpu.load(cpu_plan.clone()).unwrap(), gpu.load(gpu_plan).unwrap());
-            for step in 0..2 {
-                let (x, y) = m.batch_data(step).unwrap();
-                let feeds = [("x", &x), ("y", &y)];
-                let (mut a, mut b) = (cpu.call(c, &feeds).unwrap(), gpu.call(g, &feeds).unwrap());
-                a.sort_by(|p, q| p.0.cmp(&q.0));
-                b.sort_by(|p, q| p.0.cmp(&q.0));
-                for ((n, a), (_, b)) in a.iter().zip(&b) {
-                    near(&format!("{name} {precision} step {step} {n}"), a.data(), b.data());
-                }
-            }
-            for v in &cpu_plan.variables {
-                let (a, b) = (cpu.read_variable(&v.key).unwrap(), gpu.read_variable(&v.key).unwrap());
-                near(&format!("{name} {precision} {}", v.key), a.data(), b.data());
-            }
-        }
-    }
+    common::mixed_precision_steps_agree(names, scratch, || cuda_backend(5).unwrap(), "GPU");
 }

@@ -70,7 +70,7 @@ impl Default for LossScale {
     }
 }
 
-/// The scaled loss a training step differentiates, and the gate its updates take.
+/// The scaled loss a training step differentiates, and the scale variable it was multiplied by.
 pub struct Scaled {
     /// `loss · scale`, what autodiff differentiates.
     pub loss: Tensor,

@@ -1,6 +1,7 @@
 use super::{Changes, Pass};
+use crate::autocast::cast_node;
 use crate::error::Result;
-use crate::ir::{DType, Graph, Node, NodeId, Op};
+use crate::ir::{DType, Graph, NodeId, Op};
 
 /// Makes every `Op::CastLike` (value, like) what it is once the types are known: nothing where
 /// they share one (every f32 graph), a `Cast` to like's type otherwise. Mixed precision resolves
@@ -37,14 +38,14 @@ pub(crate) fn resolve(graph: &mut Graph, half: Option<DType>) -> usize {
         let d = graph.node(value).dtype;
         let result = match to {
             Some(h) if d != h => {
-                let narrow = cast(graph, value, h);
-                cast(graph, narrow, d)
+                let narrow = cast_node(graph, value, h);
+                cast_node(graph, narrow, d)
             }
             Some(_) => value,
             None if d == graph.node(n).dtype => value,
             None => {
                 let to = graph.node(n).dtype;
-                cast(graph, value, to)
+                cast_node(graph, value, to)
             }
         };
         graph.replace_uses(n, result);
@@ -63,19 +64,6 @@ fn stored_in(graph: &Graph, mut x: NodeId) -> Option<DType> {
             _ => return Some(graph.node(x).dtype),
         }
     }
-}
-
-fn cast(graph: &mut Graph, of: NodeId, to: DType) -> NodeId {
-    let n = graph.node(of);
-    let node = Node {
-        op: Op::Cast { to },
-        shape: n.shape.clone(),
-        dtype: to,
-        device: n.device,
-        name: None,
-        origin: n.origin,
-    };
-    graph.add(node, &[of])
 }
 
 #[cfg(test)]
