@@ -167,11 +167,11 @@ pub struct CompileOptions {
     /// f32 by default. `compile` itself plans the graph it is given, whose values already carry
     /// their types.
     pub precision: Precision,
-    /// Whether the kernels that will run the plan read and write f16 and bf16 values (true by
-    /// default: what `kiln memory --precision` reports). False: every op on half values reads
-    /// f32 copies and writes an f32 value cast back (`widen`), as the host and CUDA backends,
-    /// which compute f32, need (`Trainer` takes it from `Backend::half_kernels`).
-    pub half_kernels: bool,
+    /// The ops whose kernels, on the backend that will run the plan, read and write f16 and
+    /// bf16 values (every op by default: what `kiln memory --precision` reports). Any other op
+    /// on half values reads f32 copies and writes an f32 value cast back (`widen`); `Trainer`
+    /// takes the set from `Backend::half_kernels`.
+    pub half_kernels: widen::HalfKernels,
 }
 
 impl Default for CompileOptions {
@@ -197,7 +197,7 @@ impl Default for CompileOptions {
             schedule: None,
             late_orders: true,
             precision: Precision::F32,
-            half_kernels: true,
+            half_kernels: widen::HalfKernels::ALL,
         }
     }
 }
@@ -273,9 +273,10 @@ impl CompileOptions {
         self
     }
 
-    /// Whether the plan's kernels read and write half values (`half_kernels`).
-    pub fn with_half_kernels(mut self, on: bool) -> Self {
-        self.half_kernels = on;
+    /// The ops whose kernels read and write half values (`half_kernels`): a set, or `true`
+    /// (every op) and `false` (none).
+    pub fn with_half_kernels(mut self, kernels: impl Into<widen::HalfKernels>) -> Self {
+        self.half_kernels = kernels.into();
         self
     }
 

@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::ir::Graph;
 use crate::passes::{Changes, Pass, Pipeline, default_pipeline};
 use crate::plan::RewriteFigures;
+use crate::widen::HalfKernels;
 use crate::{
     CompileOptions, const_fold, conv_relu_grad, fusion, log_softmax_split, pad_sums, pool_relu_grad,
     saved_values, transpose_operands,
@@ -49,11 +50,14 @@ pub fn before_fusion(options: &CompileOptions) -> Pipeline {
 /// Fusion (with fusion on), taking products as `products` says; then, for kernels without half
 /// types, `widen`.
 pub fn fusion(options: &CompileOptions, products: fusion::Products) -> Pipeline {
-    Pipeline::new().with_if(options.fuse, Fuse(products)).with_if(!options.half_kernels, Widen)
+    Pipeline::new()
+        .with_if(options.fuse, Fuse(products))
+        .with_if(options.half_kernels != HalfKernels::ALL, Widen(options.half_kernels))
 }
 
-/// Half values read and written through f32 copies, for kernels that compute f32 (`widen`).
-pub struct Widen;
+/// Half values read and written through f32 copies, for the ops whose kernels compute f32
+/// (those outside the set: `widen`).
+pub struct Widen(pub HalfKernels);
 
 impl Pass for Widen {
     fn name(&self) -> &'static str {
@@ -61,7 +65,7 @@ impl Pass for Widen {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<Changes> {
-        let casts = crate::widen::widen(graph)?;
+        let casts = crate::widen::widen(graph, self.0)?;
         Ok(Changes { rewrites: casts, figures: RewriteFigures::default() })
     }
 }

@@ -1,16 +1,19 @@
 //! What both backends require of a step before they build its kernel: an op that has a kernel
-//! (sources are filled by the runtime, a reshape is a view), f32 operands, and shapes that agree
-//! with `ir::infer`.
+//! (sources are filled by the runtime, a reshape is a view), f32 operands (f16 and bf16 too for
+//! the ops whose kernels compute in half, `halves`), and shapes that agree with `ir::infer`.
 
 use crate::KernelError;
 use kiln_compiler::ir::{DType, Op, Shape, infer};
+use kiln_compiler::widen::HalfKernels;
 
-/// `who` names the backend in messages: "the CPU backend", "the CUDA kernels".
+/// `who` names the backend in messages: "the CPU backend", "the CUDA kernels"; `halves` the
+/// ops its kernels compute on f16 and bf16 values.
 pub(crate) fn check(
     op: &Op,
     inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
     who: &str,
+    halves: HalfKernels,
 ) -> Result<(), KernelError> {
     if matches!(op, Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. }) {
         let help = if matches!(op, Op::Reshape { .. }) {
@@ -30,6 +33,7 @@ pub(crate) fn check(
         (Op::Gather, Some(1)) | (Op::GatherGrad { .. }, Some(0)) => {
             matches!(d, DType::F32 | DType::I32 | DType::I64)
         }
+        _ if halves.computes(op) => matches!(d, DType::F32 | DType::F16 | DType::BF16),
         _ => d == DType::F32,
     };
     let dtypes = inputs.iter().enumerate().map(|(i, &(_, d))| (Some(i), d)).chain([(None, output.1)]);
@@ -38,7 +42,7 @@ pub(crate) fn check(
             op: op.label(),
             dtype: d,
             help: format!(
-                "{who} compute in f32 (half, i32, i64 and bool values are cast, ids index, nothing else); declare the model's inputs and variables as f32 or cast them, and compile a mixed-precision plan for this backend (`CompileOptions::with_half_kernels(false)`, as `Trainer` does)"
+                "{who} compute in f32 (half, i32, i64 and bool values are cast, ids index, nothing else; {halves} ops read and write f16 and bf16 too); declare the model's inputs and variables as f32 or cast them, and compile a mixed-precision plan for this backend (`CompileOptions::with_half_kernels(backend.half_kernels())`, as `Trainer` does)"
             ),
         });
     }

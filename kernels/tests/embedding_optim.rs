@@ -260,10 +260,17 @@ fn prepare_rejects_what_it_cannot_run() {
         assert!(matches!(e, KernelError::Unsupported { .. }), "{e}");
         assert!(e.to_string().contains(op.name()), "{e}");
     }
-    // Other dtypes.
+    // Other dtypes: integers anywhere but ids, half values where the kernels compute f32.
     let relu = Op::Unary(kiln_compiler::ir::UnaryOp::Relu);
-    let e = prepare(&relu, &[(&s, DType::F16)], (&s, DType::F16)).err().expect("f16");
+    let e = prepare(&relu, &[(&s, DType::I32)], (&s, DType::I32)).err().expect("i32");
+    assert!(matches!(e, KernelError::Unsupported { dtype: DType::I32, .. }), "{e}");
+    prepare(&relu, &[(&s, DType::F16)], (&s, DType::F16)).expect("an elementwise op computes in half");
+    let conv = Op::Conv2d { window: Window2d::new([1, 1], [1, 1], kiln_compiler::ir::Padding::Valid) };
+    let (x, w) = (Shape::from([1, 2, 2, 3]), Shape::from([1, 1, 3, 4]));
+    let y = Shape::from([1, 2, 2, 4]);
+    let e = prepare(&conv, &[(&x, DType::F16), (&w, DType::F16)], (&y, DType::F32)).err().expect("f16 conv");
     assert!(matches!(e, KernelError::Unsupported { dtype: DType::F16, .. }), "{e}");
+    assert!(e.to_string().contains("ops read and write f16 and bf16 too"), "{e}");
     // Shapes inconsistent with infer: bad operands, or a wrong declared output.
     let mm = Op::MatMul { transpose_a: false, transpose_b: false };
     let e = prepare(&mm, &f32s(2), (&s, DType::F32)).err().expect("3 vs 2");

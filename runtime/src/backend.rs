@@ -28,12 +28,12 @@ pub trait Backend {
         None
     }
 
-    /// Whether the backend's kernels read and write f16 and bf16 values. False (the host and
-    /// CUDA kernels compute f32 operands): compile plans for it with
-    /// `CompileOptions::with_half_kernels(false)`, which reads half values through f32 copies
-    /// (`kiln_compiler::widen`), as `Trainer` does.
-    fn half_kernels(&self) -> bool {
-        false
+    /// The ops whose kernels on this backend read and write f16 and bf16 values (none by
+    /// default): compile plans for it with `CompileOptions::with_half_kernels(this)`, which
+    /// reads the other ops' half values through f32 copies (`kiln_compiler::widen`), as
+    /// `Trainer` does.
+    fn half_kernels(&self) -> kiln_compiler::widen::HalfKernels {
+        kiln_compiler::widen::HalfKernels::NONE
     }
 
     /// (this rank, the rank count) when the backend is a rank of a data-parallel run

@@ -201,7 +201,7 @@ impl Trainer {
     /// A precision set before (`with_precision`) stays where `options` leave f32, the default.
     pub fn with_options(mut self, options: CompileOptions) -> Self {
         let scratch = options.scratch.or(self.backend.scratch_rule());
-        let half = options.half_kernels && self.backend.half_kernels();
+        let half = options.half_kernels & self.backend.half_kernels();
         let precision = if options.precision == kiln_compiler::Precision::F32 {
             self.options.precision
         } else {

@@ -3,7 +3,7 @@
 
 use super::sum_to;
 use crate::error::{CompileError, Result};
-use crate::ir::{BinaryOp, Op, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp};
+use crate::ir::{BinaryOp, DType, Op, PoolKind, ReduceOp, ScalarOp, Shape, UnaryOp};
 use crate::trace::Tensor;
 
 /// Gradients of `op`'s operands `x` (in order; `None` where there is none) given its output `y`
@@ -133,9 +133,12 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             if let Some(bias) = x.get(3) {
                 // A bias's gradient is the scores' (a learned bias's: a position bias); composed
                 // from the probabilities, and dropped as dead code where the bias is a mask.
-                // In f32 where the factors are half (their products accumulate in f32).
-                let mut scores = q.matmul_t(k, false, true) * *scale;
-                scores = &scores + &bias.cast(scores.dtype());
+                // In f32 where the factors are half: the products of their f32 copies are
+                // their f32 accumulations, and the causal mask's -1e9 stays finite (in f16 it
+                // would round to -inf).
+                let f32 = |t: &Tensor| t.cast(DType::F32);
+                let mut scores = f32(q).matmul_t(&f32(k), false, true) * *scale;
+                scores = &scores + &f32(bias);
                 if *causal {
                     let shift = t as f32 - s as f32;
                     let rows = g.tracer().iota([s, t], 0) + shift;
@@ -143,9 +146,8 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
                     scores = scores + (allowed - 1.0).mul(1e9);
                 }
                 let p = scores.softmax(-1);
-                let dp = g.matmul_t(v, false, true);
-                let wide = |t: &Tensor| t.cast(dp.dtype());
-                let ds = &p * (&dp - (wide(g) * wide(y)).sum(-1, true));
+                let dp = f32(g).matmul_t(&f32(v), false, true);
+                let ds = &p * (&dp - (f32(g) * f32(y)).sum(-1, true));
                 grads.push(Some(sum_to(&ds, bias.shape())));
             }
             Ok(grads)

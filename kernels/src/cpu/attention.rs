@@ -19,12 +19,25 @@
 //! Key tiles that the causal mask hides from every row of a block are skipped, unless some row of
 //! the block sees no key at all (S > T): such a row attends uniformly, as with the composed form.
 //! Every sum runs in a fixed order inside one task, so the bits do not depend on the thread count.
+//!
+//! Half operands (a mixed-precision step's f16 or bf16 q, k, v, o, do and bias): one task per
+//! batch-head widens the head's q, k and v (and o and do) into buffers of its thread, `[S, D]`
+//! and `[T, D]` floats, runs the f32 algorithm on them, and rounds the head's output as it stores
+//! it (ties to even, as `Op::Cast`); the bias is widened element by element as the scores read
+//! it. The arithmetic is the f32 kernel's on the widened values, so the bits are those of the op
+//! widened (`kiln_compiler::widen`) while the plan holds the half values alone.
 
+use super::cast::{narrow_half, widen_half};
 use super::par::{SendPtr, par_ranges};
 use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use std::slice;
+
+thread_local! {
+    /// Each thread's widened batch-head (q, k, v, o, do) and its f32 output block.
+    static HEAD: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// Query rows per forward task and per backward block.
 const BR: usize = 64;
@@ -55,12 +68,26 @@ pub(crate) struct Attention {
     causal: bool,
     grad: bool,
     bias: Option<Bias>,
+    /// The bias's type where it is f16 or bf16 (widened as the scores read it).
+    bias_half: Option<DType>,
+    /// The operands' types (q, k, v, then o and do for the gradient) and the output's, where
+    /// any of them is f16 or bf16: each batch-head is widened, computed and rounded (module doc).
+    half: Option<(Vec<DType>, DType)>,
     desc: String,
 }
 
 /// Prepares `Op::Attention` (`grad == false`: q, k, v, optional bias) or `Op::AttentionGrad`
-/// (q, k, v, o, do, optional bias). The shapes were checked by `ir::infer`.
-pub(crate) fn attention(inputs: &[&Shape], scale: f32, causal: bool, grad: bool) -> Box<dyn CpuKernel> {
+/// (q, k, v, o, do, optional bias), of the given types (f32, f16 or bf16) and output type. The
+/// shapes were checked by `ir::infer`.
+pub(crate) fn attention(
+    operands: &[(&Shape, DType)],
+    out_type: DType,
+    scale: f32,
+    causal: bool,
+    grad: bool,
+) -> Box<dyn CpuKernel> {
+    let inputs: Vec<&Shape> = operands.iter().map(|&(s, _)| s).collect();
+    let is_half = |d: DType| matches!(d, DType::F16 | DType::BF16);
     let (q, k) = (inputs[0], inputs[1]);
     let r = q.rank();
     let lead = &q.dims()[..r - 2];
@@ -101,7 +128,10 @@ pub(crate) fn attention(inputs: &[&Shape], scale: f32, causal: bool, grad: bool)
     if let Some(b) = inputs.get(bias_at) {
         desc.push_str(&format!(" bias {}", shape_text(b)));
     }
-    Box::new(Attention { bh, s, t, d, scale, causal, grad, bias, desc })
+    let bias_half = operands.get(bias_at).map(|&(_, d)| d).filter(|&d| is_half(d));
+    let types: Vec<DType> = operands[..bias_at].iter().map(|&(_, d)| d).collect();
+    let half = (types.iter().any(|&d| is_half(d)) || is_half(out_type)).then_some((types, out_type));
+    Box::new(Attention { bh, s, t, d, scale, causal, grad, bias, bias_half, half, desc })
 }
 
 /// a·b over `LANES` running sums, combined in a fixed order.
@@ -122,9 +152,11 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum + rest
 }
 
-/// The operands' and the output's first elements.
+/// The operands' and the output's first elements: of batch-head `head`, where the pointers are
+/// one head's widened copies, else (`head` 0) of the whole tensors. The bias is the whole one.
 #[derive(Clone, Copy)]
 struct Ptrs {
+    head: usize,
     q: SendPtr<f32>,
     k: SendPtr<f32>,
     v: SendPtr<f32>,
@@ -173,8 +205,8 @@ impl Attention {
                 sc.as_mut_ptr(),
                 BC,
                 false,
-                (p.q.get().add((h * self.s + i0) * d), d, 1),
-                (p.k.get().add((h * self.t + j0) * d), 1, d),
+                (p.q.get().add(((h - p.head) * self.s + i0) * d), d, 1),
+                (p.k.get().add(((h - p.head) * self.t + j0) * d), 1, d),
                 self.scale,
             )
         };
@@ -186,9 +218,19 @@ impl Attention {
             let row = &mut sc[r * BC..r * BC + w];
             if let Some(b) = &self.bias {
                 let base = b.offsets[h] + i * b.row;
-                for (jj, x) in row.iter_mut().enumerate() {
-                    // SAFETY: the bias's strides map (h, i, j) into its own elements.
-                    *x += unsafe { *p.bias.get().add(base + (j0 + jj) * b.col) };
+                let at = |jj: usize| base + (j0 + jj) * b.col;
+                // SAFETY (both branches): the bias's strides map (h, i, j) into its own elements.
+                match self.bias_half {
+                    None => row
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(jj, x)| *x += unsafe { *p.bias.get().add(at(jj)) }),
+                    Some(t) => {
+                        let bias = p.bias.get() as *const u16;
+                        row.iter_mut()
+                            .enumerate()
+                            .for_each(|(jj, x)| *x += widen_half(t, unsafe { *bias.add(at(jj)) }));
+                    }
                 }
             }
             if self.causal {
@@ -242,7 +284,7 @@ impl Attention {
         let end = self.key_end(i0, i0 + rows);
         let out = p.out.get();
         // SAFETY: rows i0..i0 + rows of batch-head h's output, this task's own.
-        let o = unsafe { slice::from_raw_parts_mut(out.add((h * s + i0) * d), rows * d) };
+        let o = unsafe { slice::from_raw_parts_mut(out.add(((h - p.head) * s + i0) * d), rows * d) };
         o.fill(0.0);
         let (mut m, mut l) = ([f32::NEG_INFINITY; BR], [0f32; BR]);
         let mut sc = [0f32; BR * BC];
@@ -279,7 +321,7 @@ impl Attention {
                     d,
                     true,
                     (sc.as_ptr(), BC, 1),
-                    (p.v.get().add((h * t + j0) * d), d, 1),
+                    (p.v.get().add(((h - p.head) * t + j0) * d), d, 1),
                     1.0,
                 )
             };
@@ -299,18 +341,19 @@ impl Attention {
     #[inline(always)]
     unsafe fn backward_head(&self, p: &Ptrs, h: usize) {
         let (s, t, d, scale) = (self.s, self.t, self.d, self.scale);
-        let base = p.out.get().wrapping_add(h * (s + 2 * t) * d);
+        let at = h - p.head;
+        let base = p.out.get().wrapping_add(at * (s + 2 * t) * d);
         // SAFETY: batch-head h's output block, this task's own.
         unsafe { slice::from_raw_parts_mut(base, (s + 2 * t) * d) }.fill(0.0);
         let (dq, dk, dv) = (base, base.wrapping_add(s * d), base.wrapping_add((s + t) * d));
         // SAFETY: batch-head h's operands, read only.
         let (q, k, v, o, g) = unsafe {
             (
-                p.q.get().add(h * s * d),
-                p.k.get().add(h * t * d),
-                p.v.get().add(h * t * d),
-                slice::from_raw_parts(p.o.get().add(h * s * d), s * d),
-                slice::from_raw_parts(p.g.get().add(h * s * d), s * d),
+                p.q.get().add(at * s * d),
+                p.k.get().add(at * t * d),
+                p.v.get().add(at * t * d),
+                slice::from_raw_parts(p.o.get().add(at * s * d), s * d),
+                slice::from_raw_parts(p.g.get().add(at * s * d), s * d),
             )
         };
         let (mut pt, mut ds) = ([0f32; BR * BC], [0f32; BR * BC]);
@@ -425,7 +468,12 @@ impl CpuKernel for Attention {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let ptr = |i: usize| SendPtr::new(inputs.get(i).map_or(std::ptr::null_mut(), |&x| x as *mut f32));
         let bias_at = if self.grad { 5 } else { 3 };
+        if let Some((types, out_type)) = &self.half {
+            // SAFETY: forwarded contract.
+            return unsafe { self.run_widened(inputs, output, types, *out_type) };
+        }
         let p = Ptrs {
+            head: 0,
             q: ptr(0),
             k: ptr(1),
             v: ptr(2),
@@ -456,5 +504,104 @@ impl CpuKernel for Attention {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+impl Attention {
+    /// `run` for operands or an output of half types: one task per batch-head widens the
+    /// head's operands into its thread's buffer, computes it in f32 and stores its output
+    /// block in `out_type` (module doc).
+    ///
+    /// # Safety
+    /// As `run`: every pointer is valid for its tensor of its type; the output overlaps none.
+    unsafe fn run_widened(&self, inputs: &[*mut u8], output: *mut u8, types: &[DType], out_type: DType) {
+        let (s, t, d) = (self.s, self.t, self.d);
+        // Per operand (q, k, v, then o and do): elements per head.
+        let sizes: Vec<usize> =
+            (0..types.len()).map(|i| if i == 1 || i == 2 { t * d } else { s * d }).collect();
+        let out_size = if self.grad { (s + 2 * t) * d } else { s * d };
+        let total = sizes.iter().sum::<usize>() + out_size;
+        let ins: Vec<SendPtr<u8>> = inputs.iter().map(|&p| SendPtr::new(p)).collect();
+        let bias = SendPtr::new(inputs.get(types.len()).map_or(std::ptr::null_mut(), |&p| p as *mut f32));
+        let out = SendPtr::new(output);
+        let head = |h: usize, buf: &mut Vec<f32>| {
+            buf.resize(total, 0.0);
+            let mut starts = Vec::with_capacity(types.len());
+            let mut at = 0;
+            for (i, (&n, &ty)) in sizes.iter().zip(types).enumerate() {
+                // SAFETY: head h's n elements of operand i lie inside it (the contract).
+                unsafe { widen_into(ins[i].get(), ty, h * n, &mut buf[at..at + n]) };
+                starts.push(at);
+                at += n;
+            }
+            let base = buf.as_mut_ptr();
+            let ptr = |i: Option<usize>| {
+                SendPtr::new(i.map_or(std::ptr::null_mut(), |i| base.wrapping_add(starts[i])))
+            };
+            let grad = |i: usize| ptr(self.grad.then_some(i));
+            let p = Ptrs {
+                head: h,
+                q: ptr(Some(0)),
+                k: ptr(Some(1)),
+                v: ptr(Some(2)),
+                o: grad(3),
+                g: grad(4),
+                bias,
+                out: SendPtr::new(base.wrapping_add(at)),
+            };
+            // SAFETY: the head's widened operands and its f32 output block are this thread's
+            // buffer; the bias is the whole operand (the contract).
+            unsafe {
+                if self.grad {
+                    backward_dispatch(self, &p, h);
+                } else {
+                    let blocks = s.div_ceil(BR);
+                    for u in h * blocks..(h + 1) * blocks {
+                        forward_dispatch(self, &p, u);
+                    }
+                }
+                store_from(&buf[at..at + out_size], out.get(), out_type, h * out_size);
+            }
+        };
+        par_ranges(self.bh, (s + t) * t * d * 4, |a, b| {
+            HEAD.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buf) => (a..b).for_each(|h| head(h, &mut buf)),
+                Err(_) => (a..b).for_each(|h| head(h, &mut Vec::new())),
+            })
+        });
+    }
+}
+
+/// `dst.len()` elements of the tensor at `p` (of type `ty`) from element `at`, widened.
+///
+/// # Safety
+/// Elements at..at + dst.len() lie inside the tensor.
+unsafe fn widen_into(p: *const u8, ty: DType, at: usize, dst: &mut [f32]) {
+    // SAFETY: the contract.
+    unsafe {
+        match ty {
+            DType::F16 | DType::BF16 => {
+                let src = slice::from_raw_parts((p as *const u16).add(at), dst.len());
+                dst.iter_mut().zip(src).for_each(|(d, &b)| *d = widen_half(ty, b));
+            }
+            _ => dst.copy_from_slice(slice::from_raw_parts((p as *const f32).add(at), dst.len())),
+        }
+    }
+}
+
+/// `src` stored into the tensor at `p` (of type `ty`) from element `at`, rounded to it.
+///
+/// # Safety
+/// Elements at..at + src.len() lie inside the tensor, which no other task writes there.
+unsafe fn store_from(src: &[f32], p: *mut u8, ty: DType, at: usize) {
+    // SAFETY: the contract.
+    unsafe {
+        match ty {
+            DType::F16 | DType::BF16 => {
+                let dst = slice::from_raw_parts_mut((p as *mut u16).add(at), src.len());
+                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = narrow_half(ty, v));
+            }
+            _ => slice::from_raw_parts_mut((p as *mut f32).add(at), src.len()).copy_from_slice(src),
+        }
     }
 }

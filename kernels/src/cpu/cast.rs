@@ -24,6 +24,24 @@ pub fn round_to(to: DType, x: f32) -> f32 {
     }
 }
 
+/// The value of the bits of an element of the half type `t` (f16; bf16 for any other type).
+#[inline(always)]
+pub(crate) fn widen_half(t: DType, bits: u16) -> f32 {
+    match t {
+        DType::F16 => half::f16::from_bits(bits).to_f32(),
+        _ => half::bf16::from_bits(bits).to_f32(),
+    }
+}
+
+/// `x` rounded to the half type `t` (f16; bf16 for any other type), ties to even: its bits.
+#[inline(always)]
+pub(crate) fn narrow_half(t: DType, x: f32) -> u16 {
+    match t {
+        DType::F16 => half::f16::from_f32(x).to_bits(),
+        _ => half::bf16::from_f32(x).to_bits(),
+    }
+}
+
 /// One element's value, widened: what every conversion goes through.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scalar {

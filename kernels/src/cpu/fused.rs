@@ -19,15 +19,22 @@
 //! In place: the output may be the buffer of an operand of the output's shape. That operand is
 //! read at the output's own offsets, copied into its slot before the chunk's output is written, so
 //! each element is read before it is overwritten.
+//!
+//! Half values (a mixed-precision step's, `fused_typed`): an f16 or bf16 operand is widened into
+//! its slot as it is loaded (never read where it lies), and an f16 or bf16 output is computed
+//! into one more slot and rounded to its type as it is stored (ties to even, as `Op::Cast`):
+//! f32 arithmetic inside, half in memory, the bits of the op widened (`kiln_compiler::widen`).
+//! A half operand is not periodic (it walks with its strides).
 
 use super::broadcast::{Strided, broadcast_strides};
 use super::math::{with_binary, with_scalar, with_unary};
+use super::mixed_gemm::Matrix;
 use super::par::{SendPtr, par_ranges};
 use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
 use crate::KernelError;
 use kiln_compiler::ir::fused::{Dest, Inst, MAX_FUSED_OPERANDS, MAX_FUSED_SLOTS, Registers};
-use kiln_compiler::ir::{Fused, FusedMatMul, FusedReduce, Shape};
+use kiln_compiler::ir::{DType, Fused, FusedMatMul, FusedReduce, Shape};
 use std::mem::MaybeUninit;
 use std::slice;
 
@@ -36,7 +43,8 @@ const CHUNK: usize = 256;
 
 thread_local! {
     /// Each thread's slots for `FusedKernel::eval_range`.
-    static SLOTS: std::cell::RefCell<Vec<f32>> = std::cell::RefCell::new(vec![0.0; CHUNK * MAX_FUSED_SLOTS]);
+    /// `MAX_FUSED_SLOTS` and one for a half output.
+    static SLOTS: std::cell::RefCell<Vec<f32>> = std::cell::RefCell::new(vec![0.0; CHUNK * (MAX_FUSED_SLOTS + 1)]);
     /// Each thread's repeated values of the periodic operands (`FusedKernel::period`).
     static PATTERNS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -52,7 +60,17 @@ pub(crate) struct FusedKernel {
     /// Per operand: its element count where it is periodic (the output's trailing axes,
     /// broadcast along the others, fewer than `CHUNK` elements), else 0.
     period: [usize; MAX_FUSED_OPERANDS],
+    /// Per operand: its type where it is f16 or bf16 (widened as it is loaded), else `None`.
+    half: [Option<DType>; MAX_FUSED_OPERANDS],
+    /// The output's type where it is f16 or bf16 (computed into slot `regs.slots`, rounded
+    /// as it is stored), else `None`.
+    out_half: Option<DType>,
     desc: String,
+}
+
+/// `d` where it is f16 or bf16.
+fn half_type(d: DType) -> Option<DType> {
+    matches!(d, DType::F16 | DType::BF16).then_some(d)
 }
 
 /// The element count of `operand` where it is the trailing axes of `out` (contiguous there, 0
@@ -78,7 +96,31 @@ pub(crate) fn fused(
     Ok(Box::new(fused_kernel(program, operands, out)?))
 }
 
+/// The kernel of `program` (as `fused`) over operands of the given shapes and types (f32, f16
+/// or bf16), writing an output of `out`'s shape and type.
+pub(crate) fn fused_typed(
+    program: &Fused,
+    operands: &[(&Shape, DType)],
+    out: (&Shape, DType),
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let shapes: Vec<&Shape> = operands.iter().map(|&(s, _)| s).collect();
+    let half: [Option<DType>; MAX_FUSED_OPERANDS] =
+        std::array::from_fn(|j| operands.get(j).and_then(|&(_, d)| half_type(d)));
+    Ok(Box::new(kernel_of(program, &shapes, half, (out.0, half_type(out.1)))?))
+}
+
 fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<FusedKernel, KernelError> {
+    kernel_of(program, operands, [None; MAX_FUSED_OPERANDS], (out, None))
+}
+
+/// The kernel of `program` over `operands`, those with a `half` type widened as they are
+/// loaded, the output rounded to `out.1` where it is a half type.
+fn kernel_of(
+    program: &Fused,
+    operands: &[&Shape],
+    half: [Option<DType>; MAX_FUSED_OPERANDS],
+    (out, out_half): (&Shape, Option<DType>),
+) -> Result<FusedKernel, KernelError> {
     let k = operands.len();
     let regs = program.registers(k);
     // The loops below borrow an instruction's destination slot mutably beside the slots it
@@ -104,8 +146,9 @@ fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<Fus
         });
     }
     let zeros = vec![0isize; out.rank()];
+    // A half operand walks with its strides: its repeated values are not widened.
     let period: [usize; MAX_FUSED_OPERANDS] =
-        std::array::from_fn(|j| operands.get(j).map_or(0, |s| period(s, out)));
+        std::array::from_fn(|j| operands.get(j).filter(|_| half[j].is_none()).map_or(0, |s| period(s, out)));
     // A periodic operand walks as a scalar would (it does not cut runs); it is read at the
     // chunk's phase of its repeated values, with stride 1.
     let strides: Vec<Vec<isize>> = (0..MAX_FUSED_OPERANDS)
@@ -135,7 +178,18 @@ fn fused_kernel(program: &Fused, operands: &[&Shape], out: &Shape) -> Result<Fus
             _ => (1, 1),
         })
         .collect();
-    Ok(FusedKernel { insts: program.insts.clone(), axes, regs, operands: k, walk, inner, period, desc })
+    Ok(FusedKernel {
+        insts: program.insts.clone(),
+        axes,
+        regs,
+        operands: k,
+        walk,
+        inner,
+        period,
+        half,
+        out_half,
+        desc,
+    })
 }
 
 /// d[i] = f(sources at i) for one instruction over a chunk whose first element is element
@@ -199,10 +253,13 @@ impl FusedKernel {
     /// the output's own memory is read where it lies; the others are copied (a broadcast filled, a
     /// strided one gathered) into their slots first.
     ///
+    /// A half operand (`half`) is widened into its slot whatever its stride; with a half output,
+    /// the last instruction writes slot `regs.slots`, rounded into `out` at the end.
+    ///
     /// # Safety
-    /// `ins[j]` is valid for the `m` elements read with its stride and `out` for `m` writes; an
-    /// operand overlapping `out` is read with stride 1 at `out` itself; `m <= stride` and `slots`
-    /// holds `self.regs.slots * stride` elements.
+    /// `ins[j]` is valid for the `m` elements (of its type) read with its stride and `out` for `m`
+    /// writes (of the output's type); an operand overlapping `out` is read with stride 1 at `out`
+    /// itself; `m <= stride` and `slots` holds `self.slot_count() * stride` elements.
     #[inline(always)]
     unsafe fn chunk(
         &self,
@@ -225,6 +282,18 @@ impl FusedKernel {
             // operand.
             unsafe {
                 let slot = slice::from_raw_parts_mut(base.add(j * stride), m);
+                if let Some(t) = self.half[j] {
+                    let (src, s) = (ins[j] as *const u16, self.inner[j]);
+                    let widen = |bits: u16| super::cast::widen_half(t, bits);
+                    match s {
+                        0 => slot.fill(widen(*src)),
+                        _ => slot
+                            .iter_mut()
+                            .enumerate()
+                            .for_each(|(i, v)| *v = widen(*src.offset(i as isize * s))),
+                    }
+                    continue;
+                }
                 match self.inner[j] {
                     // The output's own memory is copied: it is written by the last instruction,
                     // which must not read it through a second, shared borrow.
@@ -256,9 +325,44 @@ impl FusedKernel {
                         at[s] = base.add(s * stride);
                         slice::from_raw_parts_mut(base.add(s * stride), m)
                     }
+                    Dest::Output if self.out_half.is_some() => {
+                        slice::from_raw_parts_mut(base.add(self.regs.slots * stride), m)
+                    }
                     Dest::Output => slice::from_raw_parts_mut(out, m),
                 };
                 eval(inst, d, srcs, first, self.axes[j]);
+            }
+        }
+        if let Some(t) = self.out_half {
+            // SAFETY: slot `regs.slots` holds the m values (the last instruction wrote it) and
+            // `out` is valid for m elements of the half type.
+            unsafe {
+                let values = slice::from_raw_parts(base.add(self.regs.slots * stride), m);
+                let out = slice::from_raw_parts_mut(out as *mut u16, m);
+                for (o, &v) in out.iter_mut().zip(values) {
+                    *o = super::cast::narrow_half(t, v);
+                }
+            }
+        }
+    }
+
+    /// The slots a chunk needs: the program's, and one for a half output.
+    fn slot_count(&self) -> usize {
+        self.regs.slots + usize::from(self.out_half.is_some())
+    }
+
+    /// The address of output element `i` from `base`, the output's element 0 (the output's
+    /// type's size: 2 bytes for a half output).
+    ///
+    /// # Safety
+    /// Element `i` lies inside (or one past) the output.
+    #[inline(always)]
+    unsafe fn out_at(&self, base: *mut f32, i: usize) -> *mut f32 {
+        // SAFETY: the contract.
+        unsafe {
+            match self.out_half {
+                Some(_) => (base as *mut u16).add(i) as *mut f32,
+                None => base.add(i),
             }
         }
     }
@@ -286,14 +390,14 @@ impl FusedKernel {
     /// shape and `out` is its element `s` (in place).
     unsafe fn eval_range(&self, ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS], s: usize, e: usize, out: *mut f32) {
         let stride = CHUNK.min(e - s);
-        let len = self.regs.slots * stride;
+        let len = self.slot_count() * stride;
         // The slots live in a per-thread buffer, zeroed once when the thread first needs it: a
         // reduction's prologue calls this once per row, and zeroing the slots every time cost
         // ~1% of the transformer's step (perf). A nested call on the same thread (none today)
         // gets a fresh buffer.
         let slots = |ins: &[SendPtr<f32>; MAX_FUSED_OPERANDS]| {
             SLOTS.with(|cell| match cell.try_borrow_mut() {
-                // SAFETY: forwarded contract; `len <= MAX_FUSED_SLOTS * CHUNK` (slots checked in
+                // SAFETY: forwarded contract; `len <= (MAX_FUSED_SLOTS + 1) * CHUNK` (slots checked in
                 // `fused`, stride <= CHUNK), the length of every slot buffer.
                 Ok(mut slots) => unsafe { self.eval_in(&mut slots[..len], stride, ins, s, e, out) },
                 Err(_) => unsafe { self.eval_in(&mut vec![0.0; len], stride, ins, s, e, out) },
@@ -360,15 +464,22 @@ impl FusedKernel {
                         unsafe { ins[j].get().add((oo + done) % self.period[j]) as *const f32 }
                     } else if j < self.operands {
                         // SAFETY: the walk stays inside every operand (strides from their
-                        // shapes); `done` elements of this run were consumed already.
-                        unsafe { ins[j].get().offset(offs[j] + done as isize * self.inner[j]) as *const f32 }
+                        // shapes, in elements of the operand's type); `done` elements of this
+                        // run were consumed already.
+                        unsafe {
+                            let at = offs[j] + done as isize * self.inner[j];
+                            match self.half[j] {
+                                Some(_) => (ins[j].get() as *const u16).offset(at) as *const f32,
+                                None => ins[j].get().offset(at) as *const f32,
+                            }
+                        }
                     } else {
                         std::ptr::null()
                     }
                 });
                 // SAFETY: the contract above; position oo + done is out's element oo + done - s.
                 unsafe {
-                    let out = out.add(oo + done - s);
+                    let out = self.out_at(out, oo + done - s);
                     chunk_dispatch(self, slots, stride, &at, out, m, oo + done);
                 }
                 done += m;
@@ -390,7 +501,7 @@ impl CpuKernel for FusedKernel {
             // own; an operand that is the output has the output's shape (the plan is
             // validated), so it is read with stride 1 at the output's offsets; threads write
             // disjoint output ranges.
-            unsafe { self.eval_range(&ins, s, e, o.get().add(s)) }
+            unsafe { self.eval_range(&ins, s, e, self.out_at(o.get(), s)) }
         });
     }
 
@@ -408,6 +519,10 @@ pub(crate) struct FusedReduceKernel {
     reduce: super::reduce::Reduce,
     /// The epilogue over the output (`Fused::epilogue`), and where its operands start.
     epilogue: Option<(FusedKernel, usize)>,
+    /// With an f16 or bf16 output: its type and the reduction's f32 values (the output's
+    /// element count, the kernel's own buffer), which the epilogue reads, or which are rounded
+    /// into the output where there is none.
+    wide_out: Option<(DType, std::sync::Mutex<Vec<f32>>)>,
     desc: String,
 }
 
@@ -434,16 +549,23 @@ impl super::reduce::Source for Prologue<'_> {
     }
 }
 
+/// The kernel of a fused reduction over `operands` of the given types (f32, f16 or bf16: the
+/// program widens half operands as it loads them), writing an output of `out`'s shape and type
+/// (a half one through the reduction's f32 values, `FusedReduceKernel::wide_out`).
 pub(crate) fn fused_reduce(
     program: &Fused,
     reduce: &FusedReduce,
-    operands: &[&Shape],
-    out: &Shape,
+    typed: &[(&Shape, DType)],
+    (out, out_type): (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let operands: Vec<&Shape> = typed.iter().map(|&(s, _)| s).collect();
+    let half_of = |ds: &[(&Shape, DType)]| -> [Option<DType>; MAX_FUSED_OPERANDS] {
+        std::array::from_fn(|j| ds.get(j).and_then(|&(_, d)| half_type(d)))
+    };
     let shape = program.shape.clone();
     let split = operands.len() - program.epilogue_operands;
     let elementwise = Fused { reduce: None, epilogue: Vec::new(), epilogue_operands: 0, ..program.clone() };
-    let before = fused_kernel(&elementwise, &operands[..split], &shape)?;
+    let before = kernel_of(&elementwise, &operands[..split], half_of(&typed[..split]), (&shape, None))?;
     let name = reduce.op().name();
     let mut desc = format!("{name}{:?} of {}", reduce.axes, before.desc);
     let epilogue = if program.epilogue.is_empty() {
@@ -451,14 +573,20 @@ pub(crate) fn fused_reduce(
     } else {
         let mut shapes: Vec<&Shape> = vec![out];
         shapes.extend_from_slice(&operands[split..]);
-        let after = fused_kernel(&program.epilogue_program(out), &shapes, out)?;
+        // Operand 0 is the reduced values, f32; the others are the op's last operands.
+        let mut types = vec![(out, DType::F32)];
+        types.extend_from_slice(&typed[split..]);
+        let after =
+            kernel_of(&program.epilogue_program(out), &shapes, half_of(&types), (out, half_type(out_type)))?;
         desc = format!("{desc} then {}", after.desc);
         Some((after, split))
     };
+    let wide_out = half_type(out_type).map(|t| (t, std::sync::Mutex::new(vec![0.0; out.numel()])));
     Ok(Box::new(FusedReduceKernel {
         program: before,
         reduce: super::reduce::prepare(reduce.op, name, &shape, &reduce.axes),
         epilogue,
+        wide_out,
         desc,
     }))
 }
@@ -471,14 +599,25 @@ impl CpuKernel for FusedReduceKernel {
         // reduction's; the reduction reads its source only inside the program's shape. The
         // epilogue then reads the output as its operand 0, of the output's shape, in place (the
         // elementwise contract), and the op's last operands beside it.
+        // With a half output the reduction writes the kernel's f32 buffer (the output's
+        // element count), which the epilogue reads or which is rounded into the output.
+        let mut wide =
+            self.wide_out.as_ref().map(|(t, buf)| (*t, buf.lock().unwrap_or_else(|e| e.into_inner())));
+        let reduced = match &mut wide {
+            Some((_, buf)) => buf.as_mut_ptr() as *mut u8,
+            None => output,
+        };
         unsafe {
-            self.reduce.run_from(&source, output as *mut f32);
+            self.reduce.run_from(&source, reduced as *mut f32);
             if let Some((after, _)) = &self.epilogue {
                 let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
                 let extra = (inputs.len() - split).min(MAX_FUSED_OPERANDS - 1);
-                ins[0] = output;
+                ins[0] = reduced;
                 ins[1..=extra].copy_from_slice(&inputs[split..split + extra]);
                 after.run(&ins[..=extra], output);
+            } else if let Some((t, buf)) = &wide {
+                let out = slice::from_raw_parts_mut(output as *mut u16, buf.len());
+                out.iter_mut().zip(buf.iter()).for_each(|(o, &v)| *o = super::cast::narrow_half(*t, v));
             }
         }
     }
@@ -495,8 +634,11 @@ impl CpuKernel for FusedReduceKernel {
 pub(crate) struct FusedMatMulKernel {
     product: Box<dyn CpuKernel>,
     epilogue: FusedKernel,
-    /// The path for a run that writes over an epilogue operand (`Op::may_write_over`).
+    /// The path for a run that writes over an epilogue operand (`Op::may_write_over`), or
+    /// that reads or writes half values.
     rows: RowBlocks,
+    /// Whether an operand or the output is f16 or bf16 (every run takes `rows`).
+    half: bool,
     desc: String,
 }
 
@@ -532,6 +674,11 @@ struct RowBlocks {
     whole_rows: bool,
     /// Epilogue kernels by (rows, columns) of what they run over.
     kernels: Vec<((usize, usize), FusedKernel)>,
+    /// The types of the op's operands (factors first) and of its output: f32, f16 or bf16
+    /// (half factors are widened in panels, `Gemm::run_mixed`; the epilogue widens and rounds
+    /// the others).
+    types: Vec<DType>,
+    out_type: DType,
     /// Per epilogue operand (after the factors): how an output row finds its elements.
     reads: Vec<RowRead>,
     tile: std::sync::Mutex<Vec<f32>>,
@@ -586,7 +733,15 @@ impl RowRead {
 }
 
 impl RowBlocks {
-    fn new(program: &Fused, matmul: &FusedMatMul, operands: &[&Shape]) -> Result<Self, KernelError> {
+    /// The blocks of `program`'s product over `operands` of `types` (factors first), writing
+    /// an output of `out_type`.
+    fn new(
+        program: &Fused,
+        matmul: &FusedMatMul,
+        operands: &[&Shape],
+        types: &[DType],
+        out_type: DType,
+    ) -> Result<Self, KernelError> {
         let shape = &program.shape;
         let (gemm, batches) =
             super::matmul::layout(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
@@ -616,7 +771,11 @@ impl RowBlocks {
                 let mut all: Vec<&Shape> = vec![&out];
                 all.extend(shapes.iter());
                 let program = Fused { matmul: None, shape: out.clone(), ..program.clone() };
-                Ok(((r, c), fused_kernel(&program, &all, &out)?))
+                // Operand 0 is the f32 tile; the others are the op's operands after the factors.
+                let half = std::array::from_fn(|j| {
+                    j.checked_sub(1).and_then(|i| types.get(2 + i)).and_then(|&d| half_type(d))
+                });
+                Ok(((r, c), kernel_of(&program, &all, half, (&out, half_type(out_type)))?))
             })
             .collect::<Result<_, KernelError>>()?;
         Ok(RowBlocks {
@@ -627,6 +786,8 @@ impl RowBlocks {
             parallel: block_rows * block_cols * gemm.k >= super::matmul::SERIAL_MACS,
             whole_rows,
             kernels,
+            types: types.to_vec(),
+            out_type,
             reads,
             tile: std::sync::Mutex::new(Vec::new()),
         })
@@ -644,8 +805,11 @@ impl RowBlocks {
         let mut tile = self.tile.lock().unwrap_or_else(|e| e.into_inner());
         let (block_rows, block_cols, n) = (self.gemm.m, self.gemm.n, self.n);
         tile.resize(block_rows * block_cols, 0.0);
-        let (a, b, out) = (inputs[0] as *const f32, inputs[1] as *const f32, output as *mut f32);
-        let operand = |j: usize| inputs[2 + j] as *mut f32;
+        let (a, b) = (Matrix::new(inputs[0], self.types[0]), Matrix::new(inputs[1], self.types[1]));
+        // Element `i` of epilogue operand j and of the output, in bytes of their types (a
+        // pointer arithmetic the SAFETY notes below vouch for).
+        let operand = |j: usize, i: usize| inputs[2 + j].wrapping_add(i * self.types[2 + j].size_bytes());
+        let out = |i: usize| output.wrapping_add(i * self.out_type.size_bytes());
         let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
         let extra = self.reads.len();
         for (matrix, &(a_at, b_at)) in self.batches.iter().enumerate() {
@@ -660,9 +824,9 @@ impl RowBlocks {
                     // r0.. of A and columns c0.. of B lie inside them (r0 + rows <= m, c0 +
                     // cols <= n); the tile holds rows x cols floats and is the kernel's own.
                     unsafe {
-                        let a = a.add(a_at).offset(r0 as isize * self.gemm.a.0);
-                        let b = b.add(b_at).offset(c0 as isize * self.gemm.b.1);
-                        gemm.run(a, b, tile.as_mut_ptr(), false, self.parallel);
+                        let a = a.at(a_at as isize + r0 as isize * self.gemm.a.0);
+                        let b = b.at(b_at as isize + c0 as isize * self.gemm.b.1);
+                        gemm.run_mixed(a, b, Matrix::F32(tile.as_mut_ptr()), false, self.parallel);
                     }
                     let first = matrix * self.rows + r0;
                     // SAFETY (both branches): each operand pointer is its elements for the
@@ -674,10 +838,10 @@ impl RowBlocks {
                     if self.whole_rows {
                         ins[0] = tile.as_mut_ptr() as *mut u8;
                         for (j, read) in self.reads.iter().enumerate() {
-                            ins[1 + j] = unsafe { operand(j).add(read.offset(first)) } as *mut u8;
+                            ins[1 + j] = operand(j, read.offset(first));
                         }
                         let kernel = self.kernel(rows, n);
-                        unsafe { kernel.run(&ins[..=extra], out.add(first * n) as *mut u8) };
+                        unsafe { kernel.run(&ins[..=extra], out(first * n)) };
                     } else {
                         let kernel = self.kernel(1, cols);
                         for i in 0..rows {
@@ -685,9 +849,9 @@ impl RowBlocks {
                             ins[0] = unsafe { tile.as_mut_ptr().add(i * cols) } as *mut u8;
                             for (j, read) in self.reads.iter().enumerate() {
                                 let at = read.offset(row) + if read.cols == n { c0 } else { 0 };
-                                ins[1 + j] = unsafe { operand(j).add(at) } as *mut u8;
+                                ins[1 + j] = operand(j, at);
                             }
-                            unsafe { kernel.run(&ins[..=extra], out.add(row * n + c0) as *mut u8) };
+                            unsafe { kernel.run(&ins[..=extra], out(row * n + c0)) };
                         }
                     }
                     c0 += cols;
@@ -707,18 +871,25 @@ fn epilogue_kernel(program: &Fused, operands: &[&Shape]) -> Result<FusedKernel, 
     fused_kernel(&Fused { matmul: None, conv: None, ..program.clone() }, &epilogue_operands, shape)
 }
 
+/// The kernel of a fused product over `operands` (factors first) of the given types (f32, f16
+/// or bf16), writing an output of `output`'s shape and type.
 pub(crate) fn fused_matmul(
     program: &Fused,
     matmul: &FusedMatMul,
-    operands: &[&Shape],
+    operands: &[(&Shape, DType)],
+    output: (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
     let shape = &program.shape;
-    let product =
-        super::matmul::matmul(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
-    let epilogue = epilogue_kernel(program, operands)?;
+    let (shapes, types): (Vec<&Shape>, Vec<DType>) = operands.iter().copied().unzip();
+    let factors = [types[0], types[1], DType::F32];
+    let transposed = (matmul.transpose_a, matmul.transpose_b);
+    let product = super::matmul::matmul(shapes[0], shapes[1], transposed, shape, factors);
+    let epilogue = epilogue_kernel(program, &shapes)?;
     let desc = format!("{} then {}", product.describe(), epilogue.desc);
-    let rows = RowBlocks::new(program, matmul, operands)?;
-    Ok(Box::new(FusedMatMulKernel { product, epilogue, rows, desc }))
+    let rows = RowBlocks::new(program, matmul, &shapes, &types, output.1)?;
+    // With half values anywhere, every run takes the row blocks (the product in an f32 tile).
+    let half = types.iter().chain([&output.1]).any(|&d| half_type(d).is_some());
+    Ok(Box::new(FusedMatMulKernel { product, epilogue, rows, half, desc }))
 }
 
 /// A convolution with an elementwise epilogue (`Fused::conv`): each block of output rows gets
@@ -780,7 +951,7 @@ impl CpuKernel for FusedConvKernel {
 impl CpuKernel for FusedMatMulKernel {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let (epilogue_inputs, extra) = epilogue_inputs(inputs, output);
-        if inputs[2..].contains(&output) {
+        if self.half || inputs[2..].contains(&output) {
             // SAFETY: run's contract; the output overlaps an epilogue operand only, planned so
             // by `Op::may_write_over`.
             return unsafe { self.rows.run(inputs, output) };

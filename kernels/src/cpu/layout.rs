@@ -1,22 +1,49 @@
 //! Data-movement kernels: fill, copy, permute, broadcast_to, concat, slice, pad.
 //!
 //! All of them write a contiguous output and are parallelised over output element ranges (the
-//! result never depends on how the range is cut). Permute and broadcast_to read through a
+//! result never depends on how the range is cut). The moving kernels (copy, permute,
+//! broadcast_to, concat, slice, pad) move elements of 4 bytes (f32) or 2 (f16 and bf16: a
+//! mixed-precision step's activations move at their own size, `Elem`); their zeros are both
+//! types' +0.0, all bits clear. Permute and broadcast_to read through a
 //! `broadcast::Strided` walk; concat, slice and pad see the output as rows (everything from the
 //! axis inwards) made of segments, each copied from an operand or zero-filled.
 
 use super::broadcast::{Strided, broadcast_strides, contiguous_strides};
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
+use std::marker::PhantomData;
 use std::ptr;
+
+/// An element the moving kernels move: its bits, whatever the type (f32, or u16 for f16 and
+/// bf16).
+pub(crate) trait Elem: std::marker::Copy + Send + Sync + 'static {
+    /// The type's +0.0: all bits clear.
+    const ZERO: Self;
+}
+
+impl Elem for f32 {
+    const ZERO: f32 = 0.0;
+}
+
+impl Elem for u16 {
+    const ZERO: u16 = 0;
+}
+
+/// `build::<u16>()` for a 2-byte type (f16, bf16), else `build::<f32>()`: the moving kernels of
+/// `dtype`'s elements (`check` admits f32, f16 and bf16).
+macro_rules! by_size {
+    ($dtype:expr, $build:ident($($arg:expr),*)) => {
+        if $dtype.size_bytes() == 2 { $build::<u16>($($arg),*) } else { $build::<f32>($($arg),*) }
+    };
+}
 
 /// Copies `n` elements between disjoint buffers.
 ///
 /// # Safety
 /// `src` and `dst` are valid for `n` elements and do not overlap.
 #[inline(always)]
-unsafe fn copy(src: *const f32, dst: *mut f32, n: usize) {
+unsafe fn copy<T: Elem>(src: *const T, dst: *mut T, n: usize) {
     // SAFETY: forwarded contract.
     unsafe { ptr::copy_nonoverlapping(src, dst, n) }
 }
@@ -24,7 +51,7 @@ unsafe fn copy(src: *const f32, dst: *mut f32, n: usize) {
 /// # Safety
 /// `dst` is valid for `n` elements.
 #[inline(always)]
-unsafe fn fill_raw(dst: *mut f32, n: usize, value: f32) {
+unsafe fn fill_raw<T: Elem>(dst: *mut T, n: usize, value: T) {
     // SAFETY: forwarded contract.
     unsafe { std::slice::from_raw_parts_mut(dst, n).fill(value) }
 }
@@ -142,18 +169,22 @@ impl CpuKernel for Iota {
     }
 }
 
-struct Copy {
+struct Copy<T> {
     n: usize,
     desc: String,
+    elem: PhantomData<T>,
 }
 
-pub(crate) fn copy_kernel(x: &Shape) -> Box<dyn CpuKernel> {
-    Box::new(Copy { n: x.numel(), desc: format!("copy {}", shape_text(x)) })
+pub(crate) fn copy_kernel(x: &Shape, dtype: DType) -> Box<dyn CpuKernel> {
+    fn build<T: Elem>(x: &Shape) -> Box<dyn CpuKernel> {
+        Box::new(Copy::<T> { n: x.numel(), desc: format!("copy {}", shape_text(x)), elem: PhantomData })
+    }
+    by_size!(dtype, build(x))
 }
 
-impl CpuKernel for Copy {
+impl<T: Elem> CpuKernel for Copy<T> {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let (x, o) = (SendPtr::new(inputs[0] as *mut T), SendPtr::new(output as *mut T));
         // SAFETY: both hold n elements and do not overlap; chunks are disjoint.
         par_ranges(self.n, 1, |s, e| unsafe { copy(x.get().add(s), o.get().add(s), e - s) });
     }
@@ -166,37 +197,44 @@ impl CpuKernel for Copy {
 // ---------------------------------------------------------------- permute, broadcast_to
 
 /// Output = the operand read through `walk` (a permutation or a broadcast).
-struct Restride {
+struct Restride<T> {
     walk: Strided<1>,
     inner: isize,
     desc: String,
+    elem: PhantomData<T>,
 }
 
-pub(crate) fn permute(x: &Shape, perm: &[usize], out: &Shape) -> Box<dyn CpuKernel> {
-    let xs = contiguous_strides(x.dims());
-    let strides: Vec<isize> = perm.iter().map(|&p| xs[p] as isize).collect();
-    let walk = Strided::new(out.dims(), [&strides]);
-    let [inner] = walk.inner_strides();
-    let desc = format!("permute{perm:?} {}", shape_text(x));
-    if inner != 1
-        && let Some(t) = Transpose::new(&walk, &desc)
-    {
-        return Box::new(t);
+pub(crate) fn permute(x: &Shape, perm: &[usize], out: &Shape, dtype: DType) -> Box<dyn CpuKernel> {
+    fn build<T: Elem>(x: &Shape, perm: &[usize], out: &Shape) -> Box<dyn CpuKernel> {
+        let xs = contiguous_strides(x.dims());
+        let strides: Vec<isize> = perm.iter().map(|&p| xs[p] as isize).collect();
+        let walk = Strided::new(out.dims(), [&strides]);
+        let [inner] = walk.inner_strides();
+        let desc = format!("permute{perm:?} {}", shape_text(x));
+        if inner != 1
+            && let Some(t) = Transpose::<T>::new(&walk, &desc)
+        {
+            return Box::new(t);
+        }
+        Box::new(Restride::<T> { walk, inner, desc, elem: PhantomData })
     }
-    Box::new(Restride { walk, inner, desc })
+    by_size!(dtype, build(x, perm, out))
 }
 
-pub(crate) fn broadcast_to(x: &Shape, out: &Shape) -> Box<dyn CpuKernel> {
-    let strides = broadcast_strides(x.dims(), out.dims());
-    let walk = Strided::new(out.dims(), [&strides]);
-    let [inner] = walk.inner_strides();
-    let desc = format!("broadcast_to {} -> {}", shape_text(x), shape_text(out));
-    Box::new(Restride { walk, inner, desc })
+pub(crate) fn broadcast_to(x: &Shape, out: &Shape, dtype: DType) -> Box<dyn CpuKernel> {
+    fn build<T: Elem>(x: &Shape, out: &Shape) -> Box<dyn CpuKernel> {
+        let strides = broadcast_strides(x.dims(), out.dims());
+        let walk = Strided::new(out.dims(), [&strides]);
+        let [inner] = walk.inner_strides();
+        let desc = format!("broadcast_to {} -> {}", shape_text(x), shape_text(out));
+        Box::new(Restride::<T> { walk, inner, desc, elem: PhantomData })
+    }
+    by_size!(dtype, build(x, out))
 }
 
-impl CpuKernel for Restride {
+impl<T: Elem> CpuKernel for Restride<T> {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let (x, o) = (SendPtr::new(inputs[0] as *mut T), SendPtr::new(output as *mut T));
         let s = self.inner;
         par_ranges(self.walk.numel(), 1, |start, end| {
             self.walk.for_each_run(start, end, &mut |oo, [xo], n| {
@@ -228,7 +266,7 @@ const TILE: usize = 32;
 /// A permute that moves the input's contiguous axis away from the innermost position: copied in
 /// TILE x TILE tiles so that both the reads and the writes stay in cache (a row-by-row strided
 /// gather of a 1024x1024 transpose is several times slower).
-struct Transpose {
+struct Transpose<T> {
     /// The other axes: (extent, output stride, input stride), outer first.
     outer: Vec<(usize, usize, isize)>,
     /// The output axis read contiguously: (extent, output stride).
@@ -238,10 +276,11 @@ struct Transpose {
     tiles: (usize, usize),
     tasks: usize,
     desc: String,
+    elem: PhantomData<T>,
 }
 
-impl Transpose {
-    fn new(walk: &Strided<1>, desc: &str) -> Option<Transpose> {
+impl<T: Elem> Transpose<T> {
+    fn new(walk: &Strided<1>, desc: &str) -> Option<Transpose<T>> {
         let axes = walk.axes();
         let dims: Vec<usize> = axes.iter().map(|a| a.0).collect();
         let out_strides = contiguous_strides(&dims);
@@ -253,13 +292,14 @@ impl Transpose {
         let tiles = (pd.div_ceil(TILE), ld.div_ceil(TILE));
         let tasks = walk.numel().checked_div(pd * ld).unwrap_or(0) * tiles.0 * tiles.1;
         let desc = desc.to_string();
-        Some(Transpose { outer, p: (pd, out_strides[p]), l: (ld, axes[last].1[0]), tiles, tasks, desc })
+        let (p, l) = ((pd, out_strides[p]), (ld, axes[last].1[0]));
+        Some(Transpose { outer, p, l, tiles, tasks, desc, elem: PhantomData })
     }
 }
 
-impl CpuKernel for Transpose {
+impl<T: Elem> CpuKernel for Transpose<T> {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let (x, o) = (SendPtr::new(inputs[0] as *mut T), SendPtr::new(output as *mut T));
         let ((pd, pos), (ld, lis)) = (self.p, self.l);
         par_ranges(self.tasks, TILE * TILE, |s, e| {
             for t in s..e {
@@ -299,34 +339,38 @@ fn split(dims: &[usize], axis: usize) -> (usize, usize) {
     (dims[..axis].iter().product(), dims[axis + 1..].iter().product())
 }
 
-struct Concat {
+struct Concat<T> {
     /// Per operand: (offset in an output row, elements per row).
     segments: Vec<(usize, usize)>,
     row: usize,
     n: usize,
     desc: String,
+    elem: PhantomData<T>,
 }
 
-pub(crate) fn concat(xs: &[&Shape], axis: usize, out: &Shape) -> Box<dyn CpuKernel> {
-    let (_, inner) = split(out.dims(), axis);
-    let mut segments = Vec::with_capacity(xs.len());
-    let mut offset = 0;
-    for x in xs {
-        let len = x.dims()[axis] * inner;
-        segments.push((offset, len));
-        offset += len;
+pub(crate) fn concat(xs: &[&Shape], axis: usize, out: &Shape, dtype: DType) -> Box<dyn CpuKernel> {
+    fn build<T: Elem>(xs: &[&Shape], axis: usize, out: &Shape) -> Box<dyn CpuKernel> {
+        let (_, inner) = split(out.dims(), axis);
+        let mut segments = Vec::with_capacity(xs.len());
+        let mut offset = 0;
+        for x in xs {
+            let len = x.dims()[axis] * inner;
+            segments.push((offset, len));
+            offset += len;
+        }
+        let parts: Vec<String> = xs.iter().map(|x| shape_text(x)).collect();
+        let desc = format!("concat[axis {axis}] {}", parts.join(" "));
+        Box::new(Concat::<T> { segments, row: offset, n: out.numel(), desc, elem: PhantomData })
     }
-    let parts: Vec<String> = xs.iter().map(|x| shape_text(x)).collect();
-    let desc = format!("concat[axis {axis}] {}", parts.join(" "));
-    Box::new(Concat { segments, row: offset, n: out.numel(), desc })
+    by_size!(dtype, build(xs, axis, out))
 }
 
-impl CpuKernel for Concat {
+impl<T: Elem> CpuKernel for Concat<T> {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         if self.row == 0 {
             return;
         }
-        let (ins, o) = (SendPtr::new(inputs.as_ptr() as *mut *mut u8), SendPtr::new(output as *mut f32));
+        let (ins, o) = (SendPtr::new(inputs.as_ptr() as *mut *mut u8), SendPtr::new(output as *mut T));
         let count = inputs.len();
         par_ranges(self.n, 1, |s, e| {
             rows_in_range(self.row, s, e, |r, lo, hi| {
@@ -336,7 +380,7 @@ impl CpuKernel for Concat {
                         // SAFETY: operand j holds rows * len elements; rows of the output are
                         // row elements long; the ranges of different chunks are disjoint.
                         unsafe {
-                            let src = (*ins.get().add(j) as *const f32).add(r * len + a - off);
+                            let src = (*ins.get().add(j) as *const T).add(r * len + a - off);
                             copy(src, o.get().add(r * self.row + a), b - a);
                         }
                     }
@@ -351,7 +395,7 @@ impl CpuKernel for Concat {
 }
 
 /// Slice and pad: each output row is [zeros, a window of the operand's row, zeros].
-struct Window {
+struct Window<T> {
     /// Elements per operand row and per output row.
     in_row: usize,
     out_row: usize,
@@ -361,31 +405,41 @@ struct Window {
     src: usize,
     n: usize,
     desc: String,
+    elem: PhantomData<T>,
 }
 
-pub(crate) fn slice(x: &Shape, axis: usize, start: usize, len: usize) -> Box<dyn CpuKernel> {
+/// A `Window` of `dtype`'s elements: `[in_row, out_row, begin, end, src, n]`.
+fn window(dims: [usize; 6], desc: String, dtype: DType) -> Box<dyn CpuKernel> {
+    fn build<T: Elem>(dims: [usize; 6], desc: String) -> Box<dyn CpuKernel> {
+        let [in_row, out_row, begin, end, src, n] = dims;
+        Box::new(Window::<T> { in_row, out_row, begin, end, src, n, desc, elem: PhantomData })
+    }
+    by_size!(dtype, build(dims, desc))
+}
+
+pub(crate) fn slice(x: &Shape, axis: usize, start: usize, len: usize, dtype: DType) -> Box<dyn CpuKernel> {
     let (rows, inner) = split(x.dims(), axis);
     let in_row = x.dims()[axis] * inner;
     let out_row = len * inner;
     let desc = format!("slice[axis {axis}, {start}..{}] {}", start + len, shape_text(x));
-    Box::new(Window { in_row, out_row, begin: 0, end: out_row, src: start * inner, n: rows * out_row, desc })
+    window([in_row, out_row, 0, out_row, start * inner, rows * out_row], desc, dtype)
 }
 
-pub(crate) fn pad(x: &Shape, axis: usize, before: usize, after: usize) -> Box<dyn CpuKernel> {
+pub(crate) fn pad(x: &Shape, axis: usize, before: usize, after: usize, dtype: DType) -> Box<dyn CpuKernel> {
     let (rows, inner) = split(x.dims(), axis);
     let in_row = x.dims()[axis] * inner;
     let out_row = (x.dims()[axis] + before + after) * inner;
     let begin = before * inner;
     let desc = format!("pad[axis {axis}, {before}+{after}] {}", shape_text(x));
-    Box::new(Window { in_row, out_row, begin, end: begin + in_row, src: 0, n: rows * out_row, desc })
+    window([in_row, out_row, begin, begin + in_row, 0, rows * out_row], desc, dtype)
 }
 
-impl CpuKernel for Window {
+impl<T: Elem> CpuKernel for Window<T> {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         if self.out_row == 0 {
             return;
         }
-        let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
+        let (x, o) = (SendPtr::new(inputs[0] as *mut T), SendPtr::new(output as *mut T));
         par_ranges(self.n, 1, |s, e| {
             rows_in_range(self.out_row, s, e, |r, lo, hi| {
                 let dst = |p: usize| o.get().wrapping_add(r * self.out_row + p);
@@ -398,11 +452,11 @@ impl CpuKernel for Window {
                         copy(src, dst(a), b - a);
                     }
                     if lo < self.begin.min(hi) {
-                        fill_raw(dst(lo), self.begin.min(hi) - lo, 0.0);
+                        fill_raw(dst(lo), self.begin.min(hi) - lo, T::ZERO);
                     }
                     let z = lo.max(self.end);
                     if z < hi {
-                        fill_raw(dst(z), hi - z, 0.0);
+                        fill_raw(dst(z), hi - z, T::ZERO);
                     }
                 }
             });

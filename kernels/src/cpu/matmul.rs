@@ -11,10 +11,11 @@
 //! mid-sized batches run one per task; otherwise each GEMM uses the rayon pool.
 
 use super::broadcast::broadcast_strides;
+use super::mixed_gemm::Matrix;
 use super::par::SendPtr;
 use super::{CpuKernel, shape_text};
 use gemm::{Parallelism, gemm};
-use kiln_compiler::ir::{Rows, Shape};
+use kiln_compiler::ir::{DType, Rows, Shape};
 use rayon::prelude::*;
 
 /// Products (all batches together) below this many multiply-adds stay on the calling thread.
@@ -47,7 +48,7 @@ pub(crate) struct Gemm {
 /// evening the chunks out), so that every product element is the same sum whatever the
 /// product's M, N and strides: one fused multiply-add chain from zero per chunk of `KC`, the
 /// chunks added to the output in order.
-const KC: usize = 512;
+pub(crate) const KC: usize = 512;
 
 /// Products this thin or small leave the gemm crate's packed kernel: it picks a kernel by the
 /// operands' strides there (dot products along k, or a GEMV), which sums k in another order
@@ -216,6 +217,8 @@ struct MatMul {
     /// Per output matrix: element offsets of its A and B matrices.
     batches: Vec<(usize, usize)>,
     threads: Threads,
+    /// The types of A, B and the output (f32, f16 or bf16: `Gemm::run_mixed`).
+    types: [DType; 3],
     desc: String,
 }
 
@@ -264,7 +267,15 @@ pub(crate) fn layout(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> (
     (g, batches)
 }
 
-pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> Box<dyn CpuKernel> {
+/// The product of `a` and `b` (transposed as `ta`, `tb`) into `out`; `types` are theirs (A, B,
+/// output: f32, f16 or bf16).
+pub(crate) fn matmul(
+    a: &Shape,
+    b: &Shape,
+    (ta, tb): (bool, bool),
+    out: &Shape,
+    types: [DType; 3],
+) -> Box<dyn CpuKernel> {
     let (g, batches) = layout(a, b, ta, tb, out);
     let r = out.rank();
     let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
@@ -283,18 +294,23 @@ pub(crate) fn matmul(a: &Shape, b: &Shape, ta: bool, tb: bool, out: &Shape) -> B
     let batch_text = if batch > 1 { format!("{batch}x") } else { String::new() };
     let desc =
         format!("matmul {batch_text}{m}x{k}x{n} ({}{} @ {}{})", shape_text(a), t(ta), shape_text(b), t(tb));
-    Box::new(MatMul { g, batches, threads, desc })
+    Box::new(MatMul { g, batches, threads, types, desc })
 }
 
 impl CpuKernel for MatMul {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (a, b) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
-        let o = SendPtr::new(output as *mut f32);
+        let (a, b, o) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]), SendPtr::new(output));
+        let [ta, tb, to] = self.types;
         let size = self.g.m * self.g.n;
         let one = |i: usize, parallel: bool| {
             let (ao, bo) = self.batches[i];
-            // SAFETY: offsets come from the operand shapes; output matrices are disjoint.
-            unsafe { self.g.run(a.get().add(ao), b.get().add(bo), o.get().add(i * size), false, parallel) }
+            // SAFETY: offsets come from the operand shapes (in elements of each one's type);
+            // output matrices are disjoint.
+            unsafe {
+                let (a, b) =
+                    (Matrix::new(a.get(), ta).at(ao as isize), Matrix::new(b.get(), tb).at(bo as isize));
+                self.g.run_mixed(a, b, Matrix::new(o.get(), to).at((i * size) as isize), false, parallel)
+            }
         };
         match self.threads {
             Threads::Serial => (0..self.batches.len()).for_each(|i| one(i, false)),
@@ -310,6 +326,8 @@ impl CpuKernel for MatMul {
 
 struct MatMulRows {
     g: Gemm,
+    /// The types of a, b and the output (`Gemm::run_mixed`).
+    types: [DType; 3],
     /// The element offset of the block's first column in `a`.
     offset: usize,
     parallel: bool,
@@ -318,7 +336,13 @@ struct MatMulRows {
 
 /// a[:, rows]ᵀ · b for a[M, K], b[M, N] (checked by `ir::infer`): one GEMM of rows.len x M x N
 /// reading the block of `a`'s columns in place (row stride 1, column stride K).
-pub(crate) fn matmul_rows(a: &Shape, b: &Shape, rows: Rows, out: &Shape) -> Box<dyn CpuKernel> {
+pub(crate) fn matmul_rows(
+    a: &Shape,
+    b: &Shape,
+    rows: Rows,
+    out: &Shape,
+    types: [DType; 3],
+) -> Box<dyn CpuKernel> {
     let (m_rows, k) = (a.dims()[0], a.dims()[1]);
     let n = b.dims()[1];
     let g = Gemm { m: rows.len, n, k: m_rows, a: (1, k as isize), b: (n as isize, 1), out_rs: n as isize };
@@ -331,16 +355,20 @@ pub(crate) fn matmul_rows(a: &Shape, b: &Shape, rows: Rows, out: &Shape) -> Box<
         shape_text(b),
         shape_text(out)
     );
-    Box::new(MatMulRows { g, offset: rows.start, parallel: rows.len * n * m_rows >= SERIAL_MACS, desc })
+    let parallel = rows.len * n * m_rows >= SERIAL_MACS;
+    Box::new(MatMulRows { g, types, offset: rows.start, parallel, desc })
 }
 
 impl CpuKernel for MatMulRows {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (a, b) = (inputs[0] as *const f32, inputs[1] as *const f32);
+        let [ta, tb, to] = self.types;
         // SAFETY: `ir::infer` checked rows.start + rows.len <= K, so every element the strided
         // block reads (column offset + i, row r < M) lies in a[M, K]; the output holds
         // rows.len x N elements and is not an operand (a compute op's own buffer).
-        unsafe { self.g.run(a.add(self.offset), b, output as *mut f32, false, self.parallel) }
+        unsafe {
+            let (a, b) = (Matrix::new(inputs[0], ta).at(self.offset as isize), Matrix::new(inputs[1], tb));
+            self.g.run_mixed(a, b, Matrix::new(output, to), false, self.parallel)
+        }
     }
 
     fn describe(&self) -> String {

@@ -39,6 +39,7 @@ mod grouped_conv;
 mod layout;
 mod math;
 mod matmul;
+mod mixed_gemm;
 mod optim;
 mod par;
 mod pool;
@@ -48,7 +49,22 @@ mod softmax;
 pub(crate) mod vmath;
 
 pub use crate::KernelError;
-use kiln_compiler::ir::{DType, Op, Shape};
+use kiln_compiler::ir::fused::{Inst, Ref};
+use kiln_compiler::ir::{DType, Fused, Op, Shape};
+use kiln_compiler::widen::HalfKernels;
+
+/// The ops these kernels compute on f16 and bf16 values, f32 arithmetic inside and half in
+/// memory: data movement (`layout`, by element size), elementwise ops and groups (`fused`,
+/// widening as they load and rounding as they store), matrix products, fused or not
+/// (`mixed_gemm`: panels widened as they are packed) and attention (`attention`: a batch-head
+/// widened at a time). Convolutions, reductions, pooling and gathers compute f32: a
+/// mixed-precision plan for these kernels gives them f32 copies of their half operands
+/// (`kiln_compiler::widen`).
+pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
+    .union(HalfKernels::ELEMENTWISE)
+    .union(HalfKernels::PRODUCTS)
+    .union(HalfKernels::ATTENTION)
+    .union(HalfKernels::REDUCTIONS);
 
 /// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
@@ -90,7 +106,7 @@ pub fn prepare(
     inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
-    crate::check::check(op, inputs, output, "the CPU kernels")?;
+    crate::check::check(op, inputs, output, "the CPU kernels", HALF_KERNELS)?;
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let out = output.0;
     let name = op.name();
@@ -99,6 +115,18 @@ pub fn prepare(
         crate::check::Empty::Nothing => return Ok(Box::new(layout::Nothing(format!("{name} (empty)")))),
         crate::check::Empty::Fill(v) => return Ok(layout::fill(v, out)),
     }
+    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    if HalfKernels::family(op) == Some(HalfKernels::ELEMENTWISE)
+        && (half(output.1) || inputs.iter().any(|&(_, d)| half(d)))
+    {
+        return elementwise_in_half(op, inputs, output);
+    }
+    if HalfKernels::family(op) == Some(HalfKernels::REDUCTIONS)
+        && (half(output.1) || inputs.iter().any(|&(_, d)| half(d)))
+    {
+        return reduction_in_half(op, inputs, output);
+    }
+    let dt = output.1;
     Ok(match op {
         Op::Input { .. } | Op::Variable { .. } | Op::Reshape { .. } => unreachable!("rejected above"),
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
@@ -108,8 +136,8 @@ pub fn prepare(
                 help: "a collective is run by the backend's communicator (`CpuBackend::with_communicator`), not by a kernel".into(),
             });
         }
-        Op::Attention { scale, causal } => attention::attention(&s, *scale, *causal, false),
-        Op::AttentionGrad { scale, causal } => attention::attention(&s, *scale, *causal, true),
+        Op::Attention { scale, causal } => attention::attention(inputs, dt, *scale, *causal, false),
+        Op::AttentionGrad { scale, causal } => attention::attention(inputs, dt, *scale, *causal, true),
         Op::Fill { value, .. } => layout::fill(*value, out),
         Op::Iota { axis, .. } => layout::iota(*axis, out),
         Op::RandomUniform { seed, .. } => layout::random_uniform(*seed, out),
@@ -118,7 +146,7 @@ pub fn prepare(
         Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, s[0]),
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
-            (_, Some(m), _) => fused::fused_matmul(f, m, &s)?,
+            (_, Some(m), _) => fused::fused_matmul(f, m, inputs, output)?,
             (_, None, Some(window)) if !window.is_dense() => {
                 return Err(KernelError::Unsupported {
                     op: name.into(),
@@ -127,21 +155,21 @@ pub fn prepare(
                 });
             }
             (_, None, Some(window)) => fused::fused_conv2d(f, window, &s)?,
-            (Some(r), None, None) => fused::fused_reduce(f, r, &s, out)?,
+            (Some(r), None, None) => fused::fused_reduce(f, r, inputs, output)?,
             (None, None, None) => fused::fused(f, &s, out)?,
         },
         Op::MatMul { transpose_a, transpose_b } => {
-            matmul::matmul(s[0], s[1], *transpose_a, *transpose_b, out)
+            matmul::matmul(s[0], s[1], (*transpose_a, *transpose_b), out, [inputs[0].1, inputs[1].1, dt])
         }
-        Op::Permute { perm } => layout::permute(s[0], perm, out),
-        Op::BroadcastTo { .. } => layout::broadcast_to(s[0], out),
-        Op::Copy => layout::copy_kernel(s[0]),
-        Op::Concat { axis } => layout::concat(&s, *axis, out),
-        Op::Slice { axis, start, len } => layout::slice(s[0], *axis, *start, *len),
-        Op::Pad { axis, before, after } => layout::pad(s[0], *axis, *before, *after),
+        Op::Permute { perm } => layout::permute(s[0], perm, out, dt),
+        Op::BroadcastTo { .. } => layout::broadcast_to(s[0], out, dt),
+        Op::Copy => layout::copy_kernel(s[0], dt),
+        Op::Concat { axis } => layout::concat(&s, *axis, out, dt),
+        Op::Slice { axis, start, len } => layout::slice(s[0], *axis, *start, *len, dt),
+        Op::Pad { axis, before, after } => layout::pad(s[0], *axis, *before, *after, dt),
         Op::Reduce { op: rop, axes, keepdims: _ } => reduce::reduce(*rop, name, s[0], axes),
-        Op::Softmax { axis } => softmax::softmax(s[0], *axis, false),
-        Op::LogSoftmax { axis } => softmax::softmax(s[0], *axis, true),
+        Op::Softmax { axis } => softmax::softmax(s[0], *axis, false, [inputs[0].1, dt]),
+        Op::LogSoftmax { axis } => softmax::softmax(s[0], *axis, true, [inputs[0].1, dt]),
         // Grouped, depthwise and dilated windows have their own direct kernels; the GEMM-shaped
         // ones of `conv` take dense windows only.
         Op::Conv2d { window } if !window.is_dense() => grouped_conv::conv2d(s[0], s[1], window),
@@ -168,7 +196,9 @@ pub fn prepare(
         Op::Cast { to } => cast::cast(s[0], inputs[0].1, *to),
         Op::CastLike => cast::cast(s[0], inputs[0].1, inputs[1].1),
         Op::Custom { name } => custom::custom(name, &s, out)?,
-        Op::MatMulRows { rows } => matmul::matmul_rows(s[0], s[1], *rows, out),
+        Op::MatMulRows { rows } => {
+            matmul::matmul_rows(s[0], s[1], *rows, out, [inputs[0].1, inputs[1].1, dt])
+        }
         Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
             optim::sgd(*lr, *momentum, *nesterov, &s, (*rows, *product, *shard, op.update_gate(s.len())))
         }
@@ -182,6 +212,54 @@ pub fn prepare(
             optim::update_loss_scale(*growth, *backoff, *interval)
         }
     })
+}
+
+/// An elementwise op (or group) that reads or writes f16 or bf16 values: the fused kernel, which
+/// widens half operands as it loads them and rounds a half output as it stores it; a single op
+/// runs as a program of its one instruction (the same loop over the same f32 values as its own
+/// kernel).
+fn elementwise_in_half(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    let r = |i: u32| Ref::Operand(i);
+    let inst = match op {
+        Op::Fused(f) => return fused::fused_typed(f, inputs, output),
+        Op::Unary(u) => Inst::Unary(*u, r(0)),
+        Op::Binary(b) => Inst::Binary(*b, r(0), r(1)),
+        Op::Scalar { op, value } => Inst::Scalar(*op, *value, r(0)),
+        Op::Select => Inst::Select(r(0), r(1), r(2)),
+        _ => unreachable!("`HalfKernels::family` names these ops alone ELEMENTWISE"),
+    };
+    fused::fused_typed(&Fused::elementwise(output.0.clone(), vec![inst]), inputs, output)
+}
+
+/// A reduction, softmax or log-softmax that reads or writes f16 or bf16 values: a reduction as
+/// a fused one whose program is its operand widened (`Inst::Cast` to f32: the reduction's own
+/// chunks and order, so its bits), a softmax a slab at a time (`softmax`).
+fn reduction_in_half(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+) -> Result<Box<dyn CpuKernel>, KernelError> {
+    match op {
+        Op::Reduce { op: r, axes, keepdims } => {
+            let reduce = kiln_compiler::ir::FusedReduce { op: *r, axes: axes.clone(), keepdims: *keepdims };
+            let program = Fused {
+                reduce: Some(reduce.clone()),
+                ..Fused::elementwise(inputs[0].0.clone(), vec![Inst::Cast(DType::F32, Ref::Operand(0))])
+            };
+            fused::fused_reduce(&program, &reduce, inputs, output)
+        }
+        Op::Fused(f) => match &f.reduce {
+            Some(r) => fused::fused_reduce(f, r, inputs, output),
+            None => unreachable!("`HalfKernels::family` names a fused op REDUCTIONS when it reduces"),
+        },
+        Op::Softmax { axis } => Ok(softmax::softmax(inputs[0].0, *axis, false, [inputs[0].1, output.1])),
+        Op::LogSoftmax { axis } => Ok(softmax::softmax(inputs[0].0, *axis, true, [inputs[0].1, output.1])),
+        _ => unreachable!("`HalfKernels::family` names these ops alone REDUCTIONS"),
+    }
 }
 
 /// A shape as profiles print it: "32x10", "scalar" for rank 0.

@@ -5,12 +5,16 @@
 //! each row is contiguous; otherwise a tile of up to `TILE` adjacent columns is normalised
 //! together, with the maxima and sums on the stack. Softmax writes e^(x - max) into its output and
 //! rescales it there, so it needs no scratch memory.
+//!
+//! f16 and bf16 input or output (`softmax`'s types): each row, or each tile of `TILE` columns
+//! down the axis, is widened into a buffer of its thread, normalised there as above, and
+//! rounded as it is stored (ties to even, as `Op::Cast`): the bits of the op widened.
 
 use super::math::max_nan;
 use super::par::{SendPtr, par_ranges};
 use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::Shape;
+use kiln_compiler::ir::{DType, Shape};
 use std::slice;
 
 const TILE: usize = 64;
@@ -20,15 +24,25 @@ struct Softmax {
     outer: usize,
     n: usize,
     inner: usize,
+    /// The input's and output's types where either is f16 or bf16 (module doc).
+    half: Option<[DType; 2]>,
     desc: String,
 }
 
-pub(crate) fn softmax(x: &Shape, axis: usize, log: bool) -> Box<dyn CpuKernel> {
+thread_local! {
+    /// Each thread's widened row or tile and its f32 result (`Softmax::run_widened`).
+    static SLAB: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The softmax (or, with `log`, log-softmax) of `x` along `axis`; `types` are the input's and
+/// the output's (f32, f16 or bf16).
+pub(crate) fn softmax(x: &Shape, axis: usize, log: bool, types: [DType; 2]) -> Box<dyn CpuKernel> {
     let dims = x.dims();
     let (outer, inner) = (dims[..axis].iter().product(), dims[axis + 1..].iter().product());
     let name = if log { "log_softmax" } else { "softmax" };
     let desc = format!("{name}[axis {axis}] {}", shape_text(x));
-    Box::new(Softmax { log, outer, n: dims[axis], inner, desc })
+    let half = types.iter().any(|d| matches!(d, DType::F16 | DType::BF16)).then_some(types);
+    Box::new(Softmax { log, outer, n: dims[axis], inner, half, desc })
 }
 
 /// Lanes of the row loops: independent accumulators, so that the compiler vectorises the max
@@ -152,8 +166,62 @@ multiversion! {
         => Softmax::tile;
 }
 
+impl Softmax {
+    /// `run` with a half input or output: unit u (a row, or a tile of columns of an outer
+    /// block) widened into the thread's buffer `[n, w]`, normalised as a tensor of one outer
+    /// block and `w` columns, and stored in the output's type.
+    ///
+    /// # Safety
+    /// As `run`.
+    unsafe fn run_widened(&self, x: *mut u8, o: *mut u8, [tx, to]: [DType; 2]) {
+        let (x, o) = (SendPtr::new(x), SendPtr::new(o));
+        let (n, inner) = (self.n, self.inner);
+        let tiles = inner.div_ceil(TILE);
+        let unit = |u: usize, buf: &mut Vec<f32>| {
+            let (q, i0) = (u / tiles, (u % tiles) * TILE);
+            let w = TILE.min(inner - i0);
+            buf.resize(2 * n * w, 0.0);
+            let (xs, os) = buf.split_at_mut(n * w);
+            let at = |r: usize, c: usize| (q * n + r) * inner + i0 + c;
+            for r in 0..n {
+                for c in 0..w {
+                    // SAFETY: element (q, r, i0 + c) lies inside the input.
+                    xs[r * w + c] = unsafe { super::cast::read(x.get(), at(r, c), tx) }.float();
+                }
+            }
+            // SAFETY: the slab is one outer block of n rows and w columns, the thread's own.
+            unsafe {
+                if w == 1 {
+                    row_dispatch(xs, os, self.log);
+                } else {
+                    let slab = Softmax { outer: 1, inner: w, half: None, desc: String::new(), ..*self };
+                    tile_dispatch(&slab, xs.as_ptr(), os.as_mut_ptr(), 0, 0, w);
+                }
+            }
+            for r in 0..n {
+                for c in 0..w {
+                    let v = super::cast::Scalar::F(os[r * w + c]);
+                    // SAFETY: element (q, r, i0 + c) lies inside the output; units own disjoint
+                    // elements.
+                    unsafe { super::cast::write(o.get(), at(r, c), to, v) };
+                }
+            }
+        };
+        par_ranges(self.outer * tiles, n * TILE.min(inner), |s, e| {
+            SLAB.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buf) => (s..e).for_each(|u| unit(u, &mut buf)),
+                Err(_) => (s..e).for_each(|u| unit(u, &mut Vec::new())),
+            })
+        });
+    }
+}
+
 impl CpuKernel for Softmax {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        if let Some(types) = self.half {
+            // SAFETY: forwarded contract.
+            return unsafe { self.run_widened(inputs[0], output, types) };
+        }
         let (x, o) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(output as *mut f32));
         let (n, inner) = (self.n, self.inner);
         if inner == 1 {
@@ -206,7 +274,7 @@ mod tests {
                 unsafe { row_at(w, &x, &mut o, log) };
                 o
             };
-            let kernel = Softmax { log, outer: 3, n: 77, inner: 5, desc: String::new() };
+            let kernel = Softmax { log, outer: 3, n: 77, inner: 5, half: None, desc: String::new() };
             let tile = |w: Width| {
                 let mut o = vec![0.0f32; x.len()];
                 for q in 0..3 {

@@ -64,6 +64,7 @@ mod softmax;
 use crate::KernelError;
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_compiler::scratch::ScratchRule;
+use kiln_compiler::widen::HalfKernels;
 
 /// A kernel for one plan step: CUDA C source (one translation unit, `extern "C" __global__`
 /// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
@@ -137,7 +138,7 @@ pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_byte
 /// the GEMM-based ones (dense convolutions only: a non-dense window's direct kernels use none)
 /// and reductions, and for invalid or empty operands (whose kernel uses none).
 pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
-    if crate::check::check(op, inputs, (output, DType::F32), "the CUDA kernels").is_err() {
+    if crate::check::check(op, inputs, (output, DType::F32), "the CUDA kernels", HalfKernels::NONE).is_err() {
         return 0;
     }
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
@@ -212,7 +213,7 @@ pub fn generate_with_scratch(
     output: (&Shape, DType),
     scratch: usize,
 ) -> Result<CudaKernel, KernelError> {
-    crate::check::check(op, inputs, output, "the CUDA kernels")?;
+    crate::check::check(op, inputs, output, "the CUDA kernels", HalfKernels::NONE)?;
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let out = output.0;
     let name = op.name();

@@ -725,6 +725,12 @@ fn canary_ptr(p: &Program, c: &Canary) -> *mut u8 {
 }
 
 impl Backend for CpuBackend {
+    /// Data movement and elementwise ops read and write f16 and bf16 values
+    /// (`kiln_kernels::cpu::HALF_KERNELS`); the others compute f32 copies.
+    fn half_kernels(&self) -> kiln_compiler::widen::HalfKernels {
+        cpu::HALF_KERNELS
+    }
+
     fn rank(&self) -> Option<(usize, usize)> {
         let comm = self.comm.as_ref()?.lock().ok()?;
         Some((comm.rank(), comm.size()))

@@ -1,0 +1,203 @@
+//! Products of f16 and bf16 factors on the f32 GEMM (`matmul::Gemm`): f32 arithmetic inside,
+//! half in memory, as a mixed-precision step's products are (PyTorch's CPU autocast, oneDNN's
+//! bf16 GEMM: half panels widened as they are packed, f32 accumulation).
+//!
+//! A half factor is widened a panel at a time into a buffer of the calling thread (at most
+//! `MC` x `KC` floats of the left factor and `KC` x `NC` of the right: 3 MiB, outside the arena,
+//! as the gemm crate's own packing buffers are), and each block of the output (`MC` rows x `NC`
+//! columns) is the same GEMM on the widened panels, its depth in the chunks of `KC` that
+//! `Gemm::run` sums in, each added to the block in order. `Gemm::run` sums every element in one
+//! order whatever the product's M, N and strides, so the product is bitwise the f32 product of
+//! the widened factors, which is what a plan that widens the factors (`kiln_compiler::widen`)
+//! computes. A half output is made in an f32 tile of the block and rounded once as it is stored
+//! (ties to even, as `Op::Cast`).
+//!
+//! Measured (release, 2-core AMD EPYC, AVX-512): widening costs one conversion per element of
+//! a panel per block that reads it, against `KC` multiply-adds per element of the block.
+
+use super::cast::{narrow_half, widen_half};
+use super::matmul::{Gemm, KC};
+use kiln_compiler::ir::DType;
+use std::cell::RefCell;
+
+/// Rows of the left factor's panels and of an output block.
+const MC: usize = 512;
+/// Columns of the right factor's panels and of an output block.
+const NC: usize = 1024;
+
+thread_local! {
+    /// Each thread's widened panels (left, right) and f32 output tile.
+    static PANELS: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+}
+
+/// A factor of a product or its output: an f32 matrix read where it lies, or an f16 or bf16
+/// one (its type), widened as it is read.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Matrix {
+    F32(*mut f32),
+    Half(*mut u16, DType),
+}
+
+impl Matrix {
+    /// `p`, a matrix of `dtype` (f32, f16 or bf16).
+    pub(crate) fn new(p: *mut u8, dtype: DType) -> Matrix {
+        match dtype {
+            DType::F16 | DType::BF16 => Matrix::Half(p as *mut u16, dtype),
+            _ => Matrix::F32(p as *mut f32),
+        }
+    }
+
+    /// The matrix whose element 0 is this one's element `i`.
+    ///
+    /// # Safety
+    /// Element `i` lies inside (or one past) the buffer.
+    pub(crate) unsafe fn at(self, i: isize) -> Matrix {
+        // SAFETY: the contract.
+        unsafe {
+            match self {
+                Matrix::F32(p) => Matrix::F32(p.offset(i)),
+                Matrix::Half(p, d) => Matrix::Half(p.offset(i), d),
+            }
+        }
+    }
+
+    /// Whether it is f32 (read and written where it lies).
+    pub(crate) fn is_f32(&self) -> bool {
+        matches!(self, Matrix::F32(_))
+    }
+}
+
+/// `rows` x `cols` elements of the half matrix `p` (row and column strides `s`) widened into
+/// `dst`, row-major.
+///
+/// # Safety
+/// Every element read lies inside the matrix.
+unsafe fn widen_panel(
+    p: *const u16,
+    t: DType,
+    s: (isize, isize),
+    rows: usize,
+    cols: usize,
+    dst: &mut Vec<f32>,
+) {
+    dst.clear();
+    dst.reserve(rows * cols);
+    for r in 0..rows {
+        // SAFETY: the contract.
+        let row = unsafe { p.offset(r as isize * s.0) };
+        dst.extend((0..cols).map(|c| widen_half(t, unsafe { *row.offset(c as isize * s.1) })));
+    }
+}
+
+impl Gemm {
+    /// out = A·B, or out += A·B with `accumulate` (an f32 output only), for factors and an
+    /// output of any float type: the bits of `run` on the widened factors, rounded to the
+    /// output's type (module doc).
+    ///
+    /// # Safety
+    /// As `run`: the matrices are valid for their strides and shapes, the output overlaps no
+    /// factor, and distinct output (row, column) pairs are distinct elements.
+    pub(crate) unsafe fn run_mixed(
+        &self,
+        a: Matrix,
+        b: Matrix,
+        out: Matrix,
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        if let (Matrix::F32(a), Matrix::F32(b), Matrix::F32(o)) = (a, b, out) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.run(a, b, o, accumulate, parallel) };
+        }
+        debug_assert!(out.is_f32() || !accumulate, "a half output is written, never added to");
+        PANELS.with(|cell| match cell.try_borrow_mut() {
+            // SAFETY: forwarded contract.
+            Ok(mut panels) => unsafe { self.blocks(a, b, out, accumulate, parallel, &mut panels) },
+            // A nested call on this thread (a rayon task run while the outer GEMM waits).
+            Err(_) => unsafe { self.blocks(a, b, out, accumulate, parallel, &mut Default::default()) },
+        })
+    }
+
+    /// `run_mixed` a block of `MC` x `NC` at a time, with `panels` for the widened panels and
+    /// the f32 tile.
+    ///
+    /// # Safety
+    /// As `run_mixed`.
+    unsafe fn blocks(
+        &self,
+        a: Matrix,
+        b: Matrix,
+        out: Matrix,
+        accumulate: bool,
+        parallel: bool,
+        panels: &mut [Vec<f32>; 3],
+    ) {
+        let [pa, pb, tile] = panels;
+        let mut m0 = 0;
+        while m0 < self.m {
+            let mb = MC.min(self.m - m0);
+            let mut n0 = 0;
+            while n0 < self.n {
+                let nb = NC.min(self.n - n0);
+                // Where the block's sums go: the output's own f32 elements, or the tile.
+                let (dst, dst_rs) = match out {
+                    // SAFETY: rows m0.. and columns n0.. of the output lie inside it.
+                    Matrix::F32(o) => {
+                        (unsafe { o.offset(m0 as isize * self.out_rs + n0 as isize) }, self.out_rs)
+                    }
+                    Matrix::Half(..) => {
+                        tile.resize(mb * nb, 0.0);
+                        (tile.as_mut_ptr(), nb as isize)
+                    }
+                };
+                let mut k0 = 0;
+                loop {
+                    let kb = KC.min(self.k - k0);
+                    // SAFETY (both factors): rows m0..m0 + mb, columns n0..n0 + nb and depth
+                    // k0..k0 + kb lie inside the matrices the caller vouched for; a widened
+                    // panel is the thread's own buffer of exactly its elements.
+                    let (ap, a_s) = match a {
+                        Matrix::F32(p) => {
+                            (unsafe { p.offset(m0 as isize * self.a.0 + k0 as isize * self.a.1) }, self.a)
+                        }
+                        Matrix::Half(p, t) => unsafe {
+                            let p = p.offset(m0 as isize * self.a.0 + k0 as isize * self.a.1);
+                            widen_panel(p, t, self.a, mb, kb, pa);
+                            (pa.as_mut_ptr(), (kb as isize, 1))
+                        },
+                    };
+                    let (bp, b_s) = match b {
+                        Matrix::F32(p) => {
+                            (unsafe { p.offset(k0 as isize * self.b.0 + n0 as isize * self.b.1) }, self.b)
+                        }
+                        Matrix::Half(p, t) => unsafe {
+                            let p = p.offset(k0 as isize * self.b.0 + n0 as isize * self.b.1);
+                            widen_panel(p, t, self.b, kb, nb, pb);
+                            (pb.as_mut_ptr(), (nb as isize, 1))
+                        },
+                    };
+                    let block = Gemm { m: mb, n: nb, k: kb, a: a_s, b: b_s, out_rs: dst_rs };
+                    let add = (accumulate && out.is_f32()) || k0 > 0;
+                    // SAFETY: the block's factors and output as stated above; the tile holds
+                    // mb x nb floats and is no factor.
+                    unsafe { block.run(ap, bp, dst, add, parallel) };
+                    k0 += kb;
+                    if k0 >= self.k {
+                        break;
+                    }
+                }
+                if let Matrix::Half(o, t) = out {
+                    for r in 0..mb {
+                        // SAFETY: row m0 + r, columns n0..n0 + nb of the output lie inside it.
+                        let row = unsafe { o.offset((m0 + r) as isize * self.out_rs + n0 as isize) };
+                        for (c, &v) in tile[r * nb..(r + 1) * nb].iter().enumerate() {
+                            unsafe { *row.add(c) = narrow_half(t, v) };
+                        }
+                    }
+                }
+                n0 += nb;
+            }
+            m0 += mb;
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! The host kernels that compute on f16 and bf16 values (`kiln::kernels::cpu::HALF_KERNELS`:
+//! data movement and elementwise groups, f32 arithmetic inside, half in memory) give the bits of
+//! the same ops widened (`kiln::compiler::widen`: f32 copies in, f32 out, one cast back), and a
+//! plan that uses them holds less than the widened one.
+
+use kiln::compiler::ir::{DType, Graph, Op, Shape};
+use kiln::compiler::widen::HalfKernels;
+use kiln::compiler::{CompileOptions, Precision, compile};
+use kiln::kernels::cpu::HALF_KERNELS;
+use kiln::runtime::{Backend, CpuBackend, HostTensor};
+
+/// Every output and weight of two training steps of `plan`, as bits.
+fn two_steps(plan: &kiln::compiler::Plan, m: &kiln::zoo::ZooModel) -> Vec<u32> {
+    let mut cpu = CpuBackend::new(9);
+    let id = cpu.load(plan.clone()).unwrap();
+    let mut bits = Vec::new();
+    for step in 0..2 {
+        let (x, y) = m.batch_data(step).unwrap();
+        let mut out = cpu.call(id, &[("x", &x), ("y", &y)]).unwrap();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        bits.extend(out.iter().flat_map(|(_, t)| t.data().iter().map(|v| v.to_bits())));
+    }
+    for v in &plan.variables {
+        bits.extend(cpu.read_variable(&v.key).unwrap().data().iter().map(|w| w.to_bits()));
+    }
+    bits
+}
+
+/// The zoo's training steps in bf16 and f16, fused and unfused: the host's half kernels give the
+/// widened plan's bits, with fewer casts and an arena no larger.
+#[test]
+fn half_kernels_compute_the_widened_bits_in_less_memory() {
+    for name in ["mlp", "cnn", "transformer"] {
+        let m = kiln::zoo::by_name(name).unwrap().with_batch(4);
+        for precision in [Precision::BF16, Precision::F16] {
+            let graph = kiln::compare::graph_at(&m, kiln::compare::Mode::Train, precision).unwrap();
+            for fuse in [true, false] {
+                let plan = |kernels: HalfKernels| {
+                    let options = CompileOptions::default().with_half_kernels(kernels).with_fusion(fuse);
+                    compile(graph.clone(), &options).unwrap()
+                };
+                let (wide, native) = (plan(HalfKernels::NONE), plan(HALF_KERNELS));
+                let casts = |p: &kiln::compiler::Plan| {
+                    p.steps.iter().filter(|s| matches!(s.op, Op::Cast { .. })).count()
+                };
+                let what = format!("{name} {precision} fuse {fuse}");
+                let arena = |p: &kiln::compiler::Plan| p.memory.arena_bytes;
+                eprintln!(
+                    "{what}: casts {} widened {}, arena {} widened {}",
+                    casts(&native),
+                    casts(&wide),
+                    arena(&native),
+                    arena(&wide)
+                );
+                assert!(
+                    casts(&native) <= casts(&wide),
+                    "{what}: {} casts, widened {}",
+                    casts(&native),
+                    casts(&wide)
+                );
+                let _ = arena;
+                assert!(
+                    two_steps(&native, &m) == two_steps(&wide, &m),
+                    "{what}: half kernels and widened ops differ"
+                );
+            }
+        }
+    }
+}
+
+/// The families of the steps of `plan` that read or write a half value.
+fn half_families(plan: &kiln::compiler::Plan) -> HalfKernels {
+    let half = |v: usize| matches!(plan.values[v].dtype, DType::F16 | DType::BF16);
+    plan.steps
+        .iter()
+        .filter(|s| s.inputs.iter().chain(&s.output).any(|&v| half(v)))
+        .filter_map(|s| HalfKernels::family(&s.op))
+        .fold(HalfKernels::NONE, |all, f| all | f)
+}
+
+/// Runs `graph` on the host with half kernels and widened, fused or not: the outputs' bits.
+/// The plan for half kernels computes every family of `expected` on half values.
+fn both_ways(
+    graph: &Graph,
+    feeds: &[(&str, &HostTensor)],
+    fuse: bool,
+    expected: HalfKernels,
+) -> [Vec<u32>; 2] {
+    [HALF_KERNELS, HalfKernels::NONE].map(|kernels| {
+        let mut options = CompileOptions::default().with_half_kernels(kernels).with_fusion(fuse);
+        options.fold_constants = false;
+        let plan = compile(graph.clone(), &options).unwrap();
+        let families = half_families(&plan);
+        assert!(kernels.contains(families), "{kernels} half kernels: {families} ops on half values");
+        if kernels == HALF_KERNELS {
+            assert!(families.contains(expected), "{families} ops on half values, not {expected}");
+        }
+        let mut cpu = CpuBackend::new(1);
+        let id = cpu.load(plan).unwrap();
+        let mut out = cpu.call(id, feeds).unwrap();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.iter().flat_map(|(_, t)| t.data().iter().map(|v| v.to_bits())).collect()
+    })
+}
+
+/// Values spread over several binades with every low mantissa bit pattern, so that rounding to
+/// half matters.
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let h = (i ^ seed).wrapping_mul(2_654_435_761).rotate_left(7);
+            (h % 20_011) as f32 / 997.0 - 10.0 + (h >> 20) as f32 * 1e-6
+        })
+        .collect()
+}
+
+/// Each moving, elementwise and reducing op on half values, alone and in fused groups, over
+/// broadcasts, strides and odd sizes: the widened bits.
+#[test]
+fn each_half_kernel_gives_the_widened_bits() {
+    use kiln::compiler::trace::Tracer;
+    for half in [DType::BF16, DType::F16] {
+        let t = Tracer::new("half ops");
+        let (a_shape, b_shape) = (Shape::new(vec![3, 37, 65]), Shape::new(vec![37, 1]));
+        let a = t.input("a", a_shape.clone()).cast(half);
+        let b = t.input("b", b_shape.clone()).cast(half);
+        let outs = [
+            // Layout: every moving kernel, the tiled transpose and zero padding among them.
+            a.permute(&[2, 0, 1]),
+            a.permute(&[0, 2, 1]),
+            b.broadcast_to([3, 37, 5]),
+            a.slice(2, 3, 40),
+            a.pad(1, 2, 5),
+            a.concat(&[&a], 1),
+            a.copy(),
+            // Elementwise: half in and out, a broadcast half operand, a scalar, a select.
+            a.exp(),
+            a.clone() * &b,
+            b.clone() + &a,
+            a.clone() * 0.3,
+            a.relu().select(&a, &b),
+            // Reductions (rows, columns, all), normalisers along the last and a middle axis,
+            // and a reduction of an elementwise program with an epilogue (when fused).
+            a.sum(2, true),
+            a.mean(1, false),
+            a.max(0, true),
+            a.sum(.., false),
+            a.softmax(-1),
+            a.softmax(1),
+            a.log_softmax(0),
+            (a.clone() * &b).exp().sum(2, true).sqrt() + 1.0,
+        ];
+        for (i, o) in outs.iter().enumerate() {
+            assert_eq!(o.dtype(), half);
+            t.output(&format!("out{i:02}"), &o.cast(DType::F32));
+        }
+        let g = t.finish().unwrap();
+        let (av, bv) = (values(a_shape.numel(), 1), values(b_shape.numel(), 2));
+        let (at, bt) = (HostTensor::new(a_shape, av).unwrap(), HostTensor::new(b_shape, bv).unwrap());
+        let families = HalfKernels::LAYOUT | HalfKernels::ELEMENTWISE | HalfKernels::REDUCTIONS;
+        for fuse in [false, true] {
+            let [native, wide] = both_ways(&g, &[("a", &at), ("b", &bt)], fuse, families);
+            assert!(native == wide, "{half} fuse {fuse}: half kernels and widened ops differ");
+        }
+    }
+}
+
+/// Products of half factors, plain and with a bias epilogue, transposed, batched and larger
+/// than the panels the host widens at a time (512 rows, 512 deep, 1,024 columns): the bits of
+/// the widened factors' f32 product, rounded once where the output is half.
+#[test]
+fn half_products_give_the_widened_bits() {
+    use kiln::compiler::trace::Tracer;
+    use kiln::prelude::Init;
+    for half in [DType::BF16, DType::F16] {
+        let t = Tracer::new("half products");
+        let (x_shape, w_shape) = (Shape::new(vec![600, 700]), Shape::new(vec![700, 1100]));
+        let x = t.input("x", x_shape.clone());
+        let w = t.input("w", w_shape.clone());
+        let bias = t.param("bias", [1100], Init::Constant(0.37));
+        let (xh, wh) = (x.cast(half), w.cast(half));
+        let outs = [
+            xh.matmul(&wh),
+            (xh.matmul(&wh) + bias.cast(half)).relu(),
+            xh.matmul_t(&xh.slice(0, 0, 33), false, true),
+            xh.reshape([6, 100, 700]).matmul(&wh.slice(1, 5, 40)),
+            x.matmul(&wh.cast(DType::F32)) * 0.5,
+        ];
+        for (i, o) in outs.iter().enumerate() {
+            t.output(&format!("out{i}"), &o.cast(DType::F32));
+        }
+        let g = t.finish().unwrap();
+        let (xv, wv) = (values(x_shape.numel(), 3), values(w_shape.numel(), 4));
+        let (xt, wt) = (HostTensor::new(x_shape, xv).unwrap(), HostTensor::new(w_shape, wv).unwrap());
+        for fuse in [true, false] {
+            let [native, wide] = both_ways(&g, &[("x", &xt), ("w", &wt)], fuse, HalfKernels::PRODUCTS);
+            assert!(native == wide, "{half} fuse {fuse}: half products and widened ones differ");
+        }
+    }
+}
+
+/// Attention and its gradient on half q, k, v and bias, causal or not, with more keys than
+/// queries: the bits of the op widened.
+#[test]
+fn half_attention_gives_the_widened_bits() {
+    use kiln::compiler::trace::Tracer;
+    let (qd, kd, bd) = ([2usize, 3, 40, 16], [2usize, 3, 50, 16], [1usize, 1, 40, 50]);
+    for half in [DType::BF16, DType::F16] {
+        for causal in [false, true] {
+            let t = Tracer::new("half attention");
+            let (q, k, v) = (t.input("q", qd), t.input("k", kd), t.input("v", kd));
+            let (bias, w) = (t.input("bias", bd), t.input("w", qd));
+            let (qh, kh, vh, bh) = (q.cast(half), k.cast(half), v.cast(half), bias.cast(half));
+            let o = qh.attention(&kh, &vh, Some(&bh), 0.25, causal);
+            assert_eq!(o.dtype(), half);
+            let loss = (o.cast(DType::F32) * &w).sum(.., false);
+            t.output("loss", &loss);
+            let g = t.finish().unwrap();
+            let ids: Vec<_> = ["q", "k", "v"].iter().map(|n| g.input(n).unwrap()).collect();
+            let loss = g.output("loss").unwrap();
+            let (mut g, grads) = kiln::compiler::autodiff::gradients(g, loss, &ids).unwrap();
+            for (name, d) in ["dq", "dk", "dv"].iter().zip(grads) {
+                g.set_output(*name, d.unwrap());
+            }
+            let shapes = [("q", &qd[..]), ("k", &kd[..]), ("v", &kd[..]), ("bias", &bd[..]), ("w", &qd[..])];
+            let tensors: Vec<HostTensor> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, (_, d))| {
+                    let shape = Shape::new(d.to_vec());
+                    HostTensor::new(shape.clone(), values(shape.numel(), 10 + i as u32)).unwrap()
+                })
+                .collect();
+            let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
+            let [native, wide] = both_ways(&g, &feeds, true, HalfKernels::ATTENTION);
+            assert!(native == wide, "{half} causal {causal}: half attention and widened differ");
+        }
+    }
+}
