@@ -27,7 +27,7 @@
 //! it. The arithmetic is the f32 kernel's on the widened values, so the bits are those of the op
 //! widened (`kiln_compiler::widen`) while the plan holds the half values alone.
 
-use super::cast::{narrow_half, widen_half};
+use super::cast::{narrow_slice, widen_half, widen_slice};
 use super::par::{SendPtr, par_ranges};
 use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
@@ -581,8 +581,7 @@ unsafe fn widen_into(p: *const u8, ty: DType, at: usize, dst: &mut [f32]) {
     unsafe {
         match ty {
             DType::F16 | DType::BF16 => {
-                let src = slice::from_raw_parts((p as *const u16).add(at), dst.len());
-                dst.iter_mut().zip(src).for_each(|(d, &b)| *d = widen_half(ty, b));
+                widen_slice(ty, slice::from_raw_parts((p as *const u16).add(at), dst.len()), dst);
             }
             _ => dst.copy_from_slice(slice::from_raw_parts((p as *const f32).add(at), dst.len())),
         }
@@ -598,8 +597,7 @@ unsafe fn store_from(src: &[f32], p: *mut u8, ty: DType, at: usize) {
     unsafe {
         match ty {
             DType::F16 | DType::BF16 => {
-                let dst = slice::from_raw_parts_mut((p as *mut u16).add(at), src.len());
-                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = narrow_half(ty, v));
+                narrow_slice(ty, src, slice::from_raw_parts_mut((p as *mut u16).add(at), src.len()));
             }
             _ => slice::from_raw_parts_mut((p as *mut f32).add(at), src.len()).copy_from_slice(src),
         }

@@ -33,12 +33,28 @@ pub(crate) fn widen_half(t: DType, bits: u16) -> f32 {
     }
 }
 
-/// `x` rounded to the half type `t` (f16; bf16 for any other type), ties to even: its bits.
-#[inline(always)]
-pub(crate) fn narrow_half(t: DType, x: f32) -> u16 {
+/// `src`, bits of the half type `t` (f16; bf16 for any other type), widened into `dst` (as
+/// many elements as the shorter has): f16 eight at a time where the CPU converts them (F16C,
+/// the `half` crate), bf16 a shift that vectorises.
+#[inline]
+pub(crate) fn widen_slice(t: DType, src: &[u16], dst: &mut [f32]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    let n = src.len().min(dst.len());
     match t {
-        DType::F16 => half::f16::from_f32(x).to_bits(),
-        _ => half::bf16::from_f32(x).to_bits(),
+        DType::F16 => src[..n].reinterpret_cast::<half::f16>().convert_to_f32_slice(&mut dst[..n]),
+        _ => dst.iter_mut().zip(src).for_each(|(d, &b)| *d = f32::from_bits(u32::from(b) << 16)),
+    }
+}
+
+/// `src` rounded to the half type `t` (f16; bf16 for any other type), ties to even, as bits
+/// into `dst` (as many elements as the shorter has).
+#[inline]
+pub(crate) fn narrow_slice(t: DType, src: &[f32], dst: &mut [u16]) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    let n = src.len().min(dst.len());
+    match t {
+        DType::F16 => dst[..n].reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(&src[..n]),
+        _ => dst.iter_mut().zip(src).for_each(|(d, &v)| *d = half::bf16::from_f32(v).to_bits()),
     }
 }
 

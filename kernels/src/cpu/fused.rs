@@ -287,6 +287,7 @@ impl FusedKernel {
                     let widen = |bits: u16| super::cast::widen_half(t, bits);
                     match s {
                         0 => slot.fill(widen(*src)),
+                        1 => super::cast::widen_slice(t, slice::from_raw_parts(src, m), slot),
                         _ => slot
                             .iter_mut()
                             .enumerate()
@@ -338,10 +339,7 @@ impl FusedKernel {
             // `out` is valid for m elements of the half type.
             unsafe {
                 let values = slice::from_raw_parts(base.add(self.regs.slots * stride), m);
-                let out = slice::from_raw_parts_mut(out as *mut u16, m);
-                for (o, &v) in out.iter_mut().zip(values) {
-                    *o = super::cast::narrow_half(t, v);
-                }
+                super::cast::narrow_slice(t, values, slice::from_raw_parts_mut(out as *mut u16, m));
             }
         }
     }
@@ -616,8 +614,7 @@ impl CpuKernel for FusedReduceKernel {
                 ins[1..=extra].copy_from_slice(&inputs[split..split + extra]);
                 after.run(&ins[..=extra], output);
             } else if let Some((t, buf)) = &wide {
-                let out = slice::from_raw_parts_mut(output as *mut u16, buf.len());
-                out.iter_mut().zip(buf.iter()).for_each(|(o, &v)| *o = super::cast::narrow_half(*t, v));
+                super::cast::narrow_slice(*t, buf, slice::from_raw_parts_mut(output as *mut u16, buf.len()));
             }
         }
     }
@@ -645,6 +642,9 @@ pub(crate) struct FusedMatMulKernel {
 /// Output elements in a row block's tile: 256 KiB, about what the GEMM's own packing buffers
 /// take. The tile is the kernel's, outside the arena, like them.
 pub(crate) const TILE_FLOATS: usize = 1 << 16;
+/// A row block's tile where a factor is f16 or bf16: 2 MiB, beside the widened panels
+/// (`mixed_gemm`).
+const HALF_TILE_FLOATS: usize = 1 << 19;
 
 /// A fused product that writes over an operand of its epilogue, at any rank and with either
 /// factor transposed. The output is seen as R rows of n (R the product of its leading axes) and
@@ -746,9 +746,14 @@ impl RowBlocks {
         let (gemm, batches) =
             super::matmul::layout(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
         let (rows, n) = (gemm.m, gemm.n);
-        let block_rows = if n <= TILE_FLOATS / 16 { TILE_FLOATS / n.max(1) } else { 64 };
+        // Half factors are widened a panel per block (`Gemm::run_mixed`): larger blocks widen
+        // the right factor fewer times (the zoo mlp's bf16 step: 64-row blocks took 3.5x the
+        // widened plan's products).
+        let half = types.iter().any(|&d| half_type(d).is_some());
+        let (tile, wide_rows) = if half { (HALF_TILE_FLOATS, 256) } else { (TILE_FLOATS, 64) };
+        let block_rows = if n <= tile / 16 { tile / n.max(1) } else { wide_rows };
         let block_rows = block_rows.clamp(1, rows.max(1));
-        let block_cols = (TILE_FLOATS / block_rows).clamp(1, n.max(1));
+        let block_cols = (tile / block_rows).clamp(1, n.max(1));
         let reads: Vec<RowRead> = operands[2..].iter().map(|s| RowRead::new(s, shape)).collect();
         let whole_rows = block_cols == n && reads.iter().all(|r| r.per_row() || r.shared());
         let sizes: Vec<(usize, usize)> = if whole_rows {
