@@ -237,3 +237,54 @@ fn half_attention_gives_the_widened_bits() {
         }
     }
 }
+
+/// Convolutions (dense and depthwise, strided and padded, with a bias and ReLU epilogue when
+/// fused), their input and filter gradients, and max and average pooling with their gradients,
+/// on half values, over batches computed in one group of images and in several: the bits of
+/// the ops widened.
+#[test]
+fn half_convolutions_and_pooling_give_the_widened_bits() {
+    use kiln::compiler::ir::{Padding, Window2d};
+    use kiln::compiler::trace::Tracer;
+    let (wd, dd, bd) = ([3usize, 3, 8, 12], [3usize, 3, 1, 8], [12usize]);
+    // Small images (one group of all of them) and large ones (groups of 2, then 1).
+    for (xd, half) in
+        [([3usize, 9, 11, 8], DType::BF16), ([3, 9, 11, 8], DType::F16), ([5, 200, 300, 8], DType::BF16)]
+    {
+        let t = Tracer::new("half convolutions");
+        let (x, w, dw, b) = (t.input("x", xd), t.input("w", wd), t.input("dw", dd), t.input("b", bd));
+        let (xh, wh, dwh, bh) = (x.cast(half), w.cast(half), dw.cast(half), b.cast(half));
+        let conv = (xh.conv2d(&wh, [2, 1], Padding::Same) + &bh).relu();
+        let depthwise = xh.conv2d_window(&dwh, Window2d::new([3, 3], [1, 1], Padding::Same).grouped(8));
+        let (max, avg) =
+            (xh.max_pool2d([2, 2], [2, 2], Padding::Valid), xh.avg_pool2d([3, 3], [2, 2], Padding::Same));
+        let loss = [conv, depthwise, max, avg]
+            .iter()
+            .map(|v| v.cast(DType::F32).square().sum(.., false))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        t.output("loss", &loss);
+        let g = t.finish().unwrap();
+        let ids: Vec<_> = ["x", "w", "dw"].iter().map(|n| g.input(n).unwrap()).collect();
+        let loss = g.output("loss").unwrap();
+        let (mut g, grads) = kiln::compiler::autodiff::gradients(g, loss, &ids).unwrap();
+        for (name, d) in ["dx", "dw_dense", "dw_depthwise"].iter().zip(grads) {
+            g.set_output(*name, d.unwrap());
+        }
+        let shapes = [("x", &xd[..]), ("w", &wd[..]), ("dw", &dd[..]), ("b", &bd[..])];
+        let tensors: Vec<HostTensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, (_, d))| {
+                let shape = Shape::new(d.to_vec());
+                HostTensor::new(shape.clone(), values(shape.numel(), 20 + i as u32)).unwrap()
+            })
+            .collect();
+        let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
+        for fuse in [false, true] {
+            let families = HalfKernels::CONVOLUTIONS | HalfKernels::POOLING;
+            let [native, wide] = both_ways(&g, &feeds, fuse, families);
+            assert!(native == wide, "{half} fuse {fuse}: half convolutions and widened differ");
+        }
+    }
+}

@@ -51,7 +51,8 @@ impl HalfKernels {
     pub const REDUCTIONS: HalfKernels = HalfKernels(1 << 2);
     /// Matrix products and fused groups that start with one.
     pub const PRODUCTS: HalfKernels = HalfKernels(1 << 3);
-    /// Convolutions, their gradients, and fused groups that start with one.
+    /// Convolutions, their input gradients, dense filter gradients, and fused groups that start
+    /// with a convolution.
     pub const CONVOLUTIONS: HalfKernels = HalfKernels(1 << 4);
     /// Pooling and its gradients.
     pub const POOLING: HalfKernels = HalfKernels(1 << 5);
@@ -59,6 +60,8 @@ impl HalfKernels {
     pub const ATTENTION: HalfKernels = HalfKernels(1 << 6);
     /// Embedding lookups and their gradients.
     pub const GATHER: HalfKernels = HalfKernels(1 << 7);
+    /// Filter gradients of grouped, depthwise and dilated convolutions.
+    pub const GROUPED_FILTER_GRADIENTS: HalfKernels = HalfKernels(1 << 8);
     /// Every op, in the families and outside them (collectives, custom ops, ...).
     pub const ALL: HalfKernels = HalfKernels(u16::MAX);
 
@@ -79,6 +82,7 @@ impl HalfKernels {
             Op::Fused(_) => Self::ELEMENTWISE,
             Op::Reduce { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } => Self::REDUCTIONS,
             Op::MatMul { .. } | Op::MatMulRows { .. } => Self::PRODUCTS,
+            Op::Conv2dBackpropFilter { window } if !window.is_dense() => Self::GROUPED_FILTER_GRADIENTS,
             Op::Conv2d { .. }
             | Op::Conv2dBackpropInput { .. }
             | Op::Conv2dBackpropInputReluGrad { .. }
@@ -109,7 +113,7 @@ impl HalfKernels {
 impl std::fmt::Display for HalfKernels {
     /// "no", "all", or the families: "layout and elementwise".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const NAMES: [&str; 8] = [
+        const NAMES: [&str; 9] = [
             "layout",
             "elementwise",
             "reduction",
@@ -118,13 +122,15 @@ impl std::fmt::Display for HalfKernels {
             "pooling",
             "attention",
             "gather",
+            "grouped filter gradient",
         ];
         match *self {
             Self::ALL => return write!(f, "all"),
             Self::NONE => return write!(f, "no"),
             _ => {}
         }
-        let names: Vec<&str> = (0..8).filter(|b| self.0 & (1 << b) != 0).map(|b| NAMES[b]).collect();
+        let names: Vec<&str> =
+            (0..NAMES.len()).filter(|b| self.0 & (1 << b) != 0).map(|b| NAMES[b]).collect();
         match names.split_last() {
             Some((last, [])) => write!(f, "{last}"),
             Some((last, rest)) => write!(f, "{} and {last}", rest.join(", ")),

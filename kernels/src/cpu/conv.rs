@@ -28,11 +28,13 @@
 use super::CpuKernel;
 use super::broadcast::Strided;
 use super::matmul::Gemm;
+use super::mixed_gemm::Matrix;
 use super::par::{SendPtr, par_ranges};
 use crate::geometry::Geom;
-use kiln_compiler::ir::{Shape, Window2d};
+use kiln_compiler::ir::{DType, Shape, Window2d};
 use rayon::prelude::*;
 use std::slice;
+use std::sync::Mutex;
 
 /// Output columns ow0..ow0+count all read filter columns lo..hi (inside the input).
 #[derive(Clone, Copy, Debug)]
@@ -566,16 +568,27 @@ struct BackpropFilter {
     taps: Vec<Option<TapPlan>>,
     /// Tiles of im2col patches, where a tile holds rows enough (`Tiles`).
     tiles: Option<Tiles>,
+    /// The types of x, dy and dw (f32, f16 or bf16): half x and dy are widened as the GEMMs
+    /// read them (`Gemm::run_mixed`) or as the patches are gathered; a half dw is summed in the
+    /// kernel's f32 buffer and rounded once.
+    types: [DType; 3],
+    wide_dw: Mutex<Vec<f32>>,
     desc: String,
 }
 
-pub(crate) fn backprop_filter(x: &Shape, dy: &Shape, window: &Window2d, _dw: &Shape) -> Box<dyn CpuKernel> {
+pub(crate) fn backprop_filter(
+    x: &Shape,
+    dy: &Shape,
+    window: &Window2d,
+    _dw: &Shape,
+    types: [DType; 3],
+) -> Box<dyn CpuKernel> {
     let g = Geom::new(x, window, dy.dims()[3]);
     let desc = format!("conv2d_backprop_filter {}", g.text());
     // Tiles of at least 32 positions, and enough positions to fill the groups; else tap by tap.
     let tiles = Some(Tiles::new(&g)).filter(|t| t.t >= 32 && g.n * g.oh * g.ow >= TILE_GROUPS * t.t);
     let taps = if tiles.is_some() { Vec::new() } else { tap_plans(&g) };
-    Box::new(BackpropFilter { g, taps, tiles, desc })
+    Box::new(BackpropFilter { g, taps, tiles, types, wide_dw: Mutex::new(Vec::new()), desc })
 }
 
 impl BackpropFilter {
@@ -583,7 +596,7 @@ impl BackpropFilter {
     ///
     /// # Safety
     /// `x`, `dy` and `dw` hold the tensors; no other thread writes tap `t` of dw.
-    unsafe fn tap(&self, x: *const f32, dy: *const f32, dw: *mut f32, t: usize) {
+    unsafe fn tap(&self, x: *mut u8, dy: *mut u8, dw: *mut f32, t: usize) {
         let g = &self.g;
         let size = g.c * g.f;
         let dst = dw.wrapping_add(t * size);
@@ -598,10 +611,17 @@ impl BackpropFilter {
             b: (p.run.1 * g.f as isize, 1),
             out_rs: g.f as isize,
         };
+        let [tx, tdy, _] = self.types;
         for q in 0..p.calls {
             let (pos, pix) = p.call(q);
             // SAFETY: pixels and positions of this tap, inside x and dy; dst is this tap's.
-            unsafe { gemm.run(x.add(pix * g.c), dy.add(pos * g.f), dst, true, false) };
+            unsafe {
+                let (a, b) = (
+                    Matrix::new(x, tx).at((pix * g.c) as isize),
+                    Matrix::new(dy, tdy).at((pos * g.f) as isize),
+                );
+                gemm.run_mixed(a, b, Matrix::F32(dst), true, false)
+            };
         }
     }
 }
@@ -636,7 +656,13 @@ impl Tiles {
 
     /// # Safety
     /// `x`, `dy` and `dw` hold the tensors of `g`.
-    unsafe fn run(&self, g: &Geom, x: SendPtr<f32>, dy: SendPtr<f32>, dw: SendPtr<f32>) {
+    unsafe fn run(
+        &self,
+        g: &Geom,
+        (x, tx): (SendPtr<u8>, DType),
+        (dy, tdy): (SendPtr<u8>, DType),
+        dw: SendPtr<f32>,
+    ) {
         let (t, kk, f) = (self.t, self.kk, g.f);
         let positions = g.n * g.oh * g.ow;
         let per_group = kk * t + kk * f;
@@ -663,8 +689,19 @@ impl Tiles {
                             let dst = &mut row[(kh * g.kw + kw) * g.c..(kh * g.kw + kw + 1) * g.c];
                             if (0..g.h as isize).contains(&ih) && (0..g.w as isize).contains(&iw) {
                                 let at = ((n * g.h + ih as usize) * g.w + iw as usize) * g.c;
-                                // SAFETY: pixel (n, ih, iw) is inside x.
-                                dst.copy_from_slice(unsafe { slice::from_raw_parts(x.get().add(at), g.c) });
+                                // SAFETY: pixel (n, ih, iw) is inside x (elements of its type).
+                                match tx {
+                                    DType::F16 | DType::BF16 => super::cast::widen_slice(
+                                        tx,
+                                        unsafe {
+                                            slice::from_raw_parts((x.get() as *const u16).add(at), g.c)
+                                        },
+                                        dst,
+                                    ),
+                                    _ => dst.copy_from_slice(unsafe {
+                                        slice::from_raw_parts((x.get() as *const f32).add(at), g.c)
+                                    }),
+                                }
                             } else {
                                 dst.fill(0.0);
                             }
@@ -682,7 +719,14 @@ impl Tiles {
                 // SAFETY: the patches are rows x KK floats read transposed, dy's rows start..start
                 // + rows are F floats each, the partial is KK x F: all this group's or inputs.
                 unsafe {
-                    gemm.run(patches.as_ptr(), dy.get().add(start * f), partial.as_mut_ptr(), true, false)
+                    let b = Matrix::new(dy.get(), tdy).at((start * f) as isize);
+                    gemm.run_mixed(
+                        Matrix::F32(patches.as_mut_ptr()),
+                        b,
+                        Matrix::F32(partial.as_mut_ptr()),
+                        true,
+                        false,
+                    )
                 };
                 start += rows;
             }
@@ -707,20 +751,37 @@ impl Tiles {
 impl CpuKernel for BackpropFilter {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
-        let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
-        let dw = SendPtr::new(output as *mut f32);
+        let [tx, tdy, tdw] = self.types;
+        let (x, dy) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]));
+        // A half dw is summed in the kernel's f32 buffer, then rounded.
+        let half_dw = matches!(tdw, DType::F16 | DType::BF16);
+        let mut wide = self.wide_dw.lock().unwrap_or_else(|e| e.into_inner());
+        let len = g.kh * g.kw * g.c * g.f;
+        let dw = if half_dw {
+            wide.resize(len, 0.0);
+            SendPtr::new(wide.as_mut_ptr())
+        } else {
+            SendPtr::new(output as *mut f32)
+        };
         if let Some(tiles) = &self.tiles {
             // SAFETY: run's contract: the operands and the output have g's shapes.
-            return unsafe { tiles.run(g, x, dy, dw) };
-        }
-        let taps = g.kh * g.kw;
-        // SAFETY: each task writes its own filter tap.
-        let one = |t: usize| unsafe { self.tap(x.get(), dy.get(), dw.get(), t) };
-        let work = g.n * g.oh * g.ow * g.c * g.f * taps;
-        if work < super::par::PAR_MIN || rayon::current_num_threads() == 1 {
-            (0..taps).for_each(one);
+            unsafe { tiles.run(g, (x, tx), (dy, tdy), dw) };
         } else {
-            (0..taps).into_par_iter().for_each(one);
+            let taps = g.kh * g.kw;
+            // SAFETY: each task writes its own filter tap.
+            let one = |t: usize| unsafe { self.tap(x.get(), dy.get(), dw.get(), t) };
+            let work = g.n * g.oh * g.ow * g.c * g.f * taps;
+            if work < super::par::PAR_MIN || rayon::current_num_threads() == 1 {
+                (0..taps).for_each(one);
+            } else {
+                (0..taps).into_par_iter().for_each(one);
+            }
+        }
+        if half_dw {
+            // SAFETY: the output holds len elements of its half type.
+            super::cast::narrow_slice(tdw, &wide, unsafe {
+                slice::from_raw_parts_mut(output as *mut u16, len)
+            });
         }
     }
 

@@ -42,6 +42,7 @@ mod matmul;
 mod mixed_gemm;
 mod optim;
 mod par;
+mod per_image;
 mod pool;
 mod reduce;
 mod simd;
@@ -64,7 +65,9 @@ pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::ELEMENTWISE)
     .union(HalfKernels::PRODUCTS)
     .union(HalfKernels::ATTENTION)
-    .union(HalfKernels::REDUCTIONS);
+    .union(HalfKernels::REDUCTIONS)
+    .union(HalfKernels::CONVOLUTIONS)
+    .union(HalfKernels::POOLING);
 
 /// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
@@ -121,10 +124,16 @@ pub fn prepare(
     {
         return elementwise_in_half(op, inputs, output);
     }
-    if HalfKernels::family(op) == Some(HalfKernels::REDUCTIONS)
-        && (half(output.1) || inputs.iter().any(|&(_, d)| half(d)))
-    {
+    let touches_half = half(output.1) || inputs.iter().any(|&(_, d)| half(d));
+    let family = HalfKernels::family(op);
+    if touches_half && family == Some(HalfKernels::REDUCTIONS) {
         return reduction_in_half(op, inputs, output);
+    }
+    // Convolutions (but the dense filter gradient, which widens its own tiles) and pooling: an
+    // image at a time.
+    let per_image = matches!(family, Some(f) if f == HalfKernels::CONVOLUTIONS || f == HalfKernels::POOLING);
+    if touches_half && per_image && !matches!(op, Op::Conv2dBackpropFilter { .. }) {
+        return per_image::per_image(op, inputs, output);
     }
     let dt = output.1;
     Ok(match op {
@@ -187,7 +196,9 @@ pub fn prepare(
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
             conv::backprop_input_relu_grad(s[0], s[1], window, out, s.len() == 4)
         }
-        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(s[0], s[1], window, out),
+        Op::Conv2dBackpropFilter { window } => {
+            conv::backprop_filter(s[0], s[1], window, out, [inputs[0].1, inputs[1].1, dt])
+        }
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, input, window),
