@@ -288,3 +288,27 @@ fn half_convolutions_and_pooling_give_the_widened_bits() {
         }
     }
 }
+
+/// An embedding lookup in a half table and its gradient (repeated ids summed): the bits of the
+/// ops widened.
+#[test]
+fn half_gathers_give_the_widened_bits() {
+    use kiln::compiler::trace::Tracer;
+    for half in [DType::BF16, DType::F16] {
+        let t = Tracer::new("half gather");
+        let table = t.input("table", [50, 24]);
+        let ids = t.input_typed("ids", [7, 5], DType::I32);
+        let rows = table.cast(half).gather(&ids);
+        assert_eq!(rows.dtype(), half);
+        let loss = (rows.cast(DType::F32).square() * 0.5).sum(.., false);
+        t.output("loss", &loss);
+        let g = t.finish().unwrap();
+        let (loss, wrt) = (g.output("loss").unwrap(), g.input("table").unwrap());
+        let (mut g, grads) = kiln::compiler::autodiff::gradients(g, loss, &[wrt]).unwrap();
+        g.set_output("dtable", grads[0].unwrap());
+        let table = HostTensor::new(Shape::new(vec![50, 24]), values(50 * 24, 30)).unwrap();
+        let ids = HostTensor::from_i32([7, 5], (0..35).map(|i| i * 13 % 50 % 17).collect()).unwrap();
+        let [native, wide] = both_ways(&g, &[("table", &table), ("ids", &ids)], true, HalfKernels::GATHER);
+        assert!(native == wide, "{half}: half gathers and widened differ");
+    }
+}

@@ -8,7 +8,12 @@
 //! nothing to the gradient (TensorFlow's GPU behaviour); the `run` below does the same, so that a
 //! caller who skips the check still never reads outside the table. The gradient adds rows in id
 //! order, split across threads by column blocks, so each element is summed in one fixed order.
+//!
+//! Half values: a gather of an f16 or bf16 table moves its rows' bits (2-byte elements); the
+//! gradient widens half rows of dy as it adds them, and a half gradient is summed in an f32
+//! block of the task's columns (vocab x 64 floats) and rounded once, as the op widened is.
 
+use super::cast::{narrow_slice, widen_slice};
 use super::par::{SendPtr, par_chunks, par_ranges};
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{DType, Shape};
@@ -113,13 +118,17 @@ struct Gather {
     vocab: usize,
     row: usize,
     count: usize,
+    /// The table's (and output's) element size: 4 (f32) or 2 (f16, bf16).
+    size: usize,
     desc: String,
 }
 
-pub(crate) fn gather(table: &Shape, ids: &Shape, ids_dtype: DType) -> Box<dyn CpuKernel> {
+/// The gather of `table` (of `dtype`: f32, f16 or bf16) by `ids`.
+pub(crate) fn gather(table: &Shape, ids: &Shape, ids_dtype: DType, dtype: DType) -> Box<dyn CpuKernel> {
     let row = table.dims()[1..].iter().product();
     let desc = format!("gather {} by {}{}", shape_text(table), id_note(ids_dtype), shape_text(ids));
-    Box::new(Gather { ids: Ids::of(ids_dtype), vocab: table.dims()[0], row, count: ids.numel(), desc })
+    let (ids, vocab, count, size) = (Ids::of(ids_dtype), table.dims()[0], ids.numel(), dtype.size_bytes());
+    Box::new(Gather { ids, vocab, row, count, size, desc })
 }
 
 impl CpuKernel for Gather {
@@ -136,18 +145,21 @@ impl CpuKernel for Gather {
     }
 
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let (table, ids) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1]));
-        let o = SendPtr::new(output as *mut f32);
-        let row = self.row;
-        par_ranges(self.count, row, |s, e| {
+        let (table, ids) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]));
+        let o = SendPtr::new(output);
+        // Rows as bytes: the bits of either type, an invalid id's row all zero bits (+0.0).
+        let bytes = self.row * self.size;
+        par_ranges(self.count, self.row, |s, e| {
             for i in s..e {
                 // SAFETY: ids hold `count` values; output row i and table row r are in bounds;
                 // tasks write disjoint output rows.
                 unsafe {
-                    let dst = slice::from_raw_parts_mut(o.get().add(i * row), row);
+                    let dst = slice::from_raw_parts_mut(o.get().add(i * bytes), bytes);
                     match self.ids.row(ids.get(), i, self.vocab) {
-                        Some(r) => dst.copy_from_slice(slice::from_raw_parts(table.get().add(r * row), row)),
-                        None => dst.fill(0.0),
+                        Some(r) => {
+                            dst.copy_from_slice(slice::from_raw_parts(table.get().add(r * bytes), bytes))
+                        }
+                        None => dst.fill(0),
                     }
                 }
             }
@@ -164,10 +176,26 @@ struct GatherGrad {
     vocab: usize,
     row: usize,
     count: usize,
+    /// The types of dy and of the gradient where they are f16 or bf16.
+    half: [Option<DType>; 2],
     desc: String,
 }
 
-pub(crate) fn gather_grad(ids: &Shape, ids_dtype: DType, vocab: usize, out: &Shape) -> Box<dyn CpuKernel> {
+thread_local! {
+    /// Each thread's widened dy segment and, for a half gradient, its f32 column block.
+    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The gradient of a gather of a `vocab`-row table by `ids`: dy of type `types[0]` summed into
+/// an output of `out`'s shape and type `types[1]` (f32, f16 or bf16).
+pub(crate) fn gather_grad(
+    ids: &Shape,
+    ids_dtype: DType,
+    vocab: usize,
+    out: &Shape,
+    types: [DType; 2],
+) -> Box<dyn CpuKernel> {
+    let half = types.map(|d| matches!(d, DType::F16 | DType::BF16).then_some(d));
     let row = out.dims()[1..].iter().product();
     let desc = format!(
         "gather_grad[vocab {vocab}] {}{} -> {}",
@@ -175,7 +203,7 @@ pub(crate) fn gather_grad(ids: &Shape, ids_dtype: DType, vocab: usize, out: &Sha
         shape_text(ids),
         shape_text(out)
     );
-    Box::new(GatherGrad { ids: Ids::of(ids_dtype), vocab, row, count: ids.numel(), desc })
+    Box::new(GatherGrad { ids: Ids::of(ids_dtype), vocab, row, count: ids.numel(), half, desc })
 }
 
 impl CpuKernel for GatherGrad {
@@ -192,6 +220,10 @@ impl CpuKernel for GatherGrad {
     }
 
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
+        if self.half != [None, None] {
+            // SAFETY: forwarded contract.
+            return unsafe { self.run_widened(inputs, output) };
+        }
         let (ids, dy) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1] as *mut f32));
         let o = SendPtr::new(output as *mut f32);
         let row = self.row;
@@ -217,6 +249,77 @@ impl CpuKernel for GatherGrad {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+impl GatherGrad {
+    /// `run` with a half dy or gradient: the same sums in the same order, each dy segment
+    /// widened as it is added, a half gradient's columns summed in the thread's f32 block and
+    /// rounded once.
+    ///
+    /// # Safety
+    /// As `run`.
+    unsafe fn run_widened(&self, inputs: &[*mut u8], output: *mut u8) {
+        let (ids, dy, o) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]), SendPtr::new(output));
+        let [tdy, tout] = self.half;
+        let row = self.row;
+        let work = (self.count + self.vocab) * row;
+        par_chunks(row, COLUMNS, work, |c0, c1| {
+            let w = c1 - c0;
+            WIDE.with(|cell| {
+                let mut fresh = (Vec::new(), Vec::new());
+                let mut held = cell.try_borrow_mut();
+                let (segment, block) = match held.as_deref_mut() {
+                    Ok(bufs) => (&mut bufs.0, &mut bufs.1),
+                    Err(_) => (&mut fresh.0, &mut fresh.1),
+                };
+                segment.resize(w, 0.0);
+                // The gradient's columns c0..c1 of every row: the output itself (f32, row
+                // stride `row`) or the block (row stride w).
+                let (sums, stride) = match tout {
+                    Some(_) => {
+                        block.clear();
+                        block.resize(self.vocab * w, 0.0);
+                        (block.as_mut_ptr(), w)
+                    }
+                    None => {
+                        // SAFETY: columns c0..c1 of every output row are this task's.
+                        let o = unsafe { (o.get() as *mut f32).add(c0) };
+                        for v in 0..self.vocab {
+                            unsafe { slice::from_raw_parts_mut(o.add(v * row), w).fill(0.0) };
+                        }
+                        (o, row)
+                    }
+                };
+                for i in 0..self.count {
+                    // SAFETY: ids hold `count` values; dy row i's columns c0..c1 are in bounds.
+                    let Some(r) = (unsafe { self.ids.row(ids.get(), i, self.vocab) }) else { continue };
+                    let src: &[f32] = match tdy {
+                        Some(t) => {
+                            let bits = unsafe {
+                                slice::from_raw_parts((dy.get() as *const u16).add(i * row + c0), w)
+                            };
+                            widen_slice(t, bits, segment);
+                            segment
+                        }
+                        None => unsafe {
+                            slice::from_raw_parts((dy.get() as *const f32).add(i * row + c0), w)
+                        },
+                    };
+                    // SAFETY: row r of the sums, this task's columns.
+                    let dst = unsafe { slice::from_raw_parts_mut(sums.add(r * stride), w) };
+                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
+                }
+                if let Some(t) = tout {
+                    for v in 0..self.vocab {
+                        // SAFETY: columns c0..c1 of output row v, this task's.
+                        let out =
+                            unsafe { slice::from_raw_parts_mut((o.get() as *mut u16).add(v * row + c0), w) };
+                        narrow_slice(t, &block[v * w..(v + 1) * w], out);
+                    }
+                }
+            });
+        });
     }
 }
 

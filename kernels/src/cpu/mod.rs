@@ -67,7 +67,8 @@ pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::ATTENTION)
     .union(HalfKernels::REDUCTIONS)
     .union(HalfKernels::CONVOLUTIONS)
-    .union(HalfKernels::POOLING);
+    .union(HalfKernels::POOLING)
+    .union(HalfKernels::GATHER);
 
 /// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
@@ -202,8 +203,8 @@ pub fn prepare(
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, input, window),
-        Op::Gather => gather::gather(s[0], s[1], inputs[1].1),
-        Op::GatherGrad { vocab } => gather::gather_grad(s[0], inputs[0].1, *vocab, out),
+        Op::Gather => gather::gather(s[0], s[1], inputs[1].1, dt),
+        Op::GatherGrad { vocab } => gather::gather_grad(s[0], inputs[0].1, *vocab, out, [inputs[1].1, dt]),
         Op::Cast { to } => cast::cast(s[0], inputs[0].1, *to),
         Op::CastLike => cast::cast(s[0], inputs[0].1, inputs[1].1),
         Op::Custom { name } => custom::custom(name, &s, out)?,
