@@ -282,7 +282,8 @@ fn half_convolutions_and_pooling_give_the_widened_bits() {
             .collect();
         let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
         for fuse in [false, true] {
-            let families = HalfKernels::CONVOLUTIONS | HalfKernels::POOLING;
+            let families =
+                HalfKernels::CONVOLUTIONS | HalfKernels::POOLING | HalfKernels::GROUPED_FILTER_GRADIENTS;
             let [native, wide] = both_ways(&g, &feeds, fuse, families);
             assert!(native == wide, "{half} fuse {fuse}: half convolutions and widened differ");
         }

@@ -14,15 +14,15 @@
 //! that read half values), by the widest step's f32 operands and output.
 //!
 //! A backend says which families of ops its kernels compute on half values ([`HalfKernels`]:
-//! the host kernels compute all but the filter gradients of grouped convolutions in half, f32
-//! inside (`kiln_kernels::cpu::HALF_KERNELS`); the CUDA kernels compute f32 alone); `widen`
-//! gives f32 copies to the other ops only. Measured on the real-scale bf16 training steps
-//! (batch as in `benches/realscale.rs`, MB = 10^6 B): the plan the host runs holds GPT-2 2,079
-//! MB, ViT-B/16 1,741, BERT-base 1,774 and ResNet-50 1,274, each the plan `kiln memory
-//! --precision bf16` reports, and EfficientNet-B0 930 (its depthwise filter gradients widened);
-//! with every op widened: 2,321, 2,167, 2,150, 1,424 and 1,325. `CompileOptions::half_kernels`
-//! holds the set (`Trainer` takes it from `Backend::half_kernels`); all families, the default,
-//! is what `kiln memory --precision` reports.
+//! the host kernels compute every family in half, f32 inside (`kiln_kernels::cpu::HALF_KERNELS`);
+//! the CUDA kernels compute f32 alone); `widen` gives f32 copies to the other ops only.
+//! Measured on the real-scale bf16 training steps (batch as in `benches/realscale.rs`, MB =
+//! 10^6 B): the plan the host runs holds GPT-2 2,079 MB, ViT-B/16 1,741, BERT-base 1,774,
+//! ResNet-50 1,274 and EfficientNet-B0 931, each the plan `kiln memory --precision bf16`
+//! reports; with every op widened: 2,321, 2,167, 2,150, 1,424 and 1,325.
+//! `CompileOptions::half_kernels` holds the set (`Trainer` takes it from
+//! `Backend::half_kernels`); all families, the default, is what `kiln memory --precision`
+//! reports.
 
 use crate::autocast::{cast_node, retype};
 use crate::error::{CompileError, Result};

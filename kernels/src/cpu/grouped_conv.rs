@@ -81,7 +81,7 @@ use super::CpuKernel;
 use super::par::{PAR_MIN, SendPtr, par_chunks, par_ranges};
 use super::simd::multiversion;
 use crate::geometry::Geom;
-use kiln_compiler::ir::{Shape, Window2d};
+use kiln_compiler::ir::{DType, Shape, Window2d};
 use std::slice;
 use std::sync::Mutex;
 
@@ -813,12 +813,42 @@ struct BackpropFilter {
     /// The partial gradients (row_groups of them) where there are several.
     partials: Mutex<Vec<f32>>,
     path: FilterPath,
+    /// With f16 or bf16 values: the types of x, dy and dW, and this kernel on one image, which
+    /// each task runs on its rows image by image over widened copies (`run_widened`).
+    half: Option<([DType; 3], Box<BackpropFilter>)>,
     desc: String,
 }
 
+thread_local! {
+    /// Each worker's widened image of x and of dy (`BackpropFilter::run_widened`).
+    static IMAGE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// The filter gradient dW `[KH, KW, C/G, F]` of a non-dense convolution from x and dy (shapes
-/// checked by `ir::infer`).
-pub(crate) fn backprop_filter(x: &Shape, dy: &Shape, window: &Window2d) -> Box<dyn CpuKernel> {
+/// checked by `ir::infer`), of the given types (x, dy, dW: f32, f16 or bf16).
+///
+/// Half values: each task sums the rows it sums in f32 (the same rows, channels and order), an
+/// image at a time, from the image's x and dy widened into buffers of its thread; a half dW is
+/// summed in the kernel's f32 buffer and rounded once. So the bits are those of the op widened.
+pub(crate) fn backprop_filter(
+    x: &Shape,
+    dy: &Shape,
+    window: &Window2d,
+    types: [DType; 3],
+) -> Box<dyn CpuKernel> {
+    let mut kernel = filter_kernel(x, dy, window);
+    if types.iter().any(|d| matches!(d, DType::F16 | DType::BF16)) {
+        let image = |s: &Shape| {
+            let mut dims = s.dims().to_vec();
+            dims[0] = 1;
+            Shape::from(dims.as_slice())
+        };
+        kernel.half = Some((types, Box::new(filter_kernel(&image(x), &image(dy), window))));
+    }
+    Box::new(kernel)
+}
+
+fn filter_kernel(x: &Shape, dy: &Shape, window: &Window2d) -> BackpropFilter {
     let g = Geom::new(x, window, dy.dims()[3]);
     let (cg, fg) = (g.c / g.groups, g.f / g.groups);
     let path = if cg == 1 && fg == 1 {
@@ -853,7 +883,7 @@ pub(crate) fn backprop_filter(x: &Shape, dy: &Shape, window: &Window2d) -> Box<d
         })
         .collect();
     let desc = format!("conv2d_backprop_filter {}", g.text());
-    Box::new(BackpropFilter {
+    BackpropFilter {
         rows: TapList::forward(g.oh, g.sh, g.ph, g.dh, g.kh, g.h),
         cols,
         spans,
@@ -861,11 +891,12 @@ pub(crate) fn backprop_filter(x: &Shape, dy: &Shape, window: &Window2d) -> Box<d
         row_groups,
         partials: Mutex::new(Vec::new()),
         path,
+        half: None,
         g,
         cg,
         fg,
         desc,
-    })
+    }
 }
 
 /// Channels f0..f1 of every row of dW (KH·KW·Cg rows of F): the part of dW that one task owns
@@ -1047,7 +1078,8 @@ fn filter_positions(k: &BackpropFilter, x: &[f32], dy: &[f32], [r0, r1]: [usize;
 }
 
 /// Channels f0..f1 of a gradient over the output rows r0..r1 (of the n·OH rows) into `dw` (dW
-/// itself or a partial of its shape): zeroed, then the sums of the kernel's path.
+/// itself or a partial of its shape): zeroed (with `zero`), then the sums of the kernel's path
+/// added.
 ///
 /// # Safety
 /// `x` and `dy` hold the tensors of `k.g`; `dw` holds KH·KW·Cg·F floats, whose channels f0..f1
@@ -1061,7 +1093,7 @@ unsafe fn filter_block(
     dw: *mut f32,
     sums: *mut f32,
     f: [usize; 2],
-    rows: [usize; 2],
+    (rows, zero): ([usize; 2], bool),
 ) {
     let g = &k.g;
     let [f0, f1] = f;
@@ -1074,8 +1106,10 @@ unsafe fn filter_block(
             Part::new(dw, dw_rows, g.f, f0, f1),
         )
     };
-    for q in 0..dw_rows {
-        part.segment(q, f0, f1 - f0).fill(0.0);
+    if zero {
+        for q in 0..dw_rows {
+            part.segment(q, f0, f1 - f0).fill(0.0);
+        }
     }
     let part = &mut part;
     match k.path {
@@ -1105,8 +1139,90 @@ multiversion! {
     /// `filter_block` on the widest vectors the CPU has (`simd`).
     unsafe fn filter_dispatch / filter_at(
         k: &BackpropFilter, x: *const f32, dy: *const f32, dw: *mut f32, sums: *mut f32,
-        f: [usize; 2], rows: [usize; 2]
+        f: [usize; 2], rows: ([usize; 2], bool)
     ) => filter_block;
+}
+
+impl BackpropFilter {
+    /// One task's rows r (of the n·OH output rows) and channels f with half x or dy: for each
+    /// image the rows cross, in order, the image of x and dy widened into the thread's buffers
+    /// and `one` (this kernel on one image) summing the image's rows into `target`, zeroed
+    /// before the first (the f32 task's sums, row by row in the same order).
+    ///
+    /// # Safety
+    /// As `filter_block` for this kernel's tensors: `inputs` are x and dy, of `types`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rows_widened(
+        &self,
+        one: &BackpropFilter,
+        inputs: [*mut u8; 2],
+        [tx, tdy, _]: [DType; 3],
+        target: *mut f32,
+        sums: &mut [f32],
+        f: [usize; 2],
+        [r0, r1]: [usize; 2],
+    ) {
+        let g = &self.g;
+        let (xi, yi) = (g.h * g.w * g.c, g.oh * g.ow * g.f);
+        IMAGE.with(|cell| {
+            let mut fresh = (Vec::new(), Vec::new());
+            let mut held = cell.try_borrow_mut();
+            let (xb, yb) = match held.as_deref_mut() {
+                Ok(bufs) => (&mut bufs.0, &mut bufs.1),
+                Err(_) => (&mut fresh.0, &mut fresh.1),
+            };
+            let mut first = true;
+            let mut r = r0;
+            while r < r1 {
+                let n = r / g.oh;
+                let end = r1.min((n + 1) * g.oh);
+                for (buf, p, t, len) in [(&mut *xb, inputs[0], tx, xi), (&mut *yb, inputs[1], tdy, yi)] {
+                    buf.resize(len, 0.0);
+                    // SAFETY: image n of the tensor, len elements of its type.
+                    unsafe {
+                        match t {
+                            DType::F16 | DType::BF16 => {
+                                let src = slice::from_raw_parts((p as *const u16).add(n * len), len);
+                                super::cast::widen_slice(t, src, buf);
+                            }
+                            _ => buf
+                                .copy_from_slice(slice::from_raw_parts((p as *const f32).add(n * len), len)),
+                        }
+                    }
+                }
+                let rows = [r - n * g.oh, end - n * g.oh];
+                // SAFETY: the buffers are one image of x and dy, `one`'s geometry; the target
+                // and sums are the task's (the contract).
+                unsafe {
+                    filter_dispatch(
+                        one,
+                        xb.as_ptr(),
+                        yb.as_ptr(),
+                        target,
+                        sums.as_mut_ptr(),
+                        f,
+                        (rows, first),
+                    )
+                };
+                first = false;
+                r = end;
+            }
+            if first {
+                // No rows: the task's channels are zero, as the f32 task leaves them.
+                unsafe {
+                    filter_dispatch(
+                        one,
+                        xb.as_ptr(),
+                        yb.as_ptr(),
+                        target,
+                        sums.as_mut_ptr(),
+                        f,
+                        ([0, 0], true),
+                    )
+                };
+            }
+        })
+    }
 }
 
 impl CpuKernel for BackpropFilter {
@@ -1115,10 +1231,19 @@ impl CpuKernel for BackpropFilter {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
         let g = &self.g;
         let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
-        let dw = SendPtr::new(output as *mut f32);
+        let len = g.kh * g.kw * self.cg * g.f;
+        // A half dW is summed in f32 after the partials, then rounded.
+        let half_dw = self.half.as_ref().map(|(t, _)| t[2]).filter(|d| matches!(d, DType::F16 | DType::BF16));
+        let mut wide_dw = Vec::new();
+        let dw = match half_dw {
+            Some(_) => {
+                wide_dw.resize(len, 0.0f32);
+                SendPtr::new(wide_dw.as_mut_ptr())
+            }
+            None => SendPtr::new(output as *mut f32),
+        };
         let blocks = g.f.div_ceil(self.block);
         let (groups, rows) = (self.row_groups, g.n * g.oh);
-        let len = g.kh * g.kw * self.cg * g.f;
         let work = rows * g.ow * g.kh * g.kw * self.cg * g.f;
         let mut partials = self.partials.lock().unwrap_or_else(|e| e.into_inner());
         let target = if groups == 1 {
@@ -1145,13 +1270,39 @@ impl CpuKernel for BackpropFilter {
                     // KH·KW·block floats.
                     unsafe {
                         let target = target.get().add(q * len);
-                        filter_dispatch(self, x.get(), dy.get(), target, sums.as_mut_ptr(), f, r)
+                        match &self.half {
+                            Some((types, one)) => self.rows_widened(
+                                one,
+                                [x.get() as *mut u8, dy.get() as *mut u8],
+                                *types,
+                                target,
+                                sums,
+                                f,
+                                r,
+                            ),
+                            None => filter_dispatch(
+                                self,
+                                x.get(),
+                                dy.get(),
+                                target,
+                                sums.as_mut_ptr(),
+                                f,
+                                (r, true),
+                            ),
+                        }
                     };
                 }
             })
         });
+        let round = |wide: &[f32]| {
+            if let Some(t) = half_dw {
+                // SAFETY: dW holds len elements of its half type (run's contract).
+                let out = unsafe { slice::from_raw_parts_mut(output as *mut u16, len) };
+                super::cast::narrow_slice(t, wide, out);
+            }
+        };
         if groups == 1 {
-            return;
+            return round(&wide_dw);
         }
         let partials = &partials[..groups * len];
         par_ranges(len, groups, |a, b| {
@@ -1164,6 +1315,7 @@ impl CpuKernel for BackpropFilter {
                 }
             }
         });
+        round(&wide_dw);
     }
 
     fn describe(&self) -> String {

@@ -57,10 +57,11 @@ use kiln_compiler::widen::HalfKernels;
 /// The ops these kernels compute on f16 and bf16 values, f32 arithmetic inside and half in
 /// memory: data movement (`layout`, by element size), elementwise ops and groups (`fused`,
 /// widening as they load and rounding as they store), matrix products, fused or not
-/// (`mixed_gemm`: panels widened as they are packed) and attention (`attention`: a batch-head
-/// widened at a time). Convolutions, reductions, pooling and gathers compute f32: a
-/// mixed-precision plan for these kernels gives them f32 copies of their half operands
-/// (`kiln_compiler::widen`).
+/// (`mixed_gemm`: panels widened as they are packed), attention (`attention`: a batch-head
+/// widened at a time), reductions and softmax, convolutions and pooling (`per_image`: a group
+/// of images at a time; filter gradients widen what their tasks read) and gathers. Custom ops
+/// compute f32: a mixed-precision plan for these kernels gives them f32 copies of their half
+/// operands (`kiln_compiler::widen`).
 pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::ELEMENTWISE)
     .union(HalfKernels::PRODUCTS)
@@ -68,7 +69,8 @@ pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::REDUCTIONS)
     .union(HalfKernels::CONVOLUTIONS)
     .union(HalfKernels::POOLING)
-    .union(HalfKernels::GATHER);
+    .union(HalfKernels::GATHER)
+    .union(HalfKernels::GROUPED_FILTER_GRADIENTS);
 
 /// A kernel prepared for one op on fixed shapes.
 pub trait CpuKernel: Send + Sync {
@@ -190,7 +192,7 @@ pub fn prepare(
             grouped_conv::backprop_input_relu_grad(s[0], s[1], window, out, s.len() == 4)
         }
         Op::Conv2dBackpropFilter { window } if !window.is_dense() => {
-            grouped_conv::backprop_filter(s[0], s[1], window)
+            grouped_conv::backprop_filter(s[0], s[1], window, [inputs[0].1, inputs[1].1, dt])
         }
         Op::Conv2d { window } => conv::conv2d(s[0], s[1], window, out),
         Op::Conv2dBackpropInput { window, .. } => conv::backprop_input(s[0], s[1], window, out),
