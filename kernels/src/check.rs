@@ -47,10 +47,21 @@ pub(crate) fn check(
         });
     }
     let operands = || inputs.iter().map(|(s, _)| s.to_string()).collect::<Vec<_>>().join(", ");
-    let (shape, _) = infer(op, inputs).map_err(|e| KernelError::Shape {
+    let (shape, dtype) = infer(op, inputs).map_err(|e| KernelError::Shape {
         op: op.label(),
         message: format!("{} (operands {})\n  help: {}", e.message, operands(), e.help),
     })?;
+    // Kernels size their elements by the declared output type: it must be the inferred one.
+    if dtype != output.1 {
+        return Err(KernelError::Shape {
+            op: op.label(),
+            message: format!(
+                "the output is declared {} but the operands ({}) give {dtype}",
+                output.1,
+                inputs.iter().map(|(s, d)| format!("{d}{s}")).collect::<Vec<_>>().join(", ")
+            ),
+        });
+    }
     if &shape != output.0 {
         return Err(KernelError::Shape {
             op: op.label(),

@@ -34,7 +34,6 @@ use crate::geometry::Geom;
 use kiln_compiler::ir::{DType, Shape, Window2d};
 use rayon::prelude::*;
 use std::slice;
-use std::sync::Mutex;
 
 /// Output columns ow0..ow0+count all read filter columns lo..hi (inside the input).
 #[derive(Clone, Copy, Debug)]
@@ -572,7 +571,6 @@ struct BackpropFilter {
     /// read them (`Gemm::run_mixed`) or as the patches are gathered; a half dw is summed in the
     /// kernel's f32 buffer and rounded once.
     types: [DType; 3],
-    wide_dw: Mutex<Vec<f32>>,
     desc: String,
 }
 
@@ -588,7 +586,7 @@ pub(crate) fn backprop_filter(
     // Tiles of at least 32 positions, and enough positions to fill the groups; else tap by tap.
     let tiles = Some(Tiles::new(&g)).filter(|t| t.t >= 32 && g.n * g.oh * g.ow >= TILE_GROUPS * t.t);
     let taps = if tiles.is_some() { Vec::new() } else { tap_plans(&g) };
-    Box::new(BackpropFilter { g, taps, tiles, types, wide_dw: Mutex::new(Vec::new()), desc })
+    Box::new(BackpropFilter { g, taps, tiles, types, desc })
 }
 
 impl BackpropFilter {
@@ -753,36 +751,38 @@ impl CpuKernel for BackpropFilter {
         let g = &self.g;
         let [tx, tdy, tdw] = self.types;
         let (x, dy) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]));
-        // A half dw is summed in the kernel's f32 buffer, then rounded.
+        // A half dw is summed in the thread's f32 buffer (`buffers`), then rounded.
         let half_dw = matches!(tdw, DType::F16 | DType::BF16);
-        let mut wide = self.wide_dw.lock().unwrap_or_else(|e| e.into_inner());
-        let len = g.kh * g.kw * g.c * g.f;
-        let dw = if half_dw {
-            wide.resize(len, 0.0);
-            SendPtr::new(wide.as_mut_ptr())
-        } else {
-            SendPtr::new(output as *mut f32)
-        };
-        if let Some(tiles) = &self.tiles {
-            // SAFETY: run's contract: the operands and the output have g's shapes.
-            unsafe { tiles.run(g, (x, tx), (dy, tdy), dw) };
-        } else {
-            let taps = g.kh * g.kw;
-            // SAFETY: each task writes its own filter tap.
-            let one = |t: usize| unsafe { self.tap(x.get(), dy.get(), dw.get(), t) };
-            let work = g.n * g.oh * g.ow * g.c * g.f * taps;
-            if work < super::par::PAR_MIN || rayon::current_num_threads() == 1 {
-                (0..taps).for_each(one);
+        super::buffers::with(|b| {
+            let wide = &mut b.sums;
+            let len = g.kh * g.kw * g.c * g.f;
+            let dw = if half_dw {
+                wide.resize(len, 0.0);
+                SendPtr::new(wide.as_mut_ptr())
             } else {
-                (0..taps).into_par_iter().for_each(one);
+                SendPtr::new(output as *mut f32)
+            };
+            if let Some(tiles) = &self.tiles {
+                // SAFETY: run's contract: the operands and the output have g's shapes.
+                unsafe { tiles.run(g, (x, tx), (dy, tdy), dw) };
+            } else {
+                let taps = g.kh * g.kw;
+                // SAFETY: each task writes its own filter tap.
+                let one = |t: usize| unsafe { self.tap(x.get(), dy.get(), dw.get(), t) };
+                let work = g.n * g.oh * g.ow * g.c * g.f * taps;
+                if work < super::par::PAR_MIN || rayon::current_num_threads() == 1 {
+                    (0..taps).for_each(one);
+                } else {
+                    (0..taps).into_par_iter().for_each(one);
+                }
             }
-        }
-        if half_dw {
-            // SAFETY: the output holds len elements of its half type.
-            super::cast::narrow_slice(tdw, &wide, unsafe {
-                slice::from_raw_parts_mut(output as *mut u16, len)
-            });
-        }
+            if half_dw {
+                // SAFETY: the output holds len elements of its half type.
+                super::cast::narrow_slice(tdw, wide, unsafe {
+                    slice::from_raw_parts_mut(output as *mut u16, len)
+                });
+            }
+        })
     }
 
     fn describe(&self) -> String {

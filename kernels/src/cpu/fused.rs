@@ -520,7 +520,7 @@ pub(crate) struct FusedReduceKernel {
     /// With an f16 or bf16 output: its type and the reduction's f32 values (the output's
     /// element count, the kernel's own buffer), which the epilogue reads, or which are rounded
     /// into the output where there is none.
-    wide_out: Option<(DType, std::sync::Mutex<Vec<f32>>)>,
+    wide_out: Option<(DType, usize)>,
     desc: String,
 }
 
@@ -579,7 +579,7 @@ pub(crate) fn fused_reduce(
         desc = format!("{desc} then {}", after.desc);
         Some((after, split))
     };
-    let wide_out = half_type(out_type).map(|t| (t, std::sync::Mutex::new(vec![0.0; out.numel()])));
+    let wide_out = half_type(out_type).map(|t| (t, out.numel()));
     Ok(Box::new(FusedReduceKernel {
         program: before,
         reduce: super::reduce::prepare(reduce.op, name, &shape, &reduce.axes),
@@ -599,14 +599,41 @@ impl CpuKernel for FusedReduceKernel {
         // elementwise contract), and the op's last operands beside it.
         // With a half output the reduction writes the kernel's f32 buffer (the output's
         // element count), which the epilogue reads or which is rounded into the output.
-        let mut wide =
-            self.wide_out.as_ref().map(|(t, buf)| (*t, buf.lock().unwrap_or_else(|e| e.into_inner())));
-        let reduced = match &mut wide {
-            Some((_, buf)) => buf.as_mut_ptr() as *mut u8,
+        super::buffers::with(|b| {
+            let wide = self.wide_out.map(|(t, len)| {
+                b.sums.resize(len, 0.0);
+                (t, &mut b.sums)
+            });
+            // SAFETY: as stated above; the sums are the thread's (`buffers`).
+            unsafe { self.run_into(&source, inputs, output, split, wide) }
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+impl FusedReduceKernel {
+    /// The reduction into the output, or into `wide` (a half output's f32 values), then the
+    /// epilogue or the rounding.
+    ///
+    /// # Safety
+    /// As `run`; `wide` holds the output's element count.
+    unsafe fn run_into(
+        &self,
+        source: &Prologue,
+        inputs: &[*mut u8],
+        output: *mut u8,
+        split: usize,
+        wide: Option<(DType, &mut Vec<f32>)>,
+    ) {
+        let reduced = match &wide {
+            Some((_, buf)) => buf.as_ptr() as *mut u8,
             None => output,
         };
         unsafe {
-            self.reduce.run_from(&source, reduced as *mut f32);
+            self.reduce.run_from(source, reduced as *mut f32);
             if let Some((after, _)) = &self.epilogue {
                 let mut ins = [std::ptr::null_mut(); MAX_FUSED_OPERANDS];
                 let extra = (inputs.len() - split).min(MAX_FUSED_OPERANDS - 1);
@@ -617,10 +644,6 @@ impl CpuKernel for FusedReduceKernel {
                 super::cast::narrow_slice(*t, buf, slice::from_raw_parts_mut(output as *mut u16, buf.len()));
             }
         }
-    }
-
-    fn describe(&self) -> String {
-        self.desc.clone()
     }
 }
 
@@ -681,7 +704,6 @@ struct RowBlocks {
     out_type: DType,
     /// Per epilogue operand (after the factors): how an output row finds its elements.
     reads: Vec<RowRead>,
-    tile: std::sync::Mutex<Vec<f32>>,
 }
 
 /// Where an epilogue operand's elements for output row `r` start: the row's index along the
@@ -794,7 +816,6 @@ impl RowBlocks {
             types: types.to_vec(),
             out_type,
             reads,
-            tile: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -807,7 +828,15 @@ impl RowBlocks {
     /// `inputs` are the op's operands (factors first), valid for their shapes; `output` is valid
     /// for the output's floats and overlaps no factor (`Op::may_write_over` never allows it).
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let mut tile = self.tile.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: forwarded contract; the tile is the thread's (`buffers`).
+        super::buffers::with(|b| unsafe { self.run_in(inputs, output, &mut b.tile) })
+    }
+
+    /// `run` with `tile` for the blocks' products.
+    ///
+    /// # Safety
+    /// As `run`.
+    unsafe fn run_in(&self, inputs: &[*mut u8], output: *mut u8, tile: &mut Vec<f32>) {
         let (block_rows, block_cols, n) = (self.gemm.m, self.gemm.n, self.n);
         tile.resize(block_rows * block_cols, 0.0);
         let (a, b) = (Matrix::new(inputs[0], self.types[0]), Matrix::new(inputs[1], self.types[1]));

@@ -29,6 +29,7 @@
 
 mod attention;
 mod broadcast;
+mod buffers;
 pub mod cast;
 mod conv;
 mod custom;
@@ -119,7 +120,7 @@ pub fn prepare(
     match crate::check::empty_case(op, &s, out) {
         crate::check::Empty::Compute => {}
         crate::check::Empty::Nothing => return Ok(Box::new(layout::Nothing(format!("{name} (empty)")))),
-        crate::check::Empty::Fill(v) => return Ok(layout::fill(v, out)),
+        crate::check::Empty::Fill(v) => return Ok(layout::fill_typed(v, out, output.1)),
     }
     let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
     if HalfKernels::family(op) == Some(HalfKernels::ELEMENTWISE)

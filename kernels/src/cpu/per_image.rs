@@ -19,8 +19,8 @@
 
 use super::cast::{narrow_slice, widen_slice};
 use super::{CpuKernel, KernelError};
+use kiln_compiler::ir::fused::{Inst, Ref};
 use kiln_compiler::ir::{DType, Fused, Op, Shape};
-use std::sync::Mutex;
 
 /// One operand or the output of a `PerImage` kernel.
 #[derive(Clone, Copy, Debug)]
@@ -48,7 +48,6 @@ pub(crate) struct PerImage {
     images: usize,
     operands: Vec<Part>,
     output: Part,
-    buffer: Mutex<Vec<f32>>,
 }
 
 /// `shape` with its first axis `n`: `n` images of a batched `[N, ...]` tensor.
@@ -79,7 +78,7 @@ fn batched(op: &Op, operands: &[&Shape], out: &Shape) -> Vec<bool> {
 }
 
 /// `op` on `n` images: the shapes it carries (a gradient's input shape, a fused program's
-/// shape) with their batch axis `n`.
+/// shape) with their batch axis `n`, computing f32.
 fn op_on_images(op: &Op, n: usize) -> Op {
     match op {
         Op::Conv2dBackpropInput { window, input } => {
@@ -91,7 +90,15 @@ fn op_on_images(op: &Op, n: usize) -> Op {
         Op::AvgPool2dGrad { window, input } => {
             Op::AvgPool2dGrad { window: *window, input: images_of(input, n) }
         }
-        Op::Fused(f) => Op::Fused(Fused { shape: images_of(&f.shape, n), ..f.clone() }),
+        Op::Fused(f) => {
+            // The group kernel computes f32: a program that stores half ends with its value
+            // rounded, then widened (exact), as `kiln_compiler::widen` makes it.
+            let mut insts = f.insts.clone();
+            if matches!(f.stored_dtype(), Some(DType::F16 | DType::BF16)) {
+                insts.push(Inst::Cast(DType::F32, Ref::Value(insts.len() as u32 - 1)));
+            }
+            Op::Fused(Fused { shape: images_of(&f.shape, n), insts, ..f.clone() })
+        }
         other => other.clone(),
     }
 }
@@ -136,13 +143,26 @@ pub(crate) fn per_image(
     };
     let operands = inputs.iter().zip(&batched).zip(&one).map(|((&sd, &b), one)| part(sd, b, one)).collect();
     let output = part(output, true, &out_one);
-    let buffer = Mutex::new(Vec::new());
-    Ok(Box::new(PerImage { inner, last, group, images, operands, output, buffer }))
+    Ok(Box::new(PerImage { inner, last, group, images, operands, output }))
 }
 
 impl CpuKernel for PerImage {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
-        let mut buffer = self.buffer.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: forwarded contract; the buffer is the thread's (`buffers`).
+        super::buffers::with(|b| unsafe { self.run_in(inputs, output, &mut b.images) })
+    }
+
+    fn describe(&self) -> String {
+        format!("{} ({} images at a time, half widened)", self.inner.describe(), self.group)
+    }
+}
+
+impl PerImage {
+    /// `run` with `buffer` for the widened parts.
+    ///
+    /// # Safety
+    /// As `run`.
+    unsafe fn run_in(&self, inputs: &[*mut u8], output: *mut u8, buffer: &mut Vec<f32>) {
         // The buffer's parts: each widened operand's, then a half output's image.
         // A batched part holds a group of images; an unbatched one all of it.
         let room = |p: &Part| if p.batched { p.len * self.group } else { p.len };
@@ -208,9 +228,5 @@ impl CpuKernel for PerImage {
             }
             n += count;
         }
-    }
-
-    fn describe(&self) -> String {
-        format!("{} ({} images at a time, half widened)", self.inner.describe(), self.group)
     }
 }

@@ -191,7 +191,7 @@ impl Softmax {
             }
             // SAFETY: the slab is one outer block of n rows and w columns, the thread's own.
             unsafe {
-                if w == 1 {
+                if inner == 1 {
                     row_dispatch(xs, os, self.log);
                 } else {
                     let slab = Softmax { outer: 1, inner: w, half: None, desc: String::new(), ..*self };
