@@ -1,7 +1,7 @@
 //! The host kernels that compute on f16 and bf16 values (`kiln::kernels::cpu::HALF_KERNELS`:
-//! data movement and elementwise groups, f32 arithmetic inside, half in memory) give the bits of
-//! the same ops widened (`kiln::compiler::widen`: f32 copies in, f32 out, one cast back), and a
-//! plan that uses them holds less than the widened one.
+//! every family, f32 arithmetic inside, half in memory) give the bits of the same ops widened
+//! (`kiln::compiler::widen`: f32 copies in, f32 out, one cast back), and a plan that uses them
+//! needs fewer casts.
 
 use kiln::compiler::ir::{DType, Graph, Op, Shape};
 use kiln::compiler::widen::HalfKernels;
@@ -26,10 +26,11 @@ fn two_steps(plan: &kiln::compiler::Plan, m: &kiln::zoo::ZooModel) -> Vec<u32> {
     bits
 }
 
-/// The zoo's training steps in bf16 and f16, fused and unfused: the host's half kernels give the
-/// widened plan's bits, with fewer casts and an arena no larger.
+/// The zoo's training steps in bf16 and f16, fused and unfused: the plan the host runs is the one
+/// `kiln memory --precision` reports (planned for half kernels everywhere), with fewer casts
+/// than the widened plan, and it computes the widened plan's bits.
 #[test]
-fn half_kernels_compute_the_widened_bits_in_less_memory() {
+fn the_host_runs_the_reported_plan_with_the_widened_bits() {
     for name in ["mlp", "cnn", "transformer"] {
         let m = kiln::zoo::by_name(name).unwrap().with_batch(4);
         for precision in [Precision::BF16, Precision::F16] {
@@ -39,26 +40,24 @@ fn half_kernels_compute_the_widened_bits_in_less_memory() {
                     let options = CompileOptions::default().with_half_kernels(kernels).with_fusion(fuse);
                     compile(graph.clone(), &options).unwrap()
                 };
-                let (wide, native) = (plan(HalfKernels::NONE), plan(HALF_KERNELS));
+                let (wide, native, reported) =
+                    (plan(HalfKernels::NONE), plan(HALF_KERNELS), plan(HalfKernels::ALL));
                 let casts = |p: &kiln::compiler::Plan| {
                     p.steps.iter().filter(|s| matches!(s.op, Op::Cast { .. })).count()
                 };
                 let what = format!("{name} {precision} fuse {fuse}");
-                let arena = |p: &kiln::compiler::Plan| p.memory.arena_bytes;
-                eprintln!(
-                    "{what}: casts {} widened {}, arena {} widened {}",
-                    casts(&native),
-                    casts(&wide),
-                    arena(&native),
-                    arena(&wide)
+                let total = |p: &kiln::compiler::Plan| p.memory.planned_total_bytes();
+                assert_eq!(
+                    total(&native),
+                    total(&reported),
+                    "{what}: the host's plan is not the reported one"
                 );
                 assert!(
-                    casts(&native) <= casts(&wide),
+                    casts(&native) < casts(&wide),
                     "{what}: {} casts, widened {}",
                     casts(&native),
                     casts(&wide)
                 );
-                let _ = arena;
                 assert!(
                     two_steps(&native, &m) == two_steps(&wide, &m),
                     "{what}: half kernels and widened ops differ"
@@ -199,8 +198,9 @@ fn half_products_give_the_widened_bits() {
     }
 }
 
-/// Attention and its gradient on half q, k, v and bias, causal or not, with more keys than
-/// queries: the bits of the op widened.
+/// Attention and its gradient on half q, k, v and a learned bias (its gradient composed in
+/// f32), causal or not, with more keys than queries, fused and unfused: the bits of the op
+/// widened.
 #[test]
 fn half_attention_gives_the_widened_bits() {
     use kiln::compiler::trace::Tracer;
@@ -216,10 +216,10 @@ fn half_attention_gives_the_widened_bits() {
             let loss = (o.cast(DType::F32) * &w).sum(.., false);
             t.output("loss", &loss);
             let g = t.finish().unwrap();
-            let ids: Vec<_> = ["q", "k", "v"].iter().map(|n| g.input(n).unwrap()).collect();
+            let ids: Vec<_> = ["q", "k", "v", "bias"].iter().map(|n| g.input(n).unwrap()).collect();
             let loss = g.output("loss").unwrap();
             let (mut g, grads) = kiln::compiler::autodiff::gradients(g, loss, &ids).unwrap();
-            for (name, d) in ["dq", "dk", "dv"].iter().zip(grads) {
+            for (name, d) in ["dq", "dk", "dv", "dbias"].iter().zip(grads) {
                 g.set_output(*name, d.unwrap());
             }
             let shapes = [("q", &qd[..]), ("k", &kd[..]), ("v", &kd[..]), ("bias", &bd[..]), ("w", &qd[..])];
@@ -232,8 +232,13 @@ fn half_attention_gives_the_widened_bits() {
                 })
                 .collect();
             let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
-            let [native, wide] = both_ways(&g, &feeds, true, HalfKernels::ATTENTION);
-            assert!(native == wide, "{half} causal {causal}: half attention and widened differ");
+            for fuse in [true, false] {
+                let [native, wide] = both_ways(&g, &feeds, fuse, HalfKernels::ATTENTION);
+                assert!(
+                    native == wide,
+                    "{half} causal {causal} fuse {fuse}: half attention and widened differ"
+                );
+            }
         }
     }
 }
@@ -309,7 +314,10 @@ fn half_gathers_give_the_widened_bits() {
         g.set_output("dtable", grads[0].unwrap());
         let table = HostTensor::new(Shape::new(vec![50, 24]), values(50 * 24, 30)).unwrap();
         let ids = HostTensor::from_i32([7, 5], (0..35).map(|i| i * 13 % 50 % 17).collect()).unwrap();
-        let [native, wide] = both_ways(&g, &[("table", &table), ("ids", &ids)], true, HalfKernels::GATHER);
-        assert!(native == wide, "{half}: half gathers and widened differ");
+        for fuse in [true, false] {
+            let [native, wide] =
+                both_ways(&g, &[("table", &table), ("ids", &ids)], fuse, HalfKernels::GATHER);
+            assert!(native == wide, "{half} fuse {fuse}: half gathers and widened differ");
+        }
     }
 }

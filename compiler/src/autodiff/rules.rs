@@ -133,11 +133,14 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
             if let Some(bias) = x.get(3) {
                 // A bias's gradient is the scores' (a learned bias's: a position bias); composed
                 // from the probabilities, and dropped as dead code where the bias is a mask.
-                // In f32 where the factors are half: the products of their f32 copies are
-                // their f32 accumulations, and the causal mask's -1e9 stays finite (in f16 it
-                // would round to -inf).
+                // In f32 where the factors are half: their products' f32 accumulations
+                // (`Op::MatMul` keeps them, `Tensor::matmul` would round them to half), and the
+                // causal mask's -1e9 stays finite (in f16 it would round to -inf).
                 let f32 = |t: &Tensor| t.cast(DType::F32);
-                let mut scores = f32(q).matmul_t(&f32(k), false, true) * *scale;
+                let product_t = |a: &Tensor, b: &Tensor| {
+                    a.record(Op::MatMul { transpose_a: false, transpose_b: true }, &[a, b])
+                };
+                let mut scores = product_t(q, k) * *scale;
                 scores = &scores + &f32(bias);
                 if *causal {
                     let shift = t as f32 - s as f32;
@@ -146,7 +149,7 @@ pub(super) fn vjp(op: &Op, x: &[Tensor], y: &Tensor, g: &Tensor) -> Result<Vec<O
                     scores = scores + (allowed - 1.0).mul(1e9);
                 }
                 let p = scores.softmax(-1);
-                let dp = f32(g).matmul_t(&f32(v), false, true);
+                let dp = product_t(g, v);
                 let ds = &p * (&dp - (f32(g) * f32(y)).sum(-1, true));
                 grads.push(Some(sum_to(&ds, bias.shape())));
             }

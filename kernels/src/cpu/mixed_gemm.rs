@@ -17,9 +17,7 @@
 //! bf16) and the panel laid out along it. Measured (release, 2-core AMD EPYC, AVX-512, best of
 //! 5): 1024³ f32 13.3 ms, bf16 and f16 factors 9.0 ms; 64x256x784 with the right factor
 //! transposed 0.15 ms f32, 0.17 bf16 (0.36 before panels followed the factor's layout). The
-//! zoo's training steps on the host, half kernels against every op widened, median of 7:
-//! mlp bf16 18.3 / 20.1 ms, f16 16.4 / 24.0; transformer bf16 56.6 / 74.3, f16 55.0 / 93.7;
-//! cnn (convolutions widened either way) bf16 92.7 / 90.6, f16 107.6 / 113.4.
+//! zoo's training steps with these products, against every op widened: `docs/src/precision.md`.
 
 use super::cast::{narrow_slice, widen_slice};
 use super::matmul::{Gemm, KC};

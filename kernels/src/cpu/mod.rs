@@ -1,11 +1,14 @@
-//! CPU kernels: one implementation of every computing op of the IR, f32, contiguous row-major.
+//! CPU kernels: one implementation of every computing op of the IR, f32 (and f16 and bf16 with
+//! f32 arithmetic inside: `HALF_KERNELS`), contiguous row-major.
 //!
 //! `prepare` does all shape analysis once per plan step (broadcast strides, reduction blocks,
 //! matmul batch offsets, convolution taps) and returns a `CpuKernel` whose `run` only computes:
 //! no heap allocation of its own (the `gemm` crate allocates packing buffers for some shapes), no
 //! shape logic, and no thread hand-off below `par::PAR_MIN` elements of work.
 //! Kernels get no scratch memory: every byte they touch is an operand or the output, planned by the
-//! compiler (convolutions therefore run as strided GEMMs per filter tap, without im2col buffers).
+//! compiler (convolutions therefore run as strided GEMMs per filter tap, without im2col buffers),
+//! but for bounded working buffers like the GEMM's packing buffers (the half kernels' widened
+//! panels, heads and image groups, `buffers`).
 //!
 //! Modules, one job each:
 //! - `elementwise`: unary, binary, scalar and select ops, in place when the planner aliases.
@@ -16,7 +19,11 @@
 //! - `matmul`, `conv`, `pool`: the GEMM-based ops and pooling.
 //! - `grouped_conv`: grouped, depthwise and dilated convolutions and their gradients, direct loops.
 //! - `gather`: embedding lookup and its gradient.
-//! - `cast`: conversions between f32, i32, i64 and bool.
+//! - `cast`: conversions between f32, f16, bf16, i32, i64 and bool, and half slices widened and
+//!   rounded at once.
+//! - `mixed_gemm`: products of f16 and bf16 factors, panels widened as they are packed.
+//! - `per_image`: convolutions and pooling on half values, a group of images at a time.
+//! - `buffers`: the half kernels' f32 working buffers, one set per thread.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
 //! - `math`, `vmath`, `par`: scalar definitions, the vectorisable transcendentals, parallel helpers.
 //! - `simd`: the widest vector instructions of the CPU, chosen at run time, and `multiversion!`.

@@ -11,7 +11,7 @@
 //! alone, by the same arithmetic at any batch size (the f32 kernels split work by image and by
 //! rows within an image, never summing across images), so the result is bitwise the op widened
 //! (`kiln_compiler::widen`: f32 copies of the whole tensors), while the plan holds the half
-//! values alone. The buffer holds a group of images of each widened operand and of a half
+//! values alone. The buffer (the thread's, `buffers`) holds a group of images of each widened operand and of a half
 //! output, and the whole of each widened unbatched operand: 4 MiB a part at most, or one image
 //! where an image is larger, outside the arena like the GEMM's packing buffers. The filter
 //! gradient sums over images and is not computed here (`conv::backprop_filter` widens its own

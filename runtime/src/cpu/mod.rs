@@ -725,8 +725,8 @@ fn canary_ptr(p: &Program, c: &Canary) -> *mut u8 {
 }
 
 impl Backend for CpuBackend {
-    /// Data movement and elementwise ops read and write f16 and bf16 values
-    /// (`kiln_kernels::cpu::HALF_KERNELS`); the others compute f32 copies.
+    /// Every family of ops reads and writes f16 and bf16 values but custom ops
+    /// (`kiln_kernels::cpu::HALF_KERNELS`), which compute f32 copies.
     fn half_kernels(&self) -> kiln_compiler::widen::HalfKernels {
         cpu::HALF_KERNELS
     }
