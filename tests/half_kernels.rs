@@ -102,6 +102,15 @@ fn both_ways(
     })
 }
 
+/// A tensor of `values` for each named shape, seeded from `seed` up.
+fn inputs(shapes: &[(&str, &[usize])], seed: u32) -> Vec<HostTensor> {
+    let tensor = |(i, d): (usize, &[usize])| {
+        let shape = Shape::new(d.to_vec());
+        HostTensor::new(shape.clone(), values(shape.numel(), seed + i as u32)).unwrap()
+    };
+    shapes.iter().map(|(_, d)| *d).enumerate().map(tensor).collect()
+}
+
 /// Values spread over several binades with every low mantissa bit pattern, so that rounding to
 /// half matters.
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -223,14 +232,7 @@ fn half_attention_gives_the_widened_bits() {
                 g.set_output(*name, d.unwrap());
             }
             let shapes = [("q", &qd[..]), ("k", &kd[..]), ("v", &kd[..]), ("bias", &bd[..]), ("w", &qd[..])];
-            let tensors: Vec<HostTensor> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, (_, d))| {
-                    let shape = Shape::new(d.to_vec());
-                    HostTensor::new(shape.clone(), values(shape.numel(), 10 + i as u32)).unwrap()
-                })
-                .collect();
+            let tensors = inputs(&shapes, 10);
             let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
             for fuse in [true, false] {
                 let [native, wide] = both_ways(&g, &feeds, fuse, HalfKernels::ATTENTION);
@@ -277,14 +279,7 @@ fn half_convolutions_and_pooling_give_the_widened_bits() {
             g.set_output(*name, d.unwrap());
         }
         let shapes = [("x", &xd[..]), ("w", &wd[..]), ("dw", &dd[..]), ("b", &bd[..])];
-        let tensors: Vec<HostTensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, (_, d))| {
-                let shape = Shape::new(d.to_vec());
-                HostTensor::new(shape.clone(), values(shape.numel(), 20 + i as u32)).unwrap()
-            })
-            .collect();
+        let tensors = inputs(&shapes, 20);
         let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
         for fuse in [false, true] {
             let families =

@@ -163,7 +163,7 @@ impl From<bool> for HalfKernels {
 
 /// Whether `d` is a half type.
 fn half(d: DType) -> bool {
-    matches!(d, DType::F16 | DType::BF16)
+    d.is_half()
 }
 
 /// Ops that need no widening: casts (which convert half values themselves), sources, views

@@ -33,7 +33,7 @@ pub(crate) fn check(
         (Op::Gather, Some(1)) | (Op::GatherGrad { .. }, Some(0)) => {
             matches!(d, DType::F32 | DType::I32 | DType::I64)
         }
-        _ if halves.computes(op) => matches!(d, DType::F32 | DType::F16 | DType::BF16),
+        _ if halves.computes(op) => d.is_float(),
         _ => d == DType::F32,
     };
     let dtypes = inputs.iter().enumerate().map(|(i, &(_, d))| (Some(i), d)).chain([(None, output.1)]);

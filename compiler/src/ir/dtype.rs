@@ -45,6 +45,11 @@ impl DType {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// f16 or bf16: a half type, stored in 2 bytes and computed in f32.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+
     /// The type a product of two values of this type is accumulated and stored in: f32 for a
     /// half type (tensor cores and CPU kernels alike sum half products in f32, and the value
     /// is kept so, rounded once where a reader computes in half), else the type itself.

@@ -27,7 +27,7 @@
 //! it. The arithmetic is the f32 kernel's on the widened values, so the bits are those of the op
 //! widened (`kiln_compiler::widen`) while the plan holds the half values alone.
 
-use super::cast::{narrow_slice, widen_half, widen_slice};
+use super::cast::widen_half;
 use super::par::{SendPtr, par_ranges};
 use super::simd::multiversion;
 use super::{CpuKernel, shape_text};
@@ -87,7 +87,7 @@ pub(crate) fn attention(
     grad: bool,
 ) -> Box<dyn CpuKernel> {
     let inputs: Vec<&Shape> = operands.iter().map(|&(s, _)| s).collect();
-    let is_half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    let is_half = |d: DType| d.is_half();
     let (q, k) = (inputs[0], inputs[1]);
     let r = q.rank();
     let lead = &q.dims()[..r - 2];
@@ -530,7 +530,7 @@ impl Attention {
             let mut at = 0;
             for (i, (&n, &ty)) in sizes.iter().zip(types).enumerate() {
                 // SAFETY: head h's n elements of operand i lie inside it (the contract).
-                unsafe { widen_into(ins[i].get(), ty, h * n, &mut buf[at..at + n]) };
+                unsafe { super::cast::widen_into(ins[i].get(), ty, h * n, &mut buf[at..at + n]) };
                 starts.push(at);
                 at += n;
             }
@@ -560,7 +560,7 @@ impl Attention {
                         forward_dispatch(self, &p, u);
                     }
                 }
-                store_from(&buf[at..at + out_size], out.get(), out_type, h * out_size);
+                super::cast::store_from(&buf[at..at + out_size], out.get(), out_type, h * out_size);
             }
         };
         par_ranges(self.bh, (s + t) * t * d * 4, |a, b| {
@@ -569,37 +569,5 @@ impl Attention {
                 Err(_) => (a..b).for_each(|h| head(h, &mut Vec::new())),
             })
         });
-    }
-}
-
-/// `dst.len()` elements of the tensor at `p` (of type `ty`) from element `at`, widened.
-///
-/// # Safety
-/// Elements at..at + dst.len() lie inside the tensor.
-unsafe fn widen_into(p: *const u8, ty: DType, at: usize, dst: &mut [f32]) {
-    // SAFETY: the contract.
-    unsafe {
-        match ty {
-            DType::F16 | DType::BF16 => {
-                widen_slice(ty, slice::from_raw_parts((p as *const u16).add(at), dst.len()), dst);
-            }
-            _ => dst.copy_from_slice(slice::from_raw_parts((p as *const f32).add(at), dst.len())),
-        }
-    }
-}
-
-/// `src` stored into the tensor at `p` (of type `ty`) from element `at`, rounded to it.
-///
-/// # Safety
-/// Elements at..at + src.len() lie inside the tensor, which no other task writes there.
-unsafe fn store_from(src: &[f32], p: *mut u8, ty: DType, at: usize) {
-    // SAFETY: the contract.
-    unsafe {
-        match ty {
-            DType::F16 | DType::BF16 => {
-                narrow_slice(ty, src, slice::from_raw_parts_mut((p as *mut u16).add(at), src.len()));
-            }
-            _ => slice::from_raw_parts_mut((p as *mut f32).add(at), src.len()).copy_from_slice(src),
-        }
     }
 }

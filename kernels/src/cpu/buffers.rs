@@ -1,5 +1,5 @@
 //! The f32 working buffers of the half kernels (`per_image`'s groups of widened images, a fused
-//! product's row-block tile, a half reduction's or filter gradient's f32 sums): one set per
+//! product's row-block tile, a half reduction's or gradient's f32 sums, widened gradients): one set per
 //! thread, shared by every kernel, since a plan's steps run one at a time. What stays allocated
 //! is then the largest single need, not the sum over a plan's kernels: each kernel keeping its
 //! own took 80.6 MB for the zoo cnn's 13 convolution and pooling kernels (peak RSS 123 MB against
@@ -10,12 +10,16 @@ use std::cell::RefCell;
 /// The buffers of one thread, by use.
 #[derive(Default)]
 pub(crate) struct Buffers {
-    /// Widened operands and a half output of a group of images (`per_image`).
+    /// Widened images: a group's operands and half output (`per_image`), an image of x for a
+    /// grouped filter gradient (`grouped_conv`).
     pub(crate) images: Vec<f32>,
     /// A fused product's row-block tile (`fused`).
     pub(crate) tile: Vec<f32>,
-    /// f32 sums of a half output: a reduction's, a filter gradient's (`fused`, `conv`).
+    /// f32 sums of a half output: a reduction's, a filter gradient's, a gather gradient's
+    /// column block (`fused`, `conv`, `gather`).
     pub(crate) sums: Vec<f32>,
+    /// A widened gradient: an image of dy (`grouped_conv`), a row segment of dy (`gather`).
+    pub(crate) gradients: Vec<f32>,
 }
 
 thread_local! {

@@ -11,6 +11,7 @@
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
 use kiln_compiler::ir::{DType, Shape};
+use std::slice;
 
 /// `x` rounded to the nearest value of the float type `to` (ties to even, as the `half` crate
 /// converts), returned as f32: the value an f16 or bf16 buffer would hold. f32 (and any other
@@ -55,6 +56,38 @@ pub(crate) fn narrow_slice(t: DType, src: &[f32], dst: &mut [u16]) {
     match t {
         DType::F16 => dst[..n].reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(&src[..n]),
         _ => dst.iter_mut().zip(src).for_each(|(d, &v)| *d = half::bf16::from_f32(v).to_bits()),
+    }
+}
+
+/// `dst.len()` elements of the tensor at `p` (of type `ty`) from element `at`, widened.
+///
+/// # Safety
+/// Elements at..at + dst.len() lie inside the tensor.
+pub(crate) unsafe fn widen_into(p: *const u8, ty: DType, at: usize, dst: &mut [f32]) {
+    // SAFETY: the contract.
+    unsafe {
+        match ty {
+            DType::F16 | DType::BF16 => {
+                widen_slice(ty, slice::from_raw_parts((p as *const u16).add(at), dst.len()), dst);
+            }
+            _ => dst.copy_from_slice(slice::from_raw_parts((p as *const f32).add(at), dst.len())),
+        }
+    }
+}
+
+/// `src` stored into the tensor at `p` (of type `ty`) from element `at`, rounded to it.
+///
+/// # Safety
+/// Elements at..at + src.len() lie inside the tensor, which no other task writes there.
+pub(crate) unsafe fn store_from(src: &[f32], p: *mut u8, ty: DType, at: usize) {
+    // SAFETY: the contract.
+    unsafe {
+        match ty {
+            DType::F16 | DType::BF16 => {
+                narrow_slice(ty, src, slice::from_raw_parts_mut((p as *mut u16).add(at), src.len()));
+            }
+            _ => slice::from_raw_parts_mut((p as *mut f32).add(at), src.len()).copy_from_slice(src),
+        }
     }
 }
 

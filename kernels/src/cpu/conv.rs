@@ -752,7 +752,7 @@ impl CpuKernel for BackpropFilter {
         let [tx, tdy, tdw] = self.types;
         let (x, dy) = (SendPtr::new(inputs[0]), SendPtr::new(inputs[1]));
         // A half dw is summed in the thread's f32 buffer (`buffers`), then rounded.
-        let half_dw = matches!(tdw, DType::F16 | DType::BF16);
+        let half_dw = tdw.is_half();
         super::buffers::with(|b| {
             let wide = &mut b.sums;
             let len = g.kh * g.kw * g.c * g.f;

@@ -70,7 +70,7 @@ pub(crate) struct FusedKernel {
 
 /// `d` where it is f16 or bf16.
 fn half_type(d: DType) -> Option<DType> {
-    matches!(d, DType::F16 | DType::BF16).then_some(d)
+    d.is_half().then_some(d)
 }
 
 /// The element count of `operand` where it is the trailing axes of `out` (contiguous there, 0

@@ -181,11 +181,6 @@ struct GatherGrad {
     desc: String,
 }
 
-thread_local! {
-    /// Each thread's widened dy segment and, for a half gradient, its f32 column block.
-    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
 /// The gradient of a gather of a `vocab`-row table by `ids`: dy of type `types[0]` summed into
 /// an output of `out`'s shape and type `types[1]` (f32, f16 or bf16).
 pub(crate) fn gather_grad(
@@ -195,7 +190,7 @@ pub(crate) fn gather_grad(
     out: &Shape,
     types: [DType; 2],
 ) -> Box<dyn CpuKernel> {
-    let half = types.map(|d| matches!(d, DType::F16 | DType::BF16).then_some(d));
+    let half = types.map(|d| d.is_half().then_some(d));
     let row = out.dims()[1..].iter().product();
     let desc = format!(
         "gather_grad[vocab {vocab}] {}{} -> {}",
@@ -266,13 +261,8 @@ impl GatherGrad {
         let work = (self.count + self.vocab) * row;
         par_chunks(row, COLUMNS, work, |c0, c1| {
             let w = c1 - c0;
-            WIDE.with(|cell| {
-                let mut fresh = (Vec::new(), Vec::new());
-                let mut held = cell.try_borrow_mut();
-                let (segment, block) = match held.as_deref_mut() {
-                    Ok(bufs) => (&mut bufs.0, &mut bufs.1),
-                    Err(_) => (&mut fresh.0, &mut fresh.1),
-                };
+            super::buffers::with(|bufs| {
+                let (segment, block) = (&mut bufs.gradients, &mut bufs.sums);
                 segment.resize(w, 0.0);
                 // The gradient's columns c0..c1 of every row: the output itself (f32, row
                 // stride `row`) or the block (row stride w).

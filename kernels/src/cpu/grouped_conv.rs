@@ -819,11 +819,6 @@ struct BackpropFilter {
     desc: String,
 }
 
-thread_local! {
-    /// Each worker's widened image of x and of dy (`BackpropFilter::run_widened`).
-    static IMAGE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
 /// The filter gradient dW `[KH, KW, C/G, F]` of a non-dense convolution from x and dy (shapes
 /// checked by `ir::infer`), of the given types (x, dy, dW: f32, f16 or bf16).
 ///
@@ -837,7 +832,7 @@ pub(crate) fn backprop_filter(
     types: [DType; 3],
 ) -> Box<dyn CpuKernel> {
     let mut kernel = filter_kernel(x, dy, window);
-    if types.iter().any(|d| matches!(d, DType::F16 | DType::BF16)) {
+    if types.iter().any(|d| d.is_half()) {
         let image = |s: &Shape| {
             let mut dims = s.dims().to_vec();
             dims[0] = 1;
@@ -1164,14 +1159,21 @@ impl BackpropFilter {
     ) {
         let g = &self.g;
         let (xi, yi) = (g.h * g.w * g.c, g.oh * g.ow * g.f);
-        IMAGE.with(|cell| {
-            let mut fresh = (Vec::new(), Vec::new());
-            let mut held = cell.try_borrow_mut();
-            let (xb, yb) = match held.as_deref_mut() {
-                Ok(bufs) => (&mut bufs.0, &mut bufs.1),
-                Err(_) => (&mut fresh.0, &mut fresh.1),
+        super::buffers::with(|bufs| {
+            let (xb, yb) = (&mut bufs.images, &mut bufs.gradients);
+            // Rows a..b of one image (rows of `one`), summed into the target, zeroed first with
+            // `zero`.
+            let mut sum = |xb: &[f32], yb: &[f32], rows: [usize; 2], zero: bool| {
+                // SAFETY: the buffers are one image of x and dy, `one`'s geometry; the target and
+                // sums are the task's (the contract).
+                unsafe {
+                    filter_dispatch(one, xb.as_ptr(), yb.as_ptr(), target, sums.as_mut_ptr(), f, (rows, zero))
+                }
             };
-            let mut first = true;
+            if r0 == r1 {
+                // No rows: the task's channels are zero, as the f32 task leaves them.
+                return sum(xb, yb, [0, 0], true);
+            }
             let mut r = r0;
             while r < r1 {
                 let n = r / g.oh;
@@ -1179,47 +1181,10 @@ impl BackpropFilter {
                 for (buf, p, t, len) in [(&mut *xb, inputs[0], tx, xi), (&mut *yb, inputs[1], tdy, yi)] {
                     buf.resize(len, 0.0);
                     // SAFETY: image n of the tensor, len elements of its type.
-                    unsafe {
-                        match t {
-                            DType::F16 | DType::BF16 => {
-                                let src = slice::from_raw_parts((p as *const u16).add(n * len), len);
-                                super::cast::widen_slice(t, src, buf);
-                            }
-                            _ => buf
-                                .copy_from_slice(slice::from_raw_parts((p as *const f32).add(n * len), len)),
-                        }
-                    }
+                    unsafe { super::cast::widen_into(p, t, n * len, buf) };
                 }
-                let rows = [r - n * g.oh, end - n * g.oh];
-                // SAFETY: the buffers are one image of x and dy, `one`'s geometry; the target
-                // and sums are the task's (the contract).
-                unsafe {
-                    filter_dispatch(
-                        one,
-                        xb.as_ptr(),
-                        yb.as_ptr(),
-                        target,
-                        sums.as_mut_ptr(),
-                        f,
-                        (rows, first),
-                    )
-                };
-                first = false;
+                sum(xb, yb, [r - n * g.oh, end - n * g.oh], r == r0);
                 r = end;
-            }
-            if first {
-                // No rows: the task's channels are zero, as the f32 task leaves them.
-                unsafe {
-                    filter_dispatch(
-                        one,
-                        xb.as_ptr(),
-                        yb.as_ptr(),
-                        target,
-                        sums.as_mut_ptr(),
-                        f,
-                        ([0, 0], true),
-                    )
-                };
             }
         })
     }
@@ -1233,7 +1198,7 @@ impl CpuKernel for BackpropFilter {
         let (x, dy) = (SendPtr::new(inputs[0] as *mut f32), SendPtr::new(inputs[1] as *mut f32));
         let len = g.kh * g.kw * self.cg * g.f;
         // A half dW is summed in f32 after the partials, then rounded.
-        let half_dw = self.half.as_ref().map(|(t, _)| t[2]).filter(|d| matches!(d, DType::F16 | DType::BF16));
+        let half_dw = self.half.as_ref().map(|(t, _)| t[2]).filter(|d| d.is_half());
         let mut wide_dw = Vec::new();
         let dw = match half_dw {
             Some(_) => {

@@ -81,8 +81,9 @@ impl CpuKernel for Nothing {
     }
 }
 
-struct Fill {
-    value: f32,
+/// Every element `value` (its bits, of either element size).
+struct Fill<T> {
+    value: T,
     n: usize,
     desc: String,
 }
@@ -94,39 +95,18 @@ pub(crate) fn fill(value: f32, out: &Shape) -> Box<dyn CpuKernel> {
 /// `value` in every element of an output of `dtype`: f32, or f16 and bf16 (its bits there,
 /// rounded as `Op::Cast` rounds; an empty reduction's NaN or -inf too).
 pub(crate) fn fill_typed(value: f32, out: &Shape, dtype: DType) -> Box<dyn CpuKernel> {
-    match dtype {
-        DType::F16 | DType::BF16 => {
-            let mut bits = [0u16];
-            super::cast::narrow_slice(dtype, &[value], &mut bits);
-            let desc = format!("fill[{value}] {dtype}{}", shape_text(out));
-            Box::new(FillBits { bits: bits[0], n: out.numel(), desc })
-        }
-        _ => fill(value, out),
+    if !dtype.is_half() {
+        return fill(value, out);
     }
+    let mut bits = [0u16];
+    super::cast::narrow_slice(dtype, &[value], &mut bits);
+    let desc = format!("fill[{value}] {dtype}{}", shape_text(out));
+    Box::new(Fill { value: bits[0], n: out.numel(), desc })
 }
 
-/// A fill of 2-byte elements with the same bits.
-struct FillBits {
-    bits: u16,
-    n: usize,
-    desc: String,
-}
-
-impl CpuKernel for FillBits {
+impl<T: Elem> CpuKernel for Fill<T> {
     unsafe fn run(&self, _inputs: &[*mut u8], output: *mut u8) {
-        let o = SendPtr::new(output as *mut u16);
-        // SAFETY: the output holds n elements of 2 bytes; chunks are disjoint.
-        par_ranges(self.n, 1, |s, e| unsafe { fill_raw(o.get().add(s), e - s, self.bits) });
-    }
-
-    fn describe(&self) -> String {
-        self.desc.clone()
-    }
-}
-
-impl CpuKernel for Fill {
-    unsafe fn run(&self, _inputs: &[*mut u8], output: *mut u8) {
-        let o = SendPtr::new(output as *mut f32);
+        let o = SendPtr::new(output as *mut T);
         // SAFETY: the output holds n elements; chunks are disjoint.
         par_ranges(self.n, 1, |s, e| unsafe { fill_raw(o.get().add(s), e - s, self.value) });
     }

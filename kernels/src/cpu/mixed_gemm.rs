@@ -113,6 +113,31 @@ unsafe fn widen_panel(
     if by_columns { (1, rows as isize) } else { (cols as isize, 1) }
 }
 
+/// The `rows` x `cols` block at `at` (row, column) of factor `m` (strides `s`) as f32: where it
+/// lies for an f32 factor, else widened into `buf` (`widen_panel`); with its strides.
+///
+/// # Safety
+/// Every element of the block lies inside the factor.
+unsafe fn panel(
+    m: Matrix,
+    s: (isize, isize),
+    at: (usize, usize),
+    (rows, cols): (usize, usize),
+    buf: &mut Vec<f32>,
+) -> (*mut f32, (isize, isize)) {
+    let offset = at.0 as isize * s.0 + at.1 as isize * s.1;
+    // SAFETY: the contract; a widened panel is `buf`, exactly its elements.
+    unsafe {
+        match m {
+            Matrix::F32(p) => (p.offset(offset), s),
+            Matrix::Half(p, t) => {
+                let strides = widen_panel(p.offset(offset), t, s, rows, cols, buf);
+                (buf.as_mut_ptr(), strides)
+            }
+        }
+    }
+}
+
 impl Gemm {
     /// out = A·B, or out += A·B with `accumulate` (an f32 output only), for factors and an
     /// output of any float type: the bits of `run` on the widened factors, rounded to the
@@ -180,26 +205,8 @@ impl Gemm {
                     // SAFETY (both factors): rows m0..m0 + mb, columns n0..n0 + nb and depth
                     // k0..k0 + kb lie inside the matrices the caller vouched for; a widened
                     // panel is the thread's own buffer of exactly its elements.
-                    let (ap, a_s) = match a {
-                        Matrix::F32(p) => {
-                            (unsafe { p.offset(m0 as isize * self.a.0 + k0 as isize * self.a.1) }, self.a)
-                        }
-                        Matrix::Half(p, t) => unsafe {
-                            let p = p.offset(m0 as isize * self.a.0 + k0 as isize * self.a.1);
-                            let strides = widen_panel(p, t, self.a, mb, kb, pa);
-                            (pa.as_mut_ptr(), strides)
-                        },
-                    };
-                    let (bp, b_s) = match b {
-                        Matrix::F32(p) => {
-                            (unsafe { p.offset(k0 as isize * self.b.0 + n0 as isize * self.b.1) }, self.b)
-                        }
-                        Matrix::Half(p, t) => unsafe {
-                            let p = p.offset(k0 as isize * self.b.0 + n0 as isize * self.b.1);
-                            let strides = widen_panel(p, t, self.b, kb, nb, pb);
-                            (pb.as_mut_ptr(), strides)
-                        },
-                    };
+                    let (ap, a_s) = unsafe { panel(a, self.a, (m0, k0), (mb, kb), pa) };
+                    let (bp, b_s) = unsafe { panel(b, self.b, (k0, n0), (kb, nb), pb) };
                     let block = Gemm { m: mb, n: nb, k: kb, a: a_s, b: b_s, out_rs: dst_rs };
                     let add = (accumulate && out.is_f32()) || k0 > 0;
                     // SAFETY: the block's factors and output as stated above; the tile holds

@@ -129,7 +129,7 @@ pub fn prepare(
         crate::check::Empty::Nothing => return Ok(Box::new(layout::Nothing(format!("{name} (empty)")))),
         crate::check::Empty::Fill(v) => return Ok(layout::fill_typed(v, out, output.1)),
     }
-    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    let half = |d: DType| d.is_half();
     if HalfKernels::family(op) == Some(HalfKernels::ELEMENTWISE)
         && (half(output.1) || inputs.iter().any(|&(_, d)| half(d)))
     {

@@ -94,7 +94,7 @@ fn op_on_images(op: &Op, n: usize) -> Op {
             // The group kernel computes f32: a program that stores half ends with its value
             // rounded, then widened (exact), as `kiln_compiler::widen` makes it.
             let mut insts = f.insts.clone();
-            if matches!(f.stored_dtype(), Some(DType::F16 | DType::BF16)) {
+            if f.stored_dtype().is_some_and(DType::is_half) {
                 insts.push(Inst::Cast(DType::F32, Ref::Value(insts.len() as u32 - 1)));
             }
             Op::Fused(Fused { shape: images_of(&f.shape, n), insts, ..f.clone() })
@@ -110,7 +110,7 @@ pub(crate) fn per_image(
     inputs: &[(&Shape, DType)],
     output: (&Shape, DType),
 ) -> Result<Box<dyn CpuKernel>, KernelError> {
-    let half = |d: DType| matches!(d, DType::F16 | DType::BF16).then_some(d);
+    let half = |d: DType| d.is_half().then_some(d);
     let shapes: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let batched = batched(op, &shapes, output.0);
     let images = output.0.dims().first().copied().unwrap_or(1).max(1);

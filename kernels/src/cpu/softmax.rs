@@ -41,7 +41,7 @@ pub(crate) fn softmax(x: &Shape, axis: usize, log: bool, types: [DType; 2]) -> B
     let (outer, inner) = (dims[..axis].iter().product(), dims[axis + 1..].iter().product());
     let name = if log { "log_softmax" } else { "softmax" };
     let desc = format!("{name}[axis {axis}] {}", shape_text(x));
-    let half = types.iter().any(|d| matches!(d, DType::F16 | DType::BF16)).then_some(types);
+    let half = types.iter().any(|d| d.is_half()).then_some(types);
     Box::new(Softmax { log, outer, n: dims[axis], inner, half, desc })
 }
 
