@@ -1,7 +1,9 @@
-//! The host kernels that compute on f16 and bf16 values (`kiln::kernels::cpu::HALF_KERNELS`:
-//! every family, f32 arithmetic inside, half in memory) give the bits of the same ops widened
+//! The kernels that compute on f16 and bf16 values give the bits of the same ops widened
 //! (`kiln::compiler::widen`: f32 copies in, f32 out, one cast back), and a plan that uses them
-//! needs fewer casts.
+//! needs fewer casts: the host's (`kiln::kernels::cpu::HALF_KERNELS`: every family, f32
+//! arithmetic inside, half in memory) against the host's widened plan, and the CUDA kernels'
+//! (`kiln::kernels::cuda::HALF_KERNELS`) on the emulated device against the same device's
+//! widened plan.
 
 use kiln::compiler::ir::{DType, Graph, Op, Shape};
 use kiln::compiler::widen::HalfKernels;
@@ -77,26 +79,62 @@ fn half_families(plan: &kiln::compiler::Plan) -> HalfKernels {
         .fold(HalfKernels::NONE, |all, f| all | f)
 }
 
-/// Runs `graph` on the host with half kernels and widened, fused or not: the outputs' bits.
-/// The plan for half kernels computes every family of `expected` on half values.
+/// Where a case runs: the host's kernels, or the CUDA kernels on the emulated device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum On {
+    Host,
+    Emulated,
+}
+
+impl On {
+    /// The backends a case runs on here: the host, and the emulated device where a host C++
+    /// compiler is (CI has one).
+    fn all() -> Vec<On> {
+        match kiln::runtime::cuda::emulator::host::available() {
+            Ok(()) => vec![On::Host, On::Emulated],
+            Err(why) => {
+                assert!(std::env::var("CI").is_err(), "CI runs the emulated device: {why}");
+                eprintln!("skipped the emulated device: {why}");
+                vec![On::Host]
+            }
+        }
+    }
+
+    fn backend(self) -> Box<dyn Backend> {
+        match self {
+            On::Host => Box::new(CpuBackend::new(1)),
+            On::Emulated => Box::new(kiln::runtime::cuda::CudaBackend::emulated(1 << 30, 1).unwrap()),
+        }
+    }
+}
+
+/// Runs `graph` on `on` with the backend's half kernels and widened, fused or not: the outputs'
+/// bits. The plan for half kernels computes every family of `expected` the backend has on half
+/// values.
 fn both_ways(
+    on: On,
     graph: &Graph,
     feeds: &[(&str, &HostTensor)],
     fuse: bool,
     expected: HalfKernels,
 ) -> [Vec<u32>; 2] {
-    [HALF_KERNELS, HalfKernels::NONE].map(|kernels| {
-        let mut options = CompileOptions::default().with_half_kernels(kernels).with_fusion(fuse);
+    let halves = on.backend().half_kernels();
+    [halves, HalfKernels::NONE].map(|kernels| {
+        let mut backend = on.backend();
+        let mut options = CompileOptions::default()
+            .with_half_kernels(kernels)
+            .with_fusion(fuse)
+            .with_scratch(backend.scratch_rule());
         options.fold_constants = false;
         let plan = compile(graph.clone(), &options).unwrap();
         let families = half_families(&plan);
         assert!(kernels.contains(families), "{kernels} half kernels: {families} ops on half values");
-        if kernels == HALF_KERNELS {
-            assert!(families.contains(expected), "{families} ops on half values, not {expected}");
+        if kernels == halves {
+            let wanted = expected & halves;
+            assert!(families.contains(wanted), "{on:?}: {families} ops on half values, not {wanted}");
         }
-        let mut cpu = CpuBackend::new(1);
-        let id = cpu.load(plan).unwrap();
-        let mut out = cpu.call(id, feeds).unwrap();
+        let id = backend.load(plan).unwrap();
+        let mut out = backend.call(id, feeds).unwrap();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out.iter().flat_map(|(_, t)| t.data().iter().map(|v| v.to_bits())).collect()
     })
@@ -166,32 +204,35 @@ fn each_half_kernel_gives_the_widened_bits() {
         let (av, bv) = (values(a_shape.numel(), 1), values(b_shape.numel(), 2));
         let (at, bt) = (HostTensor::new(a_shape, av).unwrap(), HostTensor::new(b_shape, bv).unwrap());
         let families = HalfKernels::LAYOUT | HalfKernels::ELEMENTWISE | HalfKernels::REDUCTIONS;
-        for fuse in [false, true] {
-            let [native, wide] = both_ways(&g, &[("a", &at), ("b", &bt)], fuse, families);
-            assert!(native == wide, "{half} fuse {fuse}: half kernels and widened ops differ");
+        for (on, fuse) in On::all().into_iter().flat_map(|on| [(on, false), (on, true)]) {
+            let [native, wide] = both_ways(on, &g, &[("a", &at), ("b", &bt)], fuse, families);
+            assert!(native == wide, "{on:?} {half} fuse {fuse}: half kernels and widened ops differ");
         }
     }
 }
 
-/// Products of half factors, plain and with a bias epilogue, transposed, batched and larger
-/// than the panels the host widens at a time (512 rows, 512 deep, 1,024 columns): the bits of
-/// the widened factors' f32 product, rounded once where the output is half.
+/// Products of half factors, plain and with a bias epilogue, transposed, batched and (on the
+/// host) larger than the panels the host widens at a time (512 rows, 512 deep, 1,024 columns):
+/// the bits of the widened factors' f32 product, rounded once where the output is half.
 #[test]
 fn half_products_give_the_widened_bits() {
     use kiln::compiler::trace::Tracer;
     use kiln::prelude::Init;
-    for half in [DType::BF16, DType::F16] {
+    for (on, half) in On::all().into_iter().flat_map(|on| [(on, DType::BF16), (on, DType::F16)]) {
         let t = Tracer::new("half products");
-        let (x_shape, w_shape) = (Shape::new(vec![600, 700]), Shape::new(vec![700, 1100]));
+        // The emulated device runs every thread of every block on the host: smaller products,
+        // odd sizes still crossing its tiles' edges.
+        let [m, k, n] = if on == On::Host { [600, 700, 1100] } else { [60, 70, 110] };
+        let (x_shape, w_shape) = (Shape::new(vec![m, k]), Shape::new(vec![k, n]));
         let x = t.input("x", x_shape.clone());
         let w = t.input("w", w_shape.clone());
-        let bias = t.param("bias", [1100], Init::Constant(0.37));
+        let bias = t.param("bias", [n], Init::Constant(0.37));
         let (xh, wh) = (x.cast(half), w.cast(half));
         let outs = [
             xh.matmul(&wh),
             (xh.matmul(&wh) + bias.cast(half)).relu(),
             xh.matmul_t(&xh.slice(0, 0, 33), false, true),
-            xh.reshape([6, 100, 700]).matmul(&wh.slice(1, 5, 40)),
+            xh.reshape([6, m / 6, k]).matmul(&wh.slice(1, 5, 40)),
             x.matmul(&wh.cast(DType::F32)) * 0.5,
         ];
         for (i, o) in outs.iter().enumerate() {
@@ -201,8 +242,8 @@ fn half_products_give_the_widened_bits() {
         let (xv, wv) = (values(x_shape.numel(), 3), values(w_shape.numel(), 4));
         let (xt, wt) = (HostTensor::new(x_shape, xv).unwrap(), HostTensor::new(w_shape, wv).unwrap());
         for fuse in [true, false] {
-            let [native, wide] = both_ways(&g, &[("x", &xt), ("w", &wt)], fuse, HalfKernels::PRODUCTS);
-            assert!(native == wide, "{half} fuse {fuse}: half products and widened ones differ");
+            let [native, wide] = both_ways(on, &g, &[("x", &xt), ("w", &wt)], fuse, HalfKernels::PRODUCTS);
+            assert!(native == wide, "{on:?} {half} fuse {fuse}: half products and widened ones differ");
         }
     }
 }
@@ -234,11 +275,11 @@ fn half_attention_gives_the_widened_bits() {
             let shapes = [("q", &qd[..]), ("k", &kd[..]), ("v", &kd[..]), ("bias", &bd[..]), ("w", &qd[..])];
             let tensors = inputs(&shapes, 10);
             let feeds: Vec<(&str, &HostTensor)> = shapes.iter().map(|(n, _)| *n).zip(&tensors).collect();
-            for fuse in [true, false] {
-                let [native, wide] = both_ways(&g, &feeds, fuse, HalfKernels::ATTENTION);
+            for (on, fuse) in On::all().into_iter().flat_map(|on| [(on, true), (on, false)]) {
+                let [native, wide] = both_ways(on, &g, &feeds, fuse, HalfKernels::ATTENTION);
                 assert!(
                     native == wide,
-                    "{half} causal {causal} fuse {fuse}: half attention and widened differ"
+                    "{on:?} {half} causal {causal} fuse {fuse}: half attention and widened differ"
                 );
             }
         }
@@ -284,7 +325,7 @@ fn half_convolutions_and_pooling_give_the_widened_bits() {
         for fuse in [false, true] {
             let families =
                 HalfKernels::CONVOLUTIONS | HalfKernels::POOLING | HalfKernels::GROUPED_FILTER_GRADIENTS;
-            let [native, wide] = both_ways(&g, &feeds, fuse, families);
+            let [native, wide] = both_ways(On::Host, &g, &feeds, fuse, families);
             assert!(native == wide, "{half} fuse {fuse}: half convolutions and widened differ");
         }
     }
@@ -309,10 +350,10 @@ fn half_gathers_give_the_widened_bits() {
         g.set_output("dtable", grads[0].unwrap());
         let table = HostTensor::new(Shape::new(vec![50, 24]), values(50 * 24, 30)).unwrap();
         let ids = HostTensor::from_i32([7, 5], (0..35).map(|i| i * 13 % 50 % 17).collect()).unwrap();
-        for fuse in [true, false] {
+        for (on, fuse) in On::all().into_iter().flat_map(|on| [(on, true), (on, false)]) {
             let [native, wide] =
-                both_ways(&g, &[("table", &table), ("ids", &ids)], fuse, HalfKernels::GATHER);
-            assert!(native == wide, "{half} fuse {fuse}: half gathers and widened differ");
+                both_ways(on, &g, &[("table", &table), ("ids", &ids)], fuse, HalfKernels::GATHER);
+            assert!(native == wide, "{on:?} {half} fuse {fuse}: half gathers and widened differ");
         }
     }
 }

@@ -47,8 +47,11 @@ fn every_zoo_kernel_compiles_to_ptx_for_sm_90() {
     for m in zoo::all() {
         for precision in [Precision::BF16, Precision::F16] {
             let graph = kiln::compare::graph_at(&m, Mode::Train, precision).unwrap();
-            // The CUDA kernels read half values through f32 copies (`kiln::compiler::widen`).
-            let options = CompileOptions::default().with_half_kernels(false);
+            // The CUDA kernels' half families on half values, the others' through f32 copies
+            // (`kiln::compiler::widen`).
+            let options = CompileOptions::default()
+                .with_half_kernels(kiln::kernels::cuda::HALF_KERNELS)
+                .with_scratch(Some(kiln::kernels::cuda::SCRATCH));
             plans.push((format!("{}-train-{precision}", m.name), compile(graph, &options).unwrap()));
         }
     }

@@ -15,8 +15,9 @@
 //!
 //! A backend says which families of ops its kernels compute on half values ([`HalfKernels`]:
 //! the host kernels compute every family in half, f32 inside (`kiln_kernels::cpu::HALF_KERNELS`);
-//! the CUDA kernels compute f32 alone); `widen` gives f32 copies to the other ops only, and to
-//! the ops outside every family (custom ops, collectives) unless the set is `ALL`.
+//! the CUDA kernels every family but convolutions and pooling (`kiln_kernels::cuda::HALF_KERNELS`));
+//! `widen` gives f32 copies to the other ops only, and to the ops outside every family (custom
+//! ops, collectives) unless the set is `ALL`.
 //! Measured on the real-scale bf16 training steps (batch as in `benches/realscale.rs`, MB =
 //! 10^6 B): the plan the host runs holds GPT-2 2,079 MB, ViT-B/16 1,741, BERT-base 1,774,
 //! ResNet-50 1,274 and EfficientNet-B0 931, each the plan `kiln memory --precision bf16`

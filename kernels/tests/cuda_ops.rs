@@ -1383,8 +1383,15 @@ fn unsupported_ops_and_dtypes_are_errors() {
         let e = generate(&op, &inputs, (&out, DType::F32)).unwrap_err();
         assert!(matches!(e, KernelError::Unsupported { .. }), "{e}");
     }
-    let e = generate(&Op::Unary(UnaryOp::Exp), &[(&s, DType::F16)], (&s, DType::F16)).unwrap_err();
+    let e = generate(&Op::Unary(UnaryOp::Exp), &[(&s, DType::I32)], (&s, DType::I32)).unwrap_err();
+    assert!(matches!(e, KernelError::Unsupported { dtype: DType::I32, .. }), "{e}");
+    // Pooling reads f32 alone on CUDA (`cuda::HALF_KERNELS`): a half pooling is an error that
+    // names the kernels' half families.
+    let (x, pooled) = (Shape::from([1, 4, 4, 2]), Shape::from([1, 2, 2, 2]));
+    let pool = Op::Pool2d { kind: PoolKind::Max, window: win([2, 2], [2, 2], Padding::Valid) };
+    let e = generate(&pool, &[(&x, DType::F16)], (&pooled, DType::F16)).unwrap_err();
     assert!(matches!(e, KernelError::Unsupported { dtype: DType::F16, .. }), "{e}");
+    assert!(e.to_string().contains("attention and gather ops read and write f16"), "{e}");
     let wrong = Shape::from([3, 2]);
     let e = generate(&Op::Unary(UnaryOp::Exp), &[f], (&wrong, DType::F32)).unwrap_err();
     assert!(matches!(e, KernelError::Shape { .. }), "{e}");

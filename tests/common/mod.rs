@@ -5,6 +5,7 @@
 
 use kiln::compiler::autodiff::gradients;
 use kiln::compiler::ir::Shape;
+use kiln::compiler::widen::HalfKernels;
 use kiln::prelude::*;
 use kiln::runtime::ProgramId;
 use rand::rngs::StdRng;
@@ -276,8 +277,9 @@ pub fn assert_plan_matches_reference(
     }
 }
 
-/// Trains two bf16 and two f16 steps of each zoo model `names` (at batch 4) on the CPU and on
-/// `gpu` (a fresh CUDA backend from `open`, planned with `scratch`), and holds every output and
+/// Trains two bf16 and two f16 steps of each zoo model `names` (at batch 4) on the CPU (every
+/// op widened) and on `gpu` (a fresh CUDA backend from `open`, planned with `scratch` for its
+/// half kernels, `Backend::half_kernels`), and holds every output and
 /// variable, the f16 loss scale included, to the CPU's within what one half rounding of a
 /// slightly different f32 value makes: 1e-2 of the largest magnitude.
 pub fn mixed_precision_steps_agree(
@@ -299,11 +301,12 @@ pub fn mixed_precision_steps_agree(
         let m = kiln::zoo::by_name(name).unwrap().with_batch(4);
         for precision in [Precision::BF16, Precision::F16] {
             let graph = kiln::compare::graph_at(&m, kiln::compare::Mode::Train, precision).unwrap();
-            let options = |scratch| CompileOptions::default().with_scratch(scratch).with_half_kernels(false);
-            let cpu_plan = compile(graph.clone(), &options(None)).unwrap();
-            let gpu_plan = compile(graph, &options(scratch)).unwrap();
             let mut cpu = kiln::runtime::CpuBackend::new(5);
             let mut gpu = open();
+            let options =
+                |scratch, halves| CompileOptions::default().with_scratch(scratch).with_half_kernels(halves);
+            let cpu_plan = compile(graph.clone(), &options(None, HalfKernels::NONE)).unwrap();
+            let gpu_plan = compile(graph, &options(scratch, gpu.half_kernels())).unwrap();
             let (c, g) = (cpu.load(cpu_plan.clone()).unwrap(), gpu.load(gpu_plan).unwrap());
             for step in 0..2 {
                 let (x, y) = m.batch_data(step).unwrap();

@@ -71,7 +71,9 @@
 //! indices included). Register use and spills (ptxas) not yet looked at; not yet timed on a
 //! device.
 
-use super::codegen::{Code, MAX_BLOCKS, broadcast_strides, flt, header, idx_type, int};
+use super::codegen::{
+    BLOCK, Code, Elems, MAX_BLOCKS, broadcast_strides, flt, grid_for, grid_loop, header, idx_type, int,
+};
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::Shape;
 
@@ -96,10 +98,20 @@ struct Geo {
     /// The leading axes' extents.
     lead: Vec<usize>,
     ty: &'static str,
+    /// The C types of the operands (q, k, v, then o and do for the gradient, then the bias).
+    elems: Vec<&'static str>,
+    /// The C type of the `out` parameter: the output's, or f32 where the kernels write an f32
+    /// copy of a half output into the scratch (`staged`).
+    out: &'static str,
 }
 
 impl Geo {
-    fn new(q: &Shape, k: &Shape, bias: Option<&Shape>, scale: f32, causal: bool, out: &Shape) -> Geo {
+    fn new(
+        (q, k, bias): (&Shape, &Shape, Option<&Shape>),
+        (scale, causal): (f32, bool),
+        out: &Shape,
+        (elems, operands, staged): (&Elems, usize, bool),
+    ) -> Geo {
         let r = q.rank();
         let lead = q.dims()[..r - 2].to_vec();
         let (s, t, d) = (q.back(2), k.back(2), q.back(1));
@@ -118,7 +130,22 @@ impl Geo {
             bias: bias_strides,
             lead,
             ty: idx_type(biggest),
+            elems: (0..operands).map(|i| elems.input(i)).collect(),
+            out: if staged { "float" } else { elems.output() },
         }
+    }
+
+    /// The C type operand `name` ("q", "k", "v", "o", "dout", "bias") points to.
+    fn elem(&self, name: &str) -> &'static str {
+        let at = match name {
+            "q" => 0,
+            "k" => 1,
+            "v" => 2,
+            "o" => 3,
+            "dout" => 4,
+            _ => self.elems.len() - 1,
+        };
+        self.elems[at]
     }
 
     /// `T - S` as a signed literal.
@@ -201,8 +228,8 @@ fn params(g: &Geo, grad: bool) -> (String, Vec<Arg>) {
     if g.bias.is_some() {
         names.push("bias");
     }
-    let mut p: Vec<String> = names.iter().map(|n| format!("const float* __restrict__ {n}")).collect();
-    p.push("float* __restrict__ out".into());
+    let mut p: Vec<String> = names.iter().map(|n| format!("const {}* __restrict__ {n}", g.elem(n))).collect();
+    p.push(format!("{}* __restrict__ out", g.out));
     let args = (0..names.len()).map(Arg::Input).chain([Arg::Output]).collect();
     (p.join(", "), args)
 }
@@ -298,8 +325,8 @@ fn row_terms(c: &mut Code, g: &Geo, i0: &str, br: usize) {
     c.line("float dv_ = 0.0f;");
     c.line(format!("if (ri < {s}) {{"));
     c.line(format!("lv = out[(bh * {} + ri) * {d}];", int(g.rows_out())));
-    c.line(format!("const float* op = o + (bh * {s} + ri) * {d};"));
-    c.line(format!("const float* gp = dout + (bh * {s} + ri) * {d};"));
+    c.line(format!("const {}* op = o + (bh * {s} + ri) * {d};", g.elem("o")));
+    c.line(format!("const {}* gp = dout + (bh * {s} + ri) * {d};", g.elem("dout")));
     c.line(format!("for (int x = 0; x < {d}; ++x) dv_ += __fmul_rn(gp[x], op[x]);"));
     c.line("}");
     c.line("lse_s[threadIdx.x] = lv;");
@@ -639,10 +666,10 @@ fn forward_rows(c: &mut Code, g: &Geo, fname: &str, stats: bool) {
     c.line(format!("const {ty} bh = w / {s};"));
     c.line(format!("const {ty} i = w % {s};"));
     g.bias_offset(c);
-    c.line(format!("const float* qr = q + w * {d};"));
+    c.line(format!("const {}* qr = q + w * {d};", g.elem("q")));
     let orow = if stats { String::new() } else { format!("out + w * {d}") };
     if !stats {
-        c.line(format!("float* orow = {orow};"));
+        c.line(format!("{}* orow = {orow};", g.out));
         c.line(format!("for (int d = lane; d < {d}; d += 32) orow[d] = 0.0f;"));
     }
     c.line(format!("float m = {NEG_INF};"));
@@ -657,7 +684,7 @@ fn forward_rows(c: &mut Code, g: &Geo, fname: &str, stats: bool) {
     c.line("l = __fmul_rn(l, alpha) + pv;");
     c.line("m = mn;");
     if !stats {
-        c.line(format!("const float* vr = v + (bh * {t} + j) * {d};"));
+        c.line(format!("const {}* vr = v + (bh * {t} + j) * {d};", g.elem("v")));
         c.line(format!(
             "for (int d = lane; d < {d}; d += 32) orow[d] = __fmul_rn(orow[d], alpha) + __fmul_rn(pv, vr[d]);"
         ));
@@ -680,19 +707,19 @@ fn dkdv_rows(c: &mut Code, g: &Geo, fname: &str) {
     c.line(format!("const {ty} bh = w / {t};"));
     c.line(format!("const {ty} j = w % {t};"));
     g.bias_offset(c);
-    c.line(format!("const float* kr = k + w * {d};"));
-    c.line(format!("const float* vr = v + w * {d};"));
-    c.line(format!("float* dkr = out + (bh * {rows} + {s} + j) * {d};"));
-    c.line(format!("float* dvr = out + (bh * {rows} + {} + j) * {d};", int(g.s + g.t)));
+    c.line(format!("const {}* kr = k + w * {d};", g.elem("k")));
+    c.line(format!("const {}* vr = v + w * {d};", g.elem("v")));
+    c.line(format!("{}* dkr = out + (bh * {rows} + {s} + j) * {d};", g.out));
+    c.line(format!("{}* dvr = out + (bh * {rows} + {} + j) * {d};", g.out, int(g.s + g.t)));
     c.line(format!("for (int d = lane; d < {d}; d += 32) {{ dkr[d] = 0.0f; dvr[d] = 0.0f; }}"));
     c.line(format!("for ({ty} i = 0; i < {s}; ++i) {{"));
     if g.causal {
         let off = g.off();
         c.line(format!("if (i + {off} >= 0 && j > i + {off}) continue;"));
     }
-    c.line(format!("const float* qr = q + (bh * {s} + i) * {d};"));
-    c.line(format!("const float* gr = dout + (bh * {s} + i) * {d};"));
-    c.line(format!("const float* orr = o + (bh * {s} + i) * {d};"));
+    c.line(format!("const {}* qr = q + (bh * {s} + i) * {d};", g.elem("q")));
+    c.line(format!("const {}* gr = dout + (bh * {s} + i) * {d};", g.elem("dout")));
+    c.line(format!("const {}* orr = o + (bh * {s} + i) * {d};", g.elem("o")));
     c.line(format!("const float lse = out[(bh * {rows} + i) * {d}];"));
     warp_dot(c, g, "dot", "qr", "kr");
     warp_dot(c, g, "dpv", "gr", "vr");
@@ -717,10 +744,10 @@ fn dq_rows(c: &mut Code, g: &Geo, fname: &str) {
     c.line(format!("const {ty} bh = w / {s};"));
     c.line(format!("const {ty} i = w % {s};"));
     g.bias_offset(c);
-    c.line(format!("const float* qr = q + w * {d};"));
-    c.line(format!("const float* gr = dout + w * {d};"));
-    c.line(format!("const float* orr = o + w * {d};"));
-    c.line(format!("float* dqr = out + (bh * {rows} + i) * {d};"));
+    c.line(format!("const {}* qr = q + w * {d};", g.elem("q")));
+    c.line(format!("const {}* gr = dout + w * {d};", g.elem("dout")));
+    c.line(format!("const {}* orr = o + w * {d};", g.elem("o")));
+    c.line(format!("{}* dqr = out + (bh * {rows} + i) * {d};", g.out));
     c.line("// Lane 0 reads the lse (dq's element 0) before it zeroes that element.");
     c.line("float lse = 0.0f;");
     c.line("if (lane == 0) lse = dqr[0];");
@@ -729,8 +756,8 @@ fn dq_rows(c: &mut Code, g: &Geo, fname: &str) {
     warp_dot(c, g, "di", "gr", "orr");
     row_key_end(c, g);
     c.line(format!("for ({ty} j = 0; j < kend; ++j) {{"));
-    c.line(format!("const float* kr = k + (bh * {t} + j) * {d};"));
-    c.line(format!("const float* vr = v + (bh * {t} + j) * {d};"));
+    c.line(format!("const {}* kr = k + (bh * {t} + j) * {d};", g.elem("k")));
+    c.line(format!("const {}* vr = v + (bh * {t} + j) * {d};", g.elem("v")));
     warp_dot(c, g, "dot", "qr", "kr");
     warp_dot(c, g, "dpv", "gr", "vr");
     g.score(c, "dot", "i", "j");
@@ -747,15 +774,83 @@ fn warp_blocks(rows: usize) -> usize {
     rows.div_ceil(THREADS / 32)
 }
 
+/// Whether the kernels of an attention op (the gradient with `grad`) on operands `s` write an
+/// f32 copy of a half output into the scratch, narrowed by a last launch: the gradient's (its
+/// first launch keeps each row's log-sum-exp in the output, which the third reads back) and
+/// the forward's fallback (its accumulators live in the output row); the tiled forward writes
+/// each output element once, in its own type.
+fn staged(s: &[&Shape], grad: bool, out_half: bool) -> bool {
+    let (d, rows, keys) = (s[0].back(1), s[0].back(2), s[1].back(2));
+    out_half && (grad || tiles(rows, keys, |br, bc| forward_floats(d, br, bc)).is_none())
+}
+
+/// The scratch bytes an attention op's kernels use (`staged`: an f32 copy of the output).
+pub(crate) fn scratch_wanted(s: &[&Shape], out: &Shape, grad: bool, out_half: bool) -> usize {
+    if staged(s, grad, out_half) { out.numel() * 4 } else { 0 }
+}
+
+/// The last launch of a staged kernel: the f32 copy in the scratch narrowed into the output.
+fn narrow(c: &mut Code, out: &Shape, elem: &str) -> Launch {
+    let n = out.numel();
+    let ty = idx_type(n);
+    c.blank();
+    c.line(format!(
+        "extern \"C\" __global__ void kiln_attention_narrow(const float* __restrict__ part, {elem}* __restrict__ out) {{"
+    ));
+    c.line(grid_loop(ty, "i", n));
+    c.line("out[i] = part[i];");
+    c.line("}");
+    c.line("}");
+    Launch {
+        function: "kiln_attention_narrow".into(),
+        grid: grid_for(n, BLOCK),
+        block: [BLOCK, 1, 1],
+        shared_bytes: 0,
+        args: vec![Arg::Scratch, Arg::Output],
+    }
+}
+
+/// The geometry of an attention op (the gradient with `grad`), and whether it is staged; an
+/// error when a staged op has less scratch than it needs.
+fn geometry(
+    s: &[&Shape],
+    out: &Shape,
+    (scale, causal, grad): (f32, bool, bool),
+    (scratch, elems): (usize, &Elems),
+) -> Result<(Geo, bool), String> {
+    let is_staged = staged(s, grad, !elems.output_f32());
+    let need = scratch_wanted(s, out, grad, !elems.output_f32());
+    if scratch < need {
+        return Err(format!(
+            "writes its {} output through {need} bytes of f32 scratch but the step has {scratch}: compile the plan with the CUDA scratch rule (`CompileOptions::with_scratch(kiln_kernels::cuda::SCRATCH)`, as `Trainer` does)",
+            elems.output()
+        ));
+    }
+    let bias = s.get(if grad { 5 } else { 3 }).copied();
+    Ok((Geo::new((s[0], s[1], bias), (scale, causal), out, (elems, s.len(), is_staged)), is_staged))
+}
+
+/// The launch arguments of a kernel whose `out` parameter is the scratch when staged.
+fn staged_args(args: Vec<Arg>, is_staged: bool) -> Vec<Arg> {
+    args.into_iter().map(|a| if is_staged && a == Arg::Output { Arg::Scratch } else { a }).collect()
+}
+
 /// The kernel of `Op::Attention`: operands q, k, v and an optional bias (`s`), output `out`.
-pub(crate) fn attention(label: &str, s: &[&Shape], out: &Shape, scale: f32, causal: bool) -> CudaKernel {
-    let g = Geo::new(s[0], s[1], s.get(3).copied(), scale, causal, out);
+pub(crate) fn attention(
+    label: &str,
+    s: &[&Shape],
+    out: &Shape,
+    (scale, causal): (f32, bool),
+    (scratch, elems): (usize, &Elems),
+) -> Result<CudaKernel, String> {
+    let (g, is_staged) = geometry(s, out, (scale, causal, false), (scratch, elems))?;
     let (_, args) = params(&g, false);
+    let args = staged_args(args, is_staged);
     let mut c = Code::new();
     c.line(header(label, s, Some(out)));
     let fname = "kiln_attention_fwd";
     let shape = format!("attention {}x{}x{}x{}{}", g.bh, g.s, g.t, g.d, if causal { " causal" } else { "" });
-    match tiles(g.s, g.t, |br, bc| forward_floats(g.d, br, bc)) {
+    Ok(match tiles(g.s, g.t, |br, bc| forward_floats(g.d, br, bc)) {
         Some((br, bc)) => {
             let n = forward_tiled(&mut c, &g, fname, br, bc, false);
             CudaKernel {
@@ -766,20 +861,34 @@ pub(crate) fn attention(label: &str, s: &[&Shape], out: &Shape, scale: f32, caus
         }
         None => {
             forward_rows(&mut c, &g, fname, false);
+            let mut launches = vec![launch(fname, warp_blocks(g.bh * g.s), THREADS, args)];
+            if is_staged {
+                launches.push(narrow(&mut c, out, elems.output()));
+            }
             CudaKernel {
                 source: c.finish(),
-                launches: vec![launch(fname, warp_blocks(g.bh * g.s), THREADS, args)],
-                describe: format!("{shape} (a warp per query row)"),
+                launches,
+                describe: format!(
+                    "{shape} (a warp per query row{})",
+                    if is_staged { ", f32 in scratch" } else { "" }
+                ),
             }
         }
-    }
+    })
 }
 
 /// The kernel of `Op::AttentionGrad`: operands q, k, v, o, do and an optional bias (`s`),
 /// output `out` `[.., S + 2T, D]`.
-pub(crate) fn attention_grad(label: &str, s: &[&Shape], out: &Shape, scale: f32, causal: bool) -> CudaKernel {
-    let g = Geo::new(s[0], s[1], s.get(5).copied(), scale, causal, out);
+pub(crate) fn attention_grad(
+    label: &str,
+    s: &[&Shape],
+    out: &Shape,
+    (scale, causal): (f32, bool),
+    (scratch, elems): (usize, &Elems),
+) -> Result<CudaKernel, String> {
+    let (g, is_staged) = geometry(s, out, (scale, causal, true), (scratch, elems))?;
     let (_, args) = params(&g, true);
+    let args = staged_args(args, is_staged);
     let mut c = Code::new();
     c.line(header(label, s, Some(out)));
     let shape =
@@ -788,7 +897,7 @@ pub(crate) fn attention_grad(label: &str, s: &[&Shape], out: &Shape, scale: f32,
     let fwd = tiles(g.s, g.t, |br, bc| forward_floats(g.d, br, bc));
     let dkdv = tiles(g.t, g.s, |bc, br| dkdv_floats(g.d, br, bc));
     let dq = tiles(g.s, g.t, |br, bc| dq_floats(g.d, br, bc));
-    let (blocks, how) = match (fwd, dkdv, dq) {
+    let (blocks, mut how) = match (fwd, dkdv, dq) {
         (Some((fr, fc)), Some((kc, kr)), Some((qr, qc))) => {
             let a = forward_tiled(&mut c, &g, names[0], fr, fc, true);
             c.blank();
@@ -807,6 +916,11 @@ pub(crate) fn attention_grad(label: &str, s: &[&Shape], out: &Shape, scale: f32,
             ([rows, warp_blocks(g.bh * g.t), rows], "a warp per row".into())
         }
     };
-    let launches = names.iter().zip(blocks).map(|(f, n)| launch(f, n, THREADS, args.clone())).collect();
-    CudaKernel { source: c.finish(), launches, describe: format!("{shape} ({how}, no atomics)") }
+    let mut launches: Vec<Launch> =
+        names.iter().zip(blocks).map(|(f, n)| launch(f, n, THREADS, args.clone())).collect();
+    if is_staged {
+        launches.push(narrow(&mut c, out, elems.output()));
+        how += ", f32 in scratch";
+    }
+    Ok(CudaKernel { source: c.finish(), launches, describe: format!("{shape} ({how}, no atomics)") })
 }

@@ -13,44 +13,11 @@ pub(crate) fn c_type(dtype: DType) -> &'static str {
         DType::I32 => "int",
         DType::I64 => "long long",
         DType::Bool => "unsigned char",
-        // A half value's bits (`kiln_bf16_to_f32` and `kiln_f16_to_f32` widen them).
+        // A half value's bits (`half::conversions` widen and narrow them).
         DType::F16 | DType::BF16 => "unsigned short",
         DType::F32 => "float",
     }
 }
-
-/// Helpers converting half bits to f32 and back, by bit arithmetic (no `cuda_fp16.h`, so that
-/// the host build compiles them too): widening is exact; narrowing rounds to nearest, ties to
-/// even, as `kiln_round_bf16` and `kiln_round_f16` (`math`) do; a NaN either way is a quiet NaN
-/// with its payload's high bits (the `half` crate's rule).
-const HALF_BITS: &str = "\
-__device__ __forceinline__ float kiln_bf16_to_f32(unsigned short h) {
-    if ((h & 0x7fffu) > 0x7f80u) h |= 0x40u;
-    return __uint_as_float(((unsigned int)h) << 16);
-}
-__device__ __forceinline__ unsigned short kiln_f32_to_bf16(float x) {
-    const unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)(__float_as_uint(kiln_round_bf16(x)) >> 16);
-}
-__device__ __forceinline__ float kiln_f16_to_f32(unsigned short h) {
-    const unsigned int s = ((unsigned int)(h & 0x8000u)) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u));
-    if (e == 0u) {
-        const float v = (float)m * (1.0f / 16777216.0f);
-        return __uint_as_float(s | __float_as_uint(v));
-    }
-    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
-}
-__device__ __forceinline__ unsigned short kiln_f32_to_f16(float x) {
-    const float r = kiln_round_f16(x);
-    const unsigned int u = __float_as_uint(r), s = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (unsigned short)(s | 0x7e00u | ((a & 0x7fffffu) >> 13));
-    if (a >= 0x47800000u) return (unsigned short)(s | 0x7c00u);
-    if (a < 0x38800000u) return (unsigned short)(s | (unsigned int)(__uint_as_float(a) * 16777216.0f));
-    return (unsigned short)(s | (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu));
-}
-";
 
 /// The expression converting `v` of `from` to `to`.
 fn convert(v: &str, from: DType, to: DType) -> String {
@@ -86,8 +53,7 @@ pub(crate) fn cast(label: &str, x: &Shape, from: DType, to: DType) -> CudaKernel
     let mut c = Code::new();
     c.line(header(label, &[x], Some(x)));
     if [from, to].iter().any(|d| matches!(d, DType::F16 | DType::BF16)) {
-        c.line(super::math::prelude("kiln_round_bf16 kiln_round_f16"));
-        c.line(HALF_BITS);
+        c.line(super::half::conversions());
     }
     c.line(format!(
         "extern \"C\" __global__ void kiln_cast(const {}* __restrict__ in0, {}* __restrict__ out) {{",

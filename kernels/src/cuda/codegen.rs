@@ -6,6 +6,7 @@
 //! tile sizes unroll, and size-1 axes vanish. The price is one compilation per shape, which the
 //! backend caches by source text.
 
+pub(crate) use super::half::Elems;
 pub(crate) use crate::strides::{broadcast_strides, contiguous_strides};
 use kiln_compiler::ir::Shape;
 use std::fmt::Write;
@@ -282,13 +283,13 @@ pub(crate) fn header(label: &str, inputs: &[&Shape], output: Option<&Shape>) -> 
 }
 
 /// A kernel parameter list: `inputs` read-only operands named in0, in1, ... and, with `output`,
-/// a written `out`. `restrict` marks them `__restrict__` (never for elementwise kernels, whose
-/// output may be one of their inputs).
-pub(crate) fn params(inputs: usize, output: bool, restrict: bool) -> String {
+/// a written `out`, pointing to the types `elems` gives them. `restrict` marks them
+/// `__restrict__` (never for elementwise kernels, whose output may be one of their inputs).
+pub(crate) fn params(elems: &Elems, inputs: usize, output: bool, restrict: bool) -> String {
     let r = if restrict { " __restrict__" } else { "" };
-    let mut p: Vec<String> = (0..inputs).map(|i| format!("const float*{r} in{i}")).collect();
+    let mut p: Vec<String> = (0..inputs).map(|i| format!("const {}*{r} in{i}", elems.input(i))).collect();
     if output {
-        p.push(format!("float*{r} out"));
+        p.push(format!("{}*{r} out", elems.output()));
     }
     p.join(", ")
 }

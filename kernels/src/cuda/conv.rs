@@ -23,7 +23,7 @@
 //! asymmetric pads (before != after, either side 0) need nothing more. The bounds checks that a
 //! geometry cannot fail are left out of the source.
 
-use super::codegen::{Code, header, idx_type, int};
+use super::codegen::{Code, Elems, header, idx_type, int};
 use super::elementwise::Map;
 use super::gemm::{Epilogue, Gemm, Operand, Sink};
 use super::{Arg, CudaKernel};
@@ -197,8 +197,9 @@ fn conv2d_then(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: Sink::of(epilogue, out, ty),
+        sink: Sink::of(epilogue, out, (ty, &Elems::default())),
         scratch,
+        elems: Elems::default(),
     };
     finish(head, gemm, describe)
 }
@@ -227,7 +228,12 @@ pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str)
                 vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
             );
             Some(Epilogue {
-                definition: super::elementwise::epilogue_function(&program, &[dx, dx], ty, ""),
+                definition: super::elementwise::epilogue_function(
+                    &program,
+                    &[dx, dx],
+                    (ty, &Elems::default()),
+                    "",
+                ),
                 extra: vec![Arg::Input(2)],
             })
         }
@@ -241,7 +247,12 @@ pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str)
                 ],
             );
             Some(Epilogue {
-                definition: super::elementwise::epilogue_function(&program, &[dx, dx, dx], ty, ""),
+                definition: super::elementwise::epilogue_function(
+                    &program,
+                    &[dx, dx, dx],
+                    (ty, &Elems::default()),
+                    "",
+                ),
                 extra: vec![Arg::Input(2), Arg::Input(3)],
             })
         }
@@ -333,6 +344,7 @@ pub(crate) fn backprop_input(
         args: [Arg::Input(0), Arg::Input(1)],
         sink: input_gradient_epilogue(then, dx, ty).map_or(Sink::Output, Sink::Epilogue),
         scratch,
+        elems: Elems::default(),
     };
     finish(head, gemm, describe)
 }
@@ -372,6 +384,7 @@ pub(crate) fn backprop_filter(
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
         scratch,
+        elems: Elems::default(),
     };
     finish(head, gemm, describe)
 }

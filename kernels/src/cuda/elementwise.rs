@@ -16,7 +16,7 @@
 use super::codegen::{
     Access, BLOCK, Code, Nest, broadcast_strides, decompose_some, grid_for, grid_loop, header,
 };
-use super::codegen::{flt, idx_type, int, linear, params, shape_text};
+use super::codegen::{Elems, flt, idx_type, int, linear, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::fused::{Inst, Ref};
 use kiln_compiler::ir::{BinaryOp, DType, Fused, ScalarOp, Shape, UnaryOp};
@@ -47,6 +47,8 @@ pub(crate) struct Map<'a> {
     pub in_place: bool,
     /// Whether the expression reads the element's linear index, as `idx` (a fused iota).
     pub index: bool,
+    /// The operands' and the output's element types (f32 where not given).
+    pub elems: Elems,
 }
 
 impl Map<'_> {
@@ -56,7 +58,10 @@ impl Map<'_> {
         let nest = Nest::new(self.out, &self.strides);
         let access: Vec<Access> = (0..k).map(|j| nest.access(j)).collect();
         let ty = idx_type(numel.max(self.max_operand));
-        let vector = numel.is_multiple_of(4) && numel >= 4 && access.iter().all(|&a| a != Access::Strided);
+        let vector = numel.is_multiple_of(4)
+            && numel >= 4
+            && access.iter().all(|&a| a != Access::Strided)
+            && !self.elems.any_half();
         let names: Vec<&str> = if self.names.is_empty() {
             NAMES[..k].to_vec()
         } else {
@@ -80,7 +85,11 @@ impl Map<'_> {
         c.line(format!("return {};", self.expr));
         c.line("}");
         c.blank();
-        c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(k, true, !self.in_place)));
+        c.line(format!(
+            "extern \"C\" __global__ void {}({}) {{",
+            self.name,
+            params(&self.elems, k, true, !self.in_place)
+        ));
         let index = self.index;
         let call = |vals: &[String], at: &str| {
             let mut vals = vals.to_vec();
@@ -175,7 +184,7 @@ fn max_numel(operands: &[&Shape]) -> usize {
     operands.iter().map(|s| s.numel()).max().unwrap_or(0)
 }
 
-pub(crate) fn unary(op: UnaryOp, name: &str, label: &str, x: &Shape) -> CudaKernel {
+pub(crate) fn unary(op: UnaryOp, name: &str, label: &str, x: &Shape, elems: &Elems) -> CudaKernel {
     Map {
         name: &format!("kiln_{name}"),
         header: header(label, &[x], Some(x)),
@@ -185,12 +194,19 @@ pub(crate) fn unary(op: UnaryOp, name: &str, label: &str, x: &Shape) -> CudaKern
         max_operand: x.numel(),
         expr: math::unary(op, "a"),
         in_place: true,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
 }
 
-pub(crate) fn binary(op: BinaryOp, name: &str, label: &str, a: &Shape, b: &Shape, out: &Shape) -> CudaKernel {
+pub(crate) fn binary(
+    op: BinaryOp,
+    name: &str,
+    label: &str,
+    (a, b, out): (&Shape, &Shape, &Shape),
+    elems: &Elems,
+) -> CudaKernel {
     Map {
         name: &format!("kiln_{name}"),
         header: header(label, &[a, b], Some(out)),
@@ -200,12 +216,13 @@ pub(crate) fn binary(op: BinaryOp, name: &str, label: &str, a: &Shape, b: &Shape
         max_operand: max_numel(&[a, b, out]),
         expr: math::binary(op, "a", "b"),
         in_place: true,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
 }
 
-pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape) -> CudaKernel {
+pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape, elems: &Elems) -> CudaKernel {
     Map {
         name: &format!("kiln_{name}"),
         header: header(label, &[x], Some(x)),
@@ -215,6 +232,7 @@ pub(crate) fn scalar(op: ScalarOp, c: f32, name: &str, label: &str, x: &Shape) -
         max_operand: x.numel(),
         expr: math::scalar(op, c, "a"),
         in_place: true,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
@@ -238,7 +256,12 @@ pub(crate) fn random_uniform(label: &str, seed: u64, step: &Shape, out: &Shape) 
     .generate()
 }
 
-pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) -> CudaKernel {
+pub(crate) fn select(
+    label: &str,
+    (c, a, b): (&Shape, &Shape, &Shape),
+    out: &Shape,
+    elems: &Elems,
+) -> CudaKernel {
     // Operands (cond, a, b) are named a, b, c in the expression.
     Map {
         name: "kiln_select",
@@ -249,6 +272,7 @@ pub(crate) fn select(label: &str, c: &Shape, a: &Shape, b: &Shape, out: &Shape) 
         max_operand: max_numel(&[c, a, b, out]),
         expr: "a != 0.0f ? b : c".into(),
         in_place: true,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
@@ -300,18 +324,36 @@ fn program_code(program: &Fused, index: &str) -> (Vec<String>, String) {
 /// of its shape, each operand read at its broadcast position. A reduction with an elementwise
 /// prologue reads its input through it (`reduce`), so the prologue's values are never stored.
 /// Helpers already in `defined` (the reduction's own) are not defined again.
-pub(crate) fn load_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str) -> String {
-    value_function(program, operands, ty, defined, false)
+/// `elems` gives operand j's type as its input j.
+pub(crate) fn load_function(
+    program: &Fused,
+    operands: &[&Shape],
+    (ty, elems): (&str, &Elems),
+    defined: &str,
+) -> String {
+    value_function(program, operands, (ty, elems), defined, false)
 }
 
 /// A device function `kiln_epilogue(x0, i, p1, p2, ...)`: the fused program's value at linear
 /// index `i` of its shape given its operand 0's value there (a product just computed), the other
 /// operands read at their broadcast positions. A GEMM applies it as it stores (`gemm`).
-pub(crate) fn epilogue_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str) -> String {
-    value_function(program, operands, ty, defined, true)
+/// `elems` gives operand j's type (j >= 1) as its input j.
+pub(crate) fn epilogue_function(
+    program: &Fused,
+    operands: &[&Shape],
+    (ty, elems): (&str, &Elems),
+    defined: &str,
+) -> String {
+    value_function(program, operands, (ty, elems), defined, true)
 }
 
-fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str, epilogue: bool) -> String {
+fn value_function(
+    program: &Fused,
+    operands: &[&Shape],
+    (ty, elems): (&str, &Elems),
+    defined: &str,
+    epilogue: bool,
+) -> String {
     let k = operands.len();
     let first = usize::from(epilogue);
     let strides = strides_of(operands, &program.shape);
@@ -328,7 +370,7 @@ fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str,
         params.push("float x0".into());
     }
     params.push(format!("{ty} i"));
-    params.extend((first..k).map(|j| format!("const float* __restrict__ p{j}")));
+    params.extend((first..k).map(|j| format!("const {}* __restrict__ p{j}", elems.input(j))));
     let name = if epilogue { "kiln_epilogue" } else { "kiln_load" };
     c.line(format!("__device__ __forceinline__ float {name}({}) {{", params.join(", ")));
     let used: Vec<bool> = (0..nest.dims.len())
@@ -355,7 +397,13 @@ fn value_function(program: &Fused, operands: &[&Shape], ty: &str, defined: &str,
     c.finish()
 }
 
-pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Shape) -> CudaKernel {
+pub(crate) fn fused(
+    label: &str,
+    program: &Fused,
+    operands: &[&Shape],
+    out: &Shape,
+    elems: &Elems,
+) -> CudaKernel {
     let names: Vec<String> = (0..operands.len()).map(|j| format!("x{j}")).collect();
     let (lets, last) = program_code(program, "idx");
     Map {
@@ -370,6 +418,7 @@ pub(crate) fn fused(label: &str, program: &Fused, operands: &[&Shape], out: &Sha
         names,
         in_place: true,
         index: program.insts.iter().any(Inst::reads_index),
+        elems: elems.clone(),
     }
     .generate()
 }
@@ -383,6 +432,7 @@ pub(crate) fn fused_finishing(
     operands: &[&Shape],
     out: &Shape,
     finish: &str,
+    elems: &Elems,
 ) -> CudaKernel {
     let (mut lets, last) = program_code(program, "idx");
     lets.push(format!("const float v = {last};"));
@@ -398,6 +448,7 @@ pub(crate) fn fused_finishing(
         names: (0..operands.len()).map(|j| format!("x{j}")).collect(),
         in_place: false,
         index: program.insts.iter().any(Inst::reads_index),
+        elems: elems.clone(),
     }
     .generate()
 }

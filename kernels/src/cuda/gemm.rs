@@ -92,7 +92,7 @@
 //! `torch.matmul`'s rate. The fast variant is not measured on a device yet: its figures above
 //! are the compiler's, and its results the host emulation's.
 
-use super::codegen::{Code, int};
+use super::codegen::{Code, Elems, int};
 use super::{Arg, Launch};
 use kiln_compiler::ir::{Fused, Shape};
 
@@ -421,6 +421,9 @@ pub(crate) struct Gemm {
     pub sink: Sink,
     /// Bytes of scratch the step has (`Arg::Scratch`; 0: none), for split-K across blocks.
     pub scratch: usize,
+    /// The element types of the step's operands and output: the factors' are those of
+    /// `args`, the epilogue's operands' those of `Epilogue::extra` (an update's are f32).
+    pub elems: Elems,
 }
 
 /// Split-K across blocks, as the partial kernel runs it: `splits` groups of blocks, group `ks`
@@ -466,12 +469,22 @@ pub(crate) struct Epilogue {
 impl Sink {
     /// Stored in `out`, or through `program` with the op's operands from 2 on (`extra`) beside
     /// each element (a fused product or convolution).
-    pub(crate) fn of(epilogue: Option<(&Fused, &[&Shape])>, out: &Shape, ty: &str) -> Sink {
+    pub(crate) fn of(
+        epilogue: Option<(&Fused, &[&Shape])>,
+        out: &Shape,
+        (ty, elems): (&str, &Elems),
+    ) -> Sink {
         epilogue.map_or(Sink::Output, |(program, extra)| {
             let mut shapes = vec![out];
             shapes.extend_from_slice(extra);
             Sink::Epilogue(Epilogue {
-                definition: super::elementwise::epilogue_function(program, &shapes, ty, ""),
+                // Program operand j >= 1 is the op's operand j + 1.
+                definition: super::elementwise::epilogue_function(
+                    program,
+                    &shapes,
+                    (ty, &elems.shifted(1)),
+                    "",
+                ),
                 extra: (2..2 + extra.len()).map(Arg::Input).collect(),
             })
         })
@@ -544,12 +557,12 @@ impl Gemm {
         if self.batch > 1 {
             c.line(format!("const {ty} r = i % {};", int(mn)));
             if !matches!(self.sink, Sink::Update(_)) {
-                c.line(format!("float* o = out + (i / {}) * {};", int(mn), int(mn)));
+                c.line(format!("{}* o = out + (i / {}) * {};", self.elems.output(), int(mn), int(mn)));
             }
         } else {
             c.line(format!("const {ty} r = i;"));
             if !matches!(self.sink, Sink::Update(_)) {
-                c.line("float* o = out;");
+                c.line(format!("{}* o = out;", self.elems.output()));
             }
         }
         c.line(format!("const {ty} gm = r / {n}, gn = r % {n};", n = int(self.n)));
@@ -618,10 +631,10 @@ impl Gemm {
                 }
             }
             _ if self.batch > 1 => {
-                c.line(format!("float* o = out + bz * {};", int(self.m * self.n)));
+                c.line(format!("{}* o = out + bz * {};", self.elems.output(), int(self.m * self.n)));
             }
             _ => {
-                c.line("float* o = out;");
+                c.line(format!("{}* o = out;", self.elems.output()));
             }
         }
     }
@@ -644,6 +657,11 @@ impl Gemm {
         if split.is_some() { format!("{}_partial", self.name) } else { self.name.clone() }
     }
 
+    /// The C type factor `i` (0: A, 1: B) holds.
+    fn factor(&self, i: usize) -> &'static str {
+        self.elems.arg(self.args[i])
+    }
+
     /// The launch arguments after the factors.
     fn sink_args(&self) -> Vec<Arg> {
         match &self.sink {
@@ -659,7 +677,8 @@ impl Gemm {
     /// it), so neither is `__restrict__` when there is an epilogue; the factors never alias the
     /// output, nor what an update writes (`product_updates` checks it).
     fn params(&self, split: Option<KSplit>) -> String {
-        let factors = "const float* __restrict__ in0, const float* __restrict__ in1";
+        let factors =
+            format!("const {}* __restrict__ in0, const {}* __restrict__ in1", self.factor(0), self.factor(1));
         if split.is_some() {
             return format!("{factors}, float* __restrict__ out");
         }
@@ -669,10 +688,15 @@ impl Gemm {
     /// The sink's parameters (after the factors, or after the partials of a split).
     fn sink_params(&self) -> String {
         match &self.sink {
-            Sink::Output => "float* __restrict__ out".into(),
+            Sink::Output => format!("{}* __restrict__ out", self.elems.output()),
             Sink::Epilogue(e) => {
-                let extra: String = (0..e.extra.len()).map(|j| format!("const float* e{j}, ")).collect();
-                format!("{extra}float* out")
+                let extra: String = e
+                    .extra
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &a)| format!("const {}* e{j}, ", self.elems.arg(a)))
+                    .collect();
+                format!("{extra}{}* out", self.elems.output())
             }
             Sink::Update(u) => u.params.clone(),
         }
@@ -723,7 +747,10 @@ impl Gemm {
             (&self.b, "b", tn, "n0", self.n, "in1", "b_base"),
         ] {
             c.line("{");
-            c.line(format!("const float* __restrict__ src = {ptr};"));
+            c.line(format!(
+                "const {}* __restrict__ src = {ptr};",
+                self.elems.arg(self.args[usize::from(arr == "b")])
+            ));
             if op.load.contains("base") {
                 c.line(format!("const {ty} base = {basev};"));
             }
@@ -783,16 +810,17 @@ impl Gemm {
         let (la, lb) = (t.loads_a(), t.loads_b());
         let name = &self.function(split);
 
-        for (side, op, rows, br, loads) in
-            [("a", &self.a, self.m, t.bm, la), ("b", &self.b, self.n, t.bn, lb)]
-        {
+        for (side, op, rows, br, loads, elem) in [
+            ("a", &self.a, self.m, t.bm, la, self.factor(0)),
+            ("b", &self.b, self.n, t.bn, lb, self.factor(1)),
+        ] {
             let (rr, kk) = if op.k_contiguous {
                 (format!("e / {}", t.bk), format!("e % {}", t.bk))
             } else {
                 (format!("e % {br}"), format!("e / {br}"))
             };
             c.line(format!(
-                "__device__ __forceinline__ void {name}_load_{side}(const float* __restrict__ src, \
+                "__device__ __forceinline__ void {name}_load_{side}(const {elem}* __restrict__ src, \
                  const {ty} base, const {ty} r0, const {ty} k0, const int t, float (&dst)[{loads}]) {{"
             ));
             c.line("#pragma unroll");
@@ -947,8 +975,8 @@ impl Gemm {
         let pad = if vec_a || vec_b { 4 } else { 1 };
         let (pad_a, pad_b) = (pad * usize::from(self.a.k_contiguous), pad * usize::from(self.b.k_contiguous));
         let sides = [
-            Side::new("a", &self.a, self.m, t.bm, t.bm + pad_a, t.bk, "ra"),
-            Side::new("b", &self.b, self.n, t.bn, t.bn + pad_b, t.bk, "rb"),
+            Side::new(("a", self.factor(0)), &self.a, self.m, t.bm, t.bm + pad_a, t.bk, "ra"),
+            Side::new(("b", self.factor(1)), &self.b, self.n, t.bn, t.bn + pad_b, t.bk, "rb"),
         ];
         // Per K group and stage: A's tile, then B's, each a multiple of 16 bytes.
         let (tile_a, tile_b) =
@@ -1103,8 +1131,9 @@ impl Gemm {
         combine_groups(c, t);
         // Plain output rows of a multiple of 4 floats take float4 stores (the output is a slot:
         // 16-byte aligned; each batch matrix M·N floats); an epilogue or update stays per element.
-        let vec_out =
-            (split.is_some() || matches!(self.sink, Sink::Output)) && vec_b && self.n.is_multiple_of(4);
+        let vec_out = (split.is_some() || (matches!(self.sink, Sink::Output) && self.elems.output_f32()))
+            && vec_b
+            && self.n.is_multiple_of(4);
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", t.tm));
         c.line(if vec_a {
@@ -1201,6 +1230,8 @@ fn combine_groups(c: &mut Code, t: Tile) {
 struct Side<'a> {
     /// "a" or "b".
     name: &'static str,
+    /// The C type of the operand's elements (`half::elem`).
+    elem: &'static str,
     op: &'a Operand,
     /// M or N.
     rows: usize,
@@ -1220,7 +1251,7 @@ struct Side<'a> {
 
 impl<'a> Side<'a> {
     fn new(
-        name: &'static str,
+        (name, elem): (&'static str, &'static str),
         op: &'a Operand,
         rows: usize,
         br: usize,
@@ -1228,9 +1259,10 @@ impl<'a> Side<'a> {
         bk: usize,
         reg: &'static str,
     ) -> Self {
-        let vector = Self::vector_loads(op, br, bk);
+        // Half operands are read element by element (`half`).
+        let vector = elem == "float" && Self::vector_loads(op, br, bk);
         let total = if vector { br * bk / 4 } else { br * bk };
-        Side { name, op, rows, br, ld, bk, vector, total, loads: total.div_ceil(GROUP), reg }
+        Side { name, elem, op, rows, br, ld, bk, vector, total, loads: total.div_ceil(GROUP), reg }
     }
 
     /// Whether `op` (tiles of `br` rows by `bk`) is read as float4s: a plain layout whose rows
@@ -1274,9 +1306,9 @@ impl<'a> Side<'a> {
     fn loader(&self, c: &mut Code, name: &str, ty: &str, k: usize) {
         let (rr, kk) = self.coords("e");
         c.line(format!(
-            "__device__ __forceinline__ void {name}_load_{}(const float* __restrict__ src, const {ty} base, \
+            "__device__ __forceinline__ void {name}_load_{}(const {}* __restrict__ src, const {ty} base, \
              const {ty} r0, const {ty} k0, const int t, float (&dst)[{}]) {{",
-            self.name, self.loads
+            self.name, self.elem, self.loads
         ));
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {}; ++i) {{", self.loads));

@@ -55,7 +55,7 @@
 //! reference, and compiled by NVRTC 13.0 for sm_90 (through ptxas: 20 to 54 registers, no
 //! spills, no warnings). Not yet timed on a device.
 
-use super::codegen::{BLOCK, Code, MAX_BLOCKS, grid_for, grid_loop, header, idx_type, int};
+use super::codegen::{BLOCK, Code, Elems, MAX_BLOCKS, grid_for, grid_loop, header, idx_type, int};
 use super::conv::{InputGradient, input_gradient_epilogue};
 use super::gemm::{Epilogue, Sink};
 use super::{Arg, CudaKernel, Launch};
@@ -196,7 +196,7 @@ pub(crate) fn conv2d(
     let mut all = vec![x, w];
     all.extend(epilogue.map_or(&[][..], |(_, extra)| extra));
     let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
-    let sink = match Sink::of(epilogue, out, ty) {
+    let sink = match Sink::of(epilogue, out, (ty, &Elems::default())) {
         Sink::Epilogue(e) => Some(e),
         _ => None,
     };

@@ -13,12 +13,12 @@
 //!   per launch (more launches for more operands), which keeps the parameter list short.
 
 use super::codegen::{BLOCK, Code, contiguous_strides, decompose, grid_for, grid_loop, header, idx_type};
-use super::codegen::{Nest, broadcast_strides, flt, int, linear, params, shape_text};
+use super::codegen::{Elems, Nest, broadcast_strides, flt, int, linear, params, shape_text};
 use super::elementwise::Map;
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::Shape;
 
-pub(crate) fn fill(label: &str, value: f32, out: &Shape) -> CudaKernel {
+pub(crate) fn fill(label: &str, value: f32, out: &Shape, elems: &Elems) -> CudaKernel {
     Map {
         name: "kiln_fill",
         header: header(label, &[], Some(out)),
@@ -28,6 +28,7 @@ pub(crate) fn fill(label: &str, value: f32, out: &Shape) -> CudaKernel {
         max_operand: out.numel(),
         expr: flt(value),
         in_place: false,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
@@ -59,7 +60,7 @@ pub(crate) fn iota(label: &str, axis: usize, out: &Shape) -> CudaKernel {
     }
 }
 
-pub(crate) fn copy(label: &str, x: &Shape) -> CudaKernel {
+pub(crate) fn copy(label: &str, x: &Shape, elems: &Elems) -> CudaKernel {
     Map {
         name: "kiln_copy",
         header: header(label, &[x], Some(x)),
@@ -69,12 +70,13 @@ pub(crate) fn copy(label: &str, x: &Shape) -> CudaKernel {
         max_operand: x.numel(),
         expr: "a".into(),
         in_place: false,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
 }
 
-pub(crate) fn broadcast_to(label: &str, x: &Shape, out: &Shape) -> CudaKernel {
+pub(crate) fn broadcast_to(label: &str, x: &Shape, out: &Shape, elems: &Elems) -> CudaKernel {
     Map {
         name: "kiln_broadcast_to",
         header: header(label, &[x], Some(out)),
@@ -84,6 +86,7 @@ pub(crate) fn broadcast_to(label: &str, x: &Shape, out: &Shape) -> CudaKernel {
         max_operand: out.numel(),
         expr: "a".into(),
         in_place: false,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
@@ -96,7 +99,7 @@ const ROWS: usize = 8;
 /// Smallest extents of the two tiled axes for which the tiled transpose is used.
 const TILED_MIN: usize = 16;
 
-pub(crate) fn permute(label: &str, x: &Shape, perm: &[usize], out: &Shape) -> CudaKernel {
+pub(crate) fn permute(label: &str, x: &Shape, perm: &[usize], out: &Shape, elems: &Elems) -> CudaKernel {
     let xs = contiguous_strides(x.dims());
     let strides: Vec<isize> = perm.iter().map(|&p| xs[p] as isize).collect();
     let describe = format!("permute{perm:?} {}", shape_text(x));
@@ -107,7 +110,7 @@ pub(crate) fn permute(label: &str, x: &Shape, perm: &[usize], out: &Shape) -> Cu
         && nest.dims[p] >= TILED_MIN
         && nest.dims[last] >= TILED_MIN
     {
-        return transpose(label, x, out, &nest, p, describe);
+        return transpose(label, (x, out), &nest, p, describe, elems);
     }
     Map {
         name: "kiln_permute",
@@ -118,13 +121,21 @@ pub(crate) fn permute(label: &str, x: &Shape, perm: &[usize], out: &Shape) -> Cu
         max_operand: x.numel(),
         expr: "a".into(),
         in_place: false,
+        elems: elems.clone(),
         ..Default::default()
     }
     .generate()
 }
 
 /// Tiled transpose of merged axis `p` (contiguous in the input) with the innermost axis.
-fn transpose(label: &str, x: &Shape, out: &Shape, nest: &Nest, p: usize, describe: String) -> CudaKernel {
+fn transpose(
+    label: &str,
+    (x, out): (&Shape, &Shape),
+    nest: &Nest,
+    p: usize,
+    describe: String,
+    elems: &Elems,
+) -> CudaKernel {
     let ty = idx_type(x.numel());
     let last = nest.dims.len() - 1;
     let os = contiguous_strides(&nest.dims);
@@ -139,7 +150,7 @@ fn transpose(label: &str, x: &Shape, out: &Shape, nest: &Nest, p: usize, describ
     let mut c = Code::new();
     c.line(header(label, &[x], Some(out)));
     c.line(format!("// tiled transpose: axis of {pd} (input stride 1, output stride {ps}) with axis of {ld} (input stride {ls}, output stride 1)"));
-    c.line(format!("extern \"C\" __global__ void kiln_permute({}) {{", params(1, true, true)));
+    c.line(format!("extern \"C\" __global__ void kiln_permute({}) {{", params(elems, 1, true, true)));
     c.line(format!("__shared__ float tile[{TILE}][{}];", TILE + 1));
     c.line(format!("{ty} q = blockIdx.x;"));
     c.line(format!("const int l0 = (int)(q % {tl}) * {TILE}; q /= {tl};"));
@@ -182,18 +193,25 @@ fn split(dims: &[usize], axis: usize) -> (usize, usize) {
     (dims[..axis].iter().product(), dims[axis + 1..].iter().product())
 }
 
-/// The element type and the loads/stores of a row kernel moving `w` floats at a time.
+/// The element type and the loads/stores of a row kernel moving `w` elements at a time: four
+/// f32 as a `float4`, four halves as a `uint2` (8 bytes, moved as they are), or one element.
 struct Width {
     w: usize,
+    /// The elements' C type (`half::elem`): operands and output have the same.
+    elem: &'static str,
 }
 
 impl Width {
-    fn of(lengths: &[usize]) -> Width {
-        Width { w: if lengths.iter().all(|&l| l.is_multiple_of(4)) { 4 } else { 1 } }
+    fn of(lengths: &[usize], elem: &'static str) -> Width {
+        Width { w: if lengths.iter().all(|&l| l.is_multiple_of(4)) { 4 } else { 1 }, elem }
     }
 
     fn ty(&self) -> &'static str {
-        if self.w == 4 { "float4" } else { "float" }
+        match (self.w, self.elem) {
+            (4, "float") => "float4",
+            (4, _) => "uint2",
+            (_, e) => e,
+        }
     }
 
     /// Declares `name`v, a view of pointer `name` in units of the width.
@@ -207,19 +225,25 @@ impl Width {
         }
     }
 
-    fn zero(&self) -> &'static str {
-        if self.w == 4 { "make_float4(0.0f, 0.0f, 0.0f, 0.0f)" } else { "0.0f" }
+    /// A zero of the width's type (every element +0.0).
+    fn zero(&self) -> String {
+        match (self.w, self.elem) {
+            (4, "float") => "make_float4(0.0f, 0.0f, 0.0f, 0.0f)".into(),
+            (4, _) => "make_uint2(0u, 0u)".into(),
+            (_, "float") => "0.0f".into(),
+            (_, e) => format!("{e}{{0}}"),
+        }
     }
 }
 
 /// Operands per concat launch.
 const CONCAT_GROUP: usize = 32;
 
-pub(crate) fn concat(label: &str, xs: &[&Shape], axis: usize, out: &Shape) -> CudaKernel {
+pub(crate) fn concat(label: &str, xs: &[&Shape], axis: usize, out: &Shape, elems: &Elems) -> CudaKernel {
     let (rows, inner) = split(out.dims(), axis);
     let lens: Vec<usize> = xs.iter().map(|x| x.dims()[axis] * inner).collect();
     let row: usize = lens.iter().sum();
-    let width = Width::of(&lens);
+    let width = Width::of(&lens, elems.output());
     let w = width.w;
     let ty = idx_type(out.numel());
     let mut offsets = Vec::with_capacity(xs.len());
@@ -241,7 +265,11 @@ pub(crate) fn concat(label: &str, xs: &[&Shape], axis: usize, out: &Shape) -> Cu
         c.blank();
         let list: Vec<String> = group.iter().map(|j| j.to_string()).collect();
         c.line(format!("// operands {} at row offsets {goff}..{}", list.join(", "), goff + glen));
-        c.line(format!("extern \"C\" __global__ void {name}({}) {{", params(group.len(), true, true)));
+        let group_elems = elems.select(group);
+        c.line(format!(
+            "extern \"C\" __global__ void {name}({}) {{",
+            params(&group_elems, group.len(), true, true)
+        ));
         for i in 0..group.len() {
             c.line(width.view(&format!("in{i}"), true));
         }
@@ -300,11 +328,13 @@ struct Window<'a> {
     /// Input position of output position `begin`.
     src: usize,
     describe: String,
+    elems: &'a Elems,
 }
 
 impl Window<'_> {
     fn generate(self) -> CudaKernel {
-        let width = Width::of(&[self.in_row, self.out_row, self.begin, self.end, self.src]);
+        let width =
+            Width::of(&[self.in_row, self.out_row, self.begin, self.end, self.src], self.elems.output());
         let w = width.w;
         let numel = self.out.numel();
         let ty = idx_type(numel.max(self.x.numel()));
@@ -312,7 +342,11 @@ impl Window<'_> {
             (self.in_row / w, self.out_row / w, self.begin / w, self.end / w, self.src / w);
         let mut c = Code::new();
         c.line(header(self.label, &[self.x], Some(self.out)));
-        c.line(format!("extern \"C\" __global__ void {}({}) {{", self.name, params(1, true, true)));
+        c.line(format!(
+            "extern \"C\" __global__ void {}({}) {{",
+            self.name,
+            params(self.elems, 1, true, true)
+        ));
         c.line(width.view("in0", true));
         c.line(width.view("out", false));
         c.line(grid_loop(ty, "i", numel / w));
@@ -356,10 +390,9 @@ fn offset(k: isize) -> String {
 pub(crate) fn slice(
     label: &str,
     x: &Shape,
-    axis: usize,
-    start: usize,
-    len: usize,
+    (axis, start, len): (usize, usize, usize),
     out: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
     let (_, inner) = split(x.dims(), axis);
     let in_row = x.dims()[axis] * inner;
@@ -375,6 +408,7 @@ pub(crate) fn slice(
         end: out_row,
         src: start * inner,
         describe: format!("slice[axis {axis}, {start}..{}] {}", start + len, shape_text(x)),
+        elems,
     }
     .generate()
 }
@@ -382,10 +416,9 @@ pub(crate) fn slice(
 pub(crate) fn pad(
     label: &str,
     x: &Shape,
-    axis: usize,
-    before: usize,
-    after: usize,
+    (axis, before, after): (usize, usize, usize),
     out: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
     let describe = format!("pad[axis {axis}, {before}+{after}] {}", shape_text(x));
     if x.numel() == 0 {
@@ -399,6 +432,7 @@ pub(crate) fn pad(
             max_operand: out.numel(),
             expr: "0.0f".into(),
             in_place: false,
+            elems: elems.clone(),
             ..Default::default()
         }
         .generate();
@@ -409,6 +443,18 @@ pub(crate) fn pad(
     let in_row = x.dims()[axis] * inner;
     let out_row = (x.dims()[axis] + before + after) * inner;
     let begin = before * inner;
-    Window { name: "kiln_pad", label, x, out, in_row, out_row, begin, end: begin + in_row, src: 0, describe }
-        .generate()
+    Window {
+        name: "kiln_pad",
+        label,
+        x,
+        out,
+        in_row,
+        out_row,
+        begin,
+        end: begin + in_row,
+        src: 0,
+        describe,
+        elems,
+    }
+    .generate()
 }

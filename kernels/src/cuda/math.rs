@@ -53,18 +53,21 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
     }
     if needs("kiln_round_bf16") {
         out.push_str(
-            "// x rounded to the nearest bfloat16 (ties to even), as f32; NaN kept\n\
+            "// x rounded to the nearest bfloat16 (ties to even), as f32; NaN kept (defined once\n\
+             // per translation unit: a half kernel's types define it too, `half`)\n\
+             #ifndef KILN_ROUND_BF16\n#define KILN_ROUND_BF16\n\
              __device__ __forceinline__ float kiln_round_bf16(float x) {\n    \
              unsigned int u = __float_as_uint(x);\n    \
              if ((u & 0x7fffffffu) > 0x7f800000u) return x;\n    \
              u += 0x7fffu + ((u >> 16) & 1u);\n    \
-             return __uint_as_float(u & 0xffff0000u);\n}\n",
+             return __uint_as_float(u & 0xffff0000u);\n}\n#endif\n",
         );
     }
     if needs("kiln_round_f16") {
         out.push_str(
             "// x rounded to the nearest IEEE half (ties to even), as f32: 10 fraction bits kept\n\
              // for normal halves, multiples of 2^-24 below 2^-14, infinity from 65520 up\n\
+             #ifndef KILN_ROUND_F16\n#define KILN_ROUND_F16\n\
              __device__ __forceinline__ float kiln_round_f16(float x) {\n    \
              const unsigned int u = __float_as_uint(x), a = u & 0x7fffffffu, s = u & 0x80000000u;\n    \
              if (a >= 0x7f800000u) return x;\n    \
@@ -73,7 +76,7 @@ pub(crate) fn prelude_beside(uses: &str, defined: &str) -> String {
              const float r = rintf(__uint_as_float(a) * 16777216.0f) * (1.0f / 16777216.0f);\n        \
              return __uint_as_float(s | __float_as_uint(r));\n    }\n    \
              const unsigned int r = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;\n    \
-             return __uint_as_float(s | r);\n}\n",
+             return __uint_as_float(s | r);\n}\n#endif\n",
         );
     }
     if needs("kiln_sigmoid") {

@@ -9,7 +9,7 @@
 //! a transposed left operand folds the batch into M: one product of B·M rows, bigger tiles.
 //! A product with K = 0 is a zero fill.
 
-use super::codegen::{Code, broadcast_strides, header, idx_type, int, shape_text};
+use super::codegen::{Code, Elems, broadcast_strides, header, idx_type, int, shape_text};
 use super::elementwise::Map;
 use super::gemm::{Gemm, Operand, Plain, Sink};
 use super::{Arg, CudaKernel};
@@ -51,8 +51,9 @@ pub(crate) fn matmul(
     (ta, tb): (bool, bool),
     out: &Shape,
     scratch: usize,
+    elems: &Elems,
 ) -> CudaKernel {
-    product(label, a, b, (ta, tb), out, None, scratch)
+    product(label, (a, b), (ta, tb), out, None, (scratch, elems))
 }
 
 /// The GEMM a product of `a` (transposed with `ta`) and `b` into `out` runs: (M, N, K, batch).
@@ -77,26 +78,25 @@ pub(crate) fn fused_matmul(
     operands: &[&Shape],
     out: &Shape,
     scratch: usize,
+    elems: &Elems,
 ) -> CudaKernel {
     product(
         label,
-        operands[0],
-        operands[1],
+        (operands[0], operands[1]),
         (m.transpose_a, m.transpose_b),
         out,
         Some((program, &operands[2..])),
-        scratch,
+        (scratch, elems),
     )
 }
 
 fn product(
     label: &str,
-    a: &Shape,
-    b: &Shape,
+    (a, b): (&Shape, &Shape),
     (ta, tb): (bool, bool),
     out: &Shape,
     epilogue: Option<(&Fused, &[&Shape])>,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
 ) -> CudaKernel {
     let r = out.rank();
     let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
@@ -122,6 +122,7 @@ fn product(
             max_operand: out.numel(),
             expr: "0.0f".into(),
             in_place: false,
+            elems: elems.select(&[]),
             ..Default::default()
         }
         .generate();
@@ -166,8 +167,9 @@ fn product(
         },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: Sink::of(epilogue, out, ty),
+        sink: Sink::of(epilogue, out, (ty, elems)),
         scratch,
+        elems: elems.clone(),
     };
     let mut c = Code::new();
     c.line(head);
@@ -185,6 +187,7 @@ pub(crate) fn matmul_rows(
     rows: Rows,
     out: &Shape,
     scratch: usize,
+    elems: &Elems,
 ) -> CudaKernel {
     let (m_rows, k) = (a.dims()[0], a.dims()[1]);
     let n = b.dims()[1];
@@ -219,6 +222,7 @@ pub(crate) fn matmul_rows(
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
         scratch,
+        elems: elems.clone(),
     };
     let mut c = Code::new();
     c.line(header(label, &[a, b], Some(out)));

@@ -8,9 +8,11 @@
 //!   The first line is a comment naming the op, its attributes and shapes.
 //! - Shapes, strides and attributes are baked in as literals (sources are per shape; NVRTC then
 //!   folds the index math). f32 constants are printed exactly (`codegen::flt`).
-//! - Tensors are contiguous row-major f32. Parameters are `float*`, in the order of the launch's
-//!   `args`: `Input(i)` is operand i, `Output` the step's output. Read-only inputs are
-//!   `const float* __restrict__`, except in elementwise kernels (Unary, Binary, Scalar, Select),
+//! - Tensors are contiguous row-major. Parameters point to their values' types, in the order of
+//!   the launch's `args`: `Input(i)` is operand i, `Output` the step's output; f32 is `float*`,
+//!   and the families of `HALF_KERNELS` take f16 and bf16 values as `kiln_f16*` and
+//!   `kiln_bf16*` (`half`: converted at memory, f32 arithmetic inside). Read-only inputs are
+//!   `const T* __restrict__`, except in elementwise kernels (Unary, Binary, Scalar, Select),
 //!   whose output may be the same buffer as an input: those take plain pointers and read element
 //!   i of every input before writing element i. Effect ops (ApplySgd, ApplyAdam, AssignAdd) have
 //!   no `Output` argument and update `Op::mutated_operands` in place.
@@ -34,6 +36,7 @@
 //!
 //! Modules, one job each:
 //! - `codegen`: source builder, float literals, index types, grids, strided loop nests.
+//! - `half`: the half value types and each step's parameter types.
 //! - `math`: device scalar functions and each elementwise op's expression.
 //! - `elementwise`: unary, binary, scalar, select, fused groups, and the strided map the layout
 //!   ops share.
@@ -53,6 +56,7 @@ mod elementwise;
 mod gather;
 mod gemm;
 mod grouped_conv;
+mod half;
 mod layout;
 mod math;
 mod matmul;
@@ -65,6 +69,16 @@ use crate::KernelError;
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_compiler::scratch::ScratchRule;
 use kiln_compiler::widen::HalfKernels;
+
+/// The families of ops whose CUDA kernels read and write f16 and bf16 values (f32 arithmetic
+/// inside, one rounding on the way out: `half`); a plan for the CUDA backend widens the others'
+/// half values (`kiln_compiler::widen`).
+pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
+    .union(HalfKernels::ELEMENTWISE)
+    .union(HalfKernels::REDUCTIONS)
+    .union(HalfKernels::PRODUCTS)
+    .union(HalfKernels::ATTENTION)
+    .union(HalfKernels::GATHER);
 
 /// A kernel for one plan step: CUDA C source (one translation unit, `extern "C" __global__`
 /// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
@@ -138,7 +152,10 @@ pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_byte
 /// the GEMM-based ones (dense convolutions only: a non-dense window's direct kernels use none)
 /// and reductions, and for invalid or empty operands (whose kernel uses none).
 pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
-    if crate::check::check(op, inputs, (output, DType::F32), "the CUDA kernels", HalfKernels::NONE).is_err() {
+    let Ok((_, dtype)) = kiln_compiler::ir::infer(op, inputs) else {
+        return 0;
+    };
+    if crate::check::check(op, inputs, (output, dtype), "the CUDA kernels", HALF_KERNELS).is_err() {
         return 0;
     }
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
@@ -161,6 +178,9 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
         },
         Op::Reduce { op: rop, axes, .. } => return reduce::scratch_wanted(*rop, s[0], axes),
         Op::MatMulRows { rows } => (rows.len, s[1].dims()[1], s[0].dims()[0], 1),
+        Op::GatherGrad { .. } => return gather::scratch_wanted(output, dtype.is_half()),
+        Op::Attention { .. } => return attention::scratch_wanted(&s, output, false, dtype.is_half()),
+        Op::AttentionGrad { .. } => return attention::scratch_wanted(&s, output, true, dtype.is_half()),
         Op::Conv2d { window }
         | Op::Conv2dBackpropInput { window, .. }
         | Op::Conv2dBackpropInputReluGrad { window, .. }
@@ -213,7 +233,21 @@ pub fn generate_with_scratch(
     output: (&Shape, DType),
     scratch: usize,
 ) -> Result<CudaKernel, KernelError> {
-    crate::check::check(op, inputs, output, "the CUDA kernels", HalfKernels::NONE)?;
+    crate::check::check(op, inputs, output, "the CUDA kernels", HALF_KERNELS)?;
+    let e = &half::Elems::of(inputs, output.1);
+    let mut kernel = generate_typed(op, inputs, output, scratch, e)?;
+    kernel.source = half::with_types(kernel.source, e);
+    Ok(kernel)
+}
+
+/// `generate_with_scratch` once the step is checked, its operands and output of types `e`.
+fn generate_typed(
+    op: &Op,
+    inputs: &[(&Shape, DType)],
+    output: (&Shape, DType),
+    scratch: usize,
+    e: &half::Elems,
+) -> Result<CudaKernel, KernelError> {
     let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
     let out = output.0;
     let name = op.name();
@@ -229,7 +263,7 @@ pub fn generate_with_scratch(
                 describe: format!("{name} (empty)"),
             });
         }
-        crate::check::Empty::Fill(v) => return Ok(layout::fill(&label, v, out)),
+        crate::check::Empty::Fill(v) => return Ok(layout::fill(&label, v, out, e)),
     }
     let l = label.as_str();
     Ok(match op {
@@ -241,36 +275,40 @@ pub fn generate_with_scratch(
                 help: "collectives have no CUDA kernel: the CUDA backend runs a data-parallel plan's all-reduces, reduce-scatters and all-gathers itself, through host memory and its communicator (`CudaBackend::with_communicator`) or through NCCL (`CudaBackend::with_nccl`)".into(),
             });
         }
-        Op::Attention { scale, causal } => attention::attention(l, &s, out, *scale, *causal),
-        Op::AttentionGrad { scale, causal } => attention::attention_grad(l, &s, out, *scale, *causal),
-        Op::Fill { value, .. } => layout::fill(l, *value, out),
+        Op::Attention { scale, causal } => attention::attention(l, &s, out, (*scale, *causal), (scratch, e))
+            .map_err(|help| KernelError::Unsupported { op: label.clone(), dtype: output.1, help })?,
+        Op::AttentionGrad { scale, causal } => {
+            attention::attention_grad(l, &s, out, (*scale, *causal), (scratch, e))
+                .map_err(|help| KernelError::Unsupported { op: label.clone(), dtype: output.1, help })?
+        }
+        Op::Fill { value, .. } => layout::fill(l, *value, out, e),
         Op::Iota { axis, .. } => layout::iota(l, *axis, out),
         Op::RandomUniform { seed, .. } => elementwise::random_uniform(l, *seed, s[0], out),
-        Op::Unary(u) => elementwise::unary(*u, name, l, s[0]),
-        Op::Binary(b) => elementwise::binary(*b, name, l, s[0], s[1], out),
-        Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0]),
-        Op::Select => elementwise::select(l, s[0], s[1], s[2], out),
+        Op::Unary(u) => elementwise::unary(*u, name, l, s[0], e),
+        Op::Binary(b) => elementwise::binary(*b, name, l, (s[0], s[1], out), e),
+        Op::Scalar { op: sop, value } => elementwise::scalar(*sop, *value, name, l, s[0], e),
+        Op::Select => elementwise::select(l, (s[0], s[1], s[2]), out, e),
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
-            (_, Some(m), _) => matmul::fused_matmul(l, f, m, &s, out, scratch),
+            (_, Some(m), _) => matmul::fused_matmul(l, f, m, &s, out, scratch, e),
             (_, None, Some(window)) if !window.is_dense() => {
                 grouped_conv::conv2d(l, s[0], s[1], window, out, Some((f, &s[2..])))
             }
             (_, None, Some(window)) => conv::fused_conv2d(l, f, window, &s, out, scratch),
-            (Some(r), None, None) => reduce::fused_reduce(l, f, r, &s, out, scratch),
-            (None, None, None) => elementwise::fused(l, f, &s, out),
+            (Some(r), None, None) => reduce::fused_reduce(l, f, r, &s, out, scratch, e),
+            (None, None, None) => elementwise::fused(l, f, &s, out, e),
         },
         Op::MatMul { transpose_a, transpose_b } => {
-            matmul::matmul(l, s[0], s[1], (*transpose_a, *transpose_b), out, scratch)
+            matmul::matmul(l, s[0], s[1], (*transpose_a, *transpose_b), out, scratch, e)
         }
-        Op::Permute { perm } => layout::permute(l, s[0], perm, out),
-        Op::BroadcastTo { .. } => layout::broadcast_to(l, s[0], out),
-        Op::Copy => layout::copy(l, s[0]),
-        Op::Concat { axis } => layout::concat(l, &s, *axis, out),
-        Op::Slice { axis, start, len } => layout::slice(l, s[0], *axis, *start, *len, out),
-        Op::Pad { axis, before, after } => layout::pad(l, s[0], *axis, *before, *after, out),
-        Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out, scratch),
-        Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false),
-        Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true),
+        Op::Permute { perm } => layout::permute(l, s[0], perm, out, e),
+        Op::BroadcastTo { .. } => layout::broadcast_to(l, s[0], out, e),
+        Op::Copy => layout::copy(l, s[0], e),
+        Op::Concat { axis } => layout::concat(l, &s, *axis, out, e),
+        Op::Slice { axis, start, len } => layout::slice(l, s[0], (*axis, *start, *len), out, e),
+        Op::Pad { axis, before, after } => layout::pad(l, s[0], (*axis, *before, *after), out, e),
+        Op::Reduce { op: rop, axes, .. } => reduce::reduce(*rop, name, l, s[0], axes, out, (scratch, e)),
+        Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false, e),
+        Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true, e),
         // Non-dense windows (groups, dilation): direct kernels, no scratch.
         Op::Conv2d { window } if !window.is_dense() => grouped_conv::conv2d(l, s[0], s[1], window, out, None),
         Op::Conv2dBackpropInput { window, .. } if !window.is_dense() => {
@@ -315,8 +353,11 @@ pub fn generate_with_scratch(
         Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
         Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
         Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0]),
-        Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out),
-        Op::GatherGrad { vocab } => gather::gather_grad(l, (s[0], inputs[0].1), s[1], *vocab, out),
+        Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out, e),
+        Op::GatherGrad { vocab } => {
+            gather::gather_grad(l, (s[0], inputs[0].1), s[1], (*vocab, out), (scratch, e))
+                .map_err(|help| KernelError::Unsupported { op: label.clone(), dtype: output.1, help })?
+        }
         Op::Cast { to } => cast::cast(l, s[0], inputs[0].1, *to),
         Op::CastLike => cast::cast(l, s[0], inputs[0].1, inputs[1].1),
         Op::Custom { name } => {
@@ -356,7 +397,7 @@ pub fn generate_with_scratch(
                 describe: format!("custom {name}"),
             }
         }
-        Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch),
+        Op::MatMulRows { rows } => matmul::matmul_rows(l, s[0], s[1], *rows, out, scratch, e),
         Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => optim::sgd(
             l,
             (*lr, *momentum, *nesterov),

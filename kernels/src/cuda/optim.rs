@@ -27,7 +27,7 @@
 //! Products that feed a sum are `__fmul_rn` (never fused), so the f32 updates are bitwise the
 //! CPU's; α can differ from the CPU's in its last bit where CUDA's `pow` and glibc's do.
 
-use super::codegen::{BLOCK, Code, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
+use super::codegen::{BLOCK, Code, Elems, dbl, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
 use super::gemm::{Gemm, Operand, Plain, Sink, Update};
 use super::{Arg, CudaKernel, Launch};
 use kiln_compiler::ir::{Rows, Shape, Shard};
@@ -242,6 +242,7 @@ impl Rule {
                 call,
             }),
             scratch,
+            elems: Elems::default(),
         };
         let mut c = Code::new();
         c.line(header(label, shapes, None));

@@ -16,7 +16,7 @@
 //!   the maximum is its own element: (windows containing it) x (window size) reads, 4 for the
 //!   usual 2x2 stride-2 pool, 81 for 3x3 stride 1.
 
-use super::codegen::{BLOCK, Code, grid_for, grid_loop, header, idx_type, int, params, shape_text};
+use super::codegen::{BLOCK, Code, Elems, grid_for, grid_loop, header, idx_type, int, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use crate::geometry::Geom;
 use kiln_compiler::ir::{PoolKind, Shape, Window2d};
@@ -72,7 +72,7 @@ pub(crate) fn pool2d(
     if kind == PoolKind::Max {
         c.line(math::prelude("kiln_max_nan"));
     }
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(&Elems::default(), 1, true, true)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));
@@ -152,7 +152,10 @@ fn grad(
     let mut c = Code::new();
     let operands: Vec<&Shape> = if with_x { vec![x, dy] } else { vec![dy] };
     c.line(header(label, &operands, Some(x)));
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(operands.len(), true, true)));
+    c.line(format!(
+        "extern \"C\" __global__ void {fname}({}) {{",
+        params(&Elems::default(), operands.len(), true, true)
+    ));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));
@@ -212,7 +215,7 @@ fn max_grad_tiled(name: &str, label: &str, x: &Shape, g: &Geom, dy: &Shape) -> C
     let fname = format!("kiln_{name}");
     let mut c = Code::new();
     c.line(header(label, &[x, dy], Some(x)));
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(2, true, false)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(&Elems::default(), 2, true, false)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));

@@ -29,7 +29,7 @@
 //! deterministic. Without scratch, one pass as above.
 
 use super::codegen::{Code, decompose, grid_for, header, idx_type, int, linear, shape_text};
-use super::codegen::{dbl, params};
+use super::codegen::{Elems, dbl, params};
 use super::elementwise::Map;
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::{Fused, FusedReduce, ReduceOp, Shape};
@@ -126,26 +126,33 @@ fn offset(c: &mut Code, ty: &str, name: &str, var: &str, groups: &[(usize, usize
 
 /// Where a reduction reads its input: operand 0 in memory, or a fused elementwise program over
 /// the operands (`elementwise::load_function`), evaluated as each element is read.
+/// Either way with the element types of the op's operands and output.
 #[derive(Clone, Copy)]
 pub(crate) enum Input<'a> {
-    Memory,
+    Memory(&'a Elems),
     /// The program, every operand of the op, and the output's shape (for an epilogue).
-    Fused(&'a Fused, &'a [&'a Shape], &'a Shape),
+    Fused(&'a Fused, &'a [&'a Shape], &'a Shape, &'a Elems),
 }
 
 impl Input<'_> {
     fn operands(&self) -> usize {
         match self {
-            Input::Memory => 1,
-            Input::Fused(_, operands, _) => operands.len(),
+            Input::Memory(_) => 1,
+            Input::Fused(_, operands, ..) => operands.len(),
+        }
+    }
+
+    fn elems(&self) -> &Elems {
+        match self {
+            Input::Memory(e) | Input::Fused(.., e) => e,
         }
     }
 
     /// Where the epilogue's operands start (all operands when there is none).
     fn split(&self) -> usize {
         match self {
-            Input::Memory => 1,
-            Input::Fused(program, operands, _) => operands.len() - program.epilogue_operands,
+            Input::Memory(_) => 1,
+            Input::Fused(program, operands, ..) => operands.len() - program.epilogue_operands,
         }
     }
 
@@ -153,10 +160,11 @@ impl Input<'_> {
     /// already has.
     fn definitions(&self, ty: &str, defined: &str) -> String {
         match self {
-            Input::Memory => String::new(),
-            Input::Fused(program, operands, out) => {
+            Input::Memory(_) => String::new(),
+            Input::Fused(program, operands, out, elems) => {
                 let split = self.split();
-                let load = super::elementwise::load_function(program, &operands[..split], ty, defined);
+                let load =
+                    super::elementwise::load_function(program, &operands[..split], (ty, elems), defined);
                 if program.epilogue.is_empty() {
                     return load;
                 }
@@ -165,7 +173,8 @@ impl Input<'_> {
                 let epilogue = super::elementwise::epilogue_function(
                     &program.epilogue_program(out),
                     &shapes,
-                    ty,
+                    // Epilogue operand j >= 1 is operand split - 1 + j.
+                    (ty, &elems.shifted(split - 1)),
                     &format!("{defined}\n{load}"),
                 );
                 format!("{load}\n{epilogue}")
@@ -176,7 +185,7 @@ impl Input<'_> {
     /// The input element at linear index `at`.
     fn read(&self, at: &str) -> String {
         match self {
-            Input::Memory => format!("in0[{at}]"),
+            Input::Memory(_) => format!("in0[{at}]"),
             Input::Fused(..) => {
                 let ins: Vec<String> = (0..self.split()).map(|j| format!("in{j}")).collect();
                 format!("kiln_load({at}, {})", ins.join(", "))
@@ -238,9 +247,9 @@ pub(crate) fn reduce(
     x: &Shape,
     axes: &[usize],
     out: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
 ) -> CudaKernel {
-    reduce_from(Input::Memory, op, name, label, x, (axes, scratch), out)
+    reduce_from(Input::Memory(elems), op, name, label, x, (axes, scratch), out)
 }
 
 /// A fused elementwise program (`ir::fused`) followed by its reduction, one kernel: the
@@ -252,10 +261,11 @@ pub(crate) fn fused_reduce(
     operands: &[&Shape],
     out: &Shape,
     scratch: usize,
+    elems: &Elems,
 ) -> CudaKernel {
     let name = reduce.op().name();
     reduce_from(
-        Input::Fused(program, operands, out),
+        Input::Fused(program, operands, out, elems),
         reduce.op,
         name,
         label,
@@ -281,8 +291,8 @@ fn reduce_from(
     let acc = Acc { op, count };
     let describe = format!("{name}{axes:?} {}", shape_text(x));
     let head = match input {
-        Input::Memory => header(label, &[x], Some(out)),
-        Input::Fused(_, operands, _) => header(label, operands, Some(out)),
+        Input::Memory(_) => header(label, &[x], Some(out)),
+        Input::Fused(_, operands, ..) => header(label, operands, Some(out)),
     };
     let fname = format!("kiln_{name}");
     if count == 0 || g.reduced.is_empty() {
@@ -294,8 +304,9 @@ fn reduce_from(
             (_, ReduceOp::Max) => v.to_string(),
             _ => acc.finish(&format!("(0.0 + (double){v})")),
         };
-        if let Input::Fused(program, operands, _) = input {
-            let mut k = super::elementwise::fused_finishing(label, program, operands, out, &single("v"));
+        if let Input::Fused(program, operands, _, elems) = input {
+            let mut k =
+                super::elementwise::fused_finishing(label, program, operands, out, &single("v"), elems);
             k.describe = format!("{describe} of {} (elementwise)", k.describe);
             return k;
         }
@@ -314,6 +325,7 @@ fn reduce_from(
             max_operand: x.numel(),
             expr,
             in_place: false,
+            elems: input.elems().clone(),
             ..Default::default()
         }
         .generate();
@@ -364,7 +376,10 @@ fn rows(
     c.line(head);
     c.line(acc.prelude());
     c.line(input.definitions(ty, &acc.prelude()));
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(input.operands(), true, true)));
+    c.line(format!(
+        "extern \"C\" __global__ void {fname}({}) {{",
+        params(input.elems(), input.operands(), true, true)
+    ));
     if s > 32 {
         c.line(format!("__shared__ {t} partial[{}];", s / 32));
     }
@@ -460,13 +475,13 @@ fn columns(
     c.line(head);
     c.line(acc.prelude());
     c.line(input.definitions(ty, &acc.prelude()));
-    let ins = params(input.operands(), false, true);
+    let ins = params(input.elems(), input.operands(), false, true);
     let kernel = if split.is_some() { format!("{fname}_partial") } else { fname.to_string() };
     match split {
         Some(_) => c.line(format!("extern \"C\" __global__ void {kernel}({ins}, {t}* __restrict__ part) {{")),
         None => c.line(format!(
             "extern \"C\" __global__ void {kernel}({}) {{",
-            params(input.operands(), true, true)
+            params(input.elems(), input.operands(), true, true)
         )),
     };
     if s > 1 {
@@ -554,7 +569,7 @@ fn columns(
         c.blank();
         c.line(format!(
             "extern \"C\" __global__ void {fname}(const {t}* __restrict__ part, {}) {{",
-            params(input.operands(), true, true)
+            params(input.elems(), input.operands(), true, true)
         ));
         c.line(format!("// the {parts} parts of every output, in part order"));
         c.line(super::codegen::grid_loop(ty, "o", outputs));

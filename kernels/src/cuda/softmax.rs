@@ -14,13 +14,13 @@
 //! log-softmax is (x - max) - log(sum) and softmax e^(x - max) * f32(1 / sum); along a strided
 //! column log-softmax is x - (max + log(sum)).
 
-use super::codegen::{BLOCK, Code, grid_for, grid_loop, header, idx_type, int, params, shape_text};
+use super::codegen::{BLOCK, Code, Elems, grid_for, grid_loop, header, idx_type, int, params, shape_text};
 use super::{Arg, CudaKernel, Launch, math};
 use kiln_compiler::ir::Shape;
 
 const NEG_INF: &str = "__int_as_float(0xff800000)";
 
-pub(crate) fn softmax(label: &str, x: &Shape, axis: usize, log: bool) -> CudaKernel {
+pub(crate) fn softmax(label: &str, x: &Shape, axis: usize, log: bool, elems: &Elems) -> CudaKernel {
     let dims = x.dims();
     let (outer, n, inner): (usize, usize, usize) =
         (dims[..axis].iter().product(), dims[axis], dims[axis + 1..].iter().product());
@@ -31,11 +31,11 @@ pub(crate) fn softmax(label: &str, x: &Shape, axis: usize, log: bool) -> CudaKer
     c.line(header(label, &[x], Some(x)));
     c.line(math::prelude("kiln_max_nan"));
     let fname = format!("kiln_{name}");
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(1, true, true)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(elems, 1, true, true)));
     let (launch, how) = if inner == 1 {
-        rows(&mut c, ty, outer, n, log, &fname)
+        rows(&mut c, (ty, elems), outer, n, log, &fname)
     } else {
-        columns(&mut c, ty, outer, n, inner, log, &fname)
+        columns(&mut c, (ty, elems), outer, n, inner, log, &fname)
     };
     c.line("}");
     CudaKernel { source: c.finish(), launches: vec![launch], describe: format!("{describe} ({how})") }
@@ -74,7 +74,14 @@ fn all_reduce(c: &mut Code, s: usize, v: &str, combine: impl Fn(&str, &str) -> S
     }
 }
 
-fn rows(c: &mut Code, ty: &str, outer: usize, n: usize, log: bool, fname: &str) -> (Launch, String) {
+fn rows(
+    c: &mut Code,
+    (ty, elems): (&str, &Elems),
+    outer: usize,
+    n: usize,
+    log: bool,
+    fname: &str,
+) -> (Launch, String) {
     let s = row_slices(outer, n);
     let per_block = if s >= 256 { 1 } else { 256 / s };
     let groups = outer.div_ceil(per_block);
@@ -94,8 +101,8 @@ fn rows(c: &mut Code, ty: &str, outer: usize, n: usize, log: bool, fname: &str) 
     c.line(format!("for ({ty} group = blockIdx.x; group < {}; group += gridDim.x) {{", int(groups)));
     c.line(format!("const {ty} o = {o};"));
     c.line(format!("const bool active = o < {};", int(outer)));
-    c.line(format!("const float* x = in0 + (active ? o : 0) * {};", int(n)));
-    c.line(format!("float* y = out + (active ? o : 0) * {};", int(n)));
+    c.line(format!("const {}* x = in0 + (active ? o : 0) * {};", elems.input(0), int(n)));
+    c.line(format!("{}* y = out + (active ? o : 0) * {};", elems.output(), int(n)));
     let (start, step) =
         if s == 1 { ("0".to_string(), "++j".to_string()) } else { ("slice".into(), format!("j += {s}")) };
     let each = format!("for ({ty} j = {start}; active && j < {}; {step}) {{", int(n));
@@ -132,7 +139,7 @@ fn rows(c: &mut Code, ty: &str, outer: usize, n: usize, log: bool, fname: &str) 
 
 fn columns(
     c: &mut Code,
-    ty: &str,
+    (ty, elems): (&str, &Elems),
     outer: usize,
     n: usize,
     inner: usize,
@@ -142,8 +149,8 @@ fn columns(
     let work = outer * inner;
     c.line(grid_loop(ty, "o", work));
     c.line(format!("const {ty} base = (o / {}) * {} + o % {};", int(inner), int(n * inner), int(inner)));
-    c.line("const float* x = in0 + base;");
-    c.line("float* y = out + base;");
+    c.line(format!("const {}* x = in0 + base;", elems.input(0)));
+    c.line(format!("{}* y = out + base;", elems.output()));
     let each = format!("for ({ty} r = 0; r < {}; r += {}) {{", int(n * inner), int(inner));
     c.line(format!("float m = {NEG_INF};"));
     c.line(&each);

@@ -1128,6 +1128,12 @@ impl Backend for CudaBackend {
         Some(cuda::SCRATCH)
     }
 
+    /// Layout, elementwise, reduction, product, attention and gather kernels read and write
+    /// f16 and bf16 values (`kiln_kernels::cuda::HALF_KERNELS`); the others compute f32 copies.
+    fn half_kernels(&self) -> kiln_compiler::widen::HalfKernels {
+        cuda::HALF_KERNELS
+    }
+
     fn describe(&self) -> String {
         let (major, minor) = self.info.compute_capability;
         format!(

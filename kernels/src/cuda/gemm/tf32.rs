@@ -74,8 +74,8 @@ impl Gemm {
         let (mi, ni) = (wtm / 16, wtn / 8);
         let (lda, ldb) = (bm + PAD, bn + PAD);
         let sides = [
-            Side::new("a", &self.a, self.m, bm, lda, BK, "ra"),
-            Side::new("b", &self.b, self.n, bn, ldb, BK, "rb"),
+            Side::new(("a", self.factor(0)), &self.a, self.m, bm, lda, BK, "ra"),
+            Side::new(("b", self.factor(1)), &self.b, self.n, bn, ldb, BK, "rb"),
         ];
         let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
         let iters = split.map_or(self.k, |sp| sp.chunk).div_ceil(BK);

@@ -41,6 +41,12 @@ struct alignas(16) float4 {
 
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+
 namespace kiln_host {
 struct Warp {
     std::unique_ptr<std::barrier<>> bar;

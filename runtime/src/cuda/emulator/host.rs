@@ -59,6 +59,12 @@ fn unit(kernels: &[(usize, &CudaKernel)]) -> String {
     for &(i, k) in kernels {
         let launch = if synchronises(k) { "launch" } else { "launch_serial" };
         let _ = writeln!(s, "namespace kiln_k{i} {{\n{}\n}}", k.source.replace("extern \"C\" ", ""));
+        // Each source is a translation unit of its own for NVRTC: the macros it defines (include
+        // guards of its helpers) end with it.
+        for name in k.source.lines().filter_map(|l| l.trim().strip_prefix("#define ")) {
+            let name: String = name.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+            let _ = writeln!(s, "#undef {name}");
+        }
         for (j, l) in k.launches.iter().enumerate() {
             let _ = writeln!(
                 s,
