@@ -95,7 +95,7 @@ fn read_x(g: &Geom, ty: &str) -> String {
     s
 }
 
-fn zeros(name: &str, head: String, describe: String, out: &Shape) -> CudaKernel {
+fn zeros(name: &str, head: String, describe: String, out: &Shape, elems: &Elems) -> CudaKernel {
     let mut k = Map {
         name,
         header: head,
@@ -105,6 +105,7 @@ fn zeros(name: &str, head: String, describe: String, out: &Shape) -> CudaKernel 
         max_operand: out.numel(),
         expr: "0.0f".into(),
         in_place: false,
+        elems: elems.select(&[]),
         ..Default::default()
     }
     .generate();
@@ -138,9 +139,9 @@ pub(crate) fn conv2d(
     w: &Shape,
     window: &Window2d,
     out: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
 ) -> CudaKernel {
-    conv2d_then(label, x, w, window, out, scratch, None)
+    conv2d_then(label, (x, w), window, out, (scratch, elems), None)
 }
 
 /// A convolution with an elementwise epilogue (`Fused::conv`): the GEMM applies the program to
@@ -152,18 +153,24 @@ pub(crate) fn fused_conv2d(
     window: &Window2d,
     operands: &[&Shape],
     out: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
 ) -> CudaKernel {
-    conv2d_then(label, operands[0], operands[1], window, out, scratch, Some((program, &operands[2..])))
+    conv2d_then(
+        label,
+        (operands[0], operands[1]),
+        window,
+        out,
+        (scratch, elems),
+        Some((program, &operands[2..])),
+    )
 }
 
 fn conv2d_then(
     label: &str,
-    x: &Shape,
-    w: &Shape,
+    (x, w): (&Shape, &Shape),
     window: &Window2d,
     out: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
     epilogue: Option<(&Fused, &[&Shape])>,
 ) -> CudaKernel {
     let g = Geom::new(x, window, w.dims()[3]);
@@ -178,7 +185,7 @@ fn conv2d_then(
     let (m, n, k) = forward_dims(&g);
     // (A fused convolution's factors are never empty: `ir::infer` refuses them.)
     if k == 0 {
-        return zeros("kiln_conv2d", head, describe, out);
+        return zeros("kiln_conv2d", head, describe, out, elems);
     }
     let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
     let mut a_load = lets(ty, &["n_", "oh_", "ow_"], &coords("gr", &[g.n, g.oh, g.ow]));
@@ -197,9 +204,9 @@ fn conv2d_then(
         b: Operand { k_contiguous: false, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: Sink::of(epilogue, out, (ty, &Elems::default())),
+        sink: Sink::of(epilogue, out, (ty, elems)),
         scratch,
-        elems: Elems::default(),
+        elems: elems.clone(),
     };
     finish(head, gemm, describe)
 }
@@ -219,7 +226,15 @@ pub(crate) enum InputGradient {
 /// The epilogue that takes an input gradient element `x0` (at linear index `i` of dx) through
 /// `then`, reading y (and r) from the launch arguments `Input(2)` (and `Input(3)`): None for
 /// `InputGradient::Plain`. Shared with the direct kernels of non-dense windows (`grouped_conv`).
-pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str) -> Option<Epilogue> {
+///
+/// `elems` are the op's types (y is its operand 2, r its operand 3).
+pub(crate) fn input_gradient_epilogue(
+    then: InputGradient,
+    dx: &Shape,
+    (ty, elems): (&str, &Elems),
+) -> Option<Epilogue> {
+    // Program operand j >= 1 is the op's operand j + 1.
+    let elems = &elems.shifted(1);
     match then {
         InputGradient::Plain => None,
         InputGradient::ReluGrad => {
@@ -228,12 +243,7 @@ pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str)
                 vec![Inst::Binary(BinaryOp::ReluGrad, Ref::Operand(1), Ref::Operand(0))],
             );
             Some(Epilogue {
-                definition: super::elementwise::epilogue_function(
-                    &program,
-                    &[dx, dx],
-                    (ty, &Elems::default()),
-                    "",
-                ),
+                definition: super::elementwise::epilogue_function(&program, &[dx, dx], (ty, elems), ""),
                 extra: vec![Arg::Input(2)],
             })
         }
@@ -247,12 +257,7 @@ pub(crate) fn input_gradient_epilogue(then: InputGradient, dx: &Shape, ty: &str)
                 ],
             );
             Some(Epilogue {
-                definition: super::elementwise::epilogue_function(
-                    &program,
-                    &[dx, dx, dx],
-                    (ty, &Elems::default()),
-                    "",
-                ),
+                definition: super::elementwise::epilogue_function(&program, &[dx, dx, dx], (ty, elems), ""),
                 extra: vec![Arg::Input(2), Arg::Input(3)],
             })
         }
@@ -268,7 +273,7 @@ pub(crate) fn backprop_input(
     w: &Shape,
     window: &Window2d,
     dx: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
     then: InputGradient,
 ) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
@@ -291,7 +296,7 @@ pub(crate) fn backprop_input(
     let (m, n, k) = backprop_input_dims(&g);
     if k == 0 {
         // No tap reads the input: dx is 0, and so is its ReLU gradient.
-        return zeros("kiln_conv2d_backprop_input", head, describe, dx);
+        return zeros("kiln_conv2d_backprop_input", head, describe, dx, elems);
     }
     let ty = idx_type(dy.numel().max(w.numel()).max(dx.numel()));
     let mut a = lets(ty, &["n_", "ih_", "iw_"], &coords("gr", &[g.n, g.h, g.w]));
@@ -342,9 +347,9 @@ pub(crate) fn backprop_input(
         b: Operand { k_contiguous: true, load: b_load, batch_offset: "0".into(), plain: None },
         ty,
         args: [Arg::Input(0), Arg::Input(1)],
-        sink: input_gradient_epilogue(then, dx, ty).map_or(Sink::Output, Sink::Epilogue),
+        sink: input_gradient_epilogue(then, dx, (ty, elems)).map_or(Sink::Output, Sink::Epilogue),
         scratch,
-        elems: Elems::default(),
+        elems: elems.clone(),
     };
     finish(head, gemm, describe)
 }
@@ -355,7 +360,7 @@ pub(crate) fn backprop_filter(
     dy: &Shape,
     window: &Window2d,
     dw: &Shape,
-    scratch: usize,
+    (scratch, elems): (usize, &Elems),
 ) -> CudaKernel {
     let g = Geom::new(x, window, dy.dims()[3]);
     debug_assert!(g.is_dense(), "non-dense windows go to grouped_conv");
@@ -363,7 +368,7 @@ pub(crate) fn backprop_filter(
     let describe = format!("conv2d_backprop_filter {}", g.text());
     let (m, n, k) = backprop_filter_dims(&g);
     if k == 0 {
-        return zeros("kiln_conv2d_backprop_filter", head, describe, dw);
+        return zeros("kiln_conv2d_backprop_filter", head, describe, dw, elems);
     }
     let ty = idx_type(x.numel().max(dy.numel()).max(dw.numel()));
     let mut a_load = lets(ty, &["kh_", "kw_", "c_"], &coords("gr", &[g.kh, g.kw, g.c]));
@@ -384,7 +389,7 @@ pub(crate) fn backprop_filter(
         args: [Arg::Input(0), Arg::Input(1)],
         sink: Sink::Output,
         scratch,
-        elems: Elems::default(),
+        elems: elems.clone(),
     };
     finish(head, gemm, describe)
 }

@@ -96,6 +96,7 @@ use super::codegen::{Code, Elems, int};
 use super::{Arg, Launch};
 use kiln_compiler::ir::{Fused, Shape};
 
+mod half_mma;
 mod tf32;
 
 /// Threads per K group; each block has `split` of them.
@@ -507,10 +508,13 @@ impl Gemm {
         }
         let v = variant();
         let tf32 = super::allow_tf32();
-        let kernel = |g: &Self, c: &mut Code, t: Tile, split: Option<KSplit>| match v {
+        // Two factors of one half type run on the tensor cores in that type.
+        let half = half_mma::Half::of(self.factor(0), self.factor(1));
+        let kernel = |g: &Self, c: &mut Code, t: Tile, split: Option<KSplit>| match (half, v) {
+            (Some(h), _) => g.tiled_half(c, split, h),
             _ if tf32 => g.tiled_tf32(c, split),
-            Variant::Base => g.tiled(c, t, split),
-            Variant::Fast => g.tiled_fast(c, t, split),
+            (None, Variant::Base) => g.tiled(c, t, split),
+            (None, Variant::Fast) => g.tiled_fast(c, t, split),
         };
         match plan(self.m, self.n, self.k, self.batch, self.scratch, v) {
             Plan::Tiled(t) => {

@@ -149,15 +149,23 @@ fn first_of_group(groups: usize, v: &str, per: usize, other: usize) -> String {
 
 /// The parameters and launch arguments after the two factors: an epilogue's operands and the
 /// output (none `__restrict__`: the output may be an epilogue operand's buffer), or the output.
-fn sink_params(epilogue: Option<&Epilogue>) -> (String, Vec<Arg>, String) {
+/// Each points to its type in `elems` (the op's).
+fn sink_params(epilogue: Option<&Epilogue>, elems: &Elems) -> (String, Vec<Arg>, String) {
+    let out = elems.output();
     match epilogue {
-        None => ("float* __restrict__ out".into(), vec![Arg::Output], String::new()),
+        None => (format!("{out}* __restrict__ out"), vec![Arg::Output], String::new()),
         Some(e) => {
-            let params: String = (0..e.extra.len()).map(|j| format!("const float* e{j}, ")).collect();
+            let params: String =
+                e.extra.iter().enumerate().map(|(j, &a)| format!("const {}* e{j}, ", elems.arg(a))).collect();
             let call: String = (0..e.extra.len()).map(|j| format!(", e{j}")).collect();
-            (format!("{params}float* out"), e.extra.iter().copied().chain([Arg::Output]).collect(), call)
+            (format!("{params}{out}* out"), e.extra.iter().copied().chain([Arg::Output]).collect(), call)
         }
     }
+}
+
+/// The two factors' parameters, of their types in `elems`.
+fn factor_params(elems: &Elems) -> String {
+    format!("const {}* __restrict__ in0, const {}* __restrict__ in1", elems.input(0), elems.input(1))
 }
 
 /// Stores `acc` as output element `e`, through the epilogue if there is one.
@@ -191,16 +199,17 @@ pub(crate) fn conv2d(
     window: &Window2d,
     out: &Shape,
     epilogue: Option<(&Fused, &[&Shape])>,
+    elems: &Elems,
 ) -> CudaKernel {
     let g = Geom::new(x, window, w.dims()[3]);
     let mut all = vec![x, w];
     all.extend(epilogue.map_or(&[][..], |(_, extra)| extra));
     let ty = idx_type(all.iter().map(|s| s.numel()).max().unwrap_or(0).max(out.numel()));
-    let sink = match Sink::of(epilogue, out, (ty, &Elems::default())) {
+    let sink = match Sink::of(epilogue, out, (ty, elems)) {
         Sink::Epilogue(e) => Some(e),
         _ => None,
     };
-    let (params, sink_args, call) = sink_params(sink.as_ref());
+    let (params, sink_args, call) = sink_params(sink.as_ref(), elems);
     let (cg, fg) = per_group(&g);
     let [ah, aw] = axes(&g);
     let fname = "kiln_conv2d_grouped";
@@ -209,9 +218,7 @@ pub(crate) fn conv2d(
     if let Some(e) = &sink {
         c.line(&e.definition);
     }
-    c.line(format!(
-        "extern \"C\" __global__ void {fname}(const float* __restrict__ in0, const float* __restrict__ in1, {params}) {{"
-    ));
+    c.line(format!("extern \"C\" __global__ void {fname}({}, {params}) {{", factor_params(elems)));
     c.line(grid_loop(ty, "e", out.numel()));
     coords(&mut c, ty, "e", &[g.n, g.oh, g.ow, g.f], &["n_", "oh_", "ow_", "f_"]);
     c.line(format!("// the input channels of f_'s group: {cg} from c0"));
@@ -229,12 +236,13 @@ pub(crate) fn conv2d(
         }
     }
     c.line(format!(
-        "const float* xp = in0 + ((n_ * {} + ih) * {} + iw) * {} + c0;",
+        "const {}* xp = in0 + ((n_ * {} + ih) * {} + iw) * {} + c0;",
+        elems.input(0),
         int(g.h),
         int(g.w),
         int(g.c)
     ));
-    c.line(format!("const float* wp = in1 + (kh * {} + kw) * {} + f_;", g.kw, int(cg * g.f)));
+    c.line(format!("const {}* wp = in1 + (kh * {} + kw) * {} + f_;", elems.input(1), g.kw, int(cg * g.f)));
     c.line(format!("for (int ci = 0; ci < {cg}; ++ci) {{"));
     c.line(format!("acc += __fmul_rn(xp[ci], wp[({ty})ci * {}]);", int(g.f)));
     c.line("}");
@@ -259,6 +267,7 @@ pub(crate) fn backprop_input(
     window: &Window2d,
     dx: &Shape,
     then: InputGradient,
+    elems: &Elems,
 ) -> CudaKernel {
     let g = Geom::new(dx, window, w.dims()[3]);
     let operands: Vec<&Shape> = match then {
@@ -267,8 +276,8 @@ pub(crate) fn backprop_input(
         InputGradient::ResidualReluGrad => vec![dy, w, dx, dx],
     };
     let ty = idx_type(dy.numel().max(w.numel()).max(dx.numel()));
-    let sink = input_gradient_epilogue(then, dx, ty);
-    let (params, sink_args, call) = sink_params(sink.as_ref());
+    let sink = input_gradient_epilogue(then, dx, (ty, elems));
+    let (params, sink_args, call) = sink_params(sink.as_ref(), elems);
     let (cg, fg) = per_group(&g);
     let [ah, aw] = axes(&g);
     let fname = "kiln_conv2d_backprop_input_grouped";
@@ -277,9 +286,7 @@ pub(crate) fn backprop_input(
     if let Some(e) = &sink {
         c.line(&e.definition);
     }
-    c.line(format!(
-        "extern \"C\" __global__ void {fname}(const float* __restrict__ in0, const float* __restrict__ in1, {params}) {{"
-    ));
+    c.line(format!("extern \"C\" __global__ void {fname}({}, {params}) {{", factor_params(elems)));
     c.line(grid_loop(ty, "e", dx.numel()));
     // (One input channel: no group and no channel in it to find.)
     let c_ = if g.c == 1 { "" } else { "c_" };
@@ -309,12 +316,18 @@ pub(crate) fn backprop_input(
         }
     }
     c.line(format!(
-        "const float* dp = in0 + ((n_ * {} + oh) * {} + ow) * {} + f0;",
+        "const {}* dp = in0 + ((n_ * {} + oh) * {} + ow) * {} + f0;",
+        elems.input(0),
         int(g.oh),
         int(g.ow),
         int(g.f)
     ));
-    c.line(format!("const float* wp = in1 + ((kh * {} + kw) * {cg} + ci) * {} + f0;", g.kw, int(g.f)));
+    c.line(format!(
+        "const {}* wp = in1 + ((kh * {} + kw) * {cg} + ci) * {} + f0;",
+        elems.input(1),
+        g.kw,
+        int(g.f)
+    ));
     c.line(format!("for (int j = 0; j < {fg}; ++j) {{"));
     c.line("acc += __fmul_rn(dp[j], wp[j]);");
     c.line("}");
@@ -354,6 +367,7 @@ pub(crate) fn backprop_filter(
     dy: &Shape,
     window: &Window2d,
     dw: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
     let g = Geom::new(x, window, dy.dims()[3]);
     let ty = idx_type(x.numel().max(dy.numel()).max(dw.numel()));
@@ -369,7 +383,9 @@ pub(crate) fn backprop_filter(
     let mut c = Code::new();
     c.line(header(label, &[x, dy], Some(dw)));
     c.line(format!(
-        "extern \"C\" __global__ void {fname}(const float* __restrict__ in0, const float* __restrict__ in1, float* __restrict__ out) {{"
+        "extern \"C\" __global__ void {fname}({}, {}* __restrict__ out) {{",
+        factor_params(elems),
+        elems.output()
     ));
     c.line(format!("// {rows} rows of positions x {tf} output channels, then a tree over the rows"));
     c.line(format!("__shared__ float part[{rows}][{tf}];"));
@@ -474,10 +490,10 @@ mod tests {
         let x = Shape::from([1, 8, 8, 4]);
         let w = Shape::from([3, 3, 1, 4]);
         let valid = Window2d::new([3, 3], [1, 1], Padding::Valid).grouped(4);
-        let k = conv2d("c", &x, &w, &valid, &Shape::from([1, 6, 6, 4]), None);
+        let k = conv2d("c", &x, &w, &valid, &Shape::from([1, 6, 6, 4]), None, &Elems::default());
         assert!(!k.source.contains("break") && !k.source.contains("continue"), "{}", k.source);
         let same = Window2d::new([3, 3], [1, 1], Padding::Same).grouped(4).dilated([2, 2]);
-        let k = conv2d("c", &x, &w, &same, &Shape::from([1, 8, 8, 4]), None);
+        let k = conv2d("c", &x, &w, &same, &Shape::from([1, 8, 8, 4]), None, &Elems::default());
         assert!(k.source.contains("if (ih >= 8) break;") && k.source.contains("if (iw < 0) continue;"));
     }
 }

@@ -77,8 +77,11 @@ pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::ELEMENTWISE)
     .union(HalfKernels::REDUCTIONS)
     .union(HalfKernels::PRODUCTS)
+    .union(HalfKernels::CONVOLUTIONS)
+    .union(HalfKernels::POOLING)
     .union(HalfKernels::ATTENTION)
-    .union(HalfKernels::GATHER);
+    .union(HalfKernels::GATHER)
+    .union(HalfKernels::GROUPED_FILTER_GRADIENTS);
 
 /// A kernel for one plan step: CUDA C source (one translation unit, `extern "C" __global__`
 /// functions, no #include of CUDA headers — NVRTC compiles it standalone) and its launches, in order.
@@ -291,9 +294,9 @@ fn generate_typed(
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
             (_, Some(m), _) => matmul::fused_matmul(l, f, m, &s, out, scratch, e),
             (_, None, Some(window)) if !window.is_dense() => {
-                grouped_conv::conv2d(l, s[0], s[1], window, out, Some((f, &s[2..])))
+                grouped_conv::conv2d(l, s[0], s[1], window, out, Some((f, &s[2..])), e)
             }
-            (_, None, Some(window)) => conv::fused_conv2d(l, f, window, &s, out, scratch),
+            (_, None, Some(window)) => conv::fused_conv2d(l, f, window, &s, out, (scratch, e)),
             (Some(r), None, None) => reduce::fused_reduce(l, f, r, &s, out, scratch, e),
             (None, None, None) => elementwise::fused(l, f, &s, out, e),
         },
@@ -310,9 +313,11 @@ fn generate_typed(
         Op::Softmax { axis } => softmax::softmax(l, s[0], *axis, false, e),
         Op::LogSoftmax { axis } => softmax::softmax(l, s[0], *axis, true, e),
         // Non-dense windows (groups, dilation): direct kernels, no scratch.
-        Op::Conv2d { window } if !window.is_dense() => grouped_conv::conv2d(l, s[0], s[1], window, out, None),
+        Op::Conv2d { window } if !window.is_dense() => {
+            grouped_conv::conv2d(l, s[0], s[1], window, out, None, e)
+        }
         Op::Conv2dBackpropInput { window, .. } if !window.is_dense() => {
-            grouped_conv::backprop_input(l, s[0], s[1], window, out, conv::InputGradient::Plain)
+            grouped_conv::backprop_input(l, s[0], s[1], window, out, conv::InputGradient::Plain, e)
         }
         Op::Conv2dBackpropInputReluGrad { window, .. } if !window.is_dense() => {
             let then = if s.len() == 4 {
@@ -320,14 +325,14 @@ fn generate_typed(
             } else {
                 conv::InputGradient::ReluGrad
             };
-            grouped_conv::backprop_input(l, s[0], s[1], window, out, then)
+            grouped_conv::backprop_input(l, s[0], s[1], window, out, then, e)
         }
         Op::Conv2dBackpropFilter { window } if !window.is_dense() => {
-            grouped_conv::backprop_filter(l, s[0], s[1], window, out)
+            grouped_conv::backprop_filter(l, s[0], s[1], window, out, e)
         }
-        Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, scratch),
+        Op::Conv2d { window } => conv::conv2d(l, s[0], s[1], window, out, (scratch, e)),
         Op::Conv2dBackpropInput { window, .. } => {
-            conv::backprop_input(l, s[0], s[1], window, out, scratch, conv::InputGradient::Plain)
+            conv::backprop_input(l, s[0], s[1], window, out, (scratch, e), conv::InputGradient::Plain)
         }
         Op::Conv2dBackpropInputReluGrad { window, .. } => {
             // Where no tap reads dx (a stride beyond the window: `conv_relu_grad` fuses stride 1
@@ -347,12 +352,14 @@ fn generate_typed(
             } else {
                 conv::InputGradient::ReluGrad
             };
-            conv::backprop_input(l, s[0], s[1], window, out, scratch, then)
+            conv::backprop_input(l, s[0], s[1], window, out, (scratch, e), then)
         }
-        Op::Conv2dBackpropFilter { window } => conv::backprop_filter(l, s[0], s[1], window, out, scratch),
-        Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out),
-        Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1]),
-        Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0]),
+        Op::Conv2dBackpropFilter { window } => {
+            conv::backprop_filter(l, s[0], s[1], window, out, (scratch, e))
+        }
+        Op::Pool2d { kind, window } => pool::pool2d(*kind, name, l, s[0], window, out, e),
+        Op::Pool2dGrad { kind, window } => pool::pool2d_grad(*kind, name, l, s[0], window, s[1], e),
+        Op::AvgPool2dGrad { window, input } => pool::avg_pool2d_grad(name, l, input, window, s[0], e),
         Op::Gather => gather::gather(l, s[0], (s[1], inputs[1].1), out, e),
         Op::GatherGrad { vocab } => {
             gather::gather_grad(l, (s[0], inputs[0].1), s[1], (*vocab, out), (scratch, e))

@@ -62,6 +62,7 @@ pub(crate) fn pool2d(
     x: &Shape,
     window: &Window2d,
     out: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
     let g = Geom::pool(x, window);
     let ty = idx_type(x.numel());
@@ -72,7 +73,7 @@ pub(crate) fn pool2d(
     if kind == PoolKind::Max {
         c.line(math::prelude("kiln_max_nan"));
     }
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(&Elems::default(), 1, true, true)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(elems, 1, true, true)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));
@@ -115,8 +116,9 @@ pub(crate) fn pool2d_grad(
     x: &Shape,
     window: &Window2d,
     dy: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
-    grad(kind, name, label, x, window, dy, true)
+    grad(kind, name, label, (x, dy), window, true, elems)
 }
 
 /// Average pooling's gradient from dy alone (`Op::AvgPool2dGrad`): `input` is the pooled
@@ -127,8 +129,9 @@ pub(crate) fn avg_pool2d_grad(
     input: &Shape,
     window: &Window2d,
     dy: &Shape,
+    elems: &Elems,
 ) -> CudaKernel {
-    grad(PoolKind::Avg, name, label, input, window, dy, false)
+    grad(PoolKind::Avg, name, label, (input, dy), window, false, elems)
 }
 
 /// dx over x's shape; with `with_x` the operands are (x, dy), else (dy) and the kind is Avg.
@@ -136,15 +139,15 @@ fn grad(
     kind: PoolKind,
     name: &str,
     label: &str,
-    x: &Shape,
+    (x, dy): (&Shape, &Shape),
     window: &Window2d,
-    dy: &Shape,
     with_x: bool,
+    elems: &Elems,
 ) -> CudaKernel {
     let dy_in = if with_x { "in1" } else { "in0" };
     let g = Geom::pool(x, window);
     if kind == PoolKind::Max && with_x && g.tiles() {
-        return max_grad_tiled(name, label, x, &g, dy);
+        return max_grad_tiled(name, label, (x, dy), &g, elems);
     }
     let ty = idx_type(x.numel().max(dy.numel()));
     let work = x.numel();
@@ -152,10 +155,7 @@ fn grad(
     let mut c = Code::new();
     let operands: Vec<&Shape> = if with_x { vec![x, dy] } else { vec![dy] };
     c.line(header(label, &operands, Some(x)));
-    c.line(format!(
-        "extern \"C\" __global__ void {fname}({}) {{",
-        params(&Elems::default(), operands.len(), true, true)
-    ));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(elems, operands.len(), true, true)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));
@@ -209,13 +209,13 @@ fn grad(
 /// the bits of the gather kernel and the CPU's). Each thread reads its window's x before writing
 /// its dx, and no two windows share an element, so dx may be x's own buffer (`Op::may_write_over`):
 /// the pointers are not `__restrict__`.
-fn max_grad_tiled(name: &str, label: &str, x: &Shape, g: &Geom, dy: &Shape) -> CudaKernel {
+fn max_grad_tiled(name: &str, label: &str, (x, dy): (&Shape, &Shape), g: &Geom, elems: &Elems) -> CudaKernel {
     let ty = idx_type(x.numel().max(dy.numel()));
     let work = dy.numel();
     let fname = format!("kiln_{name}");
     let mut c = Code::new();
     c.line(header(label, &[x, dy], Some(x)));
-    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(&Elems::default(), 2, true, false)));
+    c.line(format!("extern \"C\" __global__ void {fname}({}) {{", params(elems, 2, true, false)));
     c.line(grid_loop(ty, "e", work));
     c.line(format!("const int c_ = (int)(e % {});", g.c));
     c.line(format!("{ty} q = e / {};", g.c));

@@ -58,9 +58,9 @@ __device__ __forceinline__ void kiln_mma_tf32(float (&d)[4], const unsigned (&a)
 #endif"#;
 
 impl Gemm {
-    /// The block tile: 128 x 128 when those blocks (times the splits) give every SM one, else
-    /// 64 x 64.
-    fn tf32_tile(&self, split: Option<KSplit>) -> (usize, usize) {
+    /// The block tile of the tensor-core kernels (this and `half_mma`): 128 x 128 when those
+    /// blocks (times the splits) give every SM one, else 64 x 64.
+    pub(super) fn mma_tile(&self, split: Option<KSplit>) -> (usize, usize) {
         let groups = split.map_or(1, |s| s.splits);
         let big = groups * self.batch * self.m.div_ceil(128) * self.n.div_ceil(128);
         if big >= SMS { (128, 128) } else { (64, 64) }
@@ -69,7 +69,7 @@ impl Gemm {
     /// The TF32 kernel (with a split, the partial kernel of split-K across blocks).
     pub(super) fn tiled_tf32(&self, c: &mut Code, split: Option<KSplit>) -> (Launch, String) {
         let ty = self.ty;
-        let (bm, bn) = self.tf32_tile(split);
+        let (bm, bn) = self.mma_tile(split);
         let (wtm, wtn) = (bm / WM, bn / WN);
         let (mi, ni) = (wtm / 16, wtn / 8);
         let (lda, ldb) = (bm + PAD, bn + PAD);

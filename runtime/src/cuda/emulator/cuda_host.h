@@ -51,6 +51,8 @@ namespace kiln_host {
 struct Warp {
     std::unique_ptr<std::barrier<>> bar;
     unsigned char slot[32][8];
+    // A tensor-core instruction's fragments, every lane's at once (`kiln_mma_half`).
+    unsigned frag[32][6];
 };
 inline dim3 grid_dim, block_dim;
 inline thread_local dim3 thread_idx, block_idx;
@@ -194,6 +196,17 @@ inline T __shfl_sync(unsigned, T v, int src) {
 }
 #endif
 
+// Waits until every live lane of this warp has reached a warp-wide exchange (as a shuffle does).
+namespace kiln_host {
+inline void warp_wait() {
+#if KILN_HOST_FIBERS
+    wait(WAIT_WARP);
+#else
+    warp->bar->arrive_and_wait();
+#endif
+}
+}  // namespace kiln_host
+
 inline unsigned __float_as_uint(float f) {
     unsigned u;
     std::memcpy(&u, &f, 4);
@@ -234,6 +247,60 @@ inline void kiln_mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned 
         d[3] = std::fma(a_hi, b1, d[3]);
     }
 }
+
+// The half tensor-core path's device functions (`gemm/half_mma.rs`): kiln_pair reads two
+// halves as one 32-bit register (the lower address in the lower half), and kiln_mma_bf16 and
+// kiln_mma_f16 are mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with
+// d += a·b: lane l (g = l / 4, t = l % 4) holds in a[0..3] A[g][k], A[g+8][k] for k = 2t, 2t+1,
+// then for k = 2t+8, 2t+9; in b[0..1] B[k][g] for k = 2t, 2t+1, then 2t+8, 2t+9; and
+// d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]. Here every lane gathers its rows and
+// columns from the warp's exchange and adds the sixteen products in k order (each exact in f32).
+inline unsigned kiln_pair(const unsigned short* p) {
+    unsigned u;
+    std::memcpy(&u, p, 4);
+    return u;
+}
+inline float kiln_host_half(unsigned bits, bool f16) {
+    const unsigned h = bits & 0xffffu;
+    if (!f16) return __uint_as_float(h << 16);
+    const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    if (e == 0u) return __uint_as_float(s | __float_as_uint((float)m * (1.0f / 16777216.0f)));
+    return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}
+inline void kiln_mma_half(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool f16) {
+    const int l = (int)(kiln_host::lane & 31u), g = l / 4, t = l % 4;
+    // Every lane's registers into the warp's exchange, read once all have written, kept until
+    // all have read (two waits, where shuffles would take 128).
+    unsigned (&frag)[32][6] = kiln_host::warp->frag;
+    for (int r = 0; r < 4; ++r) frag[l][r] = a[r];
+    frag[l][4] = b[0];
+    frag[l][5] = b[1];
+    kiln_host::warp_wait();
+    unsigned av[16][2], bv[16][2];
+    for (int k = 0; k < 16; ++k) {
+        const int src = (k % 8) / 2, hi = k >= 8;
+        // A[g][k] and A[g+8][k] are in lane 4g + (k%8)/2, registers 0/1 (k < 8) or 2/3.
+        av[k][0] = frag[4 * g + src][hi ? 2 : 0];
+        av[k][1] = frag[4 * g + src][hi ? 3 : 1];
+        // B[k][n] is in lane 4n + (k%8)/2, register 0 (k < 8) or 1.
+        bv[k][0] = frag[4 * (2 * t) + src][4 + hi];
+        bv[k][1] = frag[4 * (2 * t + 1) + src][4 + hi];
+    }
+    kiln_host::warp_wait();
+    for (int k = 0; k < 16; ++k) {
+        const int shift = (k % 2) * 16;
+        const unsigned a_lo = av[k][0], a_hi = av[k][1], b0 = bv[k][0], b1 = bv[k][1];
+        const float x0 = kiln_host_half(a_lo >> shift, f16), x1 = kiln_host_half(a_hi >> shift, f16);
+        const float y0 = kiln_host_half(b0 >> shift, f16), y1 = kiln_host_half(b1 >> shift, f16);
+        d[0] = std::fma(x0, y0, d[0]);
+        d[1] = std::fma(x0, y1, d[1]);
+        d[2] = std::fma(x1, y0, d[2]);
+        d[3] = std::fma(x1, y1, d[3]);
+    }
+}
+inline void kiln_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { kiln_mma_half(d, a, b, false); }
+inline void kiln_mma_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { kiln_mma_half(d, a, b, true); }
 
 inline float __int_as_float(int i) {
     float f;
