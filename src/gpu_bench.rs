@@ -224,8 +224,14 @@ struct GemmRow {
 
 /// `kiln bench-gemm`: kiln's NVRTC matmul alone, as a one-op plan, at each (m, k, n): the median
 /// of `steps` CUDA-event times, TFLOP/s = 2mkn / time, and the relative error against the CPU
-/// backend. Writes `gemm.json`.
-pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, Box<dyn std::error::Error>> {
+/// backend. In bf16 or f16 (`precision`) the factors are cast to the half type in the plan and
+/// the product (half factors on the tensor cores, a half result) is timed alone: the median of
+/// `steps` per-step profiles of its launches. Writes `gemm.json` (`gemm-bf16.json`, ...).
+pub fn gemm(
+    shapes: &[(usize, usize, usize)],
+    steps: usize,
+    precision: kiln_compiler::Precision,
+) -> Result<Outcome, Box<dyn std::error::Error>> {
     use kiln_compiler::trace::Tracer;
     use kiln_runtime::CpuBackend;
     let p = probe();
@@ -237,7 +243,15 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
         let t = Tracer::new("gemm");
         let a = t.input("a", [m, k]);
         let b = t.input("b", [k, n]);
-        t.output("c", &a.matmul(&b));
+        let half = match precision {
+            kiln_compiler::Precision::Mixed(h) => Some(h.dtype()),
+            kiln_compiler::Precision::F32 => None,
+        };
+        let c = match half {
+            Some(h) => a.cast(h).matmul(&b.cast(h)).cast(kiln_compiler::ir::DType::F32),
+            None => a.matmul(&b),
+        };
+        t.output("c", &c);
         let mut gpu = CudaBackend::new(0, 0)?;
         let plan = compile(t.finish()?, &CompileOptions::default().with_scratch(gpu.scratch_rule()))?;
         let mut rng = StdRng::seed_from_u64((m * 31 + k * 7 + n) as u64);
@@ -247,7 +261,26 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
         let b = HostTensor::new(kiln_compiler::ir::Shape::new([k, n]), draw(k * n))?;
         let inputs = [("a", &a), ("b", &b)];
         let id = gpu.load(plan.clone())?;
-        let ms = median(event_times(&mut gpu, id, &inputs, 3, steps)?);
+        let ms = match half {
+            None => median(event_times(&mut gpu, id, &inputs, 3, steps)?),
+            // The product's launches alone, without the casts around them.
+            Some(_) => {
+                let mut times = Vec::with_capacity(steps);
+                for run in 0..steps + 3 {
+                    feed(&mut gpu, id, &inputs)?;
+                    let product: f64 = gpu
+                        .profile(id)?
+                        .iter()
+                        .filter(|(_, k, _)| k.starts_with("matmul"))
+                        .map(|(_, _, ms)| ms)
+                        .sum();
+                    if run >= 3 {
+                        times.push(product);
+                    }
+                }
+                median(times)
+            }
+        };
         let out = gpu.output(id, "c")?;
         let mut cpu = CpuBackend::new(0);
         let cid = cpu.load(plan.clone())?;
@@ -270,12 +303,21 @@ pub fn gemm(shapes: &[(usize, usize, usize)], steps: usize) -> Result<Outcome, B
             kernel,
         };
         println!(
-            "kiln matmul {m}x{k}x{n}: {:.4} ms, {:.2} TFLOP/s, rel. error {:.2e} ({})",
-            row.ms, row.tflops, row.rel_error, row.kernel
+            "kiln matmul {m}x{k}x{n}{}: {:.4} ms, {:.2} TFLOP/s, rel. error {:.2e} ({})",
+            half.map_or(String::new(), |h| format!(" {h}")),
+            row.ms,
+            row.tflops,
+            row.rel_error,
+            row.kernel
         );
         rows.push(row);
     }
     let device = CudaBackend::new(0, 0)?.describe();
-    crate::results::write("gemm", &device, &rows)?;
+    let name = if precision == kiln_compiler::Precision::F32 {
+        "gemm".to_string()
+    } else {
+        format!("gemm-{precision}")
+    };
+    crate::results::write(&name, &device, &rows)?;
     Ok(Outcome::Ran)
 }

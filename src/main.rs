@@ -93,6 +93,10 @@ enum Command {
         /// Timed runs per shape (the median is reported).
         #[arg(long, default_value_t = 50)]
         steps: usize,
+        /// f32, or bf16 / f16: half factors on the tensor cores, f32 accumulation (the product
+        /// timed without the casts around it).
+        #[arg(long, default_value = "f32")]
+        precision: String,
     },
     /// Train an ONNX model as a layer (MSE against targets of its output's shape, Adam) on random
     /// data or a batch from a safetensors or .npz file, on the best device present, and print its
@@ -279,17 +283,19 @@ fn main() -> ExitCode {
             }
             Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
         },
-        Command::BenchGemm { shapes, steps } => match parse_shapes(&shapes) {
-            Err(e) => Err(e),
-            Ok(shapes) => match kiln::gpu_bench::gemm(&shapes, steps.max(1)) {
-                Ok(Outcome::Ran) => Ok(()),
-                Ok(skipped) => {
-                    eprintln!("{}", skipped.skip_message().unwrap_or_default());
-                    return ExitCode::from(EXIT_SKIPPED);
-                }
-                Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
-            },
-        },
+        Command::BenchGemm { shapes, steps, precision } => {
+            match parse_shapes(&shapes).and_then(|s| Ok((s, precision_flag(&precision)?))) {
+                Err(e) => Err(e),
+                Ok((shapes, precision)) => match kiln::gpu_bench::gemm(&shapes, steps.max(1), precision) {
+                    Ok(Outcome::Ran) => Ok(()),
+                    Ok(skipped) => {
+                        eprintln!("{}", skipped.skip_message().unwrap_or_default());
+                        return ExitCode::from(EXIT_SKIPPED);
+                    }
+                    Err(e) => Err(invalid(e.to_string(), "see the message above".into())),
+                },
+            }
+        }
         Command::Devices { limit, growth, fraction, logical, seed, visible } => {
             devices(&limit, &growth, &fraction, &logical, seed, visible.as_deref())
         }

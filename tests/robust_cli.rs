@@ -15,6 +15,7 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["bench-gemm", "--shapes", "4096,0,4096"], "not a product M,K,N"),
     (&["bench-gemm", "--shapes", "a,b,c;1,1,1"], "not a product M,K,N"),
     (&["bench-gemm", "--shapes", "1,2,3,4"], "not a product M,K,N"),
+    (&["bench-gemm", "--precision", "f8"], "--precision f8"),
     (&["memory"], "MODEL"),
     (&["memory", "nope"], "no zoo model `nope`"),
     (&["memory", "seed-mlp", "--mode", "bad"], "no mode `bad`"),

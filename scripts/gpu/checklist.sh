@@ -111,7 +111,8 @@ for s in "${stages[@]}"; do
       run peers-jax 300 python3 scripts/gpu/peers.py jax "$r/jax.json" ;;
     gemm)
       [ -n "${SKIP_TORCH_GEMM:-}" ] || run gemm-torch 120 python3 scripts/gpu/peers.py gemm "$r/gemm_torch.json" --steps 50 --shapes "$zoo_shapes"
-      [ -x "$bin/bin-kiln" ] && run gemm-kiln 300 "$bin/bin-kiln" bench-gemm --shapes "$zoo_shapes" ;;
+      [ -x "$bin/bin-kiln" ] && run gemm-kiln 300 "$bin/bin-kiln" bench-gemm --shapes "$zoo_shapes"
+      [ -x "$bin/bin-kiln" ] && run gemm-kiln-bf16 300 "$bin/bin-kiln" bench-gemm --precision bf16 --shapes "$zoo_shapes" ;;
     *) echo "unknown stage $s" | tee -a "$summary" ;;
   esac
 done

@@ -169,9 +169,10 @@ def jax_run(names, steps, warmup):
 
 
 def gemm_run(steps, warmup, shapes):
-    """torch.matmul in f32 (TF32 off, the cuBLAS SGEMM kiln's kernel is held against) and with TF32
-    on, at each (m, k, n): TFLOP/s from the median of CUDA-event times, inputs rotated among 4 sets
-    so that small products do not run from L2."""
+    """torch.matmul in f32 (TF32 off, the cuBLAS SGEMM kiln's kernel is held against), with TF32
+    on, and in bf16 (cuBLAS's tensor-core GEMM, f32 accumulation, kiln's `--dtype bf16` is held
+    against) at each (m, k, n): TFLOP/s from the median of CUDA-event times, inputs rotated among
+    4 sets so that small products do not run from L2."""
     import torch
 
     dev = torch.device("cuda")
@@ -179,23 +180,25 @@ def gemm_run(steps, warmup, shapes):
     for (m, k, n) in shapes:
         sets = [(torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)) for _ in range(4)]
         row = {"m": m, "k": k, "n": n}
-        for tf32 in (False, True):
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+        for mode in ("f32", "tf32", "bf16"):
+            torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+            runs = [(a.bfloat16(), b.bfloat16()) for a, b in sets] if mode == "bf16" else sets
             for i in range(warmup):
-                a, b = sets[i % 4]
+                a, b = runs[i % 4]
                 torch.matmul(a, b)
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
             for i, (s, e) in enumerate(ev):
-                a, b = sets[i % 4]
+                a, b = runs[i % 4]
                 s.record()
                 torch.matmul(a, b)
                 e.record()
             torch.cuda.synchronize()
             ms = statistics.median(s.elapsed_time(e) for s, e in ev)
-            row["tf32_ms" if tf32 else "f32_ms"] = ms
-            row["tf32_tflops" if tf32 else "f32_tflops"] = 2 * m * k * n / ms / 1e9
+            row[f"{mode}_ms"] = ms
+            row[f"{mode}_tflops"] = 2 * m * k * n / ms / 1e9
         torch.backends.cuda.matmul.allow_tf32 = False
-        print(f"torch.matmul {m}x{k}x{n}: f32 {row['f32_tflops']:.2f} TFLOP/s, tf32 {row['tf32_tflops']:.2f}", flush=True)
+        print(f"torch.matmul {m}x{k}x{n}: f32 {row['f32_tflops']:.2f} TFLOP/s, tf32 {row['tf32_tflops']:.2f}, "
+              f"bf16 {row['bf16_tflops']:.2f}", flush=True)
         rows.append(row)
     return {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "gemm": rows}
 

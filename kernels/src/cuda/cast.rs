@@ -74,6 +74,6 @@ pub(crate) fn cast(label: &str, x: &Shape, from: DType, to: DType) -> CudaKernel
             shared_bytes: 0,
             args: vec![Arg::Input(0), Arg::Output],
         }],
-        describe: format!("cast {from}{} to {to}", shape_text(x)),
+        describe: format!("cast {from} {} to {to}", shape_text(x)),
     }
 }
