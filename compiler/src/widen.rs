@@ -14,8 +14,8 @@
 //! that read half values), by the widest step's f32 operands and output.
 //!
 //! A backend says which families of ops its kernels compute on half values ([`HalfKernels`]:
-//! the host kernels compute every family in half, f32 inside (`kiln_kernels::cpu::HALF_KERNELS`);
-//! the CUDA kernels every family but convolutions and pooling (`kiln_kernels::cuda::HALF_KERNELS`));
+//! the host and the CUDA kernels compute every family in half, f32 inside
+//! (`kiln_kernels::cpu::HALF_KERNELS`, `kiln_kernels::cuda::HALF_KERNELS`));
 //! `widen` gives f32 copies to the other ops only, and to the ops outside every family (custom
 //! ops, collectives) unless the set is `ALL`.
 //! Measured on the real-scale bf16 training steps (batch as in `benches/realscale.rs`, MB =

@@ -71,8 +71,9 @@ use kiln_compiler::scratch::ScratchRule;
 use kiln_compiler::widen::HalfKernels;
 
 /// The families of ops whose CUDA kernels read and write f16 and bf16 values (f32 arithmetic
-/// inside, one rounding on the way out: `half`); a plan for the CUDA backend widens the others'
-/// half values (`kiln_compiler::widen`).
+/// inside, one rounding on the way out: `half`): every family; a plan for the CUDA backend
+/// widens the half values of the ops outside them (custom ops, collectives:
+/// `kiln_compiler::widen`).
 pub const HALF_KERNELS: HalfKernels = HalfKernels::LAYOUT
     .union(HalfKernels::ELEMENTWISE)
     .union(HalfKernels::REDUCTIONS)

@@ -1128,8 +1128,8 @@ impl Backend for CudaBackend {
         Some(cuda::SCRATCH)
     }
 
-    /// Layout, elementwise, reduction, product, attention and gather kernels read and write
-    /// f16 and bf16 values (`kiln_kernels::cuda::HALF_KERNELS`); the others compute f32 copies.
+    /// Every family of ops reads and writes f16 and bf16 values (`kiln_kernels::cuda::HALF_KERNELS`);
+    /// custom ops and collectives compute f32 copies.
     fn half_kernels(&self) -> kiln_compiler::widen::HalfKernels {
         cuda::HALF_KERNELS
     }
