@@ -170,6 +170,35 @@ fn cuda_eager_on_the_emulated_device_matches_the_cpu() {
     }
 }
 
+/// The eager executor runs the transformer's bf16 training step op by op on the emulated device
+/// as on the host: its half attention gradient takes the f32 scratch it needs from the allocator
+/// (`kiln::kernels::cuda::required_scratch`).
+#[test]
+fn cuda_eager_runs_a_half_attention_gradient() {
+    if !host_compiler() {
+        return;
+    }
+    let gpu = CudaBackend::emulated(GB, 5).unwrap();
+    let m = zoo::by_name("transformer").unwrap().with_batch(2);
+    let (x, y) = m.batch_data(3).unwrap();
+    let graph =
+        kiln::compare::graph_at(&m, kiln::compare::Mode::Train, kiln::compiler::Precision::BF16).unwrap();
+    let s = kiln::compiler::optimize(graph).unwrap();
+    use kiln::compiler::ir::{DType, Op};
+    let half_grad = |is: fn(&Op) -> bool| {
+        s.graph.node_ids().any(|n| is(&s.graph.node(n).op) && s.graph.node(n).dtype == DType::BF16)
+    };
+    assert!(half_grad(|op| matches!(op, Op::AttentionGrad { .. })), "no bf16 attention gradient");
+    let mut cuda = EagerExecutor::new(BfcAllocator::new(CudaSource::new(&gpu), GB), 5, CudaEager::new(&gpu));
+    let mut host = EagerExecutor::new(BfcAllocator::new(HostSource::new(), GB), 5, CpuEager);
+    let feeds = [("x", &x), ("y", &y)];
+    let (c, h) =
+        (cuda.run(&s.graph, &s.order, &feeds).unwrap(), host.run(&s.graph, &s.order, &feeds).unwrap());
+    for ((n, a), (_, b)) in h.outputs.iter().zip(&c.outputs) {
+        close(&format!("transformer bf16 eager {n}"), a.data(), b.data(), 1e-2);
+    }
+}
+
 fn kernel(source: &str, function: &str, grid: u32, block: u32) -> CudaKernel {
     CudaKernel {
         source: source.into(),

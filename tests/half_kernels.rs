@@ -398,3 +398,70 @@ fn half_gathers_give_the_widened_bits() {
         }
     }
 }
+
+/// Half products on the emulated device's tensor cores with whole-number factors (every sum
+/// exact in f32, so any order gives the same bits): the 128 x 128 tile (a batch of 132 blocks)
+/// and split-K across blocks (a long contraction, partials in the scratch), each equal to the
+/// exact product rounded once to the half type.
+#[test]
+fn half_tensor_core_products_are_exact_on_whole_numbers() {
+    use kiln::compiler::trace::Tracer;
+    if !On::all().contains(&On::Emulated) {
+        return;
+    }
+    let whole = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * 7 + seed * 13) % 7) as f32 - 3.0).collect()
+    };
+    for half in [DType::BF16, DType::F16] {
+        for (a_dims, b_dims, tiling) in [
+            (vec![132usize, 128, 32], vec![132usize, 32, 128], "tile 128x128x32"),
+            (vec![64, 1999], vec![1999, 64], "K split across"),
+        ] {
+            let t = Tracer::new("whole products");
+            let (a, b) = (t.input("a", a_dims.clone()), t.input("b", b_dims.clone()));
+            t.output("c", &a.cast(half).matmul(&b.cast(half)).cast(DType::F32));
+            let g = t.finish().unwrap();
+            let mut gpu = On::Emulated.backend();
+            let options = CompileOptions::default()
+                .with_half_kernels(gpu.half_kernels())
+                .with_scratch(gpu.scratch_rule());
+            let plan = compile(g, &options).unwrap();
+            let kernels = kiln::runtime::cuda::plan_kernels(&plan).unwrap();
+            let product = kernels.iter().find(|k| k.describe.starts_with("matmul")).unwrap();
+            assert!(
+                product.describe.contains("tensor cores") && product.describe.contains(tiling),
+                "{}",
+                product.describe
+            );
+            let (av, bv) = (whole(a_dims.iter().product(), 1), whole(b_dims.iter().product(), 2));
+            let at = HostTensor::new(Shape::new(a_dims.clone()), av.clone()).unwrap();
+            let bt = HostTensor::new(Shape::new(b_dims.clone()), bv.clone()).unwrap();
+            let id = gpu.load(plan).unwrap();
+            let out = gpu.call(id, &[("a", &at), ("b", &bt)]).unwrap().remove(0).1;
+            // The exact product, rounded once to the half type.
+            let r = a_dims.len();
+            let (batch, m, k, n) = if r == 3 {
+                (a_dims[0], a_dims[1], a_dims[2], b_dims[2])
+            } else {
+                (1, a_dims[0], a_dims[1], b_dims[1])
+            };
+            let round = |v: f32| {
+                if half == DType::F16 {
+                    half::f16::from_f32(v).to_f32()
+                } else {
+                    half::bf16::from_f32(v).to_f32()
+                }
+            };
+            for bz in 0..batch {
+                for i in 0..m {
+                    for j in 0..n {
+                        let exact: f32 =
+                            (0..k).map(|p| av[(bz * m + i) * k + p] * bv[(bz * k + p) * n + j]).sum();
+                        let got = out.data()[(bz * m + i) * n + j];
+                        assert_eq!(got, round(exact), "{half} {tiling}: element ({bz}, {i}, {j})");
+                    }
+                }
+            }
+        }
+    }
+}

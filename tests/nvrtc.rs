@@ -144,3 +144,42 @@ fn kernels_compile_to_a_cubin_for_the_device_architecture() {
     }
     assert_eq!(nvrtc.stats().compiled, 1, "the same source twice compiles once");
 }
+
+/// The half tensor-core products and convolutions of the mlp's and the cnn's mixed-precision
+/// steps assemble into cubins (ptxas runs, so the inline PTX is checked, not only parsed): for
+/// sm_90, where `mma.sync` m16n8k16 takes bf16 and f16 (as from sm_80), and for sm_75, where the
+/// kernels compute the instruction's meaning through shuffles.
+#[test]
+fn half_tensor_core_kernels_assemble_for_each_architecture() {
+    let Some(_) = compiler() else { return };
+    let mut sources = Vec::new();
+    for m in ["mlp", "cnn"].map(|name| zoo::by_name(name).unwrap()) {
+        for precision in [Precision::BF16, Precision::F16] {
+            let graph = kiln::compare::graph_at(&m, Mode::Train, precision).unwrap();
+            let options = CompileOptions::default()
+                .with_half_kernels(kiln::kernels::cuda::HALF_KERNELS)
+                .with_scratch(Some(kiln::kernels::cuda::SCRATCH));
+            let plan = compile(graph, &options).unwrap();
+            let kernels = plan_kernels(&plan).unwrap();
+            sources.extend(kernels.into_iter().map(|k| k.source).filter(|s| s.contains("kiln_mma_")));
+        }
+    }
+    sources.sort();
+    sources.dedup();
+    assert!(sources.iter().any(|s| s.contains("kiln_mma_bf16(")), "no bf16 tensor-core kernel");
+    assert!(sources.iter().any(|s| s.contains("kiln_mma_f16(")), "no f16 tensor-core kernel");
+    let sources: Vec<&str> = sources.iter().map(String::as_str).collect();
+    for arch in [(7, 5), (9, 0)] {
+        let nvrtc = NvrtcCompiler::new(arch).expect("NVRTC loads").with_disk_cache(None);
+        for (image, source) in nvrtc.compile_images(&sources).unwrap().iter().zip(&sources) {
+            let head = source.lines().next().unwrap_or_default();
+            assert!(
+                matches!(**image, kiln::runtime::cuda::Image::Cubin(_)),
+                "sm_{}{}: no cubin for {head}: {}",
+                arch.0,
+                arch.1,
+                image.describe()
+            );
+        }
+    }
+}

@@ -182,9 +182,9 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
         },
         Op::Reduce { op: rop, axes, .. } => return reduce::scratch_wanted(*rop, s[0], axes),
         Op::MatMulRows { rows } => (rows.len, s[1].dims()[1], s[0].dims()[0], 1),
-        Op::GatherGrad { .. } => return gather::scratch_wanted(output, dtype.is_half()),
-        Op::Attention { .. } => return attention::scratch_wanted(&s, output, false, dtype.is_half()),
-        Op::AttentionGrad { .. } => return attention::scratch_wanted(&s, output, true, dtype.is_half()),
+        Op::GatherGrad { .. } | Op::Attention { .. } | Op::AttentionGrad { .. } => {
+            return required_scratch(op, inputs, output);
+        }
         Op::Conv2d { window }
         | Op::Conv2dBackpropInput { window, .. }
         | Op::Conv2dBackpropInputReluGrad { window, .. }
@@ -216,6 +216,27 @@ pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usi
         return 0;
     }
     gemm::scratch_wanted(m, n, k, batch)
+}
+
+/// The scratch bytes without which the kernel of `op` cannot run (`scratch_bytes` asks for them
+/// with the rest): an f32 copy of a half output that attention's gradient, attention's fallback
+/// for wide heads or a gather's gradient writes before narrowing it (`attention`, `gather`); 0
+/// for every other op, and for invalid or empty operands. An executor without planned scratch
+/// (the eager executor) gives a kernel this much.
+pub fn required_scratch(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
+    let Ok((_, dtype)) = kiln_compiler::ir::infer(op, inputs) else {
+        return 0;
+    };
+    let s: Vec<&Shape> = inputs.iter().map(|&(s, _)| s).collect();
+    if !matches!(crate::check::empty_case(op, &s, output), crate::check::Empty::Compute) {
+        return 0;
+    }
+    match op {
+        Op::GatherGrad { .. } => gather::scratch_wanted(output, dtype.is_half()),
+        Op::Attention { .. } => attention::scratch_wanted(&s, output, false, dtype.is_half()),
+        Op::AttentionGrad { .. } => attention::scratch_wanted(&s, output, true, dtype.is_half()),
+        _ => 0,
+    }
 }
 
 /// Generates the CUDA kernel of `op` on operands of the given shapes and dtypes producing `output`

@@ -83,9 +83,11 @@ impl CudaEager {
         if let Some(k) = self.kernels.get(&key) {
             return Ok(k.clone());
         }
-        // Built-in kernels run without scratch here; a custom op gets what it declares (the
-        // executor allocates it and passes it after the operands).
-        let scratch = kiln_compiler::custom::declared_scratch(op, types, out.0);
+        // Built-in kernels run with the scratch they cannot do without (`required_scratch`), a
+        // custom op with what it declares (the executor allocates it and passes it after the
+        // operands).
+        let scratch = kiln_compiler::custom::declared_scratch(op, types, out.0)
+            .max(cuda::required_scratch(op, types, out.0));
         let k = cuda::generate_with_scratch(op, types, out, scratch)?;
         let functions = self.driver.load(&[&k])?.remove(0);
         let launches = functions.into_iter().zip(k.launches.iter().cloned()).collect();
@@ -98,6 +100,10 @@ impl CudaEager {
 impl EagerDevice for CudaEager {
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn required_scratch(&self, op: &Op, types: &[(&Shape, DType)], output: &Shape) -> usize {
+        cuda::required_scratch(op, types, output)
     }
 
     fn write_bytes(&mut self, addr: u64, bytes: &[u8]) -> Result<()> {

@@ -23,8 +23,14 @@ pub trait EagerDevice {
         let bytes = self.read_bytes(addr, n * 4)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
+    /// The scratch bytes this device's kernel of `op` cannot run without (0 by default); the
+    /// executor takes them from its allocator around the op, as a custom op's declared scratch.
+    fn required_scratch(&self, _op: &Op, _types: &[(&Shape, DType)], _output: &Shape) -> usize {
+        0
+    }
     /// Runs `op` on operands at `inputs` writing its output at `output` (0 for effects). A
-    /// custom op that declares scratch finds it after its operands in `inputs`.
+    /// kernel with scratch (a custom op's declared scratch, or `required_scratch`) finds it
+    /// after its operands in `inputs`.
     fn run_op(
         &mut self,
         op: &Op,

@@ -285,11 +285,13 @@ impl<A: Allocator> EagerExecutor<A> {
                     )?;
                     let mut ptrs: Vec<u64> =
                         operands.iter().map(|o| storage[storage_of[o]].block.addr).collect();
-                    // A custom op's declared scratch: taken from the allocator around the op, as
-                    // frameworks take workspaces, and passed after the operands.
-                    let declared = kiln_compiler::custom::declared_scratch(op, &types, out_type.0);
+                    // A custom op's declared scratch, or what the device's kernel cannot run
+                    // without: taken from the allocator around the op, as frameworks take
+                    // workspaces, and passed after the operands.
+                    let declared = kiln_compiler::custom::declared_scratch(op, &types, out_type.0)
+                        .max(self.device.required_scratch(op, &types, out_type.0));
                     let custom_scratch =
-                        if declared > 0 { Some(self.alloc(declared, "custom op scratch")?) } else { None };
+                        if declared > 0 { Some(self.alloc(declared, "kernel scratch")?) } else { None };
                     ptrs.extend(custom_scratch.map(|b| b.addr));
                     self.device.run_op(op, &types, out_type, &ptrs, output.map_or(0, |b| b.addr))?;
                     debug_assert!(op.class() != OpClass::Source);

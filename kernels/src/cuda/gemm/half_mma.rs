@@ -4,9 +4,12 @@
 //! or f32 output, partial tiles into the scratch).
 //!
 //! Half factors are exact in the instruction's inputs, and every product of two halves is exact
-//! in f32: the result is the f32 product of the widened factors up to the order of the
-//! additions, as the FMA kernels' (which the same op widened runs) and the CPU's are. This is
-//! the path PyTorch's autocast takes for a product of half copies.
+//! in f32 (short of bf16 products beyond f32's range): the result is the f32 product of the
+//! widened factors up to how the additions round, as the FMA kernels' (which the same op
+//! widened runs) and the CPU's are. The tensor cores add in an order of their own and their f32
+//! accumulation does not round each sum to nearest as IEEE additions do, so the device differs
+//! from the FMA kernel a little more than the host's meaning of the instruction (k order, each
+//! sum rounded) shows. This is the path PyTorch's autocast takes for a product of half copies.
 //!
 //! Block: 256 threads, 8 warps as 2 x 4, a BM x BN tile (128 x 128 where the blocks fill the
 //! GPU, else 64 x 64, as the TF32 kernel) and BK = 32 of K at a time. The factors' tiles stay
@@ -65,21 +68,59 @@ impl Half {
     }
 }
 
-/// The PTX behind the functions the host header defines for itself: a 32-bit read of two
-/// halves and the two instructions.
+/// The device functions the host header defines for itself: a 32-bit read of two halves and
+/// the instruction, which needs sm_80; before it (a Turing GPU) the instruction's meaning through
+/// shuffles, as the host header computes it: the same sums in k order, slower.
 fn device_functions(h: Half) -> String {
     let t = h.ptx();
+    let f16 = h == Half::F16;
     format!(
         r#"#ifdef __CUDA_ARCH__
-#ifndef KILN_MMA_{up}
-#define KILN_MMA_{up}
+#ifndef KILN_PAIR
+#define KILN_PAIR
 __device__ __forceinline__ unsigned kiln_pair(const unsigned short* p) {{
   return *reinterpret_cast<const unsigned*>(p);
 }}
+#endif
+#if __CUDA_ARCH__ < 800
+#ifndef KILN_MMA_SHUFFLED
+#define KILN_MMA_SHUFFLED
+__device__ __forceinline__ float kiln_half_bits(unsigned bits, bool f16) {{
+  const unsigned h = bits & 0xffffu;
+  if (!f16) return __uint_as_float(h << 16);
+  const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
+  if (e == 0u) return __uint_as_float(s | __float_as_uint((float)m * (1.0f / 16777216.0f)));
+  return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+}}
+__device__ __forceinline__ void kiln_mma_shuffled(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool f16) {{
+  const int l = (int)(threadIdx.x % 32u), g = l / 4, t = l % 4;
+  for (int k = 0; k < 16; ++k) {{
+    const int src = (k % 8) / 2, hi = k >= 8, shift = (k % 2) * 16;
+    const unsigned a_lo = __shfl_sync(0xffffffffu, a[hi ? 2 : 0], 4 * g + src);
+    const unsigned a_hi = __shfl_sync(0xffffffffu, a[hi ? 3 : 1], 4 * g + src);
+    const unsigned b0 = __shfl_sync(0xffffffffu, b[hi], 4 * (2 * t) + src);
+    const unsigned b1 = __shfl_sync(0xffffffffu, b[hi], 4 * (2 * t + 1) + src);
+    const float x0 = kiln_half_bits(a_lo >> shift, f16), x1 = kiln_half_bits(a_hi >> shift, f16);
+    const float y0 = kiln_half_bits(b0 >> shift, f16), y1 = kiln_half_bits(b1 >> shift, f16);
+    d[0] = fmaf(x0, y0, d[0]);
+    d[1] = fmaf(x0, y1, d[1]);
+    d[2] = fmaf(x1, y0, d[2]);
+    d[3] = fmaf(x1, y1, d[3]);
+  }}
+}}
+#endif
+#endif
+#ifndef KILN_MMA_{up}
+#define KILN_MMA_{up}
 __device__ __forceinline__ void kiln_mma_{t}(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {{
+#if __CUDA_ARCH__ >= 800
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  kiln_mma_shuffled(d, a, b, {f16});
+#endif
 }}
 #endif
 #endif"#,
