@@ -65,6 +65,9 @@
 //!
 //!   Both variants add every product in the same order, so under the same tile their results
 //!   are the same bits (test `gemm_variants`).
+//! - Two factors of one half type (bf16 or f16, `half`) take the tensor-core kernel of
+//!   `half_mma` in every variant (its own tiles, the same sinks and split-K); a half operand of
+//!   the f32 kernels (an f32 factor beside it) is read element by element, widened as it loads.
 //! - `KILN_GEMM_TILE=BMxBNxBKxTMxTN` (e.g. `128x128x16x8x8`) forces that tile (16 x 16 threads,
 //!   no split-K) wherever it fits, under either variant: for measuring tiles on a device
 //!   (`kiln bench-gemm`), not for production.
@@ -751,10 +754,7 @@ impl Gemm {
             (&self.b, "b", tn, "n0", self.n, "in1", "b_base"),
         ] {
             c.line("{");
-            c.line(format!(
-                "const {}* __restrict__ src = {ptr};",
-                self.elems.arg(self.args[usize::from(arr == "b")])
-            ));
+            c.line(format!("const {}* __restrict__ src = {ptr};", self.factor(usize::from(arr == "b"))));
             if op.load.contains("base") {
                 c.line(format!("const {ty} base = {basev};"));
             }

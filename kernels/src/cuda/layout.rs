@@ -295,7 +295,11 @@ pub(crate) fn concat(label: &str, xs: &[&Shape], axis: usize, out: &Shape, elems
     CudaKernel {
         source: c.finish(),
         launches,
-        describe: format!("concat[axis {axis}] {}{}", parts.join(" "), if w == 4 { " (float4)" } else { "" }),
+        describe: format!(
+            "concat[axis {axis}] {}{}",
+            parts.join(" "),
+            if w == 4 { format!(" ({})", width.ty()) } else { String::new() }
+        ),
     }
 }
 
@@ -373,7 +377,11 @@ impl Window<'_> {
                 shared_bytes: 0,
                 args: vec![Arg::Input(0), Arg::Output],
             }],
-            describe: format!("{}{}", self.describe, if w == 4 { " (float4)" } else { "" }),
+            describe: format!(
+                "{}{}",
+                self.describe,
+                if w == 4 { format!(" ({})", width.ty()) } else { String::new() }
+            ),
         }
     }
 }

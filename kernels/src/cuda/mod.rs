@@ -153,8 +153,9 @@ pub fn allow_tf32() -> bool {
 pub const SCRATCH: ScratchRule = ScratchRule { name: "cuda", bytes: scratch_bytes, blocks_only_to_fit: true };
 
 /// The scratch bytes the kernel of `op` uses when given enough (`SCRATCH`); 0 for every op but
-/// the GEMM-based ones (dense convolutions only: a non-dense window's direct kernels use none)
-/// and reductions, and for invalid or empty operands (whose kernel uses none).
+/// the GEMM-based ones (dense convolutions only: a non-dense window's direct kernels use none),
+/// reductions, and the half outputs `required_scratch` names, and for invalid or empty operands
+/// (whose kernel uses none).
 pub fn scratch_bytes(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> usize {
     let Ok((_, dtype)) = kiln_compiler::ir::infer(op, inputs) else {
         return 0;
@@ -241,7 +242,8 @@ pub fn required_scratch(op: &Op, inputs: &[(&Shape, DType)], output: &Shape) -> 
 
 /// Generates the CUDA kernel of `op` on operands of the given shapes and dtypes producing `output`
 /// (for effect ops, the scalar shape that `infer` gives). Errors as `cpu::prepare`: sources and
-/// views have no kernel, only f32 is supported, and the shapes must agree with `ir::infer`.
+/// views have no kernel, f32 everywhere but f16 and bf16 in the families of `HALF_KERNELS`
+/// (and what casts and gathers' ids move), and the shapes must agree with `ir::infer`.
 pub fn generate(
     op: &Op,
     inputs: &[(&Shape, DType)],
