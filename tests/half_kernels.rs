@@ -118,9 +118,11 @@ fn both_ways(
     fuse: bool,
     expected: HalfKernels,
 ) -> [Vec<u32>; 2] {
-    let halves = on.backend().half_kernels();
+    let mut backends = [on.backend(), on.backend()];
+    let halves = backends[0].half_kernels();
+    let mut backends = backends.iter_mut();
     [halves, HalfKernels::NONE].map(|kernels| {
-        let mut backend = on.backend();
+        let backend = backends.next().expect("one backend a plan");
         let mut options = CompileOptions::default()
             .with_half_kernels(kernels)
             .with_fusion(fuse)

@@ -71,10 +71,8 @@
 //! indices included). Register use and spills (ptxas) not yet looked at; not yet timed on a
 //! device.
 
-use super::codegen::{
-    BLOCK, Code, Elems, MAX_BLOCKS, broadcast_strides, flt, grid_for, grid_loop, header, idx_type, int,
-};
-use super::{Arg, CudaKernel, Launch};
+use super::codegen::{Code, Elems, MAX_BLOCKS, broadcast_strides, flt, header, idx_type, int};
+use super::{Arg, CudaKernel, Launch, half};
 use kiln_compiler::ir::Shape;
 
 /// Threads per block of every attention kernel.
@@ -789,50 +787,28 @@ pub(crate) fn scratch_wanted(s: &[&Shape], out: &Shape, grad: bool, out_half: bo
     if staged(s, grad, out_half) { out.numel() * 4 } else { 0 }
 }
 
-/// The last launch of a staged kernel: the f32 copy in the scratch narrowed into the output.
-fn narrow(c: &mut Code, out: &Shape, elem: &str) -> Launch {
-    let n = out.numel();
-    let ty = idx_type(n);
-    c.blank();
-    c.line(format!(
-        "extern \"C\" __global__ void kiln_attention_narrow(const float* __restrict__ part, {elem}* __restrict__ out) {{"
-    ));
-    c.line(grid_loop(ty, "i", n));
-    c.line("out[i] = part[i];");
-    c.line("}");
-    c.line("}");
-    Launch {
-        function: "kiln_attention_narrow".into(),
-        grid: grid_for(n, BLOCK),
-        block: [BLOCK, 1, 1],
-        shared_bytes: 0,
-        args: vec![Arg::Scratch, Arg::Output],
-    }
-}
-
-/// The geometry of an attention op (the gradient with `grad`), and whether it is staged; an
-/// error when a staged op has less scratch than it needs.
+/// The geometry of an attention op (the gradient with `grad`), its kernels' launch arguments
+/// and whether it is staged; an error when a staged op has less scratch than it needs.
 fn geometry(
     s: &[&Shape],
     out: &Shape,
     (scale, causal, grad): (f32, bool, bool),
     (scratch, elems): (usize, &Elems),
-) -> Result<(Geo, bool), String> {
+) -> Result<(Geo, Vec<Arg>, bool), String> {
     let is_staged = staged(s, grad, !elems.output_f32());
     let need = scratch_wanted(s, out, grad, !elems.output_f32());
-    if scratch < need {
-        return Err(format!(
-            "writes its {} output through {need} bytes of f32 scratch but the step has {scratch}: compile the plan with the CUDA scratch rule (`CompileOptions::with_scratch(kiln_kernels::cuda::SCRATCH)`, as `Trainer` does)",
-            elems.output()
-        ));
+    if let Some(help) =
+        half::short_of_scratch(&format!("writes its {} output", elems.output()), need, scratch)
+    {
+        return Err(help);
     }
     let bias = s.get(if grad { 5 } else { 3 }).copied();
-    Ok((Geo::new((s[0], s[1], bias), (scale, causal), out, (elems, s.len(), is_staged)), is_staged))
-}
-
-/// The launch arguments of a kernel whose `out` parameter is the scratch when staged.
-fn staged_args(args: Vec<Arg>, is_staged: bool) -> Vec<Arg> {
-    args.into_iter().map(|a| if is_staged && a == Arg::Output { Arg::Scratch } else { a }).collect()
+    let g = Geo::new((s[0], s[1], bias), (scale, causal), out, (elems, s.len(), is_staged));
+    // A staged kernel's `out` parameter is the scratch.
+    let (_, args) = params(&g, grad);
+    let args =
+        args.into_iter().map(|a| if is_staged && a == Arg::Output { Arg::Scratch } else { a }).collect();
+    Ok((g, args, is_staged))
 }
 
 /// The kernel of `Op::Attention`: operands q, k, v and an optional bias (`s`), output `out`.
@@ -843,9 +819,7 @@ pub(crate) fn attention(
     (scale, causal): (f32, bool),
     (scratch, elems): (usize, &Elems),
 ) -> Result<CudaKernel, String> {
-    let (g, is_staged) = geometry(s, out, (scale, causal, false), (scratch, elems))?;
-    let (_, args) = params(&g, false);
-    let args = staged_args(args, is_staged);
+    let (g, args, is_staged) = geometry(s, out, (scale, causal, false), (scratch, elems))?;
     let mut c = Code::new();
     c.line(header(label, s, Some(out)));
     let fname = "kiln_attention_fwd";
@@ -863,7 +837,7 @@ pub(crate) fn attention(
             forward_rows(&mut c, &g, fname, false);
             let mut launches = vec![launch(fname, warp_blocks(g.bh * g.s), THREADS, args)];
             if is_staged {
-                launches.push(narrow(&mut c, out, elems.output()));
+                launches.push(half::narrow(&mut c, "kiln_attention_narrow", out.numel(), elems.output()));
             }
             CudaKernel {
                 source: c.finish(),
@@ -886,9 +860,7 @@ pub(crate) fn attention_grad(
     (scale, causal): (f32, bool),
     (scratch, elems): (usize, &Elems),
 ) -> Result<CudaKernel, String> {
-    let (g, is_staged) = geometry(s, out, (scale, causal, true), (scratch, elems))?;
-    let (_, args) = params(&g, true);
-    let args = staged_args(args, is_staged);
+    let (g, args, is_staged) = geometry(s, out, (scale, causal, true), (scratch, elems))?;
     let mut c = Code::new();
     c.line(header(label, s, Some(out)));
     let shape =
@@ -919,7 +891,7 @@ pub(crate) fn attention_grad(
     let mut launches: Vec<Launch> =
         names.iter().zip(blocks).map(|(f, n)| launch(f, n, THREADS, args.clone())).collect();
     if is_staged {
-        launches.push(narrow(&mut c, out, elems.output()));
+        launches.push(half::narrow(&mut c, "kiln_attention_narrow", out.numel(), elems.output()));
         how += ", f32 in scratch";
     }
     Ok(CudaKernel { source: c.finish(), launches, describe: format!("{shape} ({how}, no atomics)") })

@@ -11,7 +11,7 @@
 
 use super::cast::c_type;
 use super::codegen::{BLOCK, Code, Elems, flt, grid_for, grid_loop, header, idx_type, int, shape_text};
-use super::{Arg, CudaKernel, Launch};
+use super::{Arg, CudaKernel, Launch, half};
 use kiln_compiler::ir::{DType, Shape};
 
 /// The row index of id `id` (a variable of `dtype`) in a table of `vocab` rows, as a condition
@@ -110,11 +110,10 @@ pub(crate) fn gather_grad(
     // round as the f32 gradient's, and the result once.
     let staged = !elems.output_f32();
     let need = scratch_wanted(out, staged);
-    if scratch < need {
-        return Err(format!(
-            "adds its {} gradient up in {need} bytes of f32 scratch but the step has {scratch}: compile the plan with the CUDA scratch rule (`CompileOptions::with_scratch(kiln_kernels::cuda::SCRATCH)`, as `Trainer` does)",
-            elems.output()
-        ));
+    if let Some(help) =
+        half::short_of_scratch(&format!("adds its {} gradient up", elems.output()), need, scratch)
+    {
+        return Err(help);
     }
     let sum = if staged { Arg::Scratch } else { Arg::Output };
     let mut c = Code::new();
@@ -160,22 +159,7 @@ pub(crate) fn gather_grad(
         });
     }
     if staged {
-        c.blank();
-        c.line(format!(
-            "extern \"C\" __global__ void kiln_gather_grad_narrow(const float* __restrict__ part, {}* __restrict__ out) {{",
-            elems.output()
-        ));
-        c.line(grid_loop(ty, "e", numel));
-        c.line("out[e] = part[e];");
-        c.line("}");
-        c.line("}");
-        launches.push(Launch {
-            function: "kiln_gather_grad_narrow".into(),
-            grid: grid_for(numel, BLOCK),
-            block: [BLOCK, 1, 1],
-            shared_bytes: 0,
-            args: vec![Arg::Scratch, Arg::Output],
-        });
+        launches.push(half::narrow(&mut c, "kiln_gather_grad_narrow", numel, elems.output()));
     }
     Ok(CudaKernel {
         source: c.finish(),

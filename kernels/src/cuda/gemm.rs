@@ -118,6 +118,13 @@ fn vector(t: usize) -> bool {
     t.is_multiple_of(4)
 }
 
+/// ", K split across ..." for a kernel's description; nothing without a split.
+fn split_text(split: Option<KSplit>) -> String {
+    split.map_or(String::new(), |sp| {
+        format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
+    })
+}
+
 /// One tile configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tile {
@@ -960,9 +967,7 @@ impl Gemm {
         let groups = split.map_or(1, |sp| sp.splits);
         let launch = self.launch(groups * self.batch * tiles_m * tiles_n, t.threads(), split);
         let in_block = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
-        let across = split.map_or(String::new(), |sp| {
-            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
-        });
+        let across = split_text(split);
         (launch, format!("tile {}x{}x{}, {}x{} per thread{in_block}{across}", t.bm, t.bn, t.bk, t.tm, t.tn))
     }
 
@@ -1172,9 +1177,7 @@ impl Gemm {
         c.line("}");
         let groups = split.map_or(1, |sp| sp.splits);
         let launch = self.launch(groups * self.batch * tiles_m * tiles_n, t.threads(), split);
-        let across = split.map_or(String::new(), |sp| {
-            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
-        });
+        let across = split_text(split);
         let split = if t.split > 1 { format!(", split-K {}", t.split) } else { String::new() };
         let vectors = match (sides[0].vector, sides[1].vector) {
             (true, true) => ", float4 loads of A and B",

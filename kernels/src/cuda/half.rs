@@ -17,7 +17,8 @@
 //! same source): the CPU's rounding (the `half` crate's), a NaN either way a quiet NaN with its
 //! payload's high bits.
 
-use super::math;
+use super::codegen::{BLOCK, Code, grid_for, grid_loop, idx_type};
+use super::{Arg, Launch, math};
 use kiln_compiler::ir::{DType, Shape};
 
 /// The C type a kernel parameter of `dtype` points to: the half structs for f16 and bf16,
@@ -163,4 +164,35 @@ pub(crate) fn with_types(source: String, elems: &Elems) -> String {
     }
     let (head, rest) = source.split_once('\n').unwrap_or((&source, ""));
     format!("{head}\n{}{rest}", types())
+}
+
+/// The last launch of a kernel that keeps an f32 copy of its half output in the scratch (its
+/// running sums): `function` narrows the `n` values into the output of type `elem`, appended
+/// to `c`.
+pub(crate) fn narrow(c: &mut Code, function: &str, n: usize, elem: &str) -> Launch {
+    c.blank();
+    c.line(format!(
+        "extern \"C\" __global__ void {function}(const float* __restrict__ part, {elem}* __restrict__ out) {{"
+    ));
+    c.line(grid_loop(idx_type(n), "i", n));
+    c.line("out[i] = part[i];");
+    c.line("}");
+    c.line("}");
+    Launch {
+        function: function.into(),
+        grid: grid_for(n, BLOCK),
+        block: [BLOCK, 1, 1],
+        shared_bytes: 0,
+        args: vec![Arg::Scratch, Arg::Output],
+    }
+}
+
+/// An error's help when a kernel that keeps its half output's f32 copy in the scratch (`what`
+/// it does) has `have` bytes of scratch and needs `need`; `None` when it has enough.
+pub(crate) fn short_of_scratch(what: &str, need: usize, have: usize) -> Option<String> {
+    (have < need).then(|| {
+        format!(
+            "{what} through {need} bytes of f32 scratch but the step has {have}: compile the plan with the CUDA scratch rule (`CompileOptions::with_scratch(kiln_kernels::cuda::SCRATCH)`, as `Trainer` does)"
+        )
+    })
 }

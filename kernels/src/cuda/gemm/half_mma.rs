@@ -30,7 +30,8 @@
 //! Not measured on a GPU yet. What it lacks against cuBLAS: one shared stage (two barriers a K
 //! tile), element loads from global memory, mma.sync rather than Hopper's wgmma and TMA.
 
-use super::{GROUP, Gemm, KSplit};
+use super::tf32::mma_accumulators;
+use super::{GROUP, Gemm, KSplit, split_text};
 use crate::cuda::Launch;
 use crate::cuda::codegen::{Code, int};
 
@@ -70,7 +71,8 @@ impl Half {
 
 /// The device functions the host header defines for itself: a 32-bit read of two halves and
 /// the instruction, which needs sm_80; before it (a Turing GPU) the instruction's meaning through
-/// shuffles, as the host header computes it: the same sums in k order, slower.
+/// shuffles, as the host header computes it: the same sums in k order, slower (the halves
+/// widened by the source's own conversions, `half::types`).
 fn device_functions(h: Half) -> String {
     let t = h.ptx();
     let f16 = h == Half::F16;
@@ -85,14 +87,6 @@ __device__ __forceinline__ unsigned kiln_pair(const unsigned short* p) {{
 #if __CUDA_ARCH__ < 800
 #ifndef KILN_MMA_SHUFFLED
 #define KILN_MMA_SHUFFLED
-__device__ __forceinline__ float kiln_half_bits(unsigned bits, bool f16) {{
-  const unsigned h = bits & 0xffffu;
-  if (!f16) return __uint_as_float(h << 16);
-  const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1fu) return __uint_as_float(s | 0x7f800000u | (m << 13));
-  if (e == 0u) return __uint_as_float(s | __float_as_uint((float)m * (1.0f / 16777216.0f)));
-  return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
-}}
 __device__ __forceinline__ void kiln_mma_shuffled(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool f16) {{
   const int l = (int)(threadIdx.x % 32u), g = l / 4, t = l % 4;
   for (int k = 0; k < 16; ++k) {{
@@ -101,8 +95,11 @@ __device__ __forceinline__ void kiln_mma_shuffled(float (&d)[4], const unsigned 
     const unsigned a_hi = __shfl_sync(0xffffffffu, a[hi ? 3 : 1], 4 * g + src);
     const unsigned b0 = __shfl_sync(0xffffffffu, b[hi], 4 * (2 * t) + src);
     const unsigned b1 = __shfl_sync(0xffffffffu, b[hi], 4 * (2 * t + 1) + src);
-    const float x0 = kiln_half_bits(a_lo >> shift, f16), x1 = kiln_half_bits(a_hi >> shift, f16);
-    const float y0 = kiln_half_bits(b0 >> shift, f16), y1 = kiln_half_bits(b1 >> shift, f16);
+    const unsigned short h[4] = {{(unsigned short)(a_lo >> shift), (unsigned short)(a_hi >> shift),
+                                  (unsigned short)(b0 >> shift), (unsigned short)(b1 >> shift)}};
+    float v[4];
+    for (int e = 0; e < 4; ++e) v[e] = f16 ? kiln_f16_to_f32(h[e]) : kiln_bf16_to_f32(h[e]);
+    const float x0 = v[0], x1 = v[1], y0 = v[2], y1 = v[3];
     d[0] = fmaf(x0, y0, d[0]);
     d[1] = fmaf(x0, y1, d[1]);
     d[2] = fmaf(x1, y0, d[2]);
@@ -136,7 +133,6 @@ impl Gemm {
         let (bm, bn) = self.mma_tile(split);
         let (wtm, wtn) = (bm / WM, bn / WN);
         let (mi, ni) = (wtm / 16, wtn / 8);
-        let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
         let iters = split.map_or(self.k, |sp| sp.chunk).div_ceil(BK);
         let name = &self.function(split);
         let sides = [("a", &self.a, self.m, bm, self.factor(0)), ("b", &self.b, self.n, bn, self.factor(1))];
@@ -185,14 +181,7 @@ impl Gemm {
         self.block_origin(c, bm, bn, true, split);
         c.line("unsigned short* const As = smem;");
         c.line(format!("unsigned short* const Bs = smem + {};", bm * LDK));
-        c.line(format!("float acc[{mi}][{ni}][4];"));
-        c.line("#pragma unroll");
-        c.line(format!("for (int i = 0; i < {mi}; ++i) {{"));
-        c.line("#pragma unroll");
-        c.line(format!("for (int j = 0; j < {ni}; ++j) {{"));
-        c.line("acc[i][j][0] = 0.0f; acc[i][j][1] = 0.0f; acc[i][j][2] = 0.0f; acc[i][j][3] = 0.0f;");
-        c.line("}");
-        c.line("}");
+        mma_accumulators(c, mi, ni);
         c.line(format!("unsigned short ra[{}], rb[{}];", loads(bm), loads(bn)));
         let k_start = split.map_or("0".to_string(), |sp| format!("ks * {}", int(sp.chunk)));
         c.line(format!("{ty} k0 = {k_start};"));
@@ -258,30 +247,9 @@ impl Gemm {
         c.line("}");
         c.line("__syncthreads();");
         c.line("}");
-        // acc[i][j][r]: row g (+8 for r >= 2), column 2q (+1 for odd r) of m16n8 tile (i, j).
-        c.line("#pragma unroll");
-        c.line(format!("for (int i = 0; i < {mi}; ++i) {{"));
-        c.line("#pragma unroll");
-        c.line(format!("for (int j = 0; j < {ni}; ++j) {{"));
-        c.line("#pragma unroll");
-        c.line("for (int r = 0; r < 4; ++r) {");
-        c.line(format!("const {ty} gm = m0 + wm * {wtm} + i * 16 + g + (r / 2) * 8;"));
-        c.line(format!("const {ty} gn = n0 + wn * {wtn} + j * 8 + 2 * q + r % 2;"));
-        c.line(format!(
-            "if (gm < {} && gn < {}) {}",
-            int(self.m),
-            int(self.n),
-            self.store("acc[i][j][r]", split)
-        ));
-        c.line("}");
-        c.line("}");
-        c.line("}");
-        c.line("}");
-        let groups = split.map_or(1, |sp| sp.splits);
-        let launch = self.launch(groups * self.batch * tiles_m * tiles_n, GROUP, split);
-        let across = split.map_or(String::new(), |sp| {
-            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
-        });
+        self.mma_stores(c, (wtm, wtn), (mi, ni), split);
+        let launch = self.mma_launch((bm, bn), split);
+        let across = split_text(split);
         (launch, format!("{} tensor cores, tile {bm}x{bn}x{BK}{across}", h.ptx()))
     }
 }

@@ -31,7 +31,7 @@
 //! the eight products of an m16n8k8 in an order of their own, so host and device agree to
 //! rounding.
 
-use super::{GROUP, Gemm, KSplit, SMS, Side};
+use super::{GROUP, Gemm, KSplit, SMS, Side, split_text};
 use crate::cuda::Launch;
 use crate::cuda::codegen::{Code, int};
 
@@ -77,7 +77,6 @@ impl Gemm {
             Side::new(("a", self.factor(0)), &self.a, self.m, bm, lda, BK, "ra"),
             Side::new(("b", self.factor(1)), &self.b, self.n, bn, ldb, BK, "rb"),
         ];
-        let (tiles_m, tiles_n) = (self.m.div_ceil(bm), self.n.div_ceil(bn));
         let iters = split.map_or(self.k, |sp| sp.chunk).div_ceil(BK);
         let name = &self.function(split);
         c.line(DEVICE_FUNCTIONS);
@@ -98,14 +97,7 @@ impl Gemm {
         self.block_origin(c, bm, bn, true, split);
         c.line("float* const As = smem;");
         c.line(format!("float* const Bs = smem + {};", BK * lda));
-        c.line(format!("float acc[{mi}][{ni}][4];"));
-        c.line("#pragma unroll");
-        c.line(format!("for (int i = 0; i < {mi}; ++i) {{"));
-        c.line("#pragma unroll");
-        c.line(format!("for (int j = 0; j < {ni}; ++j) {{"));
-        c.line("acc[i][j][0] = 0.0f; acc[i][j][1] = 0.0f; acc[i][j][2] = 0.0f; acc[i][j][3] = 0.0f;");
-        c.line("}");
-        c.line("}");
+        mma_accumulators(c, mi, ni);
         for s in &sides {
             c.line(format!("{} {}[{}];", s.element(), s.reg, s.loads));
         }
@@ -187,7 +179,29 @@ impl Gemm {
             c.line("}");
         }
         c.line("}");
-        // acc[i][j][r]: row g (+8 for r >= 2), column 2q (+1 for odd r) of m16n8 tile (i, j).
+        self.mma_stores(c, (wtm, wtn), (mi, ni), split);
+        let launch = self.mma_launch((bm, bn), split);
+        let vectors = match (sides[0].vector, sides[1].vector) {
+            (true, true) => ", float4 loads of A and B",
+            (true, false) => ", float4 loads of A",
+            (false, true) => ", float4 loads of B",
+            (false, false) => "",
+        };
+        let across = split_text(split);
+        (launch, format!("TF32 tensor cores, tile {bm}x{bn}x{BK}{vectors}{across}"))
+    }
+
+    /// The tensor-core kernels' last lines (this and `half_mma`): each thread's m16n8
+    /// accumulators `acc[i][j][r]` (row g, +8 for r >= 2; column 2q, +1 for odd r, of tile
+    /// (i, j) of its warp's `wtm` x `wtn` tile) through the sink, then the kernel's closing brace.
+    pub(super) fn mma_stores(
+        &self,
+        c: &mut Code,
+        (wtm, wtn): (usize, usize),
+        (mi, ni): (usize, usize),
+        split: Option<KSplit>,
+    ) {
+        let ty = self.ty;
         c.line("#pragma unroll");
         c.line(format!("for (int i = 0; i < {mi}; ++i) {{"));
         c.line("#pragma unroll");
@@ -206,17 +220,23 @@ impl Gemm {
         c.line("}");
         c.line("}");
         c.line("}");
-        let groups = split.map_or(1, |sp| sp.splits);
-        let launch = self.launch(groups * self.batch * tiles_m * tiles_n, GROUP, split);
-        let vectors = match (sides[0].vector, sides[1].vector) {
-            (true, true) => ", float4 loads of A and B",
-            (true, false) => ", float4 loads of A",
-            (false, true) => ", float4 loads of B",
-            (false, false) => "",
-        };
-        let across = split.map_or(String::new(), |sp| {
-            format!(", K split across {} block groups of {} (scratch)", sp.splits, sp.chunk)
-        });
-        (launch, format!("TF32 tensor cores, tile {bm}x{bn}x{BK}{vectors}{across}"))
     }
+
+    /// The launch of a tensor-core kernel of `bm` x `bn` block tiles.
+    pub(super) fn mma_launch(&self, (bm, bn): (usize, usize), split: Option<KSplit>) -> Launch {
+        let groups = split.map_or(1, |sp| sp.splits);
+        self.launch(groups * self.batch * self.m.div_ceil(bm) * self.n.div_ceil(bn), GROUP, split)
+    }
+}
+
+/// `float acc[mi][ni][4]`, zeroed: a thread's m16n8 accumulators in the tensor-core kernels.
+pub(super) fn mma_accumulators(c: &mut Code, mi: usize, ni: usize) {
+    c.line(format!("float acc[{mi}][{ni}][4];"));
+    c.line("#pragma unroll");
+    c.line(format!("for (int i = 0; i < {mi}; ++i) {{"));
+    c.line("#pragma unroll");
+    c.line(format!("for (int j = 0; j < {ni}; ++j) {{"));
+    c.line("acc[i][j][0] = 0.0f; acc[i][j][1] = 0.0f; acc[i][j][2] = 0.0f; acc[i][j][3] = 0.0f;");
+    c.line("}");
+    c.line("}");
 }
