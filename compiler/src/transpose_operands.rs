@@ -19,6 +19,10 @@
 //!   product with its operands swapped and flags flipped: (A·B)ᵀ = Bᵀ·Aᵀ. This is the gradient
 //!   of a transposed parameter (autodiff runs before the pipeline): the tied head's table
 //!   gradient was hᵀ·g, [d, vocab], then a [vocab, d] copy; it is now gᵀ·h, made as stored.
+//!   Casts between the product and the permute (a mixed-precision product rounded to its half
+//!   type, `autocast`) move below the permute, as each element's conversion allows: the
+//!   gradient of a transposed weight's half copy is then made as stored too, and its update
+//!   can compute it (`product_updates`).
 //!
 //! Every element is the same sum over k in the same order: the CPU's products sum each element
 //! as one chain of fused multiply-adds per 512 of k whatever the operands' strides and whatever
@@ -98,32 +102,49 @@ pub fn rewrite(graph: &mut Graph) -> Result<TransposeFigures> {
     }
 }
 
-/// Permute(A·B) of the last two axes, the product read by the permute alone: Bᵀ·Aᵀ.
+/// Permute(A·B) of the last two axes, the product read by the permute alone: Bᵀ·Aᵀ. Casts
+/// between the two (a half product rounded, `autocast`), each read by the next alone, move
+/// below the permute: a cast converts each element where it lies.
 fn products_of_results(graph: &mut Graph) -> usize {
     let permutes: Vec<NodeId> = graph.node_ids().filter(|&n| last_two_permute(graph, n).is_some()).collect();
     let mut done = 0;
     for p in permutes {
-        let Some(mm) = last_two_permute(graph, p) else { continue };
+        let Some(mut mm) = last_two_permute(graph, p) else { continue };
+        // The casts between the permute and the product, nearest the permute first.
+        let mut casts = Vec::new();
+        while matches!(graph.node(mm).op, Op::Cast { .. }) {
+            casts.push(mm);
+            let Some(&below) = graph.operands(mm).first() else { break };
+            mm = below;
+        }
         let Op::MatMul { transpose_a, transpose_b } = graph.node(mm).op else { continue };
         let operands = graph.operands(mm);
         let [a, b] = operands[..] else { continue };
-        let alone = graph.users(mm) == [p]
-            && !is_output(graph, mm)
-            && graph.control_successors(mm).is_empty()
-            && graph.control_predecessors(p).is_empty()
-            && graph.node(mm).device == graph.node(p).device;
+        // Each node of the chain read by the next alone, and ordered by nothing else.
+        let mut chain = vec![mm];
+        chain.extend(casts.iter().rev());
+        chain.push(p);
+        let alone = chain.windows(2).all(|w| {
+            graph.users(w[0]) == [w[1]]
+                && !is_output(graph, w[0])
+                && graph.control_successors(w[0]).is_empty()
+                && graph.control_predecessors(w[1]).is_empty()
+                && graph.node(w[0]).device == graph.node(p).device
+        });
         if !alone {
             continue;
         }
         let shape = graph.node(p).shape.clone();
-        let node = graph.node_mut(mm);
-        node.op = Op::MatMul { transpose_a: !transpose_b, transpose_b: !transpose_a };
-        node.shape = shape;
-        graph.set_operands(mm, &[b, a]);
-        for s in graph.control_successors(p) {
-            graph.add_control(mm, s);
+        for &n in &chain[..chain.len() - 1] {
+            graph.node_mut(n).shape = shape.clone();
         }
-        graph.replace_uses(p, mm);
+        graph.node_mut(mm).op = Op::MatMul { transpose_a: !transpose_b, transpose_b: !transpose_a };
+        graph.set_operands(mm, &[b, a]);
+        let last = chain[chain.len() - 2];
+        for s in graph.control_successors(p) {
+            graph.add_control(last, s);
+        }
+        graph.replace_uses(p, last);
         graph.remove(p);
         done += 1;
     }
@@ -301,5 +322,25 @@ mod tests {
             Op::Input { name: "b".into(), shape: [6, 5].into(), dtype: crate::ir::DType::F32 }
         );
         assert_eq!(graph.node(mm).shape.dims(), [5, 4]);
+    }
+
+    #[test]
+    fn a_transposed_rounded_product_swaps_its_operands_below_its_casts() {
+        use crate::ir::DType;
+        let t = Tracer::new("rounded result");
+        let a = t.input("a", [6, 4]).cast(DType::BF16);
+        let b = t.input("b", [6, 5]).cast(DType::BF16);
+        // The gradient of a transposed weight's bf16 copy, widened for its f32 master.
+        let g = a.matmul_t(&b, true, false).cast(DType::BF16).permute(&[1, 0]).cast(DType::F32);
+        t.output("g", &g);
+        let (graph, figures) = rewritten(t);
+        assert_eq!(figures, TransposeFigures { operands: 0, results: 1, removed: 0 });
+        assert_eq!(permutes(&graph), 0);
+        assert_eq!(flags(&graph), [(true, false)]);
+        let mm = graph.node_ids().find(|&n| matches!(graph.node(n).op, Op::MatMul { .. })).unwrap();
+        let [round] = graph.users(mm)[..] else { panic!("the product has one reader") };
+        assert_eq!(graph.node(round).op, Op::Cast { to: DType::BF16 });
+        assert_eq!(graph.node(mm).shape.dims(), [5, 4]);
+        assert_eq!(graph.node(round).shape.dims(), [5, 4]);
     }
 }
