@@ -467,3 +467,75 @@ fn half_tensor_core_products_are_exact_on_whole_numbers() {
         }
     }
 }
+
+/// An update computing its weight gradient from half factors (`ir::Grad::Product`, as a
+/// mixed-precision step folds it: `kiln::compiler::product_updates`), on whole numbers: plain
+/// SGD with a learning rate of 1 from zero leaves minus the exact product rounded once to the
+/// half type, on the host and on the emulated device (its tensor cores, tiles of 64 x 64 and a
+/// ragged edge).
+#[test]
+fn half_product_updates_round_the_exact_product_once() {
+    use kiln::compiler::ir::{DeviceId, Grad, Init, Node, VarRole};
+    let (m, r, c) = (300usize, 70usize, 45usize);
+    let whole = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * 5 + seed * 11) % 7) as f32 + if i % 3 == 0 { -2.0 } else { 1.0 }).collect()
+    };
+    let (av, bv) = (whole(m * r, 1), whole(m * c, 2));
+    for half in [DType::BF16, DType::F16] {
+        let mut g = Graph::new("half product update");
+        let node = |op: Op, shape: Shape, dtype: DType| Node {
+            op,
+            shape,
+            dtype,
+            device: DeviceId(0),
+            name: None,
+            origin: None,
+        };
+        let var = Op::Variable {
+            key: "w".into(),
+            shape: Shape::new([r, c]),
+            dtype: DType::F32,
+            role: VarRole::Parameter,
+            init: Init::Zeros,
+        };
+        let w = g.add(node(var, Shape::new([r, c]), DType::F32), &[]);
+        let mut factor = |name: &str, cols: usize| {
+            let shape = Shape::new([m, cols]);
+            let input = Op::Input { name: name.into(), shape: shape.clone(), dtype: DType::F32 };
+            let x = g.add(node(input, shape.clone(), DType::F32), &[]);
+            g.add(node(Op::Cast { to: half }, shape, half), &[x])
+        };
+        let (a, b) = (factor("a", r), factor("b", c));
+        let sgd =
+            Op::ApplySgd { lr: 1.0, momentum: 0.0, nesterov: false, rows: None, product: false, shard: None }
+                .update_in(None, Grad::Product);
+        g.add(node(sgd, Shape::scalar(), DType::F32), &[w, a, b]);
+        let exact: Vec<f32> =
+            (0..r * c).map(|e| (0..m).map(|k| av[k * r + e / c] * bv[k * c + e % c]).sum()).collect();
+        let round = |v: f32| match half {
+            DType::F16 => half::f16::from_f32(v).to_f32(),
+            _ => half::bf16::from_f32(v).to_f32(),
+        };
+        assert!(exact.iter().any(|&v| round(v) != v), "{half}: some sums round");
+        let at = HostTensor::new(Shape::new([m, r]), av.clone()).unwrap();
+        let bt = HostTensor::new(Shape::new([m, c]), bv.clone()).unwrap();
+        for on in On::all() {
+            let mut backend = on.backend();
+            let options = CompileOptions::default()
+                .with_half_kernels(backend.half_kernels())
+                .with_scratch(backend.scratch_rule());
+            let plan = compile(g.clone(), &options).unwrap();
+            if on == On::Emulated {
+                let kernels = kiln::runtime::cuda::plan_kernels(&plan).unwrap();
+                let update = kernels.iter().find(|k| k.describe.starts_with("apply_sgd")).unwrap();
+                assert!(update.describe.contains("tensor cores"), "{}", update.describe);
+            }
+            let id = backend.load(plan).unwrap();
+            backend.call(id, &[("a", &at), ("b", &bt)]).unwrap();
+            let got = backend.read_variable("w").unwrap();
+            for (e, (&v, &x)) in got.data().iter().zip(&exact).enumerate() {
+                assert_eq!(v, -round(x), "{on:?} {half}: element ({}, {}) of -{x} rounded", e / c, e % c);
+            }
+        }
+    }
+}

@@ -9,7 +9,8 @@ use kiln::compiler::ir::{DType, DeviceId, Graph, Init, Node, Op, Shape, VarRole}
 use kiln::compiler::losses::Loss;
 use kiln::compiler::optim::{Adam, Optimizer, Sgd};
 use kiln::compiler::product_updates::{Selection, fold};
-use kiln::compiler::step::{TrainConfig, train_step_graph};
+use kiln::compiler::step::{TrainConfig, train_step_graph, train_step_graph_with};
+use kiln::compiler::widen::HalfKernels;
 use kiln::prelude::*;
 use kiln::runtime::{Backend, CpuBackend, HostTensor};
 use kiln::zoo;
@@ -83,7 +84,7 @@ fn random_dense_steps_train_bitwise_with_every_update_folded() {
         let (xs, ys) = (Shape::new([batch, features]), Shape::new([batch, classes]));
         let graph = train_step_graph(&model, &xs, &ys, &config).unwrap();
         let mut scheduled = kiln::compiler::optimize(graph.clone()).unwrap().graph;
-        let n = fold(&mut scheduled, Selection::All).unwrap();
+        let n = fold(&mut scheduled, Selection::All, HalfKernels::ALL).unwrap();
         assert_eq!(n, depth + 1, "case {case}: every dense kernel's update folds");
         let folded = compile(scheduled, &plain()).unwrap();
         let unfused = compile(graph, &plain()).unwrap();
@@ -105,7 +106,7 @@ fn the_reference_interpreter_agrees_with_the_folded_plan() {
     let m = zoo::by_name("mlp").unwrap().with_batch(16);
     let graph = train_step_graph(&m.model(), m.x_shape(), m.y_shape(), &m.config()).unwrap();
     let mut g = kiln::compiler::optimize(graph).unwrap().graph;
-    assert_eq!(fold(&mut g, Selection::All).unwrap(), 3);
+    assert_eq!(fold(&mut g, Selection::All, HalfKernels::ALL).unwrap(), 3);
     let order = schedule::schedule(&g).unwrap();
     let plan = compile(g.clone(), &plain()).unwrap();
     let (x, y) = m.batch_data(2).unwrap();
@@ -139,5 +140,56 @@ fn an_update_that_writes_its_own_factor_is_not_folded() {
     let sgd =
         Op::ApplySgd { lr: 0.1, momentum: 0.0, nesterov: false, rows: None, product: false, shard: None };
     g.add(node(sgd, &Shape::scalar()), &[w, grad]);
-    assert_eq!(fold(&mut g, Selection::All).unwrap(), 0);
+    assert_eq!(fold(&mut g, Selection::All, HalfKernels::ALL).unwrap(), 0);
+}
+
+/// Mixed precision: a weight's gradient is its half copy's, the product of half factors rounded
+/// to the half type and widened to the f32 master weight's (`autocast`). The update folds the
+/// product with both casts, reads the half factors and rounds each element itself: every dense
+/// layer's update folds, and the plan trains bitwise as the unfused one. An f16 step gates its
+/// updates on finite gradients (its loss scaling reads every gradient first) and a backend
+/// without half products would read the factors widened: neither folds.
+#[test]
+fn mixed_precision_updates_fold_their_half_gradients_and_train_bitwise_the_same() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for case in 0..4 {
+        let common::DenseCase { model, depth, batch, features, classes } = common::random_dense(&mut rng);
+        let optimizer: Optimizer =
+            if case % 2 == 0 { Adam::new(1e-3).into() } else { Sgd::new(0.05).momentum(0.9).into() };
+        let config = TrainConfig { loss: Loss::SoftmaxCrossEntropy, optimizer, metrics: vec![] };
+        let (xs, ys) = (Shape::new([batch, features]), Shape::new([batch, classes]));
+        let step = |precision| train_step_graph_with(&model, &xs, &ys, &config, 1, precision).unwrap();
+        let graph = step(Precision::BF16);
+        let optimized = kiln::compiler::optimize(graph.clone()).unwrap().graph;
+        let folds = |kernels| fold(&mut optimized.clone(), Selection::All, kernels).unwrap();
+        assert_eq!(folds(HalfKernels::NONE), 0, "case {case}: no half products, no folds");
+        let f16 = kiln::compiler::optimize(step(Precision::F16)).unwrap().graph;
+        assert_eq!(fold(&mut f16.clone(), Selection::All, HalfKernels::ALL).unwrap(), 0, "case {case}: f16");
+        let mut scheduled = optimized;
+        assert_eq!(fold(&mut scheduled, Selection::All, HalfKernels::ALL).unwrap(), depth + 1, "case {case}");
+        let half_factors = scheduled.node_ids().any(|n| {
+            matches!(
+                scheduled.node(n).op,
+                Op::ApplyAdam { product: true, .. } | Op::ApplySgd { product: true, .. }
+            ) && scheduled.operands(n)[1..3].iter().all(|&f| scheduled.node(f).dtype == DType::BF16)
+        });
+        assert!(half_factors, "case {case}: the folded updates read bf16 factors");
+        let folded = compile(scheduled, &plain()).unwrap();
+        let unfused = compile(graph, &plain()).unwrap();
+        let x = HostTensor::from_fn(xs.clone(), |_| rng.random::<f32>() - 0.5).unwrap();
+        let mut y = HostTensor::zeros(ys.clone()).unwrap();
+        for row in y.data_mut().chunks_mut(classes) {
+            row[rng.random_range(0..classes)] = 1.0;
+        }
+        let what = format!("bf16 case {case}: depth {depth}, batch {batch}, features {features}");
+        assert_same_training(&folded, &unfused, &[("x", &x), ("y", &y)], 2, &what);
+    }
+    // Compiled as any plan is: the search keeps product updates where they plan smaller.
+    let m = zoo::by_name("mlp").unwrap();
+    let graph =
+        train_step_graph_with(&m.model(), m.x_shape(), m.y_shape(), &m.config(), 1, Precision::BF16).unwrap();
+    let folded = compile(graph.clone(), &CompileOptions::default()).unwrap();
+    assert!(folded.memory.product_updates >= 2, "{}", folded.memory.schedule);
+    let (x, y) = m.with_batch(256).batch_data(3).unwrap();
+    assert_same_training(&folded, &compile(graph, &plain()).unwrap(), &[("x", &x), ("y", &y)], 2, "mlp bf16");
 }

@@ -29,9 +29,26 @@
 //! arena 4.75 -> 3.96 MB, every weight gradient gone from it), res-mlp 0.924 -> 0.919; plan
 //! steps seed-mlp 27 -> 20, mlp 47 -> 26. CPU step time unchanged (`cargo bench --bench speed`:
 //! mlp fused/unfused 0.99): the blocks run in parallel, one thread each.
+//!
+//! In a mixed-precision step (`autocast`) a weight's gradient is its half copy's: the product
+//! of half factors, summed in f32, rounded to the half type and widened to the f32 master
+//! weight's type by the cast's gradient — a chain of the product and two casts (fused into one
+//! op or not). It folds as a whole: the update reads the half factors, and its kernel rounds
+//! each element of its tile to their type before applying it, the bits of the chain (the CPU
+//! widens the factors a panel at a time as its products do, `Gemm::run_mixed`; the CUDA kernel
+//! runs the tensor-core tile and rounds in the store). A transposed weight's gradient (a
+//! permute of the rounded product, as torch.onnx writes `x·Wᵀ`) has its permute folded into
+//! the product first (`transpose_operands`). Only where the backend computes products in half
+//! (`HalfKernels::PRODUCTS`), and never an update gated on finite gradients (f16's loss
+//! scaling reads every gradient before any update). Measured (`kiln memory --precision bf16`,
+//! planned totals): the zoo's mlp 27,607,292 -> 26,960,124 B, EfficientNet-B0 at batch 32
+//! 931 -> 920 MB; the cnn, the transformer, GPT-2, BERT-base, ViT-B/16 and ResNet-50 are
+//! unchanged, their peaks at the end of the forward pass, where no weight gradient lives yet.
 
 use crate::error::Result;
-use crate::ir::{Grad, Graph, NodeId, Op};
+use crate::ir::fused::{Inst, Ref};
+use crate::ir::{DType, Grad, Graph, NodeId, Op};
+use crate::widen::HalfKernels;
 
 /// Which updates `fold` folds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,39 +65,64 @@ pub enum Selection {
 }
 
 /// Folds the updates `selection` picks among those whose gradient is a lone `aᵀ·b` into product
-/// updates; returns how many.
-pub fn fold(graph: &mut Graph, selection: Selection) -> Result<usize> {
-    let candidates: Vec<(NodeId, NodeId)> = graph
+/// updates; returns how many. A product of half factors folds only where `kernels` compute
+/// products in half (`HalfKernels::PRODUCTS`): the update reads the half factors themselves.
+pub fn fold(graph: &mut Graph, selection: Selection, kernels: HalfKernels) -> Result<usize> {
+    let candidates: Vec<(NodeId, Chain)> = graph
         .effects()
         .into_iter()
-        .filter_map(|e| foldable(graph, e).map(|g| (e, g)))
-        .filter(|&(e, g)| selection == Selection::All || pays(graph, e, g))
+        .filter_map(|e| foldable(graph, e, kernels).map(|c| (e, c)))
+        .filter(|(e, c)| selection == Selection::All || pays(graph, *e, c))
         .collect();
-    for &(effect, grad) in &candidates {
-        replace(graph, effect, grad);
+    for (effect, chain) in &candidates {
+        replace(graph, *effect, chain);
     }
     Ok(candidates.len())
 }
 
-/// The gradient node of `effect` when it can be folded.
-fn foldable(graph: &Graph, effect: NodeId) -> Option<NodeId> {
+/// What an update's gradient is made of when it can be folded: the product `aᵀ·b` and the
+/// nodes between it and the update, the gradient the update reads last. A product of half
+/// factors is summed in f32 (`DType::accumulated`), rounded to the half type and widened back
+/// to the f32 master weight's type (`autocast`: the half copy's gradient, as PyTorch's
+/// autocast makes a weight's gradient): (product, rounding, widening), which a product update
+/// whose factors are half computes (`ir::Grad::Product`). f32 factors: the product alone.
+struct Chain {
+    nodes: Vec<NodeId>,
+}
+
+impl Chain {
+    fn product(&self) -> NodeId {
+        self.nodes[0]
+    }
+
+    fn gradient(&self) -> NodeId {
+        self.nodes[self.nodes.len() - 1]
+    }
+}
+
+/// The gradient chain of `effect` when it can be folded.
+fn foldable(graph: &Graph, effect: NodeId, kernels: HalfKernels) -> Option<Chain> {
     let node = graph.node(effect);
     if node.op.update_grad() != Some(Grad::Operand)
         || matches!(node.op, Op::ApplySgd { rows: Some(_), .. } | Op::ApplyAdam { rows: Some(_), .. })
+        || node.op.update_gate(graph.operands(effect).len()).is_some()
     {
         return None;
     }
     let operands = graph.operands(effect);
     let (var, grad) = (*operands.first()?, *operands.get(1)?);
-    let g = graph.node(grad);
-    if !matches!(g.op, Op::MatMul { transpose_a: true, transpose_b: false })
+    let chain = chain(graph, grad, kernels)?;
+    let only_read_onward = chain.nodes.windows(2).all(|w| graph.users(w[0]) == [w[1]]);
+    let outputs = chain.nodes.iter().any(|n| graph.outputs().iter().any(|(_, o)| o == n));
+    if !only_read_onward
         || graph.users(grad) != [effect]
-        || graph.outputs().iter().any(|(_, o)| *o == grad)
-        || g.device != node.device
+        || outputs
+        || chain.nodes.iter().any(|&n| graph.node(n).device != node.device)
     {
         return None;
     }
-    let factors = graph.operands(grad);
+    let g = graph.node(chain.product());
+    let factors = graph.operands(chain.product());
     let [a, b] = factors.as_slice() else { return None };
     let (sa, sb) = (&graph.node(*a).shape, &graph.node(*b).shape);
     let w = &graph.node(var).shape;
@@ -88,26 +130,74 @@ fn foldable(graph: &Graph, effect: NodeId) -> Option<NodeId> {
     // The kernel reads the factors while it writes the variable and its state.
     let apart = factors_apart(graph, effect, &factors);
     let devices = factors.iter().all(|&f| graph.node(f).device == node.device);
-    // The folded op runs where both ran: nothing the product must precede may have to run
+    // The folded op runs where the chain ran: nothing the chain must precede may have to run
     // before the update.
-    let acyclic = graph
-        .successors(grad)
-        .filter(|&s| s != effect)
-        .all(|s| !petgraph::algo::has_path_connecting(graph.petgraph(), s, effect, None));
-    (shapes && apart && devices && acyclic).then_some(grad)
+    let acyclic = chain.nodes.iter().all(|&n| {
+        graph
+            .successors(n)
+            .filter(|s| *s != effect && !chain.nodes.contains(s))
+            .all(|s| !petgraph::algo::has_path_connecting(graph.petgraph(), s, effect, None))
+    });
+    (shapes && apart && devices && acyclic).then_some(chain)
+}
+
+/// `grad` as a product update computes it: `aᵀ·b` of f32 factors, or of half factors rounded
+/// to their type and widened to f32 (`Chain`): the product alone or fused with its casts
+/// (`fusion`), and cast nodes after it.
+fn chain(graph: &Graph, grad: NodeId, kernels: HalfKernels) -> Option<Chain> {
+    let product = Op::MatMul { transpose_a: true, transpose_b: false };
+    // From the gradient back to the product: the cast nodes, then the product's node.
+    let mut nodes = vec![grad];
+    let mut casts = Vec::new();
+    let mut at = grad;
+    while let Op::Cast { to } = graph.node(at).op {
+        casts.push(to);
+        let [below] = graph.operands(at)[..] else { return None };
+        at = below;
+        nodes.push(at);
+    }
+    nodes.reverse();
+    casts.reverse();
+    // The casts a fused product applies to its value, in order, before those of the nodes.
+    let fused_casts = match &graph.node(at).op {
+        op if *op == product => Vec::new(),
+        Op::Fused(f)
+            if f.product().as_ref() == Some(&product) && f.reduce.is_none() && f.epilogue.is_empty() =>
+        {
+            let mut own = Vec::new();
+            for (j, inst) in f.insts.iter().enumerate() {
+                let from = if j == 0 { Ref::Operand(0) } else { Ref::Value(j as u32 - 1) };
+                match *inst {
+                    Inst::Cast(to, r) if r == from => own.push(to),
+                    _ => return None,
+                }
+            }
+            own
+        }
+        _ => return None,
+    };
+    let factors: Vec<DType> = graph.operands(at).iter().map(|&f| graph.node(f).dtype).collect();
+    let [fa, fb] = factors[..] else { return None };
+    let all_casts: Vec<DType> = fused_casts.into_iter().chain(casts).collect();
+    let computed = match all_casts[..] {
+        [] => fa == DType::F32,
+        [h, DType::F32] => h.is_half() && fa == h && kernels.contains(HalfKernels::PRODUCTS),
+        _ => false,
+    };
+    (computed && fa == fb && graph.node(grad).dtype == DType::F32).then_some(Chain { nodes })
 }
 
 /// Whether folding `effect` with its gradient `grad` saves at least what it may cost
 /// (`Selection::Paying`).
-fn pays(graph: &Graph, effect: NodeId, grad: NodeId) -> bool {
-    let Some(&a) = graph.operands(grad).first() else { return false };
+fn pays(graph: &Graph, effect: NodeId, chain: &Chain) -> bool {
+    let Some(&a) = graph.operands(chain.product()).first() else { return false };
     let readers_of_old = graph.control_predecessors(effect);
     let writes_over_a = |u: NodeId| {
         let node = graph.node(u);
         graph.operands(u).iter().enumerate().any(|(i, &o)| o == a && node.op.may_write_over(i, &node.shape))
     };
     let held = graph.users(a).into_iter().any(|u| readers_of_old.contains(&u) && writes_over_a(u));
-    !held || graph.node(grad).bytes() >= graph.node(a).bytes()
+    !held || graph.node(chain.gradient()).bytes() >= graph.node(a).bytes()
 }
 
 /// The node whose buffer `id` is: through reshapes (views) to their source.
@@ -137,21 +227,28 @@ fn root(graph: &Graph, mut id: NodeId) -> NodeId {
     id
 }
 
-/// Makes `effect` a product update reading `grad`'s factors, and removes `grad`, whose
+/// Makes `effect` a product update reading the chain's factors, and removes the chain, whose
 /// ordering (control) edges the update takes. The update is changed in place rather than
 /// replaced: removing a node walks the edge lists of its neighbours, and the iteration counter
 /// every Adam update reads has thousands (a 100k-node graph folded 4,688 updates in 345 ms
 /// that way, 3 ms this way).
-fn replace(graph: &mut Graph, effect: NodeId, grad: NodeId) {
+fn replace(graph: &mut Graph, effect: NodeId, chain: &Chain) {
     let operands = graph.operands(effect);
-    let factors = graph.operands(grad);
-    let before = graph.control_predecessors(grad);
-    let after: Vec<NodeId> = graph.successors(grad).filter(|&s| s != effect).collect();
+    let factors = graph.operands(chain.product());
+    let mut before = Vec::new();
+    let mut after = Vec::new();
+    for &n in &chain.nodes {
+        before.extend(graph.control_predecessors(n));
+        after.extend(graph.successors(n).filter(|s| *s != effect && !chain.nodes.contains(s)));
+    }
+    before.retain(|p| !chain.nodes.contains(p));
     let mut reads = vec![operands[0]];
     reads.extend(&factors);
     reads.extend(&operands[2..]);
     graph.set_operands(effect, &reads);
-    graph.remove(grad);
+    for &n in chain.nodes.iter().rev() {
+        graph.remove(n);
+    }
     let op = graph.node(effect).op.update_in(None, Grad::Product);
     graph.node_mut(effect).op = op;
     for p in before {

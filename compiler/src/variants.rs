@@ -176,7 +176,7 @@ fn updates(
             return Ok(None);
         }
         let mut g = graph.clone();
-        let n = product_updates::fold(&mut g, selection)?;
+        let n = product_updates::fold(&mut g, selection, options.half_kernels)?;
         Ok((n > 0).then_some((g, n)))
     };
     if graph.len() >= SEARCH_PLACES_ALL_BELOW {

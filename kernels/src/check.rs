@@ -33,6 +33,13 @@ pub(crate) fn check(
         (Op::Gather, Some(1)) | (Op::GatherGrad { .. }, Some(0)) => {
             matches!(d, DType::F32 | DType::I32 | DType::I64)
         }
+        // An update computing its weight gradient (`ir::Grad::Product`) from half factors: a
+        // product's kernel reads them; the variable and its state are f32.
+        (Op::ApplySgd { product: true, .. } | Op::ApplyAdam { product: true, .. }, Some(1 | 2))
+            if halves.contains(HalfKernels::PRODUCTS) =>
+        {
+            d.is_float()
+        }
         _ if halves.computes(op) => d.is_float(),
         _ => d == DType::F32,
     };

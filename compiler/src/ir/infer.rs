@@ -618,11 +618,29 @@ fn infer_type(op: &Op, operands: &[(&Shape, DType)]) -> Result<(Shape, DType), O
                         "a product update takes a[M, R] and b[M, C] (M > 0) for a whole [R, C] variable",
                     );
                 }
-                same_dtype(&[0, 1, 2])?;
+                // Half factors of an f32 variable: their product is rounded to their type
+                // and widened, as the half copy's gradient is (`Grad::Product`).
+                let factors = same_dtype(&[1, 2])?;
+                if factors != dtype(0) && !(factors.is_half() && dtype(0) == DType::F32) {
+                    return err(
+                        format!("the gradient's factors are {factors} but the variable is {}", dtype(0)),
+                        "a product update's factors have the variable's type, or a half type for an f32 variable",
+                    );
+                }
             } else if shape(1) != &grad_shape {
                 return err(
                     format!("the gradient has shape {} but the update writes {grad_shape}", shape(1)),
                     "the gradient must have the variable's shape (or the updated rows')",
+                );
+            }
+            let factors: &[usize] = if *product { &[1, 2] } else { &[] };
+            let gate = op.update_gate(operands.len());
+            if let Some(i) = (1..operands.len())
+                .find(|&i| !factors.contains(&i) && Some(i) != gate && dtype(i) != dtype(0))
+            {
+                return err(
+                    format!("operand {i} is {} but the variable is {}", dtype(i), dtype(0)),
+                    "an update's gradient, state and counter have the variable's type",
                 );
             }
             if let Some(&i) = state.iter().find(|&&i| shape(i) != var) {

@@ -854,7 +854,10 @@ pub enum Grad {
     Operand,
     /// Operands 1 and 2 are a[M, R] and b[M, C] and the gradient is aᵀ·b, [R, C]: the update's
     /// kernel computes it block by block and applies each block as it goes, so the gradient is
-    /// never stored (`product_updates`). The state follows from operand 3 on.
+    /// never stored (`product_updates`). The state follows from operand 3 on. Factors of a half
+    /// type (an f32 variable's, in a mixed-precision step) are summed in f32 and each element
+    /// rounded once to their type before it is applied: the gradient of the weight's half
+    /// copy, widened to the master weight's type, as the unfolded step makes it.
     Product,
 }
 

@@ -222,12 +222,13 @@ pub fn prepare(
             matmul::matmul_rows(s[0], s[1], *rows, out, [inputs[0].1, inputs[1].1, dt])
         }
         Op::ApplySgd { lr, momentum, nesterov, rows, product, shard } => {
-            optim::sgd(*lr, *momentum, *nesterov, &s, (*rows, *product, *shard, op.update_gate(s.len())))
+            let factors = product.then(|| inputs[1].1);
+            optim::sgd(*lr, *momentum, *nesterov, &s, (*rows, factors, *shard, op.update_gate(s.len())))
         }
         Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => optim::adam(
             [*lr, *beta1, *beta2, *epsilon],
             &s,
-            (*rows, *product, *shard, op.update_gate(s.len())),
+            (*rows, product.then(|| inputs[1].1), *shard, op.update_gate(s.len())),
         ),
         Op::AssignAdd { value } => optim::assign_add(*value, s[0], op.update_gate(s.len())),
         Op::UpdateLossScale { growth, backoff, interval } => {

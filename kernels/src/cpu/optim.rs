@@ -19,13 +19,17 @@
 //! each into a tile of at most 256 KiB (as a fused product written over its operand does,
 //! `fused`) and applied from there: the same GEMM on fewer rows, so the results are bitwise
 //! those of the whole product stored and then applied. Blocks run in parallel, one thread and
-//! one tile each.
+//! one tile each. Half factors (a mixed-precision step's) are widened a panel at a time
+//! (`Gemm::run_mixed`) and each element of the tile rounded to their type before it is applied:
+//! the bits of the half product stored, widened by a cast and applied.
 
+use super::cast::round_to;
 use super::fused::TILE_FLOATS;
 use super::matmul::{Gemm, SERIAL_MACS};
+use super::mixed_gemm::Matrix;
 use super::par::{SendPtr, par_ranges};
 use super::{CpuKernel, shape_text};
-use kiln_compiler::ir::{Grad, Rows, Shape, Shard};
+use kiln_compiler::ir::{DType, Grad, Rows, Shape, Shard};
 use rayon::prelude::*;
 use std::slice;
 use std::sync::Mutex;
@@ -122,8 +126,11 @@ impl Rule {
 }
 
 /// The gradient of a product update (`ir::Grad::Product`): aᵀ·b for a[M, R], b[M, C], made
-/// `block` rows at a time into the kernel's tile.
+/// `block` rows at a time into the kernel's tile; of half factors, summed in f32 and each
+/// element rounded to their type (the half copy's gradient, widened).
 struct Product {
+    /// The factors' type: f32, or the half type the gradient is rounded to.
+    factors: DType,
     /// One whole block's GEMM: block rows of aᵀ (columns of a, read in place) by b.
     gemm: Gemm,
     rows: usize,
@@ -160,8 +167,9 @@ struct Update {
     desc: String,
 }
 
-/// Where an update writes and from what: (rows, product, shard, gate operand) of the op.
-pub(crate) type At = (Option<Rows>, bool, Option<Shard>, Option<usize>);
+/// Where an update writes and from what: (rows, the factors' type where the gradient is a
+/// product, shard, gate operand) of the op.
+pub(crate) type At = (Option<Rows>, Option<DType>, Option<Shard>, Option<usize>);
 
 /// The gate's factor for a run: None where the gate is not finite (the update is skipped), 1
 /// for an ungated update.
@@ -212,8 +220,8 @@ fn update(rule: Rule, name: String, shapes: &[&Shape], at: At) -> Box<dyn CpuKer
         }
         None => (offset, 0, offset, n, part),
     };
-    let grad = if product { Grad::Product } else { Grad::Operand };
-    let product = product.then(|| {
+    let grad = if product.is_some() { Grad::Product } else { Grad::Operand };
+    let product = product.map(|factors| {
         let (m, r, c) = (shapes[1].dims()[0], var.dims()[0], var.dims()[1]);
         // At most a tile's rows; as many blocks as a multiple of the pool's threads, so that
         // the blocks made in parallel share the threads evenly.
@@ -223,6 +231,7 @@ fn update(rule: Rule, name: String, shapes: &[&Shape], at: At) -> Box<dyn CpuKer
         let blocks = if blocks > 1 { blocks.div_ceil(threads) * threads } else { 1 };
         let block = r.div_ceil(blocks).clamp(1, most);
         Product {
+            factors,
             gemm: Gemm { m: block, n: c, k: m, a: (1, r as isize), b: (c as isize, 1), out_rs: c as isize },
             rows: r,
             // Below the threshold the whole product would run on one thread (`matmul`): so do
@@ -288,7 +297,7 @@ impl CpuKernel for Update {
             return;
         };
         let (block, cols) = (p.gemm.m, p.gemm.n);
-        let (a, b) = (SendPtr::new(inputs[1] as *mut f32), SendPtr::new(inputs[2] as *mut f32));
+        let (a, b) = (SendPtr::new(inputs[1]), SendPtr::new(inputs[2]));
         let blocks = p.rows.div_ceil(block);
         // Block i: rows i·block.. of the gradient into `tile`, then applied; GEMM and update on
         // the rayon pool when `parallel`.
@@ -308,13 +317,19 @@ impl CpuKernel for Update {
                 unscale,
             };
             // SAFETY: columns r0..r0 + rows of a[M, R] (strides (1, R) as rows of aᵀ) and b[M, C]
-            // are valid (`ir::infer` checked the factors against the variable [R, C]); the tile
+            // are valid, elements of the type both hold (`ir::infer` checked the factors against
+            // the variable [R, C], and their one type, `p.factors` from the step); the tile
             // holds block x C floats and belongs to this block alone. The update then runs over
             // this block's rows x C elements of the variable and state, which no other block
             // touches (distinct variables, neither a factor: `product_updates` folds no update
             // that writes its own factor).
             unsafe {
-                Gemm { m: rows, ..p.gemm }.run(a.get().add(r0), b.get(), tile.as_mut_ptr(), false, parallel);
+                let (a, b) =
+                    (Matrix::new(a.get(), p.factors).at(r0 as isize), Matrix::new(b.get(), p.factors));
+                Gemm { m: rows, ..p.gemm }.run_mixed(a, b, Matrix::F32(tile.as_mut_ptr()), false, parallel);
+                if p.factors.is_half() {
+                    tile[..rows * cols].iter_mut().for_each(|g| *g = round_to(p.factors, *g));
+                }
                 self.rule.apply(run, rows * cols, parallel);
             }
         };

@@ -434,14 +434,14 @@ fn generate_typed(
             (*lr, *momentum, *nesterov),
             (*rows, *product, *shard, op.update_gate(s.len()).is_some()),
             &s,
-            scratch,
+            (scratch, e),
         ),
         Op::ApplyAdam { lr, beta1, beta2, epsilon, rows, product, shard } => optim::adam(
             l,
             [*lr, *beta1, *beta2, *epsilon],
             (*rows, *product, *shard, op.update_gate(s.len()).is_some()),
             &s,
-            scratch,
+            (scratch, e),
         ),
         Op::AssignAdd { value } => optim::assign_add(l, *value, s[0], op.update_gate(s.len()).is_some()),
         Op::UpdateLossScale { growth, backoff, interval } => {

@@ -194,7 +194,7 @@ impl Rule {
     /// The kernel that computes the gradient aᵀ·b (a[M, R] = operand 1, b[M, C] = operand 2)
     /// with the tiled GEMM and applies each product as it would store it: the gradient is
     /// never in memory. The state follows from operand 3.
-    fn product_kernel(self, label: &str, shapes: &[&Shape], scratch: usize) -> CudaKernel {
+    fn product_kernel(self, label: &str, shapes: &[&Shape], scratch: usize, e: &Elems) -> CudaKernel {
         let (var, a, b) = (shapes[0], shapes[1], shapes[2]);
         let (r, cols, m) = product_dims(shapes);
         let ty = idx_type(shapes.iter().map(|s| s.numel()).max().unwrap_or(0));
@@ -206,6 +206,10 @@ impl Rule {
             if with_alpha { ", float alpha" } else { "" },
             names.iter().map(|n| format!("float* __restrict__ {n}")).collect::<Vec<_>>().join(", ")
         );
+        // Half factors: the gradient is their product rounded to their type (`ir::Grad::Product`).
+        if !e.input_f32(1) {
+            definition.push_str(&format!("{{ {} rounded; rounded = g; g = rounded; }}\n", e.input(1)));
+        }
         for l in self.constants.iter().chain(&self.body) {
             definition.push_str(l);
             definition.push('\n');
@@ -242,7 +246,7 @@ impl Rule {
                 call,
             }),
             scratch,
-            elems: Elems::default(),
+            elems: e.clone(),
         };
         let mut c = Code::new();
         c.line(header(label, shapes, None));
@@ -303,11 +307,11 @@ fn update(
     label: &str,
     (rows, product, shard, gated): At,
     shapes: &[&Shape],
-    scratch: usize,
+    (scratch, e): (usize, &Elems),
 ) -> CudaKernel {
     // `ir::infer` refuses a gated product update: the gate reads the stored gradient.
     if product && !gated {
-        rule.product_kernel(label, shapes, scratch)
+        rule.product_kernel(label, shapes, scratch, e)
     } else {
         let span = Span::of(shapes[0], shapes[1], rows, shard);
         rule.kernel(label, shapes[0], &span, shapes, gated)
@@ -328,13 +332,19 @@ pub(crate) fn sgd(
     (lr, momentum, nesterov): (f32, f32, bool),
     at: At,
     shapes: &[&Shape],
-    scratch: usize,
+    scratch: (usize, &Elems),
 ) -> CudaKernel {
     update(sgd_rule(lr, momentum, nesterov), label, at, shapes, scratch)
 }
 
 /// `hyper` is (lr, beta1, beta2, epsilon), `at` (rows, product, shard, gated) of the op.
-pub(crate) fn adam(label: &str, hyper: [f32; 4], at: At, shapes: &[&Shape], scratch: usize) -> CudaKernel {
+pub(crate) fn adam(
+    label: &str,
+    hyper: [f32; 4],
+    at: At,
+    shapes: &[&Shape],
+    scratch: (usize, &Elems),
+) -> CudaKernel {
     update(adam_rule(hyper), label, at, shapes, scratch)
 }
 
