@@ -41,9 +41,9 @@
 //! the product first (`transpose_operands`). Only where the backend computes products in half
 //! (`HalfKernels::PRODUCTS`), and never an update gated on finite gradients (f16's loss
 //! scaling reads every gradient before any update). Measured (`kiln memory --precision bf16`,
-//! planned totals): the zoo's mlp 27,607,292 -> 26,960,124 B, EfficientNet-B0 at batch 32
-//! 931 -> 920 MB; the cnn, the transformer, GPT-2, BERT-base, ViT-B/16 and ResNet-50 are
-//! unchanged, their peaks at the end of the forward pass, where no weight gradient lives yet.
+//! planned totals): the zoo's mlp 27,607,292 -> 26,960,124 B; the cnn, the transformer and the
+//! real-scale steps (GPT-2, BERT-base, ViT-B/16, ResNet-50, EfficientNet-B0) are unchanged, their
+//! peaks at the end of the forward pass, where no weight gradient lives yet.
 
 use crate::error::Result;
 use crate::ir::fused::{Inst, Ref};
