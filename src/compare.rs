@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::zoo::ZooModel;
-use kiln_compiler::ir::{DType, Graph};
+use kiln_compiler::ir::{DType, Graph, Shape};
 use kiln_compiler::step::{forward_graph_with, train_step_graph_with};
 use kiln_compiler::{CompileOptions, Plan, Precision, compile, optimize};
 use kiln_runtime::HostTensor;
@@ -229,20 +229,24 @@ pub fn feeds_for(graph: &Graph, seed: u64) -> Result<Vec<(String, HostTensor)>> 
                 kiln_compiler::ir::Op::Input { name, .. } => name.clone(),
                 _ => unreachable!("Graph::inputs lists input nodes"),
             };
-            let n = node.shape.numel();
-            // Exact inputs (ids, masks) get id 0 / true: valid for any table.
-            let t = match node.dtype {
-                DType::I32 => HostTensor::from_i32(node.shape.clone(), vec![0; n])?,
-                DType::I64 => HostTensor::from_i64(node.shape.clone(), vec![0; n])?,
-                DType::Bool => HostTensor::from_bool(node.shape.clone(), vec![true; n])?,
-                _ => HostTensor::new(
-                    node.shape.clone(),
-                    (0..n).map(|_| rand::RngExt::random_range(&mut rng, 0.0f32..1.0)).collect(),
-                )?,
-            };
-            Ok((name, t))
+            Ok((name, random_input(&node.shape, node.dtype, &mut rng)?))
         })
         .collect()
+}
+
+/// An input of `shape` and `dtype` for a run without data: floats uniform in [0, 1) from
+/// `rng`; exact inputs (ids, masks) id 0 / true, valid for any table.
+pub fn random_input(shape: &Shape, dtype: DType, rng: &mut rand::rngs::StdRng) -> Result<HostTensor> {
+    let n = shape.numel();
+    Ok(match dtype {
+        DType::I32 => HostTensor::from_i32(shape.clone(), vec![0; n])?,
+        DType::I64 => HostTensor::from_i64(shape.clone(), vec![0; n])?,
+        DType::Bool => HostTensor::from_bool(shape.clone(), vec![true; n])?,
+        _ => HostTensor::new(
+            shape.clone(),
+            (0..n).map(|_| rand::RngExt::random_range(rng, 0.0f32..1.0)).collect(),
+        )?,
+    })
 }
 
 /// At most how many times `compare_graph` compiles a graph to time its plan (the median is

@@ -125,6 +125,37 @@ enum Command {
         #[arg(long, default_value = "f32")]
         precision: String,
     },
+    /// Run an ONNX model's forward pass on inputs from .npz, .npy or safetensors files (or random
+    /// ones), print its outputs and write them to a file; with --bench, time it.
+    Run {
+        /// The model file (.onnx).
+        model: String,
+        /// A .npz, .npy or safetensors file of inputs, each named as the model's input it feeds
+        /// (an .npy file by its stem). Repeatable. Without one: floats uniform in [0, 1), ids 0.
+        #[arg(long, value_name = "PATH")]
+        input: Vec<PathBuf>,
+        /// Write every output here, by name: .npz, .npy (one output) or .safetensors.
+        #[arg(long, value_name = "PATH")]
+        output: Option<PathBuf>,
+        /// Batch size: every input's first axis (default: the file's).
+        #[arg(long)]
+        batch: Option<usize>,
+        /// Size a symbolic dimension of the model's inputs: NAME=N. Repeatable.
+        #[arg(long, value_name = "NAME=N")]
+        dim: Vec<String>,
+        /// CPU threads the kernels run on (default: RAYON_NUM_THREADS, or one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Time this many runs after two warm-up runs and print the median and spread.
+        #[arg(long, value_name = "N")]
+        bench: Option<usize>,
+        /// Where to run: cpu, or gpu (the first visible CUDA device); default: the best present.
+        #[arg(long)]
+        device: Option<String>,
+        /// f32, or bf16 / f16 mixed precision (products in the half type).
+        #[arg(long, default_value = "f32")]
+        precision: String,
+    },
     /// Replay PyTorch's recorded allocation streams (scripts/peers/torch_stream.py) beside kiln's
     /// eager column and plans.
     TorchStream {
@@ -307,6 +338,12 @@ fn main() -> ExitCode {
         Command::RenderDocs { check } => return render_docs(check),
         Command::Train { model, batch, steps, dim, data, cpu, precision } => precision_flag(&precision)
             .and_then(|p| train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu, p)),
+        Command::Run { model, input, output, batch, dim, threads, bench, device, precision } => {
+            precision_flag(&precision).and_then(|precision| {
+                let run = RunArgs { input: &input, output: output.as_deref(), threads, bench };
+                run_onnx(&model, batch, &dim, device.as_deref(), precision, run)
+            })
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -593,6 +630,111 @@ fn read_model(path: &str) -> kiln::Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| {
         invalid(format!("cannot read the model {path}: {e}"), "check the path to the .onnx file".into())
     })
+}
+
+/// What `kiln run` reads, writes and times.
+struct RunArgs<'a> {
+    input: &'a [PathBuf],
+    output: Option<&'a Path>,
+    threads: Option<usize>,
+    bench: Option<usize>,
+}
+
+/// `kiln run model.onnx`: the forward pass on inputs from files (`kiln::onnx::runner`).
+fn run_onnx(
+    path: &str,
+    batch: Option<usize>,
+    dims: &[String],
+    device: Option<&str>,
+    precision: kiln::compiler::Precision,
+    args: RunArgs,
+) -> kiln::Result<()> {
+    use kiln::onnx::runner::{Runner, RunnerOptions};
+    let bad =
+        |what: String, help: &str| kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(what, help));
+    kiln::onnx::train::flags(batch, dims)?;
+    if args.bench == Some(0) {
+        return Err(bad("--bench 0 times no run".into(), "pass --bench N with N at least 1"));
+    }
+    if let Some(n) = args.threads {
+        if n == 0 {
+            return Err(bad("--threads 0 runs nothing".into(), "pass --threads N with N at least 1"));
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| {
+            bad(format!("cannot start {n} threads: {e}"), "pass fewer threads, or none (one per core)")
+        })?;
+    }
+    let (device, why) = match device {
+        None => kiln::Device::best(),
+        Some("cpu") => (kiln::Device::cpu(), "--device cpu".to_string()),
+        Some("gpu" | "cuda") => match kiln::Device::best() {
+            (d @ kiln::Device::Cuda(_), why) => (d, why),
+            (_, why) => return Err(bad(format!("--device gpu: {why}"), "run on the CPU (--device cpu)")),
+        },
+        Some(other) => {
+            return Err(bad(format!("unknown device `{other}`"), "pass --device cpu or --device gpu"));
+        }
+    };
+    let mut feeds = std::collections::BTreeMap::new();
+    for file in args.input {
+        for (name, t) in kiln::onnx::tensors::read(file)? {
+            if feeds.insert(name.clone(), t).is_some() {
+                return Err(bad(format!("input `{name}` is in two --input files"), "pass each input once"));
+            }
+        }
+    }
+    let options =
+        RunnerOptions { batch, dims: dims.to_vec(), device: device.clone(), precision, ..Default::default() };
+    let started = std::time::Instant::now();
+    let mut runner = Runner::open(path, &options)?;
+    println!(
+        "kiln: {path} on {} ({why}){}, loaded in {:.2} s",
+        runner.describe(),
+        in_precision(precision),
+        started.elapsed().as_secs_f64()
+    );
+    for i in runner.inputs() {
+        println!("  input  {} {} {}", i.name, i.dtype, i.shape);
+    }
+    let feeds: Vec<(String, kiln::runtime::HostTensor)> =
+        if args.input.is_empty() { runner.random_inputs(0)? } else { feeds.into_iter().collect() };
+    let fed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let outputs = runner.run(&fed)?;
+    for (name, t) in &outputs {
+        println!("  output {name} {} {}: {}", t.dtype(), t.shape(), summary(t));
+    }
+    if let Some(out) = args.output {
+        kiln::onnx::tensors::write(out, &outputs)?;
+        println!("wrote {}", out.display());
+    }
+    if let Some(n) = args.bench {
+        runner.run(&fed)?;
+        let mut ms = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = std::time::Instant::now();
+            runner.run(&fed)?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        ms.sort_by(f64::total_cmp);
+        let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "{n} runs: median {:.3} ms, min {:.3}, max {:.3}, p10-p90 {:.3}-{:.3} ms",
+            at(0.5),
+            ms[0],
+            ms[ms.len() - 1],
+            at(0.1),
+            at(0.9)
+        );
+    }
+    Ok(())
+}
+
+/// The first values of `t`, and its mean.
+fn summary(t: &kiln::runtime::HostTensor) -> String {
+    let data = t.data();
+    let first: Vec<String> = data.iter().take(4).map(|v| format!("{v:.6}")).collect();
+    let mean = data.iter().map(|&v| f64::from(v)).sum::<f64>() / data.len().max(1) as f64;
+    format!("[{}{}] mean {mean:.6}", first.join(", "), if data.len() > 4 { ", ..." } else { "" })
 }
 
 /// `kiln train model.onnx`: the imported model trained as a layer (`kiln::onnx::train`).

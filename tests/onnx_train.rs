@@ -374,7 +374,7 @@ fn data_files_from_numpy_npz() {
     let f64s: Vec<u8> = (0..16).flat_map(|i| f64::from(i).to_le_bytes()).collect();
     let big: Vec<u8> = (0..16i64).flat_map(|i| i.to_be_bytes()).collect();
     for (array, want) in [
-        (npy("<f8", false, &[2, 8], &f64s), "is <f8"),
+        (npy("<c8", false, &[2, 8], &f64s), "is <c8"),
         (npy("<i8", true, &[2, 8], &ids), "Fortran order"),
         (npy(">i8", false, &[2, 8], &big), "big-endian"),
         (npy("<i8", false, &[2, 8, 1000000000000], &ids), "stores 128 bytes"),
@@ -384,4 +384,12 @@ fn data_files_from_numpy_npz() {
         let e = kiln::onnx::train::read_data(&path).err().unwrap().to_string();
         assert!(e.contains("array `input_ids`") && e.contains(want) && e.contains("np.savez"), "{e}");
     }
+    // float64, NumPy's default, is read rounded to f32.
+    write_npz(
+        &path,
+        &[("input_ids", npy("<i8", false, &[2, 8], &ids)), ("y", npy("<f8", false, &[2, 8], &f64s))],
+        false,
+    );
+    let batch = kiln::onnx::train::read_data(&path).unwrap();
+    assert_eq!(batch.y.data(), (0..16).map(|i| i as f32).collect::<Vec<_>>());
 }

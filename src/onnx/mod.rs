@@ -59,6 +59,8 @@ mod norm;
 pub mod npz;
 pub mod proto;
 mod reduce;
+pub mod runner;
+pub mod tensors;
 pub mod train;
 
 use crate::error::{Error, Result};

@@ -1,9 +1,10 @@
-//! NumPy's `.npz` batches for `kiln train --data`: a zip archive (`np.savez`, stored, or
+//! NumPy's `.npz` archives for `kiln train --data` and `kiln run --input`: a zip archive (`np.savez`, stored, or
 //! `np.savez_compressed`, deflated) of `.npy` arrays, one per model input and the targets `y`.
 //!
 //! The archive is read with the `zip` crate and each array's header with `npyz`; the data after
 //! the header is taken as it is stored. Accepted: little-endian (or one-byte) `float32`,
-//! `int32`, `int64` and `bool` arrays in C order, whose stored bytes are exactly their shape's
+//! `int32`, `int64` and `bool` arrays in C order (and `float64`, NumPy's default, rounded to
+//! f32, and `float16`, widened), whose stored bytes are exactly their shape's
 //! (checked before any tensor is made, so a header that claims more than the file holds is an
 //! error, not an allocation). Anything else is an error naming the array and saying how to write
 //! it.
@@ -58,10 +59,10 @@ pub fn read(path: &Path) -> Result<Vec<(String, HostTensor)>> {
     Ok(out)
 }
 
-const HELP: &str = "store C-ordered float32, int32, int64 or bool arrays (np.savez(path, input_ids=ids.astype(np.int64), y=y.astype(np.float32)))";
+pub(crate) const HELP: &str = "store C-ordered float32 (or float64, float16), int32, int64 or bool arrays (np.savez(path, input_ids=ids.astype(np.int64), y=y.astype(np.float32)))";
 
 /// One `.npy` array from its bytes, or what is wrong with it.
-fn array(bytes: &[u8]) -> std::result::Result<HostTensor, String> {
+pub(crate) fn array(bytes: &[u8]) -> std::result::Result<HostTensor, String> {
     let npy = npyz::NpyFile::new(bytes).map_err(|e| format!("has no .npy header: {e}"))?;
     let header = npy.header().clone();
     let data: &[u8] = npy.into_inner();
@@ -73,6 +74,8 @@ fn array(bytes: &[u8]) -> std::result::Result<HostTensor, String> {
     };
     let dtype = match (ty.type_char(), ty.size_field()) {
         (TypeChar::Float, 4) => DType::F32,
+        // NumPy's default float type, rounded to f32 (to nearest), and f16, widened exactly.
+        (TypeChar::Float, 8 | 2) => DType::F32,
         (TypeChar::Int, 4) => DType::I32,
         (TypeChar::Int, 8) => DType::I64,
         (TypeChar::Bool, 1) => DType::Bool,
@@ -83,9 +86,22 @@ fn array(bytes: &[u8]) -> std::result::Result<HostTensor, String> {
     }
     let dims: Option<Vec<usize>> = header.shape().iter().map(|&d| usize::try_from(d).ok()).collect();
     let shape = Shape::new(dims.ok_or("has a dimension too large for this machine")?);
-    let want = shape.checked_numel().and_then(|n| n.checked_mul(dtype.size_bytes()));
+    let size = usize::try_from(ty.size_field()).map_err(|_| format!("is {ty}"))?;
+    let want = shape.checked_numel().and_then(|n| n.checked_mul(size));
     if want != Some(data.len()) {
-        return Err(format!("claims {dtype}{shape} but stores {} bytes of data", data.len()));
+        return Err(format!("claims {ty}{shape} but stores {} bytes of data", data.len()));
     }
-    HostTensor::from_bytes(shape, dtype, data).map_err(|e| e.to_string())
+    let values: Option<Vec<f32>> = match (ty.type_char(), size) {
+        (TypeChar::Float, 8) => Some(
+            data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32).collect(),
+        ),
+        (TypeChar::Float, 2) => {
+            Some(data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
+        }
+        _ => None,
+    };
+    match values {
+        Some(v) => HostTensor::new(shape, v).map_err(|e| e.to_string()),
+        None => HostTensor::from_bytes(shape, dtype, data).map_err(|e| e.to_string()),
+    }
 }

@@ -238,16 +238,7 @@ pub struct Batch {
 /// archive, `np.savez`) is read by `npz::read`. A tensor of another dtype, or no `y`, is an
 /// error naming it.
 pub fn read_data(path: &Path) -> Result<Batch> {
-    let mut tensors: std::collections::BTreeMap<String, HostTensor> = if super::npz::is_npz(path) {
-        super::npz::read(path)?.into_iter().collect()
-    } else {
-        let checkpoint = kiln_runtime::checkpoint::read(path)?;
-        let mut tensors = checkpoint.tensors;
-        if !checkpoint.other_dtypes.is_empty() {
-            tensors.extend(read_exact_tensors(path, &checkpoint.other_dtypes)?);
-        }
-        tensors.into_iter().collect()
-    };
+    let mut tensors = super::tensors::read(path)?;
     let y = tensors.remove("y").ok_or_else(|| {
         invalid(
             format!("{} holds no tensor `y`", path.display()),
@@ -260,58 +251,6 @@ pub fn read_data(path: &Path) -> Result<Batch> {
         _ => HostTensor::new(y.shape().clone(), y.data().to_vec())?,
     };
     Ok(Batch { inputs: tensors.into_iter().collect(), y })
-}
-
-/// The tensors `dtypes` names (all of the file's tensors that are not F32, F16 or BF16), read
-/// from the safetensors file at `path`, whose header `checkpoint::read` has checked: I32, I64
-/// and BOOL.
-fn read_exact_tensors(
-    path: &Path,
-    dtypes: &std::collections::BTreeMap<String, String>,
-) -> Result<Vec<(String, HostTensor)>> {
-    let bytes = std::fs::read(path).map_err(|e| {
-        invalid(format!("cannot read {}: {e}", path.display()), "check the path of the --data file")
-    })?;
-    let malformed = || {
-        invalid(
-            format!("{} is not a safetensors file", path.display()),
-            "write the batch with a safetensors writer",
-        )
-    };
-    let n = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(malformed)?;
-    let header_end = usize::try_from(n).ok().and_then(|n| n.checked_add(8)).ok_or_else(malformed)?;
-    let header: serde_json::Value =
-        serde_json::from_slice(bytes.get(8..header_end).ok_or_else(malformed)?).map_err(|_| malformed())?;
-    let mut out = Vec::new();
-    for (name, dtype) in dtypes {
-        let dtype = match dtype.as_str() {
-            "I32" => DType::I32,
-            "I64" => DType::I64,
-            "BOOL" => DType::Bool,
-            other => {
-                return Err(invalid(
-                    format!("{}: tensor `{name}` is {other}", path.display()),
-                    "store inputs and targets as F32, I32, I64 or BOOL",
-                ));
-            }
-        };
-        let entry = &header[name.as_str()];
-        let dims: Option<Vec<usize>> = entry["shape"]
-            .as_array()
-            .and_then(|a| a.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect());
-        let range = entry["data_offsets"].as_array().and_then(|a| match a.as_slice() {
-            [b, e] => Some((usize::try_from(b.as_u64()?).ok()?, usize::try_from(e.as_u64()?).ok()?)),
-            _ => None,
-        });
-        let (Some(dims), Some((b, e))) = (dims, range) else { return Err(malformed()) };
-        let data = header_end
-            .checked_add(b)
-            .zip(header_end.checked_add(e))
-            .and_then(|(b, e)| bytes.get(b..e))
-            .ok_or_else(malformed)?;
-        out.push((name.clone(), HostTensor::from_bytes(Shape::new(dims), dtype, data)?));
-    }
-    Ok(out)
 }
 
 /// The training step an imported model is planned and trained with: the mean squared error
