@@ -699,6 +699,9 @@ fn run_onnx(
     let feeds: Vec<(String, kiln::runtime::HostTensor)> =
         if args.input.is_empty() { runner.random_inputs(0)? } else { feeds.into_iter().collect() };
     let fed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    // Checked and converted once: the runs time the model alone.
+    let feeds = runner.prepare(&fed)?;
+    let fed: Vec<(&str, &kiln::runtime::HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let outputs = runner.run(&fed)?;
     for (name, t) in &outputs {
         println!("  output {name} {} {}: {}", t.dtype(), t.shape(), summary(t));

@@ -117,7 +117,7 @@ fn a_runner_refuses_inputs_the_model_does_not_take_with_what_to_do() {
     type Case<'a> = (Vec<(&'a str, &'a HostTensor)>, &'a [&'a str]);
     let cases: [Case; 5] = [
         (vec![("x", &x), ("ids", &ids), ("z", &x)], &["no input `z`", "`x` f32 [2, 3]", "`ids` i64 [2]"]),
-        (vec![("x", &x)], &["input `ids` is fed 0 times"]),
+        (vec![("x", &x)], &["input `ids` is not fed", "--input"]),
         (vec![("x", &x), ("x", &x), ("ids", &ids)], &["input `x` is fed 2 times"]),
         (
             vec![("x", &wrong_shape), ("ids", &ids)],
@@ -158,6 +158,8 @@ fn tensor_files_keep_names_shapes_and_types() {
     let st = tmp.path().join("t.safetensors");
     tensors::write(&st, &tensors[..1]).unwrap();
     assert_eq!(tensors::read(&st).unwrap()["a"], tensors[0].1);
+    let err = tensors::write(&tmp.path().join("ids.safetensors"), &tensors[1..2]).unwrap_err().to_string();
+    assert!(err.contains("`b` is i64") && err.contains(".npz"), "{err}");
     let err = tensors::write(&tmp.path().join("two.npy"), &tensors).unwrap_err().to_string();
     assert!(err.contains("an .npy file holds one array") && err.contains(".npz"), "{err}");
     let err = tensors::write(&tmp.path().join("t.csv"), &tensors).unwrap_err().to_string();
@@ -195,4 +197,49 @@ fn kiln_run_reads_inputs_writes_outputs_and_times_runs() {
     let (y, e) = expected(&xv, &[1, 3]);
     close(got["y"].data(), &y, "y");
     close(got["e"].data(), &e, "e");
+}
+
+/// An `.npy` file of `descr` elements (`<f8`, `<f2`) of `shape` holding `data`, as NumPy writes it.
+fn npy_bytes(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut dict =
+        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}", dims.join(", "));
+    while (10 + dict.len() + 1) % 64 != 0 {
+        dict.push(' ');
+    }
+    dict.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((dict.len() as u16).to_le_bytes());
+    out.extend(dict.as_bytes());
+    out.extend(data);
+    out
+}
+
+/// NumPy's default float64 and float16 arrays are read as f32 (rounded; widened), and a float64
+/// beyond f32's range is an error naming the array.
+#[test]
+fn float64_and_float16_arrays_are_read_as_f32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f64s = [0.1f64, -2.5, 1e-3, 3.0];
+    let path = tmp.path().join("x.npy");
+    std::fs::write(
+        &path,
+        npy_bytes("<f8", &[2, 2], &f64s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()),
+    )
+    .unwrap();
+    let x = &tensors::read(&path).unwrap()["x"];
+    assert_eq!(x.shape(), &Shape::new([2, 2]));
+    assert_eq!(x.data(), f64s.map(|v| v as f32));
+    let halves = [half::f16::from_f32(0.5), half::f16::from_f32(-1.25), half::f16::from_f32(65504.0)];
+    let path = tmp.path().join("h.npy");
+    std::fs::write(
+        &path,
+        npy_bytes("<f2", &[3], &halves.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()),
+    )
+    .unwrap();
+    assert_eq!(tensors::read(&path).unwrap()["h"].data(), [0.5, -1.25, 65504.0]);
+    let path = tmp.path().join("big.npy");
+    std::fs::write(&path, npy_bytes("<f8", &[1], &1e300f64.to_le_bytes())).unwrap();
+    let err = tensors::read(&path).unwrap_err().to_string();
+    assert!(err.contains("beyond float32's range"), "{err}");
 }

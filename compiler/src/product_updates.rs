@@ -187,7 +187,7 @@ fn chain(graph: &Graph, grad: NodeId, kernels: HalfKernels) -> Option<Chain> {
     (computed && fa == fb && graph.node(grad).dtype == DType::F32).then_some(Chain { nodes })
 }
 
-/// Whether folding `effect` with its gradient `grad` saves at least what it may cost
+/// Whether folding `effect` with its gradient `chain` saves at least what it may cost
 /// (`Selection::Paying`).
 fn pays(graph: &Graph, effect: NodeId, chain: &Chain) -> bool {
     let Some(&a) = graph.operands(chain.product()).first() else { return false };

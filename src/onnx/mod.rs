@@ -218,6 +218,11 @@ fn invalid(what: impl Into<String>, help: impl Into<String>) -> Error {
     Error::from(CompileError::invalid(what, help))
 }
 
+/// A mistake in what the caller feeds or names at run time (a data file, an input).
+pub(crate) fn bad_input(what: impl Into<String>, help: impl Into<String>) -> Error {
+    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
+}
+
 fn unsupported(what: impl Into<String>, help: impl Into<String>) -> Error {
     Error::from(CompileError::unsupported(what, help))
 }

@@ -9,7 +9,7 @@
 //! error, not an allocation). Anything else is an error naming the array and saying how to write
 //! it.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use kiln_compiler::ir::{DType, Shape};
 use kiln_runtime::HostTensor;
 use npyz::{Order, TypeChar};
@@ -22,35 +22,36 @@ pub fn is_npz(path: &Path) -> bool {
     std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && magic == *b"PK\x03\x04"
 }
 
-fn invalid(what: String, help: &str) -> Error {
-    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
-}
+use super::bad_input as invalid;
 
 /// Every array of the `.npz` file at `path`, named as stored (without `.npy`), in the
 /// archive's order.
 pub fn read(path: &Path) -> Result<Vec<(String, HostTensor)>> {
     let shown = path.display();
     let file = std::fs::File::open(path)
-        .map_err(|e| invalid(format!("cannot read {shown}: {e}"), "check the path of the --data file"))?;
+        .map_err(|e| invalid(format!("cannot read {shown}: {e}"), "check the path of the file"))?;
     let mut archive = zip::ZipArchive::new(file).map_err(|e| {
         invalid(
             format!("{shown} is not an .npz archive: {e}"),
-            "write the batch with np.savez or np.savez_compressed",
+            "write it with np.savez or np.savez_compressed",
         )
     })?;
     let mut out = Vec::with_capacity(archive.len());
     for i in 0..archive.len() {
         let mut entry = archive.by_index(i).map_err(|e| {
-            invalid(format!("{shown}: entry {i} cannot be read: {e}"), "write the batch with np.savez")
+            invalid(format!("{shown}: entry {i} cannot be read: {e}"), "write it with np.savez")
         })?;
         let stored = entry.name().map_err(|e| {
-            invalid(format!("{shown}: entry {i} has no readable name: {e}"), "write the batch with np.savez")
+            invalid(format!("{shown}: entry {i} has no readable name: {e}"), "write it with np.savez")
         })?;
         let name = stored.strip_suffix(".npy").unwrap_or(&stored).to_string();
         let mut bytes = Vec::new();
         entry.read_to_end(&mut bytes).map_err(|e| {
-            invalid(format!("{shown}: array `{name}` cannot be read: {e}"), "write the batch with np.savez")
+            invalid(format!("{shown}: array `{name}` cannot be read: {e}"), "write it with np.savez")
         })?;
+        if out.iter().any(|(n, _)| *n == name) {
+            return Err(invalid(format!("{shown} holds two arrays named `{name}`"), "store each array once"));
+        }
         out.push((
             name.clone(),
             array(&bytes).map_err(|why| invalid(format!("{shown}: array `{name}` {why}"), HELP))?,
@@ -92,9 +93,14 @@ pub(crate) fn array(bytes: &[u8]) -> std::result::Result<HostTensor, String> {
         return Err(format!("claims {ty}{shape} but stores {} bytes of data", data.len()));
     }
     let values: Option<Vec<f32>> = match (ty.type_char(), size) {
-        (TypeChar::Float, 8) => Some(
-            data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32).collect(),
-        ),
+        (TypeChar::Float, 8) => {
+            let wide = data.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+            let narrow: Vec<f32> = wide.clone().map(|v| v as f32).collect();
+            if let Some((i, v)) = wide.enumerate().find(|(i, v)| v.is_finite() && narrow[*i].is_infinite()) {
+                return Err(format!("holds {v} at element {i}, beyond float32's range"));
+            }
+            Some(narrow)
+        }
         (TypeChar::Float, 2) => {
             Some(data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect())
         }

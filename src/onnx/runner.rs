@@ -24,16 +24,14 @@
 
 use super::{OnnxModel, train};
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_compiler::{CompileOptions, Precision};
 use kiln_runtime::{Backend, HostTensor, ProgramId};
 use std::borrow::Cow;
 use std::path::Path;
 
-fn invalid(what: String, help: impl Into<String>) -> Error {
-    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
-}
+use super::bad_input as invalid;
 
 /// How a [`Runner`] sizes, compiles and places the model.
 #[derive(Clone, Debug)]
@@ -167,6 +165,12 @@ impl Runner {
         Ok(out)
     }
 
+    /// `feeds` checked as `run` checks them and converted to the model's types once, in the
+    /// model's order: what a loop of runs (`kiln run --bench`) feeds, so that no run converts.
+    pub fn prepare(&self, feeds: &[(&str, &HostTensor)]) -> Result<Vec<(String, HostTensor)>> {
+        Ok(self.conform(feeds)?.into_iter().map(|(n, t)| (n.to_string(), t.into_owned())).collect())
+    }
+
     /// Inputs for a run without data (`kiln run` without `--input`): floats uniform in [0, 1)
     /// from `seed`, ids 0 (valid for any table), masks true.
     pub fn random_inputs(&self, seed: u64) -> Result<Vec<(String, HostTensor)>> {
@@ -194,9 +198,13 @@ impl Runner {
             let mut matching = feeds.iter().filter(|(n, _)| *n == input.name);
             let (Some(&(name, t)), None) = (matching.next(), matching.next()) else {
                 let fed = feeds.iter().filter(|(n, _)| *n == input.name).count();
+                let what = if fed == 0 { "is not fed".to_string() } else { format!("is fed {fed} times") };
                 return Err(invalid(
-                    format!("input `{}` is fed {fed} times", input.name),
-                    format!("feed every input once: {}", names().join(", ")),
+                    format!("input `{}` {what}", input.name),
+                    format!(
+                        "feed every input once, by name (`kiln run`: in the --input files, or no --input for random ones): {}",
+                        names().join(", ")
+                    ),
                 ));
             };
             if t.shape() != &input.shape {

@@ -5,16 +5,14 @@
 //! `.npy`, anything else a safetensors file. Outputs are written by extension: `.npz`, `.npy`
 //! (one tensor) or `.safetensors`.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use kiln_compiler::ir::{DType, Shape};
 use kiln_runtime::HostTensor;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
 
-fn invalid(what: String, help: &str) -> Error {
-    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
-}
+use super::bad_input as invalid;
 
 /// Whether the file at `path` starts with `magic`.
 fn starts_with(path: &Path, magic: &[u8]) -> bool {
@@ -23,9 +21,9 @@ fn starts_with(path: &Path, magic: &[u8]) -> bool {
 }
 
 /// Every tensor of the `.npz`, `.npy` or safetensors file at `path`, by name: an `.npz` array's
-/// name as stored (without `.npy`), an `.npy` file's stem, a safetensors tensor's key. F32, F16
-/// and BF16 (read as f32), F64 (rounded to f32), I32, I64 and BOOL; anything else is an error
-/// naming the tensor.
+/// name as stored (without `.npy`), an `.npy` file's stem, a safetensors tensor's key. F32,
+/// F16 and BF16 (read as f32), I32, I64 and BOOL, and in `.npz` and `.npy` float64 (rounded to
+/// f32); anything else is an error naming the tensor.
 pub fn read(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
     if super::npz::is_npz(path) {
         return Ok(super::npz::read(path)?.into_iter().collect());
@@ -92,8 +90,9 @@ fn read_exact_tensors(path: &Path, dtypes: &BTreeMap<String, String>) -> Result<
 }
 
 /// Writes `tensors` to `path` by its extension: `.npz` (`np.load` reads it, each tensor an array
-/// of its name), `.npy` (exactly one tensor) or `.safetensors` (f32 tensors). Each tensor keeps
-/// its dtype in `.npz` and `.npy` (f32, i32, i64, bool).
+/// of its name), `.npy` (exactly one tensor) or `.safetensors` (f32 tensors only: another type
+/// is an error naming the tensor). Each tensor keeps its dtype in `.npz` and `.npy` (f32, i32,
+/// i64, bool).
 pub fn write(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
     let shown = path.display();
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
@@ -121,7 +120,14 @@ pub fn write(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
                 "write them to an .npz file",
             )),
         },
-        "safetensors" => Ok(kiln_runtime::checkpoint::save(path, tensors)?),
+        "safetensors" => match tensors.iter().find(|(_, t)| t.dtype() != DType::F32) {
+            // A checkpoint stores f32: an id or a mask would come back as floats.
+            Some((name, t)) => Err(invalid(
+                format!("{shown}: `{name}` is {}, and kiln writes safetensors of f32 tensors", t.dtype()),
+                "write the outputs to an .npz file, which keeps each tensor's type",
+            )),
+            None => Ok(kiln_runtime::checkpoint::save(path, tensors)?),
+        },
         _ => Err(invalid(
             format!("{shown}: no writer for the extension `.{ext}`"),
             "name the output file .npz, .npy or .safetensors",

@@ -14,7 +14,7 @@
 
 use super::ModelSource;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::report::{PlanMemory, table};
 use kiln_compiler::device::DeviceSpec;
 use kiln_compiler::ir::{DType, Shape};
@@ -25,9 +25,7 @@ use rand::{RngExt, SeedableRng};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn invalid(what: String, help: &str) -> Error {
-    Error::Runtime(kiln_runtime::RuntimeError::invalid(what, help))
-}
+use super::bad_input as invalid;
 
 /// Symbolic sizes from `--batch N` (every input's first axis: a symbolic one by its name, a
 /// static one re-batched, `onnx::STATIC_BATCH`) and `--dim NAME=N`. A batch that cannot apply
@@ -64,7 +62,7 @@ pub fn flags(batch: Option<usize>, dims: &[String]) -> Result<Vec<(String, usize
         }
     }
     if batch == Some(0) {
-        return Err(invalid("--batch 0".into(), "use a batch size of at least 1"));
+        return Err(invalid("--batch 0", "use a batch size of at least 1"));
     }
     Ok(sizes)
 }
@@ -197,7 +195,7 @@ fn specs_of(inputs: &[ModelInput], imported: &super::Imported) -> Result<(InputS
     let x = match inputs {
         [] => {
             return Err(invalid(
-                "the model has no inputs".into(),
+                "the model has no inputs",
                 "a model trains as a layer of its inputs: export it with at least one",
             ));
         }
@@ -511,7 +509,7 @@ pub fn fit(
     use kiln_compiler::device::human_bytes;
     use kiln_compiler::{CompileError, CompileOptions, compile};
     let Some(first) = devices.first() else {
-        return Err(invalid("no --device given".into(), "give devices as --device gpu:0=24GB"));
+        return Err(invalid("no --device given", "give devices as --device gpu:0=24GB"));
     };
     let model = model.model()?;
     let (x, y) = specs(&*model, sizes)?;
