@@ -402,6 +402,54 @@ const REALSCALE_ENV: PythonEnv = PythonEnv {
     venv: "realscale-venv",
 };
 
+/// onnxruntime (its CPU provider) for the forward-pass comparison (`benches/forward.rs`):
+/// `scripts/peers/ort_forward.py` runs a model on the same inputs kiln runs.
+pub const ORT_PINS: [&str; 2] = ["onnxruntime==1.32.0", "numpy"];
+
+/// Names an interpreter that already has onnxruntime.
+pub const ORT_PYTHON_ENV: &str = "KILN_ORT_PYTHON";
+
+const ORT_ENV: PythonEnv = PythonEnv {
+    what: "onnxruntime",
+    imports: "import onnxruntime, numpy",
+    pins: &ORT_PINS,
+    variable: ORT_PYTHON_ENV,
+    venv: "ort-venv",
+};
+
+/// The forward-pass comparison's onnxruntime interpreter (`ORT_PYTHON_ENV`, or a virtual
+/// environment under target/kiln made on first use), or why there is none.
+pub fn ort_python() -> std::result::Result<PathBuf, String> {
+    python_with(&ORT_ENV).map_err(|Skip(why)| why)
+}
+
+/// onnxruntime's run of `model` on the arrays of `inputs` (an .npz), its outputs written to
+/// `outputs` (an .npz) and the milliseconds of each of `runs` timed runs on `threads` threads
+/// (`scripts/peers/ort_forward.py`), with its version.
+pub fn ort_forward(
+    python: &Path,
+    model: &Path,
+    (inputs, outputs): (&Path, &Path),
+    threads: usize,
+    runs: usize,
+) -> Result<(String, Vec<f64>)> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/ort_forward.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .args([model, inputs, outputs])
+        .args(["--threads", &threads.to_string(), "--runs", &runs.to_string()])
+        .output()
+        .map_err(|e| script_error(format!("{}: {e}", script.display())))?;
+    if !out.status.success() {
+        return Err(script_error(format!("onnxruntime on {}: {}", model.display(), tail(&out.stderr))));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.trim())
+        .map_err(|e| script_error(format!("onnxruntime on {} printed no result: {e}", model.display())))?;
+    let ms = v["ms"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
+    Ok((v["version"].as_str().unwrap_or("?").to_string(), ms))
+}
+
 /// The real-scale comparison's interpreter (`REALSCALE_PYTHON_ENV`, or a virtual environment
 /// under target/kiln made on first use), or why there is none.
 pub fn realscale_python() -> std::result::Result<PathBuf, String> {

@@ -201,6 +201,7 @@ pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
         t("gpu-forward", |r| gpu_table(r, "forward"), "gpu-peers"),
         t("realscale", realscale_table, "realscale"),
         t("realscale-precision", realscale_precision_table, "realscale"),
+        t("realscale-forward", forward_table, "forward"),
     ])
 }
 
@@ -443,6 +444,52 @@ fn realscale_precision_table(r: &Record) -> String {
           its step under the CUDA autocast lists (`scripts/peers/torch_stream.py --amp bf16`), replayed \
           through the caching-allocator model with cuBLAS's workspaces; bf16 / f32: planned totals.\n";
     s += &provenance(r, "`cargo bench --bench realscale`");
+    s
+}
+
+/// The forward-pass speed table: kiln beside onnxruntime's CPU provider on the real-scale
+/// architectures (`benches/forward.rs`).
+fn forward_table(r: &Record) -> String {
+    let rows: Vec<Vec<String>> = r
+        .data
+        .as_array()
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let rounds: Vec<String> = v
+                .get("rounds")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_f64).map(|x| format!("{x:.2}")).collect())
+                .unwrap_or_default();
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                num(v, &["threads"]).map_or("-".into(), |t| format!("{t}")),
+                ms(num(v, &["kiln_ms"])),
+                ms(num(v, &["ort_ms"])),
+                num(v, &["ratio"]).map_or("-".into(), |x| format!("{x:.2}")),
+                rounds.join(" "),
+                num(v, &["difference"]).map_or("-".into(), |x| format!("{x:.1e}")),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "threads",
+            "kiln ms",
+            "onnxruntime ms",
+            "kiln / onnxruntime",
+            "by round",
+            "outputs apart",
+        ],
+        &rows,
+    );
+    s += "\nThe same inference export and inputs on both sides, interleaved rounds, the median of the rounds' \
+          ratios; outputs apart: the largest difference over onnxruntime's largest magnitude.\n";
+    s += &provenance(r, "`cargo bench --bench forward`");
     s
 }
 
