@@ -171,11 +171,15 @@ fn no_words_about_how_the_project_was_made() {
         }
     }
     assert!(files.len() > 100, "found only {} files", files.len());
+    // onnxruntime's API (its InferenceSession and SessionOptions) names nothing of how kiln was
+    // made.
+    let apis = [["Inference", "Ses", "sion"].concat(), ["Ses", "sion", "Options"].concat()];
     let mut found = Vec::new();
     for file in files {
         let Ok(text) = std::fs::read_to_string(&file) else { continue };
         for (i, line) in text.lines().enumerate() {
-            let lower = line.to_lowercase();
+            let line_without_apis = apis.iter().fold(line.to_string(), |l, api| l.replace(api.as_str(), ""));
+            let lower = line_without_apis.to_lowercase();
             if words.iter().any(|w| lower.contains(w.as_str())) {
                 found.push(format!(
                     "{}:{}: {}",
