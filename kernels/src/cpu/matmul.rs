@@ -6,6 +6,13 @@
 //! a plain stack of row-major matrices ([B, M, K] @ [K, N], a dense layer on a sequence), the
 //! batch folds into M and the product is one GEMM.
 //!
+//! The gemm crate is built with its `x86-v4` feature: AVX-512 micro-kernels beside the AVX2
+//! ones, the crate choosing by the CPU at run time (an AVX2-only machine runs the AVX2 kernels
+//! as before). Both are a fused multiply-add chain over k per element, so every product keeps
+//! its sums (`KC`). Measured with AVX-512 kernels against AVX2 alone (`kiln run --threads 1
+//! --bench 3`, batch-2 inference exports, 2-core AMD EPYC with AVX-512): GPT-2 small
+//! 1,341 -> 867 ms, ResNet-50 172.6 -> 93.4 ms, BERT-base 855 -> 790 ms.
+//!
 //! Threads: products below `SERIAL_MACS` multiply-adds run on the calling thread
 //! (`Parallelism::None`), since a rayon hand-off costs more than a 32x100x10 product; many
 //! mid-sized batches run one per task; otherwise each GEMM uses the rayon pool.
