@@ -11,7 +11,10 @@
 //! as before). Both are a fused multiply-add chain over k per element, so every product keeps
 //! its sums (`KC`). Measured with AVX-512 kernels against AVX2 alone (`kiln run --threads 1
 //! --bench 3`, batch-2 inference exports, 2-core AMD EPYC with AVX-512): GPT-2 small
-//! 1,341 -> 867 ms, ResNet-50 172.6 -> 93.4 ms, BERT-base 855 -> 790 ms.
+//! 1,341 -> 867 ms, ResNet-50 172.6 -> 93.4 ms, BERT-base 855 -> 790 ms; the zoo's training
+//! steps as `kernels::cpu::simd` lists. MobileNetV3-small's pass grew 5.75 -> 6.7 ms: its
+//! batch-2 classifier (2x1024 by a transposed 1024x1000 weight) takes 1.65 ms, the crate
+//! packing the whole weight for two rows.
 //!
 //! Threads: products below `SERIAL_MACS` multiply-adds run on the calling thread
 //! (`Parallelism::None`), since a rayon hand-off costs more than a 32x100x10 product; many
