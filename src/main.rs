@@ -650,8 +650,7 @@ fn run_onnx(
     args: RunArgs,
 ) -> kiln::Result<()> {
     use kiln::onnx::runner::{Runner, RunnerOptions};
-    let bad =
-        |what: String, help: &str| kiln::Error::Runtime(kiln::runtime::RuntimeError::invalid(what, help));
+    let bad = |what: String, help: &str| invalid(what, help.to_string());
     kiln::onnx::train::flags(batch, dims)?;
     if args.bench == Some(0) {
         return Err(bad("--bench 0 times no run".into(), "pass --bench N with N at least 1"));

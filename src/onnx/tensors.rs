@@ -137,35 +137,25 @@ pub fn write(path: &Path, tensors: &[(String, HostTensor)]) -> Result<()> {
 
 /// `t` as the bytes of an `.npy` file, in its own dtype.
 fn npy(t: &HostTensor) -> std::io::Result<Vec<u8>> {
-    use npyz::WriterBuilder;
     let dims: Vec<u64> = t.shape().dims().iter().map(|&d| d as u64).collect();
-    let mut bytes = Vec::new();
     let ints = t.ints().unwrap_or(&[]);
     match t.dtype() {
-        DType::I32 => {
-            let mut w =
-                npyz::WriteOptions::new().default_dtype().shape(&dims).writer(&mut bytes).begin_nd()?;
-            w.extend(ints.iter().map(|&v| v as i32))?;
-            w.finish()?;
-        }
-        DType::I64 => {
-            let mut w =
-                npyz::WriteOptions::new().default_dtype().shape(&dims).writer(&mut bytes).begin_nd()?;
-            w.extend(ints.iter().copied())?;
-            w.finish()?;
-        }
-        DType::Bool => {
-            let mut w =
-                npyz::WriteOptions::new().default_dtype().shape(&dims).writer(&mut bytes).begin_nd()?;
-            w.extend(ints.iter().map(|&v| v != 0))?;
-            w.finish()?;
-        }
-        _ => {
-            let mut w =
-                npyz::WriteOptions::new().default_dtype().shape(&dims).writer(&mut bytes).begin_nd()?;
-            w.extend(t.data().iter().copied())?;
-            w.finish()?;
-        }
+        DType::I32 => npy_of(&dims, ints.iter().map(|&v| v as i32)),
+        DType::I64 => npy_of(&dims, ints.iter().copied()),
+        DType::Bool => npy_of(&dims, ints.iter().map(|&v| v != 0)),
+        _ => npy_of(&dims, t.data().iter().copied()),
     }
+}
+
+/// An `.npy` file of `dims` holding `values`, in their NumPy type.
+fn npy_of<T: npyz::AutoSerialize>(
+    dims: &[u64],
+    values: impl IntoIterator<Item = T>,
+) -> std::io::Result<Vec<u8>> {
+    use npyz::WriterBuilder;
+    let mut bytes = Vec::new();
+    let mut w = npyz::WriteOptions::new().default_dtype().shape(dims).writer(&mut bytes).begin_nd()?;
+    w.extend(values)?;
+    w.finish()?;
     Ok(bytes)
 }
