@@ -12,15 +12,7 @@ mod onnx_proto;
 use onnx_proto::*;
 
 fn value(name: &str, dims: &[Dimension]) -> ValueInfoProto {
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            tensor_type: Some(TensorType {
-                elem_type: Some(FLOAT),
-                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
-            }),
-        }),
-    }
+    typed(name, FLOAT, dims)
 }
 
 fn fixed(v: i64) -> Dimension {
@@ -515,14 +507,6 @@ fn an_imported_cnn_trains_as_a_layer_from_its_filters() {
     }
     let got = got[0].1.data()[0];
     assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{got} against {want}");
-}
-
-fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
-    let mut v = value(name, dims);
-    if let Some(t) = v.r#type.as_mut().and_then(|t| t.tensor_type.as_mut()) {
-        t.elem_type = Some(elem);
-    }
-    v
 }
 
 /// A model of `nodes` whose output is `y`, over the inputs `input` (fixed shapes).

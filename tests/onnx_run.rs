@@ -14,18 +14,6 @@ use std::path::Path;
 mod onnx_proto;
 use onnx_proto::*;
 
-fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            tensor_type: Some(TensorType {
-                elem_type: Some(elem),
-                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
-            }),
-        }),
-    }
-}
-
 const W: [f32; 6] = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5];
 const B: [f32; 2] = [0.125, -0.5];
 const TABLE: [f32; 8] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];

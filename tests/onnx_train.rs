@@ -19,18 +19,6 @@ const VOCAB: i64 = 16;
 const WIDTH: i64 = 4;
 const OUT: i64 = 3;
 
-fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            tensor_type: Some(TensorType {
-                elem_type: Some(elem),
-                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
-            }),
-        }),
-    }
-}
-
 fn values(n: i64, seed: i64) -> Vec<f32> {
     (0..n).map(|i| (((i + seed) * 7 % 11) as f32 - 5.0) / 10.0).collect()
 }

@@ -67,6 +67,16 @@ fn the_mlp_keeps_product_updates_smaller_and_trains_bitwise_the_same() {
     assert_same_training(&folded, &unfused, &[("x", &x), ("y", &y)], 3, "mlp");
 }
 
+/// Features uniform in [-0.5, 0.5) and one-hot targets of `classes` columns.
+fn random_batch(rng: &mut StdRng, xs: &Shape, ys: &Shape, classes: usize) -> (HostTensor, HostTensor) {
+    let x = HostTensor::from_fn(xs.clone(), |_| rng.random::<f32>() - 0.5).unwrap();
+    let mut y = HostTensor::zeros(ys.clone()).unwrap();
+    for row in y.data_mut().chunks_mut(classes) {
+        row[rng.random_range(0..classes)] = 1.0;
+    }
+    (x, y)
+}
+
 /// Every update folded (`Selection::All`) on random dense networks with each optimizer: the
 /// plan of the folded graph trains bitwise as the unfused one.
 #[test]
@@ -88,11 +98,7 @@ fn random_dense_steps_train_bitwise_with_every_update_folded() {
         assert_eq!(n, depth + 1, "case {case}: every dense kernel's update folds");
         let folded = compile(scheduled, &plain()).unwrap();
         let unfused = compile(graph, &plain()).unwrap();
-        let x = HostTensor::from_fn(xs.clone(), |_| rng.random::<f32>() - 0.5).unwrap();
-        let mut y = HostTensor::zeros(ys.clone()).unwrap();
-        for row in y.data_mut().chunks_mut(classes) {
-            row[rng.random_range(0..classes)] = 1.0;
-        }
+        let (x, y) = random_batch(&mut rng, &xs, &ys, classes);
         let what = format!("case {case}: depth {depth}, batch {batch}, features {features}, {optimizer:?}");
         assert_same_training(&folded, &unfused, &[("x", &x), ("y", &y)], 2, &what);
     }
@@ -176,11 +182,7 @@ fn mixed_precision_updates_fold_their_half_gradients_and_train_bitwise_the_same(
         assert!(half_factors, "case {case}: the folded updates read bf16 factors");
         let folded = compile(scheduled, &plain()).unwrap();
         let unfused = compile(graph, &plain()).unwrap();
-        let x = HostTensor::from_fn(xs.clone(), |_| rng.random::<f32>() - 0.5).unwrap();
-        let mut y = HostTensor::zeros(ys.clone()).unwrap();
-        for row in y.data_mut().chunks_mut(classes) {
-            row[rng.random_range(0..classes)] = 1.0;
-        }
+        let (x, y) = random_batch(&mut rng, &xs, &ys, classes);
         let what = format!("bf16 case {case}: depth {depth}, batch {batch}, features {features}");
         assert_same_training(&folded, &unfused, &[("x", &x), ("y", &y)], 2, &what);
     }

@@ -18,18 +18,6 @@ fn fixed(v: i64) -> Dimension {
     Dimension { dim_value: Some(v), dim_param: None }
 }
 
-fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
-    ValueInfoProto {
-        name: Some(name.into()),
-        r#type: Some(TypeProto {
-            tensor_type: Some(TensorType {
-                elem_type: Some(elem),
-                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
-            }),
-        }),
-    }
-}
-
 fn value(name: &str, dims: &[Dimension]) -> ValueInfoProto {
     typed(name, FLOAT, dims)
 }

@@ -1,5 +1,5 @@
 //! Builders of ONNX protobuf messages for tests that make models in memory (no Python needed):
-//! attributes of each type, float and int64 tensors, nodes and symbolic dimensions.
+//! attributes of each type, float and int64 tensors, nodes, symbolic dimensions and typed values.
 
 #![allow(dead_code)]
 
@@ -65,4 +65,17 @@ pub fn node(
 
 pub fn named(p: &str) -> Dimension {
     Dimension { dim_value: None, dim_param: Some(p.into()) }
+}
+
+/// A graph input or output `name` of element type `elem` and dimensions `dims`.
+pub fn typed(name: &str, elem: i32, dims: &[Dimension]) -> ValueInfoProto {
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            tensor_type: Some(TensorType {
+                elem_type: Some(elem),
+                shape: Some(TensorShapeProto { dim: dims.to_vec() }),
+            }),
+        }),
+    }
 }

@@ -30,7 +30,7 @@
 //! Not measured on a GPU yet. What it lacks against cuBLAS: one shared stage (two barriers a K
 //! tile), element loads from global memory, mma.sync rather than Hopper's wgmma and TMA.
 
-use super::tf32::mma_accumulators;
+use super::tf32::{mma_accumulators, next_tile_while_multiplying};
 use super::{GROUP, Gemm, KSplit, split_text};
 use crate::cuda::Launch;
 use crate::cuda::codegen::{Code, int};
@@ -211,13 +211,7 @@ impl Gemm {
             c.line("}");
         }
         c.line("__syncthreads();");
-        if iters > 1 {
-            c.line("// the next K tile into registers while this one is multiplied");
-            c.line(format!("if (it + 1 < {iters}) {{"));
-            c.line(format!("k0 += {BK};"));
-            load_next(c);
-            c.line("}");
-        }
+        next_tile_while_multiplying(c, iters, BK, &load_next);
         c.line("#pragma unroll");
         c.line(format!("for (int kk = 0; kk < {BK}; kk += 16) {{"));
         c.line(format!("unsigned af[{mi}][4], bf[{ni}][2];"));

@@ -141,13 +141,7 @@ impl Gemm {
         sides[0].store(c, "As");
         sides[1].store(c, "Bs");
         c.line("__syncthreads();");
-        if iters > 1 {
-            c.line("// the next K tile into registers while this one is multiplied");
-            c.line(format!("if (it + 1 < {iters}) {{"));
-            c.line(format!("k0 += {BK};"));
-            load_next(c);
-            c.line("}");
-        }
+        next_tile_while_multiplying(c, iters, BK, &load_next);
         c.line("#pragma unroll");
         c.line(format!("for (int kk = 0; kk < {BK}; kk += 8) {{"));
         c.line(format!("unsigned af[{mi}][4], bf[{ni}][2];"));
@@ -226,6 +220,23 @@ impl Gemm {
     pub(super) fn mma_launch(&self, (bm, bn): (usize, usize), split: Option<KSplit>) -> Launch {
         let groups = split.map_or(1, |sp| sp.splits);
         self.launch(groups * self.batch * self.m.div_ceil(bm) * self.n.div_ceil(bn), GROUP, split)
+    }
+}
+
+/// After the shared tiles are stored: the next K tile (`k0` moved on by `bk`) loaded into
+/// registers by `load_next` while this one is multiplied, where the loop has one more.
+pub(super) fn next_tile_while_multiplying(
+    c: &mut Code,
+    iters: usize,
+    bk: usize,
+    load_next: &dyn Fn(&mut Code),
+) {
+    if iters > 1 {
+        c.line("// the next K tile into registers while this one is multiplied");
+        c.line(format!("if (it + 1 < {iters}) {{"));
+        c.line(format!("k0 += {bk};"));
+        load_next(c);
+        c.line("}");
     }
 }
 
