@@ -149,6 +149,10 @@ enum Command {
         /// Time this many runs after two warm-up runs and print the median and spread.
         #[arg(long, value_name = "N")]
         bench: Option<usize>,
+        /// Time each kernel over this many runs and print where the time goes: per op, and the
+        /// slowest kernels (medians).
+        #[arg(long, value_name = "N")]
+        profile: Option<usize>,
         /// Where to run: cpu, or gpu (the first visible CUDA device); default: the best present.
         #[arg(long)]
         device: Option<String>,
@@ -338,9 +342,9 @@ fn main() -> ExitCode {
         Command::RenderDocs { check } => return render_docs(check),
         Command::Train { model, batch, steps, dim, data, cpu, precision } => precision_flag(&precision)
             .and_then(|p| train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu, p)),
-        Command::Run { model, input, output, batch, dim, threads, bench, device, precision } => {
+        Command::Run { model, input, output, batch, dim, threads, bench, profile, device, precision } => {
             precision_flag(&precision).and_then(|precision| {
-                let run = RunArgs { input: &input, output: output.as_deref(), threads, bench };
+                let run = RunArgs { input: &input, output: output.as_deref(), threads, bench, profile };
                 run_onnx(&model, batch, &dim, device.as_deref(), precision, run)
             })
         }
@@ -588,7 +592,7 @@ fn memory_onnx(
     let graph = match mode {
         Mode::Forward => {
             let mut graph = model.import(&sizes)?.graph;
-            kiln::compiler::autocast::apply(&mut graph, precision)?;
+            kiln::compiler::step::prepare_forward(&mut graph, precision)?;
             graph
         }
         // A training step of the model as a layer, with a mean-squared-error loss against
@@ -638,6 +642,7 @@ struct RunArgs<'a> {
     output: Option<&'a Path>,
     threads: Option<usize>,
     bench: Option<usize>,
+    profile: Option<usize>,
 }
 
 /// `kiln run model.onnx`: the forward pass on inputs from files (`kiln::onnx::runner`).
@@ -652,8 +657,10 @@ fn run_onnx(
     use kiln::onnx::runner::{Runner, RunnerOptions};
     let bad = |what: String, help: &str| invalid(what, help.to_string());
     kiln::onnx::train::flags(batch, dims)?;
-    if args.bench == Some(0) {
-        return Err(bad("--bench 0 times no run".into(), "pass --bench N with N at least 1"));
+    for (flag, n) in [("--bench", args.bench), ("--profile", args.profile)] {
+        if n == Some(0) {
+            return Err(bad(format!("{flag} 0 times no run"), &format!("pass {flag} N with N at least 1")));
+        }
     }
     if let Some(n) = args.threads {
         if n == 0 {
@@ -728,7 +735,39 @@ fn run_onnx(
             at(0.9)
         );
     }
+    if let Some(n) = args.profile {
+        runner.run(&fed)?;
+        print_profile(&runner.profile(&fed, n)?, n);
+    }
     Ok(())
+}
+
+/// Where a profiled run's time went: per op (kernels, milliseconds, share), then the slowest
+/// kernels with the model lines they came from.
+fn print_profile(rows: &[kiln::runtime::StepTime], runs: usize) {
+    let total: f64 = rows.iter().map(|r| r.ms).sum();
+    let mut ops: Vec<(&str, usize, f64)> = Vec::new();
+    for r in rows {
+        match ops.iter_mut().find(|o| o.0 == r.op) {
+            Some(o) => (o.1, o.2) = (o.1 + 1, o.2 + r.ms),
+            None => ops.push((&r.op, 1, r.ms)),
+        }
+    }
+    ops.sort_by(|a, b| b.2.total_cmp(&a.2));
+    println!(
+        "profile: {} kernels, {total:.3} ms in all (medians of {runs} runs, each kernel timed alone)",
+        rows.len()
+    );
+    let share = |ms: f64| if total > 0.0 { 100.0 * ms / total } else { 0.0 };
+    for (op, count, ms) in &ops {
+        println!("  {ms:10.3} ms {:5.1}%  {count:5} x {op}", share(*ms));
+    }
+    let mut slowest: Vec<&kiln::runtime::StepTime> = rows.iter().collect();
+    slowest.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    println!("slowest kernels:");
+    for r in slowest.iter().take(15) {
+        println!("  {:10.3} ms {:5.1}%  step {:4} {} ({})", r.ms, share(r.ms), r.step, r.kernel, r.label);
+    }
 }
 
 /// The first values of `t`, and its mean.

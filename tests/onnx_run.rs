@@ -91,6 +91,12 @@ fn a_runner_runs_the_model_on_named_inputs_and_converts_ids() {
     // Twice: a runner runs as often as asked.
     let again = runner.run(&[("x", &x), ("ids", &ids)]).unwrap();
     assert_eq!(again, out);
+    // A profile times every kernel of a run, in step order, and leaves the run's results.
+    let rows = runner.profile(&[("x", &x), ("ids", &ids)], 3).unwrap();
+    assert!(!rows.is_empty());
+    assert!(rows.windows(2).all(|w| w[0].step < w[1].step), "{rows:?}");
+    assert!(rows.iter().all(|r| r.ms >= 0.0 && !r.op.is_empty() && !r.kernel.is_empty()), "{rows:?}");
+    assert_eq!(runner.run(&[("x", &x), ("ids", &ids)]).unwrap(), out);
 }
 
 #[test]
@@ -173,12 +179,19 @@ fn kiln_run_reads_inputs_writes_outputs_and_times_runs() {
         .arg(&ids)
         .arg("--output")
         .arg(&outputs)
-        .args(["--batch", "2", "--bench", "3", "--threads", "1", "--device", "cpu"])
+        .args(["--batch", "2", "--bench", "3", "--profile", "2", "--threads", "1", "--device", "cpu"])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for want in ["input  x f32 [2, 3]", "input  ids i64 [2]", "output y f32 [2, 2]", "3 runs: median"] {
+    let wants = [
+        "input  x f32 [2, 3]",
+        "input  ids i64 [2]",
+        "output y f32 [2, 2]",
+        "3 runs: median",
+        "medians of 2 runs",
+    ];
+    for want in wants {
         assert!(stdout.contains(want), "{stdout} lacks {want:?}");
     }
     let got = tensors::read(&outputs).unwrap();

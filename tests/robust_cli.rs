@@ -70,6 +70,7 @@ const MISTAKES: &[(&[&str], &str)] = &[
     (&["run", "/nonexistent/m.onnx"], "cannot read"),
     (&["run", "README.md"], "not an ONNX model"),
     (&["run", "README.md", "--bench", "0"], "--bench 0"),
+    (&["run", "README.md", "--profile", "0"], "--profile 0"),
     (&["run", "README.md", "--threads", "0"], "--threads 0"),
     (&["run", "README.md", "--device", "tpu"], "unknown device `tpu`"),
     (&["run", "README.md", "--dim", "N"], "write NAME=N"),

@@ -43,6 +43,18 @@ impl From<&Shape> for InputSpec {
     }
 }
 
+/// What every graph without gradients goes through before `compile` (a traced forward pass or
+/// evaluation, an imported ONNX model): composed attention and GELU as one op each
+/// (`attention_rewrite`, `activation_rewrite`), then the products cast to `precision`
+/// (`autocast`). GPT-2's tanh GELU composed took 10 ms of 13 interpreted ops per layer at
+/// batch 2 x 256 on one AVX-512 core; its attention, a softmax between two products per head.
+pub fn prepare_forward(graph: &mut Graph, precision: Precision) -> Result<()> {
+    attention_rewrite::rewrite(graph)?;
+    activation_rewrite::rewrite(graph)?;
+    autocast::apply(graph, precision)?;
+    Ok(())
+}
+
 /// The graph of `model` applied to an input `x` of `x_shape`; output `y`.
 #[track_caller]
 pub fn forward_graph(model: &dyn Layer, x_shape: impl Into<InputSpec>) -> Result<Graph> {
@@ -62,9 +74,7 @@ pub fn forward_graph_with(
     let y = model.forward(&x);
     t.output("y", &y);
     let mut graph = t.finish()?;
-    attention_rewrite::rewrite(&mut graph)?;
-    activation_rewrite::rewrite(&mut graph)?;
-    autocast::apply(&mut graph, precision)?;
+    prepare_forward(&mut graph, precision)?;
     Ok(graph)
 }
 
@@ -101,9 +111,7 @@ pub fn evaluate_graph_with(
     }
     t.set_device(previous);
     let mut graph = t.finish()?;
-    attention_rewrite::rewrite(&mut graph)?;
-    activation_rewrite::rewrite(&mut graph)?;
-    autocast::apply(&mut graph, precision)?;
+    prepare_forward(&mut graph, precision)?;
     Ok(graph)
 }
 

@@ -9,6 +9,21 @@ use kiln_compiler::ir::{DType, Shape};
 /// A program loaded on a backend: the index `Backend::load` returned, valid on that backend only.
 pub type ProgramId = usize;
 
+/// One timed kernel of a profiled run (`Backend::profile_run`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTime {
+    /// The index of its step in the plan.
+    pub step: usize,
+    /// The step's op, as plans print it ("MatMul", "Conv2d", ...).
+    pub op: String,
+    /// The step's label: the model line (or imported node) it came from.
+    pub label: String,
+    /// The kernel that ran, as the backend describes it.
+    pub kernel: String,
+    /// Milliseconds it took.
+    pub ms: f64,
+}
+
 /// A device that runs plans: `load` binds a plan once (memory, variables, kernels), then each
 /// call feeds inputs, runs every step and reads outputs. Implemented by the CPU and CUDA backends.
 pub trait Backend {
@@ -94,6 +109,18 @@ pub trait Backend {
     /// a run consumes them: every input must be fed before each run. Outputs stay readable until
     /// the next `set_input` or run.
     fn run(&mut self, program: ProgramId) -> Result<()>;
+
+    /// Runs the program once as `run` does (every input fed), timing each kernel on its own:
+    /// one row per kernel in launch order. Timing adds a clock read (a pair of events on a GPU)
+    /// per kernel, so the rows' sum exceeds a plain run's time a little. For finding where a
+    /// model's time goes (`kiln run --profile`).
+    fn profile_run(&mut self, program: ProgramId) -> Result<Vec<StepTime>> {
+        let _ = program;
+        Err(RuntimeError::invalid(
+            format!("{} cannot time its kernels one by one", self.describe()),
+            "profile on the CPU or CUDA backend",
+        ))
+    }
 
     /// Copies output `name` back to the host.
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor>;

@@ -29,7 +29,7 @@ pub mod tensor;
 pub mod trainer;
 pub mod visible;
 
-pub use backend::{Backend, ProgramId};
+pub use backend::{Backend, ProgramId, StepTime};
 pub use cpu::CpuBackend;
 pub use error::{Result, RuntimeError};
 pub use tensor::HostTensor;

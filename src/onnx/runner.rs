@@ -27,7 +27,7 @@ use crate::device::Device;
 use crate::error::Result;
 use kiln_compiler::ir::{DType, Op, Shape};
 use kiln_compiler::{CompileOptions, Precision};
-use kiln_runtime::{Backend, HostTensor, ProgramId};
+use kiln_runtime::{Backend, HostTensor, ProgramId, StepTime};
 use std::borrow::Cow;
 use std::path::Path;
 
@@ -110,7 +110,7 @@ impl Runner {
     pub fn new(model: &OnnxModel, options: &RunnerOptions) -> Result<Runner> {
         let sizes = train::sizes(model, options.batch, &options.dims)?;
         let mut imported = model.import(&sizes)?;
-        kiln_compiler::autocast::apply(&mut imported.graph, options.precision)?;
+        kiln_compiler::step::prepare_forward(&mut imported.graph, options.precision)?;
         let graph = &imported.graph;
         let inputs = graph
             .inputs()
@@ -163,6 +163,31 @@ impl Runner {
         let order = |name: &str| self.outputs.iter().position(|o| o == name).unwrap_or(usize::MAX);
         out.sort_by_key(|(name, _)| order(name));
         Ok(out)
+    }
+
+    /// Runs the model `runs` times on `feeds` (as `run` takes them) with each kernel timed on
+    /// its own (`Backend::profile_run`): one row per kernel in launch order, holding its median
+    /// milliseconds over the runs.
+    pub fn profile(&mut self, feeds: &[(&str, &HostTensor)], runs: usize) -> Result<Vec<StepTime>> {
+        let fed = self.conform(feeds)?;
+        let mut rows: Vec<StepTime> = Vec::new();
+        let mut times: Vec<Vec<f64>> = Vec::new();
+        for _ in 0..runs.max(1) {
+            for (name, t) in &fed {
+                self.backend.set_input_tensor(self.program, name, t)?;
+            }
+            let run = self.backend.profile_run(self.program)?;
+            times.resize_with(run.len(), Vec::new);
+            for (i, row) in run.iter().enumerate() {
+                times[i].push(row.ms);
+            }
+            rows = run;
+        }
+        for (row, mut t) in rows.iter_mut().zip(times) {
+            t.sort_by(f64::total_cmp);
+            row.ms = t[t.len() / 2];
+        }
+        Ok(rows)
     }
 
     /// `feeds` checked as `run` checks them and converted to the model's types once, in the

@@ -5,7 +5,7 @@
 //! load and runs on base + offset pointers; kernels use rayon for work large enough to split.
 
 use crate::backend::{
-    Backend, Feeds, ProgramId, Slot, check_input_bytes, check_ran, io_slot, no_program, output_slot,
+    Backend, Feeds, ProgramId, Slot, StepTime, check_input_bytes, check_ran, io_slot, no_program, output_slot,
 };
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
@@ -778,6 +778,26 @@ impl Backend for CpuBackend {
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
         self.run_overriding(program, &[])
+    }
+
+    fn profile_run(&mut self, program: ProgramId) -> Result<Vec<StepTime>> {
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
+        let times = self.profile(program, 1)?;
+        let plan = &self.programs[program].plan; // the id was checked above
+        Ok(plan
+            .steps
+            .iter()
+            .zip(times)
+            .enumerate()
+            .map(|(step, (s, (kernel, ns)))| StepTime {
+                step,
+                op: s.op.name().to_string(),
+                label: s.label.clone(),
+                kernel,
+                ms: ns as f64 / 1e6,
+            })
+            .collect())
     }
 
     fn output(&self, program: ProgramId, name: &str) -> Result<HostTensor> {

@@ -18,8 +18,8 @@ use super::driver::{self, Driver, Function, Recording};
 use super::nvrtc::CompileStats;
 use super::probe::DeviceInfo;
 use crate::backend::{
-    Backend, Feeds, ProgramId, Slot, check_input, check_input_bytes, check_ran, io_slot, no_program,
-    output_slot,
+    Backend, Feeds, ProgramId, Slot, StepTime, check_input, check_input_bytes, check_ran, io_slot,
+    no_program, output_slot,
 };
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Canary, Guard, Region};
@@ -612,18 +612,7 @@ impl CudaBackend {
     /// adds the events' cost to the total): per launch, its step's label, the kernel's
     /// description and milliseconds, in launch order. For finding where a step's time goes.
     pub fn profile(&mut self, program: ProgramId) -> Result<Vec<(String, String, f64)>> {
-        refuse_collectives(self.program(program)?, "profile")?;
-        let p = self.program_mut(program)?;
-        p.feeds.consume(&p.plan)?;
-        p.ran = true;
-        self.bind(program)?;
-        let p = self.program(program)?;
-        let mut out = Vec::with_capacity(p.launches.len());
-        for l in &p.launches {
-            let ms = self.driver.time(&mut || self.launch(p, l))?;
-            out.push((p.plan.steps[l.step].label.clone(), l.kernel.clone(), ms));
-        }
-        Ok(out)
+        Ok(self.profile_run(program)?.into_iter().map(|t| (t.label, t.kernel, t.ms)).collect())
     }
 
     /// Launches one kernel of a bound program; with `sync_every_launch`, waits for it.
@@ -1210,6 +1199,28 @@ impl Backend for CudaBackend {
         let p = self.program_mut(program)?;
         p.feeds.fed(&p.plan, value);
         Ok(())
+    }
+
+    fn profile_run(&mut self, program: ProgramId) -> Result<Vec<StepTime>> {
+        refuse_collectives(self.program(program)?, "profile")?;
+        let p = self.program_mut(program)?;
+        p.feeds.consume(&p.plan)?;
+        p.ran = true;
+        self.bind(program)?;
+        let p = self.program(program)?;
+        let mut out = Vec::with_capacity(p.launches.len());
+        for l in &p.launches {
+            let ms = self.driver.time(&mut || self.launch(p, l))?;
+            let step = &p.plan.steps[l.step];
+            out.push(StepTime {
+                step: l.step,
+                op: step.op.name().to_string(),
+                label: step.label.clone(),
+                kernel: l.kernel.clone(),
+                ms,
+            });
+        }
+        Ok(out)
     }
 
     fn run(&mut self, program: ProgramId) -> Result<()> {
