@@ -662,12 +662,16 @@ pub(crate) struct FusedMatMulKernel {
     desc: String,
 }
 
-/// Output elements in a row block's tile: 256 KiB, about what the GEMM's own packing buffers
-/// take. The tile is the kernel's, outside the arena, like them.
+/// Output elements in a tile of the tiled optimizer updates (`optim`): 256 KiB, about what the
+/// GEMM's own packing buffers take. The tile is the kernel's, outside the arena, like them.
 pub(crate) const TILE_FLOATS: usize = 1 << 16;
-/// A row block's tile where a factor is f16 or bf16: 2 MiB, beside the widened panels
-/// (`mixed_gemm`).
-const HALF_TILE_FLOATS: usize = 1 << 19;
+/// Output elements in a row block's tile: 2 MiB, the kernel's, outside the arena like the GEMM's
+/// packing buffers. Each block's GEMM packs the right factor again, and the gemm crate runs
+/// blocks of few rows far below its peak: with 256 KiB tiles (85-row blocks), ViT-B/16's MLP
+/// down-projection written over its residual (394 x 3072 x 768) took 28 ms on one AVX-512 core,
+/// with the whole product in one block 12 ms. 2 MiB holds the whole product of a transformer
+/// layer at inference batch sizes, and blocks of 170 rows or more at any width up to 3,072.
+const PRODUCT_TILE_FLOATS: usize = 1 << 19;
 
 /// A fused product that writes over an operand of its epilogue, at any rank and with either
 /// factor transposed. The output is seen as R rows of n (R the product of its leading axes) and
@@ -679,9 +683,9 @@ const HALF_TILE_FLOATS: usize = 1 << 19;
 /// fused plans bitwise to the unfused ones.
 ///
 /// Blocks are whole rows where a tile holds at least 16 of them (the epilogue then runs once
-/// per block); wider outputs (GPT-2's logits, n = 50,257) take 64 rows of 1,024 columns, the
+/// per block); wider outputs (GPT-2's logits, n = 50,257) take 256 rows of 2,048 columns, the
 /// epilogue a row at a time, so that a block's GEMM still reuses its packed panels (a block of
-/// one row of 65,536 columns would stream the whole second factor once per output row).
+/// one row of 524,288 columns would stream the whole second factor once per output row).
 struct RowBlocks {
     /// The product of a whole block (`gemm.m` rows of `gemm.n` columns) and, per output matrix
     /// of the batch, the element offsets of its factors (`matmul::layout`; a batch folded into
@@ -768,12 +772,11 @@ impl RowBlocks {
         let (gemm, batches) =
             super::matmul::layout(operands[0], operands[1], matmul.transpose_a, matmul.transpose_b, shape);
         let (rows, n) = (gemm.m, gemm.n);
-        // Half factors are widened a panel per block (`Gemm::run_mixed`): larger blocks widen
-        // the right factor fewer times (the zoo mlp's bf16 step: 64-row blocks took 3.5x the
-        // widened plan's products).
-        let half = types.iter().any(|&d| half_type(d).is_some());
-        let (tile, wide_rows) = if half { (HALF_TILE_FLOATS, 256) } else { (TILE_FLOATS, 64) };
-        let block_rows = if n <= tile / 16 { tile / n.max(1) } else { wide_rows };
+        // Each block packs (and, for half factors, widens: `Gemm::run_mixed`) the right factor
+        // again, so blocks are as large as the tile allows (the zoo mlp's bf16 step: 64-row
+        // blocks took 3.5x the widened plan's products).
+        let tile = PRODUCT_TILE_FLOATS;
+        let block_rows = if n <= tile / 16 { tile / n.max(1) } else { 256 };
         let block_rows = block_rows.clamp(1, rows.max(1));
         let block_cols = (tile / block_rows).clamp(1, n.max(1));
         let reads: Vec<RowRead> = operands[2..].iter().map(|s| RowRead::new(s, shape)).collect();
