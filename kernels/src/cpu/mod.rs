@@ -26,6 +26,7 @@
 //! - `buffers`: the half kernels' f32 working buffers, one set per thread.
 //! - `optim`: the in-place training effects (SGD, Adam, assign_add).
 //! - `math`, `vmath`, `par`: scalar definitions, the vectorisable transcendentals, parallel helpers.
+//! - `peak`: one core's measured FMA peak, which the product bench holds kernels against.
 //! - `simd`: the widest vector instructions of the CPU, chosen at run time, and `multiversion!`.
 //!
 //! Measured (release, one core of the 2-core Xeon build machine, which other jobs shared, so
@@ -50,6 +51,7 @@ mod matmul;
 mod mixed_gemm;
 mod optim;
 mod par;
+pub mod peak;
 mod per_image;
 mod pool;
 mod reduce;
