@@ -10,8 +10,9 @@
 //! optimisation on, its default). Each round times kiln's runs, then onnxruntime's (each after a
 //! warm-up), and the ratio of their medians; the table shows the median of the rounds' ratios
 //! and each side's median time, with the largest difference of the outputs relative to
-//! onnxruntime's largest magnitude. Threads: `KILN_FORWARD_THREADS` (1 by default) on both
-//! sides, kiln's rayon pool and onnxruntime's intra-op pool (one inter-op thread).
+//! onnxruntime's largest magnitude. Threads: each count of `KILN_FORWARD_THREADS` (`1,2` by
+//! default) on both sides, kiln's runs inside a rayon pool of that many threads and
+//! onnxruntime's intra-op pool (one inter-op thread).
 //!
 //! `KILN_FORWARD_MODELS=resnet50,gpt2` picks models, `KILN_FORWARD_ROUNDS` (3) and
 //! `KILN_FORWARD_RUNS` (3) size the rounds. Exports are kept under target/kiln/realscale; the
@@ -43,6 +44,13 @@ struct Row {
     difference: f64,
     ort_version: String,
 }
+
+/// A job and its result crossing to a pool thread while this one waits for it (`install`
+/// blocks): the runner it uses (its backend is not `Send`) is used by one thread at a time.
+struct Blocking<T>(T);
+// SAFETY: `ThreadPool::install` runs the job on one pool thread and returns only when it has
+// finished; the caller does nothing meanwhile, so nothing the job borrows is shared.
+unsafe impl<T> Send for Blocking<T> {}
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(default)
@@ -97,10 +105,20 @@ fn inputs(runner: &Runner) -> kiln::Result<Vec<(String, HostTensor)>> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let threads = env_usize("KILN_FORWARD_THREADS", 1);
+    let counts: Vec<usize> = std::env::var("KILN_FORWARD_THREADS")
+        .unwrap_or_else(|_| "1,2".into())
+        .split(',')
+        .filter_map(|t| t.trim().parse().ok())
+        .filter(|&t| t > 0)
+        .collect();
     let rounds = env_usize("KILN_FORWARD_ROUNDS", 3);
     let runs = env_usize("KILN_FORWARD_RUNS", 3);
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global()?;
+    // One pool per thread count: kiln's runs go inside it (`install`), its kernels' parallel
+    // loops then split over that pool.
+    let pools = counts
+        .iter()
+        .map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().map(|p| (t, p)))
+        .collect::<Result<Vec<_>, _>>()?;
     let picked: Vec<String> = std::env::var("KILN_FORWARD_MODELS")
         .map(|v| v.split(',').map(str::to_string).collect())
         .unwrap_or_else(|_| MODELS.iter().map(|m| m.to_string()).collect());
@@ -132,46 +150,64 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let fed: Vec<(&str, &HostTensor)> = prepared.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let ours = runner.run(&fed)?;
         eprintln!("{name}: loaded and run once in {:.1} s", started.elapsed().as_secs_f64());
-        let (mut ratios, mut kiln_ms, mut ort_ms, mut version) =
-            (Vec::new(), Vec::new(), Vec::new(), String::new());
-        for _ in 0..rounds {
-            runner.run(&fed)?;
-            let mut ms = Vec::new();
-            for _ in 0..runs {
-                let t = Instant::now();
-                runner.run(&fed)?;
-                ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let reference = |theirs: &Path| -> Result<f64, Box<dyn std::error::Error>> {
+            let reference = tensors::read(theirs)?;
+            let mut difference = 0.0f64;
+            for (out, t) in &ours {
+                let want =
+                    reference.get(out).ok_or_else(|| format!("{name}: onnxruntime has no output {out}"))?;
+                let scale = want.data().iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+                let most = t.data().iter().zip(want.data()).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                difference = difference.max(f64::from(most / scale));
             }
-            let k = median(ms);
-            let (v, theirs_ms) = kiln::peers::ort_forward(&ort, &path, (&feeds, &theirs), threads, runs)?;
-            let o = median(theirs_ms);
-            version = v;
-            ratios.push(k / o);
-            kiln_ms.push(k);
-            ort_ms.push(o);
-        }
-        let reference = tensors::read(&theirs)?;
-        let mut difference = 0.0f64;
-        for (out, t) in &ours {
-            let want =
-                reference.get(out).ok_or_else(|| format!("{name}: onnxruntime has no output {out}"))?;
-            let scale = want.data().iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
-            let most = t.data().iter().zip(want.data()).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            difference = difference.max(f64::from(most / scale));
-        }
-        let row = Row {
-            model: name.to_string(),
-            batch: BATCH,
-            threads,
-            kiln_ms: median(kiln_ms),
-            ort_ms: median(ort_ms),
-            ratio: median(ratios.clone()),
-            rounds: ratios,
-            difference,
-            ort_version: version,
+            Ok(difference)
         };
-        eprintln!("{name}: kiln {:.1} ms, onnxruntime {:.1} ms, {:.2}x", row.kiln_ms, row.ort_ms, row.ratio);
-        rows.push(row);
+        for (threads, pool) in &pools {
+            let threads = *threads;
+            let (mut ratios, mut kiln_ms, mut ort_ms, mut version) =
+                (Vec::new(), Vec::new(), Vec::new(), String::new());
+            for _ in 0..rounds {
+                let job = Blocking(|| -> kiln::Result<Vec<f64>> {
+                    runner.run(&fed)?;
+                    let mut ms = Vec::new();
+                    for _ in 0..runs {
+                        let t = Instant::now();
+                        runner.run(&fed)?;
+                        ms.push(t.elapsed().as_secs_f64() * 1e3);
+                    }
+                    Ok(ms)
+                });
+                let ms = pool
+                    .install(move || {
+                        let mut job = job;
+                        Blocking((job.0)())
+                    })
+                    .0?;
+                let k = median(ms);
+                let (v, theirs_ms) = kiln::peers::ort_forward(&ort, &path, (&feeds, &theirs), threads, runs)?;
+                let o = median(theirs_ms);
+                version = v;
+                ratios.push(k / o);
+                kiln_ms.push(k);
+                ort_ms.push(o);
+            }
+            let row = Row {
+                model: name.to_string(),
+                batch: BATCH,
+                threads,
+                kiln_ms: median(kiln_ms),
+                ort_ms: median(ort_ms),
+                ratio: median(ratios.clone()),
+                rounds: ratios,
+                difference: reference(&theirs)?,
+                ort_version: version,
+            };
+            eprintln!(
+                "{name}, {threads} thread(s): kiln {:.1} ms, onnxruntime {:.1} ms, {:.2}x",
+                row.kiln_ms, row.ort_ms, row.ratio
+            );
+            rows.push(row);
+        }
     }
     println!(
         "| model, batch | threads | kiln ms | onnxruntime ms | kiln / onnxruntime | by round | outputs apart |"
