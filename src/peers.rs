@@ -681,6 +681,58 @@ pub fn torch_step_times(
     Ok(report.map(|r| r.models))
 }
 
+/// PyTorch's CPU training steps of a real-scale model (`scripts/peers/torch_speed.py
+/// --realscale`) at `batch` on `threads` threads, run by `python` (`realscale_python`): its
+/// version and the milliseconds of each of `steps` steps after 3 warm-up ones, eager or
+/// (`compiled`) with `torch.compile` on the model and `opt.step`.
+pub fn realscale_torch_step_times(
+    python: &Path,
+    model: &str,
+    batch: usize,
+    steps: usize,
+    threads: usize,
+    compiled: bool,
+) -> Result<RealscaleSteps> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/torch_speed.py");
+    let mut command = Command::new(python);
+    command.arg(&script).args(["--realscale", "--train-only", "--models", model]).args([
+        "--batch",
+        &batch.to_string(),
+        "--steps",
+        &steps.to_string(),
+        "--threads",
+        &threads.to_string(),
+    ]);
+    if compiled {
+        command.arg("--compile-only");
+    }
+    let out = command.output()?;
+    if !out.status.success() {
+        return Err(script_error(format!("{} on {model}: {}", script.display(), tail(&out.stderr))));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        script_error(format!("{} on {model} printed no report that parses: {e}", script.display()))
+    })?;
+    let key = if compiled { "compile_ms" } else { "eager_ms" };
+    let ms: Vec<f64> = v["models"][model][key]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+        .unwrap_or_default();
+    if ms.is_empty() {
+        return Err(script_error(format!("{} printed no {key} for {model}", script.display())));
+    }
+    Ok(RealscaleSteps { version: v["torch"].as_str().unwrap_or("?").to_string(), ms })
+}
+
+/// What `realscale_torch_step_times` measured.
+#[derive(Clone, Debug)]
+pub struct RealscaleSteps {
+    /// PyTorch's version.
+    pub version: String,
+    /// Each timed step's wall time, ms.
+    pub ms: Vec<f64>,
+}
+
 /// Runs `scripts/peers/<script>` with `args` in PyTorch's environment and parses the JSON it
 /// prints; `Ok(None)` after printing `skipped: <reason>` where PyTorch cannot be had.
 fn run_torch_script<R: serde::de::DeserializeOwned>(script: &str, args: &[String]) -> Result<Option<R>> {

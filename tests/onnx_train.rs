@@ -122,8 +122,12 @@ fn a_model_of_ids_and_a_mask_trains_through_the_library() {
     let bytes = tiny_bert(false, false);
     let (x, _) = kiln::onnx::train::specs(&bytes, &sizes()).unwrap();
     assert_eq!((x.shape, x.dtype), (Shape::new([2, 8]), DType::I64));
-    let run = kiln::onnx::train::train(&bytes, &sizes(), 3, &Device::cpu(), None, |_, _| {}).unwrap();
+    let mut run = kiln::onnx::train::train(&bytes, &sizes(), 3, &Device::cpu(), None, |_, _| {}).unwrap();
     assert!(run.losses.iter().all(|v| v.is_finite()) && run.losses[2] < run.losses[0], "{:?}", run.losses);
+    // More steps on the same batch go on lowering the loss.
+    let loss = run.step().unwrap();
+    assert_eq!(run.losses.len(), 4);
+    assert!(loss.is_finite() && loss < run.losses[2], "{:?}", run.losses);
 }
 
 /// `kiln train` takes the model of ids and a mask, on random data and on a `--data` batch of

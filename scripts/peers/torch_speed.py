@@ -8,7 +8,12 @@ steps (compilation included there), then STEPS steps each timed by the host cloc
 zero_grad, forward, loss, backward and step; then as many forward passes (under no_grad) after 3
 warm-up ones. f32 throughout, PyTorch's default thread count.
 
-usage: torch_speed.py --models a,b,... --steps N [--compile]
+With --realscale the models are the real-scale architectures (scripts/realscale/models.py) at
+--batch (their training batches by default); --threads sets PyTorch's thread count, --train-only
+skips the forward passes, --compile-only the eager steps.
+
+usage: torch_speed.py --models a,b,... --steps N [--compile | --compile-only] [--realscale
+       [--batch N]] [--threads N] [--train-only]
 prints {"torch": version, "threads": n, "models": {name: {"eager_ms": [...], "compile_ms": [...],
 "forward_eager_ms": [...], "forward_compile_ms": [...]}}}
 """
@@ -22,8 +27,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def time_model(torch, spec, steps, compiled):
-    """(training-step ms, forward-pass ms), `steps` of each after 3 warm-up calls."""
+def time_model(torch, spec, steps, compiled, forwards=True):
+    """(training-step ms, forward-pass ms or None without `forwards`), `steps` of each after 3
+    warm-up calls."""
     import torch_stream
 
     torch.manual_seed(0)
@@ -39,7 +45,7 @@ def time_model(torch, spec, steps, compiled):
             times.append((time.perf_counter() - t0) * 1e3)
         return times
 
-    return timed(train), timed(forward)
+    return timed(train), timed(forward) if forwards else None
 
 
 def main():
@@ -47,23 +53,40 @@ def main():
     ap.add_argument("--models", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--realscale", action="store_true")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--train-only", action="store_true")
     args = ap.parse_args()
     import torch
     from torch import nn
 
     import torch_stream
 
-    zoo = torch_stream.models(torch, nn)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.realscale:
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.path.insert(0, os.path.join(here, "..", "realscale"))
+        import models as realscale
+
+        zoo = realscale.specs(torch, nn, batch=args.batch)
+    else:
+        zoo = torch_stream.models(torch, nn)
+    modes = ([] if args.compile_only else [False]) + ([True] if args.compile or args.compile_only else [])
     out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": {}}
     for name in args.models.split(","):
         if name not in zoo:
             print(f"no PyTorch twin of {name}", file=sys.stderr)
             return 2
-        train, forward = time_model(torch, zoo[name], args.steps, False)
-        row = {"eager_ms": train, "forward_eager_ms": forward}
-        if args.compile:
-            train, forward = time_model(torch, zoo[name], args.steps, True)
-            row["compile_ms"], row["forward_compile_ms"] = train, forward
+        row = {}
+        for compiled in modes:
+            train, forward = time_model(torch, zoo[name], args.steps, compiled, not args.train_only)
+            key = "compile" if compiled else "eager"
+            row[f"{key}_ms"] = train
+            if forward is not None:
+                row[f"forward_{key}_ms"] = forward
         out["models"][name] = row
     json.dump(out, sys.stdout)
     return 0

@@ -73,20 +73,21 @@ def example(torch, name, batch):
     return (torch.randn(batch, 3, 224, 224),), ["x"]
 
 
-def specs(torch, nn):
+def specs(torch, nn, batch=None):
     """torch_stream.py's entries for the real-scale models (empty where torchvision or
-    transformers is missing)."""
+    transformers is missing), at `batch` or each model's training batch."""
     F = nn.functional
     out = {}
-    for name, batch in BATCH.items():
+    for name, default in BATCH.items():
+        batch_of = batch or default
         attns = ["eager", "sdpa"] if name in ("gpt2", "bert") else [None]
         for attn in attns:
             key = name if attn in (None, "eager") else f"{name}-sdpa"
 
-            def make_x(dev, name=name, batch=batch):
+            def make_x(dev, name=name, batch=batch_of):
                 return tuple(t.to(dev) for t in example(torch, name, batch)[0])[0]
 
-            def make_y(dev, name=name, batch=batch):
+            def make_y(dev, name=name, batch=batch_of):
                 return torch.randn(*out_shape(name, batch), device=dev)
 
             out[key] = (

@@ -278,6 +278,17 @@ pub struct OnnxTraining {
     pub inputs: Vec<ModelInput>,
     /// The wall time of the training steps, compilation and weight loading excluded.
     pub elapsed: Duration,
+    /// The packed inputs and the targets every step was fed (`step` feeds them again).
+    fed: (HostTensor, HostTensor),
+}
+
+impl OnnxTraining {
+    /// One more training step on the same batch; its loss (also appended to `losses`).
+    pub fn step(&mut self) -> Result<f32> {
+        let loss = self.trainer.train_step(&self.fed.0, &self.fed.1)?.loss;
+        self.losses.push(loss);
+        Ok(loss)
+    }
 }
 
 /// Trains `model` for `steps` steps of one batch each on `device`, on `data` or, without it,
@@ -384,7 +395,8 @@ pub fn train_in(
         each(i, loss);
         losses.push(loss);
     }
-    Ok(OnnxTraining { losses, trainer, x: x_spec.shape, y: y_shape, inputs, elapsed: start.elapsed() })
+    let elapsed = start.elapsed();
+    Ok(OnnxTraining { losses, trainer, x: x_spec.shape, y: y_shape, inputs, elapsed, fed: (x, y) })
 }
 
 /// The data's inputs in the model's order, each checked: every input given (`x` for the one
