@@ -6,18 +6,18 @@
 //! weights `[N, K]`, read transposed, as an ONNX `Gemm` or `MatMul` by a transposed initializer
 //! imports), the classifiers of ResNet-50, EfficientNet-B0 and MobileNetV3-small on 2 images,
 //! and ResNet-50's convolutions (NHWC, as kiln plans them). Each is one op compiled alone and
-//! run on the CPU backend, timed as the median of `KILN_PRODUCTS_RUNS` (20) runs after a
-//! warm-up, on `KILN_PRODUCTS_THREADS` threads (1). A product counts its multiply-adds (M·N·K;
+//! run on the CPU backend, its kernels timed alone (`CpuBackend::profile`: no input copied in,
+//! no output copied out), the median of `KILN_PRODUCTS_RUNS` (20) runs after a warm-up, on
+//! `KILN_PRODUCTS_THREADS` threads (1). A product counts its multiply-adds (M·N·K;
 //! a convolution's output elements times its window times its input channels); the fraction
 //! is of one core's peak times the threads. `KILN_PRODUCTS_ONLY=ResNet` times the products whose
-//! name contains the text. The goal is ≥ 0.8 of the peak for the large
-//! products (≥ 10^8 multiply-adds); the table marks each.
+//! name contains the text. The goal is ≥ 0.8 of the peak for the large products
+//! (≥ 10^8 multiply-adds); the table marks each.
 
 use kiln::compiler::ir::Padding;
 use kiln::prelude::*;
 use kiln::runtime::CpuBackend;
 use serde::Serialize;
-use std::time::Instant;
 
 /// A product to time: a matrix product (`transposed`: the right factor `[N, K]`, read
 /// transposed) or an NHWC convolution.
@@ -110,7 +110,7 @@ fn graph(p: Product) -> Result<(kiln::compiler::ir::Graph, String, f64)> {
     Ok((t.finish()?, shape, fmas))
 }
 
-/// Median milliseconds of `runs` calls of `p`'s plan on the CPU backend.
+/// Median milliseconds of `p`'s kernels over `runs` runs of its plan on the CPU backend.
 fn time(p: Product, runs: usize) -> Result<(String, f64, f64)> {
     let (g, shape, fmas) = graph(p)?;
     let feeds = kiln::compare::feeds_for(&g, 1)?;
@@ -118,15 +118,10 @@ fn time(p: Product, runs: usize) -> Result<(String, f64, f64)> {
     let mut backend = CpuBackend::new(0);
     let id = backend.load(plan)?;
     let fed: Vec<(&str, &HostTensor)> = feeds.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    // Fed and run once (the warm-up); the profile's runs read the inputs where they are.
     backend.call(id, &fed)?;
-    let mut ms = Vec::with_capacity(runs);
-    for _ in 0..runs {
-        let start = Instant::now();
-        backend.call(id, &fed)?;
-        ms.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    ms.sort_by(f64::total_cmp);
-    Ok((shape, fmas, ms[ms.len() / 2]))
+    let ns: u64 = backend.profile(id, runs)?.iter().map(|(_, ns)| ns).sum();
+    Ok((shape, fmas, ns as f64 / 1e6))
 }
 
 fn main() -> Result<()> {

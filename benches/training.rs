@@ -3,9 +3,9 @@
 //!
 //! The models are those of `scripts/realscale/models.py` (torchvision's ResNet-50,
 //! EfficientNet-B0, MobileNetV3-small and ViT-B/16, transformers' GPT-2 small and BERT-base on
-//! 256 tokens; random weights, dropout off) at batch `KILN_TRAINING_BATCH` (2: the issue's
-//! batches, 4 to 32, take seconds to tens of seconds a step on one core, and smaller batches
-//! are allowed for time, the same on both sides). The step is the same on both sides: the
+//! 256 tokens; random weights, dropout off) at batch `KILN_TRAINING_BATCH` (2: the batches
+//! they train at, 4 to 32, take seconds to tens of seconds a step on one core; the batch is the
+//! same on both sides). The step is the same on both sides: the
 //! model's output against a standard-normal target of its shape by mean squared error, the
 //! gradients, and Adam (lr 1e-3, eps 1e-7). kiln trains the training-mode ONNX export
 //! (`scripts/realscale/export.py --batch B`: batch norm on batch statistics) as `kiln train`

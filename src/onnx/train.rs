@@ -283,9 +283,12 @@ pub struct OnnxTraining {
 }
 
 impl OnnxTraining {
-    /// One more training step on the same batch; its loss (also appended to `losses`).
+    /// One more training step on the same batch; its loss (also appended to `losses`, its
+    /// time to `elapsed`).
     pub fn step(&mut self) -> Result<f32> {
+        let start = Instant::now();
         let loss = self.trainer.train_step(&self.fed.0, &self.fed.1)?.loss;
+        self.elapsed += start.elapsed();
         self.losses.push(loss);
         Ok(loss)
     }

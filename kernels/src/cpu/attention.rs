@@ -401,8 +401,9 @@ impl Attention {
 /// arithmetic costs x86 cores 10-100x (relative contributions below 2^-125, invisible).
 #[inline(always)]
 fn weight(x: f32) -> f32 {
-    // Both sides computed, then a select: a branch would keep the loops scalar.
-    let e = super::vmath::exp(x);
+    // Both sides computed, then a select: a branch would keep the loops scalar. The exponential
+    // of a hidden score is taken at -87, so that it never makes the subnormal it avoids.
+    let e = super::vmath::exp(x.max(-87.0));
     if x < -87.0 { 0.0 } else { e }
 }
 

@@ -662,11 +662,8 @@ pub(crate) struct FusedMatMulKernel {
     desc: String,
 }
 
-/// Output elements in a tile of the tiled optimizer updates (`optim`): 256 KiB, about what the
-/// GEMM's own packing buffers take. The tile is the kernel's, outside the arena, like them.
-pub(crate) const TILE_FLOATS: usize = 1 << 16;
-/// Output elements in a row block's tile: 2 MiB, the kernel's, outside the arena like the GEMM's
-/// packing buffers. Each block's GEMM packs the right factor again, and the gemm crate runs
+/// Output elements in a row block's tile: 2 MiB, the thread's shared tile (`buffers`), outside
+/// the arena like the GEMM's packing buffers. Each block's GEMM packs the right factor again, and the gemm crate runs
 /// blocks of few rows far below its peak: with 256 KiB tiles (85-row blocks), ViT-B/16's MLP
 /// down-projection written over its residual (394 x 3072 x 768) took 28 ms on one AVX-512 core,
 /// with the whole product in one block 12 ms. 2 MiB holds the whole product of a transformer

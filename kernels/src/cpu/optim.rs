@@ -24,7 +24,6 @@
 //! the bits of the half product stored, widened by a cast and applied.
 
 use super::cast::round_to;
-use super::fused::TILE_FLOATS;
 use super::matmul::{Gemm, SERIAL_MACS};
 use super::mixed_gemm::Matrix;
 use super::par::{SendPtr, par_ranges};
@@ -33,6 +32,10 @@ use kiln_compiler::ir::{DType, Grad, Rows, Shape, Shard};
 use rayon::prelude::*;
 use std::slice;
 use std::sync::Mutex;
+
+/// Output elements in a tile of the tiled updates: 256 KiB, about what the GEMM's own packing
+/// buffers take, outside the arena like them.
+const TILE_FLOATS: usize = 1 << 16;
 
 /// # Safety
 /// `p` is valid for `s..e` and no other live reference covers that range.

@@ -3,10 +3,12 @@
 //!
 //! A loop of independent FMA chains on the widest vectors the CPU runs (`simd::width`: AVX-512
 //! or AVX2), enough of them to cover the instruction's latency on both FMA ports of every
-//! x86-64 core kiln meets (4 cycles, 2 ports: 8 in flight; 16 chains run), timed over a fixed
-//! count of iterations, best of several tries. Nothing in it touches memory, so the figure is
-//! the arithmetic bound a GEMM's inner loop can reach, at the clock the core runs under that
-//! load (turbo, or AVX-512's lower clock where a core has one).
+//! x86-64 core kiln meets (4 cycles, 2 ports: 8 in flight; 16 chains with AVX-512, 12 with
+//! AVX2, whose 16 registers hold no more beside the two constants), timed over a fixed count of
+//! iterations, best of several tries. The vector loops keep everything in registers, so the
+//! figure is the arithmetic bound a GEMM's inner loop can reach, at the clock the core runs
+//! under that load (turbo, or AVX-512's lower clock where a core has one). Without AVX2 a
+//! scalar loop stands in, its chains kept from folding by `black_box`.
 
 use super::simd::{Width, width};
 

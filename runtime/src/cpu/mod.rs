@@ -256,34 +256,12 @@ impl CpuBackend {
     }
 
     /// Runs the program `runs` times and returns each step's kernel description and median time
-    /// in nanoseconds, in step order. Guard mode's canaries are not checked here (`run` does).
+    /// in nanoseconds, in step order, each kernel timed on its own. The runs read whatever the
+    /// inputs hold (nothing needs feeding); each is checked as `run` checks it.
     pub fn profile(&mut self, program: ProgramId, runs: usize) -> Result<Vec<(String, u64)>> {
-        self.program(program)?;
-        let store = &self.store;
-        let p = &mut self.programs[program]; // the id was checked above
-        p.ran = true;
-        let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
-        let mut scratch = std::mem::take(&mut p.scratch);
-        let p = &*p;
-        // On the pool, as `run` runs the steps (a plan with collectives, on the caller's thread).
-        let collectives = p.steps.iter().any(|s| s.collective);
-        let run_all = |f: &mut dyn FnMut()| if collectives { f() } else { on_the_pool(f) };
-        run_all(&mut || {
-            for _ in 0..runs {
-                for (i, step) in p.steps.iter().enumerate() {
-                    scratch.clear();
-                    scratch.extend(step.inputs.iter().map(|&l| ptr(p, store, l)));
-                    let out = step.output.map_or(std::ptr::null_mut(), |l| ptr(p, store, l));
-                    let start = std::time::Instant::now();
-                    // SAFETY: as in `run`.
-                    unsafe { step.kernel.run(&scratch, out) };
-                    times[i].push(start.elapsed().as_nanos() as u64);
-                }
-            }
-        });
-        let p = &mut self.programs[program];
-        p.scratch = scratch;
-        Ok(p.steps
+        let times = self.time_steps(program, runs)?;
+        Ok(self.programs[program]
+            .steps
             .iter()
             .zip(times)
             .map(|(s, mut t)| {
@@ -291,6 +269,36 @@ impl CpuBackend {
                 (s.kernel.describe(), t.get(t.len() / 2).copied().unwrap_or(0))
             })
             .collect())
+    }
+
+    /// Each step's nanoseconds in `runs` runs of the program, per step in step order.
+    fn time_steps(&mut self, program: ProgramId, runs: usize) -> Result<Vec<Vec<u64>>> {
+        self.program(program)?;
+        let store = &self.store;
+        let p = &mut self.programs[program]; // the id was checked above
+        p.ran = true;
+        let mut scratch = std::mem::take(&mut p.scratch);
+        let p = &*p;
+        let mut times: Vec<Vec<u64>> = vec![Vec::with_capacity(runs); p.steps.len()];
+        let mut all = || -> Result<()> {
+            let mut one = Vec::with_capacity(p.steps.len());
+            for _ in 0..runs {
+                one.clear();
+                run_steps(p, store, &[], &mut scratch, None, Some(&mut one))?;
+                times.iter_mut().zip(&one).for_each(|(t, &ns)| t.push(ns));
+            }
+            Ok(())
+        };
+        // On the pool, as `run` runs the steps (a plan with collectives on the caller's thread,
+        // its collectives in line).
+        let result = if p.steps.iter().any(|s| s.collective) {
+            all()
+        } else {
+            // SAFETY: as in `run_overriding`.
+            unsafe { on_the_pool(all) }
+        };
+        self.programs[program].scratch = scratch;
+        result.map(|()| times)
     }
 
     /// Replaces the kernel of one step of a loaded program: a test seam (guard mode's tests plant
@@ -495,16 +503,18 @@ impl CpuBackend {
             let books = overlap::InFlight::books();
             std::thread::scope(|scope| {
                 let mut flight = overlap::InFlight::start(scope, &books);
-                let result = run_steps(p, store, bound, &mut scratch, Some(&mut flight));
+                let result = run_steps(p, store, bound, &mut scratch, Some(&mut flight), None);
                 let failure = flight.wait_all();
                 result.and(failure.map_or(Ok(()), |(step, why)| Err(collective_error(p, step, why))))
             })
         } else if p.steps.iter().any(|s| s.collective) {
             // A collective blocks its thread until every rank reaches it: on the pool, ranks
             // beyond its thread count would wait for ranks that never get a thread.
-            run_steps(p, store, bound, &mut scratch, None)
+            run_steps(p, store, bound, &mut scratch, None, None)
         } else {
-            on_the_pool(|| run_steps(p, store, bound, &mut scratch, None))
+            // SAFETY: a run holds the program's kernels (`Send + Sync`) and pointers into memory
+            // the program owns, which the pool thread uses while this one waits.
+            unsafe { on_the_pool(|| run_steps(p, store, bound, &mut scratch, None, None)) }
         };
         self.programs[program].scratch = scratch;
         result
@@ -582,8 +592,6 @@ fn offset_of(slot: Slot) -> usize {
     }
 }
 
-/// The steps of a run, in order; with `flight`, collectives that may overlap (`overlap`) are
-/// sent to its thread and each step first waits for those whose bytes it touches.
 /// `f` run on a thread of the rayon pool, the caller waiting: a run's kernels then split their
 /// work from inside the pool. Called from outside it, every parallel loop of every kernel
 /// hands its work to the pool and wakes a sleeping worker (tens of microseconds each): on one
@@ -591,13 +599,16 @@ fn offset_of(slot: Slot) -> usize {
 /// alone. Its forward pass at batch 2 went 26.3 -> 23.2 ms on one thread and 17.1 -> 13.6 ms on
 /// two, MobileNetV3-small's 7.25 -> 6.59 and 5.59 -> 3.99 ms (`kiln run --bench 20`, 2-core
 /// AMD EPYC).
-fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
-    /// What crosses to the pool thread: the closure and its result. The caller blocks until
-    /// the pool has run it, so nothing it borrows is used by two threads at once.
+///
+/// # Safety
+/// `f` and its result may be used on another thread than the caller's (one at a time: the
+/// caller waits): nothing they hold may be tied to the calling thread. Plan runs qualify: they
+/// hold kernels (`Send + Sync`) and raw pointers into memory the program owns.
+unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
+    /// What crosses to the pool thread: the closure and its result.
     struct Pass<T>(T);
     // SAFETY: `rayon::scope` runs the closure on one pool thread while the calling thread
-    // waits for it; the raw pointers the closure holds (kernel operands, the arena) are used by
-    // that one thread only, as they would be on the caller's.
+    // waits for it, and the caller vouched that `f` and its result may move to that thread.
     unsafe impl<T> Send for Pass<T> {}
     let f = Pass(f);
     rayon::scope(move |_| {
@@ -607,12 +618,17 @@ fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
     .0
 }
 
+/// The steps of a run, in order; with `flight`, collectives that may overlap (`overlap`) are
+/// sent to its thread and each step first waits for those whose bytes it touches. With
+/// `times`, each step's kernel is timed and its nanoseconds pushed there, in step order (0 for a
+/// collective sent to `flight`).
 fn run_steps<'a>(
     p: &'a Program,
     store: &VariableStore,
     bound: &[(usize, *mut u8)],
     scratch: &mut Vec<*mut u8>,
     mut flight: Option<&mut overlap::InFlight<'a>>,
+    mut times: Option<&mut Vec<u64>>,
 ) -> Result<()> {
     let guard = p.guard.as_ref();
     if let Some(g) = guard {
@@ -648,6 +664,9 @@ fn run_steps<'a>(
                 if let Err((at, why)) = flight.send(i, step.kernel.as_ref(), scratch, out, touched) {
                     return Err(collective_error(p, at, why));
                 }
+                if let Some(t) = times.as_deref_mut() {
+                    t.push(0);
+                }
                 continue;
             }
         }
@@ -658,6 +677,7 @@ fn run_steps<'a>(
                 return Err(crate::backend::operand_error(&p.plan, i, e));
             }
         }
+        let start = times.is_some().then(std::time::Instant::now);
         // SAFETY: `load` validated the plan (`kiln_compiler::validate`): every pointer
         // addresses a buffer of the plan inside its arena, io region or variable, holding
         // its value's bytes; buffers live at this step do not overlap, and an output shares
@@ -667,6 +687,9 @@ fn run_steps<'a>(
         // addresses the caller's contiguous tensor of its value's dtype and shape, which no
         // step writes (checked there).
         unsafe { step.kernel.run(scratch, out) };
+        if let (Some(t), Some(start)) = (times.as_deref_mut(), start) {
+            t.push(start.elapsed().as_nanos() as u64);
+        }
         if let Some(why) = step.kernel.take_failure() {
             return Err(crate::backend::step_error(
                 &p.plan,
