@@ -202,6 +202,8 @@ pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
         t("realscale", realscale_table, "realscale"),
         t("realscale-precision", realscale_precision_table, "realscale"),
         t("realscale-forward", forward_table, "forward"),
+        t("realscale-training", training_table, "training"),
+        t("products", products_table, "products"),
     ])
 }
 
@@ -490,6 +492,103 @@ fn forward_table(r: &Record) -> String {
     s += "\nThe same inference export and inputs on both sides, interleaved rounds, the median of the rounds' \
           ratios; outputs apart: the largest difference over onnxruntime's largest magnitude.\n";
     s += &provenance(r, "`cargo bench --bench forward`");
+    s
+}
+
+/// The real-scale CPU training-step table: kiln beside PyTorch eager and torch.compile
+/// (`benches/training.rs`).
+fn training_table(r: &Record) -> String {
+    let rows: Vec<Vec<String>> = r
+        .data
+        .as_array()
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let rounds: Vec<String> = v
+                .get("rounds")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_f64).map(|x| format!("{x:.2}")).collect())
+                .unwrap_or_default();
+            let compile = match num(v, &["over_compile"]) {
+                Some(x) => format!("{x:.2}"),
+                None => v.get("compile_note").and_then(Value::as_str).unwrap_or("-").to_string(),
+            };
+            vec![
+                v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                num(v, &["threads"]).map_or("-".into(), |t| format!("{t}")),
+                ms(num(v, &["kiln_ms"])),
+                ms(num(v, &["torch_eager_ms"])),
+                ms(num(v, &["torch_compile_ms"])),
+                num(v, &["over_eager"]).map_or("-".into(), |x| format!("{x:.2}")),
+                rounds.join(" "),
+                compile,
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "threads",
+            "kiln ms",
+            "PyTorch eager ms",
+            "torch.compile ms",
+            "kiln / eager",
+            "by round",
+            "kiln / compile",
+        ],
+        &rows,
+    );
+    s += "\nOne training step (MSE against a target of the output's shape, gradients, Adam) of the same \
+          architecture and batch on both sides: kiln on the training-mode ONNX export, PyTorch on the \
+          module it was exported from; kiln / eager is the median of the rounds' ratios, torch.compile \
+          is timed once after them.\n";
+    s += &provenance(r, "`cargo bench --bench training`");
+    s
+}
+
+/// The product table: kiln's CPU products shape by shape against one core's measured FMA peak
+/// (`benches/products.rs`).
+fn products_table(r: &Record) -> String {
+    let rows: Vec<Vec<String>> = r
+        .data
+        .get("rows")
+        .and_then(Value::as_array)
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            let fraction = num(v, &["fraction_of_peak"]);
+            let goal = match (v.get("large").and_then(Value::as_bool), fraction) {
+                (Some(true), Some(f)) if f >= 0.8 => "met",
+                (Some(true), Some(_)) => "below",
+                _ => "-",
+            };
+            vec![
+                v.get("product").and_then(Value::as_str).unwrap_or("?").to_string(),
+                v.get("shape").and_then(Value::as_str).unwrap_or("?").to_string(),
+                num(v, &["fmas"]).map_or("-".into(), |f| format!("{:.0}M", f / 1e6)),
+                ms(num(v, &["ms"])),
+                num(v, &["gfma_per_s"]).map_or("-".into(), |x| format!("{x:.1}")),
+                fraction.map_or("-".into(), |x| format!("{x:.2}")),
+                goal.to_string(),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &["product", "shape", "multiply-adds", "ms", "GFMA/s", "of peak", "goal (large: ≥ 0.8)"],
+        &rows,
+    );
+    let peak = num(&r.data, &["peak_gfma_per_s_per_core"]).map_or("-".into(), |p| format!("{p:.1}"));
+    let isa = r.data.get("isa").and_then(Value::as_str).unwrap_or("?");
+    let threads = num(&r.data, &["threads"]).map_or("-".into(), |t| format!("{t}"));
+    s += &format!(
+        "\nOne op compiled alone, median of its runs on {threads} thread(s); of peak: against one core's \
+         measured FMA peak, {peak} GFMA/s ({isa}), times the threads. Large: at least 10^8 multiply-adds.\n"
+    );
+    s += &provenance(r, "`cargo bench --bench products`");
     s
 }
 
