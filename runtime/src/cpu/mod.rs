@@ -54,6 +54,9 @@ struct Program {
     arenas: Vec<HostMem>,
     ios: Vec<HostMem>,
     steps: Vec<BoundStep>,
+    /// Whether a run goes on a thread of the rayon pool (`on_the_pool`): the plan does work
+    /// enough (`POOLED_FLOPS`) and has no collective.
+    pooled: bool,
     /// Reused operand-pointer list: no allocation per step.
     scratch: Vec<*mut u8>,
     feeds: Feeds,
@@ -289,9 +292,8 @@ impl CpuBackend {
             }
             Ok(())
         };
-        // On the pool, as `run` runs the steps (a plan with collectives on the caller's thread,
-        // its collectives in line).
-        let result = if p.steps.iter().any(|s| s.collective) {
+        // Where `run` runs the steps (collectives in line).
+        let result = if !p.pooled {
             all()
         } else {
             // SAFETY: as in `run_overriding`.
@@ -474,7 +476,17 @@ impl CpuBackend {
                 None => arena,
             });
         }
+        let flops: u64 = plan
+            .steps
+            .iter()
+            .map(|s| {
+                let shapes: Vec<&Shape> = s.inputs.iter().map(|&v| &plan.values[v].shape).collect();
+                s.output.map_or(0, |o| s.op.flops(&shapes, &plan.values[o].shape))
+            })
+            .sum();
+        let pooled = flops >= POOLED_FLOPS && !steps.iter().any(|s| s.collective);
         self.programs.push(Program {
+            pooled,
             owned_region: region.is_some(),
             feeds: Feeds::new(&plan),
             guard: Guard::new(&plan),
@@ -507,9 +519,10 @@ impl CpuBackend {
                 let failure = flight.wait_all();
                 result.and(failure.map_or(Ok(()), |(step, why)| Err(collective_error(p, step, why))))
             })
-        } else if p.steps.iter().any(|s| s.collective) {
-            // A collective blocks its thread until every rank reaches it: on the pool, ranks
-            // beyond its thread count would wait for ranks that never get a thread.
+        } else if !p.pooled {
+            // Too little work to hand to the pool, or a collective, which blocks its thread until
+            // every rank reaches it: on the pool, ranks beyond its thread count would wait for
+            // ranks that never get a thread.
             run_steps(p, store, bound, &mut scratch, None, None)
         } else {
             // SAFETY: a run holds the program's kernels (`Send + Sync`) and pointers into memory
@@ -592,13 +605,19 @@ fn offset_of(slot: Slot) -> usize {
     }
 }
 
+/// The floating-point work (`Op::flops`, all steps) from which a plan runs on the pool: 16.8
+/// MFLOP, 0.1 to 0.3 ms of one core's work, against the hand-off's tens of microseconds.
+const POOLED_FLOPS: u64 = 1 << 24;
+
 /// `f` run on a thread of the rayon pool, the caller waiting: a run's kernels then split their
 /// work from inside the pool. Called from outside it, every parallel loop of every kernel
 /// hands its work to the pool and wakes a sleeping worker (tens of microseconds each): on one
 /// thread EfficientNet-B0's squeeze-excitation means took 1.0 ms in a run against 0.35 ms
 /// alone. Its forward pass at batch 2 went 26.3 -> 23.2 ms on one thread and 17.1 -> 13.6 ms on
 /// two, MobileNetV3-small's 7.25 -> 6.59 and 5.59 -> 3.99 ms (`kiln run --bench 20`, 2-core
-/// AMD EPYC).
+/// AMD EPYC). Handing a run to the pool and waiting for it costs tens of microseconds, which
+/// plans of less than `POOLED_FLOPS` do not win back: the zoo's seed-mlp step took 7 µs on the
+/// caller's thread and 35 µs on the pool.
 ///
 /// # Safety
 /// `f` and its result may be used on another thread than the caller's (one at a time: the
