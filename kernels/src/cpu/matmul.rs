@@ -13,8 +13,9 @@
 //! --bench 3`, batch-2 inference exports, 2-core AMD EPYC with AVX-512): GPT-2 small
 //! 1,341 -> 867 ms, ResNet-50 172.6 -> 93.4 ms, BERT-base 855 -> 790 ms; the zoo's training
 //! steps as `kernels::cpu::simd` lists. MobileNetV3-small's pass grew 5.75 -> 6.7 ms: its
-//! batch-2 classifier (2x1024 by a transposed 1024x1000 weight) takes 1.65 ms, the crate
-//! packing the whole weight for two rows.
+//! batch-2 classifier (2x1024 by a transposed 1000x1024 weight) took 1.65 ms, the crate
+//! packing the weight across rows 4 KiB apart, until such factors were copied to row-major
+//! panels first (`Gemm::chunk_untransposed`).
 //!
 //! Threads: products below `SERIAL_MACS` multiply-adds run on the calling thread
 //! (`Parallelism::None`), since a rayon hand-off costs more than a 32x100x10 product; many
