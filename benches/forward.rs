@@ -21,10 +21,10 @@
 use kiln::onnx::runner::{Runner, RunnerOptions};
 use kiln::onnx::tensors;
 use kiln::prelude::*;
+use kiln::report::{env_count, median};
 use rand::{RngExt, SeedableRng};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Instant;
 
 const MODELS: [&str; 6] = ["resnet50", "efficientnet_b0", "mobilenet_v3_small", "vit_b_16", "gpt2", "bert"];
@@ -51,35 +51,6 @@ struct Blocking<T>(T);
 // SAFETY: `ThreadPool::install` runs the job on one pool thread and returns only when it has
 // finished; the caller does nothing meanwhile, so nothing the job borrows is shared.
 unsafe impl<T> Send for Blocking<T> {}
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
-}
-
-/// The inference export of `name` at `BATCH`, made once.
-fn export(python: &Path, dir: &Path, name: &str) -> Result<PathBuf, String> {
-    let path = dir.join(format!("{name}-eval.onnx"));
-    if path.exists() {
-        return Ok(path);
-    }
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let out = Command::new(python)
-        .arg("scripts/realscale/export.py")
-        .arg(dir)
-        .arg(name)
-        .args(["--batch", &BATCH.to_string(), "--eval"])
-        .output()
-        .map_err(|e| format!("exporting {name}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("exporting {name}: {}", String::from_utf8_lossy(&out.stderr)));
-    }
-    Ok(path)
-}
 
 /// Inputs for `runner`'s model: floats uniform in [0, 1), ids uniform in [0, 1000), masks 1.
 fn inputs(runner: &Runner) -> kiln::Result<Vec<(String, HostTensor)>> {
@@ -111,8 +82,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .filter_map(|t| t.trim().parse().ok())
         .filter(|&t| t > 0)
         .collect();
-    let rounds = env_usize("KILN_FORWARD_ROUNDS", 3);
-    let runs = env_usize("KILN_FORWARD_RUNS", 3);
+    let rounds = env_count("KILN_FORWARD_ROUNDS", 3);
+    let runs = env_count("KILN_FORWARD_RUNS", 3);
     // One pool per thread count: kiln's runs go inside it (`install`), its kernels' parallel
     // loops then split over that pool.
     let pools = counts
@@ -129,10 +100,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
     };
-    let dir = kiln::report::output_dir().join("realscale").join(format!("batch{BATCH}"));
+    let exports = kiln::report::output_dir().join("realscale");
+    let dir = exports.join(format!("batch{BATCH}"));
     let mut rows = Vec::new();
     for name in MODELS.iter().filter(|m| picked.iter().any(|p| p == *m)) {
-        let path = match export(&python, &dir, name) {
+        let path = match kiln::peers::realscale_export(&python, &exports, name, BATCH, true) {
             Ok(p) => p,
             Err(why) => {
                 println!("{name}: skipped: {why}");

@@ -16,6 +16,7 @@
 
 use kiln::compiler::ir::Padding;
 use kiln::prelude::*;
+use kiln::report::env_count;
 use kiln::runtime::CpuBackend;
 use serde::Serialize;
 
@@ -78,10 +79,6 @@ struct Report {
     rows: Vec<Row>,
 }
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(default)
-}
-
 /// The one-op graph of `p`, its shape in words and its multiply-adds.
 fn graph(p: Product) -> Result<(kiln::compiler::ir::Graph, String, f64)> {
     let t = Tracer::new("product");
@@ -125,8 +122,8 @@ fn time(p: Product, runs: usize) -> Result<(String, f64, f64)> {
 }
 
 fn main() -> Result<()> {
-    let threads = env_usize("KILN_PRODUCTS_THREADS", 1);
-    let runs = env_usize("KILN_PRODUCTS_RUNS", 20);
+    let threads = env_count("KILN_PRODUCTS_THREADS", 1);
+    let runs = env_count("KILN_PRODUCTS_RUNS", 20);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().ok();
     // Measured before the products and after them, the higher kept: the clock a core holds
     // varies from one moment to the next.

@@ -44,7 +44,7 @@ use kiln::compiler::Precision;
 use kiln::runtime::eager::{FrameworkExtras, WorkspacePolicy};
 use kiln::torch_stream::{Recording, replay};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
@@ -136,24 +136,6 @@ fn pytorch_reserved(python: &Path, dir: &Path, name: &str, amp: Option<&str>) ->
     let stats =
         replay(stream, &FrameworkExtras::pytorch(WorkspacePolicy::Persistent)).map_err(|e| e.to_string())?;
     Ok(stats.peak_reserved)
-}
-
-fn export(python: &Path, dir: &Path, name: &str, batch: usize) -> Result<PathBuf, String> {
-    // One folder per batch: an export's shapes are fixed.
-    let dir = &dir.join(format!("batch{batch}"));
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join(format!("{name}.onnx"));
-    if !path.exists() {
-        run(
-            Command::new(python)
-                .arg("scripts/realscale/export.py")
-                .arg(dir)
-                .arg(name)
-                .args(["--batch", &batch.to_string()]),
-            &format!("exporting {name}"),
-        )?;
-    }
-    Ok(path)
 }
 
 /// kiln's training step of the export, as `kiln memory --mode train` builds it, and the step's
@@ -292,7 +274,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if !picked.contains(&name) {
             continue;
         }
-        let path = match export(&python, &dir, name, batch) {
+        let path = match kiln::peers::realscale_export(&python, &dir, name, batch, false) {
             Ok(p) => p,
             Err(why) => {
                 println!("{name}: skipped: {why}");

@@ -23,9 +23,8 @@
 //! models. Exports are kept under target/kiln/realscale.
 
 use kiln::prelude::*;
+use kiln::report::{env_count, median};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 const MODELS: [&str; 6] = ["resnet50", "efficientnet_b0", "mobilenet_v3_small", "vit_b_16", "gpt2", "bert"];
@@ -47,40 +46,11 @@ struct Row {
     torch_version: String,
 }
 
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
-}
-
-/// The training-mode export of `name` at `batch`, made once.
-fn export(python: &Path, dir: &Path, name: &str, batch: usize) -> Result<PathBuf, String> {
-    let dir = dir.join(format!("batch{batch}"));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join(format!("{name}.onnx"));
-    if !path.exists() {
-        let out = Command::new(python)
-            .arg("scripts/realscale/export.py")
-            .arg(&dir)
-            .arg(name)
-            .args(["--batch", &batch.to_string()])
-            .output()
-            .map_err(|e| format!("exporting {name}: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("exporting {name}: {}", String::from_utf8_lossy(&out.stderr)));
-        }
-    }
-    Ok(path)
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let batch = env_usize("KILN_TRAINING_BATCH", 2);
-    let steps = env_usize("KILN_TRAINING_STEPS", 3);
-    let rounds = env_usize("KILN_TRAINING_ROUNDS", 2);
-    let threads = env_usize("KILN_TRAINING_THREADS", 1);
+    let batch = env_count("KILN_TRAINING_BATCH", 2);
+    let steps = env_count("KILN_TRAINING_STEPS", 3);
+    let rounds = env_count("KILN_TRAINING_ROUNDS", 2);
+    let threads = env_count("KILN_TRAINING_THREADS", 1);
     let compiled = std::env::var("KILN_TRAINING_COMPILE").map_or(true, |v| v != "0");
     let models: Vec<String> = match std::env::var("KILN_TRAINING_MODELS") {
         Ok(list) => list.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
@@ -97,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = kiln::report::output_dir().join("realscale");
     let mut rows = Vec::new();
     for name in &models {
-        let path = export(&python, &dir, name, batch)?;
+        let path = kiln::peers::realscale_export(&python, &dir, name, batch, false)?;
         let started = Instant::now();
         let model = kiln::onnx::OnnxModel::open(&path)?;
         let sizes = kiln::onnx::train::sizes(&model, None, &[])?;

@@ -42,10 +42,7 @@ struct Row {
 const STEPS: usize = 100;
 const WARMUP: usize = 10;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
+use crate::report::median;
 
 /// What `run` did. A skip is not a success or a failure by itself: the caller decides. `kiln
 /// bench-gpu` is asked for explicitly, so a skip there fails (status 2); `cargo bench --bench

@@ -450,6 +450,39 @@ pub fn ort_forward(
     Ok((v["version"].as_str().unwrap_or("?").to_string(), ms))
 }
 
+/// The export of the real-scale architecture `name` (`scripts/realscale/export.py`) at `batch`
+/// as `dir/batch{batch}/{name}.onnx`, or with `eval` the inference export `{name}-eval.onnx`,
+/// made by `python` (`realscale_python`) where it is not there yet; or why it could not be made.
+pub fn realscale_export(
+    python: &Path,
+    dir: &Path,
+    name: &str,
+    batch: usize,
+    eval: bool,
+) -> std::result::Result<PathBuf, String> {
+    // One folder per batch: an export's shapes are fixed.
+    let dir = dir.join(format!("batch{batch}"));
+    let path = dir.join(if eval { format!("{name}-eval.onnx") } else { format!("{name}.onnx") });
+    if path.exists() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut command = Command::new(python);
+    command
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/realscale/export.py"))
+        .arg(&dir)
+        .arg(name);
+    command.args(["--batch", &batch.to_string()]);
+    if eval {
+        command.arg("--eval");
+    }
+    let out = command.output().map_err(|e| format!("exporting {name}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("exporting {name}: {}", tail(&out.stderr)));
+    }
+    Ok(path)
+}
+
 /// The real-scale comparison's interpreter (`REALSCALE_PYTHON_ENV`, or a virtual environment
 /// under target/kiln made on first use), or why there is none.
 pub fn realscale_python() -> std::result::Result<PathBuf, String> {

@@ -151,3 +151,16 @@ pub fn output_dir() -> std::path::PathBuf {
         .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
     target.join("kiln")
 }
+
+/// The middle value of `values` (the upper of the two middle ones for an even count), NaN for
+/// none: the figure every benchmark reports of its timed runs.
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The positive count the environment variable `name` holds, else `default`: how benchmarks read
+/// their rounds, runs and threads.
+pub fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(default)
+}

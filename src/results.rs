@@ -232,6 +232,17 @@ fn num(v: &Value, path: &[&str]) -> Option<f64> {
     get(v, path).and_then(Value::as_f64)
 }
 
+/// The entries of a record's array of rows (none where it holds no array).
+fn entries(data: &Value) -> impl Iterator<Item = &Value> {
+    data.as_array().into_iter().flatten()
+}
+
+/// A row's per-round ratios (`rounds`), two decimals each, separated by spaces.
+fn rounds(v: &Value) -> String {
+    let each = v.get("rounds").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_f64);
+    each.map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" ")
+}
+
 /// Bytes in decimal units, three significant digits: `27.2 KB`, `36.6 MB`, `1.23 GB`.
 fn size(bytes: Option<f64>) -> String {
     let Some(b) = bytes else { return "-".to_string() };
@@ -345,12 +356,7 @@ fn memory_table(r: &Record, mode: &str) -> String {
 /// replayed stream (eager attention and SDPA) and XLA's buffer assignment for the Flax version
 /// (records older than that column show `-`), and the step's plan time.
 fn realscale_table(r: &Record) -> String {
-    let rows: Vec<Vec<String>> = r
-        .data
-        .as_array()
-        .map(|a| a.iter())
-        .into_iter()
-        .flatten()
+    let rows: Vec<Vec<String>> = entries(&r.data)
         .map(|v| {
             let dev = num(v, &["kiln_device_bytes"]);
             let torch = num(v, &["pytorch_reserved_bytes"]);
@@ -410,12 +416,7 @@ fn realscale_table(r: &Record) -> String {
 /// The real-scale steps in bf16 mixed precision: kiln's f32 and bf16 plans beside PyTorch's
 /// AMP bf16 stream (records older than these columns show `-`).
 fn realscale_precision_table(r: &Record) -> String {
-    let rows: Vec<Vec<String>> = r
-        .data
-        .as_array()
-        .map(|a| a.iter())
-        .into_iter()
-        .flatten()
+    let rows: Vec<Vec<String>> = entries(&r.data)
         .map(|v| {
             let half = num(v, &["kiln_bf16_device_bytes"]);
             let amp = num(v, &["pytorch_amp_reserved_bytes"]);
@@ -452,18 +453,8 @@ fn realscale_precision_table(r: &Record) -> String {
 /// The forward-pass speed table: kiln beside onnxruntime's CPU provider on the real-scale
 /// architectures (`benches/forward.rs`).
 fn forward_table(r: &Record) -> String {
-    let rows: Vec<Vec<String>> = r
-        .data
-        .as_array()
-        .map(|a| a.iter())
-        .into_iter()
-        .flatten()
+    let rows: Vec<Vec<String>> = entries(&r.data)
         .map(|v| {
-            let rounds: Vec<String> = v
-                .get("rounds")
-                .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_f64).map(|x| format!("{x:.2}")).collect())
-                .unwrap_or_default();
             vec![
                 v.get("model").and_then(Value::as_str).unwrap_or("?").to_string(),
                 num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
@@ -471,7 +462,7 @@ fn forward_table(r: &Record) -> String {
                 ms(num(v, &["kiln_ms"])),
                 ms(num(v, &["ort_ms"])),
                 num(v, &["ratio"]).map_or("-".into(), |x| format!("{x:.2}")),
-                rounds.join(" "),
+                rounds(v),
                 num(v, &["difference"]).map_or("-".into(), |x| format!("{x:.1e}")),
             ]
         })
@@ -498,18 +489,8 @@ fn forward_table(r: &Record) -> String {
 /// The real-scale CPU training-step table: kiln beside PyTorch eager and torch.compile
 /// (`benches/training.rs`).
 fn training_table(r: &Record) -> String {
-    let rows: Vec<Vec<String>> = r
-        .data
-        .as_array()
-        .map(|a| a.iter())
-        .into_iter()
-        .flatten()
+    let rows: Vec<Vec<String>> = entries(&r.data)
         .map(|v| {
-            let rounds: Vec<String> = v
-                .get("rounds")
-                .and_then(Value::as_array)
-                .map(|a| a.iter().filter_map(Value::as_f64).map(|x| format!("{x:.2}")).collect())
-                .unwrap_or_default();
             let compile = match num(v, &["over_compile"]) {
                 Some(x) => format!("{x:.2}"),
                 None => v.get("compile_note").and_then(Value::as_str).unwrap_or("-").to_string(),
@@ -522,7 +503,7 @@ fn training_table(r: &Record) -> String {
                 ms(num(v, &["torch_eager_ms"])),
                 ms(num(v, &["torch_compile_ms"])),
                 num(v, &["over_eager"]).map_or("-".into(), |x| format!("{x:.2}")),
-                rounds.join(" "),
+                rounds(v),
                 compile,
             ]
         })
