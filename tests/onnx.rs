@@ -343,8 +343,14 @@ fn a_residual_block_runs_channels_last_and_computes_what_the_file_means() {
         .collect();
     // The filters are parameters stored HWIO (`nhwc::filters`): only the input is permuted.
     assert_eq!(permutes.len(), 1, "the input only: {permutes:?}\n{}", plan.render());
-    let filter = plan.variables.iter().find(|v| v.key.ends_with("w1")).expect("w1's parameter");
+    let filter = plan.variables.iter().find(|v| v.key.ends_with("w2")).expect("w2's parameter");
     assert_eq!(filter.shape, Shape::new([3, 3, c, c]), "HWIO");
+    // conv1's batch norm is folded into it (`onnx::fold_norm`): a new filter, stored HWIO, and a
+    // bias, and no statistics left.
+    let folded = plan.variables.iter().find(|v| v.key.ends_with("z::weight")).expect("the folded filter");
+    assert_eq!(folded.shape, Shape::new([3, 3, c, c]), "HWIO");
+    assert!(plan.variables.iter().any(|v| v.key.ends_with("z::bias")));
+    assert!(!plan.variables.iter().any(|v| v.key.ends_with("mean") || v.key.ends_with("var")));
     let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0).collect();
     let got = call_with_weights(plan, &imported.weights, [n, c, h, w], &x);
     // The reference, NCHW loops.
@@ -391,6 +397,54 @@ fn a_residual_block_runs_channels_last_and_computes_what_the_file_means() {
             let want = r[(b * c + f) * h * w..(b * c + f + 1) * h * w].iter().sum::<f32>() / (h * w) as f32;
             let g = out.data()[b * c + f];
             assert!((g - want).abs() <= 1e-4 * want.abs().max(1.0), "batch {b} channel {f}: {g} vs {want}");
+        }
+    }
+}
+
+/// A batch norm folds into the convolution before it only where nothing else reads the
+/// convolution's output: here the residual sum reads it too, so the statistics stay parameters,
+/// and the model still computes what the file means.
+#[test]
+fn a_batch_norm_over_a_shared_convolution_output_is_not_folded() {
+    let (n, c, h, w) = (2usize, 3usize, 4usize, 5usize);
+    let wv: Vec<f32> = (0..c * c).map(|i| ((i * 5 % 7) as f32 - 3.0) / 4.0).collect();
+    let (scale, shift, mean, var) =
+        ([1.5f32, 0.5, 2.0], [0.1f32, -0.2, 0.3], [0.2f32, -0.1, 0.05], [0.5f32, 2.0, 1.0]);
+    let bytes = named_model(
+        "shared",
+        "out",
+        vec![
+            node("Conv", "conv", &["x", "w"], &["y"], vec![attr_ints("kernel_shape", &[1, 1])]),
+            node("BatchNormalization", "bn", &["y", "scale", "shift", "mean", "var"], &["z"], vec![]),
+            node("Add", "sum", &["z", "y"], &["out"], vec![]),
+        ],
+        vec![
+            tensor("w", &[c as i64, c as i64, 1, 1], &wv),
+            tensor("scale", &[3], &scale),
+            tensor("shift", &[3], &shift),
+            tensor("mean", &[3], &mean),
+            tensor("var", &[3], &var),
+        ],
+        vec![value("x", &[fixed(n as i64), fixed(c as i64), fixed(h as i64), fixed(w as i64)])],
+        13,
+    );
+    let imported = import(&bytes, &[]).unwrap();
+    let plan = compile(imported.graph, &CompileOptions::default()).unwrap();
+    assert!(plan.variables.iter().any(|v| v.key.ends_with("mean")), "not folded");
+    let x: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 11 % 13) as f32 - 6.0) / 6.0).collect();
+    let got = call_with_weights(plan, &imported.weights, [n, c, h, w], &x);
+    let out = &got[0].1;
+    for b in 0..n {
+        for f in 0..c {
+            for p in 0..h * w {
+                let y: f32 = (0..c).map(|ch| x[(b * c + ch) * h * w + p] * wv[f * c + ch]).sum();
+                let want = (y - mean[f]) / (var[f] + 1e-5).sqrt() * scale[f] + shift[f] + y;
+                let g = out.data()[(b * c + f) * h * w + p];
+                assert!(
+                    (g - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "batch {b} channel {f} pixel {p}: {g} vs {want}"
+                );
+            }
         }
     }
 }

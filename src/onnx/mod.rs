@@ -53,6 +53,7 @@ mod check;
 mod conv;
 mod elementwise;
 mod external;
+mod fold_norm;
 mod layout;
 mod nhwc;
 mod norm;
@@ -413,6 +414,12 @@ fn import_model(
     training: bool,
 ) -> Result<Imported> {
     let graph = model.graph.as_ref().ok_or_else(no_graph)?;
+    // For inference, batch normalisations fold into the convolutions before them.
+    let folded = if training { None } else { fold_norm::fold(graph, opset)? };
+    let (graph, origin) = match &folded {
+        Some((g, origin)) => (g, Some(origin.as_slice())),
+        None => (graph, None),
+    };
     let t = Tracer::new(graph.name.clone().unwrap_or_else(|| "onnx".into()));
     t.set_training(training);
     let mut inputs = Vec::new();
@@ -444,7 +451,7 @@ fn import_model(
         feeds.insert(name.clone(), value);
         inputs.push((name, shape));
     }
-    let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch, None)?;
+    let (outputs, weights) = trace(&t, graph, opset, feeds, rebatch, None, origin)?;
     for (name, value) in &outputs {
         t.output(name, value);
     }
@@ -520,7 +527,8 @@ pub(crate) fn who(index: usize, node: &NodeProto) -> String {
 type Named<T> = Vec<(String, T)>;
 
 /// Traces `graph`'s nodes into `t` from the given input values: its outputs by name, in the
-/// graph's order, and its parameters' values.
+/// graph's order, and its parameters' values. `origin` gives, for a rewritten graph
+/// (`fold_norm`), each node's index in the file, by which messages name unnamed nodes.
 fn trace(
     t: &Tracer,
     graph: &proto::GraphProto,
@@ -528,6 +536,7 @@ fn trace(
     feeds: HashMap<String, Value>,
     rebatch: Option<usize>,
     placement: Option<&[DeviceId]>,
+    origin: Option<&[usize]>,
 ) -> Result<(Named<Tensor>, Named<HostTensor>)> {
     let used = graph
         .node
@@ -568,7 +577,7 @@ fn trace(
             importer.initializer(init)?;
         }
         for (index, node) in graph.node.iter().enumerate() {
-            importer.node(index, node)?;
+            importer.node(origin.and_then(|o| o.get(index).copied()).unwrap_or(index), node)?;
         }
         return importer.finish(graph);
     };
@@ -875,7 +884,7 @@ impl OnnxLayer {
             }
         };
         let devices = (!placement.is_empty()).then(|| self.node_devices(placement, t.current_device()));
-        match trace(&t, graph, self.opset, feeds, rebatch, devices.as_deref()) {
+        match trace(&t, graph, self.opset, feeds, rebatch, devices.as_deref(), None) {
             Ok((outputs, _)) => match outputs.into_iter().next() {
                 Some((_, y)) => y,
                 None => t.report("onnx", "the model has no output", &[x], "export the model with its output"),
