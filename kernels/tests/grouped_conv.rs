@@ -410,3 +410,52 @@ fn timings() {
         }
     }
 }
+
+/// `cargo test -p kiln-kernels --release --test grouped_conv -- --ignored --nocapture
+/// depthwise_timings`: the depthwise forward on EfficientNet-B0's and MobileNet's shapes at batch
+/// 1-2, one thread, the fastest of 200 runs, every buffer 64-byte aligned as the arena's are (the
+/// figures quoted in `cpu/grouped_conv.rs`, `depthwise_run`).
+#[test]
+#[ignore]
+fn depthwise_timings() {
+    /// `data` copied to a 64-byte boundary inside a larger buffer, and that boundary's address.
+    fn aligned(data: &[f32]) -> (Vec<f32>, usize) {
+        let mut v = vec![0f32; data.len() + 16];
+        let off = (64 - v.as_ptr() as usize % 64) % 64 / 4;
+        v[off..off + data.len()].copy_from_slice(data);
+        let at = v.as_mut_ptr() as usize + off * 4;
+        (v, at)
+    }
+    let shapes = [
+        ([1, 28, 28, 96], 3, 1),
+        ([2, 14, 14, 672], 5, 1),
+        ([2, 56, 56, 144], 3, 1),
+        ([2, 112, 112, 32], 3, 1),
+        ([2, 28, 28, 240], 5, 1),
+        ([2, 112, 112, 96], 3, 2),
+    ];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    for (xd, k, s) in shapes {
+        let w = win([k, k], [s, s], Padding::Same).grouped(xd[3]);
+        let (x, filt) = (rand(&xd, 1), rand(&[k, k, 1, xd[3]], 2));
+        let (kern, out) = kernel(&Op::Conv2d { window: w }, &[&x, &filt]);
+        let ((_xb, xa), (_fb, fa), (_ob, oa)) =
+            (aligned(&x.data), aligned(&filt.data), aligned(&vec![0.0; out.numel()]));
+        let best = (0..200)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                pool.install(|| {
+                    let ptrs = [xa as *mut u8, fa as *mut u8];
+                    // SAFETY: buffers sized from the shapes, distinct allocations, alive here.
+                    unsafe { kern.run(&ptrs, oa as *mut u8) }
+                });
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min);
+        let macs = out.numel() * k * k;
+        println!(
+            "depthwise {k}x{k} stride {s} over {xd:?}: {best:.3} ms, {:.1} GMAC/s",
+            macs as f64 / best / 1e6
+        );
+    }
+}
