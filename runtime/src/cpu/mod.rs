@@ -609,7 +609,8 @@ fn offset_of(slot: Slot) -> usize {
 /// MFLOP, 0.1 to 0.3 ms of one core's work, against the hand-off's tens of microseconds.
 const POOLED_FLOPS: u64 = 1 << 24;
 
-/// `f` run on a thread of the rayon pool, the caller waiting: a run's kernels then split their
+/// `f` run on a thread of the rayon pool, the caller waiting, the pool's other workers kept
+/// awake meanwhile (`keep_busy`): a run's kernels then split their
 /// work from inside the pool. Called from outside it, every parallel loop of every kernel
 /// hands its work to the pool and wakes a sleeping worker (tens of microseconds each): on one
 /// thread EfficientNet-B0's squeeze-excitation means took 1.0 ms in a run against 0.35 ms
@@ -630,11 +631,42 @@ unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
     // waits for it, and the caller vouched that `f` and its result may move to that thread.
     unsafe impl<T> Send for Pass<T> {}
     let f = Pass(f);
-    rayon::scope(move |_| {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let done = &done;
+    rayon::scope(move |scope| {
         let f = f;
-        Pass((f.0)())
+        let runner = rayon::current_thread_index();
+        for _ in 1..rayon::current_num_threads() {
+            scope.spawn(move |_| keep_busy(done, runner));
+        }
+        let result = Pass((f.0)());
+        done.store(true, std::sync::atomic::Ordering::Release);
+        result
     })
     .0
+}
+
+/// A pool worker kept awake for the length of a run (`on_the_pool`): it runs whatever work the
+/// pool has (the run's kernels' parallel pieces) as soon as there is some, and spins between,
+/// until `done`. A worker that slept between kernels took tens of microseconds to wake for each
+/// one: EfficientNet-B0's depthwise convolutions ran slower on two threads than on one inside
+/// its pass, though twice as fast alone. Measured (`kiln run --threads 2 --bench 20`, three
+/// interleaved rounds, the 2-core AMD EPYC, batch 2, sleeping -> kept awake): EfficientNet-B0
+/// 10.1-12.6 -> 10.0-11.9 ms, MobileNetV3-small 2.8-3.6 -> 2.6-2.7 ms. On the runner's own
+/// thread (a join there may run this job while it waits) it returns at once: spinning there
+/// would wait on itself. A worker kept awake runs any work of the pool, another runner's
+/// included, so two runs sharing a pool can wait on each other's pieces.
+fn keep_busy(done: &std::sync::atomic::AtomicBool, runner: Option<usize>) {
+    if rayon::current_thread_index() == runner {
+        return;
+    }
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => {}
+            Some(rayon::Yield::Idle) => std::hint::spin_loop(),
+            None => return,
+        }
+    }
 }
 
 /// The steps of a run, in order; with `flight`, collectives that may overlap (`overlap`) are
