@@ -639,9 +639,16 @@ unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
         for _ in 1..rayon::current_num_threads() {
             scope.spawn(move |_| keep_busy(done, runner));
         }
-        let result = Pass((f.0)());
-        done.store(true, std::sync::atomic::Ordering::Release);
-        result
+        /// Ends the spinning when the run ends, a panicking one included: otherwise the scope
+        /// would wait for the spinners forever instead of passing the panic on.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+        let _stop = Stop(done);
+        Pass((f.0)())
     })
     .0
 }
