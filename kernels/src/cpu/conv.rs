@@ -251,8 +251,9 @@ impl Conv2d {
 
 impl Conv2d {
     /// The convolution of `x` by `w` into `out`, a block of `ROW_BLOCK` output rows of an image
-    /// per task; after each block, on the same thread while the block is in its cache,
-    /// `then(at, len)` with the block's element range of the output (`Fused::conv`'s epilogue).
+    /// per task (a pointwise one: a block of pixels across the batch, `pointwise_then`); after
+    /// each block, on the same thread while the block is in its cache, `then(at, len)` with the
+    /// block's element range of the output (`Fused::conv`'s epilogue).
     ///
     /// # Safety
     /// `x`, `w` and `out` hold this geometry's input, filter and output; `out` overlaps neither
@@ -286,12 +287,20 @@ impl Conv2d {
         });
     }
 
-    /// Whether the convolution is a 1x1 window of stride 1 without padding: a pixel's outputs are
-    /// its C inputs times the C x F filter, and the whole batch is one [N·H·W, C] @ [C, F]
+    /// Whether the convolution is a 1x1 window without padding: a pixel's outputs are its input
+    /// pixel's C values times the C x F filter, and the whole batch is one [N·OH·OW, C] @ [C, F]
     /// product.
     fn pointwise(&self) -> bool {
         let g = &self.g;
-        (g.kh, g.kw, g.sh, g.sw, g.ph, g.pw) == (1, 1, 1, 1, 0, 0) && (g.oh, g.ow) == (g.h, g.w)
+        (g.kh, g.kw, g.ph, g.pw) == (1, 1, 0, 0)
+    }
+
+    /// Whether a pointwise convolution reads every input pixel in order (stride 1): its input is
+    /// then the product's left factor as it lies; with a stride, each block's pixels are
+    /// gathered first.
+    fn dense_pixels(&self) -> bool {
+        let g = &self.g;
+        (g.sh, g.sw) == (1, 1) && (g.oh, g.ow) == (g.h, g.w)
     }
 
     /// `run_then` of a pointwise convolution (`pointwise`): blocks of pixels across the whole
@@ -306,7 +315,9 @@ impl Conv2d {
     /// 320 -> 1,280 at 7x7 0.522 -> 0.416 ms and 1,152 -> 320 0.445 -> 0.374 ms (`kiln run
     /// --profile 20`); whole passes (`kiln run --bench 20`, three interleaved rounds, per-row ->
     /// pointwise) EfficientNet-B0 17.8-17.9 -> 16.0-16.4 ms, MobileNetV3-small 3.6-4.1 ->
-    /// 3.2-3.6 ms, ResNet-50 84.9-85.4 -> 81.9-84.6 ms.
+    /// 3.2-3.6 ms, ResNet-50 84.9-85.4 -> 81.9-84.6 ms. Strided (ResNet-50's projections, their
+    /// pixels gathered per block): 1,024 -> 2,048 at 14x14 -> 7x7 3.41 -> 2.30 ms, 512 -> 1,024
+    /// at 28x28 -> 14x14 2.38 -> 2.02 ms (`--profile 20`).
     ///
     /// # Safety
     /// As `run_then`.
@@ -322,7 +333,8 @@ impl Conv2d {
         let mut block = (POINTWISE_TILE / g.f.max(1)).max(POINTWISE_ROWS);
         let threads = rayon::current_num_threads();
         if threads > 1 && pixels * g.c * g.f >= super::matmul::SERIAL_MACS {
-            block = block.min(pixels.div_ceil(threads));
+            // Not below `POINTWISE_MIN` pixels: each block packs the whole filter again.
+            block = block.min(pixels.div_ceil(threads).max(POINTWISE_MIN));
         }
         let block = block.clamp(1, pixels.max(1));
         let blocks = pixels.div_ceil(block);
@@ -337,12 +349,29 @@ impl Conv2d {
                     b: (g.f as isize, 1),
                     out_rs: g.f as isize,
                 };
-                // SAFETY: pixels p0..p1 of the [N·H·W, C] input and [N·H·W, F] output (the
-                // caller's tensors); this task alone writes these output rows.
-                unsafe {
-                    let dst = o.get().add(p0 * g.f);
-                    slice::from_raw_parts_mut(dst, (p1 - p0) * g.f).fill(0.0);
-                    gemm.run(x.get().add(p0 * g.c), w.get(), dst, true, false);
+                // SAFETY: this task alone writes output pixels p0..p1 of the [N·OH·OW, F] output
+                // (the caller's tensor).
+                let dst = unsafe { o.get().add(p0 * g.f) };
+                // SAFETY: as above.
+                unsafe { slice::from_raw_parts_mut(dst, (p1 - p0) * g.f).fill(0.0) };
+                if self.dense_pixels() {
+                    // SAFETY: pixels p0..p1 of the [N·H·W, C] input; the output rows as above.
+                    unsafe { gemm.run(x.get().add(p0 * g.c), w.get(), dst, true, false) };
+                } else {
+                    PIXELS.with_borrow_mut(|gathered| {
+                        gathered.clear();
+                        for p in p0..p1 {
+                            let (n, oh, ow) = (p / (g.oh * g.ow), p / g.ow % g.oh, p % g.ow);
+                            let at = ((n * g.h + oh * g.sh) * g.w + ow * g.sw) * g.c;
+                            // SAFETY: output pixel (n, oh, ow) of an unpadded 1x1 window reads
+                            // input pixel (n, oh·sh, ow·sw), inside the input (`ir::infer`).
+                            gathered
+                                .extend_from_slice(unsafe { slice::from_raw_parts(x.get().add(at), g.c) });
+                        }
+                        // SAFETY: the gathered pixels are (p1 - p0) x C, row-major; the output
+                        // rows as above.
+                        unsafe { gemm.run(gathered.as_ptr(), w.get(), dst, true, false) };
+                    });
                 }
                 then(p0 * g.f, (p1 - p0) * g.f);
             }
@@ -354,11 +383,19 @@ impl Conv2d {
     }
 }
 
+thread_local! {
+    /// Each worker's gathered input pixels of a strided pointwise convolution, kept between
+    /// calls.
+    static PIXELS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Outputs per block of a pointwise convolution (`Conv2d::pointwise_then`): 256 KiB, in L2 for
 /// the epilogue.
 const POINTWISE_TILE: usize = 1 << 16;
 /// Pixels per block at least, so that a wide filter's GEMM still runs tall blocks.
 const POINTWISE_ROWS: usize = 128;
+/// Pixels per block at least when blocks are cut to give every thread one.
+const POINTWISE_MIN: usize = 32;
 
 impl CpuKernel for Conv2d {
     unsafe fn run(&self, inputs: &[*mut u8], output: *mut u8) {
