@@ -17,6 +17,11 @@
 //! the rounding of one f32 product per weight. Anything else (a shared convolution output, a
 //! computed filter, a training-mode node, a name already taken) is left as written.
 //!
+//! So an imported model's variables are not all the file's initializers: a folded
+//! convolution's filter and bias, and its batch norm's four tensors, become the two new ones
+//! (`Imported::weights` lists what the graph holds). `KILN_ONNX_FOLD_NORM=0` turns the pass
+//! off, for code that writes variables by the file's names after `import`.
+//!
 //! Measured (`kiln run X-eval.onnx --input X-inputs.npz --threads 1 --bench 20`, torchvision's
 //! models exported for inference at batch 2, one core of the 2-core AMD EPYC with AVX-512,
 //! medians of two interleaved runs each, without -> with the pass): EfficientNet-B0 23.7 ->
@@ -52,32 +57,41 @@ pub(super) fn fold(graph: &GraphProto, opset: i64) -> Result<Option<(GraphProto,
     taken.extend(graph.input.iter().filter_map(|i| i.name.clone()));
     let look = Lookup { graph, stored: &stored, producer: &producer };
 
-    let mut nodes = graph.node.clone();
-    let mut gone = vec![false; nodes.len()];
-    let mut initializers = Vec::new();
+    // The folds first; the graph is copied only where one applies.
+    let mut folds = Vec::new();
     for (k, bn) in graph.node.iter().enumerate() {
         let Some(f) = look.foldable(k, bn, opset, &reads)? else { continue };
         let (weight, bias) = (format!("{}::weight", f.out), format!("{}::bias", f.out));
         if taken.contains(&weight) || taken.contains(&bias) {
             continue;
         }
+        taken.extend([weight.clone(), bias.clone()]);
+        folds.push((k, f, weight, bias));
+    }
+    if folds.is_empty() {
+        return Ok(None);
+    }
+    let mut folded = GraphProto { node: Vec::new(), ..graph.clone() };
+    let mut nodes = graph.node.clone();
+    let mut gone = vec![false; nodes.len()];
+    for (k, f, weight, bias) in folds {
         let conv = &mut nodes[f.conv];
         conv.input.truncate(1);
         conv.input.extend([weight.clone(), bias.clone()]);
         conv.output = vec![f.out.to_string()];
         gone[k] = true;
-        initializers.push(float_tensor(&weight, &f.filter_dims, &f.filter));
-        initializers.push(float_tensor(&bias, &[f.bias.len()], &f.bias));
-        taken.extend([weight, bias]);
+        folded.initializer.push(float_tensor(&weight, &f.filter_dims, &f.filter));
+        folded.initializer.push(float_tensor(&bias, &[f.bias.len()], &f.bias));
     }
-    if initializers.is_empty() {
-        return Ok(None);
-    }
-    let mut folded = graph.clone();
-    folded.initializer.extend(initializers);
     let origin: Vec<usize> = (0..nodes.len()).filter(|&k| !gone[k]).collect();
     folded.node = nodes.into_iter().zip(gone).filter_map(|(n, g)| (!g).then_some(n)).collect();
     Ok(Some((folded, origin)))
+}
+
+/// Whether imports fold batch norms (`KILN_ONNX_FOLD_NORM=0`: no, every batch norm is traced
+/// as the file writes it and every initializer keeps its name).
+pub(super) fn enabled() -> bool {
+    std::env::var("KILN_ONNX_FOLD_NORM").map_or(true, |v| v != "0")
 }
 
 /// A batch normalisation that folds: the convolution node it folds into, its output's name and

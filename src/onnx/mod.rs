@@ -206,7 +206,9 @@ pub struct Imported {
     /// The forward graph, traced from the file's nodes, with dead code removed.
     pub graph: Graph,
     /// The stored parameter values (initializers and non-uniform float `Constant`s) by variable
-    /// key, each a variable of `graph`; a plain convolution's filter is stored HWIO.
+    /// key, each a variable of `graph`; a plain convolution's filter is stored HWIO, and a
+    /// convolution whose batch norm was folded into it (`fold_norm`) has a new filter and bias
+    /// keyed `<batch norm output>::weight` and `::bias` in place of the file's six tensors.
     pub weights: Vec<(String, HostTensor)>,
     /// The fed inputs (graph inputs that no initializer names), in the file's order, with their
     /// shapes after sizing the symbolic dimensions.
@@ -415,7 +417,7 @@ fn import_model(
 ) -> Result<Imported> {
     let graph = model.graph.as_ref().ok_or_else(no_graph)?;
     // For inference, batch normalisations fold into the convolutions before them.
-    let folded = if training { None } else { fold_norm::fold(graph, opset)? };
+    let folded = if training || !fold_norm::enabled() { None } else { fold_norm::fold(graph, opset)? };
     let (graph, origin) = match &folded {
         Some((g, origin)) => (g, Some(origin.as_slice())),
         None => (graph, None),

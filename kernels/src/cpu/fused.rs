@@ -2,8 +2,9 @@
 //! elements. Per chunk, an operand read with stride 1 is read where it lies, any other is loaded
 //! into its slot (a broadcast fill or a strided gather; the output's own memory, in place, a
 //! copy), then each instruction is one loop over the chunk from slots to a slot, the last one
-//! into the output. The slots are a per-thread buffer that stays in L1 (at most 16 slots of 512
-//! floats: 32 KiB, zeroed once per thread), so a chain of n ops reads its operands and writes its
+//! into the output. The slots are a per-thread buffer, in L1 for the programs of a few slots
+//! that most are (at most 16 slots and one for a half output, of 512 floats: 34 KiB, zeroed once
+//! per thread), so a chain of n ops reads its operands and writes its
 //! output once instead of making n - 1 intermediate tensors; each instruction's loop is the scalar function of its op
 //! (`math::with_unary` and friends), inlined and vectorised, so the results are bitwise those of
 //! the unfused kernels. The chunk evaluation is also compiled for AVX2 and picked at run time,
@@ -1116,19 +1117,24 @@ mod tests {
         assert!(o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
-    /// A convolution with its epilogue (`FusedConvKernel`: blocks of 8 output rows, each through
-    /// the program as it is made) computes the bits of the convolution followed by the
-    /// elementwise program: images of heights that blocks do not divide, stride 2 VALID and
-    /// stride 1 SAME, a bias too long to be periodic and a short one, a residual operand.
+    /// A convolution with its epilogue (`FusedConvKernel`: blocks of 8 output rows, or of pixels
+    /// across the batch for a 1x1 window, each through the program as it is made) computes the
+    /// bits of the convolution followed by the elementwise program: images of heights that
+    /// blocks do not divide, stride 2 VALID and stride 1 SAME, 1x1 windows of stride 1 (blocks
+    /// ending inside an image) and 2 (gathered pixels), a bias too long to be periodic and a
+    /// short one, a residual operand.
     #[test]
     fn a_fused_convolution_computes_the_unfused_bits() {
         use kiln_compiler::ir::{DType, Op, Padding, UnaryOp, Window2d, infer};
         let cases = [
-            ([3, 21, 9, 5], Window2d::new([3, 3], [2, 2], Padding::Valid), 260),
+            ([3, 21, 9, 5], Window2d::new([3, 3], [2, 2], Padding::Valid), 520),
             ([2, 13, 10, 3], Window2d::new([3, 3], [1, 1], Padding::Same), 7),
+            ([3, 9, 11, 6], Window2d::new([1, 1], [1, 1], Padding::Valid), 520),
+            ([2, 9, 9, 4], Window2d::new([1, 1], [2, 2], Padding::Valid), 7),
         ];
         for (x, window, f) in cases {
-            let (xs, ws, bs) = (Shape::new(x), Shape::new([3, 3, x[3], f]), Shape::new([f]));
+            let [kh, kw] = window.size;
+            let (xs, ws, bs) = (Shape::new(x), Shape::new([kh, kw, x[3], f]), Shape::new([f]));
             let operands = [(&xs, DType::F32), (&ws, DType::F32)];
             let out = infer(&Op::Conv2d { window }, &operands).expect("a valid convolution").0;
             let values =

@@ -19,8 +19,8 @@
 //! - Forward, one task per output row (n, oh): out[f] = Σ over the in-input taps (kh, kw), then
 //!   the in-group channels ci, of x[(f / Fg)·Cg + ci] · W[kh, kw, ci, f].
 //!   - Depthwise with multiplier 1 (Cg = Fg = 1): out[c] = Σ x[c] · W[kh, kw, 0, c], tiles of
-//!     4 pixels by 16 channels with their sums in registers over all taps (`depthwise_run`):
-//!     one filter load for four multiply-adds, no stores until the end.
+//!     8 pixels (4 without AVX-512) by 16 channels with their sums in registers over all taps
+//!     (`depthwise_run`): one filter load for eight (four) multiply-adds, no stores until the end.
 //!   - Fg a multiple of 4 (ResNeXt's groups, dilated dense convolutions): tiles of P output
 //!     pixels of a run by FB output channels of one group, their P·FB sums in registers
 //!     (`sweep_tile`): per tap and ci, one vector of FB filter values times P broadcast inputs,
@@ -463,7 +463,8 @@ unsafe fn depthwise_tile<const P: usize, const B: usize>(
     }
 }
 
-/// acc[j] += x[j] · w[j], rounded once (FMA is in every build's baseline, `simd`).
+/// acc[j] += x[j] · w[j], rounded once: one FMA where the build has it (x86-64-v3,
+/// `.cargo/config.toml`), else the same bits from a library call, slower.
 #[inline(always)]
 fn mac<const B: usize>(acc: &mut [f32; B], x: &[f32; B], w: &[f32; B]) {
     for j in 0..B {

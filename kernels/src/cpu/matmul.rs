@@ -408,7 +408,7 @@ thread_local! {
 }
 
 /// `dst[kk * ld + j] = src[j * stride + kk]` for kk < kb, j < nb: a transposition in tiles of
-/// 8 x 8 in registers (`transpose8`, where the build has AVX), the edges an element at a time,
+/// 8 x 8 (`transpose8`: in registers where the build has AVX), the edges an element at a time,
 /// so that both sides stay within 8 cache lines at a time. An element at a time throughout (16 x
 /// 16 tiles through an array) it cost about a cycle an element: 0.3 ms of the 0.5 ms of
 /// EfficientNet-B0's batch-2 classifier in `Gemm::thin_transposed`.
@@ -419,7 +419,7 @@ thread_local! {
 unsafe fn transpose_into(src: *const f32, stride: usize, kb: usize, nb: usize, dst: &mut [f32], ld: usize) {
     const T: usize = 8;
     assert!(kb == 0 || nb == 0 || (kb - 1) * ld + nb <= dst.len(), "the destination holds the transposition");
-    let (full_j, full_k) = (nb - nb % T, if cfg!(target_feature = "avx") { kb - kb % T } else { 0 });
+    let (full_j, full_k) = (nb - nb % T, kb - kb % T);
     for j0 in (0..full_j).step_by(T) {
         for k0 in (0..full_k).step_by(T) {
             // SAFETY: rows j0 .. j0 + 8 <= nb, elements k0 .. k0 + 8 <= kb of them; destination

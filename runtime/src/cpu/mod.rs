@@ -667,14 +667,24 @@ fn keep_busy(done: &std::sync::atomic::AtomicBool, runner: Option<usize>) {
     if rayon::current_thread_index() == runner {
         return;
     }
+    let mut since = std::time::Instant::now();
     while !done.load(std::sync::atomic::Ordering::Acquire) {
         match rayon::yield_now() {
-            Some(rayon::Yield::Executed) => {}
+            Some(rayon::Yield::Executed) => since = std::time::Instant::now(),
+            // Idle for `IDLE_SPIN`: the worker goes back to sleep. Whatever this job sits on
+            // then goes on (a piece of the run this worker left below it, in a nest rayon's
+            // stealing order does not make, included): a delay, never a wait for ever.
+            Some(rayon::Yield::Idle) if since.elapsed() > IDLE_SPIN => return,
             Some(rayon::Yield::Idle) => std::hint::spin_loop(),
             None => return,
         }
     }
 }
+
+/// How long a worker kept awake for a run (`keep_busy`) spins without work before it sleeps:
+/// longer than the serial stretches between an inference pass's parallel kernels (tens of
+/// microseconds), short enough that a long serial step does not hold a core for nothing.
+const IDLE_SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The steps of a run, in order; with `flight`, collectives that may overlap (`overlap`) are
 /// sent to its thread and each step first waits for those whose bytes it touches. With
