@@ -316,15 +316,26 @@ impl Gemm {
             }
             for (i, row) in acc[..m].iter().enumerate() {
                 // SAFETY: row i < m, columns j0 .. j0 + nb <= n of the output.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(out.offset(i as isize * self.out_rs + j0 as isize), nb)
-                };
-                if accumulate || k0 > 0 {
-                    o.iter_mut().zip(&row[..nb]).for_each(|(o, &c)| *o += c);
-                } else {
-                    o.copy_from_slice(&row[..nb]);
-                }
+                unsafe { self.store(out, (i, j0), &row[..nb], accumulate || k0 > 0) };
             }
+        }
+    }
+
+    /// A block's sums for output row `i`, columns j0 .. j0 + sums.len(): stored, or added to
+    /// what the output holds with `accumulate`.
+    ///
+    /// # Safety
+    /// Those elements lie in the output (row i < m, j0 + sums.len() <= n).
+    #[inline(always)]
+    unsafe fn store(&self, out: *mut f32, (i, j0): (usize, usize), sums: &[f32], accumulate: bool) {
+        // SAFETY: the caller's contract.
+        let o = unsafe {
+            std::slice::from_raw_parts_mut(out.offset(i as isize * self.out_rs + j0 as isize), sums.len())
+        };
+        if accumulate {
+            o.iter_mut().zip(sums).for_each(|(o, &c)| *o += c);
+        } else {
+            o.copy_from_slice(sums);
         }
     }
 
@@ -370,17 +381,7 @@ impl Gemm {
                 }
                 for (ii, row) in acc[..bi].iter().enumerate() {
                     // SAFETY: row i0 + ii < m, columns j0 .. j0 + bj <= n of the output.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            out.offset((i0 + ii) as isize * self.out_rs + j0 as isize),
-                            bj,
-                        )
-                    };
-                    if accumulate {
-                        o.iter_mut().zip(&row[..bj]).for_each(|(o, &c)| *o += c);
-                    } else {
-                        o.copy_from_slice(&row[..bj]);
-                    }
+                    unsafe { self.store(out, (i0 + ii, j0), &row[..bj], accumulate) };
                 }
             }
         }
