@@ -124,6 +124,10 @@ enum Command {
         /// f32, or bf16 / f16 mixed precision (products in the half type, master weights f32).
         #[arg(long, default_value = "f32")]
         precision: String,
+        /// After the steps, time N more, each alone, and print the median and spread of one
+        /// step's wall time (the loss read back included, as every step reads it).
+        #[arg(long, value_name = "N")]
+        bench: Option<usize>,
     },
     /// Run an ONNX model's forward pass on inputs from .npz, .npy or safetensors files (or random
     /// ones), print its outputs and write them to a file; with --bench, time it.
@@ -340,8 +344,13 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::RenderDocs { check } => return render_docs(check),
-        Command::Train { model, batch, steps, dim, data, cpu, precision } => precision_flag(&precision)
-            .and_then(|p| train_onnx(&model, batch, steps, &dim, data.as_deref(), cpu, p)),
+        Command::Train { model, batch, steps, dim, data, cpu, precision, bench } => {
+            precision_flag(&precision).and_then(|precision| {
+                let args =
+                    TrainArgs { batch, steps, dims: &dim, data: data.as_deref(), cpu, precision, bench };
+                train_onnx(&model, args)
+            })
+        }
         Command::Run { model, input, output, batch, dim, threads, bench, profile, device, precision } => {
             precision_flag(&precision).and_then(|precision| {
                 let run = RunArgs { input: &input, output: output.as_deref(), threads, bench, profile };
@@ -718,27 +727,33 @@ fn run_onnx(
     }
     if let Some(n) = args.bench {
         runner.run(&fed)?;
-        let mut ms = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = std::time::Instant::now();
-            runner.run(&fed)?;
-            ms.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        ms.sort_by(f64::total_cmp);
-        let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
-        println!(
-            "{n} runs: median {:.3} ms, min {:.3}, max {:.3}, p10-p90 {:.3}-{:.3} ms",
-            at(0.5),
-            ms[0],
-            ms[ms.len() - 1],
-            at(0.1),
-            at(0.9)
-        );
+        print_times(n, "runs", || runner.run(&fed).map(drop))?;
     }
     if let Some(n) = args.profile {
         runner.run(&fed)?;
         print_profile(&runner.profile(&fed, n)?, n);
     }
+    Ok(())
+}
+
+/// Times `n` calls of `once`, each alone, and prints the median and spread of their wall times.
+fn print_times(n: usize, what: &str, mut once: impl FnMut() -> kiln::Result<()>) -> kiln::Result<()> {
+    let mut ms = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = std::time::Instant::now();
+        once()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "{n} {what}: median {:.3} ms, min {:.3}, max {:.3}, p10-p90 {:.3}-{:.3} ms",
+        at(0.5),
+        ms[0],
+        ms[ms.len() - 1],
+        at(0.1),
+        at(0.9)
+    );
     Ok(())
 }
 
@@ -778,16 +793,23 @@ fn summary(t: &kiln::runtime::HostTensor) -> String {
     format!("[{}{}] mean {mean:.6}", first.join(", "), if data.len() > 4 { ", ..." } else { "" })
 }
 
-/// `kiln train model.onnx`: the imported model trained as a layer (`kiln::onnx::train`).
-fn train_onnx(
-    path: &str,
+/// `kiln train`'s flags.
+struct TrainArgs<'a> {
     batch: usize,
     steps: usize,
-    dims: &[String],
-    data: Option<&Path>,
+    dims: &'a [String],
+    data: Option<&'a Path>,
     cpu: bool,
     precision: kiln::compiler::Precision,
-) -> kiln::Result<()> {
+    bench: Option<usize>,
+}
+
+/// `kiln train model.onnx`: the imported model trained as a layer (`kiln::onnx::train`).
+fn train_onnx(path: &str, args: TrainArgs) -> kiln::Result<()> {
+    let TrainArgs { batch, steps, dims, data, cpu, precision, bench } = args;
+    if bench == Some(0) {
+        return Err(invalid("--bench 0 times no step".into(), "pass --bench N with N at least 1".into()));
+    }
     let bytes = read_model(path)?;
     // The flags and the data are checked before the file is decoded.
     kiln::onnx::train::flags(Some(batch), dims)?;
@@ -798,10 +820,13 @@ fn train_onnx(
     let sizes = kiln::onnx::train::sizes(&model, Some(batch), dims)?;
     let (device, why) = if cpu { (Device::cpu(), "--cpu".to_string()) } else { Device::best() };
     println!("kiln: training {path} on {device} ({why}){}", in_precision(precision));
-    let run = kiln::onnx::train::train_in(&model, &sizes, steps, &device, data, precision, |i, loss| {
+    let mut run = kiln::onnx::train::train_in(&model, &sizes, steps, &device, data, precision, |i, loss| {
         println!("step {:>4}: loss {loss:.6}", i + 1);
     })?;
     print!("{}", kiln::onnx::train::summary(&run));
+    if let Some(n) = bench {
+        print_times(n, "more steps", || run.step().map(drop))?;
+    }
     Ok(())
 }
 

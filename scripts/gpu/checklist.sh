@@ -7,6 +7,11 @@
 # Stages: env tests guard seed gpt policies bench sanitizer peers-torch peers-jax peers-compile gemm
 #         torch-stream (PyTorch's real allocation stream of the zoo's training steps, replayed by
 #         `kiln torch-stream`; the trace is kept as torch_stream.json in the logs)
+#         test-gpu (the CUDA backend's tests alone)
+#         realscale (the real-scale training steps: each model exported from PyTorch on the machine,
+#         `kiln train --bench` against PyTorch eager, then torch.compile, on the GPU; f32, TF32 off;
+#         REALSCALE="name:batch ..." picks them)
+# KILN_GPU_DEADLINE=S skips every stage started after S seconds, so that one call ends in time.
 # Every stage writes its log under $OUT/r/ (or target/kiln/gpu-run/ without $OUT) and has a time
 # limit; a failing stage is recorded and the next one runs. The logs are tarred into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a summary is printed last.
@@ -43,6 +48,10 @@ stages=("$@")
 # run NAME LIMIT_S COMMAND...: runs with a time limit, logs to $r/NAME.log, records status and time
 run() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${KILN_GPU_DEADLINE:-}" ] && [ "$SECONDS" -ge "$KILN_GPU_DEADLINE" ]; then
+    printf '%-28s skipped (past the deadline)\n' "$name" | tee -a "$summary"
+    return 124
+  fi
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >> "$r/$name.log" 2>&1
   local rc=$?
@@ -100,6 +109,28 @@ for s in "${stages[@]}"; do
         run "sanitizer-$tool-gpu-tests" 400 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
           "$bin/test-gpu" --test-threads=1 $filter
       done ;;
+    test-gpu)
+      run test-gpu 300 "$bin/test-gpu" --test-threads=1 ;;
+    realscale)
+      rs=/tmp/kiln-realscale
+      models=${REALSCALE:-"resnet50:32 efficientnet_b0:32 vit_b_16:16 gpt2:4 bert:8"}
+      # Exported side by side on the CPUs while the GPU runs the first model.
+      for m in $models; do
+        ( python3 scripts/realscale/export.py "$rs/b${m#*:}" "${m%%:*}" --batch "${m#*:}" \
+            > "$r/export-${m%%:*}.log" 2>&1; echo done > "$rs-${m%%:*}.exported" ) &
+      done
+      for m in $models; do
+        name=${m%%:*} batch=${m#*:}
+        while [ ! -e "$rs-$name.exported" ]; do sleep 1; done
+        run "kiln-train-$name" 200 "$bin/bin-kiln" train "$rs/b$batch/$name.onnx" --batch "$batch" --steps 3 --bench 10
+        run "torch-eager-$name" 120 python3 scripts/peers/torch_speed.py --realscale --train-only \
+          --models "$name" --batch "$batch" --steps 10 --device cuda
+      done
+      for m in $models; do
+        run "torch-compile-${m%%:*}" 240 python3 scripts/peers/torch_speed.py --realscale --train-only \
+          --compile-only --models "${m%%:*}" --batch "${m#*:}" --steps 10 --device cuda
+      done
+      wait ;;
     torch-stream)
       run torch-stream-record 200 python3 scripts/peers/torch_stream.py "$r/torch_stream.json"
       run torch-stream-replay 60 "$bin/bin-kiln" torch-stream "$r/torch_stream.json" ;;
