@@ -203,6 +203,7 @@ pub fn render_all(dir: &Path) -> std::io::Result<Vec<Rendered>> {
         t("realscale-precision", realscale_precision_table, "realscale"),
         t("realscale-forward", forward_table, "forward"),
         t("realscale-training", training_table, "training"),
+        t("gpu-training", gpu_training_table, "gpu-training"),
         t("products", products_table, "products"),
     ])
 }
@@ -530,6 +531,67 @@ fn training_table(r: &Record) -> String {
     s
 }
 
+/// The GPU training table: the real-scale steps on one GPU, kiln against PyTorch eager (TF32 off
+/// and on) and `torch.compile` (`scripts/gpu/checklist.sh realscale`, `scripts/gpu/results.py
+/// --realscale`). A run that failed shows its cause under the table.
+fn gpu_training_table(r: &Record) -> String {
+    let models = r.data.get("models").and_then(Value::as_object);
+    let order = |name: &str| {
+        let known = ["resnet50", "efficientnet_b0", "mobilenet_v3_small", "vit_b_16", "gpt2", "bert"];
+        (known.iter().position(|m| *m == name).unwrap_or(known.len()), name.to_string())
+    };
+    let mut models: Vec<(&String, &Value)> = models.into_iter().flatten().collect();
+    models.sort_by_key(|(name, _)| order(name));
+    let mut failures = String::new();
+    let rows: Vec<Vec<String>> = models
+        .into_iter()
+        .map(|(name, v)| {
+            for (field, who) in [
+                ("kiln_error", "kiln"),
+                ("torch_eager_error", "PyTorch eager"),
+                ("torch_compile_error", "torch.compile"),
+            ] {
+                if let Some(why) = v.get(field).and_then(Value::as_str) {
+                    failures += &format!("- {name}, {who}: {}\n", why.replace('`', "'"));
+                }
+            }
+            let kiln = num(v, &["kiln_ms"]);
+            let (eager, compile) = (num(v, &["torch_eager_ms"]), num(v, &["torch_compile_ms"]));
+            vec![
+                name.clone(),
+                num(v, &["batch"]).map_or("-".into(), |b| format!("{b}")),
+                ms(kiln),
+                ms(eager),
+                ms(num(v, &["torch_eager_tf32_ms"])),
+                ms(compile),
+                ratio(kiln, eager),
+                ratio(kiln, compile),
+            ]
+        })
+        .collect();
+    let mut s = markdown_table(
+        &[
+            "model",
+            "batch",
+            "kiln ms",
+            "PyTorch eager ms",
+            "eager, TF32 ms",
+            "torch.compile ms",
+            "kiln / eager",
+            "kiln / compile",
+        ],
+        &rows,
+    );
+    if !failures.is_empty() {
+        s += &format!("\nRuns that gave no time:\n\n{failures}");
+    }
+    if let Some(method) = r.data.get("method").and_then(Value::as_str) {
+        s += &format!("\nMethod: {method}.\n");
+    }
+    s += &provenance(r, "`scripts/gpu/checklist.sh realscale`");
+    s
+}
+
 /// The product table: kiln's CPU products shape by shape against one core's measured FMA peak
 /// (`benches/products.rs`).
 fn products_table(r: &Record) -> String {
@@ -698,5 +760,38 @@ mod tests {
         assert_eq!(render_into(text, &t).unwrap(), "a\n<!-- results:x -->\nnew\n<!-- /results:x -->\nb\n");
         assert!(render_into("<!-- results:x -->", &t).is_err());
         assert_eq!(render_into("none", &t).unwrap(), "none");
+    }
+
+    /// The GPU training table: ratios from the figures, models in the architectures' order, and
+    /// a run that gave no time named with its cause instead of a figure.
+    #[test]
+    fn the_gpu_training_table_shows_ratios_and_names_failures() {
+        let data = serde_json::json!({
+            "method": "m",
+            "models": {
+                "vit_b_16": {"batch": 16, "kiln_ms": 90.0, "torch_eager_ms": 60.0, "torch_compile_ms": 45.0},
+                "resnet50": {"batch": 32, "kiln_ms": 30.0, "torch_eager_ms": 40.0},
+                "bert": {"batch": 8, "kiln_error": "not supported: `Cast`", "torch_eager_ms": 37.0}
+            }
+        });
+        let r = Record {
+            bench: "gpu-training".into(),
+            commit: "abc1234".into(),
+            date: "2026-11-29".into(),
+            time: String::new(),
+            machine: "host".into(),
+            device: "gpu".into(),
+            data,
+        };
+        let table = gpu_training_table(&r);
+        let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| ")).skip(1).collect();
+        assert!(rows[0].starts_with("| resnet50 | 32 | 30.00 | 40.00 | - | - | 0.75 | - |"), "{table}");
+        assert!(
+            rows[1].starts_with("| vit_b_16 | 16 | 90.00 | 60.00 | - | 45.00 | 1.50 | 2.00 |"),
+            "{table}"
+        );
+        assert!(rows[2].starts_with("| bert | 8 | - | 37.00 |"), "{table}");
+        assert!(table.contains("- bert, kiln: not supported: 'Cast'"), "{table}");
+        assert!(table.contains("commit `abc1234`"), "{table}");
     }
 }

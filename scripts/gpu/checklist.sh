@@ -125,6 +125,8 @@ for s in "${stages[@]}"; do
         run "kiln-train-$name" 200 "$bin/bin-kiln" train "$rs/b$batch/$name.onnx" --batch "$batch" --steps 3 --bench 10
         run "torch-eager-$name" 120 python3 scripts/peers/torch_speed.py --realscale --train-only \
           --models "$name" --batch "$batch" --steps 10 --device cuda
+        run "torch-eager-tf32-$name" 120 python3 scripts/peers/torch_speed.py --realscale --train-only \
+          --models "$name" --batch "$batch" --steps 10 --device cuda --tf32
       done
       for m in $models; do
         run "torch-compile-${m%%:*}" 240 python3 scripts/peers/torch_speed.py --realscale --train-only \
