@@ -716,6 +716,25 @@ fn an_embedding_gathers_rows_by_integer_ids() {
     assert!(e.contains("node `add` (Add)") && e.contains("integer input `ids`"), "{e}");
 }
 
+/// An integer input cast to bool (transformers 5's BERT casts its attention mask so): any
+/// non-zero value is true, and the mask selects through `Where` and `And` as a boolean.
+#[test]
+fn an_integer_input_casts_to_a_boolean_mask() {
+    let bytes = graph(
+        vec![
+            node("Cast", "as_bool", &["mask"], &["b"], vec![attr_int("to", 9)]),
+            node("And", "both", &["b", "b"], &["bb"], vec![]),
+            node("Where", "pick", &["bb", "x", "low"], &["y"], vec![]),
+        ],
+        vec![tensor("x", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), tensor("low", &[1], &[-9.0])],
+        vec![typed("mask", INT64, &[fixed(2), fixed(3)])],
+        17,
+    );
+    let mask = HostTensor::from_i64(Shape::new([2, 3]), vec![1, 0, 2, 0, -1, 1]).unwrap();
+    let y = run(&bytes, &[("mask", mask)]).unwrap();
+    assert_eq!(y.data(), [1.0, -9.0, 3.0, -9.0, 5.0, 6.0]);
+}
+
 /// `GatherElements` with indices fed at run time (int64, a graph input; ONNX's node tests give
 /// them as constants): out[i][j] = data[i][idx[i][j]] along axis 1, data[idx[i][j]][j] along
 /// axis 0, negative indices counting from the end, indices shorter than the data on the other

@@ -45,7 +45,12 @@ def build(name, attn="eager"):
             cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
             cfg._attn_implementation = attn
             inner = BertModel(cfg, add_pooling_layer=False)
-        inner.config.return_dict = False
+
+        import transformers
+
+        # transformers 5 looks for packed sequences when GPT-2 gets no mask (torch.diff, which
+        # the TorchScript exporter lacks): there GPT-2 gets a mask of ones.
+        masked = int(transformers.__version__.split(".")[0]) >= 5
 
         class First(torch.nn.Module):
             def __init__(self):
@@ -55,7 +60,11 @@ def build(name, attn="eager"):
             def forward(self, *xs):
                 if name == "bert" and len(xs) == 1:
                     xs = (xs[0], torch.ones_like(xs[0]))
-                return self.inner(*xs)[0]
+                # A tuple in every transformers version (a config's return_dict=False breaks
+                # GPT2LMHeadModel in transformers 5, whose inner model then returns a tuple).
+                if name == "gpt2" and masked:
+                    return self.inner(xs[0], attention_mask=torch.ones_like(xs[0]), return_dict=False)[0]
+                return self.inner(*xs, return_dict=False)[0]
 
         return First()
     import torchvision

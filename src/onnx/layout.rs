@@ -244,6 +244,9 @@ fn cast(imp: &mut Importer, n: &Node, v: Value, to: i64, source: &str) -> Result
         }
         Value::Ids(t) if float_type(to) == Some(true) => Value::Tensor(t.cast(DType::F32)),
         Value::Ids(t) if matches!(to, 6 | 7) => Value::Ids(t),
+        // An integer input as a mask (transformers 5's attention masks): kiln's booleans are
+        // f32 zeros and ones, as comparisons give them.
+        Value::Ids(t) if to == 9 => Value::Tensor(t.cast(DType::F32).ne(0.0)),
         Value::Tensor(t) if float_type(to) == Some(true) => Value::Tensor(t),
         Value::Tensor(t) if to == 9 => Value::Tensor(t.ne(0.0)),
         Value::Tensor(t) if integer_type(to) && imp.is_boolean(source) => Value::Tensor(t),
