@@ -20,6 +20,7 @@ use kiln_kernels::cpu::{self, CpuKernel};
 use std::ptr::NonNull;
 
 mod overlap;
+mod spread;
 
 /// Where a value lives, resolved once at load: (plan device, offset) or a variable slot.
 #[derive(Clone, Copy, Debug)]
@@ -633,11 +634,15 @@ unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
     let f = Pass(f);
     let done = std::sync::atomic::AtomicBool::new(false);
     let done = &done;
+    let seats = spread::Seats::default();
+    let seats = &seats;
     rayon::scope(move |scope| {
         let f = f;
         let runner = rayon::current_thread_index();
+        // The runner's CPU first: a worker kept awake beside it moves to another (`spread`).
+        seats.sit();
         for _ in 1..rayon::current_num_threads() {
-            scope.spawn(move |_| keep_busy(done, runner));
+            scope.spawn(move |_| keep_busy(done, runner, seats));
         }
         /// Ends the spinning when the run ends, a panicking one included: otherwise the scope
         /// would wait for the spinners forever instead of passing the panic on.
@@ -662,11 +667,13 @@ unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
 /// 10.1-12.6 -> 10.0-11.9 ms, MobileNetV3-small 2.8-3.6 -> 2.6-2.7 ms. On the runner's own
 /// thread (a join there may run this job while it waits) it returns at once: spinning there
 /// would wait on itself. A worker kept awake runs any work of the pool, another runner's
-/// included, so two runs sharing a pool can wait on each other's pieces.
-fn keep_busy(done: &std::sync::atomic::AtomicBool, runner: Option<usize>) {
+/// included, so two runs sharing a pool can wait on each other's pieces. It first takes a CPU
+/// no other thread of the run stands on (`spread`).
+fn keep_busy(done: &std::sync::atomic::AtomicBool, runner: Option<usize>, seats: &spread::Seats) {
     if rayon::current_thread_index() == runner {
         return;
     }
+    seats.sit();
     let mut since = std::time::Instant::now();
     while !done.load(std::sync::atomic::Ordering::Acquire) {
         match rayon::yield_now() {
