@@ -86,6 +86,8 @@ pub(crate) struct Conv2d {
     groups: Vec<ColumnGroup>,
     /// Per filter row kh: the output rows whose tap kh lies inside the input.
     rows: Vec<(usize, usize)>,
+    /// Few input channels: computed directly (`narrow_conv`), not by GEMMs.
+    narrow: bool,
     desc: String,
 }
 
@@ -108,8 +110,10 @@ impl Conv2d {
                 valid.first().map_or((0, 0), |&a| (a, a + valid.len()))
             })
             .collect();
-        let desc = format!("conv2d {}", g.text());
-        Conv2d { g, groups, rows, desc }
+        let narrow =
+            super::narrow_conv::applies(&g) && std::env::var_os("KILN_NARROW_CONV").is_none_or(|v| v != "0");
+        let desc = format!("conv2d {}{}", g.text(), if narrow { " (direct, few channels in)" } else { "" });
+        Conv2d { g, groups, rows, narrow, desc }
     }
 }
 
@@ -121,6 +125,10 @@ impl Conv2d {
     /// that no other thread touches and overlaps neither.
     unsafe fn rows(&self, x: *const f32, w: *const f32, n: usize, o0: usize, o1: usize, dst: *mut f32) {
         let g = &self.g;
+        if self.narrow {
+            // SAFETY: `narrow_conv::applies`; the caller's contract.
+            return unsafe { super::narrow_conv::rows(g, x, w, n, o0, o1, dst) };
+        }
         let row = g.ow * g.f;
         let out = |oh: usize, ow: usize| dst.wrapping_add((oh - o0) * row + ow * g.f);
         // SAFETY: the rows o0..o1 of dst (the caller's contract).

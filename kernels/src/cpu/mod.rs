@@ -49,6 +49,7 @@ mod layout;
 mod math;
 mod matmul;
 mod mixed_gemm;
+mod narrow_conv;
 mod optim;
 mod par;
 pub mod peak;
