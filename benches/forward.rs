@@ -8,7 +8,7 @@
 //! [0, 1000), masks 1), written once to an .npz: kiln through `kiln::onnx::runner::Runner` (as
 //! `kiln run` does), onnxruntime through `scripts/peers/ort_forward.py` (every graph
 //! optimisation on, its default). Each round times kiln's runs, then onnxruntime's (each after a
-//! warm-up: two runs, and for kiln at least 100 ms of them, as onnxruntime's session is made
+//! warm-up: two runs, and for kiln at least 100 ms of them, as onnxruntime loads the model
 //! just before its own), and the ratio of their medians; the table shows the median of the rounds' ratios
 //! and each side's median time, with the largest difference of the outputs relative to
 //! onnxruntime's largest magnitude. Threads: each count of `KILN_FORWARD_THREADS` (`1,2` by
@@ -143,7 +143,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (Vec::new(), Vec::new(), Vec::new(), String::new());
             for _ in 0..rounds {
                 let job = Blocking(|| -> kiln::Result<Vec<f64>> {
-                    // Warmed up as onnxruntime's side is (its session made just before its two
+                    // Warmed up as onnxruntime's side is (the model loaded just before its two
                     // warm-up runs): two runs and at least `WARM_UP`, so that the pool is awake
                     // again after the pause the other side's runs made.
                     let warm = Instant::now();

@@ -549,6 +549,7 @@ fn gpu_training_table(r: &Record) -> String {
             for (field, who) in [
                 ("kiln_error", "kiln"),
                 ("torch_eager_error", "PyTorch eager"),
+                ("torch_eager_tf32_error", "PyTorch eager, TF32"),
                 ("torch_compile_error", "torch.compile"),
             ] {
                 if let Some(why) = v.get(field).and_then(Value::as_str) {

@@ -50,12 +50,13 @@ stages=("$@")
 run() {
   local name=$1 limit=$2; shift 2
   if [ -n "${KILN_GPU_DEADLINE:-}" ]; then
-    if [ "$SECONDS" -ge "$KILN_GPU_DEADLINE" ]; then
+    # A stage ends by the deadline (its kill grace of 10 s included), whatever its own limit.
+    local left=$((KILN_GPU_DEADLINE - SECONDS - 10))
+    if [ "$left" -le 0 ]; then
       printf '%-28s skipped (past the deadline)\n' "$name" | tee -a "$summary"
       return 124
     fi
-    # A stage ends by the deadline, whatever its own limit.
-    [ $((KILN_GPU_DEADLINE - SECONDS)) -lt "$limit" ] && limit=$((KILN_GPU_DEADLINE - SECONDS))
+    [ "$left" -lt "$limit" ] && limit=$left
   fi
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" >> "$r/$name.log" 2>&1
@@ -119,14 +120,19 @@ for s in "${stages[@]}"; do
     realscale)
       rs=/tmp/kiln-realscale
       models=${REALSCALE:-"resnet50:32 efficientnet_b0:32 vit_b_16:16 gpt2:4 bert:8"}
-      # Exported side by side on the CPUs while the GPU runs the first model.
+      # Exported side by side on the CPUs while the GPU runs the first model; a marker per
+      # model and batch says an export ended (a run of an earlier call leaves none behind).
+      rm -f "$rs"-*.exported
       for m in $models; do
-        ( python3 scripts/realscale/export.py "$rs/b${m#*:}" "${m%%:*}" --batch "${m#*:}" \
-            > "$r/export-${m%%:*}.log" 2>&1; echo done > "$rs-${m%%:*}.exported" ) &
+        ( timeout 300 python3 scripts/realscale/export.py "$rs/b${m#*:}" "${m%%:*}" --batch "${m#*:}" \
+            > "$r/export-${m%%:*}.log" 2>&1; echo done > "$rs-${m%%:*}-${m#*:}.exported" ) &
       done
       for m in $models; do
         name=${m%%:*} batch=${m#*:}
-        while [ ! -e "$rs-$name.exported" ]; do sleep 1; done
+        while [ ! -e "$rs-$name-$batch.exported" ]; do
+          if [ -n "${KILN_GPU_DEADLINE:-}" ] && [ "$SECONDS" -ge "$KILN_GPU_DEADLINE" ]; then break; fi
+          sleep 1
+        done
         run "kiln-train-$name" 200 "$bin/bin-kiln" train "$rs/b$batch/$name.onnx" --batch "$batch" --steps 3 --bench 10
         run "torch-eager-$name" 120 python3 scripts/peers/torch_speed.py --realscale --train-only \
           --models "$name" --batch "$batch" --steps 10 --device cuda

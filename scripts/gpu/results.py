@@ -54,6 +54,19 @@ def failure(text):
     return lines[-1] if lines else None
 
 
+def last_object(text):
+    """The last line of `text` that is a JSON object (what torch_speed.py prints, whatever
+    warnings follow it); ValueError where none is."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            return data
+    raise ValueError("no JSON object")
+
+
 def realscale(dirs):
     """The realscale stage's figures: {model: {batch, kiln_ms, torch_eager_ms, ...}}."""
     import re
@@ -88,11 +101,11 @@ def realscale(dirs):
                 continue
             field = "torch_" + peer.replace("-", "_")
             try:
-                data = json.loads(text.strip().splitlines()[-1])
+                data = last_object(text)
                 ms = data["models"][name][key]
                 row[field + "_ms"] = statistics.median(ms)
                 row["torch"] = data.get("torch")
-            except (ValueError, KeyError, IndexError):
+            except (ValueError, KeyError, IndexError, TypeError):
                 row[field + "_error"] = failure(text) or "no step timed"
         models[name] = row
     return models

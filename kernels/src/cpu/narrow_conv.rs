@@ -56,24 +56,32 @@ pub(super) unsafe fn rows(
     o1: usize,
     dst: *mut f32,
 ) {
+    let wide = simd::width() == simd::Width::Avx512;
     // SAFETY: forwarded contract.
-    unsafe { rows_dispatch(g, x, w, n, o0, o1, dst) }
+    unsafe { rows_dispatch(g, x, w, (n, o0, o1), dst, wide) }
 }
 
 multiversion! {
     /// `rows_in` on the widest vectors the CPU has (`simd`).
     unsafe fn rows_dispatch / rows_at(
-        g: &Geom, x: *const f32, w: *const f32, n: usize, o0: usize, o1: usize, dst: *mut f32
+        g: &Geom, x: *const f32, w: *const f32, rows: (usize, usize, usize), dst: *mut f32, wide: bool
     ) => rows_in;
 }
 
-/// `rows`, compiled once per vector width.
+/// `rows` of image `n`, o0..o1, compiled once per vector width; `wide`: tiles for AVX-512's 32
+/// registers (else AVX2's 16).
 ///
 /// # Safety
 /// As `rows`.
 #[inline(always)]
-unsafe fn rows_in(g: &Geom, x: *const f32, w: *const f32, n: usize, o0: usize, o1: usize, dst: *mut f32) {
-    let wide = simd::width() == simd::Width::Avx512;
+unsafe fn rows_in(
+    g: &Geom,
+    x: *const f32,
+    w: *const f32,
+    (n, o0, o1): (usize, usize, usize),
+    dst: *mut f32,
+    wide: bool,
+) {
     let (c, f) = (g.c, g.f);
     // Output vectors a tile holds per pixel: with AVX-512's 32 registers, 4 (64 channels) by 4
     // pixels or 2 by 8, so that each broadcast input value feeds several vectors; with AVX2's
@@ -275,11 +283,12 @@ mod tests {
     }
 
     /// Stems of every common shape (3x3, 4x4, 5x5 and 7x7 windows, strides 1, 2 and 4, SAME,
-    /// VALID and explicit padding, 1 to 4 channels in, 16 to 64 out) against the f64 sum, and
-    /// each vector width the CPU has against the others, bit for bit.
+    /// VALID and explicit padding, windows mostly in the padding, 1 to 4 channels in, 16 to 64
+    /// out) against the f64 sum, and each vector width the CPU has (with its own tiles) against
+    /// the others, bit for bit.
     #[test]
     fn stems_match_the_sum_and_every_width_gives_the_same_bits() {
-        let cases: [(usize, usize, usize, usize, usize, Padding, usize); 8] = [
+        let cases: [(usize, usize, usize, usize, usize, Padding, usize); 10] = [
             (2, 17, 3, 3, 2, Padding::Same, 16),
             (1, 23, 3, 7, 2, Padding::Explicit { before: [3, 3], after: [3, 3] }, 64),
             (1, 16, 3, 4, 4, Padding::Valid, 32),
@@ -288,6 +297,9 @@ mod tests {
             (1, 11, 2, 3, 2, Padding::Explicit { before: [1, 1], after: [0, 0] }, 32),
             (1, 5, 3, 7, 1, Padding::Same, 16),
             (1, 33, 3, 3, 2, Padding::Explicit { before: [1, 1], after: [1, 1] }, 16),
+            // Windows mostly in the padding, and a stride longer than the window.
+            (1, 6, 3, 3, 2, Padding::Explicit { before: [2, 2], after: [2, 2] }, 32),
+            (2, 14, 3, 3, 4, Padding::Valid, 16),
         ];
         for (n, hw, c, k, s, padding, f) in cases {
             let x_shape = Shape::new([n, hw, hw + 1, c]);
@@ -307,7 +319,8 @@ mod tests {
                         let o1 = (o0 + 3).min(g.oh);
                         let dst = out[(img * g.oh + o0) * row..].as_mut_ptr();
                         // SAFETY: the geometry's input, filter and rows o0..o1 of image img.
-                        unsafe { rows_at(width, &g, x.as_ptr(), w.as_ptr(), img, o0, o1, dst) };
+                        let wide = width == simd::Width::Avx512;
+                        unsafe { rows_at(width, &g, x.as_ptr(), w.as_ptr(), (img, o0, o1), dst, wide) };
                     }
                 }
                 for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {

@@ -670,7 +670,7 @@ unsafe fn on_the_pool<R>(f: impl FnOnce() -> R) -> R {
 /// included, so two runs sharing a pool can wait on each other's pieces. It first takes a CPU
 /// no other thread of the run stands on (`spread`).
 fn keep_busy(done: &std::sync::atomic::AtomicBool, runner: Option<usize>, seats: &spread::Seats) {
-    if rayon::current_thread_index() == runner {
+    if rayon::current_thread_index() == runner || done.load(std::sync::atomic::Ordering::Acquire) {
         return;
     }
     seats.sit();

@@ -20,20 +20,29 @@
 
 use std::sync::Mutex;
 
-/// The CPUs the threads of one run stand on, claimed as each begins.
+/// The CPUs the threads of one run stand on, claimed as each begins, and the pool threads that
+/// sat (a worker kept awake can run another worker's `keep_busy` job nested in its own: it sits
+/// once).
 #[derive(Default)]
 pub(super) struct Seats {
-    taken: Mutex<Vec<usize>>,
+    taken: Mutex<(Vec<usize>, Vec<Option<usize>>)>,
 }
 
 impl Seats {
     /// Claims the calling thread's CPU, or moves the thread to a CPU of its allowed set that no
     /// thread of the run has claimed and claims that one. Nothing moves where every allowed CPU
-    /// is claimed (more threads than CPUs) or the CPU cannot be read.
+    /// is claimed (more threads than CPUs), the CPU cannot be read, or this thread already sat.
     pub(super) fn sit(&self) {
         let Some(cpu) = os::current_cpu() else { return };
-        let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(free) = choose(cpu, &taken, &os::allowed_cpus()) else { return };
+        let mut guard = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let (taken, sat) = &mut *guard;
+        let thread = rayon::current_thread_index();
+        if sat.contains(&thread) {
+            return;
+        }
+        sat.push(thread);
+        let allowed = if taken.contains(&cpu) { os::allowed_cpus() } else { Vec::new() };
+        let Some(free) = choose(cpu, taken, &allowed) else { return };
         if free != cpu && !os::move_to(free) {
             return;
         }
@@ -76,19 +85,26 @@ mod os {
     }
 
     /// Moves the calling thread to `cpu` (it runs there when this returns) and gives it back
-    /// its allowed set; whether it moved.
+    /// its allowed set; whether it moved. Where the set cannot be given back (the process's
+    /// cpuset shrank meanwhile), the thread is given every CPU it may still use, so that it is
+    /// never left bound to one.
     pub fn move_to(cpu: usize) -> bool {
         let Some(before) = affinity() else { return false };
         let size = std::mem::size_of::<libc::cpu_set_t>();
         // SAFETY: `cpu` comes from `allowed_cpus`, so it is below CPU_SETSIZE and CPU_SET
-        // writes inside the set; both sets passed are whole cpu_set_t values of `size` bytes.
+        // writes inside the set; every set passed is a whole cpu_set_t of `size` bytes.
         unsafe {
             let mut one: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(cpu, &mut one);
             if libc::sched_setaffinity(0, size, &one) != 0 {
                 return false;
             }
-            libc::sched_setaffinity(0, size, &before);
+            if libc::sched_setaffinity(0, size, &before) != 0 {
+                // Every CPU: the kernel keeps the cpuset's own.
+                let mut all: libc::cpu_set_t = std::mem::zeroed();
+                (0..libc::CPU_SETSIZE as usize).for_each(|c| libc::CPU_SET(c, &mut all));
+                libc::sched_setaffinity(0, size, &all);
+            }
         }
         true
     }
@@ -133,10 +149,14 @@ mod tests {
         }
         let seats = Seats::default();
         seats.sit();
-        let first = seats.taken.lock().unwrap()[0];
-        // Sitting again from the same thread stands for a second thread on the same CPU.
+        let first = seats.taken.lock().unwrap().0[0];
+        // Sitting again from the same thread sits once.
         seats.sit();
-        let taken = seats.taken.lock().unwrap().clone();
+        assert_eq!(seats.taken.lock().unwrap().0, [first]);
+        // A second thread on the same CPU: this one under another name.
+        seats.taken.lock().unwrap().1.clear();
+        seats.sit();
+        let taken = seats.taken.lock().unwrap().0.clone();
         assert_eq!(taken.len(), 2);
         assert_ne!(taken[1], first);
         assert_eq!(os::allowed_cpus(), allowed, "the allowed set is given back");
