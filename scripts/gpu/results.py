@@ -27,16 +27,6 @@ import os
 import sys
 
 
-def load(dirs, name):
-    found = None
-    for d in dirs:
-        p = os.path.join(d, name)
-        if os.path.exists(p):
-            with open(p) as f:
-                found = json.load(f)
-    return found
-
-
 def read(dirs, name):
     """The text of the last DIR's `name`, or None."""
     found = None
@@ -46,6 +36,12 @@ def read(dirs, name):
             with open(p) as f:
                 found = f.read()
     return found
+
+
+def load(dirs, name):
+    """The JSON of the last DIR's `name`, or None."""
+    text = read(dirs, name)
+    return None if text is None else json.loads(text)
 
 
 def failure(text):

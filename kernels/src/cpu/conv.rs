@@ -46,7 +46,7 @@ struct ColumnGroup {
 
 impl Geom {
     /// Valid filter indices of output position `o` along an axis: k with 0 <= o*s - p + k < extent.
-    fn taps(o: usize, s: usize, p: usize, k: usize, extent: usize) -> (usize, usize) {
+    pub(super) fn taps(o: usize, s: usize, p: usize, k: usize, extent: usize) -> (usize, usize) {
         let start = (o * s) as isize - p as isize;
         let lo = (-start).clamp(0, k as isize) as usize;
         let hi = (extent as isize - start).clamp(0, k as isize) as usize;

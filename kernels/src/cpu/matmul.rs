@@ -654,16 +654,7 @@ impl CpuKernel for MatMulRows {
 #[cfg(test)]
 mod tests {
     use super::Gemm;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::cpu::test_values as values;
 
     fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         let mut t = vec![0.0; x.len()];

@@ -295,3 +295,15 @@ pub(crate) fn shape_text(s: &Shape) -> String {
     }
     s.dims().iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
 }
+
+/// Deterministic values in [-1, 1) for the kernels' unit tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}

@@ -32,15 +32,6 @@ pub(super) fn applies(g: &Geom) -> bool {
     g.is_dense() && (1..=MAX_C).contains(&g.c) && g.f > 0 && g.f.is_multiple_of(LANES)
 }
 
-/// Valid taps k of output position `o` along an axis (stride `s`, padding `p`, window `k`,
-/// input `extent`): lo..hi.
-fn taps(o: usize, s: usize, p: usize, k: usize, extent: usize) -> (usize, usize) {
-    let start = (o * s) as isize - p as isize;
-    let lo = (-start).clamp(0, k as isize) as usize;
-    let hi = (extent as isize - start).clamp(0, k as isize) as usize;
-    (lo, hi.max(lo))
-}
-
 /// Output rows o0..o1 of image `n` into `dst` (row o0 first, rows OW·F floats apart), every
 /// element written.
 ///
@@ -96,14 +87,14 @@ unsafe fn rows_in(
     let mut list: Vec<(usize, usize)> = Vec::with_capacity(g.kh * g.kw * c);
     let xs = g.sw * c;
     for oh in o0..o1 {
-        let (kh0, kh1) = taps(oh, g.sh, g.ph, g.kh, g.h);
+        let (kh0, kh1) = Geom::taps(oh, g.sh, g.ph, g.kh, g.h);
         let out = dst.wrapping_add((oh - o0) * g.ow * f);
         let mut ow = 0;
         while ow < g.ow {
-            let (kw0, kw1) = taps(ow, g.sw, g.pw, g.kw, g.w);
+            let (kw0, kw1) = Geom::taps(ow, g.sw, g.pw, g.kw, g.w);
             // The run of columns from `ow` that share this column range.
             let mut end = ow + 1;
-            while end < g.ow && taps(end, g.sw, g.pw, g.kw, g.w) == (kw0, kw1) {
+            while end < g.ow && Geom::taps(end, g.sw, g.pw, g.kw, g.w) == (kw0, kw1) {
                 end += 1;
             }
             list.clear();
@@ -167,13 +158,9 @@ unsafe fn run<const P: usize, const V: usize>(
         }
         p += P;
     }
-    for q in p..end {
-        for f0 in (0..f).step_by(V * LANES) {
-            // SAFETY: the caller's contract, pixel q.
-            unsafe {
-                tile::<1, V>(x, w, list, base + (q - first) * xs, xs, f0, f, out.wrapping_add(q * f + f0))
-            };
-        }
+    if P > 1 && p < end {
+        // SAFETY: the caller's contract, pixels p..end one at a time.
+        unsafe { run::<1, V>(x, w, list, base + (p - first) * xs, xs, p, end, f, out) };
     }
 }
 
@@ -241,17 +228,8 @@ fn mac<const V: usize>(acc: &mut [[f32; LANES]; V], x: f32, v: &[[f32; LANES]; V
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::test_values as values;
     use kiln_compiler::ir::{Padding, Shape, Window2d};
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     /// The convolution in f64, tap by tap.
     fn reference(g: &Geom, x: &[f32], w: &[f32]) -> Vec<f64> {
