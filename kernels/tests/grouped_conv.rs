@@ -135,9 +135,14 @@ fn grouped_cases() -> Vec<([usize; 4], Window2d, usize)> {
     // The other strides and groupings, one padding each.
     v.push(([1, 5, 5, 16], win([1, 1], [2, 2], s).grouped(16), 16));
     v.push(([1, 10, 9, 10], win([5, 5], [1, 1], explicit([2, 1], [1, 2])).grouped(5), 5));
-    // Depthwise over 144 and 83 channels: the blocks of 64 and 16 channels and the rest.
+    // Depthwise over 144 and 83 channels: the blocks of 16 channels and the rest.
     v.push(([2, 9, 7, 144], win([3, 3], [1, 1], s).grouped(144), 144));
     v.push(([1, 6, 7, 83], win([3, 3], [2, 2], explicit([0, 0], [1, 1])).grouped(83), 83));
+    // Depthwise with a block of 8 channels after the 16s (29 = 16 + 8 + 5, 24 = 16 + 8), over
+    // runs of every length from 1 to 8 pixels and past (rows of 13 and 12 columns, 5x5 SAME).
+    v.push(([2, 9, 13, 29], win([3, 3], [1, 1], s).grouped(29), 29));
+    v.push(([1, 7, 12, 24], win([5, 5], [1, 1], s).grouped(24), 24));
+    v.push(([1, 11, 12, 24], win([5, 5], [2, 2], s).grouped(24), 24));
     // ResNeXt-like (Cg = Fg = 8), Fg = 16, Fg = 3 (no compiled width), Fg = 4.
     v.push(([2, 6, 6, 32], win([3, 3], [1, 1], s).grouped(4), 32));
     v.push(([1, 5, 5, 8], win([3, 3], [1, 1], Padding::Valid).grouped(2), 32));
@@ -433,6 +438,11 @@ fn depthwise_timings() {
         ([2, 112, 112, 32], 3, 1),
         ([2, 28, 28, 240], 5, 1),
         ([2, 112, 112, 96], 3, 2),
+        // Channels not a multiple of 16 and small maps (MobileNetV3-small's).
+        ([2, 56, 56, 72], 3, 2),
+        ([2, 28, 28, 88], 3, 1),
+        ([2, 14, 14, 120], 5, 1),
+        ([2, 7, 7, 576], 5, 1),
     ];
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     for (xd, k, s) in shapes {
