@@ -293,6 +293,10 @@ fn cases() -> Vec<Case> {
         (&[3, 2000], vec![1], false),
         (&[20000], vec![0], false),
         (&[8, 4096], vec![0], true),
+        // Kept innermost columns summed 32 at a time in registers, then the rest (45 = 32 + 13),
+        // over several chunks of rows; a squeeze-and-excitation mean of NHWC over H and W.
+        (&[300, 45], vec![0], false),
+        (&[2, 30, 30, 72], vec![1, 2], true),
         (&[2, 3, 4, 5], vec![0, 2], true),
         (&[2, 3, 4, 5], vec![1, 3], false),
         (&[6, 1, 5], vec![1], false),
