@@ -542,7 +542,10 @@ fn backprop_input_kernel(dy: &Shape, w: &Shape, window: &Window2d, dx: &Shape) -
 
 impl Flipped {
     /// The turned filter of `w` ([KH, KW, C, F] -> [KH, KW, F, C], half a turn), in the kernel's
-    /// buffer.
+    /// buffer: per tap, the mirrored tap's C x F matrix transposed in 8 x 8 tiles
+    /// (`matmul::transpose_into`). An element at a time, with four integer divisions each to
+    /// find its source, the turn took 12% of EfficientNet-B0's training step at batch 2 (perf,
+    /// one core of the 2-core AMD EPYC): every step turns every stride-1 filter once.
     ///
     /// # Safety
     /// `w` holds KH·KW·C·F floats.
@@ -550,12 +553,12 @@ impl Flipped {
         let mut filter = self.filter.lock().unwrap_or_else(|e| e.into_inner());
         let (kh, kw, c, f) = (g.kh, g.kw, g.c, g.f);
         filter.resize(kh * kw * c * f, 0.0);
-        // SAFETY: the caller's contract.
-        let w = unsafe { slice::from_raw_parts(w, kh * kw * c * f) };
-        for (i, v) in filter.iter_mut().enumerate() {
-            let (tap, fc) = (i / (f * c), i % (f * c));
-            let (a, b, fo, ci) = (tap / kw, tap % kw, fc / c, fc % c);
-            *v = w[(((kh - 1 - a) * kw + (kw - 1 - b)) * c + ci) * f + fo];
+        for (tap, dst) in filter.chunks_exact_mut(c * f).enumerate() {
+            let (a, b) = (tap / kw, tap % kw);
+            let from = ((kh - 1 - a) * kw + (kw - 1 - b)) * c * f;
+            // SAFETY: tap `from / (c·f)` of w is c rows of f floats (the caller's contract);
+            // dst holds f rows of c floats: dst[fo·c + ci] = w[from + ci·f + fo].
+            unsafe { super::matmul::transpose_into(w.add(from), f, f, c, dst, c) };
         }
         filter
     }

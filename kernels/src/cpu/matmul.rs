@@ -417,7 +417,14 @@ thread_local! {
 /// # Safety
 /// `src` is valid for `nb` rows of `kb` floats at `stride`; `dst` holds `kb * ld` floats and
 /// `ld >= nb`.
-unsafe fn transpose_into(src: *const f32, stride: usize, kb: usize, nb: usize, dst: &mut [f32], ld: usize) {
+pub(crate) unsafe fn transpose_into(
+    src: *const f32,
+    stride: usize,
+    kb: usize,
+    nb: usize,
+    dst: &mut [f32],
+    ld: usize,
+) {
     const T: usize = 8;
     assert!(kb == 0 || nb == 0 || (kb - 1) * ld + nb <= dst.len(), "the destination holds the transposition");
     let (full_j, full_k) = (nb - nb % T, kb - kb % T);
