@@ -148,11 +148,23 @@ pub(super) fn enabled() -> bool {
 /// that order; `None` for any other rank.
 pub(super) fn hwio(dims: &[usize], values: Option<&[f32]>) -> Option<(Vec<usize>, Option<Vec<f32>>)> {
     let &[f, c, kh, kw] = dims else { return None };
-    let values = values.map(|v| {
+    // out[(tap·C + ci)·F + fo] = v[(fo·C + ci)·taps + tap], 16 filters at a time: each output
+    // line is written whole and the 16 filters' rows are read front to back. An element at a
+    // time, with four integer divisions to place it, ResNet-50's 25 M weights took about 0.4 s
+    // of its load (perf: 9.7% of `kiln train --bench 8`).
+    let taps = kh * kw;
+    let values = values.filter(|v| v.len() == f * c * taps).map(|v| {
         let mut out = vec![0.0; v.len()];
-        for (i, &x) in v.iter().enumerate() {
-            let (fo, ci, a, b) = (i / (c * kh * kw), i / (kh * kw) % c, i / kw % kh, i % kw);
-            out[((a * kw + b) * c + ci) * f + fo] = x;
+        for f0 in (0..f).step_by(16) {
+            let f1 = (f0 + 16).min(f);
+            for ci in 0..c {
+                for tap in 0..taps {
+                    let row = &mut out[(tap * c + ci) * f..][f0..f1];
+                    for (fo, o) in (f0..f1).zip(row) {
+                        *o = v[(fo * c + ci) * taps + tap];
+                    }
+                }
+            }
         }
         out
     });
