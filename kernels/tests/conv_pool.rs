@@ -278,6 +278,31 @@ fn conv_gradients_do_not_depend_on_the_thread_count() {
     assert!(one == on(3) && one == on(8));
 }
 
+/// 1x1 convolutions cut by pixels (more pixels than filters: equal blocks, a multiple of the
+/// threads) and by filter columns (more filters than pixels), stride 1 and 2: the direct loops'
+/// values, and the same bits on 1, 2 and 3 threads.
+#[test]
+fn pointwise_convolutions_match_direct_loops_on_any_thread_count() {
+    let cases = [
+        ([2, 14, 14, 24], [1, 1], 40),
+        ([2, 7, 7, 64], [1, 1], 256),
+        ([2, 14, 14, 48], [2, 2], 200),
+        ([1, 9, 11, 32], [1, 1], 72),
+    ];
+    for (i, (xd, stride, f)) in cases.into_iter().enumerate() {
+        let w = win([1, 1], stride, Padding::Valid);
+        let x = rand(&xd, 40 + i as u64);
+        let filt = rand(&[1, 1, xd[3], f], 50 + i as u64);
+        let on = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| run(&Op::Conv2d { window: w }, &[&x, &filt]))
+        };
+        let one = on(1);
+        assert_close(&one.data, &conv_ref(&x, &filt, &w, &one.dims), 1e-5 * (xd[3] as f64).sqrt());
+        assert!(one == on(2) && one == on(3), "case {i}: the thread count changed the bits");
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(120))]
     #[test]
