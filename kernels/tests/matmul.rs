@@ -93,6 +93,24 @@ fn large_products_use_the_pool() {
     assert_close(&got.data, &matmul_ref(&a, &b, false, true, &got.dims), 1e-4);
 }
 
+/// A weight read transposed at a row stride of a multiple of 4 KiB (K = 1,024, 2,048): copied to
+/// row-major panels, the copy cut in bands among the threads; the reference's values and the
+/// same bits on 1, 2 and 3 threads.
+#[test]
+fn a_transposed_operand_at_an_aliasing_stride_gives_the_same_bits_on_any_thread_count() {
+    for (i, (m, k, n)) in [(200, 1024, 96), (64, 2048, 1100)].into_iter().enumerate() {
+        let (a, b) = operands((m, k, n), false, true, &[], &[], 20 + i as u64);
+        let op = Op::MatMul { transpose_a: false, transpose_b: true };
+        let on = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| run(&op, &[&a, &b]))
+        };
+        let one = on(1);
+        assert_close(&one.data, &matmul_ref(&a, &b, false, true, &one.dims), 1e-4);
+        assert!(one == on(2) && one == on(3), "case {i}: the thread count changed the bits");
+    }
+}
+
 #[test]
 fn empty_contraction_gives_zeros() {
     let (a, b) = (T::new(&[3, 0], vec![]), T::new(&[0, 4], vec![]));
