@@ -385,14 +385,8 @@ impl Conv2d {
                 } else {
                     PIXELS.with_borrow_mut(|gathered| {
                         gathered.clear();
-                        for p in p0..p1 {
-                            let (n, oh, ow) = (p / (g.oh * g.ow), p / g.ow % g.oh, p % g.ow);
-                            let at = ((n * g.h + oh * g.sh) * g.w + ow * g.sw) * g.c;
-                            // SAFETY: output pixel (n, oh, ow) of an unpadded 1x1 window reads
-                            // input pixel (n, oh·sh, ow·sw), inside the input (`ir::infer`).
-                            gathered
-                                .extend_from_slice(unsafe { slice::from_raw_parts(x.get().add(at), g.c) });
-                        }
+                        // SAFETY: the caller's contract: x holds the input.
+                        unsafe { self.gather_pixels(x, p0, p1, gathered) };
                         // SAFETY: the gathered pixels are (p1 - p0) x C, row-major; the output
                         // rows as above.
                         unsafe { gemm.run(gathered.as_ptr(), w.get(), dst, false, false) };
@@ -424,19 +418,11 @@ impl Conv2d {
         let g = &self.g;
         let pixels = g.n * g.oh * g.ow;
         // A strided window's input pixels, gathered once for all the column blocks.
-        let gathered: Vec<f32> = if self.dense_pixels() {
-            Vec::new()
-        } else {
-            let mut v = Vec::with_capacity(pixels * g.c);
-            for p in 0..pixels {
-                let (n, oh, ow) = (p / (g.oh * g.ow), p / g.ow % g.oh, p % g.ow);
-                let at = ((n * g.h + oh * g.sh) * g.w + ow * g.sw) * g.c;
-                // SAFETY: output pixel (n, oh, ow) of an unpadded 1x1 window reads input pixel
-                // (n, oh·sh, ow·sw), inside the input (`ir::infer`).
-                v.extend_from_slice(unsafe { slice::from_raw_parts(x.get().add(at), g.c) });
-            }
-            v
-        };
+        let mut gathered = Vec::new();
+        if !self.dense_pixels() {
+            // SAFETY: the caller's contract: x holds the input.
+            unsafe { self.gather_pixels(x, 0, pixels, &mut gathered) };
+        }
         let src = SendPtr::new(if self.dense_pixels() { x.get() } else { gathered.as_ptr() as *mut f32 });
         // Blocks of whole vectors of columns, one per thread.
         let nb = g.f.div_ceil(threads).next_multiple_of(16);
@@ -464,6 +450,23 @@ impl Conv2d {
                 }
             }
         });
+    }
+
+    /// Appends to `out` the input pixels that output pixels p0..p1 (across the batch) of a
+    /// strided pointwise convolution read, C floats each.
+    ///
+    /// # Safety
+    /// `x` holds the convolution's input.
+    unsafe fn gather_pixels(&self, x: SendPtr<f32>, p0: usize, p1: usize, out: &mut Vec<f32>) {
+        let g = &self.g;
+        out.reserve((p1 - p0) * g.c);
+        for p in p0..p1 {
+            let (n, oh, ow) = (p / (g.oh * g.ow), p / g.ow % g.oh, p % g.ow);
+            let at = ((n * g.h + oh * g.sh) * g.w + ow * g.sw) * g.c;
+            // SAFETY: output pixel (n, oh, ow) of an unpadded 1x1 window reads input pixel
+            // (n, oh·sh, ow·sw), inside the input (`ir::infer`), which x holds.
+            out.extend_from_slice(unsafe { slice::from_raw_parts(x.get().add(at), g.c) });
+        }
     }
 
     pub(crate) fn text(&self) -> &str {
@@ -632,7 +635,8 @@ impl Flipped {
         let mut filter = self.filter.lock().unwrap_or_else(|e| e.into_inner());
         let (kh, kw, c, f) = (g.kh, g.kw, g.c, g.f);
         filter.resize(kh * kw * c * f, 0.0);
-        for (tap, dst) in filter.chunks_exact_mut(c * f).enumerate() {
+        // (An empty filter has nothing to turn, and no chunks of c·f = 0.)
+        for (tap, dst) in filter.chunks_exact_mut((c * f).max(1)).enumerate() {
             let (a, b) = (tap / kw, tap % kw);
             let from = ((kh - 1 - a) * kw + (kw - 1 - b)) * c * f;
             // SAFETY: tap `from / (c·f)` of w is c rows of f floats (the caller's contract);
