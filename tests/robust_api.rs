@@ -130,11 +130,26 @@ fn install_hook() {
                 .unwrap_or_default();
             let mut at = info.location().map(|l| format!("{}:{}", l.file(), l.line())).unwrap_or_default();
             if at.starts_with("/rustc/") {
-                // A panic inside std (an overflowing `product`, an index): name kiln's frame.
+                // A panic inside std (an overflowing `product`, an index): name kiln's frame, by
+                // its file and line where the build has line tables, else by its function (the
+                // test profile has no debug information: Cargo.toml).
                 let trace = std::backtrace::Backtrace::force_capture().to_string();
-                let frame = trace.lines().map(str::trim).filter_map(|l| l.strip_prefix("at ")).find(|l| {
-                    !l.starts_with("/rustc/") && !l.contains("/.cargo/") && !l.contains("robust_api.rs")
-                });
+                // Frames are "N: symbol" lines, each followed by its "at file:line" lines where
+                // there are line tables: the first frame of kiln's own, by its line or its name.
+                let mut frames: Vec<(&str, Option<&str>)> = Vec::new();
+                for l in trace.lines().map(str::trim) {
+                    match (l.strip_prefix("at "), frames.last_mut()) {
+                        (Some(file), Some(last)) => {
+                            last.1.get_or_insert(file);
+                        }
+                        (Some(_), None) => {}
+                        (None, _) => frames.extend(l.split_once(": ").map(|(_, symbol)| (symbol, None))),
+                    }
+                }
+                let frame = frames
+                    .iter()
+                    .find(|(symbol, _)| symbol.trim_start_matches('<').starts_with("kiln"))
+                    .map(|&(symbol, file)| file.unwrap_or(symbol));
                 if let Some(frame) = frame {
                     at = format!("{frame} via {at}");
                 }
