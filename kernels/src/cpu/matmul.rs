@@ -231,8 +231,10 @@ impl Gemm {
                 let src = SendPtr::new(unsafe { b.offset(j0 as isize * self.b.1) } as *mut f32);
                 let threads = if parallel { rayon::current_num_threads() } else { 1 };
                 // The panel's rows in one band per thread, so that the copy is not the serial part
-                // of a parallel product: on one thread ViT-B/16's MLP down-projections (K =
-                // 3,072) ran 1.76 times as fast on two threads as on one, its up-projections 1.93.
+                // of a parallel product: with the copy on the calling thread alone, ViT-B/16's MLP
+                // down-projections (K = 3,072) ran 1.76 times as fast on two threads as on one,
+                // its up-projections 1.93 (`kiln run --profile 3`); with the bands its whole
+                // pass on two threads took 0.95-0.98 of its time.
                 let band = kb.div_ceil(threads).next_multiple_of(8).max(8);
                 let dst = SendPtr::new(panel.as_mut_ptr());
                 let copy = |t: usize| {

@@ -64,7 +64,7 @@ const CHUNK_COLS: usize = 64;
 /// gradients, each a reduction with a one-instruction prologue, 0.52 -> 0.17 ms).
 const TILE: usize = 256;
 /// Columns of a `Columns` reduction from memory summed together in registers over a chunk's
-/// rows (4 AVX-512 registers of f64). Summed into the tile's partials in memory instead, each
+/// rows (8 AVX2 registers of f64: the reductions are built for the baseline). Summed into the tile's partials in memory instead, each
 /// row's add waited on the previous row's store. EfficientNet-B0's 16 squeeze-and-excitation
 /// means at batch 2 (NHWC [2, H, W, C] over H and W, C = 32 to 1152; `kiln run --profile 20`,
 /// each kernel timed alone, one core of the 2-core AMD EPYC): 0.59-0.62 -> 0.45 ms, the one
