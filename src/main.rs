@@ -157,6 +157,9 @@ enum Command {
         /// slowest kernels (medians).
         #[arg(long, value_name = "N")]
         profile: Option<usize>,
+        /// How many of the slowest kernels `--profile` lists.
+        #[arg(long, value_name = "K", default_value_t = 15)]
+        top: usize,
         /// Where to run: cpu, or gpu (the first visible CUDA device); default: the best present.
         #[arg(long)]
         device: Option<String>,
@@ -351,12 +354,22 @@ fn main() -> ExitCode {
                 train_onnx(&model, args)
             })
         }
-        Command::Run { model, input, output, batch, dim, threads, bench, profile, device, precision } => {
-            precision_flag(&precision).and_then(|precision| {
-                let run = RunArgs { input: &input, output: output.as_deref(), threads, bench, profile };
-                run_onnx(&model, batch, &dim, device.as_deref(), precision, run)
-            })
-        }
+        Command::Run {
+            model,
+            input,
+            output,
+            batch,
+            dim,
+            threads,
+            bench,
+            profile,
+            top,
+            device,
+            precision,
+        } => precision_flag(&precision).and_then(|precision| {
+            let run = RunArgs { input: &input, output: output.as_deref(), threads, bench, profile, top };
+            run_onnx(&model, batch, &dim, device.as_deref(), precision, run)
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -652,6 +665,7 @@ struct RunArgs<'a> {
     threads: Option<usize>,
     bench: Option<usize>,
     profile: Option<usize>,
+    top: usize,
 }
 
 /// `kiln run model.onnx`: the forward pass on inputs from files (`kiln::onnx::runner`).
@@ -731,7 +745,7 @@ fn run_onnx(
     }
     if let Some(n) = args.profile {
         runner.run(&fed)?;
-        print_profile(&runner.profile(&fed, n)?, n);
+        print_profile(&runner.profile(&fed, n)?, n, args.top);
     }
     Ok(())
 }
@@ -759,7 +773,7 @@ fn print_times(n: usize, what: &str, mut once: impl FnMut() -> kiln::Result<()>)
 
 /// Where a profiled run's time went: per op (kernels, milliseconds, share), then the slowest
 /// kernels with the model lines they came from.
-fn print_profile(rows: &[kiln::runtime::StepTime], runs: usize) {
+fn print_profile(rows: &[kiln::runtime::StepTime], runs: usize, top: usize) {
     let total: f64 = rows.iter().map(|r| r.ms).sum();
     let mut ops: Vec<(&str, usize, f64)> = Vec::new();
     for r in rows {
@@ -780,7 +794,7 @@ fn print_profile(rows: &[kiln::runtime::StepTime], runs: usize) {
     let mut slowest: Vec<&kiln::runtime::StepTime> = rows.iter().collect();
     slowest.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     println!("slowest kernels:");
-    for r in slowest.iter().take(15) {
+    for r in slowest.iter().take(top) {
         println!("  {:10.3} ms {:5.1}%  step {:4} {} ({})", r.ms, share(r.ms), r.step, r.kernel, r.label);
     }
 }
