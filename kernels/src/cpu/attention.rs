@@ -268,7 +268,7 @@ impl Attention {
                 if mn == f32::NEG_INFINITY {
                     continue;
                 }
-                *l = *l * super::vmath::exp(*m - mn) + weights(row, mn);
+                *l = *l * super::vmath::exp_nonpositive(*m - mn) + weights(row, mn);
                 *m = mn;
             }
         }
@@ -302,7 +302,7 @@ impl Attention {
                     row.fill(0.0);
                     continue;
                 }
-                let alpha = super::vmath::exp(m[r] - mn);
+                let alpha = super::vmath::exp_nonpositive(m[r] - mn);
                 if alpha != 1.0 {
                     for x in &mut o[r * d..(r + 1) * d] {
                         *x *= alpha;
@@ -403,7 +403,7 @@ impl Attention {
 fn weight(x: f32) -> f32 {
     // Both sides computed, then a select: a branch would keep the loops scalar. The exponential
     // of a hidden score is taken at -87, so that it never makes the subnormal it avoids.
-    let e = super::vmath::exp(x.max(-87.0));
+    let e = super::vmath::exp_nonpositive(x.max(-87.0));
     if x < -87.0 { 0.0 } else { e }
 }
 

@@ -87,7 +87,7 @@ fn row_sum(x: &[f32]) -> f64 {
 fn row(x: &[f32], o: &mut [f32], log: bool) {
     let m = row_max(x);
     for (o, &v) in o.iter_mut().zip(x) {
-        *o = super::vmath::exp(v - m);
+        *o = super::vmath::exp_nonpositive(v - m);
     }
     if log {
         // The row's log-sum as the reduction and the elementwise `ln` compute it: the split form
@@ -128,11 +128,11 @@ impl Softmax {
         for r in 0..n {
             if self.log {
                 for ((s, &m), &v) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)) {
-                    *s += super::vmath::exp(v - m) as f64;
+                    *s += super::vmath::exp_nonpositive(v - m) as f64;
                 }
             } else {
                 for (((s, &m), &v), o) in sum[..w].iter_mut().zip(&max[..w]).zip(xr(r)).zip(or(r)) {
-                    *o = super::vmath::exp(v - m);
+                    *o = super::vmath::exp_nonpositive(v - m);
                     *s += *o as f64;
                 }
             }
