@@ -17,7 +17,9 @@
 //! the arena): per output row and column the in-input taps are listed at `prepare` (`TapList`),
 //! and output columns with the same taps form runs (`Run`).
 //! - Forward, one task per output row (n, oh): out[f] = Σ over the in-input taps (kh, kw), then
-//!   the in-group channels ci, of x[(f / Fg)·Cg + ci] · W[kh, kw, ci, f].
+//!   the in-group channels ci, of x[(f / Fg)·Cg + ci] · W[kh, kw, ci, f]. With a fused
+//!   elementwise epilogue (`fused::FusedConvKernel`), each task's rows in blocks of 256 KiB,
+//!   each block through the epilogue as soon as it is made (`Sweep::run_then`).
 //!   - Depthwise with multiplier 1 (Cg = Fg = 1): out[c] = Σ x[c] · W[kh, kw, 0, c], tiles of
 //!     up to 8 pixels (4 without AVX-512) by 16 channels, then by 8, with their sums in
 //!     registers over all taps (`depthwise_run`): one filter load for up to eight (four)
@@ -715,17 +717,76 @@ impl Sweep {
             unsafe { sweep_dispatch(self, src.get(), filter.get(), a, b, dst.get().add(a * row)) }
         });
     }
+
+    /// `run`, and after each block of rows, on the same thread while the block is in its cache,
+    /// `then(at, len)` with the block's element range of `dst`. Blocks hold about
+    /// `EPILOGUE_BLOCK` elements (a row at least).
+    ///
+    /// # Safety
+    /// As `run`; `then` touches only its range of `dst` (and what it reads elsewhere).
+    unsafe fn run_then(
+        &self,
+        src: *const f32,
+        filter: *const f32,
+        dst: *mut f32,
+        then: &(dyn Fn(usize, usize) + Sync),
+    ) {
+        let (src, filter, dst) =
+            (SendPtr::new(src as *mut f32), SendPtr::new(filter as *mut f32), SendPtr::new(dst));
+        let row = self.dst_w * self.dst_c;
+        let rows = (EPILOGUE_BLOCK / row.max(1)).max(1);
+        par_ranges(self.n * self.dst_h, self.row_cost, |a, b| {
+            for r0 in (a..b).step_by(rows) {
+                let r1 = (r0 + rows).min(b);
+                // SAFETY: rows r0..r1 of dst are this task's; src and filter are read only.
+                unsafe { sweep_dispatch(self, src.get(), filter.get(), r0, r1, dst.get().add(r0 * row)) };
+                then(r0 * row, (r1 - r0) * row);
+            }
+        });
+    }
 }
 
+/// Output elements per block of a convolution with an epilogue (`Sweep::run_then`): 256 KiB of
+/// floats, in L2 when the epilogue reads them back.
+const EPILOGUE_BLOCK: usize = 1 << 16;
+
 /// The forward convolution of a non-dense window.
-struct Conv2d {
+pub(crate) struct Conv2d {
     sweep: Sweep,
     desc: String,
+}
+
+impl Conv2d {
+    /// The convolution of `x` by `w` into `out`, then `then(at, len)` on each block of the
+    /// output as it is made (`Sweep::run_then`; `fused::FusedConvKernel`'s epilogue).
+    ///
+    /// # Safety
+    /// `x`, `w` and `out` hold this convolution's input, filter and output; `out` overlaps
+    /// neither factor; `then` touches only its range of the output (and what it reads elsewhere).
+    pub(crate) unsafe fn run_then(
+        &self,
+        x: *const f32,
+        w: *const f32,
+        out: *mut f32,
+        then: &(dyn Fn(usize, usize) + Sync),
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { self.sweep.run_then(x, w, out, then) }
+    }
+
+    pub(crate) fn text(&self) -> &str {
+        &self.desc
+    }
 }
 
 /// The convolution of `x` `[N, H, W, C]` by `w` `[KH, KW, C/G, F]` over a non-dense `window`
 /// (shapes checked by `ir::infer`).
 pub(crate) fn conv2d(x: &Shape, w: &Shape, window: &Window2d) -> Box<dyn CpuKernel> {
+    Box::new(conv2d_kernel(x, w, window))
+}
+
+/// `conv2d`'s kernel, unboxed.
+pub(crate) fn conv2d_kernel(x: &Shape, w: &Shape, window: &Window2d) -> Conv2d {
     let g = Geom::new(x, window, w.dims()[3]);
     let (cg, fg) = (g.c / g.groups, g.f / g.groups);
     let sweep = Sweep::new(
@@ -738,7 +799,7 @@ pub(crate) fn conv2d(x: &Shape, w: &Shape, window: &Window2d) -> Box<dyn CpuKern
         TapList::forward(g.ow, g.sw, g.pw, g.dw, g.kw, g.w),
         [1, g.sw],
     );
-    Box::new(Conv2d { sweep, desc: format!("conv2d {}", g.text()) })
+    Conv2d { sweep, desc: format!("conv2d {}", g.text()) }
 }
 
 impl CpuKernel for Conv2d {

@@ -170,13 +170,6 @@ pub fn prepare(
         Op::Select => elementwise::select(s[0], s[1], s[2], out),
         Op::Fused(f) => match (&f.reduce, &f.matmul, &f.conv) {
             (_, Some(m), _) => fused::fused_matmul(f, m, inputs, output)?,
-            (_, None, Some(window)) if !window.is_dense() => {
-                return Err(KernelError::Unsupported {
-                    op: name.into(),
-                    dtype: output.1,
-                    help: "a fused convolution must be dense (one group, no dilation): the fusion pass leaves grouped, depthwise and dilated convolutions unfused".into(),
-                });
-            }
             (_, None, Some(window)) => fused::fused_conv2d(f, window, &s)?,
             (Some(r), None, None) => fused::fused_reduce(f, r, inputs, output)?,
             (None, None, None) => fused::fused(f, &s, out)?,
