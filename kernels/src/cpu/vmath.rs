@@ -100,7 +100,7 @@ fn exp_reduced(c: f32, lo: Option<f32>) -> f32 {
 /// e^x for x <= 0 (or NaN): `exp`'s bits, with fewer instructions, for the arguments that
 /// sigmoid, softmax and the Gaussian tails pass (always <= 0). Below -104, e^x is 0 in f32 (under
 /// half the least subnormal), so one bound suffices; and 2^n is built from the rounded t's own
-/// bits: t = 1.5·2^23 + 25 + n, whose bits shifted left by 23 are (n + 25)·2^23 (1.5·2^23.s
+/// bits: t = 1.5·2^23 + 25 + n, whose bits shifted left by 23 are (n + 25)·2^23 (1.5·2^23's
 /// own low 9 bits are 0), so 2^(n + 25) with n + 25 in [-125, 25] is an exponent field added to
 /// 127, and e·2^(n + 25) is normal and exact; the multiply by 2^-25 then rounds once, as `exp`'s
 /// second factor does. The rounding to n is the same as `exp`'s (the constants differ by an
