@@ -269,9 +269,10 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
 }
 
 /// The shape of most epilogues, evaluated in one pass (`Chain::run`): t = a + b1 + b2 (up to two
-/// operands added), then y = u(t) for a unary op u (or y = t), then t·y where the program
-/// multiplies by its activation's input (SiLU: x·sigmoid(x)). Bias + ReLU, bias + SiLU, bias +
-/// GELU, bias + residual + ReLU, a bias alone.
+/// operands added), then y = u(t) for a unary op or a clamped affine map u (`Activation`; or
+/// y = t), then t·y where the program multiplies by its activation's input (SiLU:
+/// x·sigmoid(x), hardswish: x·hardsigmoid(x)). Bias + ReLU, bias + SiLU, bias + hardswish,
+/// bias + GELU, bias + residual + ReLU, a bias alone.
 ///
 /// Why: the interpreter runs each instruction as a loop over the chunk, from slots to a slot,
 /// so every instruction stores the chunk once more. In one pass, each vector of elements is
@@ -280,7 +281,8 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
 /// and a ReLU over 2x96x112x112 floats 0.61-0.64 -> 0.32-0.38 ms, a bias and a SiLU 0.70-0.81
 /// -> 0.62-0.63 ms (its sigmoid is most of it), over 2x96x20x20 (in L2) 0.027 -> 0.022 ms;
 /// EfficientNet-B0's forward pass 0.92-0.97 of its time (`kiln run --bench 20`, three
-/// interleaved rounds). The blocks of 16 first tried as local arrays were vectorised across
+/// interleaved rounds); with the clamp (hardswish's six instructions), MobileNetV3-small's
+/// 0.90-0.94 (five rounds). The blocks of 16 first tried as local arrays were vectorised across
 /// blocks, with gathers, and ran 5 times slower: the loop is per element over slices, and an
 /// operand in the output's memory is read through the output's own slice.
 /// The same scalar ops on the same values as the instructions, so the same results (tests
@@ -293,9 +295,37 @@ struct Chain {
     /// The operands added to it, in order (`n_adds` of them).
     adds: [usize; 2],
     n_adds: usize,
-    unary: Option<kiln_compiler::ir::UnaryOp>,
+    unary: Option<Activation>,
     /// Whether y is multiplied by t.
     times: bool,
+}
+
+/// A chain's activation: a unary op, or min(max(t·scale + shift, lo), hi) (hardsigmoid, the
+/// factor of hardswish), four scalar instructions in that order, computed as they compute it.
+#[derive(Clone, Copy, Debug)]
+enum Activation {
+    Unary(kiln_compiler::ir::UnaryOp),
+    Clamp { scale: f32, shift: f32, lo: f32, hi: f32 },
+}
+
+impl Activation {
+    /// The clamp that instructions `start..start + 4` compute from t, each reading the one
+    /// before.
+    fn clamp_at(insts: &[Inst], start: usize, t: kiln_compiler::ir::fused::Ref) -> Option<Activation> {
+        use kiln_compiler::ir::ScalarOp::{Add, Max, Min, Mul};
+        use kiln_compiler::ir::fused::Ref;
+        let step = |k: usize, op, from: Ref| match insts.get(start + k) {
+            Some(&Inst::Scalar(o, c, r)) if o == op && r == from => Some(c),
+            _ => None,
+        };
+        let value = |k: usize| Ref::Value((start + k) as u32);
+        Some(Activation::Clamp {
+            scale: step(0, Mul, t)?,
+            shift: step(1, Add, value(0))?,
+            lo: step(2, Max, value(1))?,
+            hi: step(3, Min, value(2))?,
+        })
+    }
 }
 
 impl Chain {
@@ -333,7 +363,7 @@ impl Chain {
         let t = match prev {
             Some(p) => p,
             None => match it.peek() {
-                Some((_, Inst::Unary(_, r))) => {
+                Some((_, Inst::Unary(_, r) | Inst::Scalar(_, _, r))) => {
                     a = Some(operand(*r)?);
                     *r
                 }
@@ -346,9 +376,16 @@ impl Chain {
             if r != t {
                 return None;
             }
-            unary = Some(u);
+            unary = Some(Activation::Unary(u));
             y = Ref::Value(i as u32);
             it.next();
+        } else if let Some(clamp) = it.peek().and_then(|&(i, _)| Activation::clamp_at(insts, i, t)) {
+            let first = it.peek().map_or(0, |&(i, _)| i);
+            unary = Some(clamp);
+            y = Ref::Value((first + 3) as u32);
+            for _ in 0..4 {
+                it.next();
+            }
         }
         let mut times = false;
         if let Some(&(_, &Inst::Binary(BinaryOp::Mul, l, r))) = it.peek() {
@@ -384,7 +421,10 @@ impl Chain {
         }
         match self.unary {
             None => go!(|t: f32| t),
-            Some(u) => with_unary!(u, |f| go!(f)),
+            Some(Activation::Unary(u)) => with_unary!(u, |f| go!(f)),
+            Some(Activation::Clamp { scale, shift, lo, hi }) => {
+                go!(move |t: f32| super::math::min_nan(super::math::max_nan(t * scale + shift, lo), hi))
+            }
         }
     }
 
@@ -1354,6 +1394,20 @@ mod tests {
         }
         programs.push(vec![add(op(0), op(1))]);
         programs.push(vec![add(op(0), op(1)), add(v(0), op(2))]);
+        // Hardswish and hardsigmoid of a biased value, and hardswish of operand 0.
+        let scalar = |o, c, r| Inst::Scalar(o, c, r);
+        let clamp = |from, at: u32| {
+            use kiln_compiler::ir::ScalarOp::{Add, Max, Min, Mul};
+            [
+                scalar(Mul, 1.0 / 6.0, from),
+                scalar(Add, 0.5, v(at)),
+                scalar(Max, 0.0, v(at + 1)),
+                scalar(Min, 1.0, v(at + 2)),
+            ]
+        };
+        programs.push([vec![add(op(0), op(1))], clamp(v(0), 1).to_vec(), vec![mul(v(0), v(4))]].concat());
+        programs.push([vec![add(op(0), op(1))], clamp(v(0), 1).to_vec()].concat());
+        programs.push([clamp(op(0), 0).to_vec(), vec![mul(op(0), v(3))]].concat());
         let shapes = [&out, &bias, &out, &row];
         let ptrs = |first: *const f32| [first, b.as_ptr(), r.as_ptr(), c.as_ptr()].map(|p| p as *mut u8);
         let same = |a: &[f32], b: &[f32]| {
@@ -1406,6 +1460,12 @@ mod tests {
             vec![add(op(0), op(1)), add(v(0), op(2)), add(v(1), op(3))],
             vec![add(op(0), op(1)), Inst::Unary(UnaryOp::Sigmoid, op(2))],
             vec![add(op(0), op(1)), mul(v(0), v(0))],
+            {
+                // A clamp whose second step reads t instead of the first step's value.
+                let mut c = [vec![add(op(0), op(1))], clamp(v(0), 1).to_vec()].concat();
+                c[2] = scalar(kiln_compiler::ir::ScalarOp::Add, 0.5, v(0));
+                c
+            },
         ] {
             assert!(Chain::of(&insts).is_none(), "{insts:?} is no chain");
         }
