@@ -25,9 +25,9 @@
 //! 21.58 ms with the convolutions' epilogues and periodic operands; the training step 57 -> 53
 //! plan steps). Grouped, depthwise and dilated convolutions too: their direct loops
 //! (`grouped_conv`) hand each block of rows to the epilogue, CUDA's apply it per element as they
-//! store (EfficientNet-B0's depthwise convolutions with their bias and SiLU, one core, `kiln run
-//! --profile`: 2x112x112x32 0.572 -> 0.441 ms, 2x56x56x144 0.574 -> 0.470 ms with the faster
-//! sigmoid of the same change). A group of one elementwise op stays that op.
+//! store (a 3x3 depthwise convolution over 2x112x112x32 and its bias, one core, `kiln run
+//! --profile 50`: 0.188 + 0.135 ms as two kernels, 0.286 ms as one). A group of one elementwise
+//! op stays that op.
 //!
 //! Sources join too: an iota or a fill read only by the group is an instruction (`Inst::Iota`,
 //! `Inst::Const`), and so is an elementwise chain of them (`constant_chain`: the causal mask

@@ -280,9 +280,10 @@ fn eval(inst: &Inst, d: &mut [f32], src: [&[f32]; 3], first: usize, axis: (usize
 /// --profile`, one core of the AMD EPYC build machine, AVX-512), interpreter -> chain: a bias
 /// and a ReLU over 2x96x112x112 floats 0.61-0.64 -> 0.32-0.38 ms, a bias and a SiLU 0.70-0.81
 /// -> 0.62-0.63 ms (its sigmoid is most of it), over 2x96x20x20 (in L2) 0.027 -> 0.022 ms;
-/// EfficientNet-B0's forward pass 0.92-0.97 of its time (`kiln run --bench 20`, three
-/// interleaved rounds); with the clamp (hardswish's six instructions), MobileNetV3-small's
-/// 0.90-0.94 (five rounds). The blocks of 16 first tried as local arrays were vectorised across
+/// with the clamp (hardswish's six instructions), MobileNetV3-small's forward pass 0.86-0.93 of
+/// its time (`kiln run --bench 20`, six rounds, the order alternating). EfficientNet-B0's
+/// whole pass moved within the machine's noise (0.97-1.01): its epilogues are SiLUs, whose
+/// sigmoid is most of their time in either form. The blocks of 16 first tried as local arrays were vectorised across
 /// blocks, with gathers, and ran 5 times slower: the loop is per element over slices, and an
 /// operand in the output's memory is read through the output's own slice.
 /// The same scalar ops on the same values as the instructions, so the same results (tests
