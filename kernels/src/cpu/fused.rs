@@ -652,7 +652,15 @@ impl FusedKernel {
                 starts[j] = patterns.len();
                 // SAFETY: operand j holds its shape's p elements (the contract).
                 let values = unsafe { slice::from_raw_parts(ins[j].get() as *const f32, p) };
-                patterns.extend((0..p + stride).map(|i| values[i % p]));
+                // Whole copies of the values, then the first ones again: a remainder per
+                // element took a division each, 10% of MobileNetV3-small's two-thread pass,
+                // whose small epilogue blocks each refill the pattern (perf).
+                let len = p + stride;
+                while patterns.len() - starts[j] + p <= len {
+                    patterns.extend_from_slice(values);
+                }
+                let rest = len - (patterns.len() - starts[j]);
+                patterns.extend_from_slice(&values[..rest]);
             }
             for j in 0..self.operands {
                 if self.period[j] > 0 {
