@@ -46,7 +46,9 @@ fn permute_ref(x: &T, perm: &[usize]) -> T {
 
 #[test]
 fn permute_matches_reference() {
-    let cases: [(&[usize], &[usize]); 9] = [
+    // The last four: NCHW -> NHWC of 3 channels (the interleaving path; one partial tile, and
+    // several tiles with a partial last), 2 and 5 channels (tiles taller than 32 rows).
+    let cases: [(&[usize], &[usize]); 13] = [
         (&[], &[]),
         (&[5], &[0]),
         (&[3, 7], &[1, 0]),
@@ -56,6 +58,10 @@ fn permute_matches_reference() {
         (&[2, 3, 4, 5], &[0, 2, 1, 3]),
         (&[2, 3, 4, 5], &[3, 2, 1, 0]),
         (&[33, 40, 31], &[1, 2, 0]),
+        (&[2, 3, 17, 19], &[0, 2, 3, 1]),
+        (&[2, 3, 40, 30], &[0, 2, 3, 1]),
+        (&[3, 2, 50, 13], &[0, 2, 3, 1]),
+        (&[2, 5, 9, 40], &[0, 2, 3, 1]),
     ];
     for (i, (dims, perm)) in cases.iter().enumerate() {
         let x = rand(dims, i as u64);
