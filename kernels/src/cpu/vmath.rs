@@ -73,6 +73,21 @@ pub(crate) fn exp(x: f32) -> f32 {
     exp_reduced(x.clamp(-104.0, 89.0), None)
 }
 
+/// e^(c - n·ln 2 + lo) for the integer n nearest c·log2(e): the remainder in two parts of ln 2
+/// (exact with FMA), then Cephes' polynomial; `exp_reduced` and `exp_nonpositive_split` scale
+/// it by 2^n.
+#[inline(always)]
+fn exp_of_remainder(c: f32, n: f32, lo: Option<f32>) -> f32 {
+    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c));
+    let r = match lo {
+        Some(lo) => r + lo,
+        None => r,
+    };
+    let z = r * r;
+    let p = poly(r, &[5e-1, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
+    fma(p, z, r) + 1.0
+}
+
 /// e^(c + lo) for c in [-185, 89] (the two factors of 2^n stay normal) or NaN, and lo below
 /// half an ulp of c (c's rounding error, added after the range reduction; `None` adds nothing,
 /// not even a +0.0, on `exp`'s path): `exp` without its clamp, for callers whose argument is in
@@ -84,14 +99,7 @@ fn exp_reduced(c: f32, lo: Option<f32>) -> f32 {
     // n as an integer, read from t's mantissa (t = 1.5·2^23 + n): no float-to-int conversion,
     // whose saturating form does not vectorise. (A NaN gives garbage here, and NaN below.)
     let ni = (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000;
-    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c));
-    let r = match lo {
-        Some(lo) => r + lo,
-        None => r,
-    };
-    let z = r * r;
-    let p = poly(r, &[5e-1, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
-    let e = fma(p, z, r) + 1.0;
+    let e = exp_of_remainder(c, n, lo);
     // 2^n in two normal factors, so that a subnormal result is rounded once, at the end.
     let half = ni >> 1;
     e * pow2(half) * pow2(ni - half)
@@ -123,14 +131,7 @@ fn exp_nonpositive_split(c: f32, lo: Option<f32>) -> f32 {
     let c = if c < -104.0 { -104.0 } else { c };
     let t = fma(c, LOG2E, SHIFTED);
     let n = t - SHIFTED;
-    let r = fma(-n, LN2_LO, fma(-n, LN2_HI, c));
-    let r = match lo {
-        Some(lo) => r + lo,
-        None => r,
-    };
-    let z = r * r;
-    let p = poly(r, &[5e-1, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
-    let e = fma(p, z, r) + 1.0;
+    let e = exp_of_remainder(c, n, lo);
     let scale = f32::from_bits((t.to_bits() << 23).wrapping_add(127 << 23));
     e * scale * TWO_TO_MINUS_25
 }
